@@ -1,0 +1,65 @@
+"""Per-request sampling settings, validated where they enter the engine."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    """Most tokens to generate (the prompt does not count)."""
+    min_tokens: int = 0
+    """Fewest tokens to generate before EOS or a stop token may end the request."""
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability sums to at least top_p."""
+    top_k: int | None = None
+    """Keep only the k most likely tokens; None keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's."""
+    repetition_penalty: float = 1.0
+    """HF-style: divide positive / multiply negative logits of every token seen in prompt or output."""
+    presence_penalty: float = 0.0
+    """OpenAI-style: subtract once from every token already generated."""
+    frequency_penalty: float = 0.0
+    """OpenAI-style: subtract per occurrence of every token already generated."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation; the stop string itself is not returned (unless include_stop_str_in_output)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation, besides EOS."""
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks); stop strings and stop_token_ids still apply."""
+    logprobs: int | None = None
+    """None: no logprobs. k >= 0: the sampled token's logprob plus the k most likely alternatives."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,227 @@
+"""Continuous batching by token budget (the scheduler decides; it runs no model).
+
+Every step, running requests go first (one token each when decoding, the next
+chunk when still prefilling), then waiting ones are admitted while the token
+budget, the sequence limit and the KV pool allow. Prefill and decode are the
+same loop: a request simply needs more tokens while its prompt is not yet
+computed, capped per step by the prefill chunk size. When the pool runs out,
+the most recently admitted running request is preempted: its blocks are freed
+and it goes back to the front of the queue, to be recomputed later (its
+prefix will often still be cached).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.request import Request, RequestStatus
+from shared.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most requests in the running batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decode tokens)."""
+    prefill_chunk_size: int = 512
+    """Most prompt tokens of one request computed in one step."""
+    max_model_len: int = 4096
+    """Longest prompt + output a request may reach."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Sent to the runner once per request, the first time it is scheduled."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]
+    """The input tokens of this step, at positions start_pos, start_pos + 1, ..."""
+    start_pos: int
+    block_ids: list[int]
+    """The request's whole block table."""
+    sample: bool
+    """Whether this chunk reaches the request's last known token, so a new token is sampled."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)
+    """Requests finished since the last step: the runner drops their state."""
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        if kv.pool.num_blocks * kv.block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {kv.pool.num_blocks * kv.block_size} tokens, fewer than "
+                f"max_model_len={config.max_model_len}: one request could never fit; "
+                "give the cache more blocks or lower max_model_len"
+            )
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._seen_by_runner: set[str] = set()
+        self._finished_since_last_step: set[str] = set()
+
+    # -- intake --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        limit = self.config.max_model_len
+        if request.num_prompt_tokens >= limit:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens; this model takes at most "
+                f"{limit} tokens including the output"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request from outside the step (abort, stop string). Unknown or
+        already finished ids are ignored: aborts race with normal finishes."""
+        request = self.requests.get(request_id)
+        if request is None or request.status.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- the step ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+
+        # 1. Running requests, oldest first; the youngest are preempted for them.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, budget
+            )
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting requests, in arrival order, unless this step already preempted.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and not out.preempted_request_ids
+        ):
+            request = self.waiting[0]
+            cached_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, self.config.prefill_chunk_size, budget)
+            if self.kv.allocate_slots(request, num_new, cached_blocks) is None:
+                break  # wait for blocks to come free; FCFS, so nobody overtakes
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        for request, num_new in scheduled:
+            out.chunks.append(self._make_chunk(request, num_new, out))
+            request.num_computed_tokens += num_new
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append each sampled token, finish requests that stop; returns the
+        requests that received a token (finished ones included)."""
+        updated: list[Request] = []
+        for chunk in out.chunks:
+            token = sampled.get(chunk.request_id)
+            request = self.requests.get(chunk.request_id)
+            if token is None or request is None or request.status.is_finished:
+                continue  # not a sampling chunk, or aborted while the step ran
+            request.append_output_token(token)
+            updated.append(request)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+        return updated
+
+    # -- internals -----------------------------------------------------------
+
+    def _make_chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> ScheduledChunk:
+        if request.request_id not in self._seen_by_runner:
+            self._seen_by_runner.add(request.request_id)
+            out.new_requests.append(
+                NewRequestData(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    request.eos_token_ids,
+                )
+            )
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_pos=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._seen_by_runner:
+            self._seen_by_runner.discard(request.request_id)
+            self._finished_since_last_step.add(request.request_id)

@@ -1,0 +1,133 @@
+"""Scheduling decisions with exact assertions. The sampled tokens are inputs
+here: these tests check the scheduler, the model is checked elsewhere."""
+
+import pytest
+
+from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.request import Request, RequestStatus
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+
+
+def make_scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
+    cfg.setdefault("max_model_len", 64)
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size, "fp"))
+
+
+def req(rid: str, n: int, max_tokens: int = 4, base: int = 0, **kw) -> Request:
+    return Request(rid, [base + i for i in range(n)], SamplingParams(max_tokens=max_tokens, **kw))
+
+
+def step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    sampled = {c.request_id: token for c in out.chunks if c.sample}
+    s.update_from_output(out, sampled)
+    return out
+
+
+def test_prompt_is_prefilled_in_chunks_and_sampled_once_complete():
+    s = make_scheduler(prefill_chunk_size=4)
+    s.add_request(req("a", 10))
+    shapes = []
+    for _ in range(4):
+        out = step(s)
+        shapes += [(c.start_pos, len(c.token_ids), c.sample) for c in out.chunks]
+    assert shapes == [(0, 4, False), (4, 4, False), (8, 2, True), (10, 1, True)]
+
+
+def test_decode_goes_first_and_prefill_fills_the_token_budget():
+    s = make_scheduler(max_num_batched_tokens=6, prefill_chunk_size=8)
+    s.add_request(req("a", 3))
+    step(s)  # a prefilled, now decoding
+    s.add_request(req("b", 12, base=100))
+    out = step(s)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("b", 5)]
+    out = step(s)
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 1), ("b", 5)]
+
+
+def test_max_num_seqs_limits_the_running_batch():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 3, base=10 * i))
+    out = step(s)
+    assert [c.request_id for c in out.chunks] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_preemption_when_blocks_run_out_then_everything_finishes():
+    # 6 blocks of 4 = 24 tokens; two requests of 10 prompt + 8 output need 10 blocks.
+    s = make_scheduler(num_blocks=6, block_size=4, max_model_len=24)
+    a, b = req("a", 10, max_tokens=8), req("b", 10, max_tokens=8, base=50)
+    s.add_request(a)
+    s.add_request(b)
+    preempted: list[str] = []
+    finished: dict[str, RequestStatus] = {}
+    for _ in range(100):
+        if not s.num_unfinished:
+            break
+        out = step(s)
+        preempted += sorted(out.preempted_request_ids)
+        for r in (a, b):
+            if r.status.is_finished:
+                finished[r.request_id] = r.status
+        assert s.kv.pool.num_free_blocks >= 0
+    assert preempted and preempted[0] == "b"  # the youngest is preempted first
+    assert finished == {"a": RequestStatus.FINISHED_LENGTH, "b": RequestStatus.FINISHED_LENGTH}
+    assert b.num_preemptions >= 1
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 8
+    assert s.kv.pool.num_free_blocks == 6
+
+
+def test_preempted_request_recomputes_prompt_and_output():
+    s = make_scheduler(num_blocks=6, block_size=4, max_model_len=24)
+    a, b = req("a", 10, max_tokens=8), req("b", 10, max_tokens=8, base=50)
+    s.add_request(a)
+    s.add_request(b)
+    while b.status != RequestStatus.PREEMPTED:
+        step(s)
+    num_out = b.num_output_tokens
+    while b.status != RequestStatus.RUNNING:
+        out = step(s)
+    chunk = next(c for c in out.chunks if c.request_id == "b")
+    # Recompute covers prompt + already generated tokens (minus a prefix hit).
+    assert chunk.start_pos + len(chunk.token_ids) == 10 + num_out
+    assert chunk.token_ids[-num_out:] == b.output_token_ids[:num_out]
+
+
+def test_eos_stop_tokens_and_min_tokens():
+    s = make_scheduler()
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10, min_tokens=2), eos_token_ids=frozenset({7}))
+    s.add_request(r)
+    step(s, token=7)  # EOS before min_tokens: ignored
+    assert not r.status.is_finished
+    step(s, token=7)
+    assert r.status == RequestStatus.FINISHED_STOPPED
+    r2 = req("b", 3, max_tokens=10, stop_token_ids=[9])
+    s.add_request(r2)
+    step(s, token=9)
+    assert r2.status == RequestStatus.FINISHED_STOPPED and r2.stop_reason == 9
+    r3 = Request("c", [1], SamplingParams(max_tokens=3, ignore_eos=True), eos_token_ids=frozenset({7}))
+    s.add_request(r3)
+    for _ in range(3):
+        step(s, token=7)
+    assert r3.status == RequestStatus.FINISHED_LENGTH and r3.output_token_ids == [7, 7, 7]
+
+
+def test_abort_frees_blocks_and_reports_to_runner():
+    s = make_scheduler()
+    s.add_request(req("a", 9))
+    step(s)
+    assert s.kv.pool.num_free_blocks < 64
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.pool.num_free_blocks == 64
+    assert s.schedule().finished_request_ids == {"a"}
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)  # twice is harmless
+
+
+def test_rejects_prompt_longer_than_model_len_and_undersized_cache():
+    s = make_scheduler(max_model_len=16)
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        s.add_request(req("a", 16))
+    with pytest.raises(ValueError, match="could never fit"):
+        make_scheduler(num_blocks=2, block_size=4, max_model_len=16)
