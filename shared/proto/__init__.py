@@ -1,0 +1,1 @@
+"""Generated protobuf code (from proto/, by proto/generate.py). Do not edit."""

@@ -1,0 +1,87 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BlockHeader(_message.Message):
+    __slots__ = ("block_hash", "num_bytes", "layout")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    num_bytes: int
+    layout: str
+    def __init__(self, block_hash: _Optional[bytes] = ..., num_bytes: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: BlockHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutReply(_message.Message):
+    __slots__ = ("num_stored", "num_existing", "num_bytes")
+    NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXISTING_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_stored: int
+    num_existing: int
+    num_bytes: int
+    def __init__(self, num_stored: _Optional[int] = ..., num_existing: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GetReply(_message.Message):
+    __slots__ = ("header", "data", "missing")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    header: BlockHeader
+    data: bytes
+    missing: bytes
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., missing: _Optional[bytes] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("num_leading",)
+    NUM_LEADING_FIELD_NUMBER: _ClassVar[int]
+    num_leading: int
+    def __init__(self, num_leading: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("num_blocks", "num_bytes", "capacity_bytes", "num_evicted", "num_expired", "num_corrupt", "num_hits", "num_misses")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MISSES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_bytes: int
+    capacity_bytes: int
+    num_evicted: int
+    num_expired: int
+    num_corrupt: int
+    num_hits: int
+    num_misses: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_expired: _Optional[int] = ..., num_corrupt: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,2 @@
+"""The plumbing every service shares: settings, NATS bus, gRPC helpers,
+telemetry, metrics and the service skeleton. No service rewrites these."""

@@ -1,0 +1,75 @@
+"""The one service skeleton (after the nats.micro and gRPC AsyncIO examples).
+
+    python -m services.<stage>  →  run_service("<stage>", setup)
+
+SIGTERM/SIGINT set an event; an AsyncExitStack enters NATS, metrics and
+whatever `setup` adds (gRPC server, engine, subscriptions); on the event the
+stack unwinds in reverse: setup's own callbacks first (flip health to
+NOT_SERVING, stop intake, drain in-flight work under a timeout), NATS last.
+"""
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from opentelemetry.trace import Tracer
+
+from shared.runtime.bus import Bus
+from shared.runtime.metrics import Metrics
+from shared.runtime.settings import Settings, load_settings
+from shared.runtime.subjects import check_token
+from shared.runtime.telemetry import setup_telemetry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServiceContext:
+    stage: str
+    instance_id: str
+    settings: Settings
+    bus: Bus
+    tracer: Tracer
+    metrics: Metrics
+    stop: asyncio.Event
+
+
+Setup = Callable[[ServiceContext, AsyncExitStack], Awaitable[None]]
+
+
+def default_instance_id(stage: str) -> str:
+    host = socket.gethostname().split(".")[0].replace(" ", "-")
+    return f"{stage}-{host}-{os.getpid()}"
+
+
+async def run_service(stage: str, setup: Setup, settings: Settings | None = None) -> None:
+    settings = settings or load_settings()
+    instance_id = check_token(settings.worker.instance_id or default_instance_id(stage))
+    provider = setup_telemetry(stage, instance_id, settings.telemetry)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with AsyncExitStack() as stack:
+            bus = await Bus.connect(settings.nats, name=instance_id)
+            stack.push_async_callback(bus.close)
+            metrics = Metrics(stage)
+            metrics_port = metrics.serve(settings.worker.metrics_port)
+            stack.callback(metrics.close)
+            ctx = ServiceContext(stage, instance_id, settings, bus, provider.get_tracer(stage), metrics, stop)
+            await setup(ctx, stack)
+            log.info("%s ready (metrics on :%d)", instance_id, metrics_port)
+            await stop.wait()
+            log.info("%s stopping", instance_id)
+    finally:
+        provider.shutdown()
+
+
+def main(stage: str, setup: Setup) -> None:
+    asyncio.run(run_service(stage, setup))

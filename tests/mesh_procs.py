@@ -1,0 +1,85 @@
+"""Real processes for integration tests: a nats-server and InferMesh services,
+each on free ports, stopped (SIGTERM, then SIGKILL) when the test ends."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout_s}s")
+
+
+def nats_server_binary() -> str:
+    found = shutil.which("nats-server") or next(
+        (p for p in ("/usr/sbin/nats-server", "/usr/bin/nats-server") if os.path.exists(p)), None
+    )
+    if found is None:
+        pytest.fail("nats-server is not installed (apt-get install nats-server; .ci/run does it)")
+    return found
+
+
+class NatsServer:
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(workdir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port, proc=self.proc)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def start_service(stage: str, env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """`python -m services.<stage>` with the given INFERMESH_* environment."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    log = log_path.open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", f"services.{stage}"], cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory):
+    server = NatsServer(tmp_path_factory.mktemp("nats"))
+    yield server
+    server.stop()
