@@ -25,7 +25,7 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -34,6 +34,11 @@ class BlockPool:
         # (a hit on a free cached block), which a deque cannot.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
+        self._record_events = record_events
+        self.stored_events: list[BlockHash] = []
+        self.removed_events: list[BlockHash] = []
+        """Hashes that entered / left the prefix index since the last drain_events()
+        (a service publishes them for cache-aware routing)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,7 +94,13 @@ class BlockPool:
             return
         block.block_hash = block_hash
         block.token_ids = token_ids
-        self._cached.setdefault(block_hash, block)
+        if self._cached.setdefault(block_hash, block) is block and self._record_events:
+            self.stored_events.append(block_hash)
+
+    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        stored, removed = self.stored_events, self.removed_events
+        self.stored_events, self.removed_events = [], []
+        return stored, removed
 
     def evict_all_cached(self) -> int:
         """Forget every cached free block (e.g. after weights change)."""
@@ -103,5 +114,7 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            if self._record_events:
+                self.removed_events.append(block.block_hash)
         block.block_hash = None
         block.token_ids = None

@@ -18,13 +18,14 @@ class KVCacheManager:
         block_size: int,
         model_fingerprint: str,
         enable_prefix_caching: bool = True,
+        record_events: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, record_events)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}
         """How many leading blocks of each request are entered in the prefix index."""
@@ -39,6 +40,10 @@ class KVCacheManager:
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def hash_chain(self, token_ids: list[int], cache_salt: str | None = None) -> list:
+        """The chain hashes of the full blocks of token_ids, as this engine names them."""
+        return hash_block_chain(token_ids, self.block_size, self.model_fingerprint, cache_salt)
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend the request's chain hashes over its newly completed blocks."""

@@ -52,6 +52,11 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     """The stop token id or stop string that finished the request, if any."""
+    generator_state: bytes | None = None
+    """A seeded sampler's state to resume from (a request handed over mid-generation)."""
+    export_kv_from_block: int | None = None
+    """When set, the finished output carries the bytes of the prompt's full blocks
+    from this index on (a prefill worker writes them to the kvcache service)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

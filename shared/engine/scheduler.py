@@ -43,6 +43,9 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
+    output_token_ids: list[int]
+    """Tokens generated before this engine saw the request (a prefill handoff)."""
+    generator_state: bytes | None
 
 
 @dataclass(slots=True)
@@ -89,6 +92,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0
+        """Preemptions since start: a figure for metrics and tests."""
 
     # -- intake --------------------------------------------------------------
 
@@ -200,6 +205,8 @@ class Scheduler:
                     request.prompt_token_ids,
                     request.sampling_params,
                     request.eos_token_ids,
+                    list(request.output_token_ids),
+                    request.generator_state,
                 )
             )
         start = request.num_computed_tokens
@@ -216,6 +223,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -1,0 +1,148 @@
+"""The `infermesh` command. Each subcommand parses its flags here and hands
+over to the module that does the work."""
+
+import argparse
+import json
+import sys
+
+from shared.engine.sampling_params import SamplingParams
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="folder of a Hugging Face format checkpoint")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--prefill-chunk-size", type=int, default=512)
+
+
+def _engine_settings(args: argparse.Namespace) -> dict[str, object]:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+    )
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from shared.model.make_model import make_model
+
+    make_model(args.path, arch=args.arch, seed=args.seed, preset=args.preset)
+    print(f"wrote a seeded {args.arch} checkpoint to {args.path}", file=sys.stderr)
+    return 0
+
+
+def _parse_prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise SystemExit(f"--prompt-ids takes integers separated by spaces or commas, got {text!r}")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from shared.engine.llm import LLM
+
+    if not args.prompt and not args.prompt_ids:
+        raise SystemExit("give at least one --prompt or --prompt-ids")
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=args.stop or [],
+    )
+    llm = LLM(args.model, load_progress=True, **_engine_settings(args))
+    prompts: list[str | list[int]] = []
+    for text in args.prompt or []:
+        if args.chat:
+            prompts.append(llm.recipe.encode_chat([{"role": "user", "content": text}]))
+        else:
+            prompts.append(text)
+    prompts += [_parse_prompt_ids(t) for t in args.prompt_ids or []]
+    outputs = llm.generate(prompts, params)
+    for out in outputs:
+        if args.json:
+            record = {
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "prompt_token_ids": out.prompt_token_ids,
+                "finish_reason": out.finish_reason,
+            }
+            print(json.dumps(record, ensure_ascii=False))
+        else:
+            print(out.text)
+            print(f"--- ({len(out.token_ids)} tokens, finish_reason={out.finish_reason})")
+    return 0
+
+
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    from shared.bench.engine_bench import run_engine_bench
+
+    run_engine_bench(
+        model=args.model,
+        batch_sizes=args.batch_sizes,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        device=args.device,
+        dtype=args.dtype,
+        compare_transformers=not args.no_transformers,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infermesh", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="write a small seeded checkpoint in the HF format")
+    p.add_argument("path")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny")
+    p.set_defaults(func=_cmd_make_model)
+
+    p = sub.add_parser("generate", help="offline generation")
+    _add_engine_flags(p)
+    p.add_argument("--prompt", action="append", help="a prompt (repeat to batch several)")
+    p.add_argument("--prompt-ids", action="append", help="a prompt as token ids, e.g. '1 2 3'")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default here) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("bench-engine", help="prefill and decode throughput against transformers")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: make the tiny model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    p.set_defaults(func=_cmd_bench_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"infermesh: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

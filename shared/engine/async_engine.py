@@ -1,0 +1,170 @@
+"""The engine for asyncio services: LLMEngine stepped on a thread of its own.
+
+The step loop never awaits the network. The asyncio side sends commands
+through a thread-safe queue (add, abort, call); the thread applies them
+between steps and hands each RequestOutput back to the event loop with
+call_soon_threadsafe, into the asyncio.Queue of its request.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from shared.engine.llm_engine import EngineLoad, LLMEngine, RequestOutput
+from shared.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (a crash or shutdown): in-flight requests fail."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    kwargs: dict[str, Any]
+    sink: asyncio.Queue
+    future: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._commands: queue.SimpleQueue[_Add | _Call | str | None] = queue.SimpleQueue()
+        self._sinks: dict[str, asyncio.Queue] = {}
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self.last_load: EngineLoad = engine.load()
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    # -- asyncio side --------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes. Leaving the iteration early
+        (the caller was cancelled or broke out) aborts the request."""
+        if self._stopped.is_set():
+            raise EngineDead("the engine is stopped")
+        sink: asyncio.Queue = asyncio.Queue()
+        added = self._loop.create_future()
+        self._commands.put(_Add(request_id, prompt, params, kwargs, sink, added))
+        await added  # raises the engine's ValueError for a bad request
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise EngineDead("the engine stopped") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(request_id)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the engine thread between two steps."""
+        if self._stopped.is_set():
+            raise EngineDead("the engine is stopped")
+        future = self._loop.create_future()
+        self._commands.put(_Call(fn, future))
+        return await future
+
+    # -- engine thread -------------------------------------------------------
+
+    def _resolve(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+        def apply() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        self._loop.call_soon_threadsafe(apply)
+
+    def _apply(self, cmd: _Add | _Call | str) -> None:
+        if isinstance(cmd, str):
+            self.engine.abort_request(cmd)
+            self._sinks.pop(cmd, None)
+        elif isinstance(cmd, _Add):
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **cmd.kwargs)
+            except ValueError as exc:
+                self._resolve(cmd.future, error=exc)
+                return
+            self._sinks[cmd.request_id] = cmd.sink
+            self._resolve(cmd.future)
+        else:
+            try:
+                self._resolve(cmd.future, cmd.fn(self.engine))
+            except Exception as exc:  # the caller gets the error; the loop goes on
+                self._resolve(cmd.future, error=exc)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands: list[_Add | _Call | str | None] = []
+                if not self.engine.has_unfinished_requests():
+                    try:  # idle: sleep until a command comes
+                        commands.append(self._commands.get(timeout=0.5))
+                    except queue.Empty:
+                        continue
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for cmd in commands:
+                    if cmd is None:
+                        return
+                    self._apply(cmd)
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        sink = self._sinks.get(out.request_id)
+                        if sink is not None:
+                            self._loop.call_soon_threadsafe(sink.put_nowait, out)
+                            if out.finished:
+                                del self._sinks[out.request_id]
+                self.last_load = self.engine.load()
+        except BaseException as exc:
+            log.exception("engine step loop crashed")
+            self._error = exc
+        finally:
+            self._stopped.set()
+            # Whatever is still in flight fails loudly rather than waiting forever.
+            reason = self._error or EngineDead("the engine was shut down")
+            for sink in self._sinks.values():
+                self._loop.call_soon_threadsafe(sink.put_nowait, reason)
+            self._sinks.clear()

@@ -1,0 +1,83 @@
+"""Offline generation: give prompts, get completions (what DeepInfer itself ships)."""
+
+import itertools
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sampler import TokenLogprobs
+from shared.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str, **engine_settings: object) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_settings))  # type: ignore[arg-type]
+        self._ids = itertools.count()
+
+    @property
+    def recipe(self):  # noqa: ANN201 - the engine's Recipe
+        return self.engine.recipe
+
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[CompletionOutput]:
+        """Run all prompts as one continuous batch; results in prompt order."""
+        if params is None:
+            params = SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        results: dict[str, CompletionOutput] = {}
+        order: list[str] = []
+        try:
+            for prompt, p in zip(prompts, per_prompt):
+                rid = str(next(self._ids))
+                prompt_ids = self.engine.add_request(rid, prompt, p)
+                results[rid] = CompletionOutput(rid, prompt_ids)
+                order.append(rid)
+        except ValueError:
+            for rid in order:  # all or nothing: a bad prompt leaves no orphans behind
+                self.engine.abort_request(rid)
+            raise
+        bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                done = results[out.request_id]
+                done.logprobs += out.new_logprobs
+                if out.finished:
+                    done.text = out.text
+                    done.token_ids = list(out.token_ids)
+                    done.finish_reason = out.finish_reason
+                    done.stop_reason = out.stop_reason
+                    done.num_cached_tokens = out.num_cached_tokens
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(
+        self,
+        conversations: list[list[dict[str, str]]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[CompletionOutput]:
+        if self.recipe is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this checkpoint has none")
+        prompts: list[str | list[int]] = [self.recipe.encode_chat(c) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)

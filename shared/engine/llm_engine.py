@@ -1,0 +1,271 @@
+"""The engine: scheduler + KV cache manager + model runner + detokenizer, stepped
+by its owner. Offline generation (shared.engine.llm) loops over step(); a
+service runs step() on a thread of its own and talks to it through queues."""
+
+import logging
+from pathlib import Path
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.model_runner import ModelRunner
+from shared.engine.request import Request, RequestStatus
+from shared.engine.sampler import TokenLogprobs
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.kv.block_hash import BlockHash
+from shared.model.loader import load_model
+from shared.recipe import IncrementalDetokenizer, Recipe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """All output tokens so far."""
+    new_token_ids: list[int]
+    text: str
+    """All output text so far, cut at a stop string."""
+    delta_text: str
+    new_logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    generator_state: bytes | None = None
+    """On a finished seeded request: the sampler's state (to hand the request over)."""
+    exported_kv: list[tuple[BlockHash, bytes]] | None = None
+    """On a finished request added with export_kv_from_block: (hash, bytes) of its prompt's full blocks."""
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """The load figures a worker reports in its heartbeats."""
+
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_total_kv_blocks: int
+    num_queued_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = torch.device(config.device)
+        self.model = load_model(
+            config.model, dtype=config.torch_dtype, device=device, progress=config.load_progress
+        )
+        # A checkpoint saved by transformers alone has no tokenizer: the engine
+        # then takes token ids only and returns no text.
+        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
+        self.recipe: Recipe | None = Recipe.from_pretrained(config.model) if has_tokenizer else None
+        model_cfg = self.model.config
+        self.eos_token_ids = frozenset(model_cfg.eos_token_ids) | (
+            self.recipe.eos_token_ids if self.recipe else frozenset()
+        )
+        max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        num_blocks = self._num_kv_blocks(max_model_len)
+        # The KV bytes depend on the weights and on the cache dtype: both name the chain.
+        self.fingerprint = f"{model_cfg.fingerprint()}:{config.dtype}"
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            self.fingerprint,
+            config.enable_prefix_caching,
+            record_events=config.record_kv_events,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                prefill_chunk_size=config.prefill_chunk_size,
+                max_model_len=max_model_len,
+            ),
+            self.kv,
+        )
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.block_size, config.torch_dtype, device, seed=config.seed
+        )
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.model.kv_bytes_per_block(cfg.block_size, cfg.torch_dtype)
+        at_least = -(-max_model_len // cfg.block_size)
+        return max(cfg.kv_cache_memory_bytes // per_block, at_least)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    # -- requests ------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        *,
+        output_token_ids: list[int] | None = None,
+        generator_state: bytes | None = None,
+        export_kv_from_block: int | None = None,
+    ) -> list[int]:
+        """Queue a request; returns its prompt token ids. A plain string is
+        encoded with special tokens (BOS), as transformers does.
+
+        output_token_ids and generator_state resume a request generated
+        elsewhere (a decode worker taking over from prefill)."""
+        if isinstance(prompt, str):
+            if self.recipe is None:
+                raise ValueError(f"{self.config.model} has no tokenizer.json: give the prompt as token ids")
+            prompt_ids = self.recipe.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request = Request(
+            request_id,
+            prompt_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+            generator_state=generator_state,
+            export_kv_from_block=export_kv_from_block,
+        )
+        for token in output_token_ids or ():
+            request.append_output_token(token)
+        if params.stop and self.recipe is None:
+            raise ValueError("stop strings need a tokenizer; this checkpoint has none")
+        self.scheduler.add_request(request)
+        if self.recipe is not None and self.config.detokenize:
+            self._detokenizers[request_id] = self.recipe.detokenizer(
+                prompt_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        return prompt_ids
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._detokenizers.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        updated = self.scheduler.update_from_output(sched, result.sampled)
+        outputs: list[RequestOutput] = []
+        for request in updated:
+            rid = request.request_id
+            detok = self._detokenizers.get(rid)
+            token = request.output_token_ids[-1]
+            delta = detok.add_tokens([token]) if detok else ""
+            if detok and detok.stop_reason is not None and not request.status.is_finished:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                request.stop_reason = detok.stop_reason
+            finished = request.status.is_finished
+            if finished and detok:
+                delta += detok.flush()
+                del self._detokenizers[rid]
+            lp = result.logprobs.get(rid)
+            extra: dict[str, object] = {}
+            if finished:
+                extra["generator_state"] = self.runner.generator_state(rid)
+                if request.export_kv_from_block is not None:
+                    extra["exported_kv"] = self._export_prompt_blocks(request)
+            outputs.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt_token_ids=request.prompt_token_ids,
+                    token_ids=request.output_token_ids,
+                    new_token_ids=[token],
+                    text=detok.output_text if detok else "",
+                    delta_text=delta,
+                    new_logprobs=[lp] if lp is not None else [],
+                    finished=finished,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                    **extra,  # type: ignore[arg-type]
+                )
+            )
+        return outputs
+
+    # -- KV blocks in and out (the mesh's kvcache service) -------------------
+
+    def _export_prompt_blocks(self, request: Request) -> list[tuple[BlockHash, bytes]]:
+        """Bytes of the finished request's full prompt blocks. Its blocks were
+        just freed but nothing reuses them before the next schedule, so they
+        are still in the prefix index with their content."""
+        bs = self.kv.block_size
+        start = request.export_kv_from_block or 0
+        tokens = request.all_token_ids
+        hashes: list[BlockHash] = []
+        block_ids: list[int] = []
+        for i in range(start, request.num_prompt_tokens // bs):
+            block = self.kv.pool.lookup(request.block_hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            hashes.append(request.block_hashes[i])
+            block_ids.append(block.block_id)
+        return list(zip(hashes, self.runner.read_blocks(block_ids)))
+
+    @property
+    def block_layout(self) -> str:
+        return self.runner.block_layout
+
+    def import_blocks(
+        self, token_ids: list[int], hashes: list[BlockHash], payloads: list[bytes], cache_salt: str | None = None
+    ) -> int:
+        """Enter blocks fetched from the kvcache service into the local prefix
+        cache, so the request they belong to hits them when admitted. Returns
+        how many leading blocks are now cached here (stops at a block that does
+        not fit or does not match the tokens)."""
+        bs = self.kv.block_size
+        expected = self.kv.hash_chain(token_ids, cache_salt)
+        num = 0
+        for i, (block_hash, payload) in enumerate(zip(hashes, payloads)):
+            if i >= len(expected) or expected[i] != block_hash:
+                break  # a hash that does not name these tokens: never trust it
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            if self.kv.pool.lookup(block_hash, chunk) is None:
+                new = self.kv.pool.allocate(1)
+                if new is None:
+                    break
+                self.runner.write_blocks([new[0].block_id], [payload])
+                self.kv.pool.cache_block(new[0], block_hash, chunk)
+                self.kv.pool.free(new)  # cached and free: kept until the LRU needs it
+            num += 1
+        return num
+
+    def drain_kv_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        return self.kv.pool.drain_events()
+
+    def load(self) -> EngineLoad:
+        sched = self.scheduler
+        return EngineLoad(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_free_kv_blocks=self.kv.pool.num_free_blocks,
+            num_total_kv_blocks=self.kv.pool.num_blocks,
+            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+            + sum(r.num_tokens - r.num_computed_tokens for r in sched.running),
+        )

@@ -1,0 +1,143 @@
+"""Executes one scheduled step on the model: SchedulerOutput in, sampled tokens out.
+
+This is the one place where the scheduler's plain lists become device tensors
+(the ForwardBatch boundary). The runner owns the KV cache tensors and each
+request's sampling state; it knows nothing about queues or stopping rules.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.sampler import Sampler, SamplingState, TokenLogprobs
+from shared.engine.scheduler import SchedulerOutput
+from shared.model.forward_batch import AttentionMetadata
+from shared.model.transformer import CausalLM
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, kv_dtype, device)
+        self.sampler = Sampler(seed=seed)
+        self.states: dict[str, SamplingState] = {}
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for rid in sched.finished_request_ids:
+            self.states.pop(rid, None)
+        for new in sched.new_requests:
+            state = SamplingState.create(new.sampling_params, new.prompt_token_ids, new.eos_token_ids, self.device)
+            state.output_token_ids += new.output_token_ids
+            if new.generator_state is not None and state.generator is not None:
+                state.generator.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
+            self.states[new.request_id] = state
+        if sched.is_empty:
+            return RunnerOutput({}, {})
+
+        input_ids, positions, meta, sample_rows, sample_ids = self._prepare(sched)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_rows:
+            return RunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[sample_rows])
+        states = [self.states[rid] for rid in sample_ids]
+        result = self.sampler(logits, states)
+
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        for rid, state, token, lp in zip(sample_ids, states, result.token_ids, result.logprobs):
+            state.output_token_ids.append(token)
+            sampled[rid] = token
+            if lp is not None:
+                logprobs[rid] = lp
+        return RunnerOutput(sampled, logprobs)
+
+    def generator_state(self, request_id: str) -> bytes | None:
+        """The seeded generator's state of a request (to hand it over), if any."""
+        state = self.states.get(request_id)
+        if state is None or state.generator is None:
+            return None
+        return state.generator.get_state().numpy().tobytes()
+
+    # -- KV blocks as bytes (the kvcache service's payload) -------------------
+
+    @property
+    def block_layout(self) -> str:
+        """dtype and shape of one block's bytes: [layers, k/v, block_size, kv_heads, head_dim]."""
+        _, _, bs, heads, dim = self.kv_caches[0].shape
+        dtype = str(self.kv_caches[0].dtype).removeprefix("torch.")
+        return f"{dtype}:{len(self.kv_caches)}x2x{bs}x{heads}x{dim}"
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        if not block_ids:
+            return []
+        index = torch.tensor(block_ids, device=self.device)
+        # [blocks, layers, 2, block_size, heads, dim], one copy to the host.
+        data = torch.stack([kv.index_select(1, index) for kv in self.kv_caches])  # [L, 2, n, bs, H, D]
+        data = data.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        return [blk.view(torch.uint8).numpy().tobytes() for blk in data]
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        shape = (len(self.kv_caches), 2, *self.kv_caches[0].shape[2:])
+        dtype = self.kv_caches[0].dtype
+        for block_id, payload in zip(block_ids, payloads):
+            blk = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(shape).to(self.device)
+            for layer, kv in enumerate(self.kv_caches):
+                kv[:, block_id].copy_(blk[layer])
+
+    def _prepare(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[str]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        max_blocks = max(len(c.block_ids) for c in sched.chunks)
+        tables = torch.zeros((len(sched.chunks), max_blocks), dtype=torch.int64)
+        for i, chunk in enumerate(sched.chunks):
+            n = len(chunk.token_ids)
+            input_ids += chunk.token_ids
+            pos = range(chunk.start_pos, chunk.start_pos + n)
+            positions += pos
+            slots += [chunk.block_ids[p // bs] * bs + p % bs for p in pos]
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(chunk.start_pos + n)
+            tables[i, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.int64)
+            if chunk.sample:
+                sample_rows.append(query_start_loc[-1] - 1)
+                sample_ids.append(chunk.request_id)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_size=bs,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+            sample_rows,
+            sample_ids,
+        )

@@ -1,0 +1,264 @@
+"""Turns one step's logits into one token per request: penalties, greedy or
+temperature / top-k / top-p / min-p sampling, and logprobs.
+
+Pure torch, no model code. Rows are grouped by what they need so the common
+case (all greedy, no penalties, no logprobs) is a single argmax; only seeded
+rows fall back to a per-row loop, and only for drawing their noise.
+
+Sampling uses the exponential race (argmax(p / q), q ~ Exp(1)), equivalent to
+the Gumbel-max trick: every sampled row consumes exactly one [vocab] draw per
+step, so a seeded request's tokens depend on its seed alone, not on the batch
+around it or its row position.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from shared.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """Sampling context of one running request, owned by the engine."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Grows as the engine appends sampled tokens; the sampler only reads it."""
+    generator: torch.Generator | None
+    """The request's own randomness when params.seed is set (one [vocab] draw per
+    non-greedy step, nothing on greedy ones); None otherwise."""
+    eos_token_ids: frozenset[int]
+    """Masked, with stop_token_ids, while the output is shorter than min_tokens."""
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: Iterable[int],
+        eos_token_ids: Iterable[int] = (),
+        device: torch.device | str = "cpu",
+    ) -> "SamplingState":
+        if isinstance(eos_token_ids, (str, torch.device)):
+            # Guards create(params, prompt, device): a str would become a set of characters.
+            raise TypeError("eos_token_ids comes before device: create(params, prompt, eos_token_ids, device)")
+        generator = None
+        if params.seed is not None:
+            # On the logits' device: a generator can only fill tensors on its own device.
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        return cls(params, list(prompt_token_ids), [], generator, frozenset(eos_token_ids))
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int
+    """1 = most likely; ties count against the token (vLLM's >= convention)."""
+    top: list[tuple[int, float]]
+    """The params.logprobs most likely (token_id, logprob), best first."""
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    """None where params.logprobs is None."""
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        # Engine-wide randomness for requests without a seed, one generator per device the
+        # logits arrive on (made on first use, so the caller need not name the device);
+        # per instance, never global.
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.seed)
+            self._generators[device] = generator
+        return generator
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        """logits: [num_reqs, vocab]; row i belongs to states[i]. The input is not modified."""
+        if logits.dim() != 2 or logits.size(0) != len(states):
+            raise ValueError(f"logits must be [{len(states)}, vocab], got {list(logits.shape)}")
+        if logits.dtype != torch.float32:
+            logits = logits.float()  # softmax / cumsum in half precision would bias top-p
+        num_reqs = len(states)
+        want_logprobs = any(s.params.logprobs is not None for s in states)
+
+        x = _apply_penalties(logits, states)
+        greedy_rows = [i for i, s in enumerate(states) if s.params.greedy]
+        if len(greedy_rows) == num_reqs:
+            tokens = x.argmax(dim=-1)  # the common case: one argmax, no sort, no row gathers
+        else:
+            tokens = torch.empty(num_reqs, dtype=torch.long, device=logits.device)
+            if greedy_rows:
+                rows = _index(greedy_rows, logits.device)
+                tokens[rows] = x[rows].argmax(dim=-1)
+            # Unseeded rows first, so their noise is one contiguous batched draw.
+            random_rows = [i for i, s in enumerate(states) if not s.params.greedy and s.generator is None]
+            random_rows += [i for i, s in enumerate(states) if not s.params.greedy and s.generator is not None]
+            rows = _index(random_rows, logits.device)
+            tokens[rows] = self._sample(x[rows], [states[i] for i in random_rows])
+
+        token_ids: list[int] = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * num_reqs
+        if want_logprobs:
+            _fill_logprobs(logits, states, tokens, token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """x: penalised logits of non-greedy rows, unseeded rows first. Returns [rows] token ids."""
+        device, vocab = x.device, x.size(1)
+        temps = torch.tensor([s.params.temperature for s in states], device=device)
+        x = x / temps.unsqueeze(1)
+
+        # Top-k / top-p only on the rows that ask: a row's result must not depend on
+        # which other rows share the batch (rounding in a top_p=1 cumsum could cut its tail).
+        cut = [j for j, s in enumerate(states) if (s.params.top_k or vocab) < vocab or s.params.top_p < 1.0]
+        if cut:
+            rows = _index(cut, device)
+            top_k = torch.tensor([min(states[j].params.top_k or vocab, vocab) for j in cut], device=device)
+            top_p = torch.tensor([states[j].params.top_p for j in cut], device=device)
+            x[rows] = _top_k_top_p(x[rows], top_k, top_p)
+
+        probs = x.softmax(dim=-1)
+        # min-p compares probabilities to the row's maximum, a ratio that renormalisation
+        # after top-k/top-p does not change, so it can use the probabilities directly.
+        floor = [j for j, s in enumerate(states) if s.params.min_p > 0.0]
+        if floor:
+            rows = _index(floor, device)
+            min_p = torch.tensor([states[j].params.min_p for j in floor], device=device)
+            p = probs[rows]
+            p_max = p.amax(dim=-1, keepdim=True)
+            probs[rows] = p.masked_fill(p < min_p.unsqueeze(1) * p_max, 0.0)
+
+        # The race argmax(p / q) is scale-invariant, so probs need no renormalisation
+        # after masking; zeroed tokens can never win.
+        q = torch.empty_like(probs)
+        num_unseeded = sum(1 for s in states if s.generator is None)
+        if num_unseeded:
+            q[:num_unseeded].exponential_(generator=self._generator(device))
+        for j in range(num_unseeded, len(states)):
+            q[j].exponential_(generator=states[j].generator)
+        # exponential_ may return exactly 0 (u == 0), and 0 / 0 = nan would win argmax.
+        q.clamp_min_(torch.finfo(q.dtype).tiny)
+        return probs.div_(q).argmax(dim=-1)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _token_keys(
+    rows: list[int], seqs: list[list[list[int]]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct flat positions row * vocab + id of the tokens of seqs[j] (its lists chained)
+    in row rows[j] of a contiguous [num_reqs, vocab] tensor, and how often each occurs.
+
+    Ids outside [0, vocab) are dropped: the tokenizer's vocab may exceed the logits' (or
+    ids be placeholders), and such tokens cannot be sampled anyway.
+    """
+    ids = torch.tensor(list(chain.from_iterable(chain.from_iterable(seqs))), dtype=torch.long, device=device)
+    lengths = torch.tensor([sum(map(len, parts)) for parts in seqs], dtype=torch.long, device=device)
+    row_of = torch.repeat_interleave(_index(rows, device), lengths)
+    valid = (ids >= 0) & (ids < vocab)
+    keys, counts = torch.unique(row_of[valid] * vocab + ids[valid], return_counts=True)
+    return keys, counts
+
+
+def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """min_tokens masking, repetition, presence and frequency penalties, in that order.
+
+    Returns logits itself when no row needs any of them (no copy), else a new tensor.
+    """
+    vocab, device = logits.size(1), logits.device
+    mask_rows: list[int] = []
+    mask_ids: list[int] = []
+    for i, s in enumerate(states):
+        if len(s.output_token_ids) < s.params.min_tokens:
+            # ignore_eos: EOS never ends the request, so there is nothing to hold back.
+            banned = set(s.params.stop_token_ids)
+            if not s.params.ignore_eos:
+                banned |= s.eos_token_ids
+            for t in banned:
+                if 0 <= t < vocab:
+                    mask_rows.append(i)
+                    mask_ids.append(t)
+    rep = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+    pres_freq = [
+        i for i, s in enumerate(states) if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0
+    ]
+    if not (mask_rows or rep or pres_freq):
+        return logits
+
+    x = logits.clone(memory_format=torch.contiguous_format)  # contiguous for the flat view below
+    if mask_rows:
+        x[_index(mask_rows, device), _index(mask_ids, device)] = float("-inf")
+    # x is a fresh contiguous clone, so writes through the flat view land in it. Penalties
+    # touch only the seen (row, token) positions: O(tokens), no dense [rows, vocab] temporary.
+    flat = x.view(-1)
+    if rep:
+        keys, _ = _token_keys(rep, [[states[i].prompt_token_ids, states[i].output_token_ids] for i in rep], vocab, device)
+        penalty = torch.tensor([s.params.repetition_penalty for s in states], device=device)[keys // vocab]
+        seen = flat[keys]
+        # HF RepetitionPenaltyLogitsProcessor: shrink towards 0 whatever the sign.
+        flat[keys] = torch.where(seen < 0, seen * penalty, seen / penalty)
+    if pres_freq:
+        keys, counts = _token_keys(pres_freq, [[states[i].output_token_ids] for i in pres_freq], vocab, device)
+        presence = torch.tensor([s.params.presence_penalty for s in states], device=device)[keys // vocab]
+        frequency = torch.tensor([s.params.frequency_penalty for s in states], device=device)[keys // vocab]
+        flat[keys] -= presence + frequency * counts
+    return x
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks to -inf all but each row's top_k tokens, then all but its nucleus.
+
+    top_k: [rows] long (vocab = keep all); top_p: [rows] float (1.0 = keep all).
+    One stable descending sort serves both, so ties keep the lower id first, like argmax.
+    """
+    vocab = x.size(1)
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    position = torch.arange(vocab, device=x.device).unsqueeze(0)
+    sorted_x = sorted_x.masked_fill(position >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_x.softmax(dim=-1)
+    # Probability mass strictly before each token: keep it while that is below top_p,
+    # i.e. the smallest prefix reaching top_p; position 0 always stays (mass 0 < top_p).
+    before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+    drop = (before >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1.0)
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def _fill_logprobs(
+    logits: torch.Tensor,
+    states: list[SamplingState],
+    tokens: torch.Tensor,
+    token_ids: list[int],
+    out: list[TokenLogprobs | None],
+) -> None:
+    """Logprobs of the raw logits (before penalties and temperature), vLLM's default."""
+    wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    rows = _index(wanted, logits.device)
+    logprobs = logits[rows].log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    num_top = min(max(states[i].params.logprobs or 0 for i in wanted), logprobs.size(1))
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    top_values_l: list[list[float]] = top_values.tolist()
+    top_ids_l: list[list[int]] = top_ids.tolist()
+    chosen_l: list[float] = chosen.squeeze(1).tolist()
+    for j, i in enumerate(wanted):
+        k = states[i].params.logprobs or 0
+        top = list(zip(top_ids_l[j][:k], top_values_l[j][:k]))
+        out[i] = TokenLogprobs(token_ids[i], chosen_l[j], ranks[j], top)

@@ -1,0 +1,114 @@
+"""The engine end to end on real (tiny, seeded) transformers checkpoints:
+greedy generation equals transformers' `generate`; batching, chunked prefill,
+prefix caching and preemption never change the tokens."""
+
+import pytest
+import torch
+
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from tests.hf_models import save_tiny_hf_model
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+NUM_NEW = 32
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(path, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:  # one at a time: no padding to muddy the reference
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, do_sample=False)
+        outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def hf_checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    save_tiny_hf_model(request.param, path)
+    return path
+
+
+def test_greedy_generation_equals_transformers(hf_checkpoint):
+    prompts = random_prompts([5, 17, 33, 9], vocab=500, seed=1)
+    expected = hf_greedy(hf_checkpoint, prompts, NUM_NEW)
+    # Small blocks and chunks so that prompts span blocks, prefill is chunked
+    # and decode steps of some requests mix with prefill chunks of others.
+    llm = LLM(str(hf_checkpoint), block_size=4, prefill_chunk_size=8, max_num_batched_tokens=24)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NUM_NEW, temperature=0.0))
+    assert [o.token_ids for o in outs] == expected
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama-engine")
+    save_tiny_hf_model("llama", path)
+    return str(path)
+
+
+def test_batched_with_preemption_equals_one_at_a_time(llama):
+    prompts = random_prompts([30, 12, 25, 7, 19, 40], vocab=500, seed=2)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = LLM(llama, block_size=4)
+    expected = [alone.generate([p], params)[0].token_ids for p in prompts]
+    # 24 blocks of 4 tokens cannot hold six requests of up to 64 tokens at once.
+    tight = LLM(llama, block_size=4, num_kv_blocks=24, max_model_len=96, prefill_chunk_size=16)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected
+    assert tight.engine.kv.pool.num_free_blocks == 24  # nothing leaked
+
+
+def test_shared_prefix_reuses_blocks_and_gives_the_cold_output(llama):
+    prefix = random_prompts([48], vocab=500, seed=3)[0]
+    first, second = prefix + [11, 12, 13], prefix + [21, 22]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    cold = LLM(llama, block_size=8, enable_prefix_caching=False).generate([second], params)[0]
+
+    warm = LLM(llama, block_size=8)
+    warm.generate([first], params)
+    computed_before = warm.engine.kv.num_hit_tokens
+    out = warm.generate([second], params)[0]
+    assert out.num_cached_tokens == 48  # six full blocks of the shared prefix
+    assert warm.engine.kv.num_hit_tokens - computed_before == 48
+    assert out.token_ids == cold.token_ids
+
+
+def test_seeded_sampling_ignores_the_rest_of_the_batch(llama):
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    prompt = random_prompts([10], vocab=500, seed=4)[0]
+    alone = LLM(llama).generate([prompt], seeded)[0].token_ids
+    others = random_prompts([5, 22, 13], vocab=500, seed=5)
+    noise = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+    mixed = LLM(llama, seed=99).generate(others[:2] + [prompt] + others[2:], [noise, noise, seeded, noise])
+    assert mixed[2].token_ids == alone
+    other_seed = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=4321, ignore_eos=True)
+    assert LLM(llama).generate([prompt], other_seed)[0].token_ids != alone
+
+
+def test_logprobs_and_max_tokens(llama):
+    prompt = random_prompts([6], vocab=500, seed=6)[0]
+    out = LLM(llama).generate([prompt], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    # Greedy: the chosen token is the most likely one.
+    assert all(lp.rank == 1 and lp.top[0][0] == lp.token_id and len(lp.top) == 3 for lp in out.logprobs)
+
+
+def test_bad_requests_are_refused_clearly(llama):
+    llm = LLM(llama, max_model_len=64)
+    with pytest.raises(ValueError, match="at most 64 tokens"):
+        llm.generate([list(range(3, 70))])
+    with pytest.raises(ValueError, match=r"in \[0, "):
+        llm.generate([[1, 2, 10**6]])
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate(["text needs a tokenizer"])
+    assert not llm.engine.has_unfinished_requests()
