@@ -15,7 +15,7 @@ from shared.engine.request import Request, RequestStatus
 from shared.engine.sampler import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
-from shared.kv.block_hash import BlockHash
+from shared.kv.block_hash import BlockHash, kv_fingerprint
 from shared.model.loader import load_model
 from shared.recipe import IncrementalDetokenizer, Recipe
 
@@ -74,7 +74,7 @@ class LLMEngine:
         max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         num_blocks = self._num_kv_blocks(max_model_len)
         # The KV bytes depend on the weights and on the cache dtype: both name the chain.
-        self.fingerprint = f"{model_cfg.fingerprint()}:{config.dtype}"
+        self.fingerprint = kv_fingerprint(model_cfg.fingerprint(), config.dtype)
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -232,19 +232,33 @@ class LLMEngine:
     def block_layout(self) -> str:
         return self.runner.block_layout
 
+    def num_local_prefix_blocks(self, token_ids: list[int], hashes: list[BlockHash]) -> int:
+        """How many leading blocks of this chain the local prefix cache holds."""
+        bs = self.kv.block_size
+        for i, block_hash in enumerate(hashes):
+            if self.kv.pool.lookup(block_hash, tuple(token_ids[i * bs : (i + 1) * bs])) is None:
+                return i
+        return len(hashes)
+
     def import_blocks(
-        self, token_ids: list[int], hashes: list[BlockHash], payloads: list[bytes], cache_salt: str | None = None
+        self,
+        token_ids: list[int],
+        first_block: int,
+        hashes: list[BlockHash],
+        payloads: list[bytes],
+        cache_salt: str | None = None,
     ) -> int:
-        """Enter blocks fetched from the kvcache service into the local prefix
-        cache, so the request they belong to hits them when admitted. Returns
-        how many leading blocks are now cached here (stops at a block that does
-        not fit or does not match the tokens)."""
+        """Enter blocks fetched from the kvcache service (blocks first_block,
+        first_block + 1, ... of token_ids) into the local prefix cache, so the
+        request they belong to hits them when admitted. Returns how many were
+        entered; stops at a block that does not fit or whose hash does not name
+        its tokens (never trust a hash we did not compute)."""
         bs = self.kv.block_size
         expected = self.kv.hash_chain(token_ids, cache_salt)
         num = 0
-        for i, (block_hash, payload) in enumerate(zip(hashes, payloads)):
+        for i, (block_hash, payload) in enumerate(zip(hashes, payloads), start=first_block):
             if i >= len(expected) or expected[i] != block_hash:
-                break  # a hash that does not name these tokens: never trust it
+                break
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             if self.kv.pool.lookup(block_hash, chunk) is None:
                 new = self.kv.pool.allocate(1)

@@ -76,3 +76,10 @@ def hash_block_chain(
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         hashes.append(parent)
     return hashes
+
+
+def kv_fingerprint(model_fingerprint: str, kv_dtype: str) -> str:
+    """What the chain's first block mixes in: the KV bytes depend on the weights
+    and on the cache dtype, so both name the chain. Engines and the balancer
+    (which hashes prompts for routing) call this one function."""
+    return f"{model_fingerprint}:{kv_dtype}"
