@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= models/default
 
-.PHONY: run test venv clean
+.PHONY: run up test venv clean nats-server
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,14 +14,23 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-# The main job: offline generation on the default model (made locally, no download).
-run: venv
-	test -f $(MODEL)/config.json || $(BIN)/infermesh make-model $(MODEL)
-	$(BIN)/infermesh generate --model $(MODEL) --chat --max-tokens 32 \
-		--prompt "Write a haiku about paged attention." \
-		--prompt "What does a KV cache store?"
+nats-server:
+	@command -v nats-server >/dev/null || test -x /usr/sbin/nats-server || \
+		(apt-get update -qq && apt-get install -y -qq nats-server) || \
+		(sudo apt-get update -qq && sudo apt-get install -y -qq nats-server)
 
-test: venv
+# The main job: bring the mesh up on the default model (made locally, no
+# download), stream one chat completion through it, print its trace, stop.
+run: venv nats-server
+	test -f $(MODEL)/config.json || $(BIN)/infermesh make-model $(MODEL)
+	$(BIN)/infermesh up --model $(MODEL) --demo
+
+# The mesh, kept running until Ctrl-C.
+up: venv nats-server
+	test -f $(MODEL)/config.json || $(BIN)/infermesh make-model $(MODEL)
+	$(BIN)/infermesh up --model $(MODEL)
+
+test: venv nats-server
 	$(BIN)/python -m pytest -q
 
 clean:
