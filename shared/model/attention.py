@@ -1,0 +1,107 @@
+"""Attention over the paged KV cache in plain PyTorch: the reference that a Triton
+kernel will be checked against, and the CPU path.
+
+A varlen batch is padded to ``[num_seqs, max_query_len]`` queries against
+``[num_seqs, max_kv_len]`` keys gathered through the block tables, with a boolean
+mask that is causal (query at position p sees keys 0..p) and, for sliding-window
+layers, also drops keys j with p - j >= W (transformers' ``kv_idx > q_idx - W``).
+The index tensors and masks depend only on the batch, so they are built once per
+forward (``AttentionPlan``) and shared by all layers.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.model.forward_batch import AttentionMetadata
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    query_index: torch.Tensor  # [num_seqs, max_q] row of each padded query in the flat [T] batch (0 for padding)
+    token_rows: torch.Tensor  # [T] row of each real token in the padded [num_seqs * max_q] output
+    kv_slots: torch.Tensor  # [num_seqs, max_kv] flat cache slot of key j of each sequence
+    masks: dict[int | None, torch.Tensor]  # window (None = full) -> [num_seqs, 1, max_q, max_kv] bool
+
+
+def plan_attention(meta: AttentionMetadata, windows: Iterable[int | None], device: torch.device) -> AttentionPlan:
+    """Index tensors and one mask per distinct sliding window for this batch."""
+    query_lens = meta.query_lens
+    num_tokens = meta.query_start_loc[-1]
+    max_q, max_kv = max(query_lens), max(meta.seq_lens)
+    if any(q > s for q, s in zip(query_lens, meta.seq_lens)):
+        raise ValueError(f"a query is longer than its sequence: query_lens={query_lens}, seq_lens={meta.seq_lens}")
+    if meta.block_tables.shape[1] * meta.block_size < max_kv:
+        raise ValueError(
+            f"block_tables has {meta.block_tables.shape[1]} columns of {meta.block_size} tokens, "
+            f"too few for a sequence of {max_kv} tokens"
+        )
+    q_lens = torch.tensor(query_lens, device=device)
+    seq_lens = torch.tensor(meta.seq_lens, device=device)
+    starts = torch.tensor(meta.query_start_loc[:-1], device=device)
+    i = torch.arange(max_q, device=device)
+    valid = i[None, :] < q_lens[:, None]  # [S, max_q]
+    query_index = torch.where(valid, starts[:, None] + i[None, :], 0)
+    # Token t of sequence s (t-th overall) sits at padded row s * max_q + (t - start_s);
+    # repeat_interleave with output_size avoids a device sync that nonzero() would need.
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device), q_lens, output_size=num_tokens)
+    token_rows = seq_of_token * max_q + torch.arange(num_tokens, device=device) - starts[seq_of_token]
+
+    j = torch.arange(max_kv, device=device)
+    block_tables = meta.block_tables.to(device)
+    kv_slots = block_tables[:, j // meta.block_size] * meta.block_size + (j % meta.block_size)[None, :]
+
+    q_pos = (seq_lens - q_lens)[:, None] + i[None, :]  # [S, max_q]
+    distance = q_pos[:, :, None] - j[None, None, :]  # p - j, [S, max_q, max_kv]
+    causal = distance >= 0  # also keeps j < seq_len, since p < seq_len for real queries
+    # Padded query rows see key 0 only, so softmax has no empty row (NaN); their output is dropped.
+    padding_row = (~valid)[:, :, None] & (j == 0)[None, None, :]
+    masks: dict[int | None, torch.Tensor] = {}
+    for window in set(windows):
+        allowed = causal if window is None else causal & (distance < window)
+        masks[window] = (allowed | padding_row)[:, None]
+    return AttentionPlan(query_index=query_index, token_rows=token_rows, kv_slots=kv_slots, masks=masks)
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values [T, kv_heads, head_dim] at their flat slots of one layer's cache."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    plan: AttentionPlan,
+    sliding_window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """query [T, heads, head_dim], new key/value [T, kv_heads, head_dim] -> output [T, heads, head_dim].
+
+    Writes the new K/V into ``kv_cache`` first, then each sequence's queries attend to
+    all its cached keys (the new ones included). GQA/MQA: heads share kv heads in
+    contiguous groups, as transformers' ``repeat_kv``.
+    """
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = key.shape[1]
+    write_kv(kv_cache, key, value, meta.slot_mapping)
+    num_seqs, max_q = plan.query_index.shape
+    k = kv_cache[0].view(-1, num_kv_heads, head_dim)[plan.kv_slots].transpose(1, 2)  # [S, kvh, max_kv, D]
+    v = kv_cache[1].view(-1, num_kv_heads, head_dim)[plan.kv_slots].transpose(1, 2)
+    q = query[plan.query_index].transpose(1, 2)  # [S, heads, max_q, D]
+    out = F.scaled_dot_product_attention(
+        q,
+        k.to(q.dtype),
+        v.to(q.dtype),
+        attn_mask=plan.masks[sliding_window],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
+    return out[plan.token_rows]

@@ -1,0 +1,236 @@
+"""The model's shape and math, parsed from a Hugging Face ``config.json``.
+
+The four supported architectures are one transformer; what tells them apart is
+data in ``_ARCH_TRAITS`` (which projections carry biases, per-head q/k norms,
+how the sliding window is read, the default head size), never a copy of the
+model class. Both config spellings are accepted: transformers v4 (``rope_theta``
+and ``rope_scaling`` at the top level) and v5 (one ``rope_parameters`` dict,
+which is what transformers 5.24's ``save_pretrained`` writes, besides ``dtype``
+instead of ``torch_dtype`` and, for Qwen2/Qwen3, ``layer_types``).
+"""
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+import torch
+
+RopeType = Literal["default", "linear", "llama3"]
+SlidingRule = Literal["none", "qwen", "all"]
+
+
+@dataclass(frozen=True, slots=True)
+class _ArchTraits:
+    """What one architecture changes in the shared transformer."""
+
+    model_type: str
+    qkv_bias: bool | None  # None: read ``attention_bias`` from the config
+    o_bias: bool | None  # None: read ``attention_bias`` from the config
+    has_mlp_bias_key: bool  # Llama's ``mlp_bias``; the others have no MLP bias
+    qk_norm: bool
+    sliding: SlidingRule
+    default_head_dim: int | None  # None: hidden_size // num_attention_heads
+
+
+# Read-only: the table is configuration of the code, not state.
+_ARCH_TRAITS: Mapping[str, _ArchTraits] = MappingProxyType(
+    {
+        "LlamaForCausalLM": _ArchTraits("llama", None, None, True, False, "none", None),
+        # Qwen2 hard-codes q/k/v biases and an unbiased o_proj (modeling_qwen2.py).
+        "Qwen2ForCausalLM": _ArchTraits("qwen2", True, False, False, False, "qwen", None),
+        # Qwen3Config's head_dim defaults to 128, not hidden/heads.
+        "Qwen3ForCausalLM": _ArchTraits("qwen3", None, None, False, True, "qwen", 128),
+        "MistralForCausalLM": _ArchTraits("mistral", False, False, False, False, "all", None),
+    }
+)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_TRAITS)
+_ARCH_BY_MODEL_TYPE: Mapping[str, str] = MappingProxyType({t.model_type: a for a, t in _ARCH_TRAITS.items()})
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding parameters, as transformers' ``rope_parameters`` after standardisation."""
+
+    rope_type: RopeType = "default"
+    rope_theta: float = 10000.0
+    factor: float | None = None  # linear and llama3
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    original_max_position_embeddings: int | None = None  # llama3
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]
+    """Per layer: the window W (a query at p sees keys j with p - j < W), or None for full attention."""
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    """config.json's eos ids, then generation_config.json's (from_pretrained), without repeats."""
+    pad_token_id: int | None
+    dtype: str | None
+    """The checkpoint's dtype name ("bfloat16"), from ``dtype`` (v5) or ``torch_dtype`` (v4)."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        if self.dtype is None:
+            return None
+        value = getattr(torch, self.dtype, None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"config dtype {self.dtype!r} is not a torch dtype")
+        return value
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON of every parsed field: the same math gives the same
+        fingerprint whichever config spelling or transformers version wrote the file."""
+        canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        folder = Path(path)
+        config = json.loads((folder / "config.json").read_text())
+        generation_path = folder / "generation_config.json"
+        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
+        return cls.from_dict(config, generation)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None) -> "ModelConfig":
+        architecture = _architecture(d)
+        traits = _ARCH_TRAITS[architecture]
+        hidden_act = d.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+        num_heads = int(d["num_attention_heads"])
+        num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        hidden = int(d["hidden_size"])
+        head_dim = d.get("head_dim") or traits.default_head_dim or hidden // num_heads
+        max_pos = int(d.get("max_position_embeddings", 2048))
+        attention_bias = bool(d.get("attention_bias", False))
+        layers = int(d["num_hidden_layers"])
+        eos = _token_ids(d.get("eos_token_id"))
+        if generation_config is not None:
+            eos += tuple(t for t in _token_ids(generation_config.get("eos_token_id")) if t not in eos)
+        return cls(
+            architecture=architecture,
+            model_type=traits.model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=max_pos,
+            rope=_rope(d, max_pos),
+            qkv_bias=attention_bias if traits.qkv_bias is None else traits.qkv_bias,
+            o_bias=attention_bias if traits.o_bias is None else traits.o_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)) if traits.has_mlp_bias_key else False,
+            qk_norm=traits.qk_norm,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            sliding_windows=_sliding_windows(d, traits.sliding, layers),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos,
+            pad_token_id=d.get("pad_token_id"),
+            dtype=d.get("dtype") or d.get("torch_dtype"),
+        )
+
+
+def _architecture(d: Mapping[str, Any]) -> str:
+    architectures = d.get("architectures") or []
+    if not architectures and d.get("model_type") in _ARCH_BY_MODEL_TYPE:
+        return _ARCH_BY_MODEL_TYPE[d["model_type"]]
+    for name in architectures:
+        if name in _ARCH_TRAITS:
+            return name
+    shown = ", ".join(architectures) or f"model_type={d.get('model_type')!r}"
+    raise ValueError(f"unsupported architecture {shown}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def _rope(d: Mapping[str, Any], max_position_embeddings: int) -> RopeConfig:
+    # transformers: an old ``rope_scaling`` wins over ``rope_parameters``; the
+    # top-level ``rope_theta`` fills in a dict that lacks one.
+    params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    if any(key in _LAYER_TYPES for key in params):
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return RopeConfig("default", theta)
+    if rope_type == "linear":
+        return RopeConfig("linear", theta, factor=float(params["factor"]))
+    if rope_type == "llama3":
+        # As standardize_rope_params: a top-level value has priority, then the dict's, then max_position_embeddings.
+        original = d.get("original_max_position_embeddings") or params.get(
+            "original_max_position_embeddings", max_position_embeddings
+        )
+        return RopeConfig(
+            "llama3",
+            theta,
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(original),
+        )
+    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3")
+
+
+def _sliding_windows(d: Mapping[str, Any], rule: SlidingRule, num_layers: int) -> tuple[int | None, ...]:
+    if rule == "none":
+        return (None,) * num_layers
+    window = d.get("sliding_window")
+    if rule == "all":
+        # Mistral: one window for every layer when set; layer_types is ignored by MistralForCausalLM.
+        return (None if window is None else int(window),) * num_layers
+    # Qwen2/Qwen3: the window exists only with use_sliding_window; which layers use it comes from
+    # layer_types when written (v5 always writes it), else layers i >= max_window_layers.
+    if not d.get("use_sliding_window", False) or window is None:
+        return (None,) * num_layers
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        first_sliding = int(d.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or any(t not in _LAYER_TYPES for t in layer_types):
+        raise ValueError(f"layer_types must be {num_layers} of {_LAYER_TYPES}, got {layer_types}")
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)

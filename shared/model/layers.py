@@ -1,0 +1,110 @@
+"""The small building blocks of a Llama-family layer, written to match transformers'
+Llama code operation for operation so float32 results agree to rounding."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.config import RopeConfig
+
+
+class Linear(nn.Module):
+    """``nn.Linear`` with the same parameter names but allocated empty in the target
+    dtype and device: the weights always come from a checkpoint, so a random init
+    would only cost time (minutes for a large model)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As LlamaRMSNorm: normalise in float32, cast back, then scale in the input dtype.
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(input_dtype)
+
+
+class MLP(nn.Module):
+    """SiLU-gated feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, bias, dtype, device)
+        self.up_proj = Linear(hidden, intermediate, bias, dtype, device)
+        self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, computed as modeling_rope_utils does
+    (same op order, so the same float32 rounding)."""
+    base = rope.rope_theta
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        assert rope.factor is not None
+        return inv_freq / rope.factor
+    assert rope.rope_type == "llama3"
+    assert rope.factor is not None and rope.low_freq_factor is not None and rope.high_freq_factor is not None
+    assert rope.original_max_position_embeddings is not None
+    factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
+    old_context_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended smoothly.
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low) / (high - low)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the given positions, neox layout (two halves), like LlamaRotaryEmbedding.
+
+    ``inv_freq`` stays float32 whatever the model dtype, as in transformers; build the
+    model in its dtype rather than calling ``.to(dtype)`` on it, which would round it.
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
+        super().__init__()
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim, device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, head_dim] in ``dtype``."""
+        freqs = positions[:, None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim], shared by all heads."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x * cos) + (rotate_half(x) * sin)
