@@ -48,3 +48,14 @@ def test_hash_is_stable_across_processes():
     }
     assert outs == {hash_block_chain(list(range(64)), 16, "fp", "salt")[-1].hex()}
     assert len(ROOT_HASH) == 32
+
+
+def test_model_fingerprint_tells_seeds_apart(tmp_path):
+    from shared.model.fingerprint import model_fingerprint
+    from shared.model.make_model import make_model
+
+    make_model(tmp_path / "a", seed=0, tokenizer=False)
+    make_model(tmp_path / "b", seed=1, tokenizer=False)
+    make_model(tmp_path / "c", seed=0, tokenizer=False)
+    fa, fb, fc = (model_fingerprint(tmp_path / n) for n in "abc")
+    assert fa == fc and fa != fb

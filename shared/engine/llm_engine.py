@@ -16,6 +16,7 @@ from shared.engine.sampler import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kv.block_hash import BlockHash, kv_fingerprint
+from shared.model.fingerprint import model_fingerprint
 from shared.model.loader import load_model
 from shared.recipe import IncrementalDetokenizer, Recipe
 
@@ -74,7 +75,7 @@ class LLMEngine:
         max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         num_blocks = self._num_kv_blocks(max_model_len)
         # The KV bytes depend on the weights and on the cache dtype: both name the chain.
-        self.fingerprint = kv_fingerprint(model_cfg.fingerprint(), config.dtype)
+        self.fingerprint = kv_fingerprint(model_fingerprint(config.model), config.dtype)
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
