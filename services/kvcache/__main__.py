@@ -1,0 +1,85 @@
+"""python -m services.kvcache: the Block KVCache service.
+
+Settings (env var INFERMESH_<SECTION>__<FIELD>, see shared/runtime/settings.py):
+kvcache.path (LMDB folder), kvcache.capacity_bytes, kvcache.ttl_s,
+kvcache.chunk_bytes, kvcache.address, worker.grpc_port, worker.drain_timeout_s,
+nats.url, telemetry.*.
+
+Port rule: workers dial kvcache.address, so by default the service binds the
+port of that address (on all interfaces). worker.grpc_port, when non-zero,
+wins: for a deployment where the address workers dial is a proxy or a
+Kubernetes Service whose port differs from the container's. The service never
+picks a random port: nobody could find it.
+"""
+
+import asyncio
+import contextlib
+import logging
+from contextlib import AsyncExitStack
+
+from services.kvcache.servicer import SERVICE_NAME, KVCacheMetrics, KVCacheServicer, KvEventPublisher
+from services.kvcache.store import BlockStore
+from shared.proto import kvcache_pb2_grpc
+from shared.runtime.rpc import start_grpc_server
+from shared.runtime.service import ServiceContext, main
+from shared.runtime.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def bind_port(settings: Settings) -> int:
+    """The port rule above."""
+    if settings.worker.grpc_port:
+        return settings.worker.grpc_port
+    address = settings.kvcache.address
+    _, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or int(port) == 0:
+        raise ValueError(f"kvcache.address {address!r} has no port to bind: give host:port, "
+                         "or set worker.grpc_port")
+    return int(port)
+
+
+def sweep_interval_s(ttl_s: float) -> float:
+    """Expired blocks are never served (checked on access); the sweep only frees
+    their space and flushes LMDB to disk, so once a minute is plenty, and a
+    tiny ttl (tests) sweeps at least every second."""
+    return min(60.0, max(1.0, ttl_s / 10))
+
+
+async def sweep_forever(servicer: KVCacheServicer, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await servicer.sweep()
+        except Exception:
+            log.exception("expiry sweep failed; retrying in %.0fs", interval_s)
+
+
+async def cancel_task(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
+    kv = ctx.settings.kvcache
+    port = bind_port(ctx.settings)
+    store = await asyncio.to_thread(BlockStore, kv.path, kv.capacity_bytes, kv.ttl_s)
+    stack.callback(store.close)  # unwinds last: after the server stopped and the sweep ended
+    servicer = KVCacheServicer(store, KvEventPublisher(ctx.bus, ctx.instance_id), KVCacheMetrics(ctx.metrics),
+                               kv.chunk_bytes)
+    server = await start_grpc_server(port, [(kvcache_pb2_grpc.add_KVCacheServicer_to_server, servicer)],
+                                     [SERVICE_NAME])
+    # Flips NOT_SERVING, then lets in-flight calls finish for up to drain_timeout_s.
+    stack.push_async_callback(server.stop, ctx.settings.worker.drain_timeout_s)
+    sweeper = asyncio.create_task(sweep_forever(servicer, sweep_interval_s(kv.ttl_s)))
+    stack.push_async_callback(cancel_task, sweeper)
+    await servicer.refresh_metrics()
+    stats = await asyncio.to_thread(store.stats)
+    await server.set_serving(True)
+    log.info("kvcache serving on :%d (workers dial %s): %d blocks, %d of %d bytes in %s",
+             server.port, kv.address, stats.num_blocks, stats.num_bytes, stats.capacity_bytes, kv.path)
+
+
+if __name__ == "__main__":
+    main("kvcache", setup)

@@ -1,0 +1,321 @@
+"""The KVCache gRPC servicer (grpc.aio) over a BlockStore.
+
+LMDB calls block, so each one runs in a worker thread (asyncio.to_thread):
+the event loop keeps streaming other calls while one reads or writes disk.
+Each RPC ends by publishing one KvEvent (blocks stored and removed) on NATS
+and bringing the Prometheus figures up to date with the store's.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import trace
+
+from services.kvcache.store import HASH_BYTES, BlockStore, PutOutcome, StoreStats
+from shared.kv.block_hash import BlockHash
+from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
+from shared.runtime import subjects
+from shared.runtime.bus import Bus
+from shared.runtime.metrics import Metrics
+from shared.runtime.rpc import MAX_MESSAGE_BYTES
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"].full_name
+
+# A data chunk plus its framing must fit gRPC's message limit.
+MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
+# Hashes per KvEvent: 4096 × ~34 bytes stays far below NATS's 1 MiB payload limit.
+MAX_EVENT_HASHES = 4096
+
+
+@dataclass(slots=True)
+class AssembledBlock:
+    block_hash: BlockHash
+    layout: str
+    data: bytes
+
+
+@dataclass(slots=True)
+class BlockAssembler:
+    """Turns a Put stream (header, data..., header, data...) back into whole
+    blocks. Anything else is a ValueError whose text tells the sender what is
+    wrong; the servicer turns it into INVALID_ARGUMENT."""
+
+    max_block_bytes: int
+    _header: kvcache_pb2.BlockHeader | None = None
+    _parts: list[bytes] = field(default_factory=list)
+    _num_received: int = 0
+
+    def feed(self, request: kvcache_pb2.PutRequest) -> AssembledBlock | None:
+        """The block this message completes, if any."""
+        kind = request.WhichOneof("item")
+        if kind == "header":
+            self._start(request.header)
+            return None
+        if kind == "data":
+            return self._add(request.data)
+        raise ValueError("a PutRequest carries a header or data; this one is empty")
+
+    def finish(self) -> None:
+        """At the end of the stream: a block cut short is an error."""
+        if self._header is not None:
+            raise ValueError(self._short_block("the stream ended"))
+
+    def _start(self, header: kvcache_pb2.BlockHeader) -> None:
+        if self._header is not None:
+            raise ValueError(self._short_block("a new header came"))
+        if len(header.block_hash) != HASH_BYTES:
+            raise ValueError(f"block_hash is {len(header.block_hash)} bytes; a block hash is {HASH_BYTES}")
+        if header.num_bytes == 0:
+            raise ValueError(f"block {header.block_hash.hex()[:16]}: num_bytes is 0; a block has data")
+        if header.num_bytes > self.max_block_bytes:
+            raise ValueError(f"block {header.block_hash.hex()[:16]}: num_bytes {header.num_bytes} exceeds "
+                             f"the kvcache capacity of {self.max_block_bytes} bytes")
+        self._header = header
+
+    def _add(self, data: bytes) -> AssembledBlock | None:
+        header = self._header
+        if header is None:
+            raise ValueError("data came before any block header")
+        self._num_received += len(data)
+        if self._num_received > header.num_bytes:
+            raise ValueError(f"block {header.block_hash.hex()[:16]}: {self._num_received} bytes of data, "
+                             f"more than its header's num_bytes {header.num_bytes}")
+        self._parts.append(data)
+        if self._num_received < header.num_bytes:
+            return None
+        block = AssembledBlock(BlockHash(header.block_hash), header.layout, b"".join(self._parts))
+        self._header, self._parts, self._num_received = None, [], 0
+        return block
+
+    def _short_block(self, what: str) -> str:
+        assert self._header is not None
+        return (f"{what} after {self._num_received} of {self._header.num_bytes} bytes of block "
+                f"{self._header.block_hash.hex()[:16]}: num_bytes must match the data sent")
+
+
+@dataclass(slots=True)
+class PutTally:
+    """What one Put call did."""
+
+    stored: list[BlockHash] = field(default_factory=list)
+    evicted: list[BlockHash] = field(default_factory=list)
+    num_existing: int = 0
+    num_bytes: int = 0
+
+    def add(self, block: AssembledBlock, outcome: PutOutcome) -> None:
+        self.num_bytes += len(block.data)
+        self.evicted += outcome.evicted
+        if outcome.is_new:
+            self.stored.append(block.block_hash)
+        else:
+            self.num_existing += 1
+
+
+def iter_chunks(data: bytes, chunk_bytes: int) -> Iterator[bytes]:
+    if len(data) <= chunk_bytes:
+        yield data  # the common small block: no copy
+        return
+    view = memoryview(data)
+    for start in range(0, len(data), chunk_bytes):
+        yield bytes(view[start : start + chunk_bytes])
+
+
+class KvEventPublisher:
+    """This instance's block events on NATS, numbered so a receiver sees gaps.
+    Receivers apply `stored`, then `removed`. A lost event costs a routing
+    guess, never a wrong answer (Lookup and Get check the store), so a publish
+    failure is logged and the RPC still succeeds."""
+
+    def __init__(self, bus: Bus, instance_id: str) -> None:
+        self.bus = bus
+        self.instance_id = instance_id
+        self.next_seq = 0
+
+    async def publish(self, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
+        for start in range(0, max(len(stored), len(removed)), MAX_EVENT_HASHES):
+            end = start + MAX_EVENT_HASHES
+            event = mesh_pb2.KvEvent(instance_id=self.instance_id, seq=self.next_seq,
+                                     stored=stored[start:end], removed=removed[start:end])
+            self.next_seq += 1
+            try:
+                await self.bus.publish(subjects.KV_EVENTS, event)
+            except Exception:
+                log.warning("could not publish KvEvent seq %d", event.seq, exc_info=True)
+
+
+class KVCacheMetrics:
+    """The Prometheus side. Block counts and hit/miss/evict/expire/corrupt
+    counts come from the store (one source of truth for Stats and /metrics):
+    each update adds what the store counted since the last one."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.blocks = metrics.gauge("blocks", "Blocks held.")
+        self.bytes = metrics.gauge("bytes", "Data bytes of the blocks held.")
+        self.capacity = metrics.gauge("capacity_bytes", "Data bytes held at most before eviction.")
+        self.hits = metrics.counter("hits", "Blocks served by Get.")
+        self.misses = metrics.counter("misses", "Get reads that found no servable block (a Get ends at its first).")
+        self.evicted = metrics.counter("evicted", "Blocks evicted to stay under capacity.")
+        self.expired = metrics.counter("expired", "Blocks deleted after ttl_s without use.")
+        self.corrupt = metrics.counter("corrupt", "Blocks that failed their checksum (deleted, never served).")
+        self.put_bytes = metrics.counter("put_bytes", "Data bytes received by Put.")
+        self.get_bytes = metrics.counter("get_bytes", "Data bytes sent by Get.")
+        self._last = StoreStats(0, 0, 0, 0, 0, 0, 0, 0)
+
+    def update(self, stats: StoreStats) -> None:
+        self.blocks.set(stats.num_blocks)
+        self.bytes.set(stats.num_bytes)
+        self.capacity.set(stats.capacity_bytes)
+        last, self._last = self._last, stats
+        self.hits.inc(stats.num_hits - last.num_hits)
+        self.misses.inc(stats.num_misses - last.num_misses)
+        self.evicted.inc(stats.num_evicted - last.num_evicted)
+        self.expired.inc(stats.num_expired - last.num_expired)
+        self.corrupt.inc(stats.num_corrupt - last.num_corrupt)
+
+
+class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
+    def __init__(self, store: BlockStore, events: KvEventPublisher, metrics: KVCacheMetrics,
+                 chunk_bytes: int) -> None:
+        if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"kvcache chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+        self.store = store
+        self.events = events
+        self.metrics = metrics
+        self.chunk_bytes = chunk_bytes
+
+    async def Put(self, request_iterator: AsyncIterator[kvcache_pb2.PutRequest],
+                  context: grpc.aio.ServicerContext) -> kvcache_pb2.PutReply:
+        assembler = BlockAssembler(self.store.capacity_bytes)
+        tally = PutTally()
+        writing: asyncio.Task[None] | None = None
+
+        async def write(block: AssembledBlock) -> None:
+            outcome = await asyncio.to_thread(self.store.put, block.block_hash, block.layout, block.data)
+            tally.add(block, outcome)
+
+        try:
+            async for request in request_iterator:
+                try:
+                    block = assembler.feed(request)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                if block is None:
+                    continue
+                # Receive the next block while this one is written (LMDB and
+                # the checksum release the GIL): one write in flight, so at
+                # most two blocks in memory.
+                if writing is not None:
+                    await writing
+                writing = asyncio.create_task(write(block))
+            try:
+                assembler.finish()
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if writing is not None:
+                await writing
+        finally:
+            if writing is not None and not writing.done():
+                await asyncio.wait({writing})  # an aborted stream still finishes the write it started
+            # Blocks stored before a malformed message stay stored (each block
+            # stands alone), so they are announced whatever happens next.
+            self.metrics.put_bytes.inc(tally.num_bytes)
+            span = trace.get_current_span()
+            if span.is_recording():
+                span.set_attribute("kvcache.blocks", len(tally.stored) + tally.num_existing)
+                span.set_attribute("kvcache.blocks_new", len(tally.stored))
+                span.set_attribute("kvcache.bytes", tally.num_bytes)
+                span.set_attribute("kvcache.evicted", len(tally.evicted))
+            await self._after_rpc(tally.stored, tally.evicted)
+        return kvcache_pb2.PutReply(num_stored=len(tally.stored), num_existing=tally.num_existing,
+                                    num_bytes=tally.num_bytes)
+
+    async def Get(self, request: kvcache_pb2.GetRequest,
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[kvcache_pb2.GetReply]:
+        await self._check_hashes(request.block_hashes, context)
+        served: list[BlockHash] = []
+        removed: list[BlockHash] = []
+        num_bytes = 0
+        try:
+            for block_hash in request.block_hashes:
+                if context.cancelled():
+                    break  # the client went away: read no more
+                # One block in memory at a time: the read transaction is closed
+                # before we yield, so a slow client never pins LMDB pages.
+                outcome = await asyncio.to_thread(self.store.read, BlockHash(block_hash))
+                block = outcome.block
+                if block is None:
+                    if outcome.removed:
+                        removed.append(BlockHash(block_hash))
+                    yield kvcache_pb2.GetReply(missing=block_hash)
+                    break
+                header = kvcache_pb2.BlockHeader(block_hash=block_hash, num_bytes=len(block.data), layout=block.layout)
+                yield kvcache_pb2.GetReply(header=header)
+                for chunk in iter_chunks(block.data, self.chunk_bytes):
+                    yield kvcache_pb2.GetReply(data=chunk)
+                served.append(BlockHash(block_hash))
+                num_bytes += len(block.data)
+        finally:
+            self.metrics.get_bytes.inc(num_bytes)
+            span = trace.get_current_span()
+            if span.is_recording():  # a cancelled Get's cleanup runs after its span ended
+                span.set_attribute("kvcache.blocks", len(request.block_hashes))
+                span.set_attribute("kvcache.hits", len(served))
+                span.set_attribute("kvcache.bytes", num_bytes)
+            # One write transaction for the whole Get, not one per block.
+            await asyncio.to_thread(self.store.touch, served)
+            await self._after_rpc([], removed)
+
+    async def Lookup(self, request: kvcache_pb2.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> kvcache_pb2.LookupReply:
+        await self._check_hashes(request.block_hashes, context)
+        num_leading = await asyncio.to_thread(self.store.lookup, [BlockHash(h) for h in request.block_hashes])
+        span = trace.get_current_span()
+        span.set_attribute("kvcache.blocks", len(request.block_hashes))
+        span.set_attribute("kvcache.hits", num_leading)
+        return kvcache_pb2.LookupReply(num_leading=num_leading)
+
+    async def Stats(self, request: kvcache_pb2.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> kvcache_pb2.StatsReply:
+        stats = await asyncio.to_thread(self.store.stats)
+        self.metrics.update(stats)
+        return kvcache_pb2.StatsReply(
+            num_blocks=stats.num_blocks, num_bytes=stats.num_bytes, capacity_bytes=stats.capacity_bytes,
+            num_evicted=stats.num_evicted, num_expired=stats.num_expired, num_corrupt=stats.num_corrupt,
+            num_hits=stats.num_hits, num_misses=stats.num_misses,
+        )
+
+    async def sweep(self) -> int:
+        """One expiry pass (the service runs it periodically): purge, flush to
+        disk, announce. Returns the number of blocks purged."""
+        removed = await asyncio.to_thread(self.store.purge_expired)
+        await asyncio.to_thread(self.store.sync)
+        await self._after_rpc([], removed)
+        if removed:
+            log.info("expired %d blocks", len(removed))
+        return len(removed)
+
+    async def refresh_metrics(self) -> None:
+        self.metrics.update(await asyncio.to_thread(self.store.stats))
+
+    async def _after_rpc(self, stored: list[BlockHash], removed: list[BlockHash]) -> None:
+        # A block stored and evicted within the same RPC was never there for anyone.
+        both = set(stored) & set(removed)
+        if both:
+            stored = [h for h in stored if h not in both]
+            removed = [h for h in removed if h not in both]
+        if stored or removed:
+            await self.events.publish(stored, removed)
+        # Hits and misses move on every Get; reading stats is one cheap read transaction.
+        await self.refresh_metrics()
+
+    @staticmethod
+    async def _check_hashes(hashes: Sequence[bytes], context: grpc.aio.ServicerContext) -> None:
+        for i, block_hash in enumerate(hashes):
+            if len(block_hash) != HASH_BYTES:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"block_hashes[{i}] is {len(block_hash)} bytes; a block hash is {HASH_BYTES}")

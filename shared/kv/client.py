@@ -1,0 +1,141 @@
+"""The client of the Block KVCache service, for prefill and decode workers.
+
+    async with KVCacheClient(settings.kvcache.address) as kv:
+        n = await kv.lookup(hashes)                  # leading blocks held
+        blocks = await kv.get_blocks(hashes[:n])     # [(hash, layout, data)], stops at the first missing
+        await kv.put_blocks([(h, layout, data), ...])
+
+Blocks travel in chunks of chunk_bytes, so a block of any size fits gRPC's
+message limit. gRPC failures surface as grpc.aio.AioRpcError (UNAVAILABLE
+when the service is down, DEADLINE_EXCEEDED past timeout_s): a cache is an
+optimisation, so callers usually log them and recompute.
+"""
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+from shared.kv.block_hash import BlockHash
+from shared.proto import kvcache_pb2, kvcache_pb2_grpc
+from shared.runtime.rpc import MAX_MESSAGE_BYTES, open_channel
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+Block = tuple[BlockHash, str, bytes]
+"""(hash, layout, data): layout names the tensor's dtype and shape, checked by the loader."""
+
+
+class KVCacheProtocolError(RuntimeError):
+    """The service sent a Get stream that does not add up (a bug, not a miss)."""
+
+
+@dataclass(slots=True, frozen=True)
+class PutSummary:
+    num_stored: int
+    num_existing: int
+    """Already held: refreshed, not rewritten."""
+    num_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheStats:
+    num_blocks: int
+    num_bytes: int
+    capacity_bytes: int
+    num_evicted: int
+    num_expired: int
+    num_corrupt: int
+    num_hits: int
+    num_misses: int
+
+
+class KVCacheClient:
+    def __init__(self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float | None = 60.0) -> None:
+        """timeout_s: deadline of each call (None waits forever, which a worker
+        should not: a stuck cache must not stall a request)."""
+        if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - (64 << 10):
+            raise ValueError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - (64 << 10)}], got {chunk_bytes}")
+        self.address = address
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self._channel = open_channel(address)
+        self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
+
+    async def put_blocks(self, blocks: Sequence[Block]) -> PutSummary:
+        """Store blocks in one streamed call."""
+        if not blocks:
+            return PutSummary(0, 0, 0)
+        for block_hash, _, data in blocks:
+            if len(block_hash) != 32 or not data:
+                raise ValueError(f"a block needs a 32-byte hash and data; got {len(block_hash)} and {len(data)} bytes")
+        reply = await self._stub.Put(self._put_requests(blocks), timeout=self.timeout_s)
+        return PutSummary(reply.num_stored, reply.num_existing, reply.num_bytes)
+
+    async def iter_blocks(self, hashes: Sequence[BlockHash]) -> AsyncIterator[Block]:
+        """The blocks in order, each as soon as it arrived whole; ends at the
+        first block the service does not hold. Stopping early cancels the call."""
+        if not hashes:
+            return
+        call = self._stub.Get(kvcache_pb2.GetRequest(block_hashes=hashes), timeout=self.timeout_s)
+        header: kvcache_pb2.BlockHeader | None = None
+        parts: list[bytes] = []
+        num_received = 0
+        try:
+            async for reply in call:
+                kind = reply.WhichOneof("item")
+                if kind == "header":
+                    if header is not None:
+                        raise KVCacheProtocolError(f"new header after {num_received} of {header.num_bytes} bytes")
+                    header, parts, num_received = reply.header, [], 0
+                elif kind == "data":
+                    if header is None:
+                        raise KVCacheProtocolError("data before a header")
+                    parts.append(reply.data)
+                    num_received += len(reply.data)
+                    if num_received > header.num_bytes:
+                        raise KVCacheProtocolError(f"{num_received} bytes for a block of {header.num_bytes}")
+                    if num_received == header.num_bytes:
+                        yield BlockHash(header.block_hash), header.layout, b"".join(parts)
+                        header = None
+                elif kind == "missing":
+                    return
+            if header is not None:
+                raise KVCacheProtocolError(f"stream ended after {num_received} of {header.num_bytes} bytes")
+        finally:
+            call.cancel()  # no-op when the call already finished
+
+    async def get_blocks(self, hashes: Sequence[BlockHash]) -> list[Block]:
+        """The leading blocks the service holds (all of them, or up to the first missing)."""
+        return [block async for block in self.iter_blocks(hashes)]
+
+    async def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of the chain the service holds."""
+        if not hashes:
+            return 0
+        reply = await self._stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=hashes), timeout=self.timeout_s)
+        return reply.num_leading
+
+    async def stats(self) -> KVCacheStats:
+        r = await self._stub.Stats(kvcache_pb2.StatsRequest(), timeout=self.timeout_s)
+        return KVCacheStats(r.num_blocks, r.num_bytes, r.capacity_bytes, r.num_evicted, r.num_expired,
+                            r.num_corrupt, r.num_hits, r.num_misses)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "KVCacheClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _put_requests(self, blocks: Sequence[Block]) -> Iterator[kvcache_pb2.PutRequest]:
+        """A plain iterator: grpc.aio consumes it lazily, one chunk in memory at a time."""
+        for block_hash, layout, data in blocks:
+            header = kvcache_pb2.BlockHeader(block_hash=block_hash, num_bytes=len(data), layout=layout)
+            yield kvcache_pb2.PutRequest(header=header)
+            if len(data) <= self.chunk_bytes:
+                yield kvcache_pb2.PutRequest(data=bytes(data))
+                continue
+            view = memoryview(data)
+            for start in range(0, len(data), self.chunk_bytes):
+                yield kvcache_pb2.PutRequest(data=bytes(view[start : start + self.chunk_bytes]))
