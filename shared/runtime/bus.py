@@ -7,7 +7,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-import nats
 from google.protobuf.message import Message
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -33,19 +32,23 @@ class Bus:
     def __init__(self, nc: NATS, request_timeout_s: float) -> None:
         self.nc = nc
         self.request_timeout_s = request_timeout_s
+        self.closing = False
 
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str) -> "Bus":
+        bus = cls(NATS(), settings.request_timeout_s)
+
         async def on_error(exc: Exception) -> None:
             log.warning("nats: %s", exc)
 
         async def on_disconnect() -> None:
-            log.warning("nats: disconnected, reconnecting")
+            if not bus.closing:  # our own drain disconnects too: not worth a warning
+                log.warning("nats: disconnected, reconnecting")
 
         async def on_reconnect() -> None:
             log.info("nats: reconnected")
 
-        nc = await nats.connect(
+        await bus.nc.connect(
             servers=settings.url.split(","),
             name=name,
             connect_timeout=settings.connect_timeout_s,
@@ -55,9 +58,10 @@ class Bus:
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
         )
-        return cls(nc, settings.request_timeout_s)
+        return bus
 
     async def close(self) -> None:
+        self.closing = True
         if not self.nc.is_closed:
             await self.nc.drain()
 
