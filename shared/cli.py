@@ -97,6 +97,42 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shared.launch.up import up
+
+    if args.model is None:
+        args.model = "models/default"
+        if not (Path(args.model) / "config.json").exists():
+            from shared.model.make_model import make_model
+
+            print(f"making the default model in {args.model}", file=sys.stderr)
+            make_model(args.model)
+    return up(args.model, args.prefill, args.decode, args.port, args.state_dir, args.demo)
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from shared.launch.trace_view import load_spans, pick_trace, render_waterfall
+    from shared.runtime.settings import load_settings
+
+    trace_dir = args.trace_dir or load_settings().telemetry.trace_dir
+    try:
+        spans = pick_trace(load_spans(trace_dir), args.which)
+    except LookupError as exc:
+        print(f"infermesh: {exc} (in {trace_dir})", file=sys.stderr)
+        return 1
+    print(render_waterfall(spans))
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from shared.runtime.settings import describe, load_settings
+
+    print(describe(load_settings()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infermesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +168,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.set_defaults(func=_cmd_bench_engine)
+
+    p = sub.add_parser("up", help="run the mesh on this machine: nats-server and every service")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: models/default, made if missing)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
+    p.add_argument("--state-dir", default=".infermesh", help="logs, traces, the kvcache LMDB and NATS data")
+    p.add_argument("--demo", action="store_true", help="send one streaming chat, show its trace, then stop")
+    p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("trace", help="print a request's spans as a waterfall")
+    p.add_argument("which", nargs="?", default="last", help="'last' or a trace id (a prefix is enough)")
+    p.add_argument("--trace-dir", default=None, help="default: the telemetry.trace_dir setting")
+    p.set_defaults(func=_cmd_trace)
+
+    p = sub.add_parser("config", help="print every setting, its env var and current value")
+    p.set_defaults(func=_cmd_config)
     return parser
 
 

@@ -1,0 +1,4 @@
+from services.balancer.service import setup
+from shared.runtime.service import main
+
+main("balancer", setup)

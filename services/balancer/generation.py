@@ -1,0 +1,58 @@
+"""The contract between the HTTP layer and whatever generates tokens.
+
+The HTTP layer (api.py) turns an OpenAI request into a GenerationRequest, then
+iterates a Generator's events; it owns text: detokenization and stop strings.
+Two generators exist: the mesh (orchestrator.py: prefill and decode instances
+over NATS) and a local engine (local.py: an in-process engine thread, for one
+machine or tests of the HTTP layer). Closing the iteration early (a stop string
+matched, the client went away) cancels the request everywhere.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shared.engine.sampler import TokenLogprobs
+from shared.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    """Stop strings stay with the HTTP layer; the generator sees token-level settings."""
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    """Set on the last event only: "stop", "length" or "abort"."""
+    usage: Usage | None = None
+    """Usage so far, when the generator knows it (always on the last event). The
+    first event should carry it too: a stop string may end the stream early."""
+
+
+class GenerationError(Exception):
+    """A request could not be served. status is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 503, error_type: str = "service_unavailable") -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+
+
+class Generator(Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+
+    def num_in_flight(self) -> int: ...

@@ -1,0 +1,59 @@
+"""A Generator over an in-process engine: the balancer serving alone on one
+machine, and the way to test the HTTP layer against a real engine.
+
+The engine runs without detokenization: text and stop strings are the HTTP
+layer's job, exactly as with the mesh, so both generators behave the same.
+"""
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
+from shared.engine.async_engine import AsyncEngine, EngineDead
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+
+
+class LocalGenerator:
+    def __init__(self, engine: AsyncEngine) -> None:
+        """engine must run an LLMEngine built with detokenize=False (see `start`)."""
+        if engine.engine.config.detokenize:
+            raise ValueError("LocalGenerator needs an engine built with detokenize=False: text is the HTTP layer's job")
+        self.engine = engine
+
+    @classmethod
+    def start(cls, config: EngineConfig, loop: asyncio.AbstractEventLoop | None = None) -> "LocalGenerator":
+        """Load the model (blocking: seconds) and start the engine thread, which
+        hands outputs to loop (default: the running loop)."""
+        engine = LLMEngine(dataclasses.replace(config, detokenize=False))
+        async_engine = AsyncEngine(engine, loop or asyncio.get_running_loop())
+        async_engine.start()
+        return cls(async_engine)
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def num_in_flight(self) -> int:
+        return self.engine.num_in_flight
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        outputs = self.engine.generate(
+            request.request_id, request.prompt_token_ids, request.params, cache_salt=request.cache_salt
+        )
+        # aclosing: when our caller stops early, AsyncEngine.generate's finally aborts the request.
+        async with aclosing(outputs):
+            try:
+                async for out in outputs:
+                    # Every event carries usage so far: a stop string may end the stream early.
+                    usage = Usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+                    yield TokenEvent(out.new_token_ids, out.new_logprobs, out.finish_reason, usage)
+            except EngineDead as exc:
+                raise GenerationError(f"the engine is not running: {exc}", 503, "service_unavailable") from exc
+            except ValueError as exc:  # the engine refused the request (add_request's checks)
+                raise GenerationError(str(exc), 400, "invalid_request_error") from exc

@@ -1,0 +1,369 @@
+"""The OpenAI API's request and response bodies, in the shapes vLLM's OpenAI server uses.
+
+Unknown request fields are accepted and ignored (extra="allow"; api.py logs their
+names at debug level), as OpenAI-compatible servers do: clients send parameters a
+server may not implement (metadata, store, parallel_tool_calls, ...). Parameters
+whose silent omission would change the output (n > 1, best_of, echo, suffix,
+logit_bias, response_format, a forced tool_choice) are declared here so that they
+are refused with a 400 instead.
+
+Ranges of sampling values are checked once, by SamplingParams; the models here
+check types and what is specific to the API.
+"""
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+
+from services.balancer.generation import Usage
+from shared.engine.sampler import TokenLogprobs
+from shared.engine.sampling_params import SamplingParams
+
+# vLLM's floor: -inf is not valid JSON and clients choke on it.
+_MIN_LOGPROB = -9999.0
+
+# ---------------------------------------------------------------------------
+# requests
+# ---------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    """Send a last chunk with empty choices and the usage."""
+
+
+class _GenerationRequest(BaseModel):
+    """What completions and chat share: the sampling settings and the vLLM extensions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    """vLLM's: None, 0 or -1 keep every token."""
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+    """vLLM's: requests with different salts never share prefix-cache blocks."""
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> "_GenerationRequest":
+        if self.n not in (None, 1):
+            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Token-level settings for the generator; stop strings stay with the HTTP layer.
+        Raises SamplingParams' ValueError for values out of range."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=None if self.top_k in (None, 0, -1) else self.top_k,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            stop_token_ids=list(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            seed=self.seed,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    """One prompt. A list of one string or one token list is taken as that prompt;
+    batches of several prompts are refused (send one request per prompt)."""
+    max_tokens: int | None = None
+    """None: up to the model's context length."""
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported_completion(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError(f"best_of must be 1, got {self.best_of}")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+        return self
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return prompt[0]  # type: ignore[return-value]
+        return prompt  # type: ignore[return-value]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, reasoning_content, ... reach the template
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(content, list):
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+        return content
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if message["role"] == "developer":  # OpenAI's newer name for the system role
+            message["role"] = "system"
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None
+    """Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are set."""
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: extra template variables (e.g. enable_thinking)."""
+
+    @model_validator(mode="after")
+    def _refuse_unsupported_chat(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool calls are not supported: tool_choice must be 'none' or 'auto'")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---------------------------------------------------------------------------
+# responses
+# ---------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, usage: Usage) -> "UsageInfo":
+        return cls(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            total_tokens=usage.prompt_tokens + usage.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        )
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "infermesh"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole response and each stream chunk (the completions API uses one shape)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobEntry]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+    @field_serializer("delta")
+    def _only_set_fields(self, delta: DeltaMessage) -> dict[str, Any]:
+        # OpenAI sends role in the first delta only, and no null keys in deltas.
+        return delta.model_dump(exclude_none=True)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------
+# logprobs in each API's format
+# ---------------------------------------------------------------------------
+
+TokenText = Callable[[int], str]
+"""The text of one token id on its own (special tokens included)."""
+
+
+def _logprob(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprobs], token_text: TokenText, text_offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy completions format; text_offset is where the first token's text
+    starts in the output. Returns the logprobs and the offset after the last token.
+    top_logprobs holds the k most likely tokens and the sampled one, as OpenAI's."""
+    out = CompletionLogprobs()
+    for entry in entries:
+        token = token_text(entry.token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(_logprob(entry.logprob))
+        top = {token_text(token_id): _logprob(lp) for token_id, lp in entry.top}
+        top.setdefault(token, _logprob(entry.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(text_offset)
+        text_offset += len(token)
+    return out, text_offset
+
+
+def _top_logprob(token_id: int, logprob: float, token_text: TokenText) -> TopLogprob:
+    token = token_text(token_id)
+    return TopLogprob(token=token, logprob=_logprob(logprob), bytes=list(token.encode("utf-8")))
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], token_text: TokenText) -> ChatLogprobs:
+    """The chat format: one entry per token with its top_logprobs alternatives."""
+    content = []
+    for entry in entries:
+        chosen = _top_logprob(entry.token_id, entry.logprob, token_text)
+        top = [_top_logprob(token_id, lp, token_text) for token_id, lp in entry.top]
+        content.append(ChatLogprobEntry(**chosen.model_dump(), top_logprobs=top))
+    return ChatLogprobs(content=content)

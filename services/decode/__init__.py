@@ -1,0 +1,2 @@
+"""The decode stage: admits prefilled requests into its continuous batch,
+loading their KV blocks from kvcache, and streams their tokens on NATS."""

@@ -1,0 +1,155 @@
+"""Decode: continue a request handed over by prefill.
+
+The first token (sampled by prefill) goes out at once; the prompt's full blocks
+come from kvcache into the local paged cache; the engine recomputes only the
+partial last block and the first token, then generates. Every token goes out
+on the request's stream subject with a sequence number; the last chunk says
+why it ended and carries usage. A cancel message aborts the request, which
+frees its blocks.
+"""
+
+import asyncio
+import logging
+from contextlib import AsyncExitStack
+
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.request import Request
+from shared.engine.sampling_params import SamplingParams
+from shared.kv.block_hash import BlockHash
+from shared.kv.client import KVCacheClient
+from shared.proto import mesh_pb2
+from shared.runtime import subjects
+from shared.runtime.bus import StreamPublisher
+from shared.runtime.convert import logprobs_to_proto, params_from_proto
+from shared.runtime.service import ServiceContext
+from shared.runtime.worker import Worker, engine_config, fail_stream, load_cached_blocks, validate_prompt
+
+log = logging.getLogger(__name__)
+
+
+class DecodeService:
+    def __init__(self, ctx: ServiceContext, worker: Worker, kv: KVCacheClient) -> None:
+        self.ctx = ctx
+        self.worker = worker
+        self.kv = kv
+        self.engine: LLMEngine = worker.engine.engine
+        self._tasks: dict[str, asyncio.Task] = {}
+        m = ctx.metrics
+        self.m_requests = m.counter("requests_total", "Decode requests by outcome", ("outcome",))
+        self.m_output_tokens = m.counter("output_tokens_total", "Tokens generated")
+        self.m_loaded_bytes = m.counter("kv_loaded_bytes_total", "KV bytes loaded from kvcache")
+        self.m_itl = m.histogram("inter_token_latency_seconds", "Time between two tokens of a request")
+
+    async def on_admit(self, h: mesh_pb2.DecodeHandoff) -> mesh_pb2.Ack:
+        if self.worker.draining:
+            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_SHUTTING_DOWN, message="draining")
+        try:
+            params = params_from_proto(h.sampling)
+            validate_prompt(self.engine, list(h.prompt_token_ids), params)
+            subjects.check_token(h.request_id)
+            if len(h.output_token_ids) != 1:
+                raise ValueError("a handoff carries exactly the first token")
+        except ValueError as exc:
+            self.m_requests.labels("invalid").inc()
+            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
+        task = self.worker.spawn(self._decode(h, params))
+        self._tasks[h.request_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(h.request_id, None))
+        return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
+
+    async def on_cancel(self, msg: mesh_pb2.Cancel) -> None:
+        task = self._tasks.get(msg.request_id)
+        if task is not None:
+            task.cancel()  # leaving engine.generate() aborts the request and frees its blocks
+
+    def _usage(self, h: mesh_pb2.DecodeHandoff, num_output: int) -> mesh_pb2.Usage:
+        return mesh_pb2.Usage(
+            prompt_tokens=len(h.prompt_token_ids),
+            completion_tokens=num_output,
+            cached_tokens=h.num_cached_tokens,
+        )
+
+    async def _decode(self, h: mesh_pb2.DecodeHandoff, params: SamplingParams) -> None:
+        rid = h.request_id
+        prompt = list(h.prompt_token_ids)
+        pub = StreamPublisher(self.ctx.bus, rid)
+        loop = asyncio.get_running_loop()
+        with self.ctx.tracer.start_as_current_span("decode") as span:
+            span.set_attribute("request.id", rid)
+            span.set_attribute("prompt.tokens", len(prompt))
+            try:
+                # The first token, at once: the client's time to first token
+                # should not wait for the KV transfer.
+                first = mesh_pb2.TokenChunk(request_id=rid, token_ids=h.output_token_ids, instance_id=self.ctx.instance_id)
+                if params.logprobs is not None and h.HasField("first_logprobs"):
+                    first.logprobs.append(h.first_logprobs)
+                # Usage from the start: a stop string may cut the stream before the last chunk.
+                first.usage.CopyFrom(self._usage(h, 1))
+                status = self._stops_at_first_token(h, params)
+                if status is not None:
+                    first.final = True
+                    first.finish_reason = status
+                await pub.send(first)
+                self.m_output_tokens.inc()
+                if status is not None:
+                    span.set_attribute("output.tokens", 1)
+                    self.m_requests.labels("ok").inc()
+                    return
+                hashes = [BlockHash(x) for x in h.block_hashes]
+                await load_cached_blocks(self.worker, self.kv, prompt, hashes, h.cache_salt or None, span)
+                last = loop.time()
+                async for out in self.worker.engine.generate(
+                    rid,
+                    prompt,
+                    params,
+                    cache_salt=h.cache_salt or None,
+                    output_token_ids=list(h.output_token_ids),
+                    generator_state=h.generator_state or None,
+                ):
+                    chunk = mesh_pb2.TokenChunk(request_id=rid, token_ids=out.new_token_ids, instance_id=self.ctx.instance_id)
+                    chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
+                    if out.finished:
+                        chunk.final = True
+                        chunk.finish_reason = out.finish_reason or "stop"
+                        chunk.usage.CopyFrom(self._usage(h, len(out.token_ids)))
+                        span.set_attribute("output.tokens", len(out.token_ids))
+                        span.set_attribute("finish_reason", chunk.finish_reason)
+                    await pub.send(chunk)
+                    now = loop.time()
+                    self.m_itl.observe(now - last)
+                    last = now
+                    self.m_output_tokens.inc(len(out.new_token_ids))
+                self.m_requests.labels("ok").inc()
+            except asyncio.CancelledError:
+                self.m_requests.labels("cancelled").inc()
+                span.set_attribute("cancelled", True)
+                raise
+            except Exception as exc:
+                log.exception("decode of %s failed", rid)
+                self.m_requests.labels("error").inc()
+                span.record_exception(exc)
+                error = mesh_pb2.TokenChunk(
+                    request_id=rid, final=True, error_code=mesh_pb2.ERROR_CODE_INTERNAL,
+                    error=f"decode failed: {exc}", instance_id=self.ctx.instance_id,
+                )
+                await pub.send(error)
+
+    def _stops_at_first_token(self, h: mesh_pb2.DecodeHandoff, params: SamplingParams) -> str | None:
+        """The engine's own stop rules, applied to the token prefill sampled."""
+        request = Request(h.request_id, list(h.prompt_token_ids), params, eos_token_ids=self.engine.eos_token_ids)
+        request.append_output_token(h.output_token_ids[0])
+        status = request.check_stop(self.engine.max_model_len)
+        return status.finish_reason if status is not None else None
+
+
+async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
+    engine = await asyncio.to_thread(LLMEngine, engine_config(ctx.settings.engine, detokenize=False, record_kv_events=True))
+    worker = Worker(ctx, engine)
+    kv = KVCacheClient(ctx.settings.kvcache.address)
+    stack.push_async_callback(kv.close)
+    service = DecodeService(ctx, worker, kv)
+    await worker.start(stack)
+    sub = await ctx.bus.subscribe(subjects.decode_admit(ctx.instance_id), mesh_pb2.DecodeHandoff, service.on_admit)
+    stack.push_async_callback(sub.unsubscribe)
+    cancel = await ctx.bus.subscribe(subjects.CANCEL, mesh_pb2.Cancel, service.on_cancel)
+    stack.push_async_callback(cancel.unsubscribe)

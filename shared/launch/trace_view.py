@@ -1,0 +1,72 @@
+"""`infermesh trace last | ID`: a request's span tree as a terminal waterfall,
+read from the JSON-lines span files the services write (telemetry.py)."""
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+# Attributes worth a place on the waterfall line, in this order.
+_SHOWN = (
+    "prompt.tokens", "prompt.cached_tokens", "output.tokens", "ttft_ms",
+    "prefill.choice", "prefill.reason", "decode.choice",
+    "kv.loaded_blocks", "kv.loaded_bytes", "kv.stored_blocks", "kv.stored_bytes",
+    "rpc.method", "blocks", "bytes", "hits", "finish_reason",
+)
+
+
+def load_spans(trace_dir: str | Path) -> list[dict]:
+    spans = []
+    for path in sorted(Path(trace_dir).glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                try:
+                    spans.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut by a crash: skip it
+    return spans
+
+
+def pick_trace(spans: list[dict], which: str) -> list[dict]:
+    """`last`: the trace whose root span started last; else a trace id (prefix ok)."""
+    if which == "last":
+        roots = [s for s in spans if s["parent_id"] is None]
+        if not roots:
+            raise LookupError("no traces recorded yet")
+        trace_id = max(roots, key=lambda s: s["start_ns"])["trace_id"]
+    else:
+        ids = {s["trace_id"] for s in spans if s["trace_id"].startswith(which)}
+        if len(ids) != 1:
+            raise LookupError(f"{len(ids)} traces match {which!r}")
+        trace_id = ids.pop()
+    return [s for s in spans if s["trace_id"] == trace_id]
+
+
+def render_waterfall(spans: list[dict], width: int = 40) -> str:
+    by_parent: dict[str | None, list[dict]] = defaultdict(list)
+    ids = {s["span_id"] for s in spans}
+    for s in spans:
+        # A span whose parent is in another (unseen) file still shows, at the top.
+        by_parent[s["parent_id"] if s["parent_id"] in ids else None].append(s)
+    t0 = min(s["start_ns"] for s in spans)
+    t1 = max(s["end_ns"] for s in spans)
+    total = max(t1 - t0, 1)
+    lines = [f"trace {spans[0]['trace_id']}  {total / 1e6:.1f} ms  {len(spans)} spans"]
+
+    def walk(span: dict, depth: int) -> None:
+        start = (span["start_ns"] - t0) / total
+        end = (span["end_ns"] - t0) / total
+        a = int(start * width)
+        b = max(a + 1, int(end * width))
+        bar = " " * a + "█" * (b - a) + " " * (width - b)
+        label = f"{'  ' * depth}{span['service']}: {span['name']}"
+        attrs = span.get("attributes", {})
+        shown = " ".join(f"{k}={attrs[k]}" for k in _SHOWN if k in attrs)
+        err = " ERROR" if span.get("status") == "ERROR" else ""
+        dur = (span["end_ns"] - span["start_ns"]) / 1e6
+        lines.append(f"{label:<46.46} |{bar}| {dur:9.1f} ms{err} {shown}")
+        for child in sorted(by_parent.get(span["span_id"], []), key=lambda s: s["start_ns"]):
+            walk(child, depth + 1)
+
+    for root in sorted(by_parent[None], key=lambda s: s["start_ns"]):
+        walk(root, 0)
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""Engine dataclasses <-> protobuf messages, in one place."""
+
+from shared.engine.sampler import TokenLogprobs
+from shared.engine.sampling_params import SamplingParams
+from shared.proto import mesh_pb2
+
+
+def params_to_proto(p: SamplingParams) -> mesh_pb2.SamplingParams:
+    msg = mesh_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
+    )
+    if p.top_k is not None:
+        msg.top_k = p.top_k
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def params_from_proto(msg: mesh_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError (from SamplingParams) for values out of range."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        min_tokens=msg.min_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k if msg.HasField("top_k") else None,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> mesh_pb2.TokenLogprobs:
+    return mesh_pb2.TokenLogprobs(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top_token_ids=[t for t, _ in lp.top],
+        top_logprobs=[v for _, v in lp.top],
+    )
+
+
+def logprobs_from_proto(msg: mesh_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=msg.token_id,
+        logprob=msg.logprob,
+        rank=msg.rank,
+        top=list(zip(msg.top_token_ids, msg.top_logprobs)),
+    )

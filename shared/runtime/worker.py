@@ -1,0 +1,209 @@
+"""What the engine-running services (prefill, decode) share: building the
+engine from settings, its thread, heartbeats with load figures, KV block
+events, and the drain on shutdown."""
+
+import asyncio
+import contextlib
+import logging
+import time
+from contextlib import AsyncExitStack
+
+from opentelemetry.trace import Span
+
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from shared.kv.block_hash import BlockHash
+from shared.kv.client import KVCacheClient
+from shared.proto import mesh_pb2
+from shared.runtime import subjects
+from shared.runtime.bus import Bus, StreamPublisher
+from shared.runtime.rpc import GrpcServer, start_grpc_server
+from shared.runtime.service import ServiceContext
+from shared.runtime.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(settings: EngineSettings, **overrides: object) -> EngineConfig:
+    return EngineConfig(
+        model=settings.model,
+        dtype=settings.dtype,
+        device=settings.device,
+        block_size=settings.block_size,
+        num_kv_blocks=settings.num_kv_blocks,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        prefill_chunk_size=settings.prefill_chunk_size,
+        max_model_len=settings.max_model_len,
+        **overrides,  # type: ignore[arg-type]
+    )
+
+
+class Worker:
+    """An engine on its thread plus the mesh duties around it. Services make one
+    in their setup and register its stop on the exit stack."""
+
+    def __init__(self, ctx: ServiceContext, engine: LLMEngine) -> None:
+        self.ctx = ctx
+        self.engine = AsyncEngine(engine, asyncio.get_running_loop())
+        self.grpc: GrpcServer | None = None
+        self.draining = False
+        self._tasks: list[asyncio.Task] = []
+        self._inflight: set[asyncio.Task] = set()
+        self._hb_seq = 0
+        self._kv_seq = 0
+        m = ctx.metrics
+        self.m_running = m.gauge("running_requests", "Requests in the engine's running batch")
+        self.m_waiting = m.gauge("waiting_requests", "Requests queued in the engine")
+        self.m_queued_tokens = m.gauge("queued_tokens", "Tokens still to compute for admitted requests")
+        self.m_kv_free = m.gauge("kv_free_blocks", "Free blocks of the paged KV cache")
+        self.m_kv_total = m.gauge("kv_total_blocks", "Blocks of the paged KV cache")
+        self.m_kv_usage = m.gauge("kv_usage_ratio", "Used fraction of the paged KV cache")
+
+    async def start(self, stack: AsyncExitStack) -> None:
+        self.engine.start()
+        self.grpc = await start_grpc_server(self.ctx.settings.worker.grpc_port, [], [self.ctx.stage])
+        await self._publish_kv_events(cleared=True)
+        self._tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._kv_event_loop(), name="kv-events"),
+        ]
+        stack.push_async_callback(self.stop)
+        await self.grpc.set_serving(True)
+        log.info("%s: gRPC health on :%d", self.ctx.instance_id, self.grpc.port)
+
+    def spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
+        """Run a request's handler as a task counted for the drain."""
+        task = asyncio.create_task(coro)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return task
+
+    async def stop(self) -> None:
+        """Drain: say NOT_SERVING and draining, let in-flight requests finish
+        under a timeout, then stop the engine."""
+        self.draining = True
+        if self.grpc is not None:
+            await self.grpc.set_serving(False)
+        await self._send_heartbeat()
+        if self._inflight:
+            _, pending = await asyncio.wait(self._inflight, timeout=self.ctx.settings.worker.drain_timeout_s)
+            for task in pending:
+                task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await self.engine.shutdown()
+        if self.grpc is not None:
+            await self.grpc.stop(grace_s=1.0)
+
+    def load(self) -> mesh_pb2.Load:
+        load = self.engine.last_load
+        self.m_running.set(load.num_running)
+        self.m_waiting.set(load.num_waiting)
+        self.m_queued_tokens.set(load.num_queued_tokens)
+        self.m_kv_free.set(load.num_free_kv_blocks)
+        self.m_kv_total.set(load.num_total_kv_blocks)
+        self.m_kv_usage.set(1 - load.num_free_kv_blocks / max(load.num_total_kv_blocks, 1))
+        return mesh_pb2.Load(
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_free_kv_blocks=load.num_free_kv_blocks,
+            num_total_kv_blocks=load.num_total_kv_blocks,
+            num_queued_tokens=load.num_queued_tokens,
+        )
+
+    async def _send_heartbeat(self) -> None:
+        self._hb_seq += 1
+        hb = mesh_pb2.Heartbeat(
+            stage=self.ctx.stage,
+            instance_id=self.ctx.instance_id,
+            seq=self._hb_seq,
+            unix_time=time.time(),
+            load=self.load(),
+            model=self.ctx.settings.engine.model,
+            interval_s=self.ctx.settings.worker.heartbeat_interval_s,
+            draining=self.draining,
+        )
+        with contextlib.suppress(Exception):  # NATS down: the next beat retries
+            await self.ctx.bus.publish(subjects.heartbeat(self.ctx.stage), hb)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self._send_heartbeat()
+            await asyncio.sleep(self.ctx.settings.worker.heartbeat_interval_s)
+
+    async def _publish_kv_events(self, cleared: bool = False) -> None:
+        stored, removed = await self.engine.call(lambda e: e.drain_kv_events())
+        if not (stored or removed or cleared):
+            return
+        self._kv_seq += 1
+        event = mesh_pb2.KvEvent(
+            instance_id=self.ctx.instance_id, seq=self._kv_seq, stored=stored, removed=removed, cleared=cleared
+        )
+        await self.ctx.bus.publish(subjects.KV_EVENTS, event)
+
+    async def _kv_event_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            try:
+                await self._publish_kv_events()
+            except Exception:  # never let routing hints kill the worker
+                log.exception("publishing KV events failed")
+
+
+def validate_prompt(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> None:
+    """The checks the engine would make, done before accepting work, so a bad
+    request is refused in the Ack rather than failing later."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    vocab = engine.model.config.vocab_size
+    if any(not 0 <= t < vocab for t in prompt):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if len(prompt) >= engine.max_model_len:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model takes at most {engine.max_model_len}")
+
+
+async def load_cached_blocks(
+    worker: Worker,
+    kv: KVCacheClient,
+    prompt: list[int],
+    hashes: list[BlockHash],
+    cache_salt: str | None,
+    span: Span,
+) -> int:
+    """Bring the blocks of `hashes` that are not in the local prefix cache from
+    the kvcache service into it. Returns how many were loaded. A block that
+    cannot be fetched or does not fit is simply recomputed later."""
+    engine = worker.engine
+    local = await engine.call(lambda e: e.num_local_prefix_blocks(prompt, hashes))
+    span.set_attribute("kv.local_blocks", local)
+    if local >= len(hashes):
+        return 0
+    fetched = await kv.get_blocks(hashes[local:])
+    layout = engine.engine.block_layout
+    usable = [(h, data) for h, lay, data in fetched if lay == layout]
+    if len(usable) < len(fetched):
+        log.warning("kvcache returned blocks of another layout; recomputing them")
+    loaded = await engine.call(
+        lambda e: e.import_blocks(prompt, local, [h for h, _ in usable], [d for _, d in usable], cache_salt)
+    )
+    span.set_attribute("kv.loaded_blocks", loaded)
+    span.set_attribute("kv.loaded_bytes", sum(len(d) for _, d in usable[:loaded]))
+    return loaded
+
+
+async def fail_stream(bus: Bus, request_id: str, instance_id: str, message: str) -> None:
+    """End a request's token stream with an error, so the balancer answers the
+    client instead of waiting for a timeout."""
+    chunk = mesh_pb2.TokenChunk(
+        request_id=request_id,
+        final=True,
+        error_code=mesh_pb2.ERROR_CODE_INTERNAL,
+        error=message,
+        instance_id=instance_id,
+    )
+    with contextlib.suppress(Exception):
+        await StreamPublisher(bus, request_id).send(chunk)
