@@ -156,6 +156,9 @@ def test_one_request_one_trace_across_all_services(mesh, client):
     assert {"balancer", "prefill", "kvcache", "decode"} <= services
     ids = {s["span_id"] for s in mine}
     assert all(s["parent_id"] in ids for s in mine if s["parent_id"] is not None)  # one connected tree
+    root = next(s for s in mine if s["parent_id"] is None)
+    assert root["attributes"]["ttft_ms"] > 0 and root["attributes"]["prompt.tokens"] > 0
+    assert "prompt.cached_tokens" in root["attributes"]
     route = next(s for s in mine if s["name"] == "route")
     assert route["attributes"]["prefill.choice"].startswith("prefill-")
     assert route["attributes"]["decode.choice"].startswith("decode-")

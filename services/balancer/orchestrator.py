@@ -11,9 +11,11 @@ cancel that every worker applies. Nothing waits forever.
 import asyncio
 import logging
 import random
+import time
 from collections.abc import AsyncIterator
 
 import nats.errors
+from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
 from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
@@ -66,6 +68,9 @@ class MeshGenerator:
     async def _generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         rid = req.request_id
         finished = False
+        # The HTTP layer's request span: TTFT and cache figures belong on the trace's root.
+        root = trace.get_current_span()
+        started = time.perf_counter()
         async with StreamReader(self.bus, rid) as reader:
             decode_id = await self._dispatch(req)
             # Not the current span: this generator yields, and a span made current
@@ -77,6 +82,10 @@ class MeshGenerator:
                     if chunk.error:
                         status = 400 if chunk.error_code == mesh_pb2.ERROR_CODE_INVALID_REQUEST else 503
                         raise GenerationError(chunk.error, status=status)
+                    if num_tokens == 0:
+                        ttft_ms = (time.perf_counter() - started) * 1e3
+                        root.set_attribute("ttft_ms", round(ttft_ms, 2))
+                        span.set_attribute("ttft_ms", round(ttft_ms, 2))
                     num_tokens += len(chunk.token_ids)
                     event = TokenEvent(
                         token_ids=list(chunk.token_ids),
@@ -86,6 +95,7 @@ class MeshGenerator:
                         event.usage = Usage(
                             chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.cached_tokens
                         )
+                        root.set_attribute("prompt.cached_tokens", chunk.usage.cached_tokens)
                     if chunk.final:
                         finished = True
                         event.finish_reason = chunk.finish_reason or "stop"

@@ -10,7 +10,7 @@ _SHOWN = (
     "prompt.tokens", "prompt.cached_tokens", "output.tokens", "ttft_ms",
     "prefill.choice", "prefill.reason", "decode.choice",
     "kv.loaded_blocks", "kv.loaded_bytes", "kv.stored_blocks", "kv.stored_bytes",
-    "rpc.method", "blocks", "bytes", "hits", "finish_reason",
+    "kvcache.blocks", "kvcache.hits", "kvcache.bytes", "finish_reason",
 )
 
 
