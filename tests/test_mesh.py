@@ -140,20 +140,24 @@ def test_sixteen_concurrent_streams_complete_in_order(mesh, client, offline):
 
 def test_one_request_one_trace_across_all_services(mesh, client):
     name = model_name(client)
-    client.chat.completions.create(
+    resp = client.chat.completions.create(
         model=name, messages=[{"role": "user", "content": "trace me " * 20}], max_tokens=4, temperature=0
     )
-    deadline = time.monotonic() + 10
-    while True:
+    # Spans reach their files in batches: wait until this request's trace is whole.
+    deadline = time.monotonic() + 15
+    mine: list[dict] = []
+    services: set[str] = set()
+    while time.monotonic() < deadline:
         spans = load_spans(mesh.trace_dir)
-        roots = [s for s in spans if s["parent_id"] is None and s["service"] == "balancer"]
-        trace_id = max(roots, key=lambda s: s["start_ns"])["trace_id"]
-        mine = [s for s in spans if s["trace_id"] == trace_id]
-        services = {s["service"] for s in mine}
-        if {"balancer", "prefill", "kvcache", "decode"} <= services or time.monotonic() > deadline:
-            break
+        roots = [s for s in spans if s["attributes"].get("request.id") == resp.id and s["parent_id"] is None]
+        if roots:
+            mine = [s for s in spans if s["trace_id"] == roots[0]["trace_id"]]
+            services = {s["service"] for s in mine}
+            if {"balancer", "prefill", "kvcache", "decode"} <= services:
+                break
         time.sleep(0.3)
     assert {"balancer", "prefill", "kvcache", "decode"} <= services
+    trace_id = mine[0]["trace_id"]
     ids = {s["span_id"] for s in mine}
     assert all(s["parent_id"] in ids for s in mine if s["parent_id"] is not None)  # one connected tree
     root = next(s for s in mine if s["parent_id"] is None)

@@ -1,6 +1,6 @@
 """The OpenAI API's request and response bodies, in the shapes vLLM's OpenAI server uses.
 
-Unknown request fields are accepted and ignored (extra="allow"; api.py logs their
+Unknown request fields are accepted and ignored (extra="allow"; serving.py logs their
 names at debug level), as OpenAI-compatible servers do: clients send parameters a
 server may not implement (metadata, store, parallel_tool_calls, ...). Parameters
 whose silent omission would change the output (n > 1, best_of, echo, suffix,
