@@ -9,6 +9,7 @@ cancel that every worker applies. Nothing waits forever.
 """
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import nats.errors
 from opentelemetry import trace
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import Span, Tracer
 
 from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
 from services.balancer.policies import choose_decode, choose_prefill
@@ -31,6 +32,14 @@ from shared.runtime.settings import BalancerSettings
 log = logging.getLogger(__name__)
 
 _RETRYABLE = (mesh_pb2.ERROR_CODE_OVERLOADED, mesh_pb2.ERROR_CODE_SHUTTING_DOWN)
+
+
+class _InstanceFailed(Exception):
+    """An instance failed a request it had accepted: worth migrating."""
+
+    def __init__(self, message: str, decode_id: str) -> None:
+        super().__init__(message)
+        self.decode_id = decode_id
 
 
 class MeshGenerator:
@@ -66,13 +75,56 @@ class MeshGenerator:
             self._in_flight -= 1
 
     async def _generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        rid = req.request_id
-        finished = False
+        """Run the request; when an instance fails it after accepting it, migrate:
+        re-dispatch prompt + tokens generated so far to other instances and go
+        on streaming (up to migration_limit times), as Dynamo does. Greedy output
+        is unchanged by a migration; a seeded sample restarts its randomness."""
         # The HTTP layer's request span: TTFT and cache figures belong on the trace's root.
         root = trace.get_current_span()
         started = time.perf_counter()
+        generated: list[int] = []
+        cached: int | None = None
+        excluded: set[str] = set()
+        attempt = req
+        last: Exception | None = None
+        for migration in range(self.settings.migration_limit + 1):
+            if migration:
+                attempt = self._continuation(req, generated, migration)
+            try:
+                async for event in self._attempt(attempt, excluded, root, time.perf_counter()):
+                    if not generated and event.token_ids:
+                        root.set_attribute("ttft_ms", round((time.perf_counter() - started) * 1e3, 2))
+                    generated += event.token_ids
+                    if event.usage is not None:
+                        cached = event.usage.cached_tokens if cached is None else cached
+                        event.usage = Usage(len(req.prompt_token_ids), len(generated), cached)
+                    yield event
+                return
+            except _InstanceFailed as exc:
+                excluded.add(exc.decode_id)
+                log.warning("request %s: %s; migrating (%d/%d)", req.request_id, exc, migration + 1,
+                            self.settings.migration_limit)
+                root.set_attribute("migrations", migration + 1)
+                last = exc
+        raise GenerationError(f"the mesh failed this request: {last}", status=503)
+
+    @staticmethod
+    def _continuation(req: GenerationRequest, generated: list[int], migration: int) -> GenerationRequest:
+        p = req.params
+        params = dataclasses.replace(
+            p, max_tokens=p.max_tokens - len(generated), min_tokens=max(p.min_tokens - len(generated), 0)
+        )
+        return GenerationRequest(
+            f"{req.request_id}-m{migration}", req.prompt_token_ids + generated, params, req.cache_salt
+        )
+
+    async def _attempt(
+        self, req: GenerationRequest, excluded: set[str], root: Span, started: float
+    ) -> AsyncIterator[TokenEvent]:
+        rid = req.request_id
+        finished = False
         async with StreamReader(self.bus, rid) as reader:
-            decode_id = await self._dispatch(req)
+            decode_id = await self._dispatch(req, excluded)
             # Not the current span: this generator yields, and a span made current
             # across a yield would be detached in another context when closed.
             span = self.tracer.start_span("stream", attributes={"decode.instance": decode_id})
@@ -80,12 +132,11 @@ class MeshGenerator:
             try:
                 async for chunk in reader.chunks(self.settings.first_token_timeout_s, self.settings.token_timeout_s):
                     if chunk.error:
-                        status = 400 if chunk.error_code == mesh_pb2.ERROR_CODE_INVALID_REQUEST else 503
-                        raise GenerationError(chunk.error, status=status)
+                        if chunk.error_code == mesh_pb2.ERROR_CODE_INVALID_REQUEST:
+                            raise GenerationError(chunk.error, status=400, error_type="invalid_request_error")
+                        raise _InstanceFailed(chunk.error, decode_id)
                     if num_tokens == 0:
-                        ttft_ms = (time.perf_counter() - started) * 1e3
-                        root.set_attribute("ttft_ms", round(ttft_ms, 2))
-                        span.set_attribute("ttft_ms", round(ttft_ms, 2))
+                        span.set_attribute("ttft_ms", round((time.perf_counter() - started) * 1e3, 2))
                     num_tokens += len(chunk.token_ids)
                     event = TokenEvent(
                         token_ids=list(chunk.token_ids),
@@ -103,7 +154,8 @@ class MeshGenerator:
                         span.set_attribute("prompt.cached_tokens", chunk.usage.cached_tokens)
                     yield event
             except StreamTimeout as exc:
-                raise GenerationError(f"the mesh did not answer in time: {exc}", status=503) from None
+                span.set_attribute("error", str(exc))
+                raise _InstanceFailed(f"the mesh did not answer in time: {exc}", decode_id) from None
             finally:
                 span.end()
                 if not finished:  # an error, a stop string or a client gone: stop the work everywhere
@@ -122,16 +174,18 @@ class MeshGenerator:
         except Exception:
             log.exception("could not publish the cancel of %s", request_id)
 
-    async def _dispatch(self, req: GenerationRequest) -> str:
+    async def _dispatch(self, req: GenerationRequest, excluded_decode: set[str]) -> str:
         """Choose the instances and hand the request to prefill; returns the
         decode instance's id. Retries other prefill instances that refuse
-        because they are busy or draining."""
+        because they are busy or draining. Decode instances that failed this
+        request before are not chosen again."""
         hashes = hash_block_chain(req.prompt_token_ids, self.block_size, self.kv_fingerprint, req.cache_salt)
         with self.tracer.start_as_current_span("route") as span:
             span.set_attribute("request.id", req.request_id)
             span.set_attribute("prompt.tokens", len(req.prompt_token_ids))
             try:
-                decode = choose_decode(self.registry.live("decode"), self.rng)
+                live = [i for i in self.registry.live("decode") if i.instance_id not in excluded_decode]
+                decode = choose_decode(live, self.rng)
             except LookupError as exc:
                 raise GenerationError(str(exc), status=503) from None
             span.set_attribute("decode.candidates", list(decode.scores))

@@ -102,6 +102,9 @@ class BalancerSettings:
     """A request with no token from decode after this long fails (and is cancelled)."""
     token_timeout_s: float = 30.0
     """Longest silence between two chunks of a stream."""
+    migration_limit: int = 1
+    """How many times a request whose instance fails mid-way is moved to other
+    instances (prompt + tokens so far) before the client gets an error."""
 
 
 @dataclass(slots=True)
