@@ -97,6 +97,27 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_mesh(args: argparse.Namespace) -> int:
+    from shared.bench.mesh_bench import run_mesh_bench
+
+    run_mesh_bench(
+        model=args.model,
+        concurrency=args.concurrency,
+        num_requests=args.num_requests,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        num_rounds=args.rounds,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        targets=tuple(args.targets),
+        device=args.device,
+        dtype=args.dtype,
+        state_dir=args.state_dir,
+        json_path=args.json,
+    )
+    return 0
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -168,6 +189,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     p.set_defaults(func=_cmd_bench_engine)
+
+    p = sub.add_parser("bench-mesh", help="throughput and TTFT through the mesh against the engine in one process")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: make the tiny model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="clients in the closed loop, per level")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency level and target")
+    p.add_argument("--rounds", type=int, default=2, help="the targets take turns this many times per level")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances of the mesh")
+    p.add_argument("--decode", type=int, default=1, help="decode instances of the mesh")
+    p.add_argument(
+        "--targets", nargs="+", default=["engine", "http", "mesh"], choices=["engine", "http", "mesh"],
+        help="engine: in this process; http: OpenAI API over one in-process engine; mesh: the whole mesh",
+    )
+    p.add_argument("--state-dir", default=None, help="keep logs here (default: a temp dir, removed after a clean run)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    p.set_defaults(func=_cmd_bench_mesh)
 
     p = sub.add_parser("up", help="run the mesh on this machine: nats-server and every service")
     p.add_argument("--model", default=None, help="checkpoint folder (default: models/default, made if missing)")

@@ -1,0 +1,451 @@
+"""`infermesh bench-mesh`: throughput and latency through the mesh against the
+engine in one process, on the same model, prompts and settings, side by side in
+one run, so the ratios and differences hold on a noisy machine.
+
+Three targets, each fed the same prompts in a closed loop of `concurrency` clients:
+  engine  LLMEngine stepped directly in this process (no queues, no HTTP), on a
+          thread as in the services;
+  http    the balancer's OpenAI API over that engine in one process (LocalGenerator
+          behind uvicorn, in a child process), which separates the cost of HTTP/SSE
+          and detokenization from the cost of the mesh;
+  mesh    `Mesh`: nats-server, kvcache, prefill and decode instances and the balancer
+          as real processes, as `infermesh up` starts them.
+HTTP requests stream token-id prompts through /v1/completions with `logprobs: 0`:
+the balancer sends a chunk only when it has text or logprobs, so logprobs make one
+entry per token and let the client count tokens, not chunks, and stamp the first
+token exactly. Every target samples with the same SamplingParams, logprobs included.
+"""
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from shared.launch.up import Mesh, free_port, http_ok
+from shared.runtime.settings import EngineSettings
+from shared.runtime.worker import engine_config
+
+TARGETS = ("engine", "http", "mesh")
+_LEGEND = {
+    "engine": "LLMEngine stepped directly in this process",
+    "http": "OpenAI API over the engine in one process (LocalGenerator + uvicorn)",
+    "mesh": "OpenAI API through the mesh",
+}
+_WARMUP_SEED = 1_000_003  # warm-up prompts never share a block with measured ones
+
+
+@dataclass(slots=True)
+class Timing:
+    """One request, in seconds from its submission."""
+
+    ttft_s: float
+    e2e_s: float
+    """To its last token."""
+    num_tokens: int
+    """Output tokens counted as they arrived."""
+    num_usage_tokens: int
+    """Output tokens as the server's usage reports them (the engine: counted)."""
+    num_cached_tokens: int
+
+
+def _prompts(num: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    # Distinct random prompts: no prefix-cache hit flatters any target.
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, vocab, size=(num, prompt_len)).tolist()
+
+
+def _params(output_len: int) -> SamplingParams:
+    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+# -- the targets -----------------------------------------------------------------------
+
+
+def run_engine(
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int
+) -> tuple[list[Timing], float]:
+    """Closed loop over the engine: a new request is added between steps as soon
+    as one finishes; a token counts as arrived when the step returns it."""
+    params = _params(output_len)
+    tag = f"bench-{time.monotonic_ns()}"
+    submitted: dict[str, float] = {}
+    first: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    timings: list[Timing] = []
+    next_i = 0
+    start = time.perf_counter()
+    while next_i < len(prompts) or engine.has_unfinished_requests():
+        while next_i < len(prompts) and len(submitted) < concurrency:
+            rid = f"{tag}-{next_i}"
+            submitted[rid] = time.perf_counter()
+            engine.add_request(rid, prompts[next_i], params)
+            counts[rid] = 0
+            next_i += 1
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            rid = out.request_id
+            if out.new_token_ids and rid not in first:
+                first[rid] = now
+            counts[rid] += len(out.new_token_ids)
+            if out.finished:
+                t0 = submitted.pop(rid)
+                n = counts.pop(rid)
+                timings.append(Timing(first.pop(rid) - t0, now - t0, n, n, out.num_cached_tokens))
+    return timings, time.perf_counter() - start
+
+
+async def _one_http(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> Timing:
+    body = {  # the same settings as _params
+        "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0, "stream": True, "stream_options": {"include_usage": True},
+    }
+    first: float | None = None
+    last = 0.0
+    num_tokens = 0
+    usage: dict[str, Any] = {}
+    start = time.perf_counter()
+    async with client.stream("POST", "/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.perf_counter()
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"stream failed: {chunk['error'].get('message')}")
+            for choice in chunk.get("choices", ()):
+                if n := len((choice.get("logprobs") or {}).get("tokens", ())):
+                    first = now if first is None else first
+                    last = now
+                    num_tokens += n
+            usage = chunk.get("usage") or usage
+    if first is None:
+        raise RuntimeError("the stream carried no token")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    # Latencies end at the last token, as for the engine (not at the usage chunk or [DONE]).
+    return Timing(first - start, last - start, num_tokens, usage.get("completion_tokens", -1), cached)
+
+
+async def run_http(
+    client: httpx.AsyncClient, model: str, prompts: list[list[int]], output_len: int, concurrency: int
+) -> tuple[list[Timing], float]:
+    """Closed loop of `concurrency` clients, each sending its next request when the last ends."""
+    todo = iter(prompts)
+    timings: list[Timing] = []
+
+    async def user() -> None:
+        for prompt in todo:
+            timings.append(await _one_http(client, model, prompt, output_len))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(user() for _ in range(concurrency)))
+    return timings, time.perf_counter() - start
+
+
+class LocalServer:
+    """The OpenAI API over an in-process engine, in a child process of its own (so
+    its engine thread and event loop do not share a GIL with the benchmark's client)."""
+
+    def __init__(self, config: EngineConfig, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        spec = json.dumps({"port": self.port, "engine": asdict(config)})
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "shared.bench.mesh_bench", spec],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.log_path = log_path
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not http_ok(f"http://127.0.0.1:{self.port}/health"):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the local API server exited with {self.proc.returncode}; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the local API server is not up after {timeout_s:.0f}s; see {self.log_path}")
+            time.sleep(0.1)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # uvicorn exits on SIGTERM, then the engine thread stops
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _serve_local(spec: dict[str, Any]) -> None:
+    """The child process of LocalServer."""
+    import uvicorn
+
+    from services.balancer.api import create_app
+    from services.balancer.local import LocalGenerator
+    from shared.recipe import Recipe
+    from shared.runtime.settings import BalancerSettings
+
+    async def serve() -> None:
+        config = EngineConfig(**spec["engine"])
+        generator = LocalGenerator.start(config)
+        app = create_app(
+            generator=generator,
+            recipe=Recipe.from_pretrained(config.model),
+            model_name=Path(config.model).name,
+            max_model_len=generator.max_model_len,
+            settings=BalancerSettings(),
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=spec["port"], log_level="warning", lifespan="off")
+        )
+        try:
+            await server.serve()
+        finally:
+            await generator.shutdown()
+
+    asyncio.run(serve())
+
+
+# -- figures -----------------------------------------------------------------------------
+
+
+def summarize(timings: list[Timing], wall_s: float) -> dict[str, Any]:
+    ttft = np.array([t.ttft_s for t in timings]) * 1e3
+    e2e = np.array([t.e2e_s for t in timings]) * 1e3
+    # Time per output token after the first (vLLM's TPOT), per request.
+    tpot = np.array([(t.e2e_s - t.ttft_s) / (t.num_tokens - 1) for t in timings if t.num_tokens > 1]) * 1e3
+    num_out = sum(t.num_tokens for t in timings)
+    return {
+        "num_completed": len(timings),
+        "output_tokens": [t.num_tokens for t in timings],
+        "usage_tokens": [t.num_usage_tokens for t in timings],
+        "cached_tokens": sum(t.num_cached_tokens for t in timings),
+        "wall_s": wall_s,
+        "req_s": len(timings) / wall_s,
+        "out_tok_s": num_out / wall_s,
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p90_ms": float(np.percentile(ttft, 90)),
+        "tpot_p50_ms": float(np.percentile(tpot, 50)) if tpot.size else float("nan"),
+        "e2e_p50_ms": float(np.percentile(e2e, 50)),
+    }
+
+
+def compare(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """At one concurrency, each pair of targets present: a against b, ratios and
+    differences of p50s (added = a - b, in ms)."""
+    out = {}
+    for a, b in (("mesh", "engine"), ("http", "engine"), ("mesh", "http")):
+        if a in rows and b in rows:
+            ra, rb = rows[a], rows[b]
+            out[f"{a}_vs_{b}"] = {
+                "tok_s_ratio": ra["out_tok_s"] / rb["out_tok_s"],
+                "ttft_ratio": ra["ttft_p50_ms"] / rb["ttft_p50_ms"],
+                "added_ms_per_request": ra["ttft_p50_ms"] - rb["ttft_p50_ms"],
+                "added_ms_per_token": ra["tpot_p50_ms"] - rb["tpot_p50_ms"],
+            }
+    return out
+
+
+def _print_row(concurrency: int, target: str, r: dict[str, Any]) -> None:
+    print(
+        f"{concurrency:>4} {target:<6} | {r['req_s']:>6.2f} {r['out_tok_s']:>9.1f} | "
+        f"{r['ttft_p50_ms']:>8.1f} {r['ttft_p90_ms']:>8.1f} | {r['tpot_p50_ms']:>8.2f} | {r['e2e_p50_ms']:>8.1f}",
+        flush=True,
+    )
+
+
+def _print_comparisons(levels: list[dict[str, Any]]) -> None:
+    if not any("mesh_vs_engine" in level["compare"] for level in levels):
+        return
+    print("\nthe mesh against the engine in one process: ratios mesh/engine; added = mesh - engine (p50s);")
+    print("of which HTTP = http - engine (the OpenAI API, SSE and detokenization without the mesh)")
+    header = (
+        f"{'conc':>4} | {'tok/s ratio':>11} {'TTFT ratio':>10} | {'added ms/req':>12} {'added ms/tok':>12} | "
+        f"{'HTTP ms/req':>11} {'HTTP ms/tok':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for level in levels:
+        m = level["compare"].get("mesh_vs_engine")
+        h = level["compare"].get("http_vs_engine")
+        if m is None:
+            continue
+        http = f"{h['added_ms_per_request']:>11.1f} {h['added_ms_per_token']:>11.2f}" if h else f"{'-':>11} {'-':>11}"
+        print(
+            f"{level['concurrency']:>4} | {m['tok_s_ratio']:>11.2f} {m['ttft_ratio']:>10.2f} | "
+            f"{m['added_ms_per_request']:>12.1f} {m['added_ms_per_token']:>12.2f} | {http}"
+        )
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+def _settings(model: str, device: str, dtype: str) -> tuple[EngineConfig, dict[str, str]]:
+    """One engine configuration for every target: the mesh workers' own (EngineSettings
+    through worker.engine_config), and the same settings as the mesh's environment."""
+    settings = EngineSettings(model=model, device=device, dtype=dtype)
+    env = {
+        f"INFERMESH_ENGINE__{f.name.upper()}": str(getattr(settings, f.name))
+        for f in fields(settings)
+        if getattr(settings, f.name) is not None
+    }
+    # detokenize=False as in the workers: text is the HTTP layer's job.
+    return engine_config(settings, detokenize=False), env
+
+
+async def _measure(
+    engine: LLMEngine | None,
+    apis: dict[str, str],
+    vocab: int,
+    concurrency: list[int],
+    num_requests: int,
+    num_rounds: int,
+    prompt_len: int,
+    output_len: int,
+) -> list[dict[str, Any]]:
+    limits = httpx.Limits(max_connections=max(concurrency), max_keepalive_connections=max(concurrency))
+    timeout = httpx.Timeout(300.0, connect=10.0)
+    clients = {t: httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) for t, url in apis.items()}
+    try:
+        models = {t: (await c.get("/models")).raise_for_status().json()["data"][0]["id"] for t, c in clients.items()}
+
+        async def run(target: str, prompts: list[list[int]], conc: int) -> tuple[list[Timing], float]:
+            if target == "engine":
+                assert engine is not None
+                # Stepped on a thread, as the services step theirs (AsyncEngine): torch's
+                # intra-op threading is not the same on the main thread as on others.
+                return await asyncio.to_thread(run_engine, engine, prompts, output_len, conc)
+            return await run_http(clients[target], models[target], prompts, output_len, conc)
+
+        names = [t for t in TARGETS if t in clients or (t == "engine" and engine is not None)]
+        # Warm-up: a couple of requests through each target (allocator, lazy init, connections).
+        for t in names:
+            await run(t, _prompts(2, prompt_len, vocab, _WARMUP_SEED), 2)
+        levels = []
+        for i, conc in enumerate(concurrency):
+            # Fresh prompts per level, the same for every target: each target sees each prompt once.
+            prompts = _prompts(num_requests, prompt_len, vocab, seed=i)
+            timings: dict[str, list[Timing]] = {t: [] for t in names}
+            walls = dict.fromkeys(names, 0.0)
+            # In rounds, the targets taking turns in a rotating order, so a burst of load
+            # from elsewhere on the machine falls on all of them rather than on one.
+            for r in range(num_rounds):
+                part = prompts[r * num_requests // num_rounds : (r + 1) * num_requests // num_rounds]
+                for t in names[r % len(names) :] + names[: r % len(names)]:
+                    got, wall = await run(t, part, conc)
+                    timings[t] += got
+                    walls[t] += wall
+            rows = {t: summarize(timings[t], walls[t]) for t in names}
+            for t in names:
+                _print_row(conc, t, rows[t])
+            levels.append({"concurrency": conc, "rows": rows, "compare": compare(rows)})
+        return levels
+    finally:
+        for c in clients.values():
+            await c.aclose()
+
+
+def run_mesh_bench(
+    model: str | None,
+    concurrency: list[int],
+    num_requests: int,
+    prompt_len: int,
+    output_len: int,
+    num_rounds: int = 2,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    targets: tuple[str, ...] = TARGETS,
+    device: str = "cpu",
+    dtype: str = "float32",
+    state_dir: str | None = None,
+    json_path: str | None = None,
+) -> dict[str, Any]:
+    """Start the targets, measure each concurrency level on each, print the table
+    and return the figures. The mesh and the local server are always stopped."""
+    if output_len < 2:
+        raise ValueError("output_len must be at least 2 to time tokens after the first")
+    if num_requests < 1 or prompt_len < 1 or not concurrency or min(concurrency) < 1:
+        raise ValueError("num_requests, prompt_len and every concurrency must be at least 1")
+    if not 1 <= num_rounds <= num_requests:
+        raise ValueError(f"num_rounds must be in [1, num_requests={num_requests}], got {num_rounds}")
+    if not targets or set(targets) - set(TARGETS):
+        raise ValueError(f"targets must be among {', '.join(TARGETS)}, got {targets}")
+    from shared.model.config import ModelConfig
+
+    keep_state = state_dir is not None
+    state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="infermesh-bench-"))
+    state.mkdir(parents=True, exist_ok=True)
+    made = model is None
+    if model is None:
+        from shared.model.make_model import make_model
+
+        model = str(state / "model")
+        make_model(model)
+    config, mesh_env = _settings(model, device, dtype)
+    run = {
+        "model": None if made else model, "device": device, "dtype": dtype, "prompt_len": prompt_len,
+        "output_len": output_len, "num_requests": num_requests, "num_rounds": num_rounds,
+        "num_prefill": num_prefill, "num_decode": num_decode, "targets": list(targets),
+    }
+    vocab = ModelConfig.from_pretrained(model).vocab_size
+    try:
+        with ExitStack() as stack:  # stops the mesh and the local server whatever happens
+            apis: dict[str, str] = {}
+            local = LocalServer(config, state / "local.log") if "http" in targets else None
+            if local is not None:
+                stack.callback(local.stop)
+            if "mesh" in targets:  # starts while the local server loads its model
+                mesh = Mesh(model, num_prefill, num_decode, free_port(), state / "mesh", extra_env=mesh_env)
+                stack.callback(mesh.stop)
+                mesh.start()
+            if local is not None:
+                local.wait_ready()
+                apis["http"] = local.url
+            if "mesh" in targets:
+                apis["mesh"] = mesh.api_url
+            engine = LLMEngine(config) if "engine" in targets else None
+            print(" ".join(f"{k}={v if v is not None else 'tiny (made)'}" for k, v in run.items() if k != "targets"))
+            for t in targets:
+                print(f"  {t:<6} {_LEGEND[t]}")
+            header = (
+                f"{'conc':>4} {'target':<6} | {'req/s':>6} {'out tok/s':>9} | {'TTFT p50':>8} {'p90 ms':>8} | "
+                f"{'TPOT p50':>8} | {'E2E p50':>8}"
+            )
+            print(header + "\n" + "-" * len(header), flush=True)
+            levels = asyncio.run(
+                _measure(engine, apis, vocab, concurrency, num_requests, num_rounds, prompt_len, output_len)
+            )
+    except BaseException:
+        print(f"infermesh: logs of the mesh and the local server are kept in {state}", file=sys.stderr)
+        raise
+    if not keep_state:
+        shutil.rmtree(state, ignore_errors=True)
+    _print_comparisons(levels)
+    figures = {"config": {**run, "engine": asdict(config)}, "levels": levels}
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+if __name__ == "__main__":  # the local API server's child process (LocalServer)
+    _serve_local(json.loads(sys.argv[1]))

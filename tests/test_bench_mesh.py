@@ -1,0 +1,77 @@
+"""`infermesh bench-mesh`: the figures' arithmetic exactly, then one tiny run
+against the real targets (the mesh as real processes), checking the structure
+and sanity of the figures, never a timing threshold."""
+
+import json
+import math
+
+import pytest
+
+from shared.bench.mesh_bench import TARGETS, Timing, compare, run_mesh_bench, summarize
+from shared.cli import build_parser
+
+PROMPT_LEN, OUTPUT_LEN, NUM_REQUESTS = 32, 8, 4
+
+
+def test_summarize_and_compare_are_exact():
+    timings = [Timing(0.010, 0.080, 8, 8, 0), Timing(0.030, 0.100, 8, 8, 16)]
+    row = summarize(timings, wall_s=0.5)
+    assert row["num_completed"] == 2 and row["output_tokens"] == [8, 8] and row["cached_tokens"] == 16
+    assert row["req_s"] == pytest.approx(4.0) and row["out_tok_s"] == pytest.approx(32.0)
+    assert row["ttft_p50_ms"] == pytest.approx(20.0) and row["ttft_p90_ms"] == pytest.approx(28.0)
+    assert row["tpot_p50_ms"] == pytest.approx(10.0)  # (80 - 10) / 7 and (100 - 30) / 7
+    assert row["e2e_p50_ms"] == pytest.approx(90.0)
+    slower = summarize([Timing(0.050, 0.190, 8, 8, 0)], wall_s=1.0)
+    figures = compare({"engine": row, "mesh": slower})
+    assert set(figures) == {"mesh_vs_engine"}
+    m = figures["mesh_vs_engine"]
+    assert m["tok_s_ratio"] == pytest.approx(8.0 / 32.0) and m["ttft_ratio"] == pytest.approx(2.5)
+    assert m["added_ms_per_request"] == pytest.approx(30.0) and m["added_ms_per_token"] == pytest.approx(10.0)
+
+
+def test_cli_flags_reach_the_benchmark():
+    args = build_parser().parse_args(
+        ["bench-mesh", "--concurrency", "1", "4", "--num-requests", "4", "--targets", "engine", "mesh"]
+    )
+    assert args.concurrency == [1, 4] and args.num_requests == 4 and args.targets == ["engine", "mesh"]
+    assert (args.prompt_len, args.output_len, args.prefill, args.decode) == (128, 32, 1, 1)
+
+
+def test_bad_settings_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="output_len"):
+        run_mesh_bench(None, [1], 4, PROMPT_LEN, 1)
+    with pytest.raises(ValueError, match="num_rounds"):
+        run_mesh_bench(None, [1], 4, PROMPT_LEN, OUTPUT_LEN, num_rounds=5)
+    with pytest.raises(ValueError, match="targets"):
+        run_mesh_bench(None, [1], 4, PROMPT_LEN, OUTPUT_LEN, targets=("engine", "gpu"))
+
+
+def test_tiny_run_measures_every_target(tmp_path, capsys):
+    figures = run_mesh_bench(
+        model=None,
+        concurrency=[1, 4],
+        num_requests=NUM_REQUESTS,
+        prompt_len=PROMPT_LEN,
+        output_len=OUTPUT_LEN,
+        state_dir=str(tmp_path / "state"),
+        json_path=str(tmp_path / "figures.json"),
+    )
+    assert json.loads((tmp_path / "figures.json").read_text()) == json.loads(json.dumps(figures))
+    assert [level["concurrency"] for level in figures["levels"]] == [1, 4]
+    for level in figures["levels"]:
+        assert set(level["rows"]) == set(TARGETS)
+        for target, row in level["rows"].items():
+            # Every request completed with exactly output_len tokens, counted as they arrived.
+            assert row["num_completed"] == NUM_REQUESTS, target
+            assert row["output_tokens"] == [OUTPUT_LEN] * NUM_REQUESTS, target
+            assert row["usage_tokens"] == [OUTPUT_LEN] * NUM_REQUESTS, target
+            assert row["cached_tokens"] == 0, target  # distinct prompts: no prefix hit flatters anyone
+            assert row["req_s"] > 0 and row["out_tok_s"] > 0
+            assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"]
+            assert 0 <= row["tpot_p50_ms"] and row["ttft_p50_ms"] <= row["e2e_p50_ms"]
+        assert set(level["compare"]) == {"mesh_vs_engine", "http_vs_engine", "mesh_vs_http"}
+        for pair in level["compare"].values():
+            assert all(math.isfinite(v) for v in pair.values())
+            assert pair["tok_s_ratio"] > 0 and pair["ttft_ratio"] > 0
+    printed = capsys.readouterr().out
+    assert "mesh" in printed and "added ms/req" in printed
