@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.model.kernels import KERNEL_CHOICES
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,12 +35,17 @@ class EngineConfig:
     that to the balancer and streams token ids only."""
     record_kv_events: bool = False
     """Keep the hashes of blocks entering / leaving the prefix cache for drain_kv_events()."""
+    kernels: str = "auto"
+    """Attention, norm, rotary and activation code: "auto" (Triton kernels on CUDA,
+    PyTorch elsewhere), "triton" (on the CPU only under TRITON_INTERPRET=1) or "torch"."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
 

@@ -62,7 +62,7 @@ class LLMEngine:
         self.config = config
         device = torch.device(config.device)
         self.model = load_model(
-            config.model, dtype=config.torch_dtype, device=device, progress=config.load_progress
+            config.model, dtype=config.torch_dtype, device=device, progress=config.load_progress, kernels=config.kernels
         )
         # A checkpoint saved by transformers alone has no tokenizer: the engine
         # then takes token ids only and returns no text.

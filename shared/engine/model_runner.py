@@ -133,6 +133,8 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_size=bs,
+            query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64, device=dev),

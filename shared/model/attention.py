@@ -88,9 +88,17 @@ def paged_attention(
     all its cached keys (the new ones included). GQA/MQA: heads share kv heads in
     contiguous groups, as transformers' ``repeat_kv``.
     """
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = key.shape[1]
     write_kv(kv_cache, key, value, meta.slot_mapping)
+    return attend(query, kv_cache, plan, sliding_window, scale)
+
+
+def attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, sliding_window: int | None, scale: float
+) -> torch.Tensor:
+    """The attention of ``paged_attention`` once the new K/V are in the cache: query
+    [T, heads, head_dim] -> [T, heads, head_dim]. The Triton kernels' reference."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = plan.query_index.shape
     k = kv_cache[0].view(-1, num_kv_heads, head_dim)[plan.kv_slots].transpose(1, 2)  # [S, kvh, max_kv, D]
     v = kv_cache[1].view(-1, num_kv_heads, head_dim)[plan.kv_slots].transpose(1, 2)

@@ -26,6 +26,10 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [num_seqs + 1] cumulative query lengths
     seq_lens: list[int]  # [num_seqs] KV length of each sequence after this step
     block_size: int
+    # The two lists above as int32 device tensors, for the Triton kernels (which read
+    # lengths on the device, never on the host). None: built from the lists per forward.
+    query_start_loc_tensor: torch.Tensor | None = None
+    seq_lens_tensor: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

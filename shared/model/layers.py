@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import RopeConfig
+from shared.model.kernels import triton_module
 
 
 class Linear(nn.Module):
@@ -26,31 +27,54 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As LlamaRMSNorm: normalise in float32, cast back, then scale in the input dtype.
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(input_dtype)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    """``use_triton`` runs the Triton kernel (shared/model/kernels/rmsnorm.py) instead."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, use_triton: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+        self._triton = triton_module("rmsnorm") if use_triton else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As LlamaRMSNorm: normalise in float32, cast back, then scale in the input dtype.
-        input_dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(input_dtype)
+        if self._triton is not None:
+            return self._triton.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+    def fused_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add, fused into the norm on the Triton path."""
+        if self._triton is not None:
+            return self._triton.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        x = x + residual
+        return rms_norm(x, self.weight, self.eps), x
 
 
 class MLP(nn.Module):
     """SiLU-gated feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device, use_triton: bool = False
+    ) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias, dtype, device)
         self.up_proj = Linear(hidden, intermediate, bias, dtype, device)
         self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
+        self._act = triton_module("activation").silu_and_mul if use_triton else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self._act(self.gate_proj(x), self.up_proj(x)))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | None = None) -> torch.Tensor:

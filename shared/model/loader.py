@@ -33,8 +33,13 @@ class CheckpointError(ValueError):
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", progress: bool = False
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+    kernels: str = "auto",
 ) -> CausalLM:
+    """``kernels``: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch"."""
     folder = Path(path)
     config = read_config(folder)
     tensor_files = _tensor_files(folder)
@@ -42,7 +47,7 @@ def load_model(
     tie = config.tie_word_embeddings or "lm_head.weight" not in tensor_files
     if tie and not config.tie_word_embeddings:
         logger.warning("%s has no lm_head.weight: tying it to model.embed_tokens.weight", folder)
-    model = CausalLM(config, dtype=dtype, device=device, tie_word_embeddings=tie)
+    model = CausalLM(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels)
     params = dict(model.named_parameters())
     _check_names(folder, set(params), set(tensor_files), tie)
 

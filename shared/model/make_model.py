@@ -39,6 +39,20 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 tie_word_embeddings=False,
             )
         ),
+        # The GPU benchmark's model: Llama-3-8B's shape with seeded random weights.
+        "llama3-8b": MappingProxyType(
+            dict(
+                hidden_size=4096,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                intermediate_size=14336,
+                vocab_size=128256,
+                max_position_embeddings=16384,
+                rope_theta=500000.0,
+                tie_word_embeddings=False,
+            )
+        ),
     }
 )
 ARCHITECTURES: Mapping[str, str] = MappingProxyType(

@@ -6,17 +6,25 @@ so loading a checkpoint is a name lookup. Architecture differences come from
 layer, tied embeddings.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from shared.model.attention import AttentionPlan, paged_attention, plan_attention
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
+from shared.model.kernels import triton_module, use_triton_kernels
 from shared.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:  # the kernel modules are imported only when a model selects them
+    from shared.model.kernels.attention import TritonAttentionPlan
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool = False
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -29,8 +37,10 @@ class Attention(nn.Module):
         self.v_proj = Linear(hidden, kv_size, config.qkv_bias, dtype, device)
         self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device)
         # Qwen3 normalises each head of q and k before rope.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device) if config.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
+        self._rotary = triton_module("rotary") if use_triton else None
+        self._attention = triton_module("attention") if use_triton else None
 
     def forward(
         self,
@@ -39,7 +49,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        plan: AttentionPlan,
+        plan: "AttentionPlan | TritonAttentionPlan",
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
@@ -47,42 +57,58 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, plan, self.sliding_window, self.scale)
+        if self._rotary is not None and self._attention is not None:
+            q, k = self._rotary.rotary_embedding_(q, k, cos, sin)
+            out = self._attention.triton_paged_attention(q, k, v, kv_cache, meta, plan, self.sliding_window, self.scale)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out = paged_attention(q, k, v, kv_cache, meta, plan, self.sliding_window, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool = False
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, dtype, device)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, layer_idx, dtype, device, use_triton)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, use_triton)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton)
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        plan: AttentionPlan,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        plan: "AttentionPlan | TritonAttentionPlan",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's output, the residual stream before adding it): each residual add
+        is fused into the next norm (the first layer gets residual None)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.fused_add(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, plan)
+        x, residual = self.post_attention_layernorm.fused_add(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
     """transformers' ``model.`` prefix: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, use_triton: bool = False) -> None:
         super().__init__()
         # _weight skips nn.Embedding's random init, which costs seconds on a large vocabulary.
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device, use_triton) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton)
 
 
 class CausalLM(nn.Module):
@@ -91,6 +117,9 @@ class CausalLM(nn.Module):
 
     Build it in its final dtype and device (``load_model`` does): parameters start
     uninitialised, and the rope frequencies must stay float32.
+
+    ``kernels`` ("auto", "triton", "torch"; see shared/model/kernels) picks the Triton
+    kernels or the PyTorch path once, for the model's life; "auto" is Triton on CUDA.
     """
 
     def __init__(
@@ -99,13 +128,16 @@ class CausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         tie_word_embeddings: bool | None = None,
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
+        self.use_triton = use_triton_kernels(kernels, device)
         self.tie_word_embeddings = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
-        self.model = DecoderModel(config, dtype, device)
+        self.model = DecoderModel(config, dtype, device, self.use_triton)
+        self._triton_attention = triton_module("attention") if self.use_triton else None
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
         # Tied: no lm_head parameter at all, so the checkpoint's name list has no entry to fill.
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
@@ -128,10 +160,18 @@ class CausalLM(nn.Module):
             )
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        plan = plan_attention(meta, self._windows, x.device)
+        plan: AttentionPlan | TritonAttentionPlan
+        if self._triton_attention is not None:
+            c = self.config
+            plan = self._triton_attention.plan_triton_attention(meta, c.num_key_value_heads, c.head_dim, x.device)
+        else:
+            plan = plan_attention(meta, self._windows, x.device)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, plan)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, plan)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.fused_add(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

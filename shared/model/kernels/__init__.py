@@ -1,0 +1,51 @@
+"""Triton kernels for the model's hot paths, each beside a thin wrapper that checks
+shapes, dtypes, strides and devices before launch and beside its PyTorch reference:
+
+- ``paged_decode``: one query token per sequence over the paged KV cache, grouped
+  query heads, sliding window, split along the sequence (flash-decoding) + a reduce.
+- ``paged_prefill``: varlen (chunked) prefill over the paged cache, cached prefix
+  included, causal with each sequence's offset, sliding window, one launch.
+- ``rmsnorm``: RMSNorm with an optional fused residual add.
+- ``rotary``: neox rotary embedding of q and k in place.
+- ``activation``: SiLU(gate) * up.
+- ``attention``: the per-forward plan and the choice between the two attention kernels.
+- ``reference``: the PyTorch references, which are the model's own CPU path.
+
+This module only resolves the one switch (``EngineConfig.kernels`` ->
+``load_model(kernels=...)`` -> ``CausalLM(kernels=...)``). It imports no kernel:
+``@triton.jit`` decides at decoration time whether to interpret, so the kernel
+modules are imported only when a model actually selects them (after a test has set
+``TRITON_INTERPRET=1``).
+"""
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
+
+
+def use_triton_kernels(kernels: str, device: torch.device | str) -> bool:
+    """Resolve the switch: "auto" is Triton on CUDA and PyTorch elsewhere; "triton" and
+    "torch" force one. "triton" off CUDA runs only under Triton's interpreter."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    device = torch.device(device)
+    if kernels == "torch":
+        return False
+    if kernels == "auto":
+        return device.type == "cuda"
+    # TRITON_INTERPRET is Triton's own switch (read by triton.jit), not a setting of ours.
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"kernels='triton' needs a CUDA device (got {device}); on the CPU it runs only under "
+            "Triton's interpreter (TRITON_INTERPRET=1 set before the kernels are imported). Use 'auto' or 'torch'."
+        )
+    return True
+
+
+def triton_module(name: str) -> ModuleType:
+    """The kernel module ``shared.model.kernels.<name>``, imported on first use (see above)."""
+    return importlib.import_module(f"{__name__}.{name}")

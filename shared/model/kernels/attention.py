@@ -1,0 +1,66 @@
+"""The Triton path of ``attention.paged_attention``: the per-forward plan (device index
+tensors, built once and shared by all layers) and the choice of kernel: the decode
+kernel when every sequence brings one token, the prefill kernel otherwise."""
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.model.attention import write_kv
+from shared.model.forward_batch import AttentionMetadata
+from shared.model.kernels.paged_decode import choose_num_splits, default_block_n, paged_decode_attention
+from shared.model.kernels.paged_prefill import paged_prefill_attention
+
+
+@dataclass(slots=True)
+class TritonAttentionPlan:
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32/int64
+    max_query_len: int
+    is_decode: bool  # one query token per sequence: the decode kernel
+    num_splits: int  # decode: splits per sequence
+
+
+def plan_triton_attention(
+    meta: AttentionMetadata, num_kv_heads: int, head_dim: int, device: torch.device
+) -> TritonAttentionPlan:
+    """Takes the metadata's device tensors where the runner built them, else makes them
+    from its lists. Host facts used (max query length, longest sequence) come from the
+    lists; for a captured graph they only set static choices (kernel, splits)."""
+    query_start_loc = meta.query_start_loc_tensor
+    if query_start_loc is None:
+        query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
+    seq_lens = meta.seq_lens_tensor
+    if seq_lens is None:
+        seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
+    max_query_len = max(meta.query_lens)
+    is_decode = max_query_len == 1 and meta.query_start_loc[-1] == meta.num_seqs
+    num_splits = 1
+    if is_decode:
+        block_n = default_block_n(head_dim)
+        num_splits = choose_num_splits(meta.num_seqs, num_kv_heads, max(meta.seq_lens), block_n, device)
+    block_tables = meta.block_tables.to(device)
+    return TritonAttentionPlan(query_start_loc, seq_lens, block_tables, max_query_len, is_decode, num_splits)
+
+
+def triton_paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    plan: TritonAttentionPlan,
+    sliding_window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """As ``attention.paged_attention``: writes the new K/V, then attends."""
+    write_kv(kv_cache, key, value, meta.slot_mapping)
+    if plan.is_decode:
+        return paged_decode_attention(
+            query, kv_cache, plan.seq_lens, plan.block_tables, scale, sliding_window, plan.num_splits
+        )
+    return paged_prefill_attention(
+        query, kv_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables, plan.max_query_len, scale,
+        sliding_window,
+    )  # fmt: skip
