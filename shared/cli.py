@@ -118,6 +118,13 @@ def _cmd_bench_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_gpu(args: argparse.Namespace) -> int:
+    from shared.bench.gpu_bench import run_gpu_bench
+
+    run_gpu_bench(args.out, hf_rows=not args.no_transformers)
+    return 0
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -208,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default=None, help="keep logs here (default: a temp dir, removed after a clean run)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     p.set_defaults(func=_cmd_bench_mesh)
+
+    p = sub.add_parser("bench-gpu", help="Llama-3-8B-shaped decode and prefill on a GPU against its roofline")
+    p.add_argument("--out", default="docs/perf", help="folder for gpu_bench.json and gpu_bench.md")
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
+    p.set_defaults(func=_cmd_bench_gpu)
 
     p = sub.add_parser("up", help="run the mesh on this machine: nats-server and every service")
     p.add_argument("--model", default=None, help="checkpoint folder (default: models/default, made if missing)")

@@ -35,6 +35,8 @@ class EngineConfig:
     that to the balancer and streams token ids only."""
     record_kv_events: bool = False
     """Keep the hashes of blocks entering / leaving the prefix cache for drain_kv_events()."""
+    cuda_graphs: bool = True
+    """Replay decode steps from CUDA graphs (on CUDA with the Triton kernels); False runs them eagerly."""
     kernels: str = "auto"
     """Attention, norm, rotary and activation code: "auto" (Triton kernels on CUDA,
     PyTorch elsewhere), "triton" (on the CPU only under TRITON_INTERPRET=1) or "torch"."""

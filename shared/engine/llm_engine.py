@@ -93,7 +93,15 @@ class LLMEngine:
             self.kv,
         )
         self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, config.torch_dtype, device, seed=config.seed
+            self.model,
+            num_blocks,
+            config.block_size,
+            config.torch_dtype,
+            device,
+            seed=config.seed,
+            cuda_graphs=config.cuda_graphs,
+            max_model_len=max_model_len,
+            max_batch=config.max_num_seqs,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)

@@ -5,14 +5,20 @@ This is the one place where the scheduler's plain lists become device tensors
 request's sampling state; it knows nothing about queues or stopping rules.
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+from shared.engine.cuda_graphs import DecodeGraphs
 
 from shared.engine.sampler import Sampler, SamplingState, TokenLogprobs
 from shared.engine.scheduler import SchedulerOutput
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.transformer import CausalLM
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -30,11 +36,22 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        cuda_graphs: bool = False,
+        max_model_len: int = 4096,
+        max_batch: int = 64,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, kv_dtype, device)
+        # Graphs need the device-tensor (Triton) path and one spare block whose
+        # slot padding rows write to; the block pool never hands it out.
+        use_graphs = cuda_graphs and device.type == "cuda" and getattr(model, "use_triton", False)
+        self.kv_caches = model.allocate_kv_cache(num_blocks + int(use_graphs), block_size, kv_dtype, device)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(
+                model, self.kv_caches, block_size, max_model_len, max_batch, num_blocks * block_size, device
+            )
         self.sampler = Sampler(seed=seed)
         self.states: dict[str, SamplingState] = {}
 
@@ -51,8 +68,7 @@ class ModelRunner:
         if sched.is_empty:
             return RunnerOutput({}, {})
 
-        input_ids, positions, meta, sample_rows, sample_ids = self._prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden, sample_rows, sample_ids = self._forward(sched)
         if not sample_rows:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[sample_rows])
@@ -100,6 +116,34 @@ class ModelRunner:
             blk = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(shape).to(self.device)
             for layer, kv in enumerate(self.kv_caches):
                 kv[:, block_id].copy_(blk[layer])
+
+    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
+        """Hidden states of the step, from a CUDA graph when it is a decode
+        step that fits one, else eagerly."""
+        if self.graphs is not None and all(len(c.token_ids) == 1 for c in sched.chunks):
+            max_blocks = max(len(c.block_ids) for c in sched.chunks)
+            if self.graphs.can_run(len(sched.chunks), max_blocks):
+                try:
+                    return self._forward_graph(sched)
+                except RuntimeError:
+                    log.exception("CUDA graph replay failed; decoding eagerly from now on")
+                    self.graphs = None
+        input_ids, positions, meta, sample_rows, sample_ids = self._prepare(sched)
+        return self.model(input_ids, positions, self.kv_caches, meta), sample_rows, sample_ids
+
+    def _forward_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
+        assert self.graphs is not None
+        bs = self.block_size
+        positions = [c.start_pos for c in sched.chunks]
+        hidden = self.graphs.run(
+            input_ids=[c.token_ids[0] for c in sched.chunks],
+            positions=positions,
+            slots=[c.block_ids[p // bs] * bs + p % bs for c, p in zip(sched.chunks, positions)],
+            seq_lens=[p + 1 for p in positions],
+            tables=[c.block_ids for c in sched.chunks],
+        )
+        rows = [i for i, c in enumerate(sched.chunks) if c.sample]
+        return hidden, rows, [sched.chunks[i].request_id for i in rows]
 
     def _prepare(
         self, sched: SchedulerOutput

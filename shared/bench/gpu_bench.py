@@ -1,0 +1,244 @@
+"""`infermesh bench-gpu`: the engine on a GPU against the card's own limits and
+against transformers, all measured in one run.
+
+The model is Llama-3-8B's shape with seeded random weights in bfloat16, built
+in GPU memory (no file, no download); transformers gets the very same tensors.
+The card's copy bandwidth and bf16 matmul rate are measured first, and each
+row is reported as a fraction of its roofline:
+- decode: (weight bytes + KV bytes read per step) / bandwidth per step;
+- prefill: FLOPs / matmul rate.
+Decode rows time the engine's model runner on decode-only steps over a paged
+cache already holding `context` tokens per sequence (building that context by
+prefill would cost minutes of device time and measure prefill, not decode).
+"""
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
+from shared.model.config import ModelConfig
+from shared.model.make_model import PRESETS, hf_config_dict
+from shared.model.transformer import CausalLM
+
+
+@dataclass
+class Row:
+    kind: str  # decode | prefill
+    batch: int
+    context: int
+    tok_s: float
+    roofline_tok_s: float
+    hf_tok_s: float | None = None
+    eager_tok_s: float | None = None
+    """Decode without CUDA graphs, for the graphs' share of the speed."""
+    note: str = ""
+
+    @property
+    def fraction(self) -> float:
+        return self.tok_s / self.roofline_tok_s
+
+    @property
+    def vs_hf(self) -> float | None:
+        return self.tok_s / self.hf_tok_s if self.hf_tok_s else None
+
+
+def _time(fn, warmup: int = 2, iters: int = 10) -> float:  # noqa: ANN001
+    """Seconds per call, CUDA events around `iters` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def measure_card() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s) on random data."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()  # 1 GiB
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / _time(lambda: dst.copy_(src), iters=20)
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    rate = 2 * 8192**3 / _time(lambda: a @ b, iters=10)
+    return bw, rate
+
+
+def build_models(seed: int, with_hf: bool):  # noqa: ANN201
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg_dict = hf_config_dict("llama", PRESETS["llama3-8b"], "bfloat16", 128000, 128001)
+    config = ModelConfig.from_dict(cfg_dict)
+    torch.manual_seed(seed)
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "transformers_version")})
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            hf = LlamaForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    ours = CausalLM(config, torch.bfloat16, "cuda")
+    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not [m for m in missing if "inv_freq" not in m], missing
+    if not with_hf:
+        del hf
+        hf = None
+    return config, ours, hf
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes a decode step reads: every parameter but the embedding table (a lookup reads B rows)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def kv_bytes_per_token(config: ModelConfig) -> int:
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
+
+
+def bench_decode(model: CausalLM, config: ModelConfig, batch: int, context: int, steps: int = 16,
+                 block_size: int = 16, graphs: bool = True) -> float:
+    """Decode tokens/s of the model runner: `batch` sequences holding `context` tokens each."""
+    blocks_per_seq = -(-(context + steps + 1) // block_size)
+    runner = ModelRunner(
+        model, batch * blocks_per_seq, block_size, torch.bfloat16, torch.device("cuda"),
+        cuda_graphs=graphs, max_model_len=blocks_per_seq * block_size, max_batch=batch,
+    )
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    new = [NewRequestData(str(i), [1] * context, params, frozenset(), [], None) for i in range(batch)]
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    pos = [context]
+
+    def step() -> None:
+        sched = SchedulerOutput(new_requests=new if pos[0] == context else [])
+        sched.chunks = [ScheduledChunk(str(i), [7], pos[0], tables[i], True) for i in range(batch)]
+        runner.execute(sched)
+        pos[0] += 1
+
+    step()  # warm-up (and graph capture), and the runner learns the requests
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    del runner
+    torch.cuda.empty_cache()
+    return batch * steps / elapsed
+
+
+def bench_prefill(model: CausalLM, prompt_len: int, block_size: int = 16) -> float:
+    blocks = -(-prompt_len // block_size)
+    runner = ModelRunner(model, blocks + 1, block_size, torch.bfloat16, torch.device("cuda"))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    ids = torch.randint(0, 100000, (prompt_len,)).tolist()
+
+    def step() -> None:
+        sched = SchedulerOutput(new_requests=[NewRequestData("p", ids, params, frozenset(), [], None)])
+        sched.chunks = [ScheduledChunk("p", ids, 0, list(range(blocks)), True)]
+        runner.execute(sched)
+
+    seconds = _time(step, warmup=1, iters=3)
+    del runner
+    torch.cuda.empty_cache()
+    return prompt_len / seconds
+
+
+def hf_decode(hf, batch: int, context: int, steps: int = 16) -> float:  # noqa: ANN001
+    ids = torch.randint(0, 100000, (batch, context), device="cuda")
+    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        hf.generate(ids[:, :8], max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kw)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+    torch.cuda.empty_cache()
+    return batch * steps / ((t2 - t1) - (t1 - t0))
+
+
+def hf_prefill(hf, prompt_len: int) -> float:  # noqa: ANN001
+    ids = torch.randint(0, 100000, (1, prompt_len), device="cuda")
+    with torch.inference_mode():
+        seconds = _time(lambda: hf(ids, logits_to_keep=1), warmup=1, iters=3)
+    torch.cuda.empty_cache()
+    return prompt_len / seconds
+
+
+def run_gpu_bench(out_dir: str, hf_rows: bool = True, seed: int = 0) -> list[Row]:
+    bw, rate = measure_card()
+    print(f"card: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    config, model, hf = build_models(seed, hf_rows)
+    wbytes = weight_bytes(model)
+    kv_tok = kv_bytes_per_token(config)
+    free = torch.cuda.mem_get_info()[0]
+    rows: list[Row] = []
+    for context in (1024, 8192):
+        for batch in (1, 8, 64, 256):
+            need = batch * (context + 32) * kv_tok
+            roof = batch / ((wbytes + batch * context * kv_tok) / bw)
+            if need > free * 0.8:
+                rows.append(Row("decode", batch, context, float("nan"), roof, note=f"KV {need / 2**30:.0f} GiB does not fit"))
+                print(f"decode b={batch} ctx={context}: skipped, KV does not fit", flush=True)
+                continue
+            ours = bench_decode(model, config, batch, context)
+            eager = bench_decode(model, config, batch, context, graphs=False)
+            # transformers must prefill the context itself: keep its rows to <= 256k tokens of device time.
+            theirs = hf_decode(hf, batch, context) if hf is not None and batch * context <= 262144 else None
+            rows.append(Row("decode", batch, context, ours, roof, theirs, eager))
+            print(f"decode b={batch} ctx={context}: {ours:.0f} tok/s ({ours / roof:.2f} of roofline), eager {eager:.0f}"
+                  + (f", transformers {theirs:.0f}" if theirs else ""), flush=True)
+    params_nonembed = wbytes // 2
+    for prompt_len in (1024, 8192):
+        flops = 2 * params_nonembed * prompt_len + 2 * 2 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * prompt_len**2 / 2
+        roof = prompt_len / (flops / rate)
+        ours = bench_prefill(model, prompt_len)
+        theirs = hf_prefill(hf, prompt_len) if hf is not None else None
+        rows.append(Row("prefill", 1, prompt_len, ours, roof, theirs))
+        print(f"prefill {prompt_len}: {ours:.0f} tok/s ({ours / roof:.2f} of roofline)"
+              + (f", transformers {theirs:.0f}" if theirs else ""), flush=True)
+    table = render(rows, bw, rate)
+    print(table)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_bytes_per_s": bw,
+        "bf16_flop_per_s": rate,
+        "rows": [asdict(r) | {"fraction": r.fraction, "vs_hf": r.vs_hf} for r in rows],
+    }
+    (out / "gpu_bench.json").write_text(json.dumps(record, indent=2))
+    (out / "gpu_bench.md").write_text(table + "\n")
+    return rows
+
+
+def render(rows: list[Row], bw: float, rate: float) -> str:
+    lines = [
+        f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s (measured in this run)",
+        "",
+        "| kind | batch | context | tok/s | roofline tok/s | of roofline | without CUDA graphs | transformers tok/s | vs transformers |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        hf = f"{r.hf_tok_s:.0f}" if r.hf_tok_s else "-"
+        vs = f"{r.vs_hf:.2f}" if r.vs_hf else "-"
+        tok = f"{r.tok_s:.0f}" if r.tok_s == r.tok_s else r.note
+        frac = f"{r.fraction:.2f}" if r.tok_s == r.tok_s else "-"
+        eager = f"{r.eager_tok_s:.0f}" if r.eager_tok_s else "-"
+        lines.append(f"| {r.kind} | {r.batch} | {r.context} | {tok} | {r.roofline_tok_s:.0f} | {frac} | {eager} | {hf} | {vs} |")
+    return "\n".join(lines)

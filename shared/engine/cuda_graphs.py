@@ -1,0 +1,120 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step of a small batch is dozens of short kernel launches per layer;
+launched one by one from Python, the GPU idles between them. Captured once
+per bucket and replayed, the whole forward is one launch. A batch of B
+sequences runs in the smallest bucket >= B: the extra rows have length 0 (the
+attention kernels return zeros for them) and write their K/V to a scratch
+slot no sequence owns.
+
+Everything the graph reads lives in static buffers filled before each replay:
+token ids, positions, KV slots, sequence lengths and block tables at a fixed
+width (max_model_len / block_size). Logits and sampling stay outside the
+graph: they touch only the rows that sample.
+"""
+
+import logging
+
+import torch
+
+from shared.model.forward_batch import AttentionMetadata
+from shared.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        max_batch: int,
+        scratch_slot: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.width = -(-max_model_len // block_size)
+        self.scratch_slot = scratch_slot
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), scratch_slot, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, self.width, dtype=torch.int64, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def can_run(self, num_seqs: int, max_blocks: int) -> bool:
+        return num_seqs <= self.buckets[-1] and max_blocks <= self.width
+
+    def _bucket(self, num_seqs: int) -> int:
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        # The lists only steer static choices made at capture (kernel, split
+        # count): capture for the longest sequences; replays read the tensors.
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b],
+            block_tables=self.block_tables[:b],
+            query_start_loc=list(range(b + 1)),
+            seq_lens=[self.max_model_len] * b,
+            block_size=self.block_size,
+            query_start_loc_tensor=self.query_start_loc[: b + 1],
+            seq_lens_tensor=self.seq_lens[:b],
+        )
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+
+    def _capture(self, b: int) -> None:
+        self.seq_lens.zero_()
+        self.slot_mapping.fill_(self.scratch_slot)
+        # Warm up on a side stream first: Triton compiles, allocators settle.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(b)
+        self._pool = graph.pool()
+        self._graphs[b] = (graph, out)
+        log.info("captured the decode graph of batch %d", b)
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Hidden states [len(input_ids), hidden] of one decode step."""
+        num = len(input_ids)
+        b = self._bucket(num)
+        if b not in self._graphs:
+            self._capture(b)
+        pad = b - num
+        # Build on the host, then one copy per buffer.
+        self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
+        self.positions[:b].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        self.slot_mapping[:b].copy_(torch.tensor(slots + [self.scratch_slot] * pad), non_blocking=True)
+        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
+        table = torch.zeros(b, self.width, dtype=torch.int64)
+        for i, row in enumerate(tables):
+            table[i, : len(row)] = torch.tensor(row)
+        self.block_tables[:b].copy_(table, non_blocking=True)
+        graph, out = self._graphs[b]
+        graph.replay()
+        return out[:num]
