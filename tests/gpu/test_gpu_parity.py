@@ -50,9 +50,10 @@ def test_bf16_prefill_logits_close_to_transformers(checkpoint):
             assert abs(logprob - ref[token].item()) < 0.05
 
 
-def test_bf16_greedy_generation_follows_transformers(checkpoint):
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_bf16_greedy_generation_follows_transformers(checkpoint, kernels):
     hf = hf_model(checkpoint, torch.bfloat16)
-    llm = LLM(str(checkpoint), dtype="bfloat16", device="cuda", block_size=16, prefill_chunk_size=32)
+    llm = LLM(str(checkpoint), dtype="bfloat16", device="cuda", block_size=16, prefill_chunk_size=32, kernels=kernels)
     outs = llm.generate(prompts(500), SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     for p, out in zip(prompts(500), outs):
         seq = torch.tensor([p + out.token_ids], device="cuda")
@@ -63,16 +64,12 @@ def test_bf16_greedy_generation_follows_transformers(checkpoint):
         assert (gap <= BF16_MARGIN).all(), f"a greedy token is not transformers' top one: gaps {gap.tolist()}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kernels_and_torch_path_agree_on_a_long_generation(dtype, tmp_path):
+def test_kernels_and_torch_path_agree_on_a_long_fp32_generation(tmp_path):
+    # In bf16 the two paths round differently and a random tiny model has near
+    # ties everywhere; there both are held to transformers above instead.
     save_tiny_hf_model("llama", tmp_path)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
     ps = prompts(500, lengths=(9, 40, 130), seed=3)
-    with_kernels = LLM(str(tmp_path), dtype=dtype, device="cuda", kernels="triton").generate(ps, params)
-    plain = LLM(str(tmp_path), dtype=dtype, device="cuda", kernels="torch").generate(ps, params)
-    if dtype == "float32":
-        assert [o.token_ids for o in with_kernels] == [o.token_ids for o in plain]
-    else:  # bf16: identical up to the first near-tie, then allowed to differ
-        for a, b in zip(with_kernels, plain):
-            same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
-            assert same >= 32, f"kernels and torch path diverge after {same} tokens"
+    with_kernels = LLM(str(tmp_path), dtype="float32", device="cuda", kernels="triton").generate(ps, params)
+    plain = LLM(str(tmp_path), dtype="float32", device="cuda", kernels="torch").generate(ps, params)
+    assert [o.token_ids for o in with_kernels] == [o.token_ids for o in plain]

@@ -31,10 +31,16 @@ def _rotate_heads(
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
     # rotate_half(x) = (-x2, x1): out1 = x1*cos + (-x2)*sin, out2 = x2*cos + x1*sin, rounding like PyTorch.
-    out1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(base, out1.to(dtype), mask=mask)
-    tl.store(base + HALF, out2.to(dtype), mask=mask)
+    # Round each product and the sum to the storage dtype, nearest-even, as
+    # PyTorch's elementwise ops do, so results match apply_rope bit for bit.
+    out1 = (x1 * cos).to(dtype, fp_downcast_rounding="rtne").to(tl.float32) + (-x2 * sin).to(
+        dtype, fp_downcast_rounding="rtne"
+    ).to(tl.float32)
+    out2 = (x2 * cos).to(dtype, fp_downcast_rounding="rtne").to(tl.float32) + (x1 * sin).to(
+        dtype, fp_downcast_rounding="rtne"
+    ).to(tl.float32)
+    tl.store(base, out1.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(base + HALF, out2.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
 
 
 @triton.jit
