@@ -112,3 +112,38 @@ def test_bad_requests_are_refused_clearly(llama):
     with pytest.raises(ValueError, match="token ids"):
         llm.generate(["text needs a tokenizer"])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_async_scheduling_gives_the_same_tokens(llama):
+    """Step N+1 launched before step N's tokens are read back (placeholders
+    filled on the device) must not change a single token: greedy, seeded,
+    chunked prefill, preemption, and requests that end early."""
+    prompts = random_prompts([30, 12, 25, 7, 19, 40], vocab=500, seed=12)
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.9, top_p=0.8, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[7, 8, 9, 10, 11, 12]),
+        SamplingParams(max_tokens=9, temperature=1.0, seed=9, ignore_eos=True),
+    ]
+    settings = dict(block_size=4, num_kv_blocks=24, max_model_len=96, prefill_chunk_size=16)
+    step_by_step = LLM(llama, async_scheduling=False, **settings).generate(prompts, params)
+    overlapped = LLM(llama, async_scheduling=True, **settings)
+    outs = overlapped.generate(prompts, params)
+    assert overlapped.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in step_by_step]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in step_by_step]
+    assert overlapped.engine.kv.pool.num_free_blocks == 24
+
+
+def test_async_scheduling_falls_back_for_host_side_sampling(llama):
+    prompts = random_prompts([11, 23], vocab=500, seed=13)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+    ]
+    sync = LLM(llama, async_scheduling=False).generate(prompts, params)
+    overlapped = LLM(llama, async_scheduling=True).generate(prompts, params)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
+    assert [len(o.logprobs) for o in overlapped] == [0, 12]

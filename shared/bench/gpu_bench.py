@@ -242,3 +242,70 @@ def render(rows: list[Row], bw: float, rate: float) -> str:
         eager = f"{r.eager_tok_s:.0f}" if r.eager_tok_s else "-"
         lines.append(f"| {r.kind} | {r.batch} | {r.context} | {tok} | {r.roofline_tok_s:.0f} | {frac} | {eager} | {hf} | {vs} |")
     return "\n".join(lines)
+
+
+def bench_overlap(model: CausalLM, batch: int, prompt_len: int = 128, output_len: int = 64) -> dict[str, float]:
+    """The whole engine (scheduler, runner, sampler) decoding `batch` requests,
+    step by step against overlapped (async scheduling), with the GPU's own time
+    per step (the decode graph replayed back to back) to show the idle gap."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+
+    figures: dict[str, float] = {}
+    for mode in ("sync", "async"):
+        engine = LLMEngine(
+            EngineConfig(
+                model="(in memory)", dtype="bfloat16", device="cuda", max_num_seqs=batch,
+                num_kv_blocks=batch * (-(-(prompt_len + output_len) // 16) + 1), max_model_len=prompt_len + output_len + 16,
+                async_scheduling=mode == "async", enable_prefix_caching=False,
+            ),
+            model=model,
+        )
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        for rnd in range(2):  # the first round captures graphs and compiles
+            for i in range(batch):
+                engine.add_request(f"{mode}{rnd}-{i}", torch.randint(0, 100000, (prompt_len,)).tolist(), params)
+            first = None
+            num_steps = 0
+            while engine.has_unfinished_requests():
+                outs = engine.step()
+                if first is None and outs and all(len(o.token_ids) >= 1 for o in outs) and len(outs) == batch:
+                    torch.cuda.synchronize()
+                    first = time.perf_counter()
+                    num_steps = 0
+                num_steps += 1
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - (first or time.perf_counter())
+        figures[f"{mode}_step_ms"] = elapsed / max(num_steps - 1, 1) * 1e3
+        figures[f"{mode}_tok_s"] = batch * (output_len - 1) / elapsed
+        graphs = engine.runner.graphs
+        if graphs is not None and mode == "sync":
+            b = graphs._bucket(batch)
+            graph = graphs._graphs[b][0]
+            figures["gpu_step_ms"] = _time(graph.replay, warmup=2, iters=20) * 1e3
+        del engine
+        torch.cuda.empty_cache()
+    return figures
+
+
+def run_overlap_bench(out_dir: str, seed: int = 0) -> dict[int, dict[str, float]]:
+    _, model, _ = build_models(seed, with_hf=False)
+    results = {}
+    lines = ["| batch | GPU time per step (graph replay) | step, step by step | idle gap | step, overlapped | idle gap | tok/s step by step | tok/s overlapped |",
+             "|---|---|---|---|---|---|---|---|"]
+    for batch in (1, 8, 64):
+        f = bench_overlap(model, batch)
+        results[batch] = f
+        gpu = f.get("gpu_step_ms", float("nan"))
+        lines.append(
+            f"| {batch} | {gpu:.2f} ms | {f['sync_step_ms']:.2f} ms | {f['sync_step_ms'] - gpu:.2f} ms | "
+            f"{f['async_step_ms']:.2f} ms | {f['async_step_ms'] - gpu:.2f} ms | {f['sync_tok_s']:.0f} | {f['async_tok_s']:.0f} |"
+        )
+        print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overlap.json").write_text(json.dumps(results, indent=2))
+    (out / "overlap.md").write_text(table + "\n")
+    return results

@@ -35,6 +35,11 @@ class EngineConfig:
     that to the balancer and streams token ids only."""
     record_kv_events: bool = False
     """Keep the hashes of blocks entering / leaving the prefix cache for drain_kv_events()."""
+    async_scheduling: bool | None = None
+    """Schedule and launch step N+1 before reading step N's tokens back, so the
+    device does not idle while the host prepares a step. None: on for CUDA.
+    Batches with penalties, logprobs or min_tokens run step by step (they need
+    every token on the host)."""
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs (on CUDA with the Triton kernels); False runs them eagerly."""
     kernels: str = "auto"

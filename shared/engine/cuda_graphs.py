@@ -14,6 +14,7 @@ graph: they touch only the rows that sample.
 """
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -99,6 +100,7 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
+        fill_placeholders: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states [len(input_ids), hidden] of one decode step."""
         num = len(input_ids)
@@ -108,6 +110,8 @@ class DecodeGraphs:
         pad = b - num
         # Build on the host, then one copy per buffer.
         self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
+        if fill_placeholders is not None:
+            fill_placeholders(self.input_ids[:num])
         self.positions[:b].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         self.slot_mapping[:b].copy_(torch.tensor(slots + [self.scratch_slot] * pad), non_blocking=True)
         self.seq_lens[:b].copy_(torch.tensor(seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True)

@@ -10,14 +10,15 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.kv_cache_manager import KVCacheManager
-from shared.engine.model_runner import ModelRunner
+from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampler import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shared.kv.block_hash import BlockHash, kv_fingerprint
 from shared.model.fingerprint import model_fingerprint
 from shared.model.loader import load_model
+from shared.model.transformer import CausalLM
 from shared.recipe import IncrementalDetokenizer, Recipe
 
 log = logging.getLogger(__name__)
@@ -57,16 +58,30 @@ class EngineLoad:
     num_queued_tokens: int
 
 
+def _host_free(params: SamplingParams) -> bool:
+    """Whether a request can be sampled without its latest token on the host."""
+    return (
+        params.logprobs is None
+        and params.min_tokens == 0
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+    )
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
+        """model: an already built model (benchmarks build one in GPU memory);
+        None loads config.model."""
         self.config = config
         device = torch.device(config.device)
-        self.model = load_model(
+        loaded = model is None
+        self.model = model or load_model(
             config.model, dtype=config.torch_dtype, device=device, progress=config.load_progress, kernels=config.kernels
         )
         # A checkpoint saved by transformers alone has no tokenizer: the engine
         # then takes token ids only and returns no text.
-        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
+        has_tokenizer = loaded and (Path(config.model) / "tokenizer.json").is_file()
         self.recipe: Recipe | None = Recipe.from_pretrained(config.model) if has_tokenizer else None
         model_cfg = self.model.config
         self.eos_token_ids = frozenset(model_cfg.eos_token_ids) | (
@@ -75,7 +90,8 @@ class LLMEngine:
         max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         num_blocks = self._num_kv_blocks(max_model_len)
         # The KV bytes depend on the weights and on the cache dtype: both name the chain.
-        self.fingerprint = kv_fingerprint(model_fingerprint(config.model), config.dtype)
+        weights = model_fingerprint(config.model) if loaded else self.model.config.fingerprint()
+        self.fingerprint = kv_fingerprint(weights, config.dtype)
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -104,6 +120,9 @@ class LLMEngine:
             max_batch=config.max_num_seqs,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        overlap = config.async_scheduling
+        self._overlap = device.type == "cuda" if overlap is None else overlap
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
@@ -173,13 +192,37 @@ class LLMEngine:
         self._detokenizers.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     # -- the step ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, run, and turn sampled tokens into outputs. With
+        async scheduling, step N+1 is launched before step N's tokens are read
+        back, and this returns step N's outputs."""
+        if self._overlap and all(_host_free(r.sampling_params) for r in self._unfinished()):
+            sched = self.scheduler.schedule()
+            handle = self.runner.launch(sched)
+            outputs = self._finish_in_flight()
+            self._in_flight = None if sched.is_empty else (sched, handle)
+            return outputs
+        outputs = self._finish_in_flight()
+        if outputs:
+            return outputs
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        return self._process(sched, self.runner.execute(sched))
+
+    def _unfinished(self) -> list[Request]:
+        return [*self.scheduler.running, *self.scheduler.waiting]
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        if self._in_flight is None:
+            return []
+        sched, handle = self._in_flight
+        self._in_flight = None
+        return self._process(sched, self.runner.collect(handle))
+
+    def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         updated = self.scheduler.update_from_output(sched, result.sampled)
         outputs: list[RequestOutput] = []
         for request in updated:

@@ -13,12 +13,21 @@ import torch
 from shared.engine.cuda_graphs import DecodeGraphs
 
 from shared.engine.sampler import Sampler, SamplingState, TokenLogprobs
-from shared.engine.scheduler import SchedulerOutput
+from shared.engine.scheduler import PLACEHOLDER, SchedulerOutput
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.transformer import CausalLM
 
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step: its sampled tokens arrive in `tokens` once `done` fired."""
+
+    request_ids: list[str]
+    tokens: torch.Tensor | None
+    done: "torch.cuda.Event | None"
 
 
 @dataclass(slots=True)
@@ -54,9 +63,10 @@ class ModelRunner:
             )
         self.sampler = Sampler(seed=seed)
         self.states: dict[str, SamplingState] = {}
+        self._last_tokens = torch.empty(0, dtype=torch.long, device=device)
+        self._last_rows: dict[str, int] = {}
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
         for new in sched.new_requests:
@@ -65,16 +75,19 @@ class ModelRunner:
             if new.generator_state is not None and state.generator is not None:
                 state.generator.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
             self.states[new.request_id] = state
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its tokens (with logprobs where asked)."""
+        self._update_states(sched)
         if sched.is_empty:
             return RunnerOutput({}, {})
-
         hidden, sample_rows, sample_ids = self._forward(sched)
         if not sample_rows:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[sample_rows])
         states = [self.states[rid] for rid in sample_ids]
         result = self.sampler(logits, states)
-
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         for rid, state, token, lp in zip(sample_ids, states, result.token_ids, result.logprobs):
@@ -83,6 +96,62 @@ class ModelRunner:
             if lp is not None:
                 logprobs[rid] = lp
         return RunnerOutput(sampled, logprobs)
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Start one step and return at once: the sampled tokens stay on the
+        device (the next step's placeholders read them there) and are copied
+        to the host in the background. For requests without penalties or
+        logprobs, which need the host-side history every step."""
+        self._update_states(sched)
+        if sched.is_empty:
+            return StepHandle([], None, None)
+        hidden, sample_rows, sample_ids = self._forward(sched)
+        if not sample_rows:
+            return StepHandle([], None, None)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens = self.sampler.sample_tokens(logits, [self.states[rid] for rid in sample_ids])
+        self._remember(sample_ids, tokens)
+        if self.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return StepHandle(sample_ids, host, done)
+        return StepHandle(sample_ids, tokens, None)
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """The tokens of a launched step (waits for the device if needed)."""
+        if handle.tokens is None:
+            return RunnerOutput({}, {})
+        if handle.done is not None:
+            handle.done.synchronize()
+        sampled = dict(zip(handle.request_ids, handle.tokens.tolist()))
+        for rid, token in sampled.items():
+            state = self.states.get(rid)
+            if state is not None:
+                state.output_token_ids.append(token)
+        return RunnerOutput(sampled, {})
+
+    def _remember(self, request_ids: list[str], tokens: torch.Tensor) -> None:
+        """The last step's sampled tokens on the device, for the next step's placeholders."""
+        self._last_tokens = tokens
+        self._last_rows = {rid: i for i, rid in enumerate(request_ids)}
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, token_lists: list[tuple[str, list[int]]]) -> None:
+        """Replace PLACEHOLDER inputs by the tokens the previous step sampled
+        for the same requests, on the device: no read-back, no stall."""
+        rows, sources = [], []
+        offset = 0
+        for request_id, tokens in token_lists:
+            for j, t in enumerate(tokens):
+                if t == PLACEHOLDER:
+                    rows.append(offset + j)
+                    sources.append(self._last_rows[request_id])
+            offset += len(tokens)
+        if rows:
+            dev = input_ids.device
+            input_ids[torch.tensor(rows, device=dev)] = self._last_tokens[torch.tensor(sources, device=dev)]
 
     def generator_state(self, request_id: str) -> bytes | None:
         """The seeded generator's state of a request (to hand it over), if any."""
@@ -129,6 +198,7 @@ class ModelRunner:
                     log.exception("CUDA graph replay failed; decoding eagerly from now on")
                     self.graphs = None
         input_ids, positions, meta, sample_rows, sample_ids = self._prepare(sched)
+        self._fill_placeholders(input_ids, [(c.request_id, c.token_ids) for c in sched.chunks])
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows, sample_ids
 
     def _forward_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
@@ -141,6 +211,7 @@ class ModelRunner:
             slots=[c.block_ids[p // bs] * bs + p % bs for c, p in zip(sched.chunks, positions)],
             seq_lens=[p + 1 for p in positions],
             tables=[c.block_ids for c in sched.chunks],
+            fill_placeholders=lambda ids: self._fill_placeholders(ids, [(c.request_id, c.token_ids) for c in sched.chunks]),
         )
         rows = [i for i, c in enumerate(sched.chunks) if c.sample]
         return hidden, rows, [sched.chunks[i].request_id for i in rows]

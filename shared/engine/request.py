@@ -50,6 +50,9 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     """Chain hashes of the full blocks of all_token_ids, extended as tokens arrive."""
     num_preemptions: int = 0
+    num_pending_tokens: int = 0
+    """Tokens sampled by a step still running on the device (an overlapped
+    engine schedules the next step before reading them back)."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that finished the request, if any."""
     generator_state: bytes | None = None

@@ -88,33 +88,35 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         """logits: [num_reqs, vocab]; row i belongs to states[i]. The input is not modified."""
+        tokens = self.sample_tokens(logits, states)
+        token_ids: list[int] = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        if any(s.params.logprobs is not None for s in states):
+            _fill_logprobs(logits.float(), states, tokens, token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    def sample_tokens(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """The sampled token ids [num_reqs], left on the logits' device: an
+        overlapped engine reads them back later without stalling the next launch."""
         if logits.dim() != 2 or logits.size(0) != len(states):
             raise ValueError(f"logits must be [{len(states)}, vocab], got {list(logits.shape)}")
         if logits.dtype != torch.float32:
             logits = logits.float()  # softmax / cumsum in half precision would bias top-p
         num_reqs = len(states)
-        want_logprobs = any(s.params.logprobs is not None for s in states)
-
         x = _apply_penalties(logits, states)
         greedy_rows = [i for i, s in enumerate(states) if s.params.greedy]
         if len(greedy_rows) == num_reqs:
-            tokens = x.argmax(dim=-1)  # the common case: one argmax, no sort, no row gathers
-        else:
-            tokens = torch.empty(num_reqs, dtype=torch.long, device=logits.device)
-            if greedy_rows:
-                rows = _index(greedy_rows, logits.device)
-                tokens[rows] = x[rows].argmax(dim=-1)
-            # Unseeded rows first, so their noise is one contiguous batched draw.
-            random_rows = [i for i, s in enumerate(states) if not s.params.greedy and s.generator is None]
-            random_rows += [i for i, s in enumerate(states) if not s.params.greedy and s.generator is not None]
-            rows = _index(random_rows, logits.device)
-            tokens[rows] = self._sample(x[rows], [states[i] for i in random_rows])
-
-        token_ids: list[int] = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * num_reqs
-        if want_logprobs:
-            _fill_logprobs(logits, states, tokens, token_ids, logprobs)
-        return SamplerOutput(token_ids, logprobs)
+            return x.argmax(dim=-1)  # the common case: one argmax, no sort, no row gathers
+        tokens = torch.empty(num_reqs, dtype=torch.long, device=logits.device)
+        if greedy_rows:
+            rows = _index(greedy_rows, logits.device)
+            tokens[rows] = x[rows].argmax(dim=-1)
+        # Unseeded rows first, so their noise is one contiguous batched draw.
+        random_rows = [i for i, s in enumerate(states) if not s.params.greedy and s.generator is None]
+        random_rows += [i for i, s in enumerate(states) if not s.params.greedy and s.generator is not None]
+        rows = _index(random_rows, logits.device)
+        tokens[rows] = self._sample(x[rows], [states[i] for i in random_rows])
+        return tokens
 
     def _sample(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """x: penalised logits of non-greedy rows, unseeded rows first. Returns [rows] token ids."""

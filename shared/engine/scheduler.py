@@ -17,6 +17,10 @@ from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 
+PLACEHOLDER = -1
+"""An input token not known on the host yet: the runner takes it from the
+tokens the previous step sampled on the device."""
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -137,8 +141,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self._will_finish(request):
+                i += 1  # its last token is still on the device: nothing more to compute
+                continue
             num_new = min(
-                request.num_tokens - request.num_computed_tokens, self.config.prefill_chunk_size, budget
+                request.num_tokens + request.num_pending_tokens - request.num_computed_tokens,
+                self.config.prefill_chunk_size,
+                budget,
             )
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
@@ -160,7 +169,9 @@ class Scheduler:
         ):
             request = self.waiting[0]
             cached_blocks, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, self.config.prefill_chunk_size, budget)
+            num_new = min(
+                request.num_tokens + request.num_pending_tokens - num_cached, self.config.prefill_chunk_size, budget
+            )
             if self.kv.allocate_slots(request, num_new, cached_blocks) is None:
                 break  # wait for blocks to come free; FCFS, so nobody overtakes
             self.waiting.popleft()
@@ -173,9 +184,19 @@ class Scheduler:
             budget -= num_new
 
         for request, num_new in scheduled:
-            out.chunks.append(self._make_chunk(request, num_new, out))
+            chunk = self._make_chunk(request, num_new, out)
+            out.chunks.append(chunk)
             request.num_computed_tokens += num_new
+            if chunk.sample:
+                request.num_pending_tokens += 1
         return out
+
+    def _will_finish(self, request: Request) -> bool:
+        """A request whose pending tokens already reach its length limit."""
+        if not request.num_pending_tokens:
+            return False
+        limit = min(request.sampling_params.max_tokens, self.config.max_model_len - request.num_prompt_tokens)
+        return request.num_output_tokens + request.num_pending_tokens >= limit
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Append each sampled token, finish requests that stop; returns the
@@ -184,8 +205,10 @@ class Scheduler:
         for chunk in out.chunks:
             token = sampled.get(chunk.request_id)
             request = self.requests.get(chunk.request_id)
+            if request is not None and chunk.sample:
+                request.num_pending_tokens -= 1
             if token is None or request is None or request.status.is_finished:
-                continue  # not a sampling chunk, or aborted while the step ran
+                continue  # not a sampling chunk, or finished / aborted while the step ran
             request.append_output_token(token)
             updated.append(request)
             status = request.check_stop(self.config.max_model_len)
@@ -210,12 +233,14 @@ class Scheduler:
                 )
             )
         start = request.num_computed_tokens
+        token_ids = request.all_token_ids[start : start + num_new]
+        token_ids += [PLACEHOLDER] * (num_new - len(token_ids))
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=token_ids,
             start_pos=start,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == request.num_tokens + request.num_pending_tokens,
         )
 
     def _preempt(self, request: Request) -> None:
