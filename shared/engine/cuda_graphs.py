@@ -14,7 +14,6 @@ graph: they touch only the rows that sample.
 """
 
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -52,6 +51,12 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.width, dtype=torch.int64, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Host staging (pinned, double-buffered) and its device twin: ids,
+        # positions, slots, lengths, placeholder sources, then the block table.
+        size = 5 * n + n * self.width
+        self._stages = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._next_stage = 0
+        self._device_stage = torch.zeros(size, dtype=torch.int64, device=device)
         self._pool = None
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
@@ -100,25 +105,54 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
-        fill_placeholders: Callable[[torch.Tensor], None] | None = None,
+        placeholder_sources: list[int] | None = None,
+        last_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [len(input_ids), hidden] of one decode step."""
+        """Hidden states [len(input_ids), hidden] of one decode step.
+
+        placeholder_sources[i] >= 0 means row i's input token is
+        last_tokens[placeholder_sources[i]] (sampled by the step before, still
+        on the device); -1 means input_ids[i] is the token."""
         num = len(input_ids)
         b = self._bucket(num)
         if b not in self._graphs:
             self._capture(b)
         pad = b - num
-        # Build on the host, then one copy per buffer.
-        self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
-        if fill_placeholders is not None:
-            fill_placeholders(self.input_ids[:num])
-        self.positions[:b].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slot_mapping[:b].copy_(torch.tensor(slots + [self.scratch_slot] * pad), non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        table = torch.zeros(b, self.width, dtype=torch.int64)
+        # Everything goes through a pinned staging buffer in one copy: a copy
+        # from pageable memory would block the host until the device is idle,
+        # which is exactly the gap overlapped scheduling exists to hide. Two
+        # buffers alternate: the one written now was last read two steps ago,
+        # whose completion the engine has already waited for.
+        stage = self._stages[self._next_stage]
+        self._next_stage ^= 1
+        n, w = self.buckets[-1], self.width
+        sources = placeholder_sources or [-1] * num
+        stage[: 5 * n].view(5, n)[:, :b] = torch.tensor(
+            [
+                input_ids + [0] * pad,
+                positions + [0] * pad,
+                slots + [self.scratch_slot] * pad,
+                seq_lens + [0] * pad,
+                sources + [-1] * pad,
+            ],
+            dtype=torch.int64,
+        )
+        table = stage[5 * n :].view(n, w)[:b]
+        table.zero_()
         for i, row in enumerate(tables):
             table[i, : len(row)] = torch.tensor(row)
+        device_stage = self._device_stage
+        device_stage[: 5 * n].view(5, n)[:, :b].copy_(stage[: 5 * n].view(5, n)[:, :b], non_blocking=True)
         self.block_tables[:b].copy_(table, non_blocking=True)
+        rows = device_stage[: 5 * n].view(5, n)
+        ids = rows[0, :b]
+        if last_tokens is not None and last_tokens.numel():
+            src = rows[4, :b]
+            ids = torch.where(src >= 0, last_tokens[src.clamp(min=0, max=last_tokens.numel() - 1)], ids)
+        self.input_ids[:b].copy_(ids)
+        self.positions[:b].copy_(rows[1, :b])
+        self.slot_mapping[:b].copy_(rows[2, :b])
+        self.seq_lens[:b].copy_(rows[3, :b])
         graph, out = self._graphs[b]
         graph.replay()
         return out[:num]

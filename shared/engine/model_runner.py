@@ -36,6 +36,12 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs]
 
 
+def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows], without an index tensor (a host-to-device copy that would
+    wait for the device) in the usual decode case where every row samples."""
+    return hidden if len(rows) == hidden.shape[0] else hidden[rows]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -85,7 +91,7 @@ class ModelRunner:
         hidden, sample_rows, sample_ids = self._forward(sched)
         if not sample_rows:
             return RunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(_rows(hidden, sample_rows))
         states = [self.states[rid] for rid in sample_ids]
         result = self.sampler(logits, states)
         sampled: dict[str, int] = {}
@@ -109,7 +115,7 @@ class ModelRunner:
         hidden, sample_rows, sample_ids = self._forward(sched)
         if not sample_rows:
             return StepHandle([], None, None)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(_rows(hidden, sample_rows))
         tokens = self.sampler.sample_tokens(logits, [self.states[rid] for rid in sample_ids])
         self._remember(sample_ids, tokens)
         if self.device.type == "cuda":
@@ -204,17 +210,22 @@ class ModelRunner:
     def _forward_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
         assert self.graphs is not None
         bs = self.block_size
-        positions = [c.start_pos for c in sched.chunks]
+        chunks = sched.chunks
+        positions = [c.start_pos for c in chunks]
+        sources = [
+            self._last_rows[c.request_id] if c.token_ids[0] == PLACEHOLDER else -1 for c in chunks
+        ]
         hidden = self.graphs.run(
-            input_ids=[c.token_ids[0] for c in sched.chunks],
+            input_ids=[max(c.token_ids[0], 0) for c in chunks],
             positions=positions,
-            slots=[c.block_ids[p // bs] * bs + p % bs for c, p in zip(sched.chunks, positions)],
+            slots=[c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, positions)],
             seq_lens=[p + 1 for p in positions],
-            tables=[c.block_ids for c in sched.chunks],
-            fill_placeholders=lambda ids: self._fill_placeholders(ids, [(c.request_id, c.token_ids) for c in sched.chunks]),
+            tables=[c.block_ids for c in chunks],
+            placeholder_sources=sources,
+            last_tokens=self._last_tokens,
         )
-        rows = [i for i, c in enumerate(sched.chunks) if c.sample]
-        return hidden, rows, [sched.chunks[i].request_id for i in rows]
+        rows = [i for i, c in enumerate(chunks) if c.sample]
+        return hidden, rows, [chunks[i].request_id for i in rows]
 
     def _prepare(
         self, sched: SchedulerOutput
