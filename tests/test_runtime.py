@@ -1,7 +1,6 @@
 """The shared plumbing: settings precedence and errors, and ordered token
 streams over a real nats-server."""
 
-import asyncio
 
 import pytest
 

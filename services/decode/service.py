@@ -22,7 +22,7 @@ from shared.runtime import subjects
 from shared.runtime.bus import StreamPublisher
 from shared.runtime.convert import logprobs_to_proto, params_from_proto
 from shared.runtime.service import ServiceContext
-from shared.runtime.worker import Worker, engine_config, fail_stream, load_cached_blocks, validate_prompt
+from shared.runtime.worker import Worker, load_cached_blocks, serve_engine_stage, validate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,6 @@ class DecodeService:
         self.worker = worker
         self.kv = kv
         self.engine: LLMEngine = worker.engine.engine
-        self._tasks: dict[str, asyncio.Task] = {}
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Decode requests by outcome", ("outcome",))
         self.m_output_tokens = m.counter("output_tokens_total", "Tokens generated")
@@ -52,15 +51,8 @@ class DecodeService:
         except ValueError as exc:
             self.m_requests.labels("invalid").inc()
             return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
-        task = self.worker.spawn(self._decode(h, params))
-        self._tasks[h.request_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(h.request_id, None))
+        self.worker.spawn(h.request_id, self._decode(h, params))
         return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
-
-    async def on_cancel(self, msg: mesh_pb2.Cancel) -> None:
-        task = self._tasks.get(msg.request_id)
-        if task is not None:
-            task.cancel()  # leaving engine.generate() aborts the request and frees its blocks
 
     def _usage(self, h: mesh_pb2.DecodeHandoff, num_output: int) -> mesh_pb2.Usage:
         return mesh_pb2.Usage(
@@ -143,13 +135,10 @@ class DecodeService:
 
 
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
-    engine = await asyncio.to_thread(LLMEngine, engine_config(ctx.settings.engine, detokenize=False, record_kv_events=True))
-    worker = Worker(ctx, engine)
-    kv = KVCacheClient(ctx.settings.kvcache.address)
-    stack.push_async_callback(kv.close)
-    service = DecodeService(ctx, worker, kv)
-    await worker.start(stack)
-    sub = await ctx.bus.subscribe(subjects.decode_admit(ctx.instance_id), mesh_pb2.DecodeHandoff, service.on_admit)
-    stack.push_async_callback(sub.unsubscribe)
-    cancel = await ctx.bus.subscribe(subjects.CANCEL, mesh_pb2.Cancel, service.on_cancel)
-    stack.push_async_callback(cancel.unsubscribe)
+    await serve_engine_stage(
+        ctx,
+        stack,
+        lambda worker, kv: DecodeService(ctx, worker, kv).on_admit,
+        subjects.decode_admit(ctx.instance_id),
+        mesh_pb2.DecodeHandoff,
+    )

@@ -19,10 +19,9 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv.client import KVCacheClient
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
-from shared.runtime.bus import StreamPublisher
 from shared.runtime.convert import logprobs_to_proto, params_from_proto
 from shared.runtime.service import ServiceContext
-from shared.runtime.worker import Worker, engine_config, fail_stream, load_cached_blocks, validate_prompt
+from shared.runtime.worker import Worker, fail_stream, load_cached_blocks, serve_engine_stage, validate_prompt
 
 
 log = logging.getLogger(__name__)
@@ -34,7 +33,6 @@ class PrefillService:
         self.worker = worker
         self.kv = kv
         self.engine: LLMEngine = worker.engine.engine
-        self._tasks: dict[str, asyncio.Task] = {}
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Prefill requests by outcome", ("outcome",))
         self.m_prompt_tokens = m.counter("prompt_tokens_total", "Prompt tokens received")
@@ -53,15 +51,8 @@ class PrefillService:
         except ValueError as exc:
             self.m_requests.labels("invalid").inc()
             return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
-        task = self.worker.spawn(self._prefill(req, params))
-        self._tasks[req.request_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(req.request_id, None))
+        self.worker.spawn(req.request_id, self._prefill(req, params))
         return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
-
-    async def on_cancel(self, msg: mesh_pb2.Cancel) -> None:
-        task = self._tasks.get(msg.request_id)
-        if task is not None:
-            task.cancel()  # leaving engine.generate() aborts the request in the engine
 
     async def _prefill(self, req: mesh_pb2.PrefillRequest, params: SamplingParams) -> None:
         rid = req.request_id
@@ -137,13 +128,10 @@ class PrefillService:
 
 
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
-    engine = await asyncio.to_thread(LLMEngine, engine_config(ctx.settings.engine, detokenize=False, record_kv_events=True))
-    worker = Worker(ctx, engine)
-    kv = KVCacheClient(ctx.settings.kvcache.address)
-    stack.push_async_callback(kv.close)
-    service = PrefillService(ctx, worker, kv)
-    await worker.start(stack)
-    sub = await ctx.bus.subscribe(subjects.prefill_run(ctx.instance_id), mesh_pb2.PrefillRequest, service.on_run)
-    stack.push_async_callback(sub.unsubscribe)
-    cancel = await ctx.bus.subscribe(subjects.CANCEL, mesh_pb2.Cancel, service.on_cancel)
-    stack.push_async_callback(cancel.unsubscribe)
+    await serve_engine_stage(
+        ctx,
+        stack,
+        lambda worker, kv: PrefillService(ctx, worker, kv).on_run,
+        subjects.prefill_run(ctx.instance_id),
+        mesh_pb2.PrefillRequest,
+    )

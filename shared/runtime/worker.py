@@ -8,6 +8,10 @@ import logging
 import time
 from contextlib import AsyncExitStack
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from google.protobuf.message import Message
 from opentelemetry.trace import Span
 
 from shared.engine.async_engine import AsyncEngine
@@ -53,6 +57,7 @@ class Worker:
         self.draining = False
         self._tasks: list[asyncio.Task] = []
         self._inflight: set[asyncio.Task] = set()
+        self._by_request: dict[str, asyncio.Task] = {}
         self._hb_seq = 0
         self._kv_seq = 0
         m = ctx.metrics
@@ -75,12 +80,25 @@ class Worker:
         await self.grpc.set_serving(True)
         log.info("%s: gRPC health on :%d", self.ctx.instance_id, self.grpc.port)
 
-    def spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
-        """Run a request's handler as a task counted for the drain."""
+    def spawn(self, request_id: str, coro) -> asyncio.Task:  # noqa: ANN001
+        """Run a request's handler as a task: counted for the drain, and
+        cancelled by a Cancel message naming the request."""
         task = asyncio.create_task(coro)
         self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        self._by_request[request_id] = task
+
+        def done(_: asyncio.Task) -> None:
+            self._inflight.discard(task)
+            if self._by_request.get(request_id) is task:
+                del self._by_request[request_id]
+
+        task.add_done_callback(done)
         return task
+
+    async def on_cancel(self, msg: mesh_pb2.Cancel) -> None:
+        task = self._by_request.get(msg.request_id)
+        if task is not None:
+            task.cancel()  # leaving engine.generate() aborts the request and frees its blocks
 
     async def stop(self) -> None:
         """Drain: say NOT_SERVING and draining, let in-flight requests finish
@@ -152,6 +170,31 @@ class Worker:
                 await self._publish_kv_events()
             except Exception:  # never let routing hints kill the worker
                 log.exception("publishing KV events failed")
+
+
+async def serve_engine_stage(
+    ctx: ServiceContext,
+    stack: AsyncExitStack,
+    make_handler: Callable[[Worker, KVCacheClient], Callable[[Any], Awaitable[Message | None]]],
+    subject: str,
+    message_type: type[Message],
+) -> None:
+    """The setup both engine stages share: the engine (loaded off the event
+    loop), the worker duties, the kvcache client, the dispatch subscription and
+    cancels. The exit stack unwinds intake first, then the drain, then the rest."""
+    config = engine_config(ctx.settings.engine, detokenize=False, record_kv_events=True)
+    engine = await asyncio.to_thread(LLMEngine, config)
+    worker = Worker(ctx, engine)
+    kv = KVCacheClient(ctx.settings.kvcache.address)
+    stack.push_async_callback(kv.close)
+    handle = make_handler(worker, kv)
+    await worker.start(stack)
+    for subj, msg_type, handler in (
+        (subject, message_type, handle),
+        (subjects.CANCEL, mesh_pb2.Cancel, worker.on_cancel),
+    ):
+        sub = await ctx.bus.subscribe(subj, msg_type, handler)
+        stack.push_async_callback(sub.unsubscribe)
 
 
 def validate_prompt(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> None:
