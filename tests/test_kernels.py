@@ -19,9 +19,6 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-pytest.importorskip("triton")
-
 from safetensors.torch import save_file  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
