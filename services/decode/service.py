@@ -36,7 +36,6 @@ class DecodeService:
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Decode requests by outcome", ("outcome",))
         self.m_output_tokens = m.counter("output_tokens_total", "Tokens generated")
-        self.m_loaded_bytes = m.counter("kv_loaded_bytes_total", "KV bytes loaded from kvcache")
         self.m_itl = m.histogram("inter_token_latency_seconds", "Time between two tokens of a request")
 
     async def on_admit(self, h: mesh_pb2.DecodeHandoff) -> mesh_pb2.Ack:

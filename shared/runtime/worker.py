@@ -67,6 +67,7 @@ class Worker:
         self.m_kv_free = m.gauge("kv_free_blocks", "Free blocks of the paged KV cache")
         self.m_kv_total = m.gauge("kv_total_blocks", "Blocks of the paged KV cache")
         self.m_kv_usage = m.gauge("kv_usage_ratio", "Used fraction of the paged KV cache")
+        self.m_kv_loaded_bytes = m.counter("kv_loaded_bytes_total", "KV bytes loaded from kvcache into the paged cache")
 
     async def start(self, stack: AsyncExitStack) -> None:
         self.engine.start()
@@ -233,8 +234,10 @@ async def load_cached_blocks(
     loaded = await engine.call(
         lambda e: e.import_blocks(prompt, local, [h for h, _ in usable], [d for _, d in usable], cache_salt)
     )
+    num_bytes = sum(len(d) for _, d in usable[:loaded])
+    worker.m_kv_loaded_bytes.inc(num_bytes)
     span.set_attribute("kv.loaded_blocks", loaded)
-    span.set_attribute("kv.loaded_bytes", sum(len(d) for _, d in usable[:loaded]))
+    span.set_attribute("kv.loaded_bytes", num_bytes)
     return loaded
 
 
