@@ -2,7 +2,6 @@
 each on free ports, stopped (SIGTERM, then SIGKILL) when the test ends."""
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -12,13 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from shared.launch.up import find_nats_server, free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, timeout_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
@@ -34,21 +29,12 @@ def wait_for_port(port: int, timeout_s: float = 10.0, proc: subprocess.Popen | N
     raise TimeoutError(f"nothing listens on port {port} after {timeout_s}s")
 
 
-def nats_server_binary() -> str:
-    found = shutil.which("nats-server") or next(
-        (p for p in ("/usr/sbin/nats-server", "/usr/bin/nats-server") if os.path.exists(p)), None
-    )
-    if found is None:
-        pytest.fail("nats-server is not installed (apt-get install nats-server; .ci/run does it)")
-    return found
-
-
 class NatsServer:
     def __init__(self, workdir: Path) -> None:
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(workdir)],
+            [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(workdir)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -39,7 +39,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.launch.up import grpc_serving, http_ok
 from shared.runtime.settings import Settings, load_settings
-from tests.mesh_procs import ROOT, free_port, nats_server_binary, start_service, stop_process
+from shared.launch.up import find_nats_server
+from tests.mesh_procs import ROOT, free_port, start_service, stop_process
 
 DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "infermesh"
@@ -519,7 +520,7 @@ class Local:
                 out.append(flag + (f"={value}" if value else ""))
         if not {"--port", "-p"} & set(out):
             out += ["--port", str(self.port(own, 4222))]
-        return [nats_server_binary(), "-a", "127.0.0.1", *out]
+        return [find_nats_server(), "-a", "127.0.0.1", *out]
 
 
 @dataclass
