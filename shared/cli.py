@@ -121,6 +121,11 @@ def _cmd_bench_mesh(args: argparse.Namespace) -> int:
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:
     from shared.bench.gpu_bench import run_gpu_bench
 
+    if args.profile:
+        from shared.bench.gpu_profile import run_profile
+
+        run_profile(args.out)
+        return 0
     if args.overlap_only:
         from shared.bench.gpu_bench import run_overlap_bench
 
@@ -225,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="docs/perf", help="folder for gpu_bench.json and gpu_bench.md")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     p.add_argument("--overlap-only", action="store_true", help="only the engine's idle gap, step by step vs overlapped")
+    p.add_argument("--profile", action="store_true", help="only where a decode step's time goes (matmuls, kernels by kind)")
     p.set_defaults(func=_cmd_bench_gpu)
 
     p = sub.add_parser("up", help="run the mesh on this machine: nats-server and every service")

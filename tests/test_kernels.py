@@ -293,7 +293,7 @@ def random_weights(model: CausalLM, seed: int) -> dict[str, torch.Tensor]:
     g = gen(seed)
     return {
         name: (1 + 0.1 * torch.randn(p.shape, generator=g)) if "norm" in name else 0.05 * torch.randn(p.shape, generator=g)
-        for name, p in model.named_parameters()
+        for name, p in model.checkpoint_tensors().items()
     }
 
 
@@ -306,7 +306,7 @@ def test_tiny_model_triton_equals_torch(name: str) -> None:
     assert not models["torch"].use_triton and models["triton"].use_triton
     weights = random_weights(models["torch"], seed=3)
     for model in models.values():
-        model.load_state_dict(weights)
+        model.load_weights(weights)
     drivers = {k: PagedDriver(m, num_seqs=3, block_size=4, seed=1) for k, m in models.items()}
     g = gen(4)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 11, 14)]

@@ -159,7 +159,7 @@ def test_dtype_casting(tiny: Path, dtype: torch.dtype) -> None:
     assert {p.dtype for p in model.parameters()} == {dtype}
     assert model.rotary_emb.inv_freq.dtype == torch.float32  # rope frequencies stay float32, as in HF
     ref = load_file(tiny / "model.safetensors")["model.layers.1.mlp.up_proj.weight"].to(dtype)
-    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, ref)
+    assert torch.equal(model.checkpoint_tensors()["model.layers.1.mlp.up_proj.weight"], ref)
     driver = PagedDriver(model, num_seqs=1, kv_dtype=dtype)
     logits = driver.step({0: [1, 2, 3, 4, 5]})[0]
     assert logits.dtype == torch.float32 and logits.shape == (5, 4096) and torch.isfinite(logits).all()

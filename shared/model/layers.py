@@ -27,6 +27,37 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class MergedLinear(Linear):
+    """Projections of the same input stacked into one weight (q, k, v or gate, up): at
+    decode sizes a matmul costs one read of its weight plus a launch, so one launch
+    over the stacked weight beats several over the parts.
+
+    Checkpoints keep the parts apart: ``shards`` maps each part's name (``q_proj``...)
+    to its number of output rows, in order; ``shard_views`` gives where each goes.
+    """
+
+    def __init__(
+        self, in_features: int, shards: dict[str, int], bias: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(in_features, sum(shards.values()), bias, dtype, device)
+        self.shards = dict(shards)
+
+    def shard_views(self) -> dict[str, torch.Tensor]:
+        """``"q_proj.weight"`` (and ``.bias``) -> that part's rows of the stacked tensors."""
+        views: dict[str, torch.Tensor] = {}
+        start = 0
+        for name, rows in self.shards.items():
+            views[f"{name}.weight"] = self.weight.detach()[start : start + rows]
+            if self.bias is not None:
+                views[f"{name}.bias"] = self.bias.detach()[start : start + rows]
+            start += rows
+        return views
+
+    def split(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of this projection's output, as views (no copy)."""
+        return list(out.split(list(self.shards.values()), dim=-1))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As LlamaRMSNorm: normalise in float32, cast back, then scale in the input dtype.
     input_dtype = x.dtype
@@ -62,19 +93,19 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SiLU-gated feed-forward: down(silu(gate(x)) * up(x))."""
+    """SiLU-gated feed-forward: down(silu(gate(x)) * up(x)), gate and up as one matmul."""
 
     def __init__(
         self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device, use_triton: bool = False
     ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias, dtype, device)
-        self.up_proj = Linear(hidden, intermediate, bias, dtype, device)
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias, dtype, device)
         self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
         self._act = triton_module("activation").silu_and_mul if use_triton else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._act(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(self._act(gate, up))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | None = None) -> torch.Tensor:

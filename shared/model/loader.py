@@ -48,7 +48,7 @@ def load_model(
     if tie and not config.tie_word_embeddings:
         logger.warning("%s has no lm_head.weight: tying it to model.embed_tokens.weight", folder)
     model = CausalLM(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels)
-    params = dict(model.named_parameters())
+    params = model.checkpoint_tensors()
     _check_names(folder, set(params), set(tensor_files), tie)
 
     by_file: dict[str, list[str]] = {}
@@ -64,7 +64,7 @@ def load_model(
     return model.eval()
 
 
-def _copy_tensors(file: Path, names: list[str], params: dict[str, torch.nn.Parameter], bar: tqdm) -> None:
+def _copy_tensors(file: Path, names: list[str], params: dict[str, torch.Tensor], bar: tqdm) -> None:
     with safe_open(str(file), framework="pt", device="cpu") as f:
         present = set(f.keys())
         for name in sorted(names):

@@ -144,7 +144,7 @@ def _random_weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[
     Drawn in float32 in sorted name order from one seeded generator, so the bytes
     depend only on (config, seed, dtype)."""
     # The meta device gives names and shapes without allocating anything.
-    shapes = {name: tuple(p.shape) for name, p in CausalLM(config, device="meta").named_parameters()}
+    shapes = {name: tuple(t.shape) for name, t in CausalLM(config, device="meta").checkpoint_tensors().items()}
     generator = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     for name in sorted(shapes):

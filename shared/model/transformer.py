@@ -1,11 +1,14 @@
 """One Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over a paged KV cache.
 
-Parameter names are transformers' (``model.layers.N.self_attn.q_proj.weight``...),
-so loading a checkpoint is a name lookup. Architecture differences come from
+Parameter names are transformers' (``model.layers.N.self_attn.o_proj.weight``...),
+except that q/k/v and gate/up are stacked into one matmul each (``qkv_proj``,
+``gate_up_proj``); ``checkpoint_tensors`` maps every checkpoint name to where it
+goes, so loading a checkpoint is still a name lookup. Architecture differences come from
 ``ModelConfig`` fields: biases, per-head q/k RMSNorm (Qwen3), sliding windows per
 layer, tied embeddings.
 """
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +18,7 @@ from shared.model.attention import AttentionPlan, paged_attention, plan_attentio
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.kernels import triton_module, use_triton_kernels
-from shared.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, apply_rope
+from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:  # the kernel modules are imported only when a model selects them
     from shared.model.kernels.attention import TritonAttentionPlan
@@ -32,9 +35,8 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx]
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(hidden, q_size, config.qkv_bias, dtype, device)
-        self.k_proj = Linear(hidden, kv_size, config.qkv_bias, dtype, device)
-        self.v_proj = Linear(hidden, kv_size, config.qkv_bias, dtype, device)
+        shards = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+        self.qkv_proj = MergedLinear(hidden, shards, config.qkv_bias, dtype, device)
         self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device)
         # Qwen3 normalises each head of q and k before rope.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
@@ -52,9 +54,10 @@ class Attention(nn.Module):
         plan: "AttentionPlan | TritonAttentionPlan",
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self._rotary is not None and self._attention is not None:
@@ -142,6 +145,33 @@ class CausalLM(nn.Module):
         # Tied: no lm_head parameter at all, so the checkpoint's name list has no entry to fill.
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self._windows = frozenset(config.sliding_windows)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Each tensor name of a transformers checkpoint -> the tensor to copy it into:
+        a parameter, or its rows of a stacked projection."""
+        merged = {name: m for name, m in self.named_modules() if isinstance(m, MergedLinear)}
+        targets: dict[str, torch.Tensor] = {}
+        for name, param in self.named_parameters():
+            module_name = name.rpartition(".")[0]
+            if module_name not in merged:
+                targets[name] = param.detach()
+        for module_name, module in merged.items():
+            parent = module_name.rpartition(".")[0]
+            targets.update({f"{parent}.{part}": view for part, view in module.shard_views().items()})
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy checkpoint-named tensors in (all of them, no more): for weights already in
+        memory, e.g. a transformers model's ``state_dict()``; files go through ``load_model``."""
+        targets = self.checkpoint_tensors()
+        names = set(weights) - {n for n in weights if n.endswith("rotary_emb.inv_freq")}
+        if self.lm_head is None:
+            names.discard("lm_head.weight")
+        if names != set(targets):
+            raise ValueError(f"missing {sorted(set(targets) - names)[:8]}, unexpected {sorted(names - set(targets))[:8]}")
+        for name in names:
+            targets[name].copy_(weights[name])
 
     @torch.inference_mode()
     def forward(

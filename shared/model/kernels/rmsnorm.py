@@ -58,13 +58,10 @@ def _rms_norm_kernel(
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
 
 
-def _as_rows(name: str, t: torch.Tensor, num_cols: int) -> torch.Tensor:
-    try:
-        return t.view(-1, num_cols)
-    except RuntimeError as e:
-        raise ValueError(
-            f"{name} of shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as rows of {num_cols}"
-        ) from e
+def _as_rows(t: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """[-1, num_cols] rows of one stride: a view where the strides allow it, else a copy
+    (e.g. q's heads, a strided slice of the stacked qkv projection)."""
+    return t.reshape(-1, num_cols)
 
 
 def _launch(
@@ -76,14 +73,14 @@ def _launch(
     check_device(x.device)
     check_tensor("x", x, ndim=x.dim(), dtypes=FLOAT_DTYPES, device=x.device)
     check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=x.device, shape=(num_cols,))
-    x2 = _as_rows("x", x, num_cols)
+    x2 = _as_rows(x, num_cols)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, num_cols)
     res2 = res_out2 = x2  # placeholders, never read without HAS_RESIDUAL
     res_out = None
     if residual is not None:
         check_tensor("residual", residual, ndim=x.dim(), dtypes=(x.dtype,), device=x.device, shape=tuple(x.shape))
-        res2 = _as_rows("residual", residual, num_cols)
+        res2 = _as_rows(residual, num_cols)
         res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         res_out2 = res_out.view(-1, num_cols)
     num_rows = x2.shape[0]

@@ -1,0 +1,158 @@
+"""`infermesh bench-gpu --profile`: where a decode step's time goes on the GPU.
+
+Two views, both on Llama-3-8B's shape in bfloat16 with seeded random weights:
+
+- the matmuls alone: each projection's weight shape at decode batch sizes,
+  timed from a CUDA graph over enough weight copies that none sits in L2, as
+  the fraction of the copy bandwidth that reading the weight once reaches;
+- one decode step of the model runner, its kernels grouped by kind (matmul,
+  attention, norms, ...) from the PyTorch profiler, summed against the step's
+  time when replayed from a CUDA graph: the difference is the time the GPU
+  spends between kernels.
+"""
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from shared.bench.gpu_bench import _time, build_models, measure_card, weight_bytes
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
+from shared.model.transformer import CausalLM
+
+# (name, out_features, in_features) of Llama-3-8B's matmuls.
+SHAPES = [
+    ("q_proj", 4096, 4096),
+    ("k_proj/v_proj", 1024, 4096),
+    ("qkv_proj", 6144, 4096),
+    ("o_proj", 4096, 4096),
+    ("gate_proj/up_proj", 14336, 4096),
+    ("gate_up_proj", 28672, 4096),
+    ("down_proj", 4096, 14336),
+    ("lm_head", 128256, 4096),
+]
+
+# Substrings of kernel names -> the kind they are counted under (first match wins).
+KINDS = [
+    ("attention", ("_decode_kernel", "_reduce_kernel", "_prefill_kernel", "flash", "attention")),
+    ("norm", ("rms", "norm")),
+    ("rotary", ("rotary",)),
+    ("activation", ("silu",)),
+    ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90", "splitk", "cublas")),
+    ("copy/index", ("copy", "index", "scatter", "gather", "fill", "elementwise", "where", "cat")),
+    ("sampling", ("argmax", "reduce", "max")),
+]
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def profile_matmuls(bw: float, batches: tuple[int, ...] = (1, 8, 64, 256)) -> list[dict]:
+    rows = []
+    for name, n, k in SHAPES:
+        copies = max(2, -(-(256 << 20) // (n * k * 2)))  # >= 256 MiB of weights in rotation: L2 is 50 MB
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+        for b in batches:
+            x = torch.randn(b, k, dtype=torch.bfloat16, device="cuda")
+            outs = [torch.empty(b, n, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+
+            def run() -> None:
+                for w, o in zip(weights, outs):
+                    torch.nn.functional.linear(x, w, out=o)  # noqa: B023
+
+            run()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            seconds = _time(graph.replay, warmup=2, iters=10) / copies
+            frac = n * k * 2 / seconds / bw
+            rows.append(dict(name=name, n=n, k=k, batch=b, us=seconds * 1e6, of_copy_bw=frac))
+            print(f"matmul {name:18s} [{n}x{k}] batch {b:4d}: {seconds * 1e6:7.1f} us, {frac:.2f} of copy bandwidth", flush=True)
+        del weights, outs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def profile_step(model: CausalLM, batch: int, context: int, block_size: int = 16) -> dict:
+    """One decode step's kernels by kind (eager launches, profiled) against its graph replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    blocks_per_seq = -(-(context + 8) // block_size)
+    runners = {}
+    for graphs in (False, True):
+        runners[graphs] = ModelRunner(
+            model, batch * blocks_per_seq, block_size, torch.bfloat16, torch.device("cuda"),
+            cuda_graphs=graphs, max_model_len=blocks_per_seq * block_size, max_batch=batch,
+        )  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+
+    def step(runner: ModelRunner, first: bool) -> None:
+        new = [NewRequestData(str(i), [1] * context, params, frozenset(), [], None) for i in range(batch)] if first else []
+        sched = SchedulerOutput(new_requests=new)
+        sched.chunks = [ScheduledChunk(str(i), [7], context, tables[i], True) for i in range(batch)]
+        runner.execute(sched)
+
+    for graphs, runner in runners.items():
+        step(runner, True)
+        step(runner, False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step(runners[False], False)
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            by_kind[_kind(ev.name)] += ev.time_range.elapsed_us() / 3
+            by_name[ev.name] += ev.time_range.elapsed_us() / 3
+    graph_step = _time(lambda: step(runners[True], False), warmup=2, iters=10) * 1e6
+    graph_forward = None
+    graphs = runners[True].graphs
+    if graphs is not None:
+        graph_forward = _time(graphs._graphs[graphs._bucket(batch)][0].replay, warmup=2, iters=10) * 1e6
+    kernels_us = sum(by_kind.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    del runners
+    torch.cuda.empty_cache()
+    return dict(
+        batch=batch, context=context, kernels_us=kernels_us, by_kind_us=dict(by_kind),
+        graph_forward_us=graph_forward, graph_step_us=graph_step, top_kernels_us=top,
+    )  # fmt: skip
+
+
+def run_profile(out_dir: str, seed: int = 0) -> dict:
+    bw, rate = measure_card()
+    print(f"card: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    matmuls = profile_matmuls(bw)
+    config, model, _ = build_models(seed, with_hf=False)
+    wbytes = weight_bytes(model)
+    kv_tok = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
+    steps = []
+    for batch, context in ((1, 1024), (8, 1024), (64, 1024), (256, 1024), (8, 8192)):
+        s = profile_step(model, batch, context)
+        s["roofline_us"] = (wbytes + batch * context * kv_tok) / bw * 1e6
+        steps.append(s)
+        kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(s["by_kind_us"].items(), key=lambda kv: -kv[1]))
+        print(
+            f"decode b={batch} ctx={context}: roofline {s['roofline_us']:.0f} us; kernels {s['kernels_us']:.0f} us "
+            f"({kinds}); graph forward {s['graph_forward_us']:.0f} us; runner step {s['graph_step_us']:.0f} us",
+            flush=True,
+        )
+        for name, us in s["top_kernels_us"]:
+            print(f"    {us:8.1f} us  {name[:110]}")
+    record = dict(device=torch.cuda.get_device_name(), copy_bytes_per_s=bw, bf16_flop_per_s=rate,
+                  matmuls=matmuls, decode_steps=steps)  # fmt: skip
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(record, indent=2))
+    return record
