@@ -30,9 +30,10 @@ from shared.model.kernels import rmsnorm, use_triton_kernels  # noqa: E402
 from shared.model.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from shared.model.kernels.paged_decode import choose_num_splits, paged_decode_attention  # noqa: E402
 from shared.model.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+from shared.model.attention import write_kv  # noqa: E402
 from shared.model.kernels.reference import paged_attention_ref  # noqa: E402
 from shared.model.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
-from shared.model.kernels.rotary import rotary_embedding_, rotary_ref  # noqa: E402
+from shared.model.kernels.rotary import rotary_embedding_, rotary_embedding_and_store_kv, rotary_ref  # noqa: E402
 from shared.model.layers import RotaryEmbedding  # noqa: E402
 from shared.model.make_model import hf_config_dict  # noqa: E402
 from shared.model.transformer import CausalLM  # noqa: E402
@@ -84,6 +85,32 @@ def test_rotary_equals_reference_exactly(dtype: torch.dtype, num_heads: int, num
     q_out, k_out = rotary_embedding_(q, k, cos, sin)
     assert q_out is q and k_out is k  # in place
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_and_store_kv_equals_rotary_then_write_kv(dtype: torch.dtype) -> None:
+    """The decode path's fused launch: q rotated in place, rotated k and v at their cache
+    slots (scattered over blocks, as a block table leaves them), every other slot untouched."""
+    g = gen(11)
+    num_tokens, heads, kv_heads, head_dim, block_size = 6, 4, 2, 32, 4
+    rope = RopeConfig("default", 10000.0)
+    cos, sin = RotaryEmbedding(rope, head_dim, torch.device("cpu"))(torch.randint(0, 100, (num_tokens,), generator=g), dtype)
+    # q, k, v as views of one stacked projection, as the model passes them.
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    kv_cache = torch.randn(2, 5, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.tensor([17, 2, 9, 3, 12, 0])
+    ref_q, ref_k = rotary_ref(q, k, cos, sin)
+    ref_cache = kv_cache.clone()
+    write_kv(ref_cache, ref_k, v, slots)
+    k_before = k.clone()
+    out = rotary_embedding_and_store_kv(q, k, v, cos, sin, kv_cache, slots)
+    assert out is q and torch.equal(q, ref_q)
+    assert torch.equal(kv_cache, ref_cache)
+    assert torch.equal(k, k_before)
+    with pytest.raises(ValueError, match="kv_cache has dtype"):
+        other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+        rotary_embedding_and_store_kv(q, k, v, cos, sin, kv_cache.to(other), slots)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -61,8 +61,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self._rotary is not None and self._attention is not None:
-            q, k = self._rotary.rotary_embedding_(q, k, cos, sin)
-            out = self._attention.triton_paged_attention(q, k, v, kv_cache, meta, plan, self.sliding_window, self.scale)
+            # One launch rotates q and k and stores k and v in the cache, then attention reads the cache.
+            q = self._rotary.rotary_embedding_and_store_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
+            out = self._attention.triton_attend(q, kv_cache, plan, self.sliding_window, self.scale)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out = paged_attention(q, k, v, kv_cache, meta, plan, self.sliding_window, self.scale)

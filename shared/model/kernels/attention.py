@@ -1,12 +1,12 @@
-"""The Triton path of ``attention.paged_attention``: the per-forward plan (device index
-tensors, built once and shared by all layers) and the choice of kernel: the decode
-kernel when every sequence brings one token, the prefill kernel otherwise."""
+"""The Triton path of ``attention.attend``: the per-forward plan (device index tensors,
+built once and shared by all layers) and the choice of kernel: the decode kernel when
+every sequence brings one token, the prefill kernel otherwise. The new K/V reach the
+cache before, with the rotary kernel (``rotary.rotary_embedding_and_store_kv``)."""
 
 from dataclasses import dataclass
 
 import torch
 
-from shared.model.attention import write_kv
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.kernels.paged_decode import choose_num_splits, default_block_n, paged_decode_attention
 from shared.model.kernels.paged_prefill import paged_prefill_attention
@@ -44,18 +44,10 @@ def plan_triton_attention(
     return TritonAttentionPlan(query_start_loc, seq_lens, block_tables, max_query_len, is_decode, num_splits)
 
 
-def triton_paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    plan: TritonAttentionPlan,
-    sliding_window: int | None,
-    scale: float,
+def triton_attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, plan: TritonAttentionPlan, sliding_window: int | None, scale: float
 ) -> torch.Tensor:
-    """As ``attention.paged_attention``: writes the new K/V, then attends."""
-    write_kv(kv_cache, key, value, meta.slot_mapping)
+    """As ``attention.attend``: query [T, heads, D] over the cache, the new K/V already in it."""
     if plan.is_decode:
         return paged_decode_attention(
             query, kv_cache, plan.seq_lens, plan.block_tables, scale, sliding_window, plan.num_splits
