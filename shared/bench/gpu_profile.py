@@ -130,9 +130,74 @@ def profile_step(model: CausalLM, batch: int, context: int, block_size: int = 16
     )  # fmt: skip
 
 
+def _paged_cache(seq_lens: list[int], block_size: int = 16, kv_heads: int = 8, head_dim: int = 128):  # noqa: ANN202
+    """A bf16 cache holding the sequences in shuffled blocks, and their block tables."""
+    blocks = [-(-n // block_size) for n in seq_lens]
+    order = torch.randperm(sum(blocks), device="cuda")
+    cache = torch.randn(2, sum(blocks), block_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device="cuda")
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[start : start + n]
+        start += n
+    return cache, tables
+
+
+def sweep_attention(rate: float, bw: float) -> dict:
+    """The attention kernels alone over their tile settings: prefill of one 8k prompt
+    (TFLOP/s of the causal part) and decode at a few shapes (GB/s of KV read)."""
+    from shared.model.kernels.paged_decode import choose_num_splits, paged_decode_attention
+    from shared.model.kernels.paged_prefill import paged_prefill_attention
+
+    heads, kv_heads, head_dim, n = 32, 8, 128, 8192
+    cache, tables = _paged_cache([n])
+    q = torch.randn(n, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+    flops = 4 * heads * head_dim * n * (n + 1) / 2
+    prefill = []
+    for bm in (64, 128):
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    try:
+                        t = _time(lambda: paged_prefill_attention(q, cache, qsl, lens, tables, n, head_dim**-0.5,  # noqa: B023
+                                  block_m=bm, block_n=bn, num_warps=warps, num_stages=stages), warmup=1, iters=5)  # noqa: B023
+                    except Exception as e:  # noqa: BLE001 - out of shared memory etc.: record and go on
+                        prefill.append(dict(block_m=bm, block_n=bn, warps=warps, stages=stages, error=str(e)[:80]))
+                        continue
+                    prefill.append(dict(block_m=bm, block_n=bn, warps=warps, stages=stages, us=t * 1e6, tflops=flops / t / 1e12))
+                    print(f"prefill attn 8k bm={bm} bn={bn} w={warps} s={stages}: {t * 1e6:.0f} us, {flops / t / 1e12:.0f} TFLOP/s", flush=True)
+    del cache, q
+    decode = []
+    for batch, ctx in ((64, 1024), (256, 1024), (8, 8192), (1, 8192)):
+        cache, tables = _paged_cache([ctx] * batch)
+        q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        kv_bytes = batch * ctx * kv_heads * head_dim * 2 * 2
+        for bn in (32, 64, 128):
+            splits = choose_num_splits(batch, kv_heads, ctx, bn, q.device)
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4):
+                    try:
+                        t = _time(lambda: paged_decode_attention(q, cache, lens, tables, head_dim**-0.5, None, splits,  # noqa: B023
+                                  block_n=bn, num_warps=warps, num_stages=stages), warmup=1, iters=20)  # noqa: B023
+                    except Exception as e:  # noqa: BLE001
+                        decode.append(dict(batch=batch, ctx=ctx, block_n=bn, warps=warps, stages=stages, error=str(e)[:80]))
+                        continue
+                    decode.append(dict(batch=batch, ctx=ctx, block_n=bn, warps=warps, stages=stages, splits=splits,
+                                       us=t * 1e6, of_copy_bw=kv_bytes / t / bw))  # fmt: skip
+                    print(f"decode attn b={batch} ctx={ctx} bn={bn} splits={splits} w={warps} s={stages}: {t * 1e6:.1f} us, "
+                          f"{kv_bytes / t / bw:.2f} of copy bw", flush=True)
+        del cache, q
+        torch.cuda.empty_cache()
+    return dict(prefill=prefill, decode=decode)
+
+
 def run_profile(out_dir: str, seed: int = 0) -> dict:
     bw, rate = measure_card()
     print(f"card: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    attention = sweep_attention(rate, bw)
     matmuls = profile_matmuls(bw)
     config, model, _ = build_models(seed, with_hf=False)
     wbytes = weight_bytes(model)
@@ -151,7 +216,7 @@ def run_profile(out_dir: str, seed: int = 0) -> dict:
         for name, us in s["top_kernels_us"]:
             print(f"    {us:8.1f} us  {name[:110]}")
     record = dict(device=torch.cuda.get_device_name(), copy_bytes_per_s=bw, bf16_flop_per_s=rate,
-                  matmuls=matmuls, decode_steps=steps)  # fmt: skip
+                  attention_sweep=attention, matmuls=matmuls, decode_steps=steps)  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(record, indent=2))

@@ -43,30 +43,45 @@ def attend_tiles(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
     """Fold KV tiles [tile_lo, tile_hi) (keys kv_lo <= j < kv_hi) into the running
     (acc [M, D], max m_i [M], sum l_i [M]) of queries q [M, D] at positions q_pos [M].
-    CAUSAL keeps j <= q_pos; HAS_WINDOW also drops q_pos - j >= window."""
+    CAUSAL keeps j <= q_pos; HAS_WINDOW also drops q_pos - j >= window.
+
+    MASKED=False is for tiles the caller knows every query sees whole (below the
+    causal diagonal, inside [kv_lo, kv_hi)): no bounds or mask arithmetic at all,
+    which is most of a long prefill's tiles."""
     for t in range(tile_lo, tile_hi):
         j = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        j_ok = (j >= kv_lo) & (j < kv_hi)
-        block = tl.load(table_ptr + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        if MASKED:
+            j_ok = (j >= kv_lo) & (j < kv_hi)
+            block = tl.load(table_ptr + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        else:
+            block = tl.load(table_ptr + j // BLOCK_SIZE).to(tl.int64)
         offset = block * stride_kb + (j % BLOCK_SIZE).to(tl.int64) * stride_ks + head_offset
-        k = tl.load(k_ptr + offset[None, :] + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+        if MASKED:
+            k = tl.load(k_ptr + offset[None, :] + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + offset[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2e
-        allowed = j_ok[None, :]
-        if CAUSAL:
-            allowed = allowed & (j[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            allowed = allowed & (q_pos[:, None] - j[None, :] < window)
-        s = tl.where(allowed, s, float("-inf"))
+        if MASKED:
+            allowed = j_ok[None, :]
+            if CAUSAL:
+                allowed = allowed & (j[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & (q_pos[:, None] - j[None, :] < window)
+            s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no key yet keeps max -inf: subtract 0 instead, so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offset[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        if MASKED:
+            v = tl.load(v_ptr + offset[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptr + offset[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i

@@ -170,6 +170,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     *,
     block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [num_seqs, heads, D] (the newest token of each sequence, whose K/V are
@@ -211,7 +213,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1), scale * LOG2E, sliding_window or 0, num_splits,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
-        HAS_WINDOW=sliding_window is not None, DOT_PRECISION=dot_precision(query.dtype), num_warps=4, num_stages=2,
+        HAS_WINDOW=sliding_window is not None, DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](

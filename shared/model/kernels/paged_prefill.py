@@ -72,7 +72,9 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # Causal tiles late in a sequence see the most keys: run those first, so the
+    # short ones fill the last wave instead of leaving one long tile alone at the end.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
@@ -102,10 +104,21 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table = tables_ptr + seq.to(tl.int64) * stride_bt
+    head_offset = kv_head.to(tl.int64) * stride_kh
+    tile_lo = kv_lo // BLOCK_N
+    if not HAS_WINDOW:
+        # Tiles wholly at or before the tile's first query are seen whole by every query.
+        full_hi = (context_len + q_tile * BLOCK_Q + 1) // BLOCK_N
+        acc, m_i, l_i = attend_tiles(
+            acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, head_offset, stride_kb, stride_ks, 0, full_hi,
+            kv_lo, kv_hi, window, scale_log2e, d, d_ok, BLOCK_N, BLOCK_SIZE, True, False, DOT_PRECISION, False,
+        )  # fmt: skip
+        tile_lo = full_hi
     acc, m_i, l_i = attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, tables_ptr + seq.to(tl.int64) * stride_bt,
-        kv_head.to(tl.int64) * stride_kh, stride_kb, stride_ks, kv_lo // BLOCK_N, tl.cdiv(kv_hi, BLOCK_N),
-        kv_lo, kv_hi, window, scale_log2e, d, d_ok, BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, DOT_PRECISION,
+        acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, head_offset, stride_kb, stride_ks, tile_lo,
+        tl.cdiv(kv_hi, BLOCK_N), kv_lo, kv_hi, window, scale_log2e, d, d_ok, BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW,
+        DOT_PRECISION, True,
     )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
@@ -135,12 +148,15 @@ def paged_prefill_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, heads, D] of all sequences back to back; query_start_loc
     [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, max_blocks] (int32/int64,
     device); max_query_len a host-side bound on the query lengths (only picks the tile
-    shape). -> [num_tokens, heads, D] in query's dtype (into ``out`` if given)."""
+    shape). -> [num_tokens, heads, D] in query's dtype (into ``out`` if given).
+    block_m/block_n/num_warps/num_stages override the tile choice (for tuning sweeps)."""
     num_seqs, num_heads, num_kv_heads, head_dim = check_paged_inputs(
         query, kv_cache, seq_lens, block_tables, sliding_window
     )
@@ -150,9 +166,11 @@ def paged_prefill_attention(
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be at least 1, got {max_query_len}")
     group = num_heads // num_kv_heads
-    auto_m, auto_n, num_warps, num_stages = _tile_shape(max_query_len, group, head_dim, query.dtype)
+    auto_m, auto_n, auto_warps, auto_stages = _tile_shape(max_query_len, group, head_dim, query.dtype)
     block_m = auto_m if block_m is None else block_m
     block_n = auto_n if block_n is None else block_n
+    num_warps = auto_warps if num_warps is None else num_warps
+    num_stages = auto_stages if num_stages is None else num_stages
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
