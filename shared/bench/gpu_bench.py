@@ -9,7 +9,8 @@ row is reported as a fraction of its roofline:
 - prefill: FLOPs / matmul rate.
 Decode rows time the engine's model runner on decode-only steps over a paged
 cache already holding `context` tokens per sequence (building that context by
-prefill would cost minutes of device time and measure prefill, not decode).
+prefill would cost minutes of device time and measure prefill, not decode),
+stepped as the engine steps with async scheduling (launch N+1, then read N).
 """
 
 import json
@@ -19,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from shared.engine.model_runner import ModelRunner
+from shared.engine.model_runner import ModelRunner, StepHandle
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
+from shared.engine.scheduler import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput
 from shared.model.config import ModelConfig
 from shared.model.make_model import PRESETS, hf_config_dict
 from shared.model.transformer import CausalLM
@@ -104,32 +105,41 @@ def kv_bytes_per_token(config: ModelConfig) -> int:
     return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
 
 
-def bench_decode(model: CausalLM, config: ModelConfig, batch: int, context: int, steps: int = 16,
+def bench_decode(model: CausalLM, config: ModelConfig, batch: int, context: int, steps: int = 32,
                  block_size: int = 16, graphs: bool = True) -> float:
-    """Decode tokens/s of the model runner: `batch` sequences holding `context` tokens each."""
-    blocks_per_seq = -(-(context + steps + 1) // block_size)
+    """Decode tokens/s of the model runner: `batch` sequences holding `context` tokens each.
+
+    Stepped as the engine does with async scheduling: step N+1 is launched (its input
+    tokens placeholders that the device fills from step N's samples) before step N's
+    tokens are read back, so the host's work overlaps the device's."""
+    blocks_per_seq = -(-(context + steps + 8) // block_size)
     runner = ModelRunner(
         model, batch * blocks_per_seq, block_size, torch.bfloat16, torch.device("cuda"),
         cuda_graphs=graphs, max_model_len=blocks_per_seq * block_size, max_batch=batch,
     )
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     new = [NewRequestData(str(i), [1] * context, params, frozenset(), [], None) for i in range(batch)]
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     pos = [context]
 
-    def step() -> None:
-        sched = SchedulerOutput(new_requests=new if pos[0] == context else [])
-        sched.chunks = [ScheduledChunk(str(i), [7], pos[0], tables[i], True) for i in range(batch)]
-        runner.execute(sched)
+    def launch() -> StepHandle:
+        first = pos[0] == context
+        sched = SchedulerOutput(new_requests=new if first else [])
+        token = 7 if first else PLACEHOLDER
+        sched.chunks = [ScheduledChunk(str(i), [token], pos[0], tables[i], True) for i in range(batch)]
         pos[0] += 1
+        return runner.launch(sched)
 
-    step()  # warm-up (and graph capture), and the runner learns the requests
-    step()
+    handle = launch()  # warm-up (and graph capture), and the runner learns the requests
+    for _ in range(3):
+        handle, previous = launch(), handle
+        runner.collect(previous)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
+        handle, previous = launch(), handle
+        runner.collect(previous)
+    runner.collect(handle)
     elapsed = time.perf_counter() - t0
     del runner
     torch.cuda.empty_cache()
@@ -157,7 +167,7 @@ def hf_decode(hf, batch: int, context: int, steps: int = 16) -> float:  # noqa: 
     ids = torch.randint(0, 100000, (batch, context), device="cuda")
     kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, attention_mask=torch.ones_like(ids))
     with torch.inference_mode():
-        hf.generate(ids[:, :8], max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+        hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up at the timed shapes
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
@@ -201,9 +211,13 @@ def run_gpu_bench(out_dir: str, hf_rows: bool = True, seed: int = 0) -> list[Row
             rows.append(Row("decode", batch, context, ours, roof, theirs, eager))
             print(f"decode b={batch} ctx={context}: {ours:.0f} tok/s ({ours / roof:.2f} of roofline), eager {eager:.0f}"
                   + (f", transformers {theirs:.0f}" if theirs else ""), flush=True)
-    params_nonembed = wbytes // 2
+    # The work a prefill must do: every layer's matmuls for every token, causal
+    # attention, and the logits of the last token only (as transformers' logits_to_keep=1).
+    lm_head = config.vocab_size * config.hidden_size
+    layer_params = wbytes // 2 - lm_head
     for prompt_len in (1024, 8192):
-        flops = 2 * params_nonembed * prompt_len + 2 * 2 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * prompt_len**2 / 2
+        attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * prompt_len * (prompt_len + 1) / 2
+        flops = 2 * layer_params * prompt_len + 2 * lm_head + attention
         roof = prompt_len / (flops / rate)
         ours = bench_prefill(model, prompt_len)
         theirs = hf_prefill(hf, prompt_len) if hf is not None else None
