@@ -378,3 +378,23 @@ def test_engine_with_triton_kernels_generates_as_torch(tmp_path: Path) -> None:
         assert llm.engine.model.use_triton == (kernels == "triton")
         outs[kernels] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
+
+
+# -- batch-1 matmul ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,bias", [(40, 64, False), (37, 100, True), (8, 1024, False)])
+def test_gemv_equals_linear(dtype: torch.dtype, n: int, k: int, bias: bool) -> None:
+    from shared.model.kernels.gemv import gemv
+
+    g = gen(n * k)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    out = gemv(x, w, b, block_n=8, block_k=32)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    # float32 sums in another order than the reference's: a few ulps in fp32, one rounding in bf16.
+    torch.testing.assert_close(out.float(), ref, **({"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}))
+    with pytest.raises(ValueError, match="x must have shape|x has shape"):
+        gemv(torch.randn(2, k).to(dtype), w)

@@ -55,7 +55,22 @@ def _kind(name: str) -> str:
     return "other"
 
 
+GEMV_CONFIGS = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 8, 3),
+                (32, 256, 8, 3), (2, 2048, 4, 2), (8, 256, 4, 4)]  # (block_n, block_k, warps, stages)
+
+
+def _graph_time(run, copies: int) -> float:  # noqa: ANN001
+    """Seconds per call of run()'s `copies` calls, replayed from a CUDA graph."""
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return _time(graph.replay, warmup=2, iters=10) / copies
+
+
 def profile_matmuls(bw: float, batches: tuple[int, ...] = (1, 8, 64, 256)) -> list[dict]:
+    from shared.model.kernels.gemv import gemv
+
     rows = []
     for name, n, k in SHAPES:
         copies = max(2, -(-(256 << 20) // (n * k * 2)))  # >= 256 MiB of weights in rotation: L2 is 50 MB
@@ -68,14 +83,26 @@ def profile_matmuls(bw: float, batches: tuple[int, ...] = (1, 8, 64, 256)) -> li
                 for w, o in zip(weights, outs):
                     torch.nn.functional.linear(x, w, out=o)  # noqa: B023
 
-            run()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            seconds = _time(graph.replay, warmup=2, iters=10) / copies
+            seconds = _graph_time(run, copies)
             frac = n * k * 2 / seconds / bw
             rows.append(dict(name=name, n=n, k=k, batch=b, us=seconds * 1e6, of_copy_bw=frac))
             print(f"matmul {name:18s} [{n}x{k}] batch {b:4d}: {seconds * 1e6:7.1f} us, {frac:.2f} of copy bandwidth", flush=True)
+            if b != 1:
+                continue
+            for bn, bk, warps, stages in GEMV_CONFIGS:
+                def run_gemv() -> None:
+                    for w in weights:
+                        gemv(x, w, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)  # noqa: B023
+
+                try:
+                    seconds = _graph_time(run_gemv, copies)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile: note it and go on
+                    print(f"  gemv {bn},{bk},{warps},{stages}: {str(e)[:80]}")
+                    continue
+                frac = n * k * 2 / seconds / bw
+                rows.append(dict(name=name, n=n, k=k, batch=1, kernel="gemv", config=[bn, bk, warps, stages],
+                                 us=seconds * 1e6, of_copy_bw=frac))  # fmt: skip
+                print(f"  triton gemv bn={bn} bk={bk} w={warps} s={stages}: {seconds * 1e6:7.1f} us, {frac:.2f}", flush=True)
         del weights, outs
         torch.cuda.empty_cache()
     return rows
