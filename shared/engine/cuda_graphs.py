@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from shared.engine.step_inputs import fill_placeholders
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.transformer import CausalLM
 
@@ -146,9 +147,8 @@ class DecodeGraphs:
         self.block_tables[:b].copy_(table, non_blocking=True)
         rows = device_stage[: 5 * n].view(5, n)
         ids = rows[0, :b]
-        if last_tokens is not None and last_tokens.numel():
-            src = rows[4, :b]
-            ids = torch.where(src >= 0, last_tokens[src.clamp(min=0, max=last_tokens.numel() - 1)], ids)
+        if last_tokens is not None:
+            ids = fill_placeholders(ids, rows[4, :b], last_tokens)
         self.input_ids[:b].copy_(ids)
         self.positions[:b].copy_(rows[1, :b])
         self.slot_mapping[:b].copy_(rows[2, :b])

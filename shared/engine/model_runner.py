@@ -14,6 +14,7 @@ from shared.engine.cuda_graphs import DecodeGraphs
 
 from shared.engine.sampler import Sampler, SamplingState, TokenLogprobs
 from shared.engine.scheduler import PLACEHOLDER, SchedulerOutput
+from shared.engine.step_inputs import fill_placeholders, to_device
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.transformer import CausalLM
 
@@ -37,9 +38,10 @@ class RunnerOutput:
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """hidden[rows], without an index tensor (a host-to-device copy that would
-    wait for the device) in the usual decode case where every row samples."""
-    return hidden if len(rows) == hidden.shape[0] else hidden[rows]
+    """hidden[rows]; no index at all in the usual decode case where every row samples."""
+    if len(rows) == hidden.shape[0]:
+        return hidden
+    return hidden.index_select(0, to_device(rows, torch.long, hidden.device))
 
 
 class ModelRunner:
@@ -144,20 +146,13 @@ class ModelRunner:
         self._last_tokens = tokens
         self._last_rows = {rid: i for i, rid in enumerate(request_ids)}
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, token_lists: list[tuple[str, list[int]]]) -> None:
-        """Replace PLACEHOLDER inputs by the tokens the previous step sampled
-        for the same requests, on the device: no read-back, no stall."""
-        rows, sources = [], []
-        offset = 0
-        for request_id, tokens in token_lists:
-            for j, t in enumerate(tokens):
-                if t == PLACEHOLDER:
-                    rows.append(offset + j)
-                    sources.append(self._last_rows[request_id])
-            offset += len(tokens)
-        if rows:
-            dev = input_ids.device
-            input_ids[torch.tensor(rows, device=dev)] = self._last_tokens[torch.tensor(sources, device=dev)]
+    def _placeholder_sources(self, token_lists: list[tuple[str, list[int]]]) -> list[int] | None:
+        """Per input token: the row of last step's samples that replaces it (a
+        PLACEHOLDER), else -1; None when the step has no placeholder."""
+        sources = [
+            self._last_rows[request_id] if t == PLACEHOLDER else -1 for request_id, tokens in token_lists for t in tokens
+        ]
+        return sources if any(s >= 0 for s in sources) else None
 
     def generator_state(self, request_id: str) -> bytes | None:
         """The seeded generator's state of a request (to hand it over), if any."""
@@ -204,7 +199,9 @@ class ModelRunner:
                     log.exception("CUDA graph replay failed; decoding eagerly from now on")
                     self.graphs = None
         input_ids, positions, meta, sample_rows, sample_ids = self._prepare(sched)
-        self._fill_placeholders(input_ids, [(c.request_id, c.token_ids) for c in sched.chunks])
+        sources = self._placeholder_sources([(c.request_id, c.token_ids) for c in sched.chunks])
+        if sources is not None:
+            input_ids = fill_placeholders(input_ids, to_device(sources, torch.long, self.device), self._last_tokens)
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows, sample_ids
 
     def _forward_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
@@ -239,8 +236,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         max_blocks = max(len(c.block_ids) for c in sched.chunks)
-        tables = torch.zeros((len(sched.chunks), max_blocks), dtype=torch.int64)
-        for i, chunk in enumerate(sched.chunks):
+        tables: list[list[int]] = []
+        for chunk in sched.chunks:
             n = len(chunk.token_ids)
             input_ids += chunk.token_ids
             pos = range(chunk.start_pos, chunk.start_pos + n)
@@ -248,24 +245,23 @@ class ModelRunner:
             slots += [chunk.block_ids[p // bs] * bs + p % bs for p in pos]
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(chunk.start_pos + n)
-            tables[i, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.int64)
+            tables.append(chunk.block_ids + [0] * (max_blocks - len(chunk.block_ids)))
             if chunk.sample:
                 sample_rows.append(query_start_loc[-1] - 1)
                 sample_ids.append(chunk.request_id)
         dev = self.device
+        # One pinned copy for the token-level lists, one for the sequence-level ones
+        # (see step_inputs: a plain torch.tensor(..., device=cuda) would stall the host).
+        num_tokens, num_seqs = len(input_ids), len(seq_lens)
+        per_token = to_device(input_ids + positions + slots, torch.int64, dev)
+        per_seq = to_device(query_start_loc + seq_lens, torch.int32, dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
+            slot_mapping=per_token[2 * num_tokens :],
+            block_tables=to_device(tables, torch.int64, dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_size=bs,
-            query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc_tensor=per_seq[: num_seqs + 1],
+            seq_lens_tensor=per_seq[num_seqs + 1 :],
         )
-        return (
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-            sample_rows,
-            sample_ids,
-        )
+        return per_token[:num_tokens], per_token[num_tokens : 2 * num_tokens], meta, sample_rows, sample_ids

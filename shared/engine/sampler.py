@@ -17,6 +17,8 @@ from itertools import chain
 
 import torch
 
+from shared.engine.step_inputs import to_device
+
 from shared.engine.sampling_params import SamplingParams
 
 
@@ -121,7 +123,7 @@ class Sampler:
     def _sample(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """x: penalised logits of non-greedy rows, unseeded rows first. Returns [rows] token ids."""
         device, vocab = x.device, x.size(1)
-        temps = torch.tensor([s.params.temperature for s in states], device=device)
+        temps = to_device([s.params.temperature for s in states], torch.float32, device)
         x = x / temps.unsqueeze(1)
 
         # Top-k / top-p only on the rows that ask: a row's result must not depend on
@@ -129,8 +131,8 @@ class Sampler:
         cut = [j for j, s in enumerate(states) if (s.params.top_k or vocab) < vocab or s.params.top_p < 1.0]
         if cut:
             rows = _index(cut, device)
-            top_k = torch.tensor([min(states[j].params.top_k or vocab, vocab) for j in cut], device=device)
-            top_p = torch.tensor([states[j].params.top_p for j in cut], device=device)
+            top_k = to_device([min(states[j].params.top_k or vocab, vocab) for j in cut], torch.long, device)
+            top_p = to_device([states[j].params.top_p for j in cut], torch.float32, device)
             x[rows] = _top_k_top_p(x[rows], top_k, top_p)
 
         probs = x.softmax(dim=-1)
@@ -139,7 +141,7 @@ class Sampler:
         floor = [j for j, s in enumerate(states) if s.params.min_p > 0.0]
         if floor:
             rows = _index(floor, device)
-            min_p = torch.tensor([states[j].params.min_p for j in floor], device=device)
+            min_p = to_device([states[j].params.min_p for j in floor], torch.float32, device)
             p = probs[rows]
             p_max = p.amax(dim=-1, keepdim=True)
             probs[rows] = p.masked_fill(p < min_p.unsqueeze(1) * p_max, 0.0)
@@ -158,7 +160,7 @@ class Sampler:
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return to_device(rows, torch.long, device)
 
 
 def _token_keys(
@@ -170,8 +172,8 @@ def _token_keys(
     Ids outside [0, vocab) are dropped: the tokenizer's vocab may exceed the logits' (or
     ids be placeholders), and such tokens cannot be sampled anyway.
     """
-    ids = torch.tensor(list(chain.from_iterable(chain.from_iterable(seqs))), dtype=torch.long, device=device)
-    lengths = torch.tensor([sum(map(len, parts)) for parts in seqs], dtype=torch.long, device=device)
+    ids = to_device(list(chain.from_iterable(chain.from_iterable(seqs))), torch.long, device)
+    lengths = to_device([sum(map(len, parts)) for parts in seqs], torch.long, device)
     row_of = torch.repeat_interleave(_index(rows, device), lengths)
     valid = (ids >= 0) & (ids < vocab)
     keys, counts = torch.unique(row_of[valid] * vocab + ids[valid], return_counts=True)
@@ -211,14 +213,14 @@ def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch
     flat = x.view(-1)
     if rep:
         keys, _ = _token_keys(rep, [[states[i].prompt_token_ids, states[i].output_token_ids] for i in rep], vocab, device)
-        penalty = torch.tensor([s.params.repetition_penalty for s in states], device=device)[keys // vocab]
+        penalty = to_device([s.params.repetition_penalty for s in states], torch.float32, device)[keys // vocab]
         seen = flat[keys]
         # HF RepetitionPenaltyLogitsProcessor: shrink towards 0 whatever the sign.
         flat[keys] = torch.where(seen < 0, seen * penalty, seen / penalty)
     if pres_freq:
         keys, counts = _token_keys(pres_freq, [[states[i].output_token_ids] for i in pres_freq], vocab, device)
-        presence = torch.tensor([s.params.presence_penalty for s in states], device=device)[keys // vocab]
-        frequency = torch.tensor([s.params.frequency_penalty for s in states], device=device)[keys // vocab]
+        presence = to_device([s.params.presence_penalty for s in states], torch.float32, device)[keys // vocab]
+        frequency = to_device([s.params.frequency_penalty for s in states], torch.float32, device)[keys // vocab]
         flat[keys] -= presence + frequency * counts
     return x
 
