@@ -14,16 +14,26 @@ from shared.model.kernels import triton_module
 class Linear(nn.Module):
     """``nn.Linear`` with the same parameter names but allocated empty in the target
     dtype and device: the weights always come from a checkpoint, so a random init
-    would only cost time (minutes for a large model)."""
+    would only cost time (minutes for a large model).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+    ``use_triton``: a single row (batch-1 decode) goes through the Triton GEMV
+    (shared/model/kernels/gemv.py), which streams the weight faster than cuBLAS
+    does for one row; more rows are cuBLAS's."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
+        use_triton: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
+        self._gemv = triton_module("gemv").gemv if use_triton else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemv is not None and x.dim() == 2 and x.shape[0] == 1:
+            return self._gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -37,9 +47,10 @@ class MergedLinear(Linear):
     """
 
     def __init__(
-        self, in_features: int, shards: dict[str, int], bias: bool, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        super().__init__(in_features, sum(shards.values()), bias, dtype, device)
+        self, in_features: int, shards: dict[str, int], bias: bool, dtype: torch.dtype, device: torch.device,
+        use_triton: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__(in_features, sum(shards.values()), bias, dtype, device, use_triton)
         self.shards = dict(shards)
 
     def shard_views(self) -> dict[str, torch.Tensor]:
@@ -99,8 +110,9 @@ class MLP(nn.Module):
         self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device, use_triton: bool = False
     ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias, dtype, device)
-        self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
+        shards = {"gate_proj": intermediate, "up_proj": intermediate}
+        self.gate_up_proj = MergedLinear(hidden, shards, bias, dtype, device, use_triton)
+        self.down_proj = Linear(intermediate, hidden, bias, dtype, device, use_triton)
         self._act = triton_module("activation").silu_and_mul if use_triton else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

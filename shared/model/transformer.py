@@ -36,8 +36,8 @@ class Attention(nn.Module):
         self.sliding_window = config.sliding_windows[layer_idx]
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shards = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
-        self.qkv_proj = MergedLinear(hidden, shards, config.qkv_bias, dtype, device)
-        self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device)
+        self.qkv_proj = MergedLinear(hidden, shards, config.qkv_bias, dtype, device, use_triton)
+        self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device, use_triton)
         # Qwen3 normalises each head of q and k before rope.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
@@ -144,7 +144,11 @@ class CausalLM(nn.Module):
         self._triton_attention = triton_module("attention") if self.use_triton else None
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
         # Tied: no lm_head parameter at all, so the checkpoint's name list has no entry to fill.
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.lm_head = (
+            None if self.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, False, dtype, device, self.use_triton)
+        )  # fmt: skip
+        self._gemv = triton_module("gemv").gemv if self.use_triton else None
         self._windows = frozenset(config.sliding_windows)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
@@ -208,7 +212,11 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The product runs in the model dtype, then widens, as transformers' lm_head does;
         # greedy decoding then picks the same token as transformers in bf16 too.
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        weight = self.model.embed_tokens.weight
+        if self._gemv is not None and hidden.shape[0] == 1:
+            return self._gemv(hidden, weight).float()
         return torch.nn.functional.linear(hidden, weight).float()
 
     def allocate_kv_cache(
