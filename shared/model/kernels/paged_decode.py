@@ -33,7 +33,7 @@ from shared.model.kernels.reference import paged_attention_ref
 __all__ = ["choose_num_splits", "paged_attention_ref", "paged_decode_attention"]
 
 MAX_SPLITS = 64
-_MIN_TILES_PER_SPLIT = 2
+_MIN_TILES_PER_SPLIT = 1  # a split of one 64-key tile still pays: b=1 at 1k, 16 splits 7.8 us vs 8 splits 8.7 (H200)
 _WAVES = 4  # programs per multiprocessor that a split aims for
 
 
