@@ -398,3 +398,20 @@ def test_gemv_equals_linear(dtype: torch.dtype, n: int, k: int, bias: bool) -> N
     torch.testing.assert_close(out.float(), ref, **({"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}))
     with pytest.raises(ValueError, match="x must have shape|x has shape"):
         gemv(torch.randn(2, k).to(dtype), w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_gemv_equals_silu_and_mul_then_linear(dtype: torch.dtype) -> None:
+    """The MLP's batch-1 down projection with the activation fused in."""
+    from shared.model.kernels.gemv import gemv
+
+    g = gen(12)
+    gate_up = (3 * torch.randn(1, 2 * 96, generator=g)).to(dtype)
+    w = torch.randn(24, 96, generator=g).to(dtype)
+    act = silu_and_mul_ref(gate_up[:, :96], gate_up[:, 96:])
+    ref = torch.nn.functional.linear(act.float(), w.float())
+    out = gemv(gate_up, w, gated=True, block_n=8, block_k=32)
+    torch.testing.assert_close(out.float(), ref, **({"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}))
+    # The activation computes and rounds as the unfused kernel path's silu_and_mul kernel.
+    unfused = silu_and_mul(gate_up[:, :96], gate_up[:, 96:])
+    assert torch.equal(out, gemv(unfused, w, block_n=8, block_k=32))

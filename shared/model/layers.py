@@ -116,8 +116,12 @@ class MLP(nn.Module):
         self._act = triton_module("activation").silu_and_mul if use_triton else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(self._act(gate, up))
+        gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if down._gemv is not None and gate_up.shape[0] == 1:  # batch-1 decode: the activation inside the GEMV
+            return down._gemv(gate_up, down.weight, down.bias, gated=True)
+        gate, up = self.gate_up_proj.split(gate_up)
+        return down(self._act(gate, up))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | None = None) -> torch.Tensor:

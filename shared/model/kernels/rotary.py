@@ -16,22 +16,9 @@ import triton.language as tl
 
 from shared.model.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_tensor, next_power_of_2
 from shared.model.kernels.reference import rotary_ref
+from shared.model.kernels.rounding import round_to
 
 __all__ = ["rotary_embedding_", "rotary_embedding_and_store_kv", "rotary_ref"]
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """float32 x rounded to ``dtype`` (nearest-even) and widened back, as PyTorch rounds
-    each elementwise op's result. For bfloat16 by bit arithmetic: on the H200 Triton's
-    ``x.to(tl.bfloat16).to(tl.float32)`` inside these sums did not round like a
-    separate op (16% of outputs off by an ulp), the bit form matches PyTorch exactly."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -50,8 +37,8 @@ def _rotate_heads(
     # rotate_half(x) = (-x2, x1): out1 = x1*cos + (-x2)*sin, out2 = x2*cos + x1*sin.
     # Each product and the sum round to the input dtype as PyTorch's separate ops do,
     # so results match apply_rope bit for bit.
-    out1 = _round(_round(x1 * cos, dtype) + _round(-x2 * sin, dtype), dtype)
-    out2 = _round(_round(x2 * cos, dtype) + _round(x1 * sin, dtype), dtype)
+    out1 = round_to(round_to(x1 * cos, dtype) + round_to(-x2 * sin, dtype), dtype)
+    out2 = round_to(round_to(x2 * cos, dtype) + round_to(x1 * sin, dtype), dtype)
     out = out_ptr + out_row * out_stride_t + heads[:, None] * out_stride_h + i[None, :]
     out_dtype = out_ptr.dtype.element_ty
     tl.store(out, out1.to(out_dtype), mask=mask)
