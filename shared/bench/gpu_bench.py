@@ -164,20 +164,32 @@ def bench_prefill(model: CausalLM, prompt_len: int, block_size: int = 16) -> flo
 
 
 def hf_decode(hf, batch: int, context: int, steps: int = 16) -> float:  # noqa: ANN001
+    """transformers' decode tokens/s: generate with a static cache, each step's end
+    stamped by a logits processor (after a device sync), so the prefill is left out
+    without subtracting two runs. ``disable_compile``: with a static cache on CUDA,
+    transformers compiles its forward on its own, per shape, which would time the
+    compiler in some rows and not others."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            torch.cuda.synchronize()
+            self.stamps.append(time.perf_counter())
+            return scores
+
     ids = torch.randint(0, 100000, (batch, context), device="cuda")
-    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, attention_mask=torch.ones_like(ids))
+    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, attention_mask=torch.ones_like(ids),
+              disable_compile=True, max_new_tokens=steps + 1, min_new_tokens=steps + 1)  # fmt: skip
     with torch.inference_mode():
-        hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up at the timed shapes
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kw)
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        hf.generate(ids, **kw)  # warm-up at the timed shapes
+        clock = StepClock()
+        hf.generate(ids, logits_processor=LogitsProcessorList([clock]), **kw)
     torch.cuda.empty_cache()
-    return batch * steps / ((t2 - t1) - (t1 - t0))
+    # Stamp 0 ends the prefill; each later one ends a decode step.
+    return batch * (len(clock.stamps) - 1) / (clock.stamps[-1] - clock.stamps[0])
 
 
 def hf_prefill(hf, prompt_len: int) -> float:  # noqa: ANN001

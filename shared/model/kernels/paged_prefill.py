@@ -132,10 +132,12 @@ def _tile_shape(max_query_len: int, group: int, head_dim: int, dtype: torch.dtyp
     wide = dtype == torch.float32 or head_dim > 128
     block_m = max(16, next_power_of_2(group), min(64 if wide else 128, next_power_of_2(max_query_len * group)))
     block_n = 32 if wide else 64
-    # From `infermesh bench-gpu --profile` on an H200 (one 8k prompt, 32 heads over 8,
-    # head_dim 128, bf16): 128x64 tiles with 4 warps and 4 stages ran at 392 TFLOP/s,
-    # 8 warps and 3 stages (the usual FlashAttention-2 choice) at 315.
-    return block_m, block_n, 4, 2 if wide else 4
+    num_warps = 8 if block_m >= 128 else 4
+    # On an H200 the kernel alone, its K/V warm in L2, ran an 8k prompt faster with 4
+    # warps and 4 stages (392 vs 315 TFLOP/s); inside the model, K/V cold after the
+    # matmuls, 8 warps and 3 stages won (8k prompt 231.9 vs 238.6 ms, 1k 24.7 vs 26.0;
+    # `bench-gpu --profile`, docs/perf/README.md).
+    return block_m, block_n, num_warps, 2 if wide else 3
 
 
 def paged_prefill_attention(
