@@ -10,6 +10,7 @@ import triton.language as tl
 
 from shared.model.kernels.checks import FLOAT_DTYPES, check_device, check_tensor, next_power_of_2
 from shared.model.kernels.reference import silu_and_mul_ref
+from shared.model.kernels.rounding import round_to
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
@@ -24,7 +25,7 @@ def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, num_cols, stride_gate, strid
     g = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    silu = round_to(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(out_ptr + row * stride_out + cols, (silu * u).to(dtype), mask=mask)
 
 
