@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-SECTIONS = ("elementwise", "decode", "prefill", "graph", "sweep", "model")
+SECTIONS = ("elementwise", "gemv", "decode", "prefill", "graph", "sweep", "model")
 
 
 @dataclass(frozen=True)
@@ -331,6 +331,7 @@ def check_prefill(ck: Checker, sz: Sizes) -> None:
 
 
 def check_elementwise(ck: Checker, sz: Sizes) -> None:
+    from shared.model.attention import write_kv
     from shared.model.config import RopeConfig
     from shared.model.kernels import activation, reference, rmsnorm, rotary
     from shared.model.layers import RotaryEmbedding
@@ -360,6 +361,23 @@ def check_elementwise(ck: Checker, sz: Sizes) -> None:
             k = torch.randn(t, sz.kv_heads, sz.head_dim, device=dev, dtype=dtype)
             cases.append(("rotary q+k", lambda: torch.cat([o.flatten() for o in rotary.rotary_embedding_(qk.clone(), k.clone(), cos, sin)]),
                           lambda: torch.cat([o.flatten() for o in reference.rotary_ref(qk, k, cos, sin)]), 2 * (qk.nbytes + k.nbytes)))  # fmt: skip
+            # The decode path's launch: q rotated in place, rotated k and v into their (shuffled) cache slots.
+            v = torch.randn_like(k)
+            cache = torch.zeros(2, t + 3, 1, sz.kv_heads, sz.head_dim, device=dev, dtype=dtype)
+            slots = torch.randperm(t + 3, device=dev)[:t]
+
+            def store_ref() -> torch.Tensor:
+                ref_q, ref_k = reference.rotary_ref(qk, k, cos, sin)
+                ref_cache = cache.clone()
+                write_kv(ref_cache, ref_k, v, slots)
+                return torch.cat([ref_q.flatten(), ref_cache.flatten()])
+
+            def store_kernel() -> torch.Tensor:
+                q_out, out_cache = qk.clone(), cache.clone()
+                rotary.rotary_embedding_and_store_kv(q_out, k, v, cos, sin, out_cache, slots)
+                return torch.cat([q_out.flatten(), out_cache.flatten()])
+
+            cases.append(("rotary + store kv", store_kernel, store_ref, 2 * qk.nbytes + 4 * k.nbytes))
             gu = torch.randn(t, 2 * sz.intermediate, device=dev, dtype=dtype)
             gate, up = gu[:, : sz.intermediate], gu[:, sz.intermediate :]
             cases.append(("silu_and_mul", lambda: activation.silu_and_mul(gate, up), lambda: reference.silu_and_mul_ref(gate, up),
@@ -379,6 +397,34 @@ def check_elementwise(ck: Checker, sz: Sizes) -> None:
                 ck.rows.append([label, name, str(t), f"{rel(out, expected):.1e}", str(not_equal), us(t_k), us(t_r),
                                 f"{t_r / t_k:.1f}x", f"{nbytes / t_k / 1e3:.0f}"])  # fmt: skip
     ck.table("elementwise kernels", ["kernel", "dtype", "tokens", "err", "!= elems", "triton us", "torch us", "speedup", "GB/s"])
+
+
+def check_gemv(ck: Checker, sz: Sizes) -> None:
+    """The batch-1 GEMV, plain and with the MLP's SiLU fused in, at the model's weight
+    shapes: its error against float32 sums must stay within a few times cuBLAS's own."""
+    from shared.model.kernels import activation
+    from shared.model.kernels.gemv import gemv
+
+    qkv = (sz.heads + 2 * sz.kv_heads) * sz.head_dim
+    shapes = [("qkv_proj", qkv, sz.hidden, False), ("o_proj", sz.hidden, sz.heads * sz.head_dim, False),
+              ("gate_up_proj", 2 * sz.intermediate, sz.hidden, False), ("down_proj + silu", sz.hidden, sz.intermediate, True)]  # fmt: skip
+    for name, dtype in ck.dtypes.items():
+        for label, n, k, gated in shapes:
+            x = torch.randn(1, 2 * k if gated else k, device=ck.device, dtype=dtype)
+            w = (torch.randn(n, k, device=ck.device) * k**-0.5).to(dtype)
+            act = activation.silu_and_mul(x[:, :k], x[:, k:]) if gated else x
+            out = gemv(x, w, gated=gated)
+            exact = torch.nn.functional.linear(act.float(), w.float())
+            ref = torch.nn.functional.linear(act, w)
+            err, torch_err = rel(out, exact), rel(ref, exact)
+            if err > max(4 * torch_err, 1e-5 if dtype == torch.float32 else 4e-3):
+                ck.fail(f"gemv {label} {name}: error {err:.1e} against cuBLAS's {torch_err:.1e}")
+            t_k = ck.bench(lambda: gemv(x, w, gated=gated))  # noqa: B023
+            t_r = ck.bench(lambda: torch.nn.functional.linear(act, w))  # noqa: B023
+            ck.rows.append([label, name, f"{n}x{k}", f"{err:.1e}", f"{torch_err:.1e}", us(t_k), us(t_r),
+                            f"{t_r / t_k:.2f}x", f"{w.nbytes / t_k / 1e3:.0f}"])  # fmt: skip
+    ck.table("batch-1 GEMV (us per call; GB/s of weight read)",
+             ["matmul", "dtype", "shape", "err", "cuBLAS err", "triton us", "cuBLAS us", "speedup", "GB/s"])  # fmt: skip
 
 
 def check_model(ck: Checker, sz: Sizes) -> None:
@@ -484,7 +530,7 @@ def main() -> int:
     if unknown:
         print(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}", file=sys.stderr)
         return 2
-    sections = {"elementwise": check_elementwise, "decode": check_decode, "graph": check_graph,
+    sections = {"elementwise": check_elementwise, "gemv": check_gemv, "decode": check_decode, "graph": check_graph,
                 "sweep": check_sweep, "prefill": check_prefill, "model": check_model}  # fmt: skip
     torch.manual_seed(0)
     start = time.perf_counter()
