@@ -131,7 +131,10 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
 
         run_overlap_bench(args.out)
         return 0
-    run_gpu_bench(args.out, hf_rows=not args.no_transformers)
+    from shared.bench.gpu_bench import DECODE_ROWS, PREFILL_ROWS, parse_rows
+
+    decode_rows, prefill_rows = parse_rows(args.rows) if args.rows else (DECODE_ROWS, PREFILL_ROWS)
+    run_gpu_bench(args.out, hf_rows=not args.no_transformers, decode_rows=decode_rows, prefill_rows=prefill_rows)
     return 0
 
 
@@ -230,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="docs/perf", help="folder for gpu_bench.json and gpu_bench.md")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     p.add_argument("--overlap-only", action="store_true", help="only the engine's idle gap, step by step vs overlapped")
+    p.add_argument("--rows", default=None, metavar="SPEC",
+                   help="only these rows, e.g. decode:1x1024,decode:64x1024,prefill:8192 (default: the full table)")
     p.add_argument("--profile", action="store_true", help="only where a decode step's time goes (matmuls, kernels by kind)")
     p.set_defaults(func=_cmd_bench_gpu)
 

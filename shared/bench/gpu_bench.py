@@ -14,6 +14,7 @@ stepped as the engine steps with async scheduling (launch N+1, then read N).
 """
 
 import json
+from collections.abc import Sequence
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -200,7 +201,36 @@ def hf_prefill(hf, prompt_len: int) -> float:  # noqa: ANN001
     return prompt_len / seconds
 
 
-def run_gpu_bench(out_dir: str, hf_rows: bool = True, seed: int = 0) -> list[Row]:
+DECODE_ROWS = tuple((b, c) for c in (1024, 8192) for b in (1, 8, 64, 256))  # (batch, context)
+PREFILL_ROWS = (1024, 8192)  # prompt tokens
+
+
+def parse_rows(spec: str) -> tuple[list[tuple[int, int]], list[int]]:
+    """``"decode:1x1024,decode:64x1024,prefill:8192"`` -> (decode (batch, context) rows, prefill lengths)."""
+    decode: list[tuple[int, int]] = []
+    prefill: list[int] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        kind, _, shape = item.partition(":")
+        try:
+            if kind == "decode":
+                batch, context = shape.split("x")
+                decode.append((int(batch), int(context)))
+            elif kind == "prefill":
+                prefill.append(int(shape))
+            else:
+                raise ValueError(kind)
+        except ValueError:
+            raise ValueError(f"bad row {item!r}: expected decode:BATCHxCONTEXT or prefill:TOKENS") from None
+    return decode, prefill
+
+
+def run_gpu_bench(
+    out_dir: str,
+    hf_rows: bool = True,
+    seed: int = 0,
+    decode_rows: Sequence[tuple[int, int]] = DECODE_ROWS,
+    prefill_rows: Sequence[int] = PREFILL_ROWS,
+) -> list[Row]:
     bw, rate = measure_card()
     print(f"card: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     config, model, hf = build_models(seed, hf_rows)
@@ -208,26 +238,25 @@ def run_gpu_bench(out_dir: str, hf_rows: bool = True, seed: int = 0) -> list[Row
     kv_tok = kv_bytes_per_token(config)
     free = torch.cuda.mem_get_info()[0]
     rows: list[Row] = []
-    for context in (1024, 8192):
-        for batch in (1, 8, 64, 256):
-            need = batch * (context + 32) * kv_tok
-            roof = batch / ((wbytes + batch * context * kv_tok) / bw)
-            if need > free * 0.8:
-                rows.append(Row("decode", batch, context, float("nan"), roof, note=f"KV {need / 2**30:.0f} GiB does not fit"))
-                print(f"decode b={batch} ctx={context}: skipped, KV does not fit", flush=True)
-                continue
-            ours = bench_decode(model, config, batch, context)
-            eager = bench_decode(model, config, batch, context, graphs=False)
-            # transformers must prefill the context itself: keep its rows to <= 256k tokens of device time.
-            theirs = hf_decode(hf, batch, context) if hf is not None and batch * context <= 262144 else None
-            rows.append(Row("decode", batch, context, ours, roof, theirs, eager))
-            print(f"decode b={batch} ctx={context}: {ours:.0f} tok/s ({ours / roof:.2f} of roofline), eager {eager:.0f}"
-                  + (f", transformers {theirs:.0f}" if theirs else ""), flush=True)
+    for batch, context in decode_rows:
+        need = batch * (context + 32) * kv_tok
+        roof = batch / ((wbytes + batch * context * kv_tok) / bw)
+        if need > free * 0.8:
+            rows.append(Row("decode", batch, context, float("nan"), roof, note=f"KV {need / 2**30:.0f} GiB does not fit"))
+            print(f"decode b={batch} ctx={context}: skipped, KV does not fit", flush=True)
+            continue
+        ours = bench_decode(model, config, batch, context)
+        eager = bench_decode(model, config, batch, context, graphs=False)
+        # transformers must prefill the context itself: keep its rows to <= 256k tokens of device time.
+        theirs = hf_decode(hf, batch, context) if hf is not None and batch * context <= 262144 else None
+        rows.append(Row("decode", batch, context, ours, roof, theirs, eager))
+        print(f"decode b={batch} ctx={context}: {ours:.0f} tok/s ({ours / roof:.2f} of roofline), eager {eager:.0f}"
+              + (f", transformers {theirs:.0f}" if theirs else ""), flush=True)
     # The work a prefill must do: every layer's matmuls for every token, causal
     # attention, and the logits of the last token only (as transformers' logits_to_keep=1).
     lm_head = config.vocab_size * config.hidden_size
     layer_params = wbytes // 2 - lm_head
-    for prompt_len in (1024, 8192):
+    for prompt_len in prefill_rows:
         attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * prompt_len * (prompt_len + 1) / 2
         flops = 2 * layer_params * prompt_len + 2 * lm_head + attention
         roof = prompt_len / (flops / rate)
