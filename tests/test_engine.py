@@ -147,3 +147,16 @@ def test_async_scheduling_falls_back_for_host_side_sampling(llama):
     overlapped = LLM(llama, async_scheduling=True).generate(prompts, params)
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
     assert [len(o.logprobs) for o in overlapped] == [0, 12]
+
+
+def test_placeholders_take_the_previous_steps_samples():
+    """The one fill both the eager and the CUDA-graph paths use: rows whose source is
+    >= 0 take that row of the last step's samples, the others keep their token."""
+    from shared.engine.step_inputs import fill_placeholders, to_device
+
+    ids = to_device([5, -1, 7, -1], torch.long, torch.device("cpu"))
+    sources = torch.tensor([-1, 2, -1, 0])
+    last = torch.tensor([40, 41, 42])
+    assert fill_placeholders(ids, sources, last).tolist() == [5, 42, 7, 40]
+    # No step before (the first step): nothing to take, the inputs stay.
+    assert fill_placeholders(ids, torch.full((4,), -1), torch.empty(0, dtype=torch.long)).tolist() == [5, -1, 7, -1]
