@@ -114,14 +114,15 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden, shards, bias, dtype, device, use_triton)
         self.down_proj = Linear(intermediate, hidden, bias, dtype, device, use_triton)
         self._act = triton_module("activation").silu_and_mul if use_triton else silu_and_mul
+        # Batch-1 decode on the Triton path: the activation computed inside the down GEMV.
+        self._gated_gemv = triton_module("gemv").gemv if use_triton else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        down = self.down_proj
-        if down._gemv is not None and gate_up.shape[0] == 1:  # batch-1 decode: the activation inside the GEMV
-            return down._gemv(gate_up, down.weight, down.bias, gated=True)
+        if self._gated_gemv is not None and gate_up.shape[0] == 1:
+            return self._gated_gemv(gate_up, self.down_proj.weight, self.down_proj.bias, gated=True)
         gate, up = self.gate_up_proj.split(gate_up)
-        return down(self._act(gate, up))
+        return self.down_proj(self._act(gate, up))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
