@@ -22,7 +22,8 @@ from shared.model.forward_batch import AttentionMetadata
 class AttentionPlan:
     query_index: torch.Tensor  # [num_seqs, max_q] row of each padded query in the flat [T] batch (0 for padding)
     token_rows: torch.Tensor  # [T] row of each real token in the padded [num_seqs * max_q] output
-    kv_slots: torch.Tensor  # [num_seqs, max_kv] flat cache slot of key j of each sequence
+    kv_blocks: torch.Tensor  # [num_seqs, ceil(max_kv / block_size)] the blocks holding each sequence's keys
+    max_kv: int
     masks: dict[int | None, torch.Tensor]  # window (None = full) -> [num_seqs, 1, max_q, max_kv] bool
 
 
@@ -50,8 +51,8 @@ def plan_attention(meta: AttentionMetadata, windows: Iterable[int | None], devic
     token_rows = seq_of_token * max_q + torch.arange(num_tokens, device=device) - starts[seq_of_token]
 
     j = torch.arange(max_kv, device=device)
-    block_tables = meta.block_tables.to(device)
-    kv_slots = block_tables[:, j // meta.block_size] * meta.block_size + (j % meta.block_size)[None, :]
+    # Keys are gathered a whole block at a time (block_size contiguous rows), not a slot at a time.
+    kv_blocks = meta.block_tables.to(device)[:, : -(-max_kv // meta.block_size)]
 
     q_pos = (seq_lens - q_lens)[:, None] + i[None, :]  # [S, max_q]
     distance = q_pos[:, :, None] - j[None, None, :]  # p - j, [S, max_q, max_kv]
@@ -62,7 +63,7 @@ def plan_attention(meta: AttentionMetadata, windows: Iterable[int | None], devic
     for window in set(windows):
         allowed = causal if window is None else causal & (distance < window)
         masks[window] = (allowed | padding_row)[:, None]
-    return AttentionPlan(query_index=query_index, token_rows=token_rows, kv_slots=kv_slots, masks=masks)
+    return AttentionPlan(query_index=query_index, token_rows=token_rows, kv_blocks=kv_blocks, max_kv=max_kv, masks=masks)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -100,8 +101,11 @@ def attend(
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = plan.query_index.shape
-    k = kv_cache[0].view(-1, num_kv_heads, head_dim)[plan.kv_slots].transpose(1, 2)  # [S, kvh, max_kv, D]
-    v = kv_cache[1].view(-1, num_kv_heads, head_dim)[plan.kv_slots].transpose(1, 2)
+    num_blocks = plan.kv_blocks.shape[1]
+    kv_len = num_blocks * kv_cache.shape[2]
+    # [S, blocks, block_size, kvh, D] -> [S, kvh, max_kv, D]
+    k = kv_cache[0][plan.kv_blocks].view(num_seqs, kv_len, num_kv_heads, head_dim)[:, : plan.max_kv].transpose(1, 2)
+    v = kv_cache[1][plan.kv_blocks].view(num_seqs, kv_len, num_kv_heads, head_dim)[:, : plan.max_kv].transpose(1, 2)
     q = query[plan.query_index].transpose(1, 2)  # [S, heads, max_q, D]
     out = F.scaled_dot_product_attention(
         q,
