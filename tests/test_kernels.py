@@ -25,16 +25,17 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.llm import LLM  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
+from shared.model.attention import write_kv  # noqa: E402
 from shared.model.config import ModelConfig, RopeConfig  # noqa: E402
 from shared.model.kernels import rmsnorm, use_triton_kernels  # noqa: E402
 from shared.model.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from shared.model.kernels.paged_decode import choose_num_splits, paged_decode_attention  # noqa: E402
 from shared.model.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
-from shared.model.attention import write_kv  # noqa: E402
 from shared.model.kernels.reference import paged_attention_ref  # noqa: E402
 from shared.model.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from shared.model.kernels.rotary import rotary_embedding_, rotary_embedding_and_store_kv, rotary_ref  # noqa: E402
 from shared.model.layers import RotaryEmbedding  # noqa: E402
+from shared.model.loader import load_weights  # noqa: E402
 from shared.model.make_model import hf_config_dict  # noqa: E402
 from shared.model.transformer import CausalLM  # noqa: E402
 from tests.conftest import PagedDriver, rel_err  # noqa: E402
@@ -333,7 +334,7 @@ def test_tiny_model_triton_equals_torch(name: str) -> None:
     assert not models["torch"].use_triton and models["triton"].use_triton
     weights = random_weights(models["torch"], seed=3)
     for model in models.values():
-        model.load_weights(weights)
+        load_weights(model, weights)
     drivers = {k: PagedDriver(m, num_seqs=3, block_size=4, seed=1) for k, m in models.items()}
     g = gen(4)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 11, 14)]

@@ -25,6 +25,7 @@ from shared.engine.model_runner import ModelRunner, StepHandle
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput
 from shared.model.config import ModelConfig
+from shared.model.loader import load_weights
 from shared.model.make_model import PRESETS, hf_config_dict
 from shared.model.transformer import CausalLM
 
@@ -90,7 +91,7 @@ def build_models(seed: int, with_hf: bool):  # noqa: ANN201
     finally:
         torch.set_default_dtype(torch.float32)
     ours = CausalLM(config, torch.bfloat16, "cuda")
-    ours.load_weights(hf.state_dict())
+    load_weights(ours, hf.state_dict())
     if not with_hf:
         del hf
         hf = None

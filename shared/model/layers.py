@@ -2,6 +2,7 @@
 Llama code operation for operation so float32 results agree to rounding."""
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,16 @@ class Linear(nn.Module):
         self._gemv = triton_module("gemv").gemv if use_triton else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemv is not None and x.dim() == 2 and x.shape[0] == 1:
-            return self._gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self._gemv)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Callable[..., torch.Tensor] | None
+) -> torch.Tensor:
+    """``F.linear``, or ``gemv`` (the Triton kernel, when the model uses Triton) for a single row."""
+    if gemv is not None and x.dim() == 2 and x.shape[0] == 1:
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class MergedLinear(Linear):

@@ -8,6 +8,7 @@ config is a ``CheckpointError`` that names the file or tensor.
 """
 
 import json
+from collections.abc import Mapping
 import logging
 import sys
 from pathlib import Path
@@ -64,6 +65,16 @@ def load_model(
     return model.eval()
 
 
+@torch.no_grad()
+def load_weights(model: CausalLM, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy checkpoint-named tensors already in memory (a transformers model's
+    ``state_dict()``, say) into ``model``, with the same name checks as a folder."""
+    targets = model.checkpoint_tensors()
+    _check_names("the weights given", set(targets), set(weights), tied=model.lm_head is None)
+    for name, target in targets.items():
+        target.copy_(weights[name])
+
+
 def _copy_tensors(file: Path, names: list[str], params: dict[str, torch.Tensor], bar: tqdm) -> None:
     with safe_open(str(file), framework="pt", device="cpu") as f:
         present = set(f.keys())
@@ -118,7 +129,7 @@ def _tensor_files(folder: Path) -> dict[str, str]:
     raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
 
 
-def _check_names(folder: Path, expected: set[str], found: set[str], tied: bool) -> None:
+def _check_names(folder: Path | str, expected: set[str], found: set[str], tied: bool) -> None:
     ignored = {n for n in found if n.endswith(_HARMLESS_SUFFIXES)}
     if tied:
         ignored.add("lm_head.weight")  # some exporters save the tied copy too

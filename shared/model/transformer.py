@@ -8,7 +8,6 @@ goes, so loading a checkpoint is still a name lookup. Architecture differences c
 layer, tied embeddings.
 """
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +17,7 @@ from shared.model.attention import AttentionPlan, paged_attention, plan_attentio
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.kernels import triton_module, use_triton_kernels
-from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
+from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope, linear
 
 if TYPE_CHECKING:  # the kernel modules are imported only when a model selects them
     from shared.model.kernels.attention import TritonAttentionPlan
@@ -144,10 +143,7 @@ class CausalLM(nn.Module):
         self._triton_attention = triton_module("attention") if self.use_triton else None
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
         # Tied: no lm_head parameter at all, so the checkpoint's name list has no entry to fill.
-        self.lm_head = (
-            None if self.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, False, dtype, device, self.use_triton)
-        )  # fmt: skip
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self._gemv = triton_module("gemv").gemv if self.use_triton else None
         self._windows = frozenset(config.sliding_windows)
 
@@ -164,19 +160,6 @@ class CausalLM(nn.Module):
             parent = module_name.rpartition(".")[0]
             targets.update({f"{parent}.{part}": view for part, view in module.shard_views().items()})
         return targets
-
-    @torch.no_grad()
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy checkpoint-named tensors in (all of them, no more): for weights already in
-        memory, e.g. a transformers model's ``state_dict()``; files go through ``load_model``."""
-        targets = self.checkpoint_tensors()
-        names = set(weights) - {n for n in weights if n.endswith("rotary_emb.inv_freq")}
-        if self.lm_head is None:
-            names.discard("lm_head.weight")
-        if names != set(targets):
-            raise ValueError(f"missing {sorted(set(targets) - names)[:8]}, unexpected {sorted(names - set(targets))[:8]}")
-        for name in names:
-            targets[name].copy_(weights[name])
 
     @torch.inference_mode()
     def forward(
@@ -212,12 +195,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The product runs in the model dtype, then widens, as transformers' lm_head does;
         # greedy decoding then picks the same token as transformers in bf16 too.
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        weight = self.model.embed_tokens.weight
-        if self._gemv is not None and hidden.shape[0] == 1:
-            return self._gemv(hidden, weight).float()
-        return torch.nn.functional.linear(hidden, weight).float()
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight, None, self._gemv).float()
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
