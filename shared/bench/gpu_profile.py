@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from shared.bench.gpu_bench import _time, build_models, measure_card, weight_bytes
+from shared.bench.gpu_bench import _time, build_models, kv_bytes_per_token, measure_card, weight_bytes
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
@@ -170,7 +170,7 @@ def _paged_cache(seq_lens: list[int], block_size: int = 16, kv_heads: int = 8, h
     return cache, tables
 
 
-def sweep_attention(rate: float, bw: float) -> dict:
+def sweep_attention(bw: float) -> dict:
     """The attention kernels alone over their tile settings: prefill of one 8k prompt
     (TFLOP/s of the causal part) and decode at a few shapes (GB/s of KV read)."""
     from shared.model.kernels.paged_decode import choose_num_splits, paged_decode_attention
@@ -237,11 +237,11 @@ def sweep_attention(rate: float, bw: float) -> dict:
 def run_profile(out_dir: str, seed: int = 0) -> dict:
     bw, rate = measure_card()
     print(f"card: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    attention = sweep_attention(rate, bw)
+    attention = sweep_attention(bw)
     matmuls = profile_matmuls(bw)
     config, model, _ = build_models(seed, with_hf=False)
     wbytes = weight_bytes(model)
-    kv_tok = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
+    kv_tok = kv_bytes_per_token(config)
     steps = []
     for batch, context in ((1, 1024), (8, 1024), (64, 1024), (256, 1024), (8, 8192)):
         s = profile_step(model, batch, context)

@@ -17,9 +17,8 @@ from itertools import chain
 
 import torch
 
-from shared.engine.step_inputs import to_device
-
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.step_inputs import to_device
 
 
 @dataclass(slots=True)

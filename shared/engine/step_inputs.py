@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import torch
 
 
-def to_device(values: Sequence[int] | Sequence[float] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a ``dtype`` tensor on ``device``; returns at once on CUDA."""
-    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` (a list, or a list of equal-length lists) as a ``dtype`` tensor on
+    ``device``; returns at once on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
