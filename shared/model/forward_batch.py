@@ -30,6 +30,12 @@ class AttentionMetadata:
     # lengths on the device, never on the host). None: built from the lists per forward.
     query_start_loc_tensor: torch.Tensor | None = None
     seq_lens_tensor: torch.Tensor | None = None
+    key_floor: list[int] | None = None
+    """Sliding-window layers only: per sequence, the first key position whose KV exists
+    (a request replaying from s after a prefix hit has no sliding-window KV before s),
+    so a query at i sees keys [max(floor, i - W + 1), i]. None: 0 for every sequence."""
+    key_floor_tensor: torch.Tensor | None = None
+    """key_floor as an int32 device tensor, for the Triton kernels."""
 
     @property
     def num_seqs(self) -> int:
