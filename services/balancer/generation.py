@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.engine.sampler import TokenLogprobs
+from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
 

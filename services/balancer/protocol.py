@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from services.balancer.generation import Usage
-from shared.engine.sampler import TokenLogprobs
+from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
 # vLLM's floor: -inf is not valid JSON and clients choke on it.

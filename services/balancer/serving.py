@@ -26,7 +26,7 @@ from services.balancer import protocol as p
 from services.balancer.errors import APIError, ClientGone
 from services.balancer.generation import GenerationError, GenerationRequest, Generator, Usage
 from services.balancer.http_metrics import HttpMetrics
-from shared.engine.sampler import TokenLogprobs
+from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.recipe import IncrementalDetokenizer, Recipe
 from shared.runtime.settings import BalancerSettings

@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampler import TokenLogprobs
+from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 
 

@@ -11,8 +11,8 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
+from shared.engine.outputs import TokenLogprobs
 from shared.engine.request import Request, RequestStatus
-from shared.engine.sampler import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shared.kv.block_hash import BlockHash, kv_fingerprint

@@ -17,6 +17,7 @@ from itertools import chain
 
 import torch
 
+from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.step_inputs import to_device
 
@@ -52,16 +53,6 @@ class SamplingState:
             generator = torch.Generator(device=device)
             generator.manual_seed(params.seed)
         return cls(params, list(prompt_token_ids), [], generator, frozenset(eos_token_ids))
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int
-    """1 = most likely; ties count against the token (vLLM's >= convention)."""
-    top: list[tuple[int, float]]
-    """The params.logprobs most likely (token_id, logprob), best first."""
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Engine dataclasses <-> protobuf messages, in one place."""
 
-from shared.engine.sampler import TokenLogprobs
+from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
 
