@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # torch only where a dtype is asked for: the balancer reads configs without it
+    import torch
 
 RopeType = Literal["default", "linear", "llama3"]
 SlidingRule = Literal["none", "qwen", "all"]
@@ -94,9 +95,11 @@ class ModelConfig:
     """The checkpoint's dtype name ("bfloat16"), from ``dtype`` (v5) or ``torch_dtype`` (v4)."""
 
     @property
-    def torch_dtype(self) -> torch.dtype | None:
+    def torch_dtype(self) -> "torch.dtype | None":
         if self.dtype is None:
             return None
+        import torch
+
         value = getattr(torch, self.dtype, None)
         if not isinstance(value, torch.dtype):
             raise ValueError(f"config dtype {self.dtype!r} is not a torch dtype")
