@@ -3,21 +3,25 @@ machine, and the way to test the HTTP layer against a real engine.
 
 The engine runs without detokenization: text and stop strings are the HTTP
 layer's job, exactly as with the mesh, so both generators behave the same.
+The engine (and with it torch) is imported when one starts, not with this
+module: the balancer's package imports without torch.
 """
 
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
-from shared.engine.async_engine import AsyncEngine, EngineDead
 from shared.engine.config import EngineConfig
-from shared.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    from shared.engine.async_engine import AsyncEngine
 
 
 class LocalGenerator:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: "AsyncEngine") -> None:
         """engine must run an LLMEngine built with detokenize=False (see `start`)."""
         if engine.engine.config.detokenize:
             raise ValueError("LocalGenerator needs an engine built with detokenize=False: text is the HTTP layer's job")
@@ -27,6 +31,9 @@ class LocalGenerator:
     def start(cls, config: EngineConfig, loop: asyncio.AbstractEventLoop | None = None) -> "LocalGenerator":
         """Load the model (blocking: seconds) and start the engine thread, which
         hands outputs to loop (default: the running loop)."""
+        from shared.engine.async_engine import AsyncEngine
+        from shared.engine.llm_engine import LLMEngine
+
         engine = LLMEngine(dataclasses.replace(config, detokenize=False))
         async_engine = AsyncEngine(engine, loop or asyncio.get_running_loop())
         async_engine.start()
@@ -43,6 +50,8 @@ class LocalGenerator:
         return self.engine.num_in_flight
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        from shared.engine.async_engine import EngineDead  # loaded already: this instance runs an engine
+
         outputs = self.engine.generate(
             request.request_id, request.prompt_token_ids, request.params, cache_salt=request.cache_salt
         )
