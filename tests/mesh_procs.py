@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.launch.up import find_nats_server, free_port
+from tools.launch.up import find_nats_server, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from shared.bench.mesh_bench import TARGETS, Timing, compare, run_mesh_bench, summarize
-from shared.cli import build_parser
+from tools.bench.mesh_bench import TARGETS, Timing, compare, run_mesh_bench, summarize
+from tools.cli import build_parser
 
 PROMPT_LEN, OUTPUT_LEN, NUM_REQUESTS = 32, 8, 4
 

@@ -10,7 +10,7 @@ from tests.test_engine import hf_greedy, random_prompts
 
 
 def infermesh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True)
 
 
 def test_generate_json_equals_transformers_greedy_on_a_transformers_checkpoint(tmp_path):

@@ -37,9 +37,9 @@ import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.launch.up import grpc_serving, http_ok
+from tools.launch.up import grpc_serving, http_ok
 from shared.runtime.settings import Settings, load_settings
-from shared.launch.up import find_nats_server
+from tools.launch.up import find_nats_server
 from tests.mesh_procs import ROOT, free_port, start_service, stop_process
 
 DEPLOY = ROOT / "deploy"

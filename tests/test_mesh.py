@@ -15,8 +15,8 @@ import pytest
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.client import KVCacheClient
-from shared.launch.trace_view import load_spans
-from shared.launch.up import Mesh, free_port, grpc_serving
+from tools.launch.trace_view import load_spans
+from tools.launch.up import Mesh, free_port, grpc_serving
 from shared.model.make_model import make_model
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -167,7 +167,7 @@ def test_one_request_one_trace_across_all_services(mesh, client):
     assert route["attributes"]["prefill.choice"].startswith("prefill-")
     assert route["attributes"]["decode.choice"].startswith("decode-")
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "trace", trace_id, "--trace-dir", str(mesh.trace_dir)],
+        [sys.executable, "-m", "tools.cli", "trace", trace_id, "--trace-dir", str(mesh.trace_dir)],
         capture_output=True, text=True, check=True,
     )
     assert "prefill: prefill" in out.stdout and "decode: decode" in out.stdout

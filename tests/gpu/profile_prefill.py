@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from shared.bench.gpu_bench import _time, build_models
-from shared.bench.gpu_profile import _kind
+from tools.bench.gpu_bench import _time, build_models
+from tools.bench.gpu_profile import _kind
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput

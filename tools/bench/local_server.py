@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.engine.config import EngineConfig
-from shared.launch.up import free_port, http_ok
+from tools.launch.up import free_port, http_ok
 
 
 class LocalServer:
@@ -25,7 +25,7 @@ class LocalServer:
         spec = json.dumps({"port": self.port, "engine": asdict(config)})
         with log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "shared.bench.local_server", spec],
+                [sys.executable, "-m", "tools.bench.local_server", spec],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

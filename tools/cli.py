@@ -83,7 +83,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
-    from shared.bench.engine_bench import run_engine_bench
+    from tools.bench.engine_bench import run_engine_bench
 
     run_engine_bench(
         model=args.model,
@@ -98,7 +98,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_mesh(args: argparse.Namespace) -> int:
-    from shared.bench.mesh_bench import run_mesh_bench
+    from tools.bench.mesh_bench import run_mesh_bench
 
     run_mesh_bench(
         model=args.model,
@@ -119,19 +119,19 @@ def _cmd_bench_mesh(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:
-    from shared.bench.gpu_bench import run_gpu_bench
+    from tools.bench.gpu_bench import run_gpu_bench
 
     if args.profile:
-        from shared.bench.gpu_profile import run_profile
+        from tools.bench.gpu_profile import run_profile
 
         run_profile(args.out)
         return 0
     if args.overlap_only:
-        from shared.bench.gpu_bench import run_overlap_bench
+        from tools.bench.gpu_bench import run_overlap_bench
 
         run_overlap_bench(args.out)
         return 0
-    from shared.bench.gpu_bench import DECODE_ROWS, PREFILL_ROWS, parse_rows
+    from tools.bench.gpu_bench import DECODE_ROWS, PREFILL_ROWS, parse_rows
 
     decode_rows, prefill_rows = parse_rows(args.rows) if args.rows else (DECODE_ROWS, PREFILL_ROWS)
     run_gpu_bench(args.out, hf_rows=not args.no_transformers, decode_rows=decode_rows, prefill_rows=prefill_rows)
@@ -141,7 +141,7 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from shared.launch.up import up
+    from tools.launch.up import up
 
     if args.model is None:
         args.model = "models/default"
@@ -154,7 +154,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from shared.launch.trace_view import load_spans, pick_trace, render_waterfall
+    from tools.launch.trace_view import load_spans, pick_trace, render_waterfall
     from shared.runtime.settings import load_settings
 
     trace_dir = args.trace_dir or load_settings().telemetry.trace_dir

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from shared.bench.gpu_bench import _time, build_models, kv_bytes_per_token, measure_card, weight_bytes
+from tools.bench.gpu_bench import _time, build_models, kv_bytes_per_token, measure_card, weight_bytes
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput

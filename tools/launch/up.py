@@ -161,7 +161,7 @@ def run_demo(mesh: Mesh) -> None:
     """Stream one chat completion with the official openai client, then show its trace."""
     import openai
 
-    from shared.launch.trace_view import load_spans, pick_trace, render_waterfall
+    from tools.launch.trace_view import load_spans, pick_trace, render_waterfall
 
     client = openai.OpenAI(base_url=mesh.api_url, api_key="not-needed")
     model = client.models.list().data[0].id

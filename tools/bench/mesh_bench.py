@@ -33,8 +33,8 @@ import numpy as np
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from shared.bench.local_server import LocalServer
-from shared.launch.up import Mesh, free_port
+from tools.bench.local_server import LocalServer
+from tools.launch.up import Mesh, free_port
 from shared.runtime.settings import EngineSettings
 from shared.runtime.worker import engine_config
 

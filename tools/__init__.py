@@ -1,0 +1,4 @@
+"""The tools around the mesh, used by people, not by services: the `infermesh`
+command (cli.py), `infermesh up` / `trace` (launch/) and the benchmarks
+(bench/). They sit above everything else: tools import services and shared,
+nothing imports tools."""
