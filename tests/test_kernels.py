@@ -233,6 +233,198 @@ def test_paged_prefill(case: str, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, ref, **ATTN_TOL[dtype])
 
 
+# -- key floor (sliding-window replay after a prefix hit) -------------------------
+
+
+def poison_below_floor(g: torch.Generator, paged: Paged, floors: list[int]) -> None:
+    """What a replay leaves below each floor: table entries of whole blocks below it point
+    at one scratch block (a block of its own, appended to the cache), and the slots below
+    it in the block that holds it are overwritten; both with large random K/V, so that
+    reading any of them changes the output by far more than the tolerance."""
+    block_size = paged.kv_cache.shape[2]
+    shape = (2, 1, *paged.kv_cache.shape[2:])
+    scratch = (100 * torch.randn(shape, generator=g)).to(paged.kv_cache.dtype)
+    paged.kv_cache = torch.cat([paged.kv_cache, scratch], dim=1)
+    scratch_id = paged.kv_cache.shape[1] - 1
+    for s, floor in enumerate(floors):
+        paged.block_tables[s, : floor // block_size] = scratch_id
+        if floor % block_size:
+            block = int(paged.block_tables[s, floor // block_size])
+            junk = 100 * torch.randn(2, floor % block_size, *paged.kv_cache.shape[3:], generator=g)
+            paged.kv_cache[:, block, : floor % block_size] = junk.to(paged.kv_cache.dtype)
+
+
+def dense_attention(
+    query: torch.Tensor, paged: Paged, starts: list[int], window: int | None, scale: float, floors: list[int]
+) -> torch.Tensor:
+    """The expected output written out: per sequence its keys gathered slot by slot, a
+    float64 softmax over j <= p, p - j < window and j >= floor; zeros for a query with no key."""
+    heads = query.shape[1]
+    block_size, kv_heads = paged.kv_cache.shape[2], paged.kv_cache.shape[3]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    for s, n in enumerate(paged.seq_lens):
+        slots = [(int(paged.block_tables[s, t // block_size]), t % block_size) for t in range(n)]
+        k = torch.stack([paged.kv_cache[0, b, o] for b, o in slots]).double()  # [n, kv_heads, D]
+        v = torch.stack([paged.kv_cache[1, b, o] for b, o in slots]).double()
+        k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+        q = query[starts[s] : starts[s + 1]].double()  # [q_len, heads, D]
+        pos = n - q.shape[0] + torch.arange(q.shape[0])
+        j = torch.arange(n)
+        allowed = (j[None, :] <= pos[:, None]) & (j[None, :] >= floors[s])
+        if window is not None:
+            allowed &= pos[:, None] - j[None, :] < window
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+        out[starts[s] : starts[s + 1]] = torch.einsum("hqk,khd->qhd", p, v)
+    return out
+
+
+def assert_floor_matters(out: torch.Tensor, no_floor: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(out.double(), expected, **ATTN_TOL[dtype])
+    assert (no_floor.double() - expected).abs().max() > 1.0, "the case does not test the floor: ignoring it passes"
+
+
+# name: (heads, kv_heads, head_dim, block_size, [(cached prefix, new tokens, floor)], window, block_m, block_n)
+# A replay from s re-runs tokens s.. with the prefix cached up to s (floor s = cached) or, for
+# a later chunk of the replay, further (floor < cached). Floor 0: that sequence has none.
+FLOOR_PREFILL_CASES = {
+    # Floor 7 in the middle of a block of 4 and of a 16-key tile; window 5 reaches below it
+    # for the first queries only, then lies wholly above it.
+    "mid_block_window_smaller": (4, 2, 16, 4, [(7, 14, 7)], 5, 16, 16),
+    # Floor 16 at a block and tile boundary; window 20 reaches below it for every query.
+    "block_boundary_window_larger": (4, 2, 16, 4, [(16, 9, 16)], 20, 16, 16),
+    # Several sequences: chunked replay (floor below the cached prefix), one without a floor,
+    # a decode row of a mixed batch, a fresh replay, GQA 4, block size 5 (floors mid-block).
+    "several_sequences_chunked": (8, 2, 32, 5, [(23, 6, 9), (0, 11, 0), (17, 1, 13), (12, 7, 12)], 12, 32, 16),
+    # Queries in several tiles of one sequence, chunked on a cached prefix, the window longer
+    # than the whole sequence: only the floor bounds the keys.
+    "chunk_window_longer_than_sequence": (4, 4, 16, 8, [(30, 21, 19)], 64, 16, 16),
+    # No window: the kernel applies a floor whenever given (masked floor tile, whole tiles
+    # above it unmasked); floors mid-tile, at a tile boundary, above some of the queries.
+    "no_window": (4, 2, 16, 4, [(40, 9, 19), (33, 8, 32), (10, 8, 14)], None, 16, 16),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(FLOOR_PREFILL_CASES))
+def test_paged_prefill_key_floor(case: str, dtype: torch.dtype) -> None:
+    heads, kv_heads, head_dim, block_size, seqs, window, block_m, block_n = FLOOR_PREFILL_CASES[case]
+    g = gen(200 + list(FLOOR_PREFILL_CASES).index(case))
+    seq_lens = [cached + new for cached, new, _ in seqs]
+    floors = [floor for _, _, floor in seqs]
+    paged = paged_cache(g, seq_lens, block_size, kv_heads, head_dim, dtype)
+    poison_below_floor(g, paged, floors)
+    starts = [0]
+    for _, new, _ in seqs:
+        starts.append(starts[-1] + new)
+    query = torch.randn(starts[-1], heads, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+
+    def run(key_floor: torch.Tensor | None) -> torch.Tensor:
+        return paged_prefill_attention(
+            query, paged.kv_cache, torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+            paged.block_tables, max(new for _, new, _ in seqs), scale, window, key_floor, block_m=block_m, block_n=block_n,
+        )  # fmt: skip
+
+    expected = dense_attention(query, paged, starts, window, scale, floors)
+    assert_floor_matters(run(torch.tensor(floors, dtype=torch.int32)), run(None), expected, dtype)
+    ref = paged_attention_ref(query, paged.kv_cache, starts, seq_lens, paged.block_tables, window, scale, floors)
+    torch.testing.assert_close(ref.double(), expected, **ATTN_TOL[dtype])
+
+
+# name: (heads, kv_heads, head_dim, block_size, seq_lens, floors, window, num_splits, block_n)
+FLOOR_DECODE_CASES = {
+    # Floors mid-block and mid-tile; one sequence without; 3 splits over what is left.
+    "window_mid_block_split3": (4, 2, 16, 4, [30, 45, 12], [22, 0, 9], 12, 3, 16),
+    # Floors at block and tile boundaries, window longer than the distance to them; 4 splits.
+    "window_boundary_split4": (8, 2, 32, 8, [60, 41], [32, 16], 40, 4, 16),
+    # Window shorter than the distance (the floor changes nothing there) beside one it bounds,
+    # and a floor at the query itself (its own key only); many splits of a short range.
+    "window_shorter_and_floor_at_query": (4, 1, 24, 5, [50, 33, 20], [3, 26, 19], 9, 5, 16),
+    # No window: the floor alone bounds the keys, one split and several.
+    "no_window_split1": (4, 4, 16, 4, [37, 18], [13, 4], None, 1, 16),
+    # Three tiles left above the floor over six splits: some splits get nothing.
+    "no_window_split6": (4, 4, 16, 4, [58, 18], [21, 4], None, 6, 16),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(FLOOR_DECODE_CASES))
+def test_paged_decode_key_floor(case: str, dtype: torch.dtype) -> None:
+    heads, kv_heads, head_dim, block_size, seq_lens, floors, window, num_splits, block_n = FLOOR_DECODE_CASES[case]
+    g = gen(300 + list(FLOOR_DECODE_CASES).index(case))
+    paged = paged_cache(g, seq_lens, block_size, kv_heads, head_dim, dtype)
+    poison_below_floor(g, paged, floors)
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def run(key_floor: torch.Tensor | None) -> torch.Tensor:
+        return paged_decode_attention(
+            query, paged.kv_cache, lens, paged.block_tables, scale, window, num_splits, key_floor, block_n=block_n
+        )
+
+    starts = list(range(len(seq_lens) + 1))
+    expected = dense_attention(query, paged, starts, window, scale, floors)
+    out = run(torch.tensor(floors, dtype=torch.int32))
+    assert_floor_matters(out, run(None), expected, dtype)
+    # The split only changes speed: one split gives the same (int64 floors accepted too).
+    one = paged_decode_attention(query, paged.kv_cache, lens, paged.block_tables, scale, window, 1,
+                                 torch.tensor(floors), block_n=block_n)  # fmt: skip
+    torch.testing.assert_close(one, out, **ATTN_TOL[dtype])
+    ref = paged_attention_ref(query, paged.kv_cache, starts, seq_lens, paged.block_tables, window, scale, floors)
+    torch.testing.assert_close(ref.double(), expected, **ATTN_TOL[dtype])
+
+
+def test_decode_key_floor_past_the_query_gives_zeros() -> None:
+    """A floor beyond the query (no key left) gives zeros, not NaN, with any split."""
+    g = gen(9)
+    paged = paged_cache(g, [20, 9], 4, 2, 16, torch.float32)
+    query = torch.randn(2, 4, 16, generator=g)
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+    for splits in (1, 3):
+        out = paged_decode_attention(query, paged.kv_cache, lens, paged.block_tables, 0.25, 8, splits,
+                                     torch.tensor([25, 0], dtype=torch.int32), block_n=16)  # fmt: skip
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and not out.isnan().any()
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_triton_attend_passes_the_floor_to_sliding_window_layers_only(decode: bool) -> None:
+    """plan_triton_attention takes the floor from the metadata (its list, or the runner's
+    device tensor); triton_attend applies it for a windowed layer and ignores it for a
+    full-attention one, whose cached keys all exist."""
+    from shared.model.forward_batch import AttentionMetadata
+    from shared.model.kernels.attention import plan_triton_attention, triton_attend
+
+    g = gen(10)
+    seqs = [(13, 1, 9), (20, 1, 0)] if decode else [(9, 6, 9), (20, 3, 0), (4, 5, 2)]
+    seq_lens = [c + n for c, n, _ in seqs]
+    floors = [f for _, _, f in seqs]
+    paged = paged_cache(g, seq_lens, 4, 2, 16, torch.float32)
+    poison_below_floor(g, paged, floors)
+    starts = [0]
+    for _, new, _ in seqs:
+        starts.append(starts[-1] + new)
+    query = torch.randn(starts[-1], 4, 16, generator=g)
+
+    def meta(**floor: object) -> AttentionMetadata:
+        return AttentionMetadata(torch.empty(0, dtype=torch.int64), paged.block_tables, starts, seq_lens, 4, **floor)
+
+    no_floor = plan_triton_attention(meta(), 2, 16, torch.device("cpu"))
+    assert no_floor.key_floor is None and no_floor.is_decode == decode
+    assert plan_triton_attention(meta(key_floor=[0] * len(seqs)), 2, 16, torch.device("cpu")).key_floor is None
+    tensor = torch.tensor(floors, dtype=torch.int32)
+    assert plan_triton_attention(meta(key_floor=floors, key_floor_tensor=tensor), 2, 16, torch.device("cpu")).key_floor is tensor
+    plan = plan_triton_attention(meta(key_floor=floors), 2, 16, torch.device("cpu"))
+    assert plan.key_floor is not None and plan.key_floor.tolist() == floors and plan.key_floor.dtype == torch.int32
+    windowed = triton_attend(query, paged.kv_cache, plan, 8, 0.25)
+    assert_floor_matters(windowed, triton_attend(query, paged.kv_cache, no_floor, 8, 0.25),
+                         dense_attention(query, paged, starts, 8, 0.25, floors), torch.float32)  # fmt: skip
+    # A full-attention layer reads every key, the garbage below the floor included: as without a floor.
+    assert torch.equal(triton_attend(query, paged.kv_cache, plan, None, 0.25),
+                       triton_attend(query, paged.kv_cache, no_floor, None, 0.25))  # fmt: skip
+
+
 def test_choose_num_splits() -> None:
     cpu = torch.device("cpu")  # one "multiprocessor": 4 programs wanted
     assert choose_num_splits(1, 1, 8192, 64, cpu) == 4
@@ -274,6 +466,12 @@ def test_wrappers_raise_value_errors() -> None:
     with pytest.raises(ValueError, match="query_start_loc"):
         paged_prefill_attention(torch.randn(5, 4, 16), paged.kv_cache, torch.tensor([0, 5], dtype=torch.int32),
                                 seq_lens, paged.block_tables, 5, 0.25)  # fmt: skip
+    with pytest.raises(ValueError, match="key_floor"):
+        paged_decode_attention(torch.randn(2, 4, 16), paged.kv_cache, seq_lens, paged.block_tables, 0.25, 4, 1,
+                               torch.tensor([1, 2, 3], dtype=torch.int32))  # fmt: skip
+    with pytest.raises(ValueError, match="key_floor"):
+        paged_prefill_attention(torch.randn(11, 4, 16), paged.kv_cache, torch.tensor([0, 5, 11], dtype=torch.int32),
+                                seq_lens, paged.block_tables, 6, 0.25, 4, torch.tensor([1.0, 2.0]))  # fmt: skip
 
 
 # -- the switch, end to end ------------------------------------------------------

@@ -8,7 +8,7 @@ graph. Prints one table per section and exits non-zero on any mismatch or crash.
 Usage, from the repository root:
     python3 tests/gpu/check_kernels.py              # the H200 run (a few minutes)
     python3 tests/gpu/check_kernels.py --tiny       # tiny sizes; on a CPU under TRITON_INTERPRET=1
-Options: --no-sweep (skip the decode num_splits sweep), --only decode,prefill,elementwise,graph,sweep,model.
+Options: --no-sweep (skip the decode num_splits sweep), --only decode,prefill,floor,elementwise,graph,sweep,model.
 
 Attention is checked against a float32 "truth" computed by the reference from the same
 (upcast) inputs; in bf16 the kernel's error must stay within a few times PyTorch's own
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-SECTIONS = ("elementwise", "gemv", "decode", "prefill", "graph", "sweep", "model")
+SECTIONS = ("elementwise", "gemv", "decode", "prefill", "floor", "graph", "sweep", "model")
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,9 @@ class Sizes:
     sweep: tuple[tuple[int, int], ...]
     model_prompts: tuple[int, ...]
     model_decode_batch: tuple[int, int]  # (batch, context) of the timed decode step
+    # Sliding-window replay with a key floor: (name, ((cached, new, floor), ...), window); (batch, context, window).
+    floor_prefill: tuple[tuple[str, tuple[tuple[int, int, int], ...], int], ...]
+    floor_decode: tuple[tuple[int, int, int], ...]
 
 
 FULL = Sizes(
@@ -68,12 +71,20 @@ FULL = Sizes(
     sweep=((1, 8192), (8, 8192), (32, 1024), (32, 8192), (64, 8192)),
     model_prompts=(500, 300, 129, 64),
     model_decode_batch=(64, 1024),
+    floor_prefill=(
+        ("4 replays of 2048 (one chunked), window 4096", ((4096, 2048, 4096), (4100, 2048, 4100), (3001, 1024, 3001),
+                                                          (6000, 2048, 5013)), 4096),
+        ("chunk 1024 replaying from 5003 + 64 decodes @1k", ((6144, 1024, 5003),) + ((1023, 1, 700),) * 64, 4096),
+    ),
+    floor_decode=((1, 8192, 4096), (32, 8192, 4096), (128, 1024, 512)),
 )  # fmt: skip
 TINY = Sizes(
     heads=4, kv_heads=2, head_dim=32, block_size=4, hidden=64, intermediate=96,
     decode=((1, 40), (3, 40)), decode_fp32=((3, 40),), decode_window=(2, 40, 9),
     prefill=(("2 prompts", ((0, 9), (0, 5)), None), ("chunk + decodes", ((7, 6), (12, 1), (3, 1)), 5)),
     prefill_fp32=("2 prompts",), tokens=(3,), sweep=((1, 70),), model_prompts=(7, 5), model_decode_batch=(2, 20),
+    floor_prefill=(("replays, a chunk, a decode", ((8, 6, 8), (13, 5, 9), (0, 4, 0), (11, 1, 6)), 9),),
+    floor_decode=((1, 40, 20), (3, 40, 20)),
 )  # fmt: skip
 
 # The interpreter gets bfloat16 wrong silently (shared/STACK.md): on the CPU, float16 stands in.
@@ -151,7 +162,8 @@ def padded_size(starts: list[int], seq_lens: list[int]) -> int:
     return len(seq_lens) * max_q * max(seq_lens)
 
 
-def truth(query: torch.Tensor, paged: Paged, starts: list[int], window: int | None, scale: float) -> torch.Tensor:
+def truth(query: torch.Tensor, paged: Paged, starts: list[int], window: int | None, scale: float,
+          key_floor: list[int] | None = None) -> torch.Tensor:  # fmt: skip
     """The reference in float32 on the upcast inputs, a few sequences at a time (memory)."""
     from shared.model.kernels.reference import paged_attention_ref
 
@@ -168,7 +180,9 @@ def truth(query: torch.Tensor, paged: Paged, starts: list[int], window: int | No
             e += 1
         a, b = starts[s], starts[e]
         local = [x - a for x in starts[s : e + 1]]
-        out[a:b] = paged_attention_ref(query[a:b].float(), kv, local, paged.seq_lens[s:e], paged.block_tables[s:e], window, scale)
+        floor = None if key_floor is None else key_floor[s:e]
+        out[a:b] = paged_attention_ref(query[a:b].float(), kv, local, paged.seq_lens[s:e], paged.block_tables[s:e], window,
+                                       scale, floor)  # fmt: skip
         s = e
     return out
 
@@ -328,6 +342,71 @@ def check_prefill(ck: Checker, sz: Sizes) -> None:
             torch.cuda.empty_cache()
     ck.table("paged prefill (us per call; TFLOP/s of the causal part)",
              ["dtype", "batch", "err", "torch err", "triton us", "torch us", "speedup", "TFLOP/s"])  # fmt: skip
+
+
+def poison_below_floor(paged: Paged, floors: list[int], block_size: int) -> None:
+    """What a replay leaves below each floor: no KV of this layer. Large random K/V there,
+    so that a kernel reading any of it is far off."""
+    positions = [torch.arange(f, device=paged.kv_cache.device) for f in floors]
+    slots = torch.cat([paged.block_tables[s, p // block_size].long() * block_size + p % block_size
+                       for s, p in enumerate(positions)])  # fmt: skip
+    flat = paged.kv_cache.view(2, -1, *paged.kv_cache.shape[3:])
+    flat[:, slots] = 100 * torch.randn(flat[:, slots].shape, device=flat.device, dtype=flat.dtype)
+
+
+def check_floor(ck: Checker, sz: Sizes) -> None:
+    """Sliding-window replay after a prefix hit: a key floor per sequence (keys below it
+    hold garbage), prefill (replayed chunks beside decodes) and decode (split), against the
+    float32 truth with the floor; without the floor the output must be far off (so the
+    check checks something). Times with and without the floor: its cost."""
+    from shared.model.kernels.paged_decode import choose_num_splits, paged_decode_attention
+    from shared.model.kernels.paged_prefill import paged_prefill_attention
+
+    scale = sz.head_dim**-0.5
+    for name, dtype in ck.dtypes.items():
+        # (what, paged, query, query starts, floors, window, splits, launch with a floor or None)
+        runs: list[tuple[str, Paged, torch.Tensor, list[int], list[int], int, str, Callable[..., torch.Tensor]]] = []
+        for label, seqs, window in sz.floor_prefill:
+            lens, floors = [c + n for c, n, _ in seqs], [f for _, _, f in seqs]
+            starts = [0]
+            for _, n, _ in seqs:
+                starts.append(starts[-1] + n)
+            paged = make_paged(lens, sz, dtype, ck.device, seed=len(seqs))
+            q = torch.randn(starts[-1], sz.heads, sz.head_dim, device=ck.device, dtype=dtype)
+            qsl = torch.tensor(starts, dtype=torch.int32, device=ck.device)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=ck.device)
+            max_q = max(n for _, n, _ in seqs)
+            fn = lambda f, q=q, p=paged, qsl=qsl, sl=seq_lens, m=max_q, w=window: paged_prefill_attention(  # noqa: E731
+                q, p.kv_cache, qsl, sl, p.block_tables, m, scale, w, f)
+            runs.append((f"prefill {label}", paged, q, starts, floors, window, "-", fn))
+        for batch, ctx, window in sz.floor_decode:
+            lens = [ctx - (i * 37) % min(64, ctx) for i in range(batch)]
+            # Floors inside the window (mid-block), every fourth sequence without one.
+            floors = [0 if i % 4 == 3 else max(0, n - window // 2 - 1 - (i * 37) % 61) for i, n in enumerate(lens)]
+            paged = make_paged(lens, sz, dtype, ck.device, seed=batch + ctx)
+            q = torch.randn(batch, sz.heads, sz.head_dim, device=ck.device, dtype=dtype)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=ck.device)
+            splits = choose_num_splits(batch, sz.kv_heads, max(lens), 64 if sz.head_dim <= 128 else 32, ck.device)
+            fn = lambda f, q=q, p=paged, sl=seq_lens, w=window: paged_decode_attention(  # noqa: E731
+                q, p.kv_cache, sl, p.block_tables, scale, w, None, f)
+            runs.append((f"decode batch {batch} ctx {ctx}", paged, q, list(range(batch + 1)), floors, window, str(splits), fn))
+        for what, paged, q, starts, floors, window, splits, fn in runs:
+            poison_below_floor(paged, floors, sz.block_size)
+            key_floor = torch.tensor(floors, dtype=torch.int32, device=ck.device)
+            out, no_floor = fn(key_floor), fn(None)
+            exact = truth(q, paged, starts, window, scale, floors)
+            err, _ = attention_verdict(ck, f"{what} window {window} {name} with a key floor", dtype, out, None, exact)
+            no_floor_err = rel(no_floor, exact)
+            if not no_floor_err > 0.5:
+                ck.fail(f"{what} {name}: without the floor the output is close to the truth ({no_floor_err:.1e})")
+            t, t_none = ck.bench(lambda: fn(key_floor)), ck.bench(lambda: fn(None))  # noqa: B023
+            ck.rows.append([name, what, str(window), splits, err, f"{no_floor_err:.1e}", us(t), us(t_none)])
+            del out, no_floor, exact
+        del runs
+        if ck.device.type == "cuda":
+            torch.cuda.empty_cache()
+    ck.table("key floor (SWA replay): error with the floor and without it (must be far off), us with and without",
+             ["dtype", "case", "window", "splits", "err", "no-floor err", "floor us", "no-floor us"])  # fmt: skip
 
 
 def check_elementwise(ck: Checker, sz: Sizes) -> None:
@@ -531,7 +610,7 @@ def main() -> int:
         print(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}", file=sys.stderr)
         return 2
     sections = {"elementwise": check_elementwise, "gemv": check_gemv, "decode": check_decode, "graph": check_graph,
-                "sweep": check_sweep, "prefill": check_prefill, "model": check_model}  # fmt: skip
+                "sweep": check_sweep, "prefill": check_prefill, "floor": check_floor, "model": check_model}  # fmt: skip
     torch.manual_seed(0)
     start = time.perf_counter()
     for section in SECTIONS:

@@ -1,7 +1,11 @@
 """The Triton path of ``attention.attend``: the per-forward plan (device index tensors,
 built once and shared by all layers) and the choice of kernel: the decode kernel when
 every sequence brings one token, the prefill kernel otherwise. The new K/V reach the
-cache before, with the rotary kernel (``rotary.rotary_embedding_and_store_kv``)."""
+cache before, with the rotary kernel (``rotary.rotary_embedding_and_store_kv``).
+
+A per-sequence key floor (``AttentionMetadata.key_floor``: after a prefix hit, the
+sliding-window KV exists only from the replay's start on) goes to the kernels for
+sliding-window layers only; full-attention layers have every cached key."""
 
 from dataclasses import dataclass
 
@@ -20,6 +24,7 @@ class TritonAttentionPlan:
     max_query_len: int
     is_decode: bool  # one query token per sequence: the decode kernel
     num_splits: int  # decode: splits per sequence
+    key_floor: torch.Tensor | None = None  # [num_seqs] int32: sliding-window layers' first key; None: 0
 
 
 def plan_triton_attention(
@@ -27,7 +32,8 @@ def plan_triton_attention(
 ) -> TritonAttentionPlan:
     """Takes the metadata's device tensors where the runner built them, else makes them
     from its lists. Host facts used (max query length, longest sequence) come from the
-    lists; for a captured graph they only set static choices (kernel, splits)."""
+    lists; for a captured graph they only set static choices (kernel, splits). A key
+    floor given only as a list of zeros is left out (the kernels' path without one)."""
     query_start_loc = meta.query_start_loc_tensor
     if query_start_loc is None:
         query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
@@ -41,18 +47,25 @@ def plan_triton_attention(
         block_n = default_block_n(head_dim)
         num_splits = choose_num_splits(meta.num_seqs, num_kv_heads, max(meta.seq_lens), block_n, device)
     block_tables = meta.block_tables.to(device)
-    return TritonAttentionPlan(query_start_loc, seq_lens, block_tables, max_query_len, is_decode, num_splits)
+    key_floor = meta.key_floor_tensor
+    if key_floor is None and meta.key_floor is not None and any(f > 0 for f in meta.key_floor):
+        key_floor = torch.tensor(meta.key_floor, dtype=torch.int32, device=device)
+    return TritonAttentionPlan(
+        query_start_loc, seq_lens, block_tables, max_query_len, is_decode, num_splits, key_floor
+    )
 
 
 def triton_attend(
     query: torch.Tensor, kv_cache: torch.Tensor, plan: TritonAttentionPlan, sliding_window: int | None, scale: float
 ) -> torch.Tensor:
-    """As ``attention.attend``: query [T, heads, D] over the cache, the new K/V already in it."""
+    """As ``attention.attend``: query [T, heads, D] over the cache, the new K/V already in it.
+    The plan's key floor applies to sliding-window layers only."""
+    key_floor = plan.key_floor if sliding_window is not None else None
     if plan.is_decode:
         return paged_decode_attention(
-            query, kv_cache, plan.seq_lens, plan.block_tables, scale, sliding_window, plan.num_splits
+            query, kv_cache, plan.seq_lens, plan.block_tables, scale, sliding_window, plan.num_splits, key_floor
         )
     return paged_prefill_attention(
         query, kv_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables, plan.max_query_len, scale,
-        sliding_window,
+        sliding_window, key_floor,
     )  # fmt: skip

@@ -47,7 +47,9 @@ def attend_tiles(
 ):
     """Fold KV tiles [tile_lo, tile_hi) (keys kv_lo <= j < kv_hi) into the running
     (acc [M, D], max m_i [M], sum l_i [M]) of queries q [M, D] at positions q_pos [M].
-    CAUSAL keeps j <= q_pos; HAS_WINDOW also drops q_pos - j >= window.
+    CAUSAL keeps j <= q_pos; HAS_WINDOW also drops q_pos - j >= window. kv_lo is
+    exact at any position (a masked tile drops j < kv_lo key by key), so a caller
+    folds a sequence's key floor into it.
 
     MASKED=False is for tiles the caller knows every query sees whole (below the
     causal diagonal, inside [kv_lo, kv_hi)): no bounds or mask arithmetic at all,
@@ -114,6 +116,13 @@ def check_paged_inputs(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or at least 1, got {sliding_window}")
     return num_seqs, num_heads, num_kv_heads, head_dim
+
+
+def check_key_floor(key_floor: torch.Tensor | None, num_seqs: int, device: torch.device) -> None:
+    """key_floor: None, or [num_seqs] int32/int64 on the query's device (the first key
+    position of each sequence that attention may read)."""
+    if key_floor is not None:
+        check_tensor("key_floor", key_floor, ndim=1, dtypes=INDEX_DTYPES, device=device, shape=(num_seqs,))
 
 
 def output_like(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

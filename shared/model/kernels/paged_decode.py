@@ -11,6 +11,11 @@ the split of a sequence is computed in the kernel from its length. Nothing syncs
 with the host, so the launch can be captured in a CUDA graph, and any num_splits
 gives the same result (it only changes speed).
 
+An optional per-sequence key floor (``key_floor[s]``, the first key position whose KV
+exists, for a sliding-window layer replaying from there) raises the start of the key
+range, kv_lo, before the range is split, so every split covers keys from the floor
+on; the tile holding the floor masks the keys below it one by one.
+
 Reference: ``reference.paged_attention_ref`` (the model's CPU path).
 """
 
@@ -23,6 +28,7 @@ from shared.model.kernels.paged_common import (
     LOG2E,
     attend_tiles,
     cdiv,
+    check_key_floor,
     check_paged_inputs,
     dot_precision,
     num_sms,
@@ -45,6 +51,7 @@ def _decode_kernel(
     v_ptr,
     seq_lens_ptr,
     tables_ptr,
+    key_floor_ptr,
     out_ptr,
     part_acc_ptr,
     part_m_ptr,
@@ -69,6 +76,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_FLOOR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -87,6 +95,9 @@ def _decode_kernel(
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(seq_len - window, 0)
+    if HAS_FLOOR:
+        # Keys from the floor on; a floor past the query leaves an empty range (zeros).
+        kv_lo = tl.minimum(tl.maximum(kv_lo, tl.load(key_floor_ptr + seq).to(tl.int32)), seq_len)
     tile_lo = kv_lo // BLOCK_N
     tile_hi = tl.cdiv(seq_len, BLOCK_N)
     per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
@@ -168,6 +179,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    key_floor: torch.Tensor | None = None,
     *,
     block_n: int | None = None,
     num_warps: int = 4,
@@ -180,12 +192,15 @@ def paged_decode_attention(
     -> [num_seqs, heads, D] in query's dtype (written into ``out`` if given).
 
     num_splits None picks one from the batch and the table width (a static bound on
-    the length, so no host sync)."""
+    the length, so no host sync). key_floor [num_seqs] (int32/int64, device) or None:
+    sequence s attends only keys j >= key_floor[s] (none left: zeros); applied whenever
+    given, so a caller passes it for sliding-window layers only."""
     num_seqs, num_heads, num_kv_heads, head_dim = check_paged_inputs(
         query, kv_cache, seq_lens, block_tables, sliding_window
     )
     if query.shape[0] != num_seqs:
         raise ValueError(f"decode takes one query per sequence: query has {query.shape[0]} rows, seq_lens {num_seqs}")
+    check_key_floor(key_floor, num_seqs, query.device)
     block_size = kv_cache.shape[2]
     block_n = default_block_n(head_dim) if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1):
@@ -207,13 +222,15 @@ def paged_decode_attention(
     else:
         part_acc = part_m = part_l = out  # unused
     k, v = kv_cache[0], kv_cache[1]
+    floor_arg = seq_lens if key_floor is None else key_floor  # unread without a floor
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k, v, seq_lens, block_tables, out, part_acc, part_m, part_l,
+        query, k, v, seq_lens, block_tables, floor_arg, out, part_acc, part_m, part_l,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, sliding_window or 0, num_splits,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
-        HAS_WINDOW=sliding_window is not None, DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+        HAS_WINDOW=sliding_window is not None, HAS_FLOOR=key_floor is not None,
+        DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](

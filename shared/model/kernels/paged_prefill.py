@@ -12,6 +12,12 @@ on, and a program finds its sequence by binary search over query_start_loc; spar
 tiles exit at once. Causal with each sequence's offset: query i of a sequence whose
 KV holds seq_len tokens after the step sits at position seq_len - query_len + i.
 
+An optional per-sequence key floor (``key_floor[s]``, the first key position whose
+KV exists: a sliding-window layer replaying tokens from there after a prefix hit)
+raises the lower end of the tile's key range, kv_lo, to at least the floor, so keys
+j < floor are skipped or masked key by key; without one (HAS_FLOOR=False) nothing of
+it is compiled in.
+
 Reference: ``reference.paged_attention_ref`` (the model's CPU path).
 """
 
@@ -20,7 +26,14 @@ import triton
 import triton.language as tl
 
 from shared.model.kernels.checks import INDEX_DTYPES, check_tensor, next_power_of_2
-from shared.model.kernels.paged_common import LOG2E, attend_tiles, check_paged_inputs, dot_precision, output_like
+from shared.model.kernels.paged_common import (
+    LOG2E,
+    attend_tiles,
+    check_key_floor,
+    check_paged_inputs,
+    dot_precision,
+    output_like,
+)
 from shared.model.kernels.reference import paged_attention_ref
 
 __all__ = ["paged_attention_ref", "paged_prefill_attention"]
@@ -51,6 +64,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     tables_ptr,
+    key_floor_ptr,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -70,6 +84,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_FLOOR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # Causal tiles late in a sequence see the most keys: run those first, so the
@@ -96,11 +111,14 @@ def _prefill_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=mask, other=0.0)
     q_pos = context_len + i
 
-    # Keys the tile's queries may see: up to its last query, from its first query's window.
+    # Keys the tile's queries may see: up to its last query, from its first query's window
+    # and from the sequence's key floor (the same for all its queries, so exact as a range).
     kv_hi = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(context_len + q_tile * BLOCK_Q - window + 1, 0)
+    if HAS_FLOOR:
+        kv_lo = tl.minimum(tl.maximum(kv_lo, tl.load(key_floor_ptr + seq).to(tl.int32)), kv_hi)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -109,9 +127,18 @@ def _prefill_kernel(
     tile_lo = kv_lo // BLOCK_N
     if not HAS_WINDOW:
         # Tiles wholly at or before the tile's first query are seen whole by every query.
+        full_lo = 0
         full_hi = (context_len + q_tile * BLOCK_Q + 1) // BLOCK_N
+        if HAS_FLOOR:
+            # The tile holding the floor, keys below it masked; then the whole tiles above it.
+            full_lo = tl.cdiv(kv_lo, BLOCK_N)
+            full_hi = tl.maximum(full_hi, full_lo)
+            acc, m_i, l_i = attend_tiles(
+                acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, head_offset, stride_kb, stride_ks, tile_lo, full_lo,
+                kv_lo, kv_hi, window, scale_log2e, d, d_ok, BLOCK_N, BLOCK_SIZE, True, False, DOT_PRECISION, True,
+            )  # fmt: skip
         acc, m_i, l_i = attend_tiles(
-            acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, head_offset, stride_kb, stride_ks, 0, full_hi,
+            acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, head_offset, stride_kb, stride_ks, full_lo, full_hi,
             kv_lo, kv_hi, window, scale_log2e, d, d_ok, BLOCK_N, BLOCK_SIZE, True, False, DOT_PRECISION, False,
         )  # fmt: skip
         tile_lo = full_hi
@@ -149,6 +176,7 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     sliding_window: int | None = None,
+    key_floor: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -160,6 +188,9 @@ def paged_prefill_attention(
     [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, max_blocks] (int32/int64,
     device); max_query_len a host-side bound on the query lengths (only picks the tile
     shape). -> [num_tokens, heads, D] in query's dtype (into ``out`` if given).
+    key_floor [num_seqs] (int32/int64, device) or None: sequence s attends only keys
+    j >= key_floor[s] (a query with none left gets zeros); applied whenever given, so a
+    caller passes it for sliding-window layers only (``attention.triton_attend``).
     block_m/block_n/num_warps/num_stages override the tile choice (for tuning sweeps)."""
     num_seqs, num_heads, num_kv_heads, head_dim = check_paged_inputs(
         query, kv_cache, seq_lens, block_tables, sliding_window
@@ -167,6 +198,7 @@ def paged_prefill_attention(
     check_tensor(
         "query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=query.device, shape=(num_seqs + 1,)
     )
+    check_key_floor(key_floor, num_seqs, query.device)
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be at least 1, got {max_query_len}")
     group = num_heads // num_kv_heads
@@ -187,12 +219,14 @@ def paged_prefill_attention(
     block_q = block_m // group
     k, v = kv_cache[0], kv_cache[1]
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    floor_arg = seq_lens if key_floor is None else key_floor  # unread without a floor
     _prefill_kernel[grid](
-        query, k, v, out, query_start_loc, seq_lens, block_tables, num_seqs,
+        query, k, v, out, query_start_loc, seq_lens, block_tables, floor_arg, num_seqs,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, sliding_window or 0,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2], HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+        HAS_FLOOR=key_floor is not None, DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -38,9 +38,13 @@ def paged_attention_ref(
     block_tables: torch.Tensor,
     sliding_window: int | None,
     scale: float,
+    key_floor: list[int] | None = None,
 ) -> torch.Tensor:
     """Varlen attention of query [T, heads, D] over the paged cache (decode is the case
-    of one query per sequence): ``plan_attention`` + ``attend``, the CPU path."""
+    of one query per sequence): ``plan_attention`` + ``attend``, the CPU path.
+
+    key_floor (per sequence, or None) drops keys j < key_floor[s] from the mask, window
+    or not, as the kernels do when given one; a query left with no key gets zeros."""
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.int64, device=query.device),
         block_tables=block_tables,
@@ -49,4 +53,15 @@ def paged_attention_ref(
         block_size=kv_cache.shape[2],
     )
     plan = plan_attention(meta, [sliding_window], query.device)
-    return attend(query, kv_cache, plan, sliding_window, scale)
+    if key_floor is None:
+        return attend(query, kv_cache, plan, sliding_window, scale)
+    j = torch.arange(plan.max_kv, device=query.device)
+    floor = torch.tensor(key_floor, device=query.device)
+    mask = plan.masks[sliding_window] & (j[None, :] >= floor[:, None])[:, None, None, :]  # [S, 1, max_q, max_kv]
+    # Rows left without a key (padding rows, queries below their floor) see key 0, so the
+    # softmax has no empty row (NaN); their output is replaced by zeros below.
+    empty = ~mask.any(-1, keepdim=True)
+    plan.masks[sliding_window] = mask | (empty & (j == 0))
+    out = attend(query, kv_cache, plan, sliding_window, scale)
+    no_key = empty.reshape(-1)[plan.token_rows]  # [T]
+    return torch.where(no_key[:, None, None], torch.zeros_like(out), out)
