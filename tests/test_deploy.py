@@ -37,10 +37,9 @@ import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tools.launch.up import grpc_serving, http_ok
 from shared.runtime.settings import Settings, load_settings
-from tools.launch.up import find_nats_server
 from tests.mesh_procs import ROOT, free_port, start_service, stop_process
+from tools.launch.up import find_nats_server, grpc_serving, http_ok
 
 DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "infermesh"
@@ -68,10 +67,10 @@ def code_metric_series() -> set[str]:
     _count and _created."""
     pattern = re.compile(r"\.(counter|gauge|histogram)\(\s*\"([a-z0-9_]+)\"")
     worker_stages = {p.parent.name for p in (ROOT / "services").glob("*/*.py")
-                     if "from shared.runtime.worker import" in p.read_text() and "Worker" in p.read_text()}
+                     if "from shared.stage.worker import" in p.read_text() and "Worker" in p.read_text()}
     series: set[str] = set()
-    for path in [*(ROOT / "services").glob("*/*.py"), ROOT / "shared" / "runtime" / "worker.py"]:
-        stages = worker_stages if path.parent.name == "runtime" else {path.parent.name}
+    for path in [*(ROOT / "services").glob("*/*.py"), ROOT / "shared" / "stage" / "worker.py"]:
+        stages = worker_stages if path.parent.name == "stage" else {path.parent.name}
         for kind, name in pattern.findall(path.read_text()):
             for stage in stages:
                 base = f"infermesh_{stage}_{name}"

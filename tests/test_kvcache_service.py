@@ -15,13 +15,13 @@ import grpc
 import nats
 import pytest
 
-from shared.kv.block_hash import BlockHash
-from shared.kv.client import KVCacheClient, PutSummary
-from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
-from shared.runtime.rpc import check_health, open_channel
-from shared.runtime.subjects import KV_EVENTS
 from services.kvcache.__main__ import bind_port
+from shared.kv.block_hash import BlockHash
+from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
+from shared.runtime.kvcache_client import KVCacheClient, PutSummary
+from shared.runtime.rpc import check_health, open_channel
 from shared.runtime.settings import load_settings
+from shared.runtime.subjects import KV_EVENTS
 from tests.mesh_procs import free_port, nats_server, start_service, stop_process  # noqa: F401
 
 MIB = 1 << 20

@@ -14,10 +14,10 @@ import pytest
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.kv.client import KVCacheClient
+from shared.model.make_model import make_model
+from shared.runtime.kvcache_client import KVCacheClient
 from tools.launch.trace_view import load_spans
 from tools.launch.up import Mesh, free_port, grpc_serving
-from shared.model.make_model import make_model
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 

@@ -11,9 +11,9 @@ import pytest
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from shared.model.make_model import make_model
 from tools.launch.trace_view import load_spans
 from tools.launch.up import Mesh, free_port
-from shared.model.make_model import make_model
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamReader, StreamTimeout
-from shared.runtime.convert import logprobs_from_proto, params_to_proto
 from shared.runtime.settings import BalancerSettings
+from shared.stage.convert import logprobs_from_proto, params_to_proto
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import BlockHash
-from shared.kv.client import KVCacheClient
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import StreamPublisher
-from shared.runtime.convert import logprobs_to_proto, params_from_proto
+from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.service import ServiceContext
-from shared.runtime.worker import Worker, load_cached_blocks, serve_engine_stage, validate_prompt
+from shared.stage.convert import logprobs_to_proto, params_from_proto
+from shared.stage.worker import Worker, load_cached_blocks, serve_engine_stage, validate_prompt
 
 log = logging.getLogger(__name__)
 

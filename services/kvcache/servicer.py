@@ -8,94 +8,26 @@ and bringing the Prometheus figures up to date with the store's.
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
 
-from services.kvcache.store import HASH_BYTES, BlockStore, PutOutcome, StoreStats
-from shared.kv.block_hash import BlockHash
+from services.kvcache.store import BlockStore, PutOutcome, StoreStats
+from shared.kv.block_hash import HASH_BYTES, BlockHash
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
 from shared.runtime import subjects
+from shared.runtime.block_stream import AssembledBlock, BlockAssembler, check_chunk_bytes, iter_chunks
 from shared.runtime.bus import Bus
 from shared.runtime.metrics import Metrics
-from shared.runtime.rpc import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"].full_name
 
-# A data chunk plus its framing must fit gRPC's message limit.
-MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
 # Hashes per KvEvent: 4096 × ~34 bytes stays far below NATS's 1 MiB payload limit.
 MAX_EVENT_HASHES = 4096
-
-
-@dataclass(slots=True)
-class AssembledBlock:
-    block_hash: BlockHash
-    layout: str
-    data: bytes
-
-
-@dataclass(slots=True)
-class BlockAssembler:
-    """Turns a Put stream (header, data..., header, data...) back into whole
-    blocks. Anything else is a ValueError whose text tells the sender what is
-    wrong; the servicer turns it into INVALID_ARGUMENT."""
-
-    max_block_bytes: int
-    _header: kvcache_pb2.BlockHeader | None = None
-    _parts: list[bytes] = field(default_factory=list)
-    _num_received: int = 0
-
-    def feed(self, request: kvcache_pb2.PutRequest) -> AssembledBlock | None:
-        """The block this message completes, if any."""
-        kind = request.WhichOneof("item")
-        if kind == "header":
-            self._start(request.header)
-            return None
-        if kind == "data":
-            return self._add(request.data)
-        raise ValueError("a PutRequest carries a header or data; this one is empty")
-
-    def finish(self) -> None:
-        """At the end of the stream: a block cut short is an error."""
-        if self._header is not None:
-            raise ValueError(self._short_block("the stream ended"))
-
-    def _start(self, header: kvcache_pb2.BlockHeader) -> None:
-        if self._header is not None:
-            raise ValueError(self._short_block("a new header came"))
-        if len(header.block_hash) != HASH_BYTES:
-            raise ValueError(f"block_hash is {len(header.block_hash)} bytes; a block hash is {HASH_BYTES}")
-        if header.num_bytes == 0:
-            raise ValueError(f"block {header.block_hash.hex()[:16]}: num_bytes is 0; a block has data")
-        if header.num_bytes > self.max_block_bytes:
-            raise ValueError(f"block {header.block_hash.hex()[:16]}: num_bytes {header.num_bytes} exceeds "
-                             f"the kvcache capacity of {self.max_block_bytes} bytes")
-        self._header = header
-
-    def _add(self, data: bytes) -> AssembledBlock | None:
-        header = self._header
-        if header is None:
-            raise ValueError("data came before any block header")
-        self._num_received += len(data)
-        if self._num_received > header.num_bytes:
-            raise ValueError(f"block {header.block_hash.hex()[:16]}: {self._num_received} bytes of data, "
-                             f"more than its header's num_bytes {header.num_bytes}")
-        self._parts.append(data)
-        if self._num_received < header.num_bytes:
-            return None
-        block = AssembledBlock(BlockHash(header.block_hash), header.layout, b"".join(self._parts))
-        self._header, self._parts, self._num_received = None, [], 0
-        return block
-
-    def _short_block(self, what: str) -> str:
-        assert self._header is not None
-        return (f"{what} after {self._num_received} of {self._header.num_bytes} bytes of block "
-                f"{self._header.block_hash.hex()[:16]}: num_bytes must match the data sent")
 
 
 @dataclass(slots=True)
@@ -114,15 +46,6 @@ class PutTally:
             self.stored.append(block.block_hash)
         else:
             self.num_existing += 1
-
-
-def iter_chunks(data: bytes, chunk_bytes: int) -> Iterator[bytes]:
-    if len(data) <= chunk_bytes:
-        yield data  # the common small block: no copy
-        return
-    view = memoryview(data)
-    for start in range(0, len(data), chunk_bytes):
-        yield bytes(view[start : start + chunk_bytes])
 
 
 class KvEventPublisher:
@@ -181,8 +104,7 @@ class KVCacheMetrics:
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def __init__(self, store: BlockStore, events: KvEventPublisher, metrics: KVCacheMetrics,
                  chunk_bytes: int) -> None:
-        if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
-            raise ValueError(f"kvcache chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+        check_chunk_bytes(chunk_bytes, "kvcache chunk_bytes")
         self.store = store
         self.events = events
         self.metrics = metrics
@@ -190,7 +112,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     async def Put(self, request_iterator: AsyncIterator[kvcache_pb2.PutRequest],
                   context: grpc.aio.ServicerContext) -> kvcache_pb2.PutReply:
-        assembler = BlockAssembler(self.store.capacity_bytes)
+        assembler = BlockAssembler(capacity_bytes=self.store.capacity_bytes)
         tally = PutTally()
         writing: asyncio.Task[None] | None = None
 
@@ -201,7 +123,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         try:
             async for request in request_iterator:
                 try:
-                    block = assembler.feed(request)
+                    block = _feed_put(assembler, request)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 if block is None:
@@ -319,3 +241,14 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             if len(block_hash) != HASH_BYTES:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"block_hashes[{i}] is {len(block_hash)} bytes; a block hash is {HASH_BYTES}")
+
+
+def _feed_put(assembler: BlockAssembler, request: kvcache_pb2.PutRequest) -> AssembledBlock | None:
+    """One PutRequest into the assembler; the block it completes, if any."""
+    kind = request.WhichOneof("item")
+    if kind == "header":
+        assembler.header(request.header)
+        return None
+    if kind == "data":
+        return assembler.data(request.data)
+    raise ValueError("a PutRequest carries a header or data; this one is empty")

@@ -38,11 +38,10 @@ from pathlib import Path
 import lmdb
 
 from services.kvcache.block_format import FORMAT_VERSION, StoredBlock, decode_block, encode_block
-from shared.kv.block_hash import BlockHash
+from shared.kv.block_hash import HASH_BYTES, BlockHash
 
 log = logging.getLogger(__name__)
 
-HASH_BYTES = 32
 BLOCKS_DB = b"blocks"
 INDEX_DB = b"index"
 LRU_DB = b"lru"

@@ -16,12 +16,12 @@ import nats.errors
 
 from shared.engine.llm_engine import LLMEngine, RequestOutput
 from shared.engine.sampling_params import SamplingParams
-from shared.kv.client import KVCacheClient
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
-from shared.runtime.convert import logprobs_to_proto, params_from_proto
+from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.service import ServiceContext
-from shared.runtime.worker import Worker, fail_stream, load_cached_blocks, serve_engine_stage, validate_prompt
+from shared.stage.convert import logprobs_to_proto, params_from_proto
+from shared.stage.worker import Worker, fail_stream, load_cached_blocks, serve_engine_stage, validate_prompt
 
 
 log = logging.getLogger(__name__)

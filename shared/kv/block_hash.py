@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)
-"""32 bytes of SHA-256."""
+"""HASH_BYTES (32) bytes of SHA-256."""
+
+HASH_BYTES = hashlib.sha256().digest_size
 
 # The parent of the first block. Changing the version string invalidates every
 # stored block, which is the point when the hash layout changes.

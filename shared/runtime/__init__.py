@@ -1,2 +1,4 @@
 """The plumbing every service shares: settings, NATS bus, gRPC helpers,
-telemetry, metrics and the service skeleton. No service rewrites these."""
+telemetry, metrics, the service skeleton, and the kvcache client (with the
+block stream it shares with the kvcache service). No engine here: the
+engine-stage skeleton is shared/stage. No service rewrites these."""

@@ -36,7 +36,7 @@ from shared.engine.sampling_params import SamplingParams
 from tools.bench.local_server import LocalServer
 from tools.launch.up import Mesh, free_port
 from shared.runtime.settings import EngineSettings
-from shared.runtime.worker import engine_config
+from shared.stage.worker import engine_config
 
 TARGETS = ("engine", "http", "mesh")
 _LEGEND = {

@@ -5,20 +5,26 @@
         blocks = await kv.get_blocks(hashes[:n])     # [(hash, layout, data)], stops at the first missing
         await kv.put_blocks([(h, layout, data), ...])
 
-Blocks travel in chunks of chunk_bytes, so a block of any size fits gRPC's
-message limit. gRPC failures surface as grpc.aio.AioRpcError (UNAVAILABLE
-when the service is down, DEADLINE_EXCEEDED past timeout_s): a cache is an
-optimisation, so callers usually log them and recompute.
+Blocks travel in chunks of chunk_bytes (cut and assembled by block_stream.py,
+as in the service), so a block of any size fits gRPC's message limit. gRPC
+failures surface as grpc.aio.AioRpcError (UNAVAILABLE when the service is down,
+DEADLINE_EXCEEDED past timeout_s): a cache is an optimisation, so callers
+usually log them and recompute.
 """
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
-from shared.kv.block_hash import BlockHash
+from shared.kv.block_hash import HASH_BYTES, BlockHash
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
-from shared.runtime.rpc import MAX_MESSAGE_BYTES, open_channel
-
-DEFAULT_CHUNK_BYTES = 1 << 20
+from shared.runtime.block_stream import (
+    DEFAULT_CHUNK_BYTES,
+    AssembledBlock,
+    BlockAssembler,
+    check_chunk_bytes,
+    iter_chunks,
+)
+from shared.runtime.rpc import open_channel
 
 Block = tuple[BlockHash, str, bytes]
 """(hash, layout, data): layout names the tensor's dtype and shape, checked by the loader."""
@@ -52,8 +58,7 @@ class KVCacheClient:
     def __init__(self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float | None = 60.0) -> None:
         """timeout_s: deadline of each call (None waits forever, which a worker
         should not: a stuck cache must not stall a request)."""
-        if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - (64 << 10):
-            raise ValueError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - (64 << 10)}], got {chunk_bytes}")
+        check_chunk_bytes(chunk_bytes)
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
@@ -65,8 +70,9 @@ class KVCacheClient:
         if not blocks:
             return PutSummary(0, 0, 0)
         for block_hash, _, data in blocks:
-            if len(block_hash) != 32 or not data:
-                raise ValueError(f"a block needs a 32-byte hash and data; got {len(block_hash)} and {len(data)} bytes")
+            if len(block_hash) != HASH_BYTES or not data:
+                raise ValueError(f"a block needs a {HASH_BYTES}-byte hash and data; "
+                                 f"got {len(block_hash)} and {len(data)} bytes")
         reply = await self._stub.Put(self._put_requests(blocks), timeout=self.timeout_s)
         return PutSummary(reply.num_stored, reply.num_existing, reply.num_bytes)
 
@@ -76,30 +82,14 @@ class KVCacheClient:
         if not hashes:
             return
         call = self._stub.Get(kvcache_pb2.GetRequest(block_hashes=hashes), timeout=self.timeout_s)
-        header: kvcache_pb2.BlockHeader | None = None
-        parts: list[bytes] = []
-        num_received = 0
+        assembler = BlockAssembler()
         try:
             async for reply in call:
-                kind = reply.WhichOneof("item")
-                if kind == "header":
-                    if header is not None:
-                        raise KVCacheProtocolError(f"new header after {num_received} of {header.num_bytes} bytes")
-                    header, parts, num_received = reply.header, [], 0
-                elif kind == "data":
-                    if header is None:
-                        raise KVCacheProtocolError("data before a header")
-                    parts.append(reply.data)
-                    num_received += len(reply.data)
-                    if num_received > header.num_bytes:
-                        raise KVCacheProtocolError(f"{num_received} bytes for a block of {header.num_bytes}")
-                    if num_received == header.num_bytes:
-                        yield BlockHash(header.block_hash), header.layout, b"".join(parts)
-                        header = None
-                elif kind == "missing":
+                if reply.WhichOneof("item") == "missing":
                     return
-            if header is not None:
-                raise KVCacheProtocolError(f"stream ended after {num_received} of {header.num_bytes} bytes")
+                if (block := _feed(assembler, reply)) is not None:
+                    yield block.block_hash, block.layout, block.data
+            _feed(assembler, None)
         finally:
             call.cancel()  # no-op when the call already finished
 
@@ -133,9 +123,20 @@ class KVCacheClient:
         for block_hash, layout, data in blocks:
             header = kvcache_pb2.BlockHeader(block_hash=block_hash, num_bytes=len(data), layout=layout)
             yield kvcache_pb2.PutRequest(header=header)
-            if len(data) <= self.chunk_bytes:
-                yield kvcache_pb2.PutRequest(data=bytes(data))
-                continue
-            view = memoryview(data)
-            for start in range(0, len(data), self.chunk_bytes):
-                yield kvcache_pb2.PutRequest(data=bytes(view[start : start + self.chunk_bytes]))
+            for chunk in iter_chunks(data, self.chunk_bytes):
+                yield kvcache_pb2.PutRequest(data=chunk)
+
+
+def _feed(assembler: BlockAssembler, reply: kvcache_pb2.GetReply | None) -> AssembledBlock | None:
+    """One item of a Get stream into the assembler (None: the stream's end); the
+    block it completes, if any. A stream that does not add up is the service's bug."""
+    try:
+        if reply is None:
+            assembler.finish()
+        elif reply.WhichOneof("item") == "header":
+            assembler.header(reply.header)
+        elif reply.WhichOneof("item") == "data":
+            return assembler.data(reply.data)
+    except ValueError as exc:
+        raise KVCacheProtocolError(str(exc)) from None
+    return None

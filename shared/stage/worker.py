@@ -19,10 +19,10 @@ from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import BlockHash
-from shared.kv.client import KVCacheClient
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamPublisher
+from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.rpc import GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
 from shared.runtime.settings import EngineSettings
