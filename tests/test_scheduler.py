@@ -3,15 +3,16 @@ here: these tests check the scheduler, the model is checked elsewhere."""
 
 import pytest
 
-from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.kv.coordinator import KVCacheCoordinator
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.kv.spec import kv_cache_layout
 
 
 def make_scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
     cfg.setdefault("max_model_len", 64)
-    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size, "fp"))
+    return Scheduler(SchedulerConfig(**cfg), KVCacheCoordinator(kv_cache_layout([None]), num_blocks, block_size, "fp"))
 
 
 def req(rid: str, n: int, max_tokens: int = 4, base: int = 0, **kw) -> Request:
@@ -20,7 +21,7 @@ def req(rid: str, n: int, max_tokens: int = 4, base: int = 0, **kw) -> Request:
 
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {c.request_id: token for c in out.chunks if c.sample}
+    sampled = {c.request_id: [token] for c in out.chunks if c.sample}
     s.update_from_output(out, sampled)
     return out
 
@@ -71,7 +72,9 @@ def test_preemption_when_blocks_run_out_then_everything_finishes():
         for r in (a, b):
             if r.status.is_finished:
                 finished[r.request_id] = r.status
-        assert s.kv.pool.num_free_blocks >= 0
+        # Blocks held by the running requests and free blocks always add up to the pool.
+        held = sum(len(s.kv.block_ids(r.request_id)[0]) for r in s.running)
+        assert held + s.kv.pool.num_free_blocks == 6
     assert preempted and preempted[0] == "b"  # the youngest is preempted first
     assert finished == {"a": RequestStatus.FINISHED_LENGTH, "b": RequestStatus.FINISHED_LENGTH}
     assert b.num_preemptions >= 1
@@ -122,7 +125,10 @@ def test_abort_frees_blocks_and_reports_to_runner():
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
     assert s.kv.pool.num_free_blocks == 64
     assert s.schedule().finished_request_ids == {"a"}
-    s.finish_request("a", RequestStatus.FINISHED_ABORTED)  # twice is harmless
+    # An abort racing a normal finish: the second changes nothing and is not reported again.
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.pool.num_free_blocks == 64
+    assert s.schedule().finished_request_ids == set()
 
 
 def test_rejects_prompt_longer_than_model_len_and_undersized_cache():

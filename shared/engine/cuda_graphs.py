@@ -8,8 +8,8 @@ attention kernels return zeros for them) and write their K/V to a scratch
 slot no sequence owns.
 
 Everything the graph reads lives in static buffers filled before each replay:
-token ids, positions, KV slots, sequence lengths and block tables at a fixed
-width (max_model_len / block_size). Logits and sampling stay outside the
+token ids, positions, sequence lengths, and per KV cache group the KV slots and
+block tables at a fixed width (max_model_len / block_size). Logits and sampling stay outside the
 graph: they touch only the rows that sample.
 """
 
@@ -44,17 +44,19 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.width = -(-max_model_len // block_size)
         self.scratch_slot = scratch_slot
+        self.num_groups = G = len(model.kv_layout.groups)
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), scratch_slot, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((G, n), scratch_slot, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, self.width, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(G, n, self.width, dtype=torch.int64, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Host staging (pinned, double-buffered) and its device twin: ids,
-        # positions, slots, lengths, placeholder sources, then the block table.
-        size = 5 * n + n * self.width
+        # positions, lengths, placeholder sources, slots per group, then the block tables.
+        self._rows = 4 + G
+        size = self._rows * n + G * n * self.width
         self._stages = [torch.zeros(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._next_stage = 0
         self._device_stage = torch.zeros(size, dtype=torch.int64, device=device)
@@ -66,21 +68,24 @@ class DecodeGraphs:
     def _bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _metas(self, b: int) -> list[AttentionMetadata]:
         # The lists only steer static choices made at capture (kernel, split
         # count): capture for the longest sequences; replays read the tensors.
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b],
-            block_tables=self.block_tables[:b],
-            query_start_loc=list(range(b + 1)),
-            seq_lens=[self.max_model_len] * b,
-            block_size=self.block_size,
-            query_start_loc_tensor=self.query_start_loc[: b + 1],
-            seq_lens_tensor=self.seq_lens[:b],
-        )
+        return [
+            AttentionMetadata(
+                slot_mapping=self.slot_mapping[g, :b],
+                block_tables=self.block_tables[g, :b],
+                query_start_loc=list(range(b + 1)),
+                seq_lens=[self.max_model_len] * b,
+                block_size=self.block_size,
+                query_start_loc_tensor=self.query_start_loc[: b + 1],
+                seq_lens_tensor=self.seq_lens[:b],
+            )
+            for g in range(self.num_groups)
+        ]
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+        return self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._metas(b))
 
     def _capture(self, b: int) -> None:
         self.seq_lens.zero_()
@@ -103,9 +108,9 @@ class DecodeGraphs:
         self,
         input_ids: list[int],
         positions: list[int],
-        slots: list[int],
+        slots: list[list[int]],
         seq_lens: list[int],
-        tables: list[list[int]],
+        tables: list[list[list[int]]],
         placeholder_sources: list[int] | None = None,
         last_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -113,7 +118,8 @@ class DecodeGraphs:
 
         placeholder_sources[i] >= 0 means row i's input token is
         last_tokens[placeholder_sources[i]] (sampled by the step before, still
-        on the device); -1 means input_ids[i] is the token."""
+        on the device); -1 means input_ids[i] is the token. slots and tables: one
+        list per KV cache group."""
         num = len(input_ids)
         b = self._bucket(num)
         if b not in self._graphs:
@@ -126,33 +132,34 @@ class DecodeGraphs:
         # whose completion the engine has already waited for.
         stage = self._stages[self._next_stage]
         self._next_stage ^= 1
-        n, w = self.buckets[-1], self.width
+        n, w, r, G = self.buckets[-1], self.width, self._rows, self.num_groups
         sources = placeholder_sources or [-1] * num
-        stage[: 5 * n].view(5, n)[:, :b] = torch.tensor(
+        stage[: r * n].view(r, n)[:, :b] = torch.tensor(
             [
                 input_ids + [0] * pad,
                 positions + [0] * pad,
-                slots + [self.scratch_slot] * pad,
                 seq_lens + [0] * pad,
                 sources + [-1] * pad,
+                *(group_slots + [self.scratch_slot] * pad for group_slots in slots),
             ],
             dtype=torch.int64,
         )
-        table = stage[5 * n :].view(n, w)[:b]
+        table = stage[r * n :].view(G, n, w)[:, :b]
         table.zero_()
-        for i, row in enumerate(tables):
-            table[i, : len(row)] = torch.tensor(row)
+        for g, group_tables in enumerate(tables):
+            for i, row in enumerate(group_tables):
+                table[g, i, : len(row)] = torch.tensor(row)
         device_stage = self._device_stage
-        device_stage[: 5 * n].view(5, n)[:, :b].copy_(stage[: 5 * n].view(5, n)[:, :b], non_blocking=True)
-        self.block_tables[:b].copy_(table, non_blocking=True)
-        rows = device_stage[: 5 * n].view(5, n)
+        device_stage[: r * n].view(r, n)[:, :b].copy_(stage[: r * n].view(r, n)[:, :b], non_blocking=True)
+        self.block_tables[:, :b].copy_(table, non_blocking=True)
+        rows = device_stage[: r * n].view(r, n)
         ids = rows[0, :b]
         if last_tokens is not None:
-            ids = fill_placeholders(ids, rows[4, :b], last_tokens)
+            ids = fill_placeholders(ids, rows[3, :b], last_tokens)
         self.input_ids[:b].copy_(ids)
         self.positions[:b].copy_(rows[1, :b])
-        self.slot_mapping[:b].copy_(rows[2, :b])
-        self.seq_lens[:b].copy_(rows[3, :b])
+        self.seq_lens[:b].copy_(rows[2, :b])
+        self.slot_mapping[:, :b].copy_(rows[4:, :b])
         graph, out = self._graphs[b]
         graph.replay()
         return out[:num]

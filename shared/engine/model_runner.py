@@ -13,7 +13,7 @@ import torch
 from shared.engine.cuda_graphs import DecodeGraphs
 
 from shared.engine.sampler import Sampler, SamplingState, TokenLogprobs
-from shared.engine.scheduler import PLACEHOLDER, SchedulerOutput
+from shared.engine.step import PLACEHOLDER, SchedulerOutput
 from shared.engine.step_inputs import fill_placeholders, to_device
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.transformer import CausalLM
@@ -33,7 +33,8 @@ class StepHandle:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled: dict[str, int]
+    sampled: dict[str, list[int]]
+    """Per request, the tokens this step produced (one today; speculative decoding more)."""
     logprobs: dict[str, TokenLogprobs]
 
 
@@ -60,14 +61,17 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        # Graphs need the device-tensor (Triton) path and one spare block whose
-        # slot padding rows write to; the block pool never hands it out.
-        use_graphs = cuda_graphs and device.type == "cuda" and getattr(model, "use_triton", False)
-        self.kv_caches = model.allocate_kv_cache(num_blocks + int(use_graphs), block_size, kv_dtype, device)
+        self.kv_layout = model.kv_layout
+        # One block more than the pool hands out: the pool's null block (id num_blocks),
+        # where dropped sliding-window blocks point and writes that must not land go.
+        self.null_block = num_blocks
+        self.kv_caches = model.allocate_kv_cache(num_blocks + 1, block_size, kv_dtype, device)
+        # Positions an SWA replay recomputes already hold these groups' KV (all but sliding ones).
+        self._skips_replay = [g.spec.window is None for g in self.kv_layout.groups]
         self.graphs: DecodeGraphs | None = None
-        if use_graphs:
+        if cuda_graphs and device.type == "cuda" and getattr(model, "use_triton", False):
             self.graphs = DecodeGraphs(
-                model, self.kv_caches, block_size, max_model_len, max_batch, num_blocks * block_size, device
+                model, self.kv_caches, block_size, max_model_len, max_batch, self.null_block * block_size, device
             )
         self.sampler = Sampler(seed=seed)
         self.states: dict[str, SamplingState] = {}
@@ -88,6 +92,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its tokens (with logprobs where asked)."""
         self._update_states(sched)
+        self._load_states(sched)
         if sched.is_empty:
             return RunnerOutput({}, {})
         hidden, sample_rows, sample_ids = self._forward(sched)
@@ -96,11 +101,11 @@ class ModelRunner:
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
         states = [self.states[rid] for rid in sample_ids]
         result = self.sampler(logits, states)
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         for rid, state, token, lp in zip(sample_ids, states, result.token_ids, result.logprobs):
             state.output_token_ids.append(token)
-            sampled[rid] = token
+            sampled[rid] = [token]
             if lp is not None:
                 logprobs[rid] = lp
         return RunnerOutput(sampled, logprobs)
@@ -112,6 +117,7 @@ class ModelRunner:
         to the host in the background. For requests without penalties or
         logprobs, which need the host-side history every step."""
         self._update_states(sched)
+        self._load_states(sched)
         if sched.is_empty:
             return StepHandle([], None, None)
         hidden, sample_rows, sample_ids = self._forward(sched)
@@ -134,11 +140,11 @@ class ModelRunner:
             return RunnerOutput({}, {})
         if handle.done is not None:
             handle.done.synchronize()
-        sampled = dict(zip(handle.request_ids, handle.tokens.tolist()))
-        for rid, token in sampled.items():
+        sampled = {rid: [token] for rid, token in zip(handle.request_ids, handle.tokens.tolist())}
+        for rid, tokens in sampled.items():
             state = self.states.get(rid)
             if state is not None:
-                state.output_token_ids.append(token)
+                state.output_token_ids += tokens
         return RunnerOutput(sampled, {})
 
     def _remember(self, request_ids: list[str], tokens: torch.Tensor) -> None:
@@ -161,37 +167,70 @@ class ModelRunner:
             return None
         return state.generator.get_state().numpy().tobytes()
 
-    # -- KV blocks as bytes (the kvcache service's payload) -------------------
+    # -- KV blocks in and out (the connector's and the state cache's payloads) --
+
+    def _group_tensors(self, group: int) -> list[torch.Tensor]:
+        return [self.kv_caches[layer] for layer in self.kv_layout.groups[group].layers]
+
+    def gather_blocks(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
+        """The blocks of several groups (the same number from each), as one host tensor
+        [blocks, layers of those groups, 2, block_size, kv_heads, head_dim], in one copy."""
+        parts = []
+        for group, ids in block_ids.items():
+            index = torch.tensor(ids, device=self.device)
+            parts += [kv.index_select(1, index) for kv in self._group_tensors(group)]  # [2, n, bs, H, D] each
+        if not parts or parts[0].shape[1] == 0:
+            return torch.empty(0)
+        return torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+
+    def scatter_blocks(self, block_ids: dict[int, list[int]], data: torch.Tensor) -> None:
+        """The inverse of gather_blocks: data [blocks, layers, 2, ...] into those groups' blocks."""
+        data = data.to(self.device, non_blocking=True)
+        layer = 0
+        for group, ids in block_ids.items():
+            index = torch.tensor(ids, device=self.device)
+            for kv in self._group_tensors(group):
+                kv.index_copy_(1, index, data[:, layer].transpose(0, 1).to(kv.dtype))
+                layer += 1
+
+    @property
+    def persistent_groups(self) -> tuple[int, ...]:
+        return self.kv_layout.persistent_groups
 
     @property
     def block_layout(self) -> str:
-        """dtype and shape of one block's bytes: [layers, k/v, block_size, kv_heads, head_dim]."""
+        """dtype and shape of one block's persisted bytes: [layers of the persistent
+        groups, k/v, block_size, kv_heads, head_dim]."""
         _, _, bs, heads, dim = self.kv_caches[0].shape
+        layers = sum(len(self.kv_layout.groups[g].layers) for g in self.persistent_groups)
         dtype = str(self.kv_caches[0].dtype).removeprefix("torch.")
-        return f"{dtype}:{len(self.kv_caches)}x2x{bs}x{heads}x{dim}"
+        return f"{dtype}:{layers}x2x{bs}x{heads}x{dim}"
 
-    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
-        if not block_ids:
-            return []
-        index = torch.tensor(block_ids, device=self.device)
-        # [blocks, layers, 2, block_size, heads, dim], one copy to the host.
-        data = torch.stack([kv.index_select(1, index) for kv in self.kv_caches])  # [L, 2, n, bs, H, D]
-        data = data.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+    def read_blocks(self, block_ids: dict[int, list[int]]) -> list[bytes]:
+        """Bytes of blocks of the persistent groups, one payload per block index."""
+        data = self.gather_blocks(block_ids)
         return [blk.view(torch.uint8).numpy().tobytes() for blk in data]
 
-    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
-        shape = (len(self.kv_caches), 2, *self.kv_caches[0].shape[2:])
-        dtype = self.kv_caches[0].dtype
-        for block_id, payload in zip(block_ids, payloads):
-            blk = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(shape).to(self.device)
-            for layer, kv in enumerate(self.kv_caches):
-                kv[:, block_id].copy_(blk[layer])
+    def write_blocks(self, block_ids: dict[int, list[int]], payloads: list[bytes]) -> None:
+        if not payloads:
+            return
+        _, _, bs, heads, dim = self.kv_caches[0].shape
+        layers = sum(len(self.kv_layout.groups[g].layers) for g in block_ids)
+        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        self.scatter_blocks(block_ids, raw.view(self.kv_caches[0].dtype).view(len(payloads), layers, 2, bs, heads, dim))
+
+    def _load_states(self, sched: SchedulerOutput) -> None:
+        """Copy saved sliding-window states into their blocks before the step reads them."""
+        for load in sched.state_loads:
+            self.scatter_blocks(load.block_ids, load.state.payload)  # type: ignore[arg-type]
 
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
         """Hidden states of the step, from a CUDA graph when it is a decode
         step that fits one, else eagerly."""
-        if self.graphs is not None and all(len(c.token_ids) == 1 for c in sched.chunks):
-            max_blocks = max(len(c.block_ids) for c in sched.chunks)
+        if self.graphs is not None and all(
+            len(c.token_ids) == 1 and not c.replay_until and not c.sliding_floor for c in sched.chunks
+        ):
+            max_blocks = max(len(ids) for c in sched.chunks for ids in c.block_ids)
             if self.graphs.can_run(len(sched.chunks), max_blocks):
                 try:
                     return self._forward_graph(sched)
@@ -215,37 +254,51 @@ class ModelRunner:
         hidden = self.graphs.run(
             input_ids=[max(c.token_ids[0], 0) for c in chunks],
             positions=positions,
-            slots=[c.block_ids[p // bs] * bs + p % bs for c, p in zip(chunks, positions)],
+            slots=[[c.block_ids[g][p // bs] * bs + p % bs for c, p in zip(chunks, positions)] for g in self._groups],
             seq_lens=[p + 1 for p in positions],
-            tables=[c.block_ids for c in chunks],
+            tables=[[c.block_ids[g] for c in chunks] for g in self._groups],
             placeholder_sources=sources,
             last_tokens=self._last_tokens,
         )
         rows = [i for i, c in enumerate(chunks) if c.sample]
         return hidden, rows, [chunks[i].request_id for i in rows]
 
+    @property
+    def _groups(self) -> range:
+        return range(len(self.kv_layout.groups))
+
     def _prepare(
         self, sched: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[str]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int], list[str]]:
         bs = self.block_size
+        null_slot = self.null_block * bs
+        groups = self._groups
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in groups]
         query_start_loc = [0]
         seq_lens: list[int] = []
+        floors: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
-        max_blocks = max(len(c.block_ids) for c in sched.chunks)
-        tables: list[list[int]] = []
+        widths = [max(len(c.block_ids[g]) for c in sched.chunks) for g in groups]
+        tables: list[list[list[int]]] = [[] for _ in groups]
         for chunk in sched.chunks:
             n = len(chunk.token_ids)
             input_ids += chunk.token_ids
             pos = range(chunk.start_pos, chunk.start_pos + n)
             positions += pos
-            slots += [chunk.block_ids[p // bs] * bs + p % bs for p in pos]
+            for g in groups:
+                ids = chunk.block_ids[g]
+                if self._skips_replay[g] and chunk.replay_until > chunk.start_pos:
+                    # Cached persistent KV is never overwritten: replayed positions write to the null block.
+                    slots[g] += [null_slot if p < chunk.replay_until else ids[p // bs] * bs + p % bs for p in pos]
+                else:
+                    slots[g] += [ids[p // bs] * bs + p % bs for p in pos]
+                tables[g].append(ids + [self.null_block] * (widths[g] - len(ids)))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(chunk.start_pos + n)
-            tables.append(chunk.block_ids + [0] * (max_blocks - len(chunk.block_ids)))
+            floors.append(chunk.sliding_floor)
             if chunk.sample:
                 sample_rows.append(query_start_loc[-1] - 1)
                 sample_ids.append(chunk.request_id)
@@ -253,15 +306,21 @@ class ModelRunner:
         # One pinned copy for the token-level lists, one for the sequence-level ones
         # (see step_inputs: a plain torch.tensor(..., device=cuda) would stall the host).
         num_tokens, num_seqs = len(input_ids), len(seq_lens)
-        per_token = to_device(input_ids + positions + slots, torch.int64, dev)
-        per_seq = to_device(query_start_loc + seq_lens, torch.int32, dev)
-        meta = AttentionMetadata(
-            slot_mapping=per_token[2 * num_tokens :],
-            block_tables=to_device(tables, torch.int64, dev),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_size=bs,
-            query_start_loc_tensor=per_seq[: num_seqs + 1],
-            seq_lens_tensor=per_seq[num_seqs + 1 :],
-        )
-        return per_token[:num_tokens], per_token[num_tokens : 2 * num_tokens], meta, sample_rows, sample_ids
+        per_token = to_device(input_ids + positions + [s for group in slots for s in group], torch.int64, dev)
+        per_seq = to_device(query_start_loc + seq_lens + floors, torch.int32, dev)
+        has_floor = any(floors)
+        metas = [
+            AttentionMetadata(
+                slot_mapping=per_token[(2 + g) * num_tokens : (3 + g) * num_tokens],
+                block_tables=to_device(tables[g], torch.int64, dev),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_size=bs,
+                query_start_loc_tensor=per_seq[: num_seqs + 1],
+                seq_lens_tensor=per_seq[num_seqs + 1 : 2 * num_seqs + 1],
+                key_floor=floors if has_floor else None,
+                key_floor_tensor=per_seq[2 * num_seqs + 1 :] if has_floor else None,
+            )
+            for g in groups
+        ]
+        return per_token[:num_tokens], per_token[num_tokens : 2 * num_tokens], metas, sample_rows, sample_ids

@@ -45,6 +45,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose KV is in the cache (or being computed by the step in flight)."""
+    replay_until: int = 0
+    """A request resumed by SWA replay: below this position its persistent groups' KV
+    is cached, and the steps that recompute those tokens write sliding-window KV only."""
+    sliding_floor: int = 0
+    """The first position whose sliding-window KV exists (the replay's start), so
+    sliding-window queries never see a key before it."""
     num_cached_tokens: int | None = None
     """Prompt tokens served from the prefix cache at first admission (usage.cached_tokens)."""
     block_hashes: list[BlockHash] = field(default_factory=list)

@@ -11,15 +11,11 @@ prefix will often still be cached).
 """
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.kv.coordinator import KVCacheCoordinator, StateSave
 from shared.engine.request import Request, RequestStatus
-from shared.engine.sampling_params import SamplingParams
-
-PLACEHOLDER = -1
-"""An input token not known on the host yet: the runner takes it from the
-tokens the previous step sampled on the device."""
+from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput, StateLoad
 
 
 @dataclass(slots=True)
@@ -39,55 +35,13 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
-@dataclass(slots=True)
-class NewRequestData:
-    """Sent to the runner once per request, the first time it is scheduled."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: frozenset[int]
-    output_token_ids: list[int]
-    """Tokens generated before this engine saw the request (a prefill handoff)."""
-    generator_state: bytes | None
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    request_id: str
-    token_ids: list[int]
-    """The input tokens of this step, at positions start_pos, start_pos + 1, ..."""
-    start_pos: int
-    block_ids: list[int]
-    """The request's whole block table."""
-    sample: bool
-    """Whether this chunk reaches the request's last known token, so a new token is sampled."""
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    finished_request_ids: set[str] = field(default_factory=set)
-    """Requests finished since the last step: the runner drops their state."""
-    preempted_request_ids: set[str] = field(default_factory=set)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
-        if kv.pool.num_blocks * kv.block_size < config.max_model_len:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheCoordinator) -> None:
+        if kv.pool.num_blocks < kv.num_blocks_needed(config.max_model_len):
             raise ValueError(
-                f"the KV cache holds {kv.pool.num_blocks * kv.block_size} tokens, fewer than "
-                f"max_model_len={config.max_model_len}: one request could never fit; "
-                "give the cache more blocks or lower max_model_len"
+                f"the KV cache has {kv.pool.num_blocks} blocks of {kv.block_size} tokens, fewer than "
+                f"max_model_len={config.max_model_len} needs in its {len(kv.managers)} KV group(s): one "
+                "request could never fit; give the cache more blocks or lower max_model_len"
             )
         self.config = config
         self.kv = kv
@@ -98,6 +52,9 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
         """Preemptions since start: a figure for metrics and tests."""
+        self.state_saves: list[StateSave] = []
+        """Sliding-window states of requests that ended, for the engine to copy before
+        the next schedule (which may hand their blocks out)."""
 
     # -- intake --------------------------------------------------------------
 
@@ -149,7 +106,7 @@ class Scheduler:
                 self.config.prefill_chunk_size,
                 budget,
             )
-            while self.kv.allocate_slots(request, num_new) is None:
+            while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_request_ids.add(victim.request_id)
@@ -168,16 +125,24 @@ class Scheduler:
             and not out.preempted_request_ids
         ):
             request = self.waiting[0]
-            cached_blocks, num_cached = self.kv.get_computed_blocks(request)
+            hit = self.kv.find_prefix_hit(request)
             num_new = min(
-                request.num_tokens + request.num_pending_tokens - num_cached, self.config.prefill_chunk_size, budget
+                request.num_tokens + request.num_pending_tokens - hit.num_computed,
+                self.config.prefill_chunk_size,
+                budget,
             )
-            if self.kv.allocate_slots(request, num_new, cached_blocks) is None:
+            if not self.kv.allocate_slots(request, num_new, hit):
                 break  # wait for blocks to come free; FCFS, so nobody overtakes
             self.waiting.popleft()
-            request.num_computed_tokens = num_cached
+            request.num_computed_tokens = hit.num_computed
+            request.replay_until = hit.num_tokens if hit.is_replay else 0
+            request.sliding_floor = hit.num_computed if hit.is_replay else 0
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached
+                request.num_cached_tokens = hit.num_tokens
+            if hit.state is not None:
+                out.state_loads.append(
+                    StateLoad(request.request_id, hit.state, self.kv.state_block_ids(request.request_id, hit.state))
+                )
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))
@@ -198,23 +163,28 @@ class Scheduler:
         limit = min(request.sampling_params.max_tokens, self.config.max_model_len - request.num_prompt_tokens)
         return request.num_output_tokens + request.num_pending_tokens >= limit
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append each sampled token, finish requests that stop; returns the
-        requests that received a token (finished ones included)."""
-        updated: list[Request] = []
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+        """Append each request's sampled tokens (one per step today; speculative
+        decoding will bring several) until one stops it; returns the requests that
+        received tokens, with those tokens (finished requests included)."""
+        updated: list[tuple[Request, list[int]]] = []
         for chunk in out.chunks:
-            token = sampled.get(chunk.request_id)
+            tokens = sampled.get(chunk.request_id)
             request = self.requests.get(chunk.request_id)
             if request is not None and chunk.sample:
                 request.num_pending_tokens -= 1
-            if token is None or request is None or request.status.is_finished:
+            if not tokens or request is None or request.status.is_finished:
                 continue  # not a sampling chunk, or finished / aborted while the step ran
-            request.append_output_token(token)
-            updated.append(request)
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
+            accepted: list[int] = []
+            for token in tokens:
+                request.append_output_token(token)
+                accepted.append(token)
+                status = request.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            updated.append((request, accepted))
         return updated
 
     # -- internals -----------------------------------------------------------
@@ -241,19 +211,24 @@ class Scheduler:
             start_pos=start,
             block_ids=self.kv.block_ids(request.request_id),
             sample=start + num_new == request.num_tokens + request.num_pending_tokens,
+            replay_until=request.replay_until,
+            sliding_floor=request.sliding_floor,
         )
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
+        self.kv.free(request, save_state=False)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.replay_until = request.sliding_floor = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
+        save = self.kv.free(request)
+        if save is not None:
+            self.state_saves.append(save)
         del self.requests[request.request_id]
         if request.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(request.request_id)

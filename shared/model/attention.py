@@ -59,9 +59,16 @@ def plan_attention(meta: AttentionMetadata, windows: Iterable[int | None], devic
     causal = distance >= 0  # also keeps j < seq_len, since p < seq_len for real queries
     # Padded query rows see key 0 only, so softmax has no empty row (NaN); their output is dropped.
     padding_row = (~valid)[:, :, None] & (j == 0)[None, None, :]
+    # Sliding windows only: no key before the sequence's floor (an SWA replay's start).
+    above_floor = None
+    if meta.key_floor is not None and any(meta.key_floor):
+        floor = torch.tensor(meta.key_floor, device=device)
+        above_floor = (j[None, :] >= floor[:, None])[:, None, :]  # [S, 1, max_kv]
     masks: dict[int | None, torch.Tensor] = {}
     for window in set(windows):
         allowed = causal if window is None else causal & (distance < window)
+        if window is not None and above_floor is not None:
+            allowed = allowed & above_floor
         masks[window] = (allowed | padding_row)[:, None]
     return AttentionPlan(query_index=query_index, token_rows=token_rows, kv_blocks=kv_blocks, max_kv=max_kv, masks=masks)
 

@@ -18,6 +18,7 @@ from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.kernels import triton_module, use_triton_kernels
 from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope, linear
+from shared.kv.spec import KVCacheLayout, kv_cache_layout
 
 if TYPE_CHECKING:  # the kernel modules are imported only when a model selects them
     from shared.model.kernels.attention import TritonAttentionPlan
@@ -145,7 +146,10 @@ class CausalLM(nn.Module):
         # Tied: no lm_head parameter at all, so the checkpoint's name list has no entry to fill.
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self._gemv = triton_module("gemv").gemv if self.use_triton else None
-        self._windows = frozenset(config.sliding_windows)
+        self.kv_layout: KVCacheLayout = kv_cache_layout(config.sliding_windows)
+        """The model's KV cache groups: which layers share a block table, and what each keeps."""
+        self._group_of_layer = [self.kv_layout.group_of_layer(i) for i in range(config.num_hidden_layers)]
+        self._group_windows = [frozenset([g.spec.window]) for g in self.kv_layout.groups]
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Each tensor name of a transformers checkpoint -> the tensor to copy it into:
@@ -167,10 +171,15 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        metas: list[AttentionMetadata],
     ) -> torch.Tensor:
+        """metas: the attention metadata of each KV cache group (``kv_layout.groups``):
+        the groups share the batch and differ in block tables and slots."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        if len(metas) != len(self.kv_layout.groups):
+            raise ValueError(f"got attention metadata for {len(metas)} KV groups, the model has {len(self.kv_layout.groups)}")
+        meta = metas[0]
         if input_ids.shape[0] != meta.query_start_loc[-1] or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must both have "
@@ -178,15 +187,16 @@ class CausalLM(nn.Module):
             )
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        plan: AttentionPlan | TritonAttentionPlan
+        plans: list[AttentionPlan] | list[TritonAttentionPlan]
         if self._triton_attention is not None:
             c = self.config
-            plan = self._triton_attention.plan_triton_attention(meta, c.num_key_value_heads, c.head_dim, x.device)
+            plan_group = self._triton_attention.plan_triton_attention
+            plans = [plan_group(m, c.num_key_value_heads, c.head_dim, x.device) for m in metas]
         else:
-            plan = plan_attention(meta, self._windows, x.device)
+            plans = [plan_attention(m, w, x.device) for m, w in zip(metas, self._group_windows)]
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, plan)
+        for layer, kv_cache, g in zip(self.model.layers, kv_caches, self._group_of_layer):
+            x, residual = layer(x, residual, cos, sin, kv_cache, metas[g], plans[g])
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm.fused_add(x, residual)[0]
@@ -201,17 +211,20 @@ class CausalLM(nn.Module):
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> list[torch.Tensor]:
-        """One zeroed ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
+        """The KV cache of every layer: ``kv_layout.group_size`` zeroed tensors
+        ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, layer k of each group
+        using tensor k (a block id names the same memory whichever group holds it).
 
         Zeroed, not empty: a masked key still enters the attention matmul with weight 0,
         and 0 * NaN from uninitialised memory would be NaN.
         """
         c = self.config
         shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
+        tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.kv_layout.group_size)]
+        return [tensors[self.kv_layout.tensor_of_layer(i)] for i in range(c.num_hidden_layers)]
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers (keys and values)."""
+        """Bytes one block id takes (keys and values of ``kv_layout.group_size`` layers)."""
         c = self.config
         element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * block_size * c.num_key_value_heads * c.head_dim * element_size * c.num_hidden_layers
+        return 2 * block_size * c.num_key_value_heads * c.head_dim * element_size * self.kv_layout.group_size

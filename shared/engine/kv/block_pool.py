@@ -1,5 +1,9 @@
 """The pool of fixed-size KV blocks of one worker: reference counts, an LRU
-queue of free blocks, and the prefix index (block hash -> block).
+queue of free blocks, and the prefix index ((block hash, KV group) -> block).
+
+Every KV cache group draws from this one pool; the same chain hash names a
+different block in each group (the groups hold different layers' KV), so the
+index is keyed by both.
 
 A freed block keeps its content and its place in the prefix index until it is
 handed out again, so a later request with the same prefix can take it back
@@ -19,22 +23,31 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    group: int = 0
+    """The KV group whose index entry this block is (meaningful with block_hash)."""
     token_ids: tuple[int, ...] | None = None
     """The tokens the block holds once full: compared on every hit, so a hash
     collision can never serve wrong KV."""
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False, event_group: int = 0) -> None:
+        """event_group: the KV group whose index changes are recorded as events (a
+        prefix is usable where that group's blocks are: the first persistent one)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = KVBlock(num_blocks, ref_cnt=1)
+        """A block no request owns and the free queue never holds (the cache tensors have
+        one row more for it): block tables point at it where a sliding window has dropped
+        a block, and writes that must not land anywhere go to it."""
         # OrderedDict gives O(1) append, pop-front and removal from the middle
         # (a hit on a free cached block), which a deque cannot.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._cached: dict[BlockHash, KVBlock] = {}
+        self._cached: dict[tuple[BlockHash, int], KVBlock] = {}
         self._record_events = record_events
+        self._event_group = event_group
         self.stored_events: list[BlockHash] = []
         self.removed_events: list[BlockHash] = []
         """Hashes that entered / left the prefix index since the last drain_events()
@@ -51,8 +64,8 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
-    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
-        block = self._cached.get(block_hash)
+    def lookup(self, block_hash: BlockHash, group: int, token_ids: tuple[int, ...]) -> KVBlock | None:
+        block = self._cached.get((block_hash, group))
         if block is None or block.token_ids != token_ids:
             return None
         return block
@@ -71,8 +84,10 @@ class BlockPool:
         return out
 
     def touch(self, blocks: list[KVBlock]) -> None:
-        """Take a reference on cached blocks found by lookup()."""
+        """Take a reference on cached blocks found by lookup() (the null block is skipped)."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
@@ -80,41 +95,39 @@ class BlockPool:
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop a reference; blocks that reach zero join the back of the free
         queue in the order given (callers pass a sequence's blocks tail first,
-        so its tail is evicted before its shared head)."""
+        so its tail is evicted before its shared head). The null block is skipped."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
-        """Enter a full block into the prefix index. If another block already
-        holds this content, the index keeps the first one (both stay valid)."""
-        if block.block_hash is not None:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, group: int, token_ids: tuple[int, ...]) -> None:
+        """Enter a full block of a group into the prefix index. If another block
+        already holds this content, the index keeps the first one (both stay valid)."""
+        if block.block_hash is not None or block is self.null_block:
             return
         block.block_hash = block_hash
+        block.group = group
         block.token_ids = token_ids
-        if self._cached.setdefault(block_hash, block) is block and self._record_events:
+        if self._cached.setdefault((block_hash, group), block) is block and self._records(group):
             self.stored_events.append(block_hash)
+
+    def _records(self, group: int) -> bool:
+        return self._record_events and group == self._event_group
 
     def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         stored, removed = self.stored_events, self.removed_events
         self.stored_events, self.removed_events = [], []
         return stored, removed
 
-    def evict_all_cached(self) -> int:
-        """Forget every cached free block (e.g. after weights change)."""
-        num = 0
-        for block in self._free.values():
-            if block.block_hash is not None:
-                self._evict(block)
-                num += 1
-        return num
-
     def _evict(self, block: KVBlock) -> None:
-        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
-            del self._cached[block.block_hash]
-            if self._record_events:
+        key = (block.block_hash, block.group)
+        if block.block_hash is not None and self._cached.get(key) is block:  # type: ignore[arg-type]
+            del self._cached[key]  # type: ignore[arg-type]
+            if self._records(block.group):
                 self.removed_events.append(block.block_hash)
         block.block_hash = None
         block.token_ids = None

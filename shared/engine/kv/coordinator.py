@@ -1,0 +1,260 @@
+"""The KV cache of one engine over its groups: one manager per group, one pool.
+
+The scheduler asks four things: the prefix hit of a new request
+(find_prefix_hit), room for the next tokens of a request (allocate_slots,
+False when the pool is short: the scheduler then preempts), the block tables
+per group (block_ids), and to release a request's blocks (free).
+
+A prefix hit is found per group at the block granularity all groups share.
+Full-attention groups give the longest run of cached leading blocks, H tokens.
+Sliding-window groups then need the window a query at H sees; when it is not at
+hand, the host state cache may hold it, and otherwise the engine *replays*:
+it computes again from s = H - R, writing sliding-window KV only (SWA bounded
+replay; see docs/architecture.md). A hit of H <= R is no hit. No tensors here.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared.engine.kv.block_pool import BlockPool, KVBlock
+from shared.engine.kv.single_type import FullAttentionManager, SlidingWindowManager, make_manager
+from shared.engine.kv.state_cache import SlidingState, SlidingStateCache
+from shared.engine.request import Request
+from shared.kv.block_hash import BlockHash, hash_block_chain
+from shared.kv.spec import KVCacheLayout
+
+SwaReplay = Literal["bounded", "exact"]
+SWA_REPLAY_CHOICES: tuple[str, ...] = ("bounded", "exact")
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    tables: list[list[KVBlock]]
+    """Per group, the blocks the request adopts: cached blocks and null entries."""
+    num_tokens: int = 0
+    """H: leading tokens served from the cache (block aligned)."""
+    num_computed: int = 0
+    """Where computing starts: H, or s < H when the sliding-window state is replayed."""
+    state: SlidingState | None = None
+    """A saved sliding-window state to load into the window blocks before the first step."""
+
+    @property
+    def is_replay(self) -> bool:
+        return self.num_computed < self.num_tokens
+
+
+@dataclass(slots=True)
+class StateSave:
+    """Sliding-window blocks of a request that just ended, to copy into the state cache
+    before the next schedule can hand them out."""
+
+    block_hash: BlockHash
+    num_blocks: int
+    first_block: int
+    block_ids: dict[int, list[int]] = field(default_factory=dict)
+    """Per sliding group: the ids of blocks first_block .. num_blocks - 1."""
+
+
+class KVCacheCoordinator:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        num_blocks: int,
+        block_size: int,
+        model_fingerprint: str,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+        swa_replay: SwaReplay = "bounded",
+        state_cache: SlidingStateCache | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if swa_replay not in SWA_REPLAY_CHOICES:
+            raise ValueError(f"swa_replay must be one of {SWA_REPLAY_CHOICES}, got {swa_replay!r}")
+        windows = {layout.groups[g].spec.window for g in layout.sliding_groups}
+        if len(windows) > 1:
+            raise ValueError(f"sliding layers with different windows ({sorted(windows)}) are not supported")  # type: ignore[type-var]
+        self.layout = layout
+        self.block_size = block_size
+        self.model_fingerprint = model_fingerprint
+        self.enable_prefix_caching = enable_prefix_caching
+        self.swa_replay = swa_replay
+        self.state_cache = state_cache if layout.sliding_groups else None
+        persistent = layout.persistent_groups
+        self.pool = BlockPool(num_blocks, record_events, event_group=persistent[0] if persistent else 0)
+        self.managers = [make_manager(g, group.spec, self.pool, block_size) for g, group in enumerate(layout.groups)]
+        self._full = [m for m in self.managers if isinstance(m, FullAttentionManager)]
+        self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
+        self.num_queries = 0
+        self.num_hit_tokens = 0
+        self.num_query_tokens = 0
+        self.num_replays = 0
+        self.num_replayed_tokens = 0
+
+    # -- queries -------------------------------------------------------------
+
+    @property
+    def replay_length(self) -> int:
+        """R: tokens replayed before a hit whose sliding-window state is gone. Bounded:
+        the window (approximate by design); exact: L_swa * (W - 1), after which every
+        sliding layer's state equals a cold run's."""
+        window = self.layout.max_window
+        if window is None:
+            return 0
+        if self.swa_replay == "exact":
+            return self.layout.num_sliding_layers * (window - 1)
+        return window
+
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table of every group (null entries are the null block's id)."""
+        return [m.block_ids(request_id) for m in self.managers]
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks one request of num_tokens holds at most, all groups together (a
+        sliding group holds its window plus the chunk being computed)."""
+        per_group = -(-num_tokens // self.block_size)
+        return per_group * len(self.managers)
+
+    def hash_chain(self, token_ids: list[int], cache_salt: str | None = None) -> list[BlockHash]:
+        """The chain hashes of the full blocks of token_ids, as this engine names them."""
+        return hash_block_chain(token_ids, self.block_size, self.model_fingerprint, cache_salt)
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend the request's chain hashes over its newly completed blocks."""
+        known = len(request.block_hashes)
+        if (request.num_tokens // self.block_size) > known:
+            parent = request.block_hashes[-1] if known else None
+            request.block_hashes += hash_block_chain(
+                request.all_token_ids,
+                self.block_size,
+                self.model_fingerprint,
+                request.cache_salt,
+                start=known,
+                parent=parent,
+            )
+
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """The longest usable prefix of the request in this engine's cache. At
+        least the last token is always left to compute: the step needs its logits."""
+        empty = PrefixHit([[] for _ in self.managers])
+        if not self.enable_prefix_caching:
+            return empty
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self.num_queries += 1
+        self.num_query_tokens += request.num_tokens
+        if self._full:
+            full: dict[int, list[KVBlock]] = {}
+            num_blocks = max_blocks
+            for m in self._full:
+                full[m.group] = m.find_hit(request, num_blocks)
+                num_blocks = min(num_blocks, len(full[m.group]))
+            hit = self.resolve_hit(request, num_blocks, full, allow_replay=True) or empty
+        else:
+            # Only sliding layers: nothing persists, so a hit is a boundary whose window is at hand.
+            hit = next(
+                (h for k in range(max_blocks, 0, -1) if (h := self.resolve_hit(request, k, {}, False)) is not None),
+                empty,
+            )
+        self.num_hit_tokens += hit.num_tokens
+        return hit
+
+    def resolve_hit(
+        self, request: Request, num_blocks: int, full: dict[int, list[KVBlock]], allow_replay: bool
+    ) -> PrefixHit | None:
+        """A hit of the first num_blocks blocks, given the full groups' cached blocks
+        (`full`, at least num_blocks each; missing groups get no blocks: the caller
+        fills them, e.g. from a connector): the sliding-window state from the index,
+        else from the state cache, else by replay when allowed; None if none works."""
+        tables = [list(full.get(m.group, []))[:num_blocks] for m in self.managers]
+        tokens = num_blocks * self.block_size
+        if num_blocks == 0:
+            return PrefixHit(tables)
+        windows = [m.find_hit_at(request, num_blocks) for m in self._sliding]
+        if all(w is not None for w in windows):
+            for m, window in zip(self._sliding, windows):
+                tables[m.group] = window  # type: ignore[assignment]
+            return PrefixHit(tables, tokens, tokens)
+        state = self._saved_state(request, num_blocks)
+        if state is not None:
+            for m in self._sliding:
+                tables[m.group] = [self.pool.null_block] * state.first_block
+            return PrefixHit(tables, tokens, tokens, state)
+        replay = self.replay_length
+        if allow_replay and tokens > replay:
+            start = tokens - replay
+            for m in self._sliding:
+                tables[m.group] = [self.pool.null_block] * (start // self.block_size)
+            return PrefixHit(tables, tokens, start)
+        return None
+
+    def _saved_state(self, request: Request, num_blocks: int) -> SlidingState | None:
+        if self.state_cache is None:
+            return None
+        state = self.state_cache.get(request.block_hashes[num_blocks - 1])
+        return state if state is not None and state.num_blocks == num_blocks else None
+
+    # -- changes -------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make room for num_new_tokens beyond the request's computed tokens (at
+        admission: beyond the hit's, adopting its blocks). False, changing nothing,
+        when the pool is short."""
+        rid = request.request_id
+        if hit is None:
+            for m in self.managers:
+                m.remove_skipped_blocks(rid, request.num_computed_tokens)
+        tables = hit.tables if hit is not None else [[] for _ in self.managers]
+        total = (hit.num_computed if hit is not None else request.num_computed_tokens) + num_new_tokens
+        needed = sum(m.num_new_blocks(rid, total, t) for m, t in zip(self.managers, tables))
+        # Cached blocks we adopt that sit in the free queue stop being free.
+        num_free_adopted = sum(1 for t in tables for b in t if b.ref_cnt == 0)
+        if needed > self.pool.num_free_blocks - num_free_adopted:
+            return False
+        if hit is not None:
+            indexed = hit.num_tokens // self.block_size
+            for m, t in zip(self.managers, tables):
+                m.adopt(rid, t, indexed)
+            if hit.is_replay:
+                self.num_replays += 1
+                self.num_replayed_tokens += hit.num_tokens - hit.num_computed
+        for m in self.managers:
+            m.allocate(rid, m.num_new_blocks(rid, total, []))
+        if self.enable_prefix_caching:
+            self.update_block_hashes(request)
+            for m in self.managers:
+                m.index_full_blocks(request, total)
+        return True
+
+    def state_block_ids(self, request_id: str, state: SlidingState) -> dict[int, list[int]]:
+        """Per sliding group, the blocks a loaded state goes into."""
+        return {m.group: m.block_ids(request_id)[state.first_block : state.num_blocks] for m in self._sliding}
+
+    def free(self, request: Request, save_state: bool = True) -> StateSave | None:
+        """Release the request's blocks. With a state cache, first say which
+        sliding-window blocks to save: the window a query at the request's last
+        full block boundary whose KV is written sees (the caller copies them
+        before anything can reuse them)."""
+        save = self._state_to_save(request) if save_state else None
+        for m in self.managers:
+            m.free(request.request_id)
+        return save
+
+    def _state_to_save(self, request: Request) -> StateSave | None:
+        if self.state_cache is None or not self.enable_prefix_caching or not request.block_hashes:
+            return None
+        # KV is written for every token but the last sampled one (with async scheduling
+        # the step in flight writes that one, in a later block or later in this one).
+        num_blocks = min(request.num_tokens - 1, request.num_computed_tokens) // self.block_size
+        num_blocks = min(num_blocks, len(request.block_hashes))
+        if num_blocks == 0:
+            return None
+        first = self._sliding[0].first_needed_block(num_blocks * self.block_size)
+        save = StateSave(request.block_hashes[num_blocks - 1], num_blocks, first)
+        null = self.pool.null_block
+        for m in self._sliding:
+            blocks = m.table(request.request_id)[first:num_blocks]
+            if len(blocks) < num_blocks - first or any(b is null for b in blocks):
+                return None
+            save.block_ids[m.group] = [b.block_id for b in blocks]
+        return save

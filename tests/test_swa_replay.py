@@ -1,0 +1,133 @@
+"""SWA bounded replay, offline: a prefix hit whose sliding-window KV is gone.
+
+The persistent (full-attention) blocks of a prompt leave one engine as bytes and
+enter another, as they do through the kvcache service; sliding-window KV never
+travels. The second engine resumes from the hit by replaying the last R tokens
+for the sliding-window layers. With swa_replay="exact" (R = L_swa * (W - 1)) the
+state after the replay equals a cold run's, so greedy output must equal a cold
+run token for token; with "bounded" (R = W) it is approximate by design.
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton variant runs in the interpreter on the CPU
+
+from shared.engine.config import EngineConfig  # noqa: E402
+from shared.engine.llm_engine import LLMEngine  # noqa: E402
+from shared.engine.sampling_params import SamplingParams  # noqa: E402
+from tests.hf_models import save_tiny_hf_model  # noqa: E402
+from tests.test_engine import random_prompts  # noqa: E402
+
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+# Hybrid layouts: which layers slide, and the window. Each must replay bit-for-bit in exact mode.
+HYBRIDS = {
+    "qwen2_alternating": ("qwen2", ["full_attention", "sliding_attention"] * 2, 6),
+    "qwen3_sliding_first": ("qwen3", ["sliding_attention", "full_attention", "sliding_attention"], 5),
+    "qwen2_tail_sliding": ("qwen2", ["full_attention", "full_attention", "sliding_attention"], 7),
+}
+
+
+def make_hybrid(tmp_path_factory, name: str) -> str:
+    arch, layer_types, window = HYBRIDS[name]
+    path = tmp_path_factory.mktemp(name)
+    save_tiny_hf_model(
+        arch,
+        path,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        use_sliding_window=True,
+        sliding_window=window,
+        max_window_layers=0,
+    )
+    return str(path)
+
+
+def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw):
+    engine.add_request(rid, prompt, params, **kw)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    return final
+
+
+def replayed_tokens(model: str, prompt: list[int], cached: int, replay: str, **cfg) -> tuple[list[int], LLMEngine]:
+    """Greedy tokens of prompt on an engine that holds only the persistent KV of its
+    first `cached` tokens, loaded from another engine's export."""
+    producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, **cfg))
+    first = run(producer, "p", prompt[:cached], SamplingParams(max_tokens=1), export_kv_from_block=0)
+    hashes = [h for h, _ in first.exported_kv]
+    assert len(hashes) == cached // BLOCK
+    consumer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, swa_replay=replay, **cfg))
+    loaded = consumer.import_blocks(prompt, 0, hashes, [d for _, d in first.exported_kv])
+    assert loaded == len(hashes)
+    out = run(consumer, "c", prompt, GREEDY)
+    return out.token_ids, consumer
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_exact_replay_equals_a_cold_run(tmp_path_factory, name):
+    model = make_hybrid(tmp_path_factory, name)
+    prompt = random_prompts([70], vocab=500, seed=3)[0]
+    cold = run(LLMEngine(EngineConfig(model=model, block_size=BLOCK)), "cold", prompt, GREEDY).token_ids
+    tokens, engine = replayed_tokens(model, prompt, 60, "exact")
+    assert engine.kv.num_replays == 1  # the hit really was resumed by a replay
+    layout = engine.model.kv_layout
+    assert engine.kv.num_replayed_tokens == layout.num_sliding_layers * (layout.max_window - 1)
+    assert tokens == cold
+
+
+def test_bounded_replay_replays_one_window_and_runs(tmp_path_factory):
+    model = make_hybrid(tmp_path_factory, "qwen2_alternating")
+    prompt = random_prompts([70], vocab=500, seed=4)[0]
+    tokens, engine = replayed_tokens(model, prompt, 60, "bounded")
+    assert (engine.kv.num_replays, engine.kv.num_replayed_tokens) == (1, 6)
+    assert len(tokens) == GREEDY.max_tokens
+
+
+def test_replay_never_overwrites_the_cached_full_attention_kv(tmp_path_factory):
+    model = make_hybrid(tmp_path_factory, "qwen2_alternating")
+    prompt = random_prompts([70], vocab=500, seed=5)[0]
+    _, engine = replayed_tokens(model, prompt, 60, "bounded")
+    # The imported blocks still hold the producer's bytes: re-export and compare.
+    producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK))
+    ref = run(producer, "p", prompt[:60], SamplingParams(max_tokens=1), export_kv_from_block=0).exported_kv
+    again = run(engine, "again", prompt[:60], SamplingParams(max_tokens=1), export_kv_from_block=0).exported_kv
+    assert [h for h, _ in again] == [h for h, _ in ref]
+    assert all(a == b for (_, a), (_, b) in zip(again, ref))
+
+
+def test_exact_replay_on_the_triton_kernels(tmp_path_factory):
+    model = make_hybrid(tmp_path_factory, "qwen3_sliding_first")
+    prompt = random_prompts([34], vocab=500, seed=6)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cold = run(LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton")), "cold", prompt, params)
+    producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton"))
+    first = run(producer, "p", prompt[:28], SamplingParams(max_tokens=1), export_kv_from_block=0)
+    consumer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton", swa_replay="exact"))
+    consumer.import_blocks(prompt, 0, [h for h, _ in first.exported_kv], [d for _, d in first.exported_kv])
+    out = run(consumer, "c", prompt, params)
+    assert consumer.kv.num_replays == 1
+    assert out.token_ids == cold.token_ids
+
+
+def test_state_cache_resumes_a_conversation_with_no_replay(tmp_path_factory):
+    model = make_hybrid(tmp_path_factory, "qwen2_alternating")
+    prompt = random_prompts([70], vocab=500, seed=8)[0]
+    cold = run(LLMEngine(EngineConfig(model=model, block_size=BLOCK)), "cold", prompt, GREEDY).token_ids
+    # The first turn's sliding-window blocks leave the prefix index (as eviction would take
+    # them), so only the host state cache can resume the second turn without a replay.
+    engine = LLMEngine(EngineConfig(model=model, block_size=BLOCK, swa_replay="exact"))
+    run(engine, "turn1", prompt[:61], SamplingParams(max_tokens=1))
+    assert len(engine.kv.state_cache) == 1
+    engine.kv.pool._cached = {k: b for k, b in engine.kv.pool._cached.items() if k[1] == 0}  # drop sliding entries
+    out = run(engine, "turn2", prompt, GREEDY)
+    assert engine.kv.num_replays == 0
+    assert engine.kv.state_cache.num_hits == 1
+    assert out.num_cached_tokens == 60
+    assert out.token_ids == cold
