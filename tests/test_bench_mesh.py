@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from tools.bench.mesh_bench import TARGETS, Timing, compare, run_mesh_bench, summarize
-from tools.cli import build_parser
+from tests.hf_models import save_tiny_hf_model
+from tools.bench.mesh_bench import TARGETS, Timing, compare, engine_setup, run_mesh_bench, summarize
+from tools.cli import main
 
 PROMPT_LEN, OUTPUT_LEN, NUM_REQUESTS = 32, 8, 4
 
@@ -29,12 +30,30 @@ def test_summarize_and_compare_are_exact():
     assert m["added_ms_per_request"] == pytest.approx(30.0) and m["added_ms_per_token"] == pytest.approx(10.0)
 
 
-def test_cli_flags_reach_the_benchmark():
-    args = build_parser().parse_args(
-        ["bench-mesh", "--concurrency", "1", "4", "--num-requests", "4", "--targets", "engine", "mesh"]
-    )
-    assert args.concurrency == [1, 4] and args.num_requests == 4 and args.targets == ["engine", "mesh"]
-    assert (args.prompt_len, args.output_len, args.prefill, args.decode) == (128, 32, 1, 1)
+def test_cli_flags_and_the_environment_reach_the_benchmark(tmp_path, monkeypatch):
+    """A run from the command line (the engine target alone): its flags are in the
+    figures' config and shaped the run; an engine knob not given comes from the
+    environment, as in the mesh's services, and only the knobs given are exported
+    to the mesh's processes over that environment."""
+    save_tiny_hf_model("llama", tmp_path / "model")  # token-id prompts: no tokenizer needed
+    monkeypatch.setenv("INFERMESH_ENGINE__MAX_NUM_SEQS", "5")
+    args = ["bench-mesh", "--model", str(tmp_path / "model"), "--targets", "engine", "--concurrency", "2",
+            "--num-requests", "3", "--rounds", "1", "--prompt-len", "16", "--output-len", "3",
+            "--block-size", "8", "--no-enable-prefix-caching", "--json", str(tmp_path / "figures.json")]
+    assert main(args) == 0
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    config = figures["config"]
+    assert (config["prompt_len"], config["output_len"], config["num_requests"], config["num_rounds"]) == (16, 3, 3, 1)
+    assert config["targets"] == ["engine"] and [level["concurrency"] for level in figures["levels"]] == [2]
+    assert figures["levels"][0]["rows"]["engine"]["output_tokens"] == [3, 3, 3]
+    engine = config["engine"]
+    assert (engine["block_size"], engine["enable_prefix_caching"], engine["max_num_seqs"]) == (8, False, 5)
+    _, mesh_env = engine_setup("m", {"block_size": 8, "enable_prefix_caching": False})
+    assert mesh_env == {
+        "INFERMESH_ENGINE__MODEL": "m",
+        "INFERMESH_ENGINE__BLOCK_SIZE": "8",
+        "INFERMESH_ENGINE__ENABLE_PREFIX_CACHING": "False",
+    }
 
 
 def test_bad_settings_are_refused_before_anything_starts():

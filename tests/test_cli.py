@@ -1,5 +1,6 @@
 """The `infermesh` command as a user runs it."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -39,6 +40,21 @@ def test_make_model_then_chat_generation_with_sampling(tmp_path):
     records = [json.loads(line) for line in first.stdout.splitlines()]
     assert len(records) == 2 and all(len(r["token_ids"]) == 8 and r["finish_reason"] == "length" for r in records)
     assert "Loading weights" in first.stderr  # the progress bar
+
+
+def test_engine_flags_are_the_config_fields_and_only_given_ones_count():
+    from shared.engine.config import EngineConfig
+    from tools.cli import build_parser, engine_flags
+
+    base = ["generate", "--model", "m", "--prompt", "x"]
+    args = build_parser().parse_args(base)
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    assert {k.removeprefix("engine_") for k in vars(args) if k.startswith("engine_")} == names
+    assert engine_flags(args) == {}  # nothing given: every knob keeps EngineConfig's default
+    args = build_parser().parse_args(base + ["--seed", "5", "--engine-seed", "3", "--block-size", "8",
+                                             "--no-cuda-graphs", "--kernels", "torch", "--max-model-len", "64"])
+    assert args.seed == 5  # generate's own --seed samples; the engine's is --engine-seed
+    assert engine_flags(args) == {"seed": 3, "block_size": 8, "cuda_graphs": False, "kernels": "torch", "max_model_len": 64}
 
 
 def test_clear_errors_for_bad_input(tmp_path):

@@ -37,6 +37,7 @@ import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.engine.config import EngineConfig
 from shared.runtime.settings import Settings, load_settings
 from tests.mesh_procs import ROOT, free_port, start_service, stop_process
 from tools.launch.up import find_nats_server, grpc_serving, http_ok
@@ -281,6 +282,24 @@ def test_chart_values_schema_refuses_typos():
     schema = json.loads((CHART / "values.schema.json").read_text())
     sections = set(schema["properties"]["settings"]["propertyNames"]["enum"])
     assert sections == {f.name for f in dataclasses.fields(Settings)}
+
+
+def test_chart_values_list_every_engine_knob_and_a_null_is_not_set():
+    """values.yaml names every EngineConfig field (but the model, which is model.*)
+    with null, so the defaults stay EngineConfig's; a value given is rendered, a
+    null is not."""
+    listed = yaml.safe_load((CHART / "values.yaml").read_text())["settings"]["engine"]
+    assert set(listed) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    assert all(value is None for value in listed.values())
+    data = kinds(render_chart({"settings": {"engine": {"kernels": "torch", "cuda_graphs": False}}}),
+                 "ConfigMap")["mesh-infermesh-settings"]["data"]
+    assert {k: v for k, v in data.items() if k.startswith("INFERMESH_ENGINE__")} == {
+        "INFERMESH_ENGINE__MODEL": "/models/default",
+        "INFERMESH_ENGINE__KERNELS": "torch",
+        "INFERMESH_ENGINE__CUDA_GRAPHS": "false",
+    }
+    engine = load_settings(env=data).engine
+    assert (engine.kernels, engine.cuda_graphs, engine.block_size) == ("torch", False, EngineConfig().block_size)
 
 
 def container_env(container: dict, configmaps: dict[str, dict]) -> dict[str, str]:

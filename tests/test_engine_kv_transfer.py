@@ -4,6 +4,7 @@ decode do through the kvcache service), without changing a single token."""
 import pytest
 
 from shared.engine.config import EngineConfig
+from shared.engine.dtypes import torch_dtype
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from tests.hf_models import save_tiny_hf_model
@@ -36,7 +37,7 @@ def test_exported_blocks_imported_elsewhere_give_the_same_tokens(model_dir):
     first = run(producer, "p", prompt, SamplingParams(max_tokens=1, temperature=0.0), export_kv_from_block=0)
     assert [h for h, _ in first.exported_kv] == producer.kv.hash_chain(prompt)[:5]
     layout = producer.block_layout
-    assert all(len(data) == producer.model.kv_bytes_per_block(8, producer.config.torch_dtype) for _, data in first.exported_kv)
+    assert all(len(data) == producer.model.kv_bytes_per_block(8, torch_dtype(producer.config.dtype)) for _, data in first.exported_kv)
 
     consumer = LLMEngine(EngineConfig(**cfg))
     assert consumer.block_layout == layout
@@ -56,7 +57,7 @@ def test_import_refuses_hashes_that_do_not_name_the_tokens(model_dir):
     prompt = random_prompts([20], vocab=500, seed=8)[0]
     other = random_prompts([20], vocab=500, seed=9)[0]
     bogus = engine.kv.hash_chain(other)
-    payload = bytes(engine.model.kv_bytes_per_block(8, engine.config.torch_dtype))
+    payload = bytes(engine.model.kv_bytes_per_block(8, torch_dtype(engine.config.dtype)))
     assert engine.import_blocks(prompt, 0, bogus, [payload, payload]) == 0
     assert engine.kv.pool.num_cached_blocks == 0
 

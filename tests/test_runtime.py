@@ -1,13 +1,15 @@
 """The shared plumbing: settings precedence and errors, and ordered token
 streams over a real nats-server."""
 
+import dataclasses
 
 import pytest
 
+from shared.engine.config import EngineConfig
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamReader, StreamTimeout
-from shared.runtime.settings import NatsSettings, describe, load_settings
+from shared.runtime.settings import NatsSettings, describe, field_docs, load_settings
 from tests.mesh_procs import nats_server  # noqa: F401
 
 
@@ -29,11 +31,35 @@ def test_settings_defaults_then_yaml_then_env(tmp_path):
         ({"INFERMESH_ENGINE__BLOCK_SIZE": "big"}, "cannot read 'big' as int"),
         ({"INFERMESH_ENGINE__BLOKC_SIZE": "16"}, "unknown setting engine.blokc_size"),
         ({"INFERMESH_ENGIN__MODEL": "x"}, "unknown section 'engin'"),
+        ({"INFERMESH_ENGINE__DTYPE": "float64"}, "dtype must be one of"),  # EngineConfig's own check, at load
     ],
 )
 def test_settings_errors_name_what_to_fix(env, message):
     with pytest.raises(ValueError, match=message):
         load_settings(env=env)
+
+
+def test_the_engine_section_is_engine_config_every_knob_with_its_variable_and_doc():
+    settings = load_settings(env={})
+    assert settings.engine == EngineConfig()
+    text = describe(settings)
+    docs = field_docs(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        assert f"  {f.name} = {f.default!r}    (INFERMESH_ENGINE__{f.name.upper()})" in text
+        assert docs.get(f.name), f"EngineConfig.{f.name} has no docstring for `infermesh config`"
+        assert f"      {docs[f.name]}" in text
+    env = {
+        "INFERMESH_ENGINE__KERNELS": "torch",
+        "INFERMESH_ENGINE__CUDA_GRAPHS": "false",
+        "INFERMESH_ENGINE__ASYNC_SCHEDULING": "true",
+        "INFERMESH_ENGINE__ENABLE_PREFIX_CACHING": "0",
+        "INFERMESH_ENGINE__SEED": "7",
+        "INFERMESH_ENGINE__KV_CACHE_MEMORY_BYTES": "1048576",
+    }
+    assert load_settings(env=env).engine == EngineConfig(
+        kernels="torch", cuda_graphs=False, async_scheduling=True, enable_prefix_caching=False, seed=7,
+        kv_cache_memory_bytes=1 << 20,
+    )
 
 
 def test_subject_tokens_refuse_dots_and_wildcards():

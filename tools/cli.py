@@ -2,31 +2,48 @@
 over to the module that does the work."""
 
 import argparse
+import dataclasses
 import json
 import sys
+import types
+import typing
+from typing import Any
 
+from shared.engine.config import DTYPES, KERNEL_CHOICES, EngineConfig
 from shared.engine.sampling_params import SamplingParams
+from shared.runtime.settings import field_docs
+
+# Engine knobs whose flag would collide with a subcommand's own (generate's --seed is the sampling seed).
+_ENGINE_FLAG_NAMES = {"seed": "--engine-seed"}
+_ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPES, "kernels": KERNEL_CHOICES}
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="folder of a Hugging Face format checkpoint")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--prefill-chunk-size", type=int, default=512)
+    """One flag per EngineConfig field but model (--block-size for block_size),
+    its help the field's docstring. Every flag defaults to None: a flag not given
+    leaves the knob to EngineConfig (or, for bench-mesh, to the environment), so
+    each knob keeps one default, declared in EngineConfig."""
+    group = p.add_argument_group("engine", "the engine's configuration (EngineConfig; `infermesh config` lists it)")
+    docs = field_docs(EngineConfig)
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):  # X | None: the flag takes an X
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        flag = _ENGINE_FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
+        text = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
+        if kind is bool:
+            group.add_argument(flag, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction, help=text)
+        else:
+            group.add_argument(flag, dest=f"engine_{f.name}", type=kind, choices=_ENGINE_CHOICES.get(f.name), help=text)
 
 
-def _engine_settings(args: argparse.Namespace) -> dict[str, object]:
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=args.prefill_chunk_size,
-    )
+def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine knobs given on the command line, by field name."""
+    given = {f.name: getattr(args, f"engine_{f.name}", None) for f in dataclasses.fields(EngineConfig)}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -58,7 +75,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         stop=args.stop or [],
     )
-    llm = LLM(args.model, load_progress=True, **_engine_settings(args))
+    llm = LLM(EngineConfig(model=args.model, **engine_flags(args)), load_progress=True)
     prompts: list[str | list[int]] = []
     for text in args.prompt or []:
         if args.chat:
@@ -90,8 +107,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
         batch_sizes=args.batch_sizes,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
-        device=args.device,
-        dtype=args.dtype,
+        engine_flags=engine_flags(args),
         compare_transformers=not args.no_transformers,
     )
     return 0
@@ -110,8 +126,7 @@ def _cmd_bench_mesh(args: argparse.Namespace) -> int:
         num_prefill=args.prefill,
         num_decode=args.decode,
         targets=tuple(args.targets),
-        device=args.device,
-        dtype=args.dtype,
+        engine_flags=engine_flags(args),
         state_dir=args.state_dir,
         json_path=args.json,
     )
@@ -186,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("generate", help="offline generation")
-    _add_engine_flags(p)
+    p.add_argument("--model", required=True, help="folder of a Hugging Face format checkpoint")
     p.add_argument("--prompt", action="append", help="a prompt (repeat to batch several)")
     p.add_argument("--prompt-ids", action="append", help="a prompt as token ids, e.g. '1 2 3'")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -198,22 +213,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    _add_engine_flags(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("bench-engine", help="prefill and decode throughput against transformers")
     p.add_argument("--model", default=None, help="checkpoint folder (default: make the tiny model)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    _add_engine_flags(p)
     p.set_defaults(func=_cmd_bench_engine)
 
-    p = sub.add_parser("bench-mesh", help="throughput and TTFT through the mesh against the engine in one process")
+    p = sub.add_parser(
+        "bench-mesh", help="throughput and TTFT through the mesh against the engine in one process",
+        description="Engine knobs come from the settings (INFERMESH_CONFIG, INFERMESH_ENGINE__*), as the mesh's "
+        "services read them, with the flags given here over them, for every target alike.",
+    )
     p.add_argument("--model", default=None, help="checkpoint folder (default: make the tiny model)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="clients in the closed loop, per level")
     p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency level and target")
     p.add_argument("--rounds", type=int, default=2, help="the targets take turns this many times per level")
@@ -227,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--state-dir", default=None, help="keep logs here (default: a temp dir, removed after a clean run)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    _add_engine_flags(p)
     p.set_defaults(func=_cmd_bench_mesh)
 
     p = sub.add_parser("bench-gpu", help="Llama-3-8B-shaped decode and prefill on a GPU against its roofline")

@@ -8,7 +8,6 @@ module: the balancer's package imports without torch.
 """
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
 class LocalGenerator:
     def __init__(self, engine: "AsyncEngine") -> None:
         """engine must run an LLMEngine built with detokenize=False (see `start`)."""
-        if engine.engine.config.detokenize:
+        if engine.engine.detokenize:
             raise ValueError("LocalGenerator needs an engine built with detokenize=False: text is the HTTP layer's job")
         self.engine = engine
 
@@ -34,7 +33,7 @@ class LocalGenerator:
         from shared.engine.async_engine import AsyncEngine
         from shared.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(dataclasses.replace(config, detokenize=False))
+        engine = LLMEngine(config, detokenize=False)
         async_engine = AsyncEngine(engine, loop or asyncio.get_running_loop())
         async_engine.start()
         return cls(async_engine)

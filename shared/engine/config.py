@@ -1,40 +1,60 @@
-"""Settings of one engine instance."""
+"""One engine configuration: every knob of one engine instance, declared once.
+
+The same dataclass is the `engine` section of the settings every service
+reads (shared/runtime/settings.py nests it), so each field is at once an
+EngineConfig argument, a YAML key (`engine: {block_size: 32}`), an environment
+variable (INFERMESH_ENGINE__BLOCK_SIZE), a Helm value
+(settings.engine.block_size), a flag of `infermesh generate` and
+`infermesh bench-mesh` (--block-size), and a line of `infermesh config` with
+the docstring under the field. Adding a knob is adding a field here, with its
+default and docstring, and its line in deploy/helm/infermesh/values.yaml (a
+test checks that line).
+
+No torch here: the balancer and the tools read this without loading torch.
+torch_dtype() (shared/engine/dtypes.py) turns `dtype` into a torch dtype.
+What is a caller's choice rather than a user's knob (text in the engine or in
+the HTTP layer, KV events for the mesh, a progress bar while loading) is a
+parameter of LLMEngine, not a field here.
+"""
 
 from dataclasses import dataclass
 
-import torch
-
-from shared.model.kernels import KERNEL_CHOICES
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# The values of `kernels`. shared/model/kernels resolves the switch and keeps
+# the same tuple (it must not import the engine); a test checks they agree.
+KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str
+    model: str = "models/default"
     """Folder of a Hugging Face format checkpoint."""
     dtype: str = "float32"
-    """float32, bfloat16 or float16: weights and KV cache."""
+    """Weights and KV cache: float32, bfloat16 or float16."""
     device: str = "cpu"
+    """cpu, cuda, cuda:1, ..."""
     block_size: int = 16
-    """Tokens per KV block; also the granularity of prefix caching."""
+    """Tokens per KV block; also the granularity of prefix caching and of the
+    kvcache service's blocks, so every process of a mesh must agree on it."""
     num_kv_blocks: int | None = None
     """Blocks in the KV pool; None sizes the pool from kv_cache_memory_bytes."""
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int = 256 << 20
+    """Bytes of the KV pool when num_kv_blocks is None; one sequence of
+    max_model_len tokens fits whatever this says. 256 MiB suits the CPU default,
+    where several engines share one host; on a GPU give it what the card has
+    left after the weights."""
     max_num_seqs: int = 64
+    """Most requests in the running batch."""
     max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decode tokens)."""
     prefill_chunk_size: int = 512
+    """Most prompt tokens of one request computed in one step."""
     max_model_len: int | None = None
-    """None takes the model's max_position_embeddings."""
+    """Longest prompt + output a request may reach; None takes the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes computed before."""
     seed: int = 0
     """Seed of the sampler for requests that bring no seed of their own."""
-    load_progress: bool = False
-    detokenize: bool = True
-    """Produce text (and honour stop strings) in the engine; a mesh worker leaves
-    that to the balancer and streams token ids only."""
-    record_kv_events: bool = False
-    """Keep the hashes of blocks entering / leaving the prefix cache for drain_kv_events()."""
     async_scheduling: bool | None = None
     """Schedule and launch step N+1 before reading step N's tokens back, so the
     device does not idle while the host prepares a step. None: on for CUDA.
@@ -47,15 +67,11 @@ class EngineConfig:
     PyTorch elsewhere), "triton" (on the CPU only under TRITON_INTERPRET=1) or "torch"."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]

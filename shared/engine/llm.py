@@ -1,7 +1,9 @@
 """Offline generation: give prompts, get completions (what DeepInfer itself ships)."""
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from tqdm import tqdm
 
@@ -24,8 +26,11 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str, **engine_settings: object) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_settings))  # type: ignore[arg-type]
+    def __init__(self, model: str | EngineConfig, *, load_progress: bool = False, **engine_settings: Any) -> None:
+        """model: a checkpoint folder or a whole EngineConfig; engine_settings:
+        EngineConfig fields over it, e.g. LLM("models/tiny", block_size=8)."""
+        config = model if isinstance(model, EngineConfig) else EngineConfig(model=model)
+        self.engine = LLMEngine(dataclasses.replace(config, **engine_settings), load_progress=load_progress)
         self._ids = itertools.count()
 
     @property

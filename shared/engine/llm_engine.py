@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.dtypes import torch_dtype
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
 from shared.engine.outputs import TokenLogprobs
@@ -70,14 +71,29 @@ def _host_free(params: SamplingParams) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: CausalLM | None = None,
+        *,
+        detokenize: bool = True,
+        record_kv_events: bool = False,
+        load_progress: bool = False,
+    ) -> None:
         """model: an already built model (benchmarks build one in GPU memory);
-        None loads config.model."""
+        None loads config.model. The caller's choices, not knobs of the config:
+        detokenize: produce text (and honour stop strings) in the engine; a mesh
+        worker and the balancer's LocalGenerator leave that to the HTTP layer and
+        stream token ids only. record_kv_events: keep the hashes of blocks
+        entering / leaving the prefix cache for drain_kv_events() (a mesh worker).
+        load_progress: a progress bar while the weights load."""
         self.config = config
+        self.detokenize = detokenize
+        dtype = torch_dtype(config.dtype)
         device = torch.device(config.device)
         loaded = model is None
         self.model = model or load_model(
-            config.model, dtype=config.torch_dtype, device=device, progress=config.load_progress, kernels=config.kernels
+            config.model, dtype=dtype, device=device, progress=load_progress, kernels=config.kernels
         )
         # A checkpoint saved by transformers alone has no tokenizer: the engine
         # then takes token ids only and returns no text.
@@ -97,7 +113,7 @@ class LLMEngine:
             config.block_size,
             self.fingerprint,
             config.enable_prefix_caching,
-            record_events=config.record_kv_events,
+            record_events=record_kv_events,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -112,7 +128,7 @@ class LLMEngine:
             self.model,
             num_blocks,
             config.block_size,
-            config.torch_dtype,
+            dtype,
             device,
             seed=config.seed,
             cuda_graphs=config.cuda_graphs,
@@ -129,7 +145,7 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = self.model.kv_bytes_per_block(cfg.block_size, cfg.torch_dtype)
+        per_block = self.model.kv_bytes_per_block(cfg.block_size, torch_dtype(cfg.dtype))
         at_least = -(-max_model_len // cfg.block_size)
         return max(cfg.kv_cache_memory_bytes // per_block, at_least)
 
@@ -178,7 +194,7 @@ class LLMEngine:
         if params.stop and self.recipe is None:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none")
         self.scheduler.add_request(request)
-        if self.recipe is not None and self.config.detokenize:
+        if self.recipe is not None and self.detokenize:
             self._detokenizers[request_id] = self.recipe.detokenizer(
                 prompt_ids,
                 skip_special_tokens=params.skip_special_tokens,

@@ -4,12 +4,18 @@ optional YAML file, overridden by environment variables.
     INFERMESH_CONFIG=mesh.yaml            # the YAML file (sections as below)
     INFERMESH_<SECTION>__<FIELD>=value    # e.g. INFERMESH_ENGINE__MODEL=/models/llama
 
-`infermesh config` prints every setting with its current value and its doc.
+`infermesh config` prints every setting with its current value and its doc
+(the docstring under each field). The `engine` section is EngineConfig itself
+(shared/engine/config.py, torch-free), so a field added there is a setting,
+with its env var and doc, with no change here.
 Env vars are read in this module only; services receive a Settings value.
 """
 
+import ast
 import dataclasses
+import inspect
 import os
+import textwrap
 import types
 import typing
 from collections.abc import Mapping
@@ -18,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from shared.engine.config import EngineConfig
 
 ENV_PREFIX = "INFERMESH_"
 
@@ -39,22 +47,6 @@ class TelemetrySettings:
     trace_dir: str = ".infermesh/traces"
     """Folder of JSON-lines span files (one per process) when no OTLP endpoint is set."""
     log_level: str = "INFO"
-
-
-@dataclass(slots=True)
-class EngineSettings:
-    model: str = "models/default"
-    """Folder of a Hugging Face format checkpoint."""
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    """None sizes the pool from kv_cache_memory_bytes."""
-    kv_cache_memory_bytes: int = 256 << 20
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int = 512
-    max_model_len: int | None = None
 
 
 @dataclass(slots=True)
@@ -111,7 +103,7 @@ class BalancerSettings:
 class Settings:
     nats: NatsSettings = field(default_factory=NatsSettings)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
-    engine: EngineSettings = field(default_factory=EngineSettings)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     kvcache: KVCacheSettings = field(default_factory=KVCacheSettings)
     balancer: BalancerSettings = field(default_factory=BalancerSettings)
@@ -171,23 +163,39 @@ def load_settings(
         if name not in sections:
             raise ValueError(f"{key}: unknown section {name!r} (known: {', '.join(sections)})")
         _apply(sections[name], {field_name: value}, name)
+    for name, section in sections.items():
+        # A new instance runs the section's own checks (EngineConfig.__post_init__)
+        # on the values set above: a bad dtype stops the service at start, with its name.
+        setattr(settings, name, dataclasses.replace(section))
     return settings
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read off its source, on one line."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def env_name(section: str, field_name: str) -> str:
+    return f"{ENV_PREFIX}{section.upper()}__{field_name.upper()}"
 
 
 def describe(settings: Settings) -> str:
     """Every setting, its env var, its value and its doc (for `infermesh config`)."""
-    import inspect
-    import re
-
     lines = []
     for section in dataclasses.fields(settings):
         obj = getattr(settings, section.name)
-        source = inspect.getsource(type(obj))
+        docs = field_docs(type(obj))
         lines.append(f"[{section.name}]")
         for f in dataclasses.fields(obj):
-            doc = re.search(rf'^\s+{f.name}:[^\n]*\n\s+"""(.*?)"""', source, re.S | re.M)
-            env_name = f"{ENV_PREFIX}{section.name.upper()}__{f.name.upper()}"
-            lines.append(f"  {f.name} = {getattr(obj, f.name)!r}    ({env_name})")
-            if doc:
-                lines.append(f"      {' '.join(doc.group(1).split())}")
+            lines.append(f"  {f.name} = {getattr(obj, f.name)!r}    ({env_name(section.name, f.name)})")
+            if f.name in docs:
+                lines.append(f"      {docs[f.name]}")
     return "\n".join(lines)

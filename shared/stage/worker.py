@@ -15,7 +15,6 @@ from google.protobuf.message import Message
 from opentelemetry.trace import Span
 
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import BlockHash
@@ -25,25 +24,8 @@ from shared.runtime.bus import Bus, StreamPublisher
 from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.rpc import GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
-from shared.runtime.settings import EngineSettings
 
 log = logging.getLogger(__name__)
-
-
-def engine_config(settings: EngineSettings, **overrides: object) -> EngineConfig:
-    return EngineConfig(
-        model=settings.model,
-        dtype=settings.dtype,
-        device=settings.device,
-        block_size=settings.block_size,
-        num_kv_blocks=settings.num_kv_blocks,
-        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        prefill_chunk_size=settings.prefill_chunk_size,
-        max_model_len=settings.max_model_len,
-        **overrides,  # type: ignore[arg-type]
-    )
 
 
 class Worker:
@@ -183,8 +165,8 @@ async def serve_engine_stage(
     """The setup both engine stages share: the engine (loaded off the event
     loop), the worker duties, the kvcache client, the dispatch subscription and
     cancels. The exit stack unwinds intake first, then the drain, then the rest."""
-    config = engine_config(ctx.settings.engine, detokenize=False, record_kv_events=True)
-    engine = await asyncio.to_thread(LLMEngine, config)
+    # Token ids only (text is the balancer's job), and block events for its routing.
+    engine = await asyncio.to_thread(LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True)
     worker = Worker(ctx, engine)
     kv = KVCacheClient(ctx.settings.kvcache.address)
     stack.push_async_callback(kv.close)

@@ -4,11 +4,14 @@ one run so that the ratio holds on a noisy machine."""
 
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.dtypes import torch_dtype
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 
@@ -83,10 +86,11 @@ def run_engine_bench(
     batch_sizes: list[int],
     prompt_len: int,
     output_len: int,
-    device: str = "cpu",
-    dtype: str = "float32",
+    engine_flags: Mapping[str, Any] | None = None,
     compare_transformers: bool = True,
 ) -> list[dict[str, float]]:
+    """engine_flags: EngineConfig fields over the benchmark's own choices (a batch
+    of the largest size prefilled in one step, no prefix caching) and EngineConfig's defaults."""
     if output_len < 2:
         raise ValueError("output_len must be at least 2 to time decode")
     tmp = None
@@ -96,22 +100,19 @@ def run_engine_bench(
         tmp = tempfile.TemporaryDirectory()
         model = tmp.name
         make_model(model)
-    engine = LLMEngine(
-        EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            max_num_seqs=max(batch_sizes),
-            max_num_batched_tokens=max(batch_sizes) * prompt_len,
-            prefill_chunk_size=prompt_len,
-            enable_prefix_caching=False,
-        )
+    own = dict(
+        max_num_seqs=max(batch_sizes),
+        max_num_batched_tokens=max(batch_sizes) * prompt_len,
+        prefill_chunk_size=prompt_len,
+        enable_prefix_caching=False,
     )
+    engine = LLMEngine(EngineConfig(model=model, **{**own, **(engine_flags or {})}))
+    device, dtype = engine.config.device, engine.config.dtype
     hf = None
     if compare_transformers:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=engine.config.torch_dtype).to(device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype(dtype)).to(device).eval()
     vocab = engine.model.config.vocab_size
     # Warm up both sides once (allocator, lazy init) before timing.
     warm = _prompts(2, min(prompt_len, 16), vocab, seed=1)

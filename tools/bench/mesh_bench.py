@@ -17,13 +17,15 @@ token exactly. Every target samples with the same SamplingParams, logprobs inclu
 """
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +35,9 @@ import numpy as np
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
+from shared.runtime.settings import env_name, load_settings
 from tools.bench.local_server import LocalServer
 from tools.launch.up import Mesh, free_port
-from shared.runtime.settings import EngineSettings
-from shared.stage.worker import engine_config
 
 TARGETS = ("engine", "http", "mesh")
 _LEGEND = {
@@ -234,17 +235,17 @@ def _print_comparisons(levels: list[dict[str, Any]]) -> None:
 # -- the run -----------------------------------------------------------------------------
 
 
-def _settings(model: str, device: str, dtype: str) -> tuple[EngineConfig, dict[str, str]]:
-    """One engine configuration for every target: the mesh workers' own (EngineSettings
-    through worker.engine_config), and the same settings as the mesh's environment."""
-    settings = EngineSettings(model=model, device=device, dtype=dtype)
-    env = {
-        f"INFERMESH_ENGINE__{f.name.upper()}": str(getattr(settings, f.name))
-        for f in fields(settings)
-        if getattr(settings, f.name) is not None
-    }
-    # detokenize=False as in the workers: text is the HTTP layer's job.
-    return engine_config(settings, detokenize=False), env
+def engine_setup(
+    model: str, engine_flags: Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> tuple[EngineConfig, dict[str, str]]:
+    """One engine configuration for every target, the one the mesh's workers will
+    read: the settings (defaults, INFERMESH_CONFIG, this environment's
+    INFERMESH_ENGINE__*) with the model and the knobs given on the command line
+    over them. The mesh's processes inherit this environment, so the variables
+    returned for them carry only what was given explicitly."""
+    explicit = {"model": model, **engine_flags}
+    config = dataclasses.replace(load_settings(env=env).engine, **explicit)
+    return config, {env_name("engine", name): str(value) for name, value in explicit.items()}
 
 
 async def _measure(
@@ -309,13 +310,13 @@ def run_mesh_bench(
     num_prefill: int = 1,
     num_decode: int = 1,
     targets: tuple[str, ...] = TARGETS,
-    device: str = "cpu",
-    dtype: str = "float32",
+    engine_flags: Mapping[str, Any] | None = None,
     state_dir: str | None = None,
     json_path: str | None = None,
 ) -> dict[str, Any]:
     """Start the targets, measure each concurrency level on each, print the table
-    and return the figures. The mesh and the local server are always stopped."""
+    and return the figures. The mesh and the local server are always stopped.
+    engine_flags: EngineConfig fields over the settings (see engine_setup)."""
     if output_len < 2:
         raise ValueError("output_len must be at least 2 to time tokens after the first")
     if num_requests < 1 or prompt_len < 1 or not concurrency or min(concurrency) < 1:
@@ -335,9 +336,9 @@ def run_mesh_bench(
 
         model = str(state / "model")
         make_model(model)
-    config, mesh_env = _settings(model, device, dtype)
+    config, mesh_env = engine_setup(model, engine_flags or {})
     run = {
-        "model": None if made else model, "device": device, "dtype": dtype, "prompt_len": prompt_len,
+        "model": None if made else model, "device": config.device, "dtype": config.dtype, "prompt_len": prompt_len,
         "output_len": output_len, "num_requests": num_requests, "num_rounds": num_rounds,
         "num_prefill": num_prefill, "num_decode": num_decode, "targets": list(targets),
     }
@@ -357,7 +358,8 @@ def run_mesh_bench(
                 apis["http"] = local.url
             if "mesh" in targets:
                 apis["mesh"] = mesh.api_url
-            engine = LLMEngine(config) if "engine" in targets else None
+            # detokenize=False as in the workers: text is the HTTP layer's job.
+            engine = LLMEngine(config, detokenize=False) if "engine" in targets else None
             print(" ".join(f"{k}={v if v is not None else 'tiny (made)'}" for k, v in run.items() if k != "targets"))
             for t in targets:
                 print(f"  {t:<6} {_LEGEND[t]}")

@@ -44,18 +44,20 @@ whole numbers are printed as integers (4294967296, not 4.294967296e+09). */}}
 {{- define "infermesh.scalar" -}}
 {{- if kindIs "float64" . -}}
 {{- if eq (floor .) . -}}{{ int64 . }}{{- else -}}{{ . }}{{- end -}}
-{{- else if kindIs "invalid" . -}}
 {{- else -}}
 {{- . -}}
 {{- end -}}
 {{- end -}}
 
-{{/* {section: {field: value}} as a list of INFERMESH_<SECTION>__<FIELD> env entries. */}}
+{{/* {section: {field: value}} as a list of INFERMESH_<SECTION>__<FIELD> env
+entries. A null value is not set: the service keeps that setting's default. */}}
 {{- define "infermesh.settingsEnv" -}}
 {{- range $section, $fields := . }}
 {{- range $field, $value := $fields }}
+{{- if not (kindIs "invalid" $value) }}
 - name: {{ printf "INFERMESH_%s__%s" (upper $section) (upper $field) }}
   value: {{ include "infermesh.scalar" $value | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end -}}
@@ -64,7 +66,9 @@ whole numbers are printed as integers (4294967296, not 4.294967296e+09). */}}
 {{- define "infermesh.settingsData" -}}
 {{- range $section, $fields := . }}
 {{- range $field, $value := $fields }}
+{{- if not (kindIs "invalid" $value) }}
 {{ printf "INFERMESH_%s__%s" (upper $section) (upper $field) }}: {{ include "infermesh.scalar" $value | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end -}}
