@@ -83,3 +83,22 @@ def hf_logits(path: str | Path, token_ids: list[list[int]]) -> list[torch.Tensor
     model.eval()
     with torch.no_grad():
         return [model(torch.tensor([ids])).logits[0].float() for ids in token_ids]
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    """Seeded random token-id prompts of the given lengths (ids from 3 up: clear of special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(path: str | Path, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, each run alone (no padding to muddy the reference)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, do_sample=False)
+        outs.append(gen[0, len(p) :].tolist())
+    return outs

@@ -5,9 +5,7 @@ import json
 import subprocess
 import sys
 
-
-from tests.hf_models import save_tiny_hf_model
-from tests.test_engine import hf_greedy, random_prompts
+from tests.hf_models import hf_greedy, random_prompts, save_tiny_hf_model
 
 
 def infermesh(*args: str) -> subprocess.CompletedProcess:

@@ -7,27 +7,10 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import save_tiny_hf_model
+from tests.hf_models import hf_greedy, random_prompts, save_tiny_hf_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 NUM_NEW = 32
-
-
-def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_greedy(path, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:  # one at a time: no padding to muddy the reference
-        ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, do_sample=False)
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module", params=ARCHS)

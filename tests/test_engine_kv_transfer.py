@@ -7,8 +7,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.dtypes import torch_dtype
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import save_tiny_hf_model
-from tests.test_engine import random_prompts
+from tests.hf_models import random_prompts, save_tiny_hf_model
 
 
 @pytest.fixture(scope="module")
