@@ -31,6 +31,26 @@ def test_incremental_chain_equals_full_chain():
     assert head + tail == full
 
 
+# Golden values. Changing how a block is hashed (token packing, extra keys, the
+# chain) changes these, orphans every block stored in every kvcache and makes
+# every process that has not been upgraded disagree with the others: such a
+# change must bump ROOT_HASH's version string, and then these values with it.
+GOLDEN_ROOT = "bc03b50d816a91322dc72d0482db0a1e29e4d577efe09c31428e3939e64f9a7d"
+GOLDEN_CHAIN = (  # hash_block_chain(range(64), 16, "fp", "salt"): first and last block
+    "b972d776a1af53c9bbe49015015b9cde2a821e9a26c789ee5b1bca3904fdcc84",
+    "b828b75ef7d08fe27789081ead8e30ae27769222f3e44a4e633704d2df0e7692",
+)
+GOLDEN_EXTRA_KEYS = "c0b5f1f63e61e8f49a0f3cd6cfb6656cc992fd1fb242b4adf6ba83bde1ef8791"
+
+
+def test_hashes_equal_the_golden_values():
+    assert ROOT_HASH.hex() == GOLDEN_ROOT
+    chain = hash_block_chain(list(range(64)), 16, "fp", "salt")
+    assert (chain[0].hex(), chain[-1].hex()) == GOLDEN_CHAIN
+    # Every kind of extra key, and a token id at the top of uint32.
+    assert hash_block(None, [1, 2**32 - 1], ("s", b"b", 7)).hex() == GOLDEN_EXTRA_KEYS
+
+
 def test_hash_is_stable_across_processes():
     code = (
         "from shared.kv.block_hash import hash_block_chain;"

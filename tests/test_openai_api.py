@@ -288,13 +288,16 @@ def test_stop_string_cuts_the_text(mesh: Mesh) -> None:
     assert mesh.wait_idle().num_free_kv_blocks == mesh.load().num_total_kv_blocks  # the cut request was cancelled
 
 
-def test_seed_gives_the_same_sample(mesh: Mesh) -> None:
-    def sample(seed: int) -> str:
+def test_seed_gives_the_same_sample_and_temperature_is_honoured(mesh: Mesh) -> None:
+    def complete(**params: Any) -> str:
         return mesh.client().completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}
+            model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True}, **params
         ).choices[0].text
 
-    assert sample(1234) == sample(1234)
+    sampled = complete(temperature=1.0, seed=1234)
+    assert complete(temperature=1.0, seed=1234) == sampled
+    assert complete(temperature=1.0, seed=4321) != sampled  # the seed is honoured, not fixed
+    assert complete(temperature=0) != sampled  # the temperature is honoured: this run is not greedy
 
 
 def test_shared_prefix_is_cached(mesh: Mesh) -> None:

@@ -37,7 +37,8 @@ def test_instances_missing_heartbeats_are_dropped_and_draining_ones_get_no_work(
     beat(reg, "decode", "d1")
     clock.now += 1.0  # d0 silent for 3.5 s > 3 missed beats
     assert [i.instance_id for i in reg.live("decode")] == ["d1"]
-    assert reg.num_dropped >= 1
+    # d0, and p0: draining still beats, and p0 has been as silent as d0.
+    assert reg.num_dropped == 2 and reg.get("p0") is None
 
 
 HASHES = hash_block_chain(list(range(64)), 16, "fp")  # 4 blocks
