@@ -5,9 +5,12 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.dtypes import torch_dtype
+from shared.engine.engine_request import EngineRequest, KVTransferParams
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from tests.hf_models import random_prompts, save_tiny_hf_model
+
+EXPORT_ALL = KVTransferParams(export_from_block=0)
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +21,7 @@ def model_dir(tmp_path_factory):
 
 
 def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw):
-    engine.add_request(rid, prompt, params, **kw)
+    engine.add_request(EngineRequest(rid, prompt, params, **kw))
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -33,7 +36,7 @@ def test_exported_blocks_imported_elsewhere_give_the_same_tokens(model_dir):
     cfg = dict(model=model_dir, block_size=8)
 
     producer = LLMEngine(EngineConfig(**cfg))
-    first = run(producer, "p", prompt, SamplingParams(max_tokens=1, temperature=0.0), export_kv_from_block=0)
+    first = run(producer, "p", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=EXPORT_ALL)
     assert [h for h, _ in first.exported_kv] == producer.kv.hash_chain(prompt)[:5]
     layout = producer.block_layout
     assert all(len(data) == producer.model.kv_bytes_per_block(8, torch_dtype(producer.config.dtype)) for _, data in first.exported_kv)
@@ -44,7 +47,7 @@ def test_exported_blocks_imported_elsewhere_give_the_same_tokens(model_dir):
     assert consumer.import_blocks(prompt, 0, hashes, [d for _, d in first.exported_kv]) == 5
     assert consumer.num_local_prefix_blocks(prompt, hashes) == 5
     # Continue after the first token, as decode does.
-    out = run(consumer, "d", prompt, greedy, output_token_ids=first.token_ids)
+    out = run(consumer, "d", prompt, greedy, resume_token_ids=first.token_ids)
     assert out.num_cached_tokens == 40
 
     cold = run(LLMEngine(EngineConfig(**cfg, enable_prefix_caching=False)), "c", prompt, greedy)
@@ -69,6 +72,6 @@ def test_seeded_request_resumes_its_generator_after_handoff(model_dir):
     assert first.token_ids == whole[:1]
     rest = run(
         LLMEngine(EngineConfig(model=model_dir)), "r", prompt, seeded,
-        output_token_ids=first.token_ids, generator_state=first.generator_state,
+        resume_token_ids=first.token_ids, sampler_state=first.generator_state,
     )
     assert rest.token_ids == whole

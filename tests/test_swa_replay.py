@@ -15,6 +15,7 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton variant runs in the interpreter on the CPU
 
 from shared.engine.config import EngineConfig  # noqa: E402
+from shared.engine.engine_request import EngineRequest, KVTransferParams
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.hf_models import save_tiny_hf_model  # noqa: E402
@@ -29,6 +30,8 @@ HYBRIDS = {
     "qwen3_sliding_first": ("qwen3", ["sliding_attention", "full_attention", "sliding_attention"], 5),
     "qwen2_tail_sliding": ("qwen2", ["full_attention", "full_attention", "sliding_attention"], 7),
 }
+
+EXPORT_ALL = KVTransferParams(export_from_block=0)
 
 
 def make_hybrid(tmp_path_factory, name: str) -> str:
@@ -47,7 +50,7 @@ def make_hybrid(tmp_path_factory, name: str) -> str:
 
 
 def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw):
-    engine.add_request(rid, prompt, params, **kw)
+    engine.add_request(EngineRequest(rid, prompt, params, **kw))
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -60,7 +63,7 @@ def replayed_tokens(model: str, prompt: list[int], cached: int, replay: str, **c
     """Greedy tokens of prompt on an engine that holds only the persistent KV of its
     first `cached` tokens, loaded from another engine's export."""
     producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, **cfg))
-    first = run(producer, "p", prompt[:cached], SamplingParams(max_tokens=1), export_kv_from_block=0)
+    first = run(producer, "p", prompt[:cached], SamplingParams(max_tokens=1), kv_transfer=EXPORT_ALL)
     hashes = [h for h, _ in first.exported_kv]
     assert len(hashes) == cached // BLOCK
     consumer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, swa_replay=replay, **cfg))
@@ -96,8 +99,8 @@ def test_replay_never_overwrites_the_cached_full_attention_kv(tmp_path_factory):
     _, engine = replayed_tokens(model, prompt, 60, "bounded")
     # The imported blocks still hold the producer's bytes: re-export and compare.
     producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK))
-    ref = run(producer, "p", prompt[:60], SamplingParams(max_tokens=1), export_kv_from_block=0).exported_kv
-    again = run(engine, "again", prompt[:60], SamplingParams(max_tokens=1), export_kv_from_block=0).exported_kv
+    ref = run(producer, "p", prompt[:60], SamplingParams(max_tokens=1), kv_transfer=EXPORT_ALL).exported_kv
+    again = run(engine, "again", prompt[:60], SamplingParams(max_tokens=1), kv_transfer=EXPORT_ALL).exported_kv
     assert [h for h, _ in again] == [h for h, _ in ref]
     assert all(a == b for (_, a), (_, b) in zip(again, ref))
 
@@ -108,7 +111,7 @@ def test_exact_replay_on_the_triton_kernels(tmp_path_factory):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     cold = run(LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton")), "cold", prompt, params)
     producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton"))
-    first = run(producer, "p", prompt[:28], SamplingParams(max_tokens=1), export_kv_from_block=0)
+    first = run(producer, "p", prompt[:28], SamplingParams(max_tokens=1), kv_transfer=EXPORT_ALL)
     consumer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton", swa_replay="exact"))
     consumer.import_blocks(prompt, 0, [h for h, _ in first.exported_kv], [d for _, d in first.exported_kv])
     out = run(consumer, "c", prompt, params)

@@ -51,8 +51,10 @@ class LocalGenerator:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         from shared.engine.async_engine import EngineDead  # loaded already: this instance runs an engine
 
+        from shared.engine.engine_request import EngineRequest
+
         outputs = self.engine.generate(
-            request.request_id, request.prompt_token_ids, request.params, cache_salt=request.cache_salt
+            EngineRequest(request.request_id, request.prompt_token_ids, request.params, request.cache_salt)
         )
         # aclosing: when our caller stops early, AsyncEngine.generate's finally aborts the request.
         async with aclosing(outputs):

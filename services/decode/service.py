@@ -12,6 +12,7 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 
+from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
@@ -89,14 +90,15 @@ class DecodeService:
                 hashes = [BlockHash(x) for x in h.block_hashes]
                 await load_cached_blocks(self.worker, self.kv, prompt, hashes, h.cache_salt or None, span)
                 last = loop.time()
-                async for out in self.worker.engine.generate(
+                request = EngineRequest(
                     rid,
                     prompt,
                     params,
                     cache_salt=h.cache_salt or None,
-                    output_token_ids=list(h.output_token_ids),
-                    generator_state=h.generator_state or None,
-                ):
+                    resume_token_ids=list(h.output_token_ids),
+                    sampler_state=h.generator_state or None,
+                )
+                async for out in self.worker.engine.generate(request):
                     chunk = mesh_pb2.TokenChunk(request_id=rid, token_ids=out.new_token_ids, instance_id=self.ctx.instance_id)
                     chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
                     if out.finished:

@@ -14,6 +14,7 @@ from contextlib import AsyncExitStack
 
 import nats.errors
 
+from shared.engine.engine_request import EngineRequest, KVTransferParams
 from shared.engine.llm_engine import LLMEngine, RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
@@ -73,9 +74,8 @@ class PrefillService:
                 # The first token only: decode generates the rest.
                 first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
                 final: RequestOutput | None = None
-                async for out in self.worker.engine.generate(
-                    rid, prompt, first, cache_salt=salt, export_kv_from_block=remote
-                ):
+                request = EngineRequest(rid, prompt, first, salt, kv_transfer=KVTransferParams(export_from_block=remote))
+                async for out in self.worker.engine.generate(request):
                     final = out
                 assert final is not None and final.finished
                 stored = await self._store_blocks(final, span)

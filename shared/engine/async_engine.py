@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import EngineLoad, LLMEngine, RequestOutput
-from shared.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -27,12 +27,14 @@ class EngineDead(RuntimeError):
 
 @dataclass(slots=True)
 class _Add:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    kwargs: dict[str, Any]
+    request: EngineRequest
     sink: asyncio.Queue
     future: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
 
 
 @dataclass(slots=True)
@@ -41,11 +43,19 @@ class _Call:
     future: asyncio.Future
 
 
+@dataclass(slots=True)
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Call | _Stop
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
         self.engine = engine
         self._loop = loop
-        self._commands: queue.SimpleQueue[_Add | _Call | str | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}
         self._stopped = threading.Event()
         self._error: BaseException | None = None
@@ -56,7 +66,7 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self) -> None:
-        self._commands.put(None)
+        self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join)
 
     @property
@@ -65,16 +75,14 @@ class AsyncEngine:
 
     # -- asyncio side --------------------------------------------------------
 
-    async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, **kwargs: Any
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes. Leaving the iteration early
         (the caller was cancelled or broke out) aborts the request."""
         if self._stopped.is_set():
             raise EngineDead("the engine is stopped")
         sink: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, kwargs, sink, added))
+        self._commands.put(_Add(request, sink, added))
         await added  # raises the engine's ValueError for a bad request
         finished = False
         try:
@@ -88,10 +96,10 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(request_id)
+        self._commands.put(_Abort(request_id))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) on the engine thread between two steps."""
@@ -114,17 +122,17 @@ class AsyncEngine:
 
         self._loop.call_soon_threadsafe(apply)
 
-    def _apply(self, cmd: _Add | _Call | str) -> None:
-        if isinstance(cmd, str):
-            self.engine.abort_request(cmd)
-            self._sinks.pop(cmd, None)
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+        if isinstance(cmd, _Abort):
+            self.engine.abort_request(cmd.request_id)
+            self._sinks.pop(cmd.request_id, None)
         elif isinstance(cmd, _Add):
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **cmd.kwargs)
+                self.engine.add_request(cmd.request)
             except ValueError as exc:
                 self._resolve(cmd.future, error=exc)
                 return
-            self._sinks[cmd.request_id] = cmd.sink
+            self._sinks[cmd.request.request_id] = cmd.sink
             self._resolve(cmd.future)
         else:
             try:
@@ -135,7 +143,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                commands: list[_Add | _Call | str | None] = []
+                commands: list[_Command] = []
                 if not self.engine.has_unfinished_requests():
                     try:  # idle: sleep until a command comes
                         commands.append(self._commands.get(timeout=0.5))
@@ -147,7 +155,7 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                 for cmd in commands:
-                    if cmd is None:
+                    if isinstance(cmd, _Stop):
                         return
                     self._apply(cmd)
                 if self.engine.has_unfinished_requests():

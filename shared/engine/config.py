@@ -23,6 +23,7 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # The values of `kernels`. shared/model/kernels resolves the switch and keeps
 # the same tuple (it must not import the engine); a test checks they agree.
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
+SWA_REPLAY_CHOICES: tuple[str, ...] = ("bounded", "exact")
 
 
 @dataclass(slots=True)
@@ -65,6 +66,14 @@ class EngineConfig:
     kernels: str = "auto"
     """Attention, norm, rotary and activation code: "auto" (Triton kernels on CUDA,
     PyTorch elsewhere), "triton" (on the CPU only under TRITON_INTERPRET=1) or "torch"."""
+    swa_replay: str = "bounded"
+    """How a prefix hit whose sliding-window KV is gone is resumed: "bounded" replays
+    the last W tokens (DeepSeek's SWA bounded replay, approximate by design); "exact"
+    replays L_swa * (W - 1) tokens, after which the state equals a cold run's."""
+    state_cache_bytes: int = 256 << 20
+    """Host memory of the sliding-window state cache (0 turns it off)."""
+    state_cache_ttl_s: float = 600.0
+    """Seconds a saved sliding-window state is kept."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,5 +82,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if self.swa_replay not in SWA_REPLAY_CHOICES:
+            raise ValueError(f"swa_replay must be one of {SWA_REPLAY_CHOICES}, got {self.swa_replay!r}")
+        if self.state_cache_bytes < 0 or self.state_cache_ttl_s <= 0:
+            raise ValueError("state_cache_bytes must be >= 0 and state_cache_ttl_s > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")

@@ -8,6 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from shared.engine.config import EngineConfig
+from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
@@ -54,7 +55,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, per_prompt):
                 rid = str(next(self._ids))
-                prompt_ids = self.engine.add_request(rid, prompt, p)
+                prompt_ids = self.engine.add_request(EngineRequest(rid, prompt, p))
                 results[rid] = CompletionOutput(rid, prompt_ids)
                 order.append(rid)
         except ValueError:

@@ -9,13 +9,16 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.engine_request import EngineRequest
 from shared.engine.dtypes import torch_dtype
-from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.kv.coordinator import KVCacheCoordinator
+from shared.engine.kv.state_cache import SlidingState, SlidingStateCache
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.step import SchedulerOutput
 from shared.kv.block_hash import BlockHash, kv_fingerprint
 from shared.model.fingerprint import model_fingerprint
 from shared.model.loader import load_model
@@ -108,12 +111,18 @@ class LLMEngine:
         # The KV bytes depend on the weights and on the cache dtype: both name the chain.
         weights = model_fingerprint(config.model) if loaded else self.model.config.fingerprint()
         self.fingerprint = kv_fingerprint(weights, config.dtype)
-        self.kv = KVCacheManager(
+        state_cache = (
+            SlidingStateCache(config.state_cache_bytes, config.state_cache_ttl_s) if config.state_cache_bytes else None
+        )
+        self.kv = KVCacheCoordinator(
+            self.model.kv_layout,
             num_blocks,
             config.block_size,
             self.fingerprint,
             config.enable_prefix_caching,
             record_events=record_kv_events,
+            swa_replay=config.swa_replay,  # type: ignore[arg-type]
+            state_cache=state_cache,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -146,7 +155,7 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_block = self.model.kv_bytes_per_block(cfg.block_size, torch_dtype(cfg.dtype))
-        at_least = -(-max_model_len // cfg.block_size)
+        at_least = -(-max_model_len // cfg.block_size) * len(self.model.kv_layout.groups)
         return max(cfg.kv_cache_memory_bytes // per_block, at_least)
 
     @property
@@ -155,47 +164,34 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        *,
-        output_token_ids: list[int] | None = None,
-        generator_state: bytes | None = None,
-        export_kv_from_block: int | None = None,
-    ) -> list[int]:
-        """Queue a request; returns its prompt token ids. A plain string is
-        encoded with special tokens (BOS), as transformers does.
-
-        output_token_ids and generator_state resume a request generated
-        elsewhere (a decode worker taking over from prefill)."""
-        if isinstance(prompt, str):
+    def add_request(self, req: EngineRequest) -> list[int]:
+        """Queue a request; returns its prompt token ids."""
+        params = req.sampling_params
+        if isinstance(req.prompt, str):
             if self.recipe is None:
                 raise ValueError(f"{self.config.model} has no tokenizer.json: give the prompt as token ids")
-            prompt_ids = self.recipe.encode(prompt)
+            prompt_ids = self.recipe.encode(req.prompt)
         else:
-            prompt_ids = list(prompt)
+            prompt_ids = list(req.prompt)
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         request = Request(
-            request_id,
+            req.request_id,
             prompt_ids,
             params,
             eos_token_ids=self.eos_token_ids,
-            cache_salt=cache_salt,
-            generator_state=generator_state,
-            export_kv_from_block=export_kv_from_block,
+            cache_salt=req.cache_salt,
+            generator_state=req.sampler_state,
+            export_kv_from_block=req.kv_transfer.export_from_block if req.kv_transfer else None,
         )
-        for token in output_token_ids or ():
+        for token in req.resume_token_ids:
             request.append_output_token(token)
         if params.stop and self.recipe is None:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none")
         self.scheduler.add_request(request)
         if self.recipe is not None and self.detokenize:
-            self._detokenizers[request_id] = self.recipe.detokenizer(
+            self._detokenizers[req.request_id] = self.recipe.detokenizer(
                 prompt_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
@@ -206,6 +202,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
+        self._save_states()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
@@ -221,12 +218,13 @@ class LLMEngine:
             handle = self.runner.launch(sched)
             outputs = self._finish_in_flight()
             self._in_flight = None if sched.is_empty else (sched, handle)
-            return outputs
-        outputs = self._finish_in_flight()
-        if outputs:
-            return outputs
-        sched = self.scheduler.schedule()
-        return self._process(sched, self.runner.execute(sched))
+        else:
+            outputs = self._finish_in_flight()
+            if not outputs:
+                sched = self.scheduler.schedule()
+                outputs = self._process(sched, self.runner.execute(sched))
+        self._save_states()
+        return outputs
 
     def _unfinished(self) -> list[Request]:
         return [*self.scheduler.running, *self.scheduler.waiting]
@@ -238,14 +236,25 @@ class LLMEngine:
         self._in_flight = None
         return self._process(sched, self.runner.collect(handle))
 
+    def _save_states(self) -> None:
+        """Copy the sliding-window state of requests that ended into the state cache,
+        before the next schedule may hand their blocks out."""
+        saves, self.scheduler.state_saves = self.scheduler.state_saves, []
+        cache = self.kv.state_cache
+        for save in saves:
+            if cache is None or cache.contains(save.block_hash):
+                continue
+            payload = self.runner.gather_blocks(save.block_ids)
+            nbytes = payload.numel() * payload.element_size()
+            cache.put(save.block_hash, SlidingState(save.num_blocks, save.first_block, payload, nbytes))
+
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         updated = self.scheduler.update_from_output(sched, result.sampled)
         outputs: list[RequestOutput] = []
-        for request in updated:
+        for request, new_tokens in updated:
             rid = request.request_id
             detok = self._detokenizers.get(rid)
-            token = request.output_token_ids[-1]
-            delta = detok.add_tokens([token]) if detok else ""
+            delta = detok.add_tokens(new_tokens) if detok else ""
             if detok and detok.stop_reason is not None and not request.status.is_finished:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = detok.stop_reason
@@ -264,7 +273,7 @@ class LLMEngine:
                     request_id=rid,
                     prompt_token_ids=request.prompt_token_ids,
                     token_ids=request.output_token_ids,
-                    new_token_ids=[token],
+                    new_token_ids=new_tokens,
                     text=detok.output_text if detok else "",
                     delta_text=delta,
                     new_logprobs=[lp] if lp is not None else [],
@@ -280,31 +289,38 @@ class LLMEngine:
     # -- KV blocks in and out (the mesh's kvcache service) -------------------
 
     def _export_prompt_blocks(self, request: Request) -> list[tuple[BlockHash, bytes]]:
-        """Bytes of the finished request's full prompt blocks. Its blocks were
-        just freed but nothing reuses them before the next schedule, so they
-        are still in the prefix index with their content."""
+        """Bytes of the finished request's full prompt blocks, of its persistent KV
+        groups only (sliding-window KV is never persisted). Its blocks were just
+        freed but nothing reuses them before the next schedule, so they are still
+        in the prefix index with their content."""
         bs = self.kv.block_size
         start = request.export_kv_from_block or 0
         tokens = request.all_token_ids
+        groups = self.runner.persistent_groups
         hashes: list[BlockHash] = []
-        block_ids: list[int] = []
+        block_ids: dict[int, list[int]] = {g: [] for g in groups}
         for i in range(start, request.num_prompt_tokens // bs):
-            block = self.kv.pool.lookup(request.block_hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
-            if block is None:
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            blocks = [self.kv.pool.lookup(request.block_hashes[i], g, chunk) for g in groups]
+            if not groups or any(b is None for b in blocks):
                 break
             hashes.append(request.block_hashes[i])
-            block_ids.append(block.block_id)
-        return list(zip(hashes, self.runner.read_blocks(block_ids)))
+            for g, b in zip(groups, blocks):
+                block_ids[g].append(b.block_id)  # type: ignore[union-attr]
+        return list(zip(hashes, self.runner.read_blocks(block_ids))) if hashes else []
 
     @property
     def block_layout(self) -> str:
         return self.runner.block_layout
 
     def num_local_prefix_blocks(self, token_ids: list[int], hashes: list[BlockHash]) -> int:
-        """How many leading blocks of this chain the local prefix cache holds."""
+        """How many leading blocks of this chain the local prefix cache holds (in
+        every persistent group)."""
         bs = self.kv.block_size
+        groups = self.runner.persistent_groups
         for i, block_hash in enumerate(hashes):
-            if self.kv.pool.lookup(block_hash, tuple(token_ids[i * bs : (i + 1) * bs])) is None:
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            if not groups or any(self.kv.pool.lookup(block_hash, g, chunk) is None for g in groups):
                 return i
         return len(hashes)
 
@@ -317,23 +333,25 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> int:
         """Enter blocks fetched from the kvcache service (blocks first_block,
-        first_block + 1, ... of token_ids) into the local prefix cache, so the
-        request they belong to hits them when admitted. Returns how many were
-        entered; stops at a block that does not fit or whose hash does not name
-        its tokens (never trust a hash we did not compute)."""
+        first_block + 1, ... of token_ids; their persistent groups' KV) into the
+        local prefix cache, so the request they belong to hits them when admitted.
+        Returns how many were entered; stops at a block that does not fit or whose
+        hash does not name its tokens (never trust a hash we did not compute)."""
         bs = self.kv.block_size
+        groups = self.runner.persistent_groups
         expected = self.kv.hash_chain(token_ids, cache_salt)
         num = 0
         for i, (block_hash, payload) in enumerate(zip(hashes, payloads), start=first_block):
-            if i >= len(expected) or expected[i] != block_hash:
+            if i >= len(expected) or expected[i] != block_hash or not groups:
                 break
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            if self.kv.pool.lookup(block_hash, chunk) is None:
-                new = self.kv.pool.allocate(1)
+            if any(self.kv.pool.lookup(block_hash, g, chunk) is None for g in groups):
+                new = self.kv.pool.allocate(len(groups))
                 if new is None:
                     break
-                self.runner.write_blocks([new[0].block_id], [payload])
-                self.kv.pool.cache_block(new[0], block_hash, chunk)
+                self.runner.write_blocks({g: [b.block_id] for g, b in zip(groups, new)}, [payload])
+                for g, b in zip(groups, new):
+                    self.kv.pool.cache_block(b, block_hash, g, chunk)
                 self.kv.pool.free(new)  # cached and free: kept until the LRU needs it
             num += 1
         return num

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from shared.engine.engine_request import EngineRequest
 from shared.engine.config import EngineConfig
 from shared.engine.dtypes import torch_dtype
 from shared.engine.llm_engine import LLMEngine
@@ -40,7 +41,7 @@ def bench_infermesh(engine: LLMEngine, prompts: list[list[int]], output_len: int
     _sync(device)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, params)
+        engine.add_request(EngineRequest(f"{tag}-{i}", p, params))
     first_token_at = None
     num_with_first = 0
     while engine.has_unfinished_requests():

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from shared.engine.engine_request import EngineRequest
 from shared.engine.model_runner import ModelRunner, StepHandle
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput
@@ -320,7 +321,7 @@ def bench_overlap(model: CausalLM, batch: int, prompt_len: int = 128, output_len
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         for rnd in range(2):  # the first round captures graphs and compiles
             for i in range(batch):
-                engine.add_request(f"{mode}{rnd}-{i}", torch.randint(0, 100000, (prompt_len,)).tolist(), params)
+                engine.add_request(EngineRequest(f"{mode}{rnd}-{i}", torch.randint(0, 100000, (prompt_len,)).tolist(), params))
             first = None
             num_steps = 0
             while engine.has_unfinished_requests():

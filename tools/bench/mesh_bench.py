@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from shared.engine.engine_request import EngineRequest
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
@@ -92,7 +93,7 @@ def run_engine(
         while next_i < len(prompts) and len(submitted) < concurrency:
             rid = f"{tag}-{next_i}"
             submitted[rid] = time.perf_counter()
-            engine.add_request(rid, prompts[next_i], params)
+            engine.add_request(EngineRequest(rid, prompts[next_i], params))
             counts[rid] = 0
             next_i += 1
         outputs = engine.step()

@@ -16,6 +16,7 @@ replay; see docs/architecture.md). A hit of H <= R is no hit. No tensors here.
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shared.engine.config import SWA_REPLAY_CHOICES
 from shared.engine.kv.block_pool import BlockPool, KVBlock
 from shared.engine.kv.single_type import FullAttentionManager, SlidingWindowManager, make_manager
 from shared.engine.kv.state_cache import SlidingState, SlidingStateCache
@@ -24,7 +25,6 @@ from shared.kv.block_hash import BlockHash, hash_block_chain
 from shared.kv.spec import KVCacheLayout
 
 SwaReplay = Literal["bounded", "exact"]
-SWA_REPLAY_CHOICES: tuple[str, ...] = ("bounded", "exact")
 
 
 @dataclass(slots=True)
