@@ -1,9 +1,18 @@
-"""Shared test helpers: a minimal paged-KV driver for ``CausalLM`` (no scheduler)."""
+"""Shared test helpers: a minimal paged-KV driver for ``CausalLM`` (no scheduler),
+and the mesh of real processes the integration tests run against."""
 
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
 import torch
 
 from shared.model.forward_batch import AttentionMetadata
+from shared.model.make_model import make_model
 from shared.model.transformer import CausalLM
+from tools.launch.up import Mesh, free_port
 
 
 class PagedDriver:
@@ -72,3 +81,45 @@ class PagedDriver:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max|a - b| / max|b|: our tolerance metric against the reference b."""
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# -- the mesh ------------------------------------------------------------------------------
+
+
+@contextmanager
+def _running_mesh(model_dir: str, state_dir: Path, timeout_s: float = 240.0, **options: Any) -> Iterator[Mesh]:
+    """nats-server, kvcache, prefill, decode and the balancer as real processes,
+    started as `infermesh up` starts them; stopped on exit, also when the start fails.
+    options: Mesh's num_prefill, num_decode, extra_env."""
+    mesh = Mesh(model_dir, port=free_port(), state_dir=state_dir, **options)
+    try:
+        mesh.start(timeout_s=timeout_s)
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+@pytest.fixture(scope="session")
+def mesh_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The seeded default model (made here, no download), one for every mesh of the session."""
+    path = tmp_path_factory.mktemp("mesh-model")
+    make_model(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def mesh(mesh_model_dir: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Mesh]:
+    """One mesh shared by the tests of a module, shaped by the module's MESH dict
+    (num_prefill, num_decode, extra_env). Its tests must leave it as they found it."""
+    with _running_mesh(mesh_model_dir, tmp_path_factory.mktemp("mesh-state"), **getattr(request.module, "MESH", {})) as m:
+        yield m
+
+
+@pytest.fixture
+def start_mesh(mesh_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Mesh]]:
+    """A mesh of this test's own, for a test that breaks it: start_mesh(num_decode=2, ...)
+    (Mesh's options). Stopped when the test ends."""
+    with ExitStack() as stack:
+        yield lambda **options: stack.enter_context(
+            _running_mesh(mesh_model_dir, tmp_path_factory.mktemp("mesh-state"), **options)
+        )

@@ -14,43 +14,24 @@ import pytest
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.model.make_model import make_model
 from shared.runtime.kvcache_client import KVCacheClient
 from tools.launch.trace_view import load_spans
-from tools.launch.up import Mesh, free_port, grpc_serving
+from tools.launch.up import grpc_serving
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mesh-model")
-    make_model(path)
-    return str(path)
+# The module's mesh (conftest.py's `mesh` fixture): one prefill, one decode.
+MESH = dict(
+    num_prefill=1,
+    num_decode=1,
+    extra_env={"INFERMESH_ENGINE__BLOCK_SIZE": "16", "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2"},
+)
 
 
 @pytest.fixture(scope="module")
-def mesh(model_dir, tmp_path_factory):
-    m = Mesh(
-        model_dir,
-        num_prefill=1,
-        num_decode=1,
-        port=free_port(),
-        state_dir=tmp_path_factory.mktemp("mesh-state"),
-        extra_env={"INFERMESH_ENGINE__BLOCK_SIZE": "16", "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2"},
-    )
-    try:
-        m.start(timeout_s=180)
-    except Exception:
-        m.stop()
-        raise
-    yield m
-    m.stop()
-
-
-@pytest.fixture(scope="module")
-def offline(model_dir):
-    return LLM(model_dir, block_size=16)
+def offline(mesh_model_dir):
+    return LLM(mesh_model_dir, block_size=16)
 
 
 @pytest.fixture
@@ -100,10 +81,10 @@ def kv_stats(mesh):
     return asyncio.run(go())
 
 
-def test_shared_prefix_is_cached_moves_only_new_blocks_and_matches_cold(mesh, client, model_dir):
+def test_shared_prefix_is_cached_moves_only_new_blocks_and_matches_cold(mesh, client, mesh_model_dir):
     name = model_name(client)
     prefix = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(12))
-    cold_llm = LLM(model_dir, block_size=16, enable_prefix_caching=False)
+    cold_llm = LLM(mesh_model_dir, block_size=16, enable_prefix_caching=False)
     second_prompt = prefix + "And then the fox said:"
     cold = cold_llm.generate([second_prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
     num_prompt = len(cold.prompt_token_ids)
@@ -240,12 +221,10 @@ def test_kvcache_restart_keeps_serving_blocks(mesh, client, offline):
     before = kv_get(mesh, hashes)
     assert len(before) == len(hashes) > 0
 
-    idx = next(i for i, (n, _) in enumerate(mesh.procs) if n == "kvcache")
-    old = mesh.procs[idx][1]
+    old = dict(mesh.procs)["kvcache"]
     old.terminate()
     assert old.wait(15) == 0  # a clean shutdown on SIGTERM
-    proc = mesh._start("kvcache", [sys.executable, "-m", "services.kvcache"], mesh._env())
-    mesh.procs[idx] = mesh.procs.pop()
+    proc = mesh.restart("kvcache")
     deadline = time.monotonic() + 60
     while not grpc_serving(mesh.kv_address) and time.monotonic() < deadline:
         assert proc.poll() is None

@@ -1,6 +1,7 @@
 """Several instances per stage: cache-aware prefill routing, decode load
 spreading, and what a client sees when an instance dies (an error, quickly;
-never a hang or a silent loss)."""
+never a hang or a silent loss). The tests that kill instances start a mesh of
+their own, so no test depends on what another left behind."""
 
 import concurrent.futures
 import signal
@@ -11,45 +12,25 @@ import pytest
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.model.make_model import make_model
 from tools.launch.trace_view import load_spans
-from tools.launch.up import Mesh, free_port
+from tools.launch.up import Mesh
+
+ENV = {
+    "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
+    "INFERMESH_BALANCER__TOKEN_TIMEOUT_S": "3",
+    "INFERMESH_BALANCER__FIRST_TOKEN_TIMEOUT_S": "10",
+}
+# The module's mesh (conftest.py's `mesh` fixture), for the tests that kill nothing.
+MESH = dict(num_prefill=2, num_decode=2, extra_env=ENV)
 
 
-@pytest.fixture(scope="module")
-def model_dir_of_mesh(tmp_path_factory):
-    model = tmp_path_factory.mktemp("faults-model")
-    make_model(model)
-    return str(model)
-
-
-@pytest.fixture(scope="module")
-def mesh(model_dir_of_mesh, tmp_path_factory):
-    model = model_dir_of_mesh
-    m = Mesh(
-        str(model),
-        num_prefill=2,
-        num_decode=2,
-        port=free_port(),
-        state_dir=tmp_path_factory.mktemp("faults-state"),
-        extra_env={
-            "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
-            "INFERMESH_BALANCER__TOKEN_TIMEOUT_S": "3",
-            "INFERMESH_BALANCER__FIRST_TOKEN_TIMEOUT_S": "10",
-        },
-    )
-    try:
-        m.start(timeout_s=240)
-    except Exception:
-        m.stop()
-        raise
-    yield m
-    m.stop()
+def openai_client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=60)
 
 
 @pytest.fixture
 def client(mesh):
-    return openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=60)
+    return openai_client(mesh)
 
 
 def route_spans(mesh, after_ns: int) -> list[dict]:
@@ -94,10 +75,12 @@ def running_decode(mesh) -> str:
     raise AssertionError(f"no decode instance is running a request: {loads}")
 
 
-def test_a_decode_instance_dying_mid_stream_migrates_the_request(mesh, client, model_dir_of_mesh):
+def test_a_decode_instance_dying_mid_stream_migrates_the_request(start_mesh, mesh_model_dir):
+    mesh = start_mesh(num_prefill=1, num_decode=2, extra_env=ENV)
+    client = openai_client(mesh)
     name = client.models.list().data[0].id
     prompt = "count with me: one two three"
-    expected = LLM(model_dir_of_mesh).generate([prompt], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))[0]
+    expected = LLM(mesh_model_dir).generate([prompt], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))[0]
     stream = client.completions.create(
         model=name, prompt=prompt, max_tokens=120, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
@@ -118,7 +101,9 @@ def test_a_decode_instance_dying_mid_stream_migrates_the_request(mesh, client, m
     assert usage.completion_tokens == 120 and usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
-def test_with_no_decode_instance_left_requests_fail_fast_with_503(mesh, client):
+def test_with_no_decode_instance_left_requests_fail_fast_with_503(start_mesh):
+    mesh = start_mesh(num_prefill=1, num_decode=1, extra_env=ENV)
+    client = openai_client(mesh)
     name = client.models.list().data[0].id
     for n, p in mesh.procs:
         if n.startswith("decode-") and p.poll() is None:

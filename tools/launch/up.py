@@ -61,6 +61,7 @@ class Mesh:
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     nats_url: str = ""
     kv_address: str = ""
+    _commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def api_url(self) -> str:
@@ -92,6 +93,18 @@ class Mesh:
         with (logs / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append((name, proc))
+        self._commands[name] = (args, env)
+        return proc
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start the stopped process `name` again as it was started (same command,
+        environment and ports); it takes its old place in procs. Returns at once:
+        the caller waits for its health."""
+        i = next(i for i, (n, _) in enumerate(self.procs) if n == name)
+        if self.procs[i][1].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        proc = self._start(name, *self._commands[name])
+        self.procs[i] = self.procs.pop()
         return proc
 
     def _wait(self, what: str, check, timeout_s: float) -> None:  # noqa: ANN001
