@@ -18,7 +18,8 @@ import pytest
 from services.kvcache.__main__ import bind_port
 from shared.kv.block_hash import BlockHash
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
-from shared.runtime.kvcache_client import KVCacheClient, PutSummary
+from shared.runtime.block_stream import MAX_CHUNK_BYTES, BlockAssembler, check_chunk_bytes, iter_chunks
+from shared.runtime.kvcache_client import KVCacheClient, KVCacheProtocolError, PutSummary, _feed
 from shared.runtime.rpc import check_health, open_channel
 from shared.runtime.settings import load_settings
 from shared.runtime.subjects import KV_EVENTS
@@ -29,6 +30,33 @@ MIB = 1 << 20
 
 def h(name: str) -> BlockHash:
     return BlockHash(hashlib.sha256(name.encode()).digest())
+
+
+def test_block_stream_cuts_and_assembles_and_says_what_is_wrong():
+    """The chunking both ends share (client Put, service Get) and the assembly
+    both ends share (service Put, client Get)."""
+    data = os.urandom(2 * MIB + 5)
+    chunks = list(iter_chunks(data, MIB))
+    assert [len(c) for c in chunks] == [MIB, MIB, 5]
+    small = b"abc"
+    assert list(iter_chunks(small, MIB)) == [small] and next(iter_chunks(small, MIB)) is small  # no copy
+    assembler = BlockAssembler()
+    assembler.header(kvcache_pb2.BlockHeader(block_hash=h("x"), num_bytes=len(data), layout="f16[2]"))
+    assert [assembler.data(c) for c in chunks[:-1]] == [None, None]
+    block = assembler.data(chunks[-1])
+    assert (block.block_hash, block.layout, block.data) == (h("x"), "f16[2]", data)
+    assembler.finish()  # nothing left half-way
+    with pytest.raises(ValueError, match="exceeds the kvcache capacity of 10 bytes"):
+        BlockAssembler(capacity_bytes=10).header(kvcache_pb2.BlockHeader(block_hash=h("y"), num_bytes=11))
+    with pytest.raises(ValueError, match=f"chunk_bytes must be in \\(0, {MAX_CHUNK_BYTES}\\]"):
+        check_chunk_bytes(MAX_CHUNK_BYTES + 1)
+    # The client turns a Get stream that does not add up into its own error.
+    with pytest.raises(KVCacheProtocolError, match="data came before any block header"):
+        _feed(BlockAssembler(), kvcache_pb2.GetReply(data=b"x"))
+    cut = BlockAssembler()
+    _feed(cut, kvcache_pb2.GetReply(header=kvcache_pb2.BlockHeader(block_hash=h("z"), num_bytes=4)))
+    with pytest.raises(KVCacheProtocolError, match="the stream ended after 0 of 4 bytes"):
+        _feed(cut, None)
 
 
 @dataclass
