@@ -37,7 +37,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction, help=text)
         else:
-            group.add_argument(flag, dest=f"engine_{f.name}", type=kind, choices=_ENGINE_CHOICES.get(f.name), help=text)
+            group.add_argument(flag, dest=f"engine_{f.name}", type=kind, choices=_ENGINE_CHOICES.get(f.name),
+                               metavar=None if f.name in _ENGINE_CHOICES else f.name.upper(), help=text)
 
 
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
