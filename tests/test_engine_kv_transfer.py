@@ -1,16 +1,22 @@
-"""KV blocks leave one engine as bytes and enter another (what prefill and
-decode do through the kvcache service), without changing a single token."""
+"""KV blocks leave one engine through its connector and enter another's (what
+prefill and decode do through the kvcache service), without changing a single
+token; the engine, not its caller, drives the connector."""
 
 import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.dtypes import torch_dtype
 from shared.engine.engine_request import EngineRequest, KVTransferParams
+from shared.engine.kv.connector import LoadResult
+from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
+from shared.engine.request import RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from tests.hf_models import random_prompts, save_tiny_hf_model
 
-EXPORT_ALL = KVTransferParams(export_from_block=0)
+SAVE = KVTransferParams(load=True, save=True)
+LOAD = KVTransferParams(load=True)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -30,37 +36,122 @@ def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, 
     return final
 
 
-def test_exported_blocks_imported_elsewhere_give_the_same_tokens(model_dir):
+def make(model_dir: str, connector=None, **cfg) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, block_size=8, **cfg), kv_connector=connector)
+
+
+def test_saved_blocks_loaded_by_another_engine_give_the_same_tokens(model_dir):
     prompt = random_prompts([45], vocab=500, seed=7)[0]  # 5 full blocks of 8 + 5 tokens
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    cfg = dict(model=model_dir, block_size=8)
+    store = MemoryKVStore()
+    producer = make(model_dir, MemoryConnector(store))
+    first = run(producer, "p", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=SAVE)
+    # The last output came once the blocks were stored, and says which.
+    assert first.kv.block_hashes == producer.kv.hash_chain(prompt)[:5]
+    assert first.kv.num_saved_blocks == 5 and len(store.blocks) == 5
+    block_bytes = producer.model.kv_bytes_per_block(8, torch_dtype(producer.config.dtype))
+    assert {len(d) for d in store.blocks.values()} == {block_bytes}
 
-    producer = LLMEngine(EngineConfig(**cfg))
-    first = run(producer, "p", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=EXPORT_ALL)
-    assert [h for h, _ in first.exported_kv] == producer.kv.hash_chain(prompt)[:5]
-    layout = producer.block_layout
-    assert all(len(data) == producer.model.kv_bytes_per_block(8, torch_dtype(producer.config.dtype)) for _, data in first.exported_kv)
-
-    consumer = LLMEngine(EngineConfig(**cfg))
-    assert consumer.block_layout == layout
-    hashes = [h for h, _ in first.exported_kv]
-    assert consumer.import_blocks(prompt, 0, hashes, [d for _, d in first.exported_kv]) == 5
-    assert consumer.num_local_prefix_blocks(prompt, hashes) == 5
-    # Continue after the first token, as decode does.
-    out = run(consumer, "d", prompt, greedy, resume_token_ids=first.token_ids)
+    consumer = make(model_dir, MemoryConnector(store))
+    # Continue after the first token, as decode does: the prompt's blocks come through the connector.
+    out = run(consumer, "d", prompt, GREEDY, resume_token_ids=first.token_ids, kv_transfer=LOAD)
+    assert out.kv.num_loaded_blocks == 5 and not out.kv.load_failed
     assert out.num_cached_tokens == 40
-
-    cold = run(LLMEngine(EngineConfig(**cfg, enable_prefix_caching=False)), "c", prompt, greedy)
+    cold = run(make(model_dir, enable_prefix_caching=False), "c", prompt, GREEDY)
     assert out.token_ids == cold.token_ids
 
 
-def test_import_refuses_hashes_that_do_not_name_the_tokens(model_dir):
-    engine = LLMEngine(EngineConfig(model=model_dir, block_size=8))
-    prompt = random_prompts([20], vocab=500, seed=8)[0]
-    other = random_prompts([20], vocab=500, seed=9)[0]
-    bogus = engine.kv.hash_chain(other)
-    payload = bytes(engine.model.kv_bytes_per_block(8, torch_dtype(engine.config.dtype)))
-    assert engine.import_blocks(prompt, 0, bogus, [payload, payload]) == 0
+def test_a_save_skips_what_the_source_holds_and_a_load_what_the_cache_holds(model_dir):
+    store = MemoryKVStore()
+    prompt = random_prompts([45], vocab=500, seed=11)[0]
+    engine = make(model_dir, MemoryConnector(store))
+    run(engine, "a", prompt[:25], SamplingParams(max_tokens=1), kv_transfer=SAVE)  # blocks 0-2
+    assert len(store.blocks) == 3
+    out = run(make(model_dir, MemoryConnector(store)), "b", prompt, SamplingParams(max_tokens=1), kv_transfer=SAVE)
+    assert (out.kv.num_loaded_blocks, out.kv.num_saved_blocks) == (3, 2)  # loads 0-2, saves 3-4 only
+    # The same engine again: everything is local, nothing is loaded.
+    again = run(engine, "c", prompt[:25], SamplingParams(max_tokens=1), kv_transfer=SAVE)
+    assert again.kv.num_loaded_blocks == 0 and again.num_cached_tokens == 24
+
+
+class FailingConnector(MemoryConnector):
+    """Promises blocks, then delivers only the first `deliver` of them."""
+
+    def __init__(self, store: MemoryKVStore, deliver: int) -> None:
+        super().__init__(store)
+        self.deliver = deliver
+
+    def start_load(self, request_id, hashes, layout, trace=None):
+        super().start_load(request_id, hashes, layout, trace)
+        result = self._loads[-1]
+        self._loads[-1] = LoadResult(request_id, result.payloads[: self.deliver], "connection reset")
+
+
+@pytest.mark.parametrize("deliver", [0, 2])
+def test_a_failed_load_is_recomputed_visibly(model_dir, deliver):
+    store = MemoryKVStore()
+    prompt = random_prompts([45], vocab=500, seed=12)[0]
+    run(make(model_dir, MemoryConnector(store)), "p", prompt, SamplingParams(max_tokens=1), kv_transfer=SAVE)
+    engine = make(model_dir, FailingConnector(store, deliver))
+    free_before = engine.kv.pool.num_free_blocks
+    out = run(engine, "d", prompt, GREEDY, kv_transfer=LOAD)
+    assert out.kv.load_failed and out.kv.num_loaded_blocks == deliver
+    assert engine.scheduler.num_kv_load_failures == 1
+    assert out.num_cached_tokens == 8 * deliver
+    cold = run(make(model_dir, enable_prefix_caching=False), "c", prompt, GREEDY)
+    assert out.token_ids == cold.token_ids
+    # Nothing leaked: the reservation was returned.
+    assert engine.kv.pool.num_free_blocks == free_before
+
+
+class SlowLookups(MemoryConnector):
+    """Answers a lookup only the second time it is asked, as a remote store answers later."""
+
+    def __init__(self, store: MemoryKVStore) -> None:
+        super().__init__(store)
+        self.asked: dict[str, int] = {}
+
+    def lookup(self, request_id, hashes, layout, trace=None):
+        self.asked[request_id] = self.asked.get(request_id, 0) + 1
+        return super().lookup(request_id, hashes, layout) if self.asked[request_id] >= 2 else None
+
+
+def test_a_pending_lookup_holds_up_no_other_request_and_reserves_before_loading(model_dir):
+    store = MemoryKVStore()
+    prompt = random_prompts([45], vocab=500, seed=13)[0]
+    run(make(model_dir, MemoryConnector(store)), "p", prompt, SamplingParams(max_tokens=1), kv_transfer=SAVE)
+    connector = SlowLookups(store)
+    engine = make(model_dir, connector)
+    engine.add_request(EngineRequest("slow", prompt, GREEDY, kv_transfer=LOAD))
+    engine.add_request(EngineRequest("plain", [t + 1 for t in prompt[:10]], GREEDY))
+    engine.step()
+    sched = engine.scheduler
+    assert [r.request_id for r in sched.running] == ["plain"]  # admitted past the pending lookup
+    assert sched.requests["slow"].status == RequestStatus.WAITING
+    engine.step()  # the answer: the store holds 5 blocks; they are reserved, then loaded
+    assert sched.requests["slow"].status == RequestStatus.WAITING_FOR_KV
+    reserved = engine.kv.reserved_block_ids("slow")[0]
+    assert len(reserved) == 5 and all(engine.kv.pool.blocks[b].ref_cnt == 1 for b in reserved)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert outs["slow"].kv.num_loaded_blocks == 5 and connector.asked["slow"] == 2
+
+
+def test_aborting_a_request_waiting_for_kv_returns_its_blocks(model_dir):
+    store = MemoryKVStore()
+    prompt = random_prompts([45], vocab=500, seed=14)[0]
+    run(make(model_dir, MemoryConnector(store)), "p", prompt, SamplingParams(max_tokens=1), kv_transfer=SAVE)
+    engine = make(model_dir, MemoryConnector(store))
+    free = engine.kv.pool.num_free_blocks
+    engine.add_request(EngineRequest("a", prompt, GREEDY, kv_transfer=LOAD))
+    engine.step()
+    assert engine.scheduler.requests["a"].status == RequestStatus.WAITING_FOR_KV
+    engine.abort_request("a")
+    assert engine.kv.pool.num_free_blocks == free
+    assert not engine.has_unfinished_requests()
+    engine.step()  # the load's late result is dropped
     assert engine.kv.pool.num_cached_blocks == 0
 
 
@@ -73,5 +164,5 @@ def test_seeded_request_resumes_its_generator_after_handoff(model_dir):
     rest = run(
         LLMEngine(EngineConfig(model=model_dir)), "r", prompt, seeded,
         resume_token_ids=first.token_ids, sampler_state=first.generator_state,
-    )
+    )  # fmt: skip
     assert rest.token_ids == whole

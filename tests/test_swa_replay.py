@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton variant runs in the
 
 from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.engine_request import EngineRequest, KVTransferParams
+from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.hf_models import save_tiny_hf_model  # noqa: E402
@@ -31,7 +32,8 @@ HYBRIDS = {
     "qwen2_tail_sliding": ("qwen2", ["full_attention", "full_attention", "sliding_attention"], 7),
 }
 
-EXPORT_ALL = KVTransferParams(export_from_block=0)
+SAVE = KVTransferParams(load=True, save=True)
+LOAD = KVTransferParams(load=True)
 
 
 def make_hybrid(tmp_path_factory, name: str) -> str:
@@ -61,15 +63,16 @@ def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, 
 
 def replayed_tokens(model: str, prompt: list[int], cached: int, replay: str, **cfg) -> tuple[list[int], LLMEngine]:
     """Greedy tokens of prompt on an engine that holds only the persistent KV of its
-    first `cached` tokens, loaded from another engine's export."""
-    producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, **cfg))
-    first = run(producer, "p", prompt[:cached], SamplingParams(max_tokens=1), kv_transfer=EXPORT_ALL)
-    hashes = [h for h, _ in first.exported_kv]
-    assert len(hashes) == cached // BLOCK
-    consumer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, swa_replay=replay, **cfg))
-    loaded = consumer.import_blocks(prompt, 0, hashes, [d for _, d in first.exported_kv])
-    assert loaded == len(hashes)
-    out = run(consumer, "c", prompt, GREEDY)
+    first `cached` tokens, loaded through its connector from another engine's save."""
+    store = MemoryKVStore()
+    producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, **cfg), kv_connector=MemoryConnector(store))
+    first = run(producer, "p", prompt[:cached], SamplingParams(max_tokens=1), kv_transfer=SAVE)
+    assert first.kv.num_saved_blocks == cached // BLOCK == len(store.blocks)
+    consumer = LLMEngine(
+        EngineConfig(model=model, block_size=BLOCK, swa_replay=replay, **cfg), kv_connector=MemoryConnector(store)
+    )
+    out = run(consumer, "c", prompt, GREEDY, kv_transfer=LOAD)
+    assert out.kv.num_loaded_blocks == cached // BLOCK
     return out.token_ids, consumer
 
 
@@ -97,12 +100,13 @@ def test_replay_never_overwrites_the_cached_full_attention_kv(tmp_path_factory):
     model = make_hybrid(tmp_path_factory, "qwen2_alternating")
     prompt = random_prompts([70], vocab=500, seed=5)[0]
     _, engine = replayed_tokens(model, prompt, 60, "bounded")
-    # The imported blocks still hold the producer's bytes: re-export and compare.
-    producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK))
-    ref = run(producer, "p", prompt[:60], SamplingParams(max_tokens=1), kv_transfer=EXPORT_ALL).exported_kv
-    again = run(engine, "again", prompt[:60], SamplingParams(max_tokens=1), kv_transfer=EXPORT_ALL).exported_kv
-    assert [h for h, _ in again] == [h for h, _ in ref]
-    assert all(a == b for (_, a), (_, b) in zip(again, ref))
+    # The loaded blocks still hold the producer's bytes: save them again elsewhere and compare.
+    ref, again = MemoryKVStore(), MemoryKVStore()
+    producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK), kv_connector=MemoryConnector(ref))
+    run(producer, "p", prompt[:60], SamplingParams(max_tokens=1), kv_transfer=SAVE)
+    engine.kv_transfer.connector = MemoryConnector(again)
+    run(engine, "again", prompt[:60], SamplingParams(max_tokens=1), kv_transfer=KVTransferParams(save=True))
+    assert again.blocks == ref.blocks and len(ref.blocks) == 15
 
 
 def test_exact_replay_on_the_triton_kernels(tmp_path_factory):
@@ -110,11 +114,14 @@ def test_exact_replay_on_the_triton_kernels(tmp_path_factory):
     prompt = random_prompts([34], vocab=500, seed=6)[0]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     cold = run(LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton")), "cold", prompt, params)
-    producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton"))
-    first = run(producer, "p", prompt[:28], SamplingParams(max_tokens=1), kv_transfer=EXPORT_ALL)
-    consumer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton", swa_replay="exact"))
-    consumer.import_blocks(prompt, 0, [h for h, _ in first.exported_kv], [d for _, d in first.exported_kv])
-    out = run(consumer, "c", prompt, params)
+    store = MemoryKVStore()
+    producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton"), kv_connector=MemoryConnector(store))
+    run(producer, "p", prompt[:28], SamplingParams(max_tokens=1), kv_transfer=SAVE)
+    consumer = LLMEngine(
+        EngineConfig(model=model, block_size=BLOCK, kernels="triton", swa_replay="exact"),
+        kv_connector=MemoryConnector(store),
+    )
+    out = run(consumer, "c", prompt, params, kv_transfer=LOAD)
     assert consumer.kv.num_replays == 1
     assert out.token_ids == cold.token_ids
 

@@ -1,8 +1,9 @@
 """Decode: continue a request handed over by prefill.
 
-The first token (sampled by prefill) goes out at once; the prompt's full blocks
-come from kvcache into the local paged cache; the engine recomputes only the
-partial last block and the first token, then generates. Every token goes out
+The first token (sampled by prefill) goes out at once; the engine's connector
+loads the prompt's full blocks from kvcache into the local paged cache (the
+persistent KV groups; sliding-window KV is replayed), the engine recomputes only
+the partial last block and the first token, then generates. Every token goes out
 on the request's stream subject with a sequence number; the last chunk says
 why it ended and carries usage. A cancel message aborts the request, which
 frees its blocks.
@@ -12,27 +13,25 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 
-from shared.engine.engine_request import EngineRequest
+from shared.engine.engine_request import EngineRequest, KVTransferParams
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
-from shared.kv.block_hash import BlockHash
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import StreamPublisher
-from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.service import ServiceContext
 from shared.stage.convert import logprobs_to_proto, params_from_proto
-from shared.stage.worker import Worker, load_cached_blocks, serve_engine_stage, validate_prompt
+from shared.runtime.telemetry import inject_headers
+from shared.stage.worker import Worker, serve_engine_stage, validate_prompt
 
 log = logging.getLogger(__name__)
 
 
 class DecodeService:
-    def __init__(self, ctx: ServiceContext, worker: Worker, kv: KVCacheClient) -> None:
+    def __init__(self, ctx: ServiceContext, worker: Worker) -> None:
         self.ctx = ctx
         self.worker = worker
-        self.kv = kv
         self.engine: LLMEngine = worker.engine.engine
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Decode requests by outcome", ("outcome",))
@@ -87,8 +86,6 @@ class DecodeService:
                     span.set_attribute("output.tokens", 1)
                     self.m_requests.labels("ok").inc()
                     return
-                hashes = [BlockHash(x) for x in h.block_hashes]
-                await load_cached_blocks(self.worker, self.kv, prompt, hashes, h.cache_salt or None, span)
                 last = loop.time()
                 request = EngineRequest(
                     rid,
@@ -97,11 +94,15 @@ class DecodeService:
                     cache_salt=h.cache_salt or None,
                     resume_token_ids=list(h.output_token_ids),
                     sampler_state=h.generator_state or None,
+                    kv_transfer=KVTransferParams(load=True),
+                    trace_carrier=inject_headers(),
                 )
                 async for out in self.worker.engine.generate(request):
                     chunk = mesh_pb2.TokenChunk(request_id=rid, token_ids=out.new_token_ids, instance_id=self.ctx.instance_id)
                     chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
                     if out.finished:
+                        if out.kv is not None:
+                            self.worker.record_kv_transfer(out.kv, span)
                         chunk.final = True
                         chunk.finish_reason = out.finish_reason or "stop"
                         chunk.usage.CopyFrom(self._usage(h, len(out.token_ids)))
@@ -139,7 +140,7 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     await serve_engine_stage(
         ctx,
         stack,
-        lambda worker, kv: DecodeService(ctx, worker, kv).on_admit,
+        lambda worker: DecodeService(ctx, worker).on_admit,
         subjects.decode_admit(ctx.instance_id),
         mesh_pb2.DecodeHandoff,
     )

@@ -1,10 +1,10 @@
 """Prefill: one request at a time per task, the engine batches them.
 
-For a request: find how many leading blocks of the prompt are cached here and
-in the kvcache service, load the missing cached ones, compute the rest in
-chunks (the engine's chunked prefill), write the new full blocks back to
-kvcache, and hand the request with its first token to decode. A failure at any
-point ends the request's stream with an error: never lost silently.
+For a request: run it for its first token with KV transfer on both ways (the
+engine's connector loads the prompt's blocks kvcache holds and this worker
+lacks, and stores the new full blocks before the request ends), then hand it
+with its first token to decode. The service moves no KV itself. A failure at
+any point ends the request's stream with an error: never lost silently.
 """
 
 import asyncio
@@ -19,26 +19,24 @@ from shared.engine.llm_engine import LLMEngine, RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
-from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.service import ServiceContext
+from shared.runtime.telemetry import inject_headers
 from shared.stage.convert import logprobs_to_proto, params_from_proto
-from shared.stage.worker import Worker, fail_stream, load_cached_blocks, serve_engine_stage, validate_prompt
+from shared.stage.worker import Worker, fail_stream, serve_engine_stage, validate_prompt
 
 
 log = logging.getLogger(__name__)
 
 
 class PrefillService:
-    def __init__(self, ctx: ServiceContext, worker: Worker, kv: KVCacheClient) -> None:
+    def __init__(self, ctx: ServiceContext, worker: Worker) -> None:
         self.ctx = ctx
         self.worker = worker
-        self.kv = kv
         self.engine: LLMEngine = worker.engine.engine
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Prefill requests by outcome", ("outcome",))
         self.m_prompt_tokens = m.counter("prompt_tokens_total", "Prompt tokens received")
         self.m_cached_tokens = m.counter("cached_tokens_total", "Prompt tokens served from a cache", ("source",))
-        self.m_stored_bytes = m.counter("kv_stored_bytes_total", "KV bytes written to kvcache")
         self.m_latency = m.histogram("latency_seconds", "From dispatch to handoff")
 
     async def on_run(self, req: mesh_pb2.PrefillRequest) -> mesh_pb2.Ack:
@@ -65,30 +63,30 @@ class PrefillService:
             span.set_attribute("request.id", rid)
             span.set_attribute("prompt.tokens", len(prompt))
             try:
-                hashes = self.engine.kv.hash_chain(prompt, salt)
-                # Block-aligned hits only, and never the prompt's last token.
-                max_hit = (len(prompt) - 1) // self.engine.kv.block_size
-                remote = await self.kv.lookup(hashes[:max_hit])
-                loaded = await load_cached_blocks(self.worker, self.kv, prompt, hashes[:remote], salt, span)
-                span.set_attribute("kvcache.leading_blocks", remote)
                 # The first token only: decode generates the rest.
                 first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+                request = EngineRequest(
+                    rid, prompt, first, salt,
+                    kv_transfer=KVTransferParams(load=True, save=True), trace_carrier=inject_headers(),
+                )  # fmt: skip
                 final: RequestOutput | None = None
-                request = EngineRequest(rid, prompt, first, salt, kv_transfer=KVTransferParams(export_from_block=remote))
                 async for out in self.worker.engine.generate(request):
                     final = out
-                assert final is not None and final.finished
-                stored = await self._store_blocks(final, span)
+                assert final is not None and final.finished and final.kv is not None
+                self.worker.record_kv_transfer(final.kv, span)
                 span.set_attribute("prompt.cached_tokens", final.num_cached_tokens)
                 self.m_prompt_tokens.inc(len(prompt))
-                self.m_cached_tokens.labels("local" if loaded == 0 else "kvcache").inc(final.num_cached_tokens)
+                from_kvcache = min(final.kv.num_loaded_blocks * self.engine.kv.block_size, final.num_cached_tokens)
+                self.m_cached_tokens.labels("kvcache").inc(from_kvcache)
+                self.m_cached_tokens.labels("local").inc(final.num_cached_tokens - from_kvcache)
                 handoff = mesh_pb2.DecodeHandoff(
                     request_id=rid,
                     prompt_token_ids=prompt,
                     output_token_ids=final.token_ids,
                     sampling=req.sampling,
                     cache_salt=req.cache_salt,
-                    block_hashes=hashes[: remote + stored],
+                    # The prompt's chain, which kvcache holds unless the store failed (decode then recomputes).
+                    block_hashes=final.kv.block_hashes if final.kv.save_error is None else [],
                     num_cached_tokens=final.num_cached_tokens,
                     generator_state=final.generator_state or b"",
                     prefill_instance=self.ctx.instance_id,
@@ -107,17 +105,6 @@ class PrefillService:
                 span.record_exception(exc)
                 await fail_stream(self.ctx.bus, rid, self.ctx.instance_id, f"prefill failed: {exc}")
 
-    async def _store_blocks(self, final: RequestOutput, span) -> int:  # noqa: ANN001
-        blocks = final.exported_kv or []
-        if blocks:
-            layout = self.engine.block_layout
-            await self.kv.put_blocks([(h, layout, data) for h, data in blocks])
-            num_bytes = sum(len(d) for _, d in blocks)
-            self.m_stored_bytes.inc(num_bytes)
-            span.set_attribute("kv.stored_blocks", len(blocks))
-            span.set_attribute("kv.stored_bytes", num_bytes)
-        return len(blocks)
-
     async def _hand_over(self, decode_instance: str, handoff: mesh_pb2.DecodeHandoff) -> None:
         try:
             ack = await self.ctx.bus.request(subjects.decode_admit(decode_instance), handoff, mesh_pb2.Ack)
@@ -131,7 +118,7 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     await serve_engine_stage(
         ctx,
         stack,
-        lambda worker, kv: PrefillService(ctx, worker, kv).on_run,
+        lambda worker: PrefillService(ctx, worker).on_run,
         subjects.prefill_run(ctx.instance_id),
         mesh_pb2.PrefillRequest,
     )

@@ -13,10 +13,14 @@ from shared.engine.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class KVTransferParams:
-    export_from_block: int | None = None
-    """When set, the finished output carries the bytes of the prompt's full blocks
-    (persistent KV groups only) from this block index on: a prefill worker writes
-    them to the kvcache service."""
+    """What the engine's KV connector does for this request."""
+
+    load: bool = False
+    """At admission, load the prompt's blocks the connector's source holds and this
+    engine lacks (the request waits for them in WAITING_FOR_KV)."""
+    save: bool = False
+    """When the request ends, store its prompt's full blocks the source lacks; its
+    last output is held back until they are stored (a handoff may then rely on them)."""
 
 
 @dataclass(slots=True)
@@ -32,3 +36,5 @@ class EngineRequest:
     sampler_state: bytes | None = None
     """A seeded sampler's state to resume from (the request handed over mid-generation)."""
     kv_transfer: KVTransferParams | None = None
+    trace_carrier: dict[str, str] | None = None
+    """W3C trace headers of the request: the connector's calls join its trace."""

@@ -3,6 +3,7 @@ by its owner. Offline generation (shared.engine.llm) loops over step(); a
 service runs step() on a thread of its own and talks to it through queues."""
 
 import logging
+import time
 from pathlib import Path
 from dataclasses import dataclass
 
@@ -11,8 +12,10 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.engine_request import EngineRequest
 from shared.engine.dtypes import torch_dtype
+from shared.engine.kv.connector import KVConnector
 from shared.engine.kv.coordinator import KVCacheCoordinator
 from shared.engine.kv.state_cache import SlidingState, SlidingStateCache
+from shared.engine.kv_transfer import KVTransfer
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.request import Request, RequestStatus
@@ -47,8 +50,19 @@ class RequestOutput:
     num_cached_tokens: int
     generator_state: bytes | None = None
     """On a finished seeded request: the sampler's state (to hand the request over)."""
-    exported_kv: list[tuple[BlockHash, bytes]] | None = None
-    """On a finished request added with export_kv_from_block: (hash, bytes) of its prompt's full blocks."""
+    kv: "KVTransferReport | None" = None
+    """On a finished request with KV-transfer parameters: what the connector moved."""
+
+
+@dataclass(slots=True)
+class KVTransferReport:
+    block_hashes: list[BlockHash]
+    """The chain hashes of the prompt's full blocks, as this engine computed them."""
+    num_loaded_blocks: int = 0
+    load_failed: bool = False
+    """A promised load did not (fully) arrive: those tokens were recomputed."""
+    num_saved_blocks: int = 0
+    save_error: str | None = None
 
 
 @dataclass(slots=True)
@@ -82,6 +96,7 @@ class LLMEngine:
         detokenize: bool = True,
         record_kv_events: bool = False,
         load_progress: bool = False,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         """model: an already built model (benchmarks build one in GPU memory);
         None loads config.model. The caller's choices, not knobs of the config:
@@ -89,7 +104,9 @@ class LLMEngine:
         worker and the balancer's LocalGenerator leave that to the HTTP layer and
         stream token ids only. record_kv_events: keep the hashes of blocks
         entering / leaving the prefix cache for drain_kv_events() (a mesh worker).
-        load_progress: a progress bar while the weights load."""
+        load_progress: a progress bar while the weights load. kv_connector: where
+        KV beyond this engine's cache comes from and goes to (the engine owns it
+        and closes it in close())."""
         self.config = config
         self.detokenize = detokenize
         dtype = torch_dtype(config.dtype)
@@ -124,15 +141,6 @@ class LLMEngine:
             swa_replay=config.swa_replay,  # type: ignore[arg-type]
             state_cache=state_cache,
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                prefill_chunk_size=config.prefill_chunk_size,
-                max_model_len=max_model_len,
-            ),
-            self.kv,
-        )
         self.runner = ModelRunner(
             self.model,
             num_blocks,
@@ -144,6 +152,20 @@ class LLMEngine:
             max_model_len=max_model_len,
             max_batch=config.max_num_seqs,
         )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                prefill_chunk_size=config.prefill_chunk_size,
+                max_model_len=max_model_len,
+            ),
+            self.kv,
+            kv_connector,
+            self.runner.block_layout,
+        )
+        self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, self.runner) if kv_connector else None
+        self._awaiting_save: dict[str, RequestOutput] = {}
+        """Last outputs held back until the connector has stored the request's blocks."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         overlap = config.async_scheduling
         self._overlap = device.type == "cuda" if overlap is None else overlap
@@ -183,7 +205,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             cache_salt=req.cache_salt,
             generator_state=req.sampler_state,
-            export_kv_from_block=req.kv_transfer.export_from_block if req.kv_transfer else None,
+            kv_transfer=req.kv_transfer,
+            trace_carrier=req.trace_carrier,
         )
         for token in req.resume_token_ids:
             request.append_output_token(token)
@@ -202,10 +225,18 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
+        self._awaiting_save.pop(request_id, None)
+        if self.kv_transfer is not None:
+            self.kv_transfer.forget(request_id)
         self._save_states()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None or bool(self._awaiting_save)
+
+    def close(self) -> None:
+        """Stop the connector's background work."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.connector.close()
 
     # -- the step ------------------------------------------------------------
 
@@ -213,8 +244,10 @@ class LLMEngine:
         """One step: schedule, run, and turn sampled tokens into outputs. With
         async scheduling, step N+1 is launched before step N's tokens are read
         back, and this returns step N's outputs."""
+        released = self._poll_connector()
         if self._overlap and all(_host_free(r.sampling_params) for r in self._unfinished()):
             sched = self.scheduler.schedule()
+            self._start_loads()
             handle = self.runner.launch(sched)
             outputs = self._finish_in_flight()
             self._in_flight = None if sched.is_empty else (sched, handle)
@@ -222,9 +255,57 @@ class LLMEngine:
             outputs = self._finish_in_flight()
             if not outputs:
                 sched = self.scheduler.schedule()
+                self._start_loads()
                 outputs = self._process(sched, self.runner.execute(sched))
         self._save_states()
-        return outputs
+        outputs = self._hold_for_saves(outputs)
+        if not outputs and not released and self._idle_on_io():
+            time.sleep(0.001)  # only KV on its way: let the connector's thread run
+        return released + outputs
+
+    # -- the KV connector ------------------------------------------------------
+
+    def _start_loads(self) -> None:
+        if self.kv_transfer is not None:
+            self.kv_transfer.start_loads()
+
+    def _poll_connector(self) -> list[RequestOutput]:
+        """Apply finished loads; release the last outputs whose saves finished."""
+        if self.kv_transfer is None:
+            return []
+        released: list[RequestOutput] = []
+        for done in self.kv_transfer.poll():
+            out = self._awaiting_save.pop(done.request_id, None)
+            if out is None:
+                continue
+            if out.kv is not None:
+                out.kv.num_saved_blocks = done.num_blocks if done.error is None else 0
+                out.kv.save_error = done.error
+            released.append(out)
+        return released
+
+    def _hold_for_saves(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Hold back the last output of requests whose blocks are being saved."""
+        if self.kv_transfer is None:
+            return outputs
+        saving = set(self.kv_transfer.start_saves())
+        if not saving:
+            return outputs
+        kept: list[RequestOutput] = []
+        for out in outputs:
+            if out.finished and out.request_id in saving:
+                self._awaiting_save[out.request_id] = out
+            else:
+                kept.append(out)
+        return kept
+
+    def _idle_on_io(self) -> bool:
+        return (
+            self.kv_transfer is not None
+            and self.kv_transfer.busy
+            and not self.scheduler.running
+            and self._in_flight is None
+        )
 
     def _unfinished(self) -> list[Request]:
         return [*self.scheduler.running, *self.scheduler.waiting]
@@ -266,8 +347,11 @@ class LLMEngine:
             extra: dict[str, object] = {}
             if finished:
                 extra["generator_state"] = self.runner.generator_state(rid)
-                if request.export_kv_from_block is not None:
-                    extra["exported_kv"] = self._export_prompt_blocks(request)
+                if request.kv_transfer is not None:
+                    num_full = request.num_prompt_tokens // self.kv.block_size
+                    extra["kv"] = KVTransferReport(
+                        request.block_hashes[:num_full], request.num_loaded_blocks, request.kv_load_failed
+                    )
             outputs.append(
                 RequestOutput(
                     request_id=rid,
@@ -288,73 +372,9 @@ class LLMEngine:
 
     # -- KV blocks in and out (the mesh's kvcache service) -------------------
 
-    def _export_prompt_blocks(self, request: Request) -> list[tuple[BlockHash, bytes]]:
-        """Bytes of the finished request's full prompt blocks, of its persistent KV
-        groups only (sliding-window KV is never persisted). Its blocks were just
-        freed but nothing reuses them before the next schedule, so they are still
-        in the prefix index with their content."""
-        bs = self.kv.block_size
-        start = request.export_kv_from_block or 0
-        tokens = request.all_token_ids
-        groups = self.runner.persistent_groups
-        hashes: list[BlockHash] = []
-        block_ids: dict[int, list[int]] = {g: [] for g in groups}
-        for i in range(start, request.num_prompt_tokens // bs):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            blocks = [self.kv.pool.lookup(request.block_hashes[i], g, chunk) for g in groups]
-            if not groups or any(b is None for b in blocks):
-                break
-            hashes.append(request.block_hashes[i])
-            for g, b in zip(groups, blocks):
-                block_ids[g].append(b.block_id)  # type: ignore[union-attr]
-        return list(zip(hashes, self.runner.read_blocks(block_ids))) if hashes else []
-
     @property
     def block_layout(self) -> str:
         return self.runner.block_layout
-
-    def num_local_prefix_blocks(self, token_ids: list[int], hashes: list[BlockHash]) -> int:
-        """How many leading blocks of this chain the local prefix cache holds (in
-        every persistent group)."""
-        bs = self.kv.block_size
-        groups = self.runner.persistent_groups
-        for i, block_hash in enumerate(hashes):
-            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            if not groups or any(self.kv.pool.lookup(block_hash, g, chunk) is None for g in groups):
-                return i
-        return len(hashes)
-
-    def import_blocks(
-        self,
-        token_ids: list[int],
-        first_block: int,
-        hashes: list[BlockHash],
-        payloads: list[bytes],
-        cache_salt: str | None = None,
-    ) -> int:
-        """Enter blocks fetched from the kvcache service (blocks first_block,
-        first_block + 1, ... of token_ids; their persistent groups' KV) into the
-        local prefix cache, so the request they belong to hits them when admitted.
-        Returns how many were entered; stops at a block that does not fit or whose
-        hash does not name its tokens (never trust a hash we did not compute)."""
-        bs = self.kv.block_size
-        groups = self.runner.persistent_groups
-        expected = self.kv.hash_chain(token_ids, cache_salt)
-        num = 0
-        for i, (block_hash, payload) in enumerate(zip(hashes, payloads), start=first_block):
-            if i >= len(expected) or expected[i] != block_hash or not groups:
-                break
-            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            if any(self.kv.pool.lookup(block_hash, g, chunk) is None for g in groups):
-                new = self.kv.pool.allocate(len(groups))
-                if new is None:
-                    break
-                self.runner.write_blocks({g: [b.block_id] for g, b in zip(groups, new)}, [payload])
-                for g, b in zip(groups, new):
-                    self.kv.pool.cache_block(b, block_hash, g, chunk)
-                self.kv.pool.free(new)  # cached and free: kept until the LRU needs it
-            num += 1
-        return num
 
     def drain_kv_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         return self.kv.pool.drain_events()

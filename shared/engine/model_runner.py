@@ -198,6 +198,12 @@ class ModelRunner:
         return self.kv_layout.persistent_groups
 
     @property
+    def persistent_block_bytes(self) -> int:
+        """Bytes of one block's persisted payload (see block_layout)."""
+        layers = sum(len(self.kv_layout.groups[g].layers) for g in self.persistent_groups)
+        return layers * self.kv_caches[0][:, 0].numel() * self.kv_caches[0].element_size()
+
+    @property
     def block_layout(self) -> str:
         """dtype and shape of one block's persisted bytes: [layers of the persistent
         groups, k/v, block_size, kv_heads, head_dim]."""

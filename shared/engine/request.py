@@ -5,12 +5,15 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from shared.engine.engine_request import KVTransferParams
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import BlockHash
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
+    """Blocks are reserved and the KV connector is loading them."""
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -63,9 +66,15 @@ class Request:
     """The stop token id or stop string that finished the request, if any."""
     generator_state: bytes | None = None
     """A seeded sampler's state to resume from (a request handed over mid-generation)."""
-    export_kv_from_block: int | None = None
-    """When set, the finished output carries the bytes of the prompt's full blocks
-    from this index on (a prefill worker writes them to the kvcache service)."""
+    kv_transfer: KVTransferParams | None = None
+    trace_carrier: dict[str, str] | None = None
+    kv_lookup_done: bool = False
+    """The connector has answered (or was not asked): admission does not ask again."""
+    num_external_blocks: int = 0
+    """Leading blocks the connector's source held at lookup: a save skips them."""
+    num_loaded_blocks: int = 0
+    kv_load_failed: bool = False
+    """A load the connector promised did not (fully) arrive: those tokens were recomputed."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

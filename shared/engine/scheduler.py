@@ -8,11 +8,18 @@ computed, capped per step by the prefill chunk size. When the pool runs out,
 the most recently admitted running request is preempted: its blocks are freed
 and it goes back to the front of the queue, to be recomputed later (its
 prefix will often still be cached).
+
+With a KV connector, a waiting request whose prompt the connector's source
+holds beyond the local prefix cache first gets blocks reserved for that part
+and waits in WAITING_FOR_KV while the engine loads them; it then returns to the
+front of the queue and is admitted like any other, hitting the loaded blocks.
+A request whose lookup is still on its way is passed over, not waited for.
 """
 
 from collections import deque
 from dataclasses import dataclass
 
+from shared.engine.kv.connector import KVConnector
 from shared.engine.kv.coordinator import KVCacheCoordinator, StateSave
 from shared.engine.request import Request, RequestStatus
 from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput, StateLoad
@@ -36,7 +43,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheCoordinator) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheCoordinator, connector: KVConnector | None = None, layout: str = ""
+    ) -> None:
+        """connector: where KV beyond the local cache comes from (None: nowhere);
+        layout: the runner's block layout, which names the connector's payloads."""
         if kv.pool.num_blocks < kv.num_blocks_needed(config.max_model_len):
             raise ValueError(
                 f"the KV cache has {kv.pool.num_blocks} blocks of {kv.block_size} tokens, fewer than "
@@ -52,6 +63,15 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
         """Preemptions since start: a figure for metrics and tests."""
+        self.connector = connector if kv.layout.persistent_groups else None
+        self.layout = layout
+        self.loading: dict[str, Request] = {}
+        """Requests in WAITING_FOR_KV, by id."""
+        self.loads_to_start: list[tuple[Request, int, int]] = []
+        """(request, first block, number of blocks) the engine asks the connector to load."""
+        self.kv_saves: list[Request] = []
+        """Finished requests whose prompt blocks the engine saves through the connector."""
+        self.num_kv_load_failures = 0
         self.state_saves: list[StateSave] = []
         """Sliding-window states of requests that ended, for the engine to copy before
         the next schedule (which may hand their blocks out)."""
@@ -78,13 +98,17 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_KV:
+            del self.loading[request_id]
         else:
             self.waiting.remove(request)
+        if self.connector is not None:
+            self.connector.forget(request_id)
         self._finish(request, status)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     # -- the step ------------------------------------------------------------
 
@@ -118,6 +142,7 @@ class Scheduler:
                 i += 1
 
         # 2. Waiting requests, in arrival order, unless this step already preempted.
+        passed_over: list[Request] = []
         while (
             self.waiting
             and budget > 0
@@ -125,6 +150,11 @@ class Scheduler:
             and not out.preempted_request_ids
         ):
             request = self.waiting[0]
+            if self._waits_for_kv(request):
+                self.waiting.popleft()
+                if request.status != RequestStatus.WAITING_FOR_KV:
+                    passed_over.append(request)  # its lookup is on its way: ask again next step
+                continue
             hit = self.kv.find_prefix_hit(request)
             num_new = min(
                 request.num_tokens + request.num_pending_tokens - hit.num_computed,
@@ -134,6 +164,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hit):
                 break  # wait for blocks to come free; FCFS, so nobody overtakes
             self.waiting.popleft()
+            self.kv.release_reserved(request.request_id)  # the hit holds loaded blocks now
             request.num_computed_tokens = hit.num_computed
             request.replay_until = hit.num_tokens if hit.is_replay else 0
             request.sliding_floor = hit.num_computed if hit.is_replay else 0
@@ -147,6 +178,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
 
         for request, num_new in scheduled:
             chunk = self._make_chunk(request, num_new, out)
@@ -155,6 +187,47 @@ class Scheduler:
             if chunk.sample:
                 request.num_pending_tokens += 1
         return out
+
+    def _waits_for_kv(self, request: Request) -> bool:
+        """Whether the request must wait for the connector: its lookup is pending, or
+        the source holds blocks this cache lacks (then they are reserved and loaded)."""
+        if self.connector is None or request.kv_lookup_done:
+            return False
+        transfer = request.kv_transfer
+        if transfer is None or not transfer.load:
+            return False
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        local = self.kv.num_cached_persistent_blocks(request, max_blocks)
+        if local >= max_blocks:
+            request.kv_lookup_done = True
+            return False
+        held = self.connector.lookup(
+            request.request_id, request.block_hashes[:max_blocks], self.layout, request.trace_carrier
+        )
+        if held is None:
+            return True
+        request.kv_lookup_done = True
+        request.num_external_blocks = held
+        # A load that finds no room is not waited for: the request computes instead.
+        if held <= local or not self.kv.reserve_for_load(request, held - local):
+            return False
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.loading[request.request_id] = request
+        self.loads_to_start.append((request, local, held - local))
+        return True
+
+    def finish_load(self, request_id: str, num_loaded: int, num_expected: int) -> None:
+        """A load ended (num_loaded of num_expected blocks arrived and are indexed): the
+        request goes back to the front of the queue; what did not arrive is recomputed."""
+        request = self.loading.pop(request_id, None)
+        if request is None:
+            return  # aborted while loading
+        request.num_loaded_blocks = num_loaded
+        if num_loaded < num_expected:
+            request.kv_load_failed = True
+            self.num_kv_load_failures += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def _will_finish(self, request: Request) -> bool:
         """A request whose pending tokens already reach its length limit."""
@@ -226,6 +299,13 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if (
+            self.connector is not None
+            and request.kv_transfer is not None
+            and request.kv_transfer.save
+            and status != RequestStatus.FINISHED_ABORTED
+        ):
+            self.kv_saves.append(request)  # before free: its blocks stay indexed until the next schedule
         save = self.kv.free(request)
         if save is not None:
             self.state_saves.append(save)

@@ -15,15 +15,14 @@ from google.protobuf.message import Message
 from opentelemetry.trace import Span
 
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.llm_engine import LLMEngine
+from shared.engine.llm_engine import KVTransferReport, LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from shared.kv.block_hash import BlockHash
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamPublisher
-from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.rpc import GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
+from shared.stage.kvcache_connector import KVCacheConnector
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +49,10 @@ class Worker:
         self.m_kv_total = m.gauge("kv_total_blocks", "Blocks of the paged KV cache")
         self.m_kv_usage = m.gauge("kv_usage_ratio", "Used fraction of the paged KV cache")
         self.m_kv_loaded_bytes = m.counter("kv_loaded_bytes_total", "KV bytes loaded from kvcache into the paged cache")
+        self.m_kv_stored_bytes = m.counter("kv_stored_bytes_total", "KV bytes written to kvcache")
+        self.m_kv_load_failures = m.counter(
+            "kv_load_failures_total", "Loads from kvcache that did not (fully) arrive: their tokens were recomputed"
+        )
 
     async def start(self, stack: AsyncExitStack) -> None:
         self.engine.start()
@@ -99,6 +102,22 @@ class Worker:
         await self.engine.shutdown()
         if self.grpc is not None:
             await self.grpc.stop(grace_s=1.0)
+
+    def record_kv_transfer(self, report: KVTransferReport, span: Span) -> None:
+        """What the engine's connector moved for a request: metrics and span attributes."""
+        block_bytes = self.engine.engine.runner.persistent_block_bytes
+        loaded, stored = report.num_loaded_blocks * block_bytes, report.num_saved_blocks * block_bytes
+        self.m_kv_loaded_bytes.inc(loaded)
+        self.m_kv_stored_bytes.inc(stored)
+        span.set_attribute("kv.loaded_blocks", report.num_loaded_blocks)
+        span.set_attribute("kv.loaded_bytes", loaded)
+        span.set_attribute("kv.load_failed", report.load_failed)
+        if report.load_failed:
+            self.m_kv_load_failures.inc()
+        span.set_attribute("kv.stored_blocks", report.num_saved_blocks)
+        span.set_attribute("kv.stored_bytes", stored)
+        if report.save_error is not None:
+            span.set_attribute("kv.store_error", report.save_error)
 
     def load(self) -> mesh_pb2.Load:
         load = self.engine.last_load
@@ -158,19 +177,25 @@ class Worker:
 async def serve_engine_stage(
     ctx: ServiceContext,
     stack: AsyncExitStack,
-    make_handler: Callable[[Worker, KVCacheClient], Callable[[Any], Awaitable[Message | None]]],
+    make_handler: Callable[[Worker], Callable[[Any], Awaitable[Message | None]]],
     subject: str,
     message_type: type[Message],
 ) -> None:
-    """The setup both engine stages share: the engine (loaded off the event
-    loop), the worker duties, the kvcache client, the dispatch subscription and
+    """The setup both engine stages share: the engine with its kvcache connector
+    (loaded off the event loop), the worker duties, the dispatch subscription and
     cancels. The exit stack unwinds intake first, then the drain, then the rest."""
-    # Token ids only (text is the balancer's job), and block events for its routing.
-    engine = await asyncio.to_thread(LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True)
+    connector = KVCacheConnector(ctx.settings.kvcache.address)
+    try:
+        # Token ids only (text is the balancer's job), and block events for its routing.
+        engine = await asyncio.to_thread(
+            LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True, kv_connector=connector
+        )
+    except BaseException:
+        connector.close()
+        raise
+    stack.callback(engine.close)  # after the drain below has stopped the engine thread
     worker = Worker(ctx, engine)
-    kv = KVCacheClient(ctx.settings.kvcache.address)
-    stack.push_async_callback(kv.close)
-    handle = make_handler(worker, kv)
+    handle = make_handler(worker)
     await worker.start(stack)
     for subj, msg_type, handler in (
         (subject, message_type, handle),
@@ -190,37 +215,6 @@ def validate_prompt(engine: LLMEngine, prompt: list[int], params: SamplingParams
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     if len(prompt) >= engine.max_model_len:
         raise ValueError(f"the prompt has {len(prompt)} tokens; the model takes at most {engine.max_model_len}")
-
-
-async def load_cached_blocks(
-    worker: Worker,
-    kv: KVCacheClient,
-    prompt: list[int],
-    hashes: list[BlockHash],
-    cache_salt: str | None,
-    span: Span,
-) -> int:
-    """Bring the blocks of `hashes` that are not in the local prefix cache from
-    the kvcache service into it. Returns how many were loaded. A block that
-    cannot be fetched or does not fit is simply recomputed later."""
-    engine = worker.engine
-    local = await engine.call(lambda e: e.num_local_prefix_blocks(prompt, hashes))
-    span.set_attribute("kv.local_blocks", local)
-    if local >= len(hashes):
-        return 0
-    fetched = await kv.get_blocks(hashes[local:])
-    layout = engine.engine.block_layout
-    usable = [(h, data) for h, lay, data in fetched if lay == layout]
-    if len(usable) < len(fetched):
-        log.warning("kvcache returned blocks of another layout; recomputing them")
-    loaded = await engine.call(
-        lambda e: e.import_blocks(prompt, local, [h for h, _ in usable], [d for _, d in usable], cache_salt)
-    )
-    num_bytes = sum(len(d) for _, d in usable[:loaded])
-    worker.m_kv_loaded_bytes.inc(num_bytes)
-    span.set_attribute("kv.loaded_blocks", loaded)
-    span.set_attribute("kv.loaded_bytes", num_bytes)
-    return loaded
 
 
 async def fail_stream(bus: Bus, request_id: str, instance_id: str, message: str) -> None:

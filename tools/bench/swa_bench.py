@@ -10,7 +10,7 @@ every layer full, or every other layer sliding (window 128). It prints
    tokens, and the mean KL divergence of the next-token distributions while both runs
    still agree (their contexts are the same there).
 
-    python -m tools.cli bench-swa
+    python -m tools.bench.swa_bench
 """
 
 import json
@@ -22,6 +22,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine_request import EngineRequest, KVTransferParams
+from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine, RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.model.make_model import make_model
@@ -63,22 +64,24 @@ def run(engine: LLMEngine, request: EngineRequest) -> tuple[RequestOutput, float
     return final, first
 
 
-def engine(model: str, **cfg: object) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, block_size=BLOCK, max_model_len=4096, **cfg))  # type: ignore[arg-type]
+def engine(model: str, store: MemoryKVStore | None = None, **cfg: object) -> LLMEngine:
+    connector = MemoryConnector(store) if store is not None else None
+    return LLMEngine(EngineConfig(model=model, block_size=BLOCK, max_model_len=4096, **cfg), kv_connector=connector)  # type: ignore[arg-type]
 
 
-def exported(model: str, prompt: list[int]) -> list[tuple[bytes, bytes]]:
-    first = SamplingParams(max_tokens=1)
-    out, _ = run(engine(model), EngineRequest("export", prompt, first, kv_transfer=KVTransferParams(0)))
-    return out.exported_kv or []
+def saved(model: str, prompt: list[int]) -> MemoryKVStore:
+    """A store holding the persistent blocks of prompt, as a prefill leaves them in kvcache."""
+    store = MemoryKVStore()
+    save = KVTransferParams(save=True)
+    run(engine(model, store), EngineRequest("save", prompt, SamplingParams(max_tokens=1), kv_transfer=save))
+    return store
 
 
 def resumed(model: str, prompt: list[int], cached: int, replay: str, params: SamplingParams) -> tuple[RequestOutput, float, LLMEngine]:
-    """A request on an engine that holds only the persistent KV of the first `cached` tokens."""
-    blocks = exported(model, prompt[:cached])
-    e = engine(model, swa_replay=replay)
-    e.import_blocks(prompt, 0, [h for h, _ in blocks], [d for _, d in blocks])
-    out, ttft = run(e, EngineRequest("resumed", prompt, params))
+    """A request on an engine whose connector holds only the persistent KV of the first
+    `cached` tokens; the time to first token includes loading them."""
+    e = engine(model, saved(model, prompt[:cached]), swa_replay=replay)
+    out, ttft = run(e, EngineRequest("resumed", prompt, params, kv_transfer=KVTransferParams(load=True)))
     return out, ttft, e
 
 
@@ -107,8 +110,8 @@ def main(prompt_len: int = 4000, cached_fraction: float = 0.9, drift_tokens: int
         # 1. Persistent bytes per prompt token.
         per_token = {}
         for name, model in (("full", full), ("hybrid", hybrid)):
-            blocks = exported(model, prompt[:1024])
-            per_token[name] = sum(len(d) for _, d in blocks) / (len(blocks) * BLOCK)
+            blocks = saved(model, prompt[:1024]).blocks
+            per_token[name] = sum(len(d) for d in blocks.values()) / (len(blocks) * BLOCK)
         results["persisted_bytes_per_token_full"] = per_token["full"]
         results["persisted_bytes_per_token_hybrid"] = per_token["hybrid"]
         results["persisted_ratio_hybrid_over_full"] = per_token["hybrid"] / per_token["full"]
@@ -137,11 +140,9 @@ def main(prompt_len: int = 4000, cached_fraction: float = 0.9, drift_tokens: int
         cold_engine = engine(hybrid)
         cold_logits = recording_logits(cold_engine)
         cold_out, _ = run(cold_engine, EngineRequest("cold", short, greedy))
-        blocks = exported(hybrid, short[:960])
-        replay_engine = engine(hybrid, swa_replay="bounded")
-        replay_engine.import_blocks(short, 0, [h for h, _ in blocks], [d for _, d in blocks])
+        replay_engine = engine(hybrid, saved(hybrid, short[:960]), swa_replay="bounded")
         replay_logits = recording_logits(replay_engine)
-        replay_out, _ = run(replay_engine, EngineRequest("replay", short, greedy))
+        replay_out, _ = run(replay_engine, EngineRequest("replay", short, greedy, kv_transfer=KVTransferParams(load=True)))
         a, b = cold_out.token_ids, replay_out.token_ids
         agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         kl = [

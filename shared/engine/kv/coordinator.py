@@ -90,6 +90,8 @@ class KVCacheCoordinator:
         self.num_query_tokens = 0
         self.num_replays = 0
         self.num_replayed_tokens = 0
+        self._reserved: dict[str, dict[int, list[KVBlock]]] = {}
+        """Per request waiting for a connector load: the persistent groups' blocks it goes into."""
 
     # -- queries -------------------------------------------------------------
 
@@ -226,6 +228,60 @@ class KVCacheCoordinator:
                 m.index_full_blocks(request, total)
         return True
 
+    # -- loads from a KV connector -------------------------------------------
+
+    def num_cached_persistent_blocks(self, request: Request, max_blocks: int) -> int:
+        """Leading blocks of the request that every persistent group holds here."""
+        self.update_block_hashes(request)
+        tokens, bs = request.all_token_ids, self.block_size
+        groups = self.layout.persistent_groups
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            if any(self.pool.lookup(block_hash, g, chunk) is None for g in groups):
+                return i
+        return min(max_blocks, len(request.block_hashes))
+
+    def reserve_for_load(self, request: Request, num_blocks: int) -> bool:
+        """Take fresh blocks for `num_blocks` blocks of every persistent group, held for the
+        request until its admission (or its end), so a load has somewhere to land
+        that nothing evicts. False, taking nothing, when the pool is short."""
+        groups = self.layout.persistent_groups
+        new = self.pool.allocate(num_blocks * len(groups))
+        if new is None:
+            return False
+        self._reserved[request.request_id] = {g: new[i * num_blocks : (i + 1) * num_blocks] for i, g in enumerate(groups)}
+        return True
+
+    def reserved_block_ids(self, request_id: str) -> dict[int, list[int]]:
+        return {g: [b.block_id for b in blocks] for g, blocks in self._reserved.get(request_id, {}).items()}
+
+    def index_loaded(self, request: Request, first_block: int, num_blocks: int) -> None:
+        """Enter the first num_blocks reserved blocks (now holding blocks first_block, ...
+        of the request) into the prefix index, so the request's admission hits them."""
+        bs, tokens = self.block_size, request.all_token_ids
+        for g, blocks in self._reserved.get(request.request_id, {}).items():
+            for i, block in enumerate(blocks[:num_blocks], start=first_block):
+                self.pool.cache_block(block, request.block_hashes[i], g, tuple(tokens[i * bs : (i + 1) * bs]))
+
+    def release_reserved(self, request_id: str) -> None:
+        """Drop the reservation's references (after admission the request holds its own)."""
+        for blocks in self._reserved.pop(request_id, {}).values():
+            self.pool.free(blocks[::-1])
+
+    def persistent_block_ids(self, request: Request, first_block: int, num_blocks: int) -> dict[int, list[int]] | None:
+        """The ids of blocks first_block .. first_block + num_blocks - 1 of the request in
+        each persistent group, from the prefix index; None if one is missing."""
+        bs, tokens = self.block_size, request.all_token_ids
+        ids: dict[int, list[int]] = {g: [] for g in self.layout.persistent_groups}
+        for i in range(first_block, first_block + num_blocks):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            for g in ids:
+                block = self.pool.lookup(request.block_hashes[i], g, chunk)
+                if block is None:
+                    return None
+                ids[g].append(block.block_id)
+        return ids
+
     def state_block_ids(self, request_id: str, state: SlidingState) -> dict[int, list[int]]:
         """Per sliding group, the blocks a loaded state goes into."""
         return {m.group: m.block_ids(request_id)[state.first_block : state.num_blocks] for m in self._sliding}
@@ -238,6 +294,7 @@ class KVCacheCoordinator:
         save = self._state_to_save(request) if save_state else None
         for m in self.managers:
             m.free(request.request_id)
+        self.release_reserved(request.request_id)
         return save
 
     def _state_to_save(self, request: Request) -> StateSave | None:

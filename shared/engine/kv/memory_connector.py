@@ -1,0 +1,55 @@
+"""A KV connector over a store in this process's memory: engines of one process
+share blocks through it (offline tools, tests). It answers at the next `poll`,
+as a remote store would, so the engine's waiting-for-KV path is the same.
+No torch here."""
+
+from shared.engine.kv.connector import KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.block_hash import BlockHash
+
+
+class MemoryKVStore:
+    """Blocks by (layout, chain hash); shared by the connectors of several engines."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[tuple[str, BlockHash], bytes] = {}
+
+
+class MemoryConnector(KVConnector):
+    def __init__(self, store: MemoryKVStore) -> None:
+        self.store = store
+        self._loads: list[LoadResult] = []
+        self._saves: list[SaveResult] = []
+
+    def lookup(
+        self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None
+    ) -> int | None:
+        return next((i for i, h in enumerate(hashes) if (layout, h) not in self.store.blocks), len(hashes))
+
+    def start_load(self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None) -> None:
+        payloads: list[bytes] = []
+        for h in hashes:
+            data = self.store.blocks.get((layout, h))
+            if data is None:
+                break
+            payloads.append(data)
+        self._loads.append(LoadResult(request_id, payloads))
+
+    def start_save(
+        self, request_id: str, blocks: list[tuple[BlockHash, bytes]], layout: str, trace: TraceCarrier | None = None
+    ) -> None:
+        for h, data in blocks:
+            self.store.blocks[(layout, h)] = data
+        self._saves.append(SaveResult(request_id, len(blocks)))
+
+    def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
+        loads, saves = self._loads, self._saves
+        self._loads, self._saves = [], []
+        return loads, saves
+
+    def forget(self, request_id: str) -> None:
+        self._loads = [r for r in self._loads if r.request_id != request_id]
+        self._saves = [r for r in self._saves if r.request_id != request_id]
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._loads) + len(self._saves)

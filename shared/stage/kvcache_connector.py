@@ -1,0 +1,128 @@
+"""The KV connector over the kvcache service (gRPC + LMDB).
+
+The engine calls it from its step thread and must never wait on the network,
+so the gRPC client lives on an event loop of the connector's own thread; every
+call is a coroutine submitted there, and `poll` collects the finished ones.
+Each call runs in the trace context of its request, so the kvcache spans join
+the request's trace. A call that fails counts as a miss (lookup: 0 blocks;
+load: no payloads, with the error): the engine recomputes, and says so.
+"""
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from opentelemetry import context
+
+from shared.engine.kv.connector import KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.block_hash import BlockHash
+from shared.runtime.kvcache_client import KVCacheClient
+from shared.runtime.telemetry import extract_context
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class KVCacheConnector(KVConnector):
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvcache-connector", daemon=True)
+        self._thread.start()
+        # The client's channel belongs to the loop it is made on.
+        self._client: KVCacheClient = self._submit(self._make_client(address, timeout_s), None).result()
+        self._lookups: dict[str, concurrent.futures.Future[int]] = {}
+        self._loads: dict[str, concurrent.futures.Future[list[bytes]]] = {}
+        self._saves: dict[str, tuple[concurrent.futures.Future[Any], int]] = {}
+        self.num_failures = 0
+
+    @staticmethod
+    async def _make_client(address: str, timeout_s: float) -> KVCacheClient:
+        return KVCacheClient(address, timeout_s=timeout_s)
+
+    def _submit(self, coro: Coroutine[Any, Any, T], trace: TraceCarrier | None) -> "concurrent.futures.Future[T]":
+        async def in_context() -> T:
+            token = context.attach(extract_context(trace)) if trace else None
+            try:
+                return await coro
+            finally:
+                if token is not None:
+                    context.detach(token)
+
+        return asyncio.run_coroutine_threadsafe(in_context(), self._loop)
+
+    # -- the interface -------------------------------------------------------
+
+    def lookup(
+        self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None
+    ) -> int | None:
+        future = self._lookups.get(request_id)
+        if future is None:
+            self._lookups[request_id] = self._submit(self._client.lookup(hashes), trace)
+            return None
+        if not future.done():
+            return None
+        del self._lookups[request_id]
+        try:
+            return future.result()
+        except Exception as exc:  # the cache is down or slow: nothing to load, compute
+            self.num_failures += 1
+            log.warning("kvcache lookup for %s failed: %s", request_id, exc)
+            return 0
+
+    def start_load(self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None) -> None:
+        self._loads[request_id] = self._submit(self._fetch(hashes, layout), trace)
+
+    async def _fetch(self, hashes: list[BlockHash], layout: str) -> list[bytes]:
+        payloads: list[bytes] = []
+        async for block_hash, block_layout, data in self._client.iter_blocks(hashes):
+            if block_hash != hashes[len(payloads)] or block_layout != layout:
+                break  # another chain or another model's layout: the rest is recomputed
+            payloads.append(data)
+        return payloads
+
+    def start_save(
+        self, request_id: str, blocks: list[tuple[BlockHash, bytes]], layout: str, trace: TraceCarrier | None = None
+    ) -> None:
+        future = self._submit(self._client.put_blocks([(h, layout, data) for h, data in blocks]), trace)
+        self._saves[request_id] = (future, len(blocks))
+
+    def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
+        loads: list[LoadResult] = []
+        for request_id, future in [(r, f) for r, f in self._loads.items() if f.done()]:
+            del self._loads[request_id]
+            try:
+                loads.append(LoadResult(request_id, future.result()))
+            except Exception as exc:
+                self.num_failures += 1
+                loads.append(LoadResult(request_id, [], f"{type(exc).__name__}: {exc}"))
+        saves: list[SaveResult] = []
+        for request_id, (future, num) in [(r, v) for r, v in self._saves.items() if v[0].done()]:
+            del self._saves[request_id]
+            try:
+                future.result()
+                saves.append(SaveResult(request_id, num))
+            except Exception as exc:
+                self.num_failures += 1
+                saves.append(SaveResult(request_id, 0, f"{type(exc).__name__}: {exc}"))
+        return loads, saves
+
+    def forget(self, request_id: str) -> None:
+        for pending in (self._lookups, self._loads):
+            future = pending.pop(request_id, None)
+            if future is not None:
+                future.cancel()
+        self._saves.pop(request_id, None)  # a store already under way may finish; nobody waits for it
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._lookups) + len(self._loads) + len(self._saves)
+
+    def close(self) -> None:
+        if not self._loop.is_running():
+            return
+        asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
