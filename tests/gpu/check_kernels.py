@@ -548,7 +548,7 @@ def check_model(ck: Checker, sz: Sizes) -> None:
                 seq_lens = [pos0[s] + len(seq) for s, seq in enumerate(new)]
                 slots = [int(tables[s, p // bs]) * bs + p % bs for s, seq in enumerate(new) for p in range(pos0[s], pos0[s] + len(seq))]
                 meta = AttentionMetadata(torch.tensor(slots, device=ck.device), tables, starts, seq_lens, bs)
-                hidden = m(torch.tensor(flat, device=ck.device), torch.tensor(positions, device=ck.device), caches[k], meta)
+                hidden = m(torch.tensor(flat, device=ck.device), torch.tensor(positions, device=ck.device), caches[k], [meta])
                 logits[k] = m.compute_logits(hidden[torch.tensor(starts[1:], device=ck.device) - 1])
             worst = max(worst, rel(logits["triton"], logits["torch"]))
             nxt = {k: logits[k].argmax(-1).tolist() for k in models}
@@ -572,7 +572,7 @@ def check_model(ck: Checker, sz: Sizes) -> None:
                                      torch.full((batch,), ctx + 1, dtype=torch.int32, device=ck.device))  # fmt: skip
             x_ids = torch.zeros(batch, dtype=torch.int64, device=ck.device)
             x_pos = torch.full((batch,), ctx, device=ck.device)
-            times[k] = ck.bench(lambda: m(x_ids, x_pos, cache, meta))
+            times[k] = ck.bench(lambda: m(x_ids, x_pos, cache, [meta]))
             del cache
         ck.rows.append([name, f"{worst:.1e}", f"{agree}/{total}", f"{batch}x{ctx}", us(times["triton"]), us(times["torch"]),
                         f"{times['torch'] / times['triton']:.1f}x"])  # fmt: skip

@@ -24,7 +24,7 @@ import torch
 from shared.engine.engine_request import EngineRequest
 from shared.engine.model_runner import ModelRunner, StepHandle
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput
+from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput
 from shared.model.config import ModelConfig
 from shared.model.loader import load_weights
 from shared.model.make_model import PRESETS, hf_config_dict
@@ -129,7 +129,7 @@ def bench_decode(model: CausalLM, config: ModelConfig, batch: int, context: int,
         first = pos[0] == context
         sched = SchedulerOutput(new_requests=new if first else [])
         token = 7 if first else PLACEHOLDER
-        sched.chunks = [ScheduledChunk(str(i), [token], pos[0], tables[i], True) for i in range(batch)]
+        sched.chunks = [ScheduledChunk(str(i), [token], pos[0], [tables[i]], True) for i in range(batch)]
         pos[0] += 1
         return runner.launch(sched)
 
@@ -157,7 +157,7 @@ def bench_prefill(model: CausalLM, prompt_len: int, block_size: int = 16) -> flo
 
     def step() -> None:
         sched = SchedulerOutput(new_requests=[NewRequestData("p", ids, params, frozenset(), [], None)])
-        sched.chunks = [ScheduledChunk("p", ids, 0, list(range(blocks)), True)]
+        sched.chunks = [ScheduledChunk("p", ids, 0, [list(range(blocks))], True)]
         runner.execute(sched)
 
     seconds = _time(step, warmup=1, iters=3)

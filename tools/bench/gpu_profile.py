@@ -20,7 +20,7 @@ import torch
 from tools.bench.gpu_bench import _time, build_models, kv_bytes_per_token, measure_card, weight_bytes
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
+from shared.engine.step import NewRequestData, ScheduledChunk, SchedulerOutput
 from shared.model.transformer import CausalLM
 
 # (name, out_features, in_features) of Llama-3-8B's matmuls.
@@ -125,7 +125,7 @@ def profile_step(model: CausalLM, batch: int, context: int, block_size: int = 16
     def step(runner: ModelRunner, first: bool) -> None:
         new = [NewRequestData(str(i), [1] * context, params, frozenset(), [], None) for i in range(batch)] if first else []
         sched = SchedulerOutput(new_requests=new)
-        sched.chunks = [ScheduledChunk(str(i), [7], context, tables[i], True) for i in range(batch)]
+        sched.chunks = [ScheduledChunk(str(i), [7], context, [tables[i]], True) for i in range(batch)]
         runner.execute(sched)
 
     for graphs, runner in runners.items():
