@@ -141,3 +141,18 @@ def test_state_cache_resumes_a_conversation_with_no_replay(tmp_path_factory):
     assert engine.kv.state_cache.num_hits == 1
     assert out.num_cached_tokens == 60
     assert out.token_ids == cold
+
+
+def test_a_half_sliding_model_persists_half_the_bytes_per_token(tmp_path_factory):
+    hybrid = make_hybrid(tmp_path_factory, "qwen2_alternating")
+    full = tmp_path_factory.mktemp("qwen2_full")
+    save_tiny_hf_model("qwen2", full, num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    prompt = random_prompts([41], vocab=500, seed=9)[0]
+    per_token = {}
+    for name, model in (("hybrid", hybrid), ("full", str(full))):
+        store = MemoryKVStore()
+        engine = LLMEngine(EngineConfig(model=model, block_size=BLOCK), kv_connector=MemoryConnector(store))
+        run(engine, "p", prompt, SamplingParams(max_tokens=1), kv_transfer=SAVE)
+        assert len(store.blocks) == 10
+        per_token[name] = sum(len(d) for d in store.blocks.values()) / (10 * BLOCK)
+    assert per_token["hybrid"] / per_token["full"] == 0.5

@@ -63,6 +63,8 @@ class KVTransferReport:
     """A promised load did not (fully) arrive: those tokens were recomputed."""
     num_saved_blocks: int = 0
     save_error: str | None = None
+    num_replayed_tokens: int = 0
+    """Tokens recomputed to rebuild sliding-window KV after a hit (SWA replay)."""
 
 
 @dataclass(slots=True)
@@ -350,7 +352,10 @@ class LLMEngine:
                 if request.kv_transfer is not None:
                     num_full = request.num_prompt_tokens // self.kv.block_size
                     extra["kv"] = KVTransferReport(
-                        request.block_hashes[:num_full], request.num_loaded_blocks, request.kv_load_failed
+                        request.block_hashes[:num_full],
+                        request.num_loaded_blocks,
+                        request.kv_load_failed,
+                        num_replayed_tokens=request.num_replayed_tokens,
                     )
             outputs.append(
                 RequestOutput(

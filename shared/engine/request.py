@@ -73,6 +73,8 @@ class Request:
     num_external_blocks: int = 0
     """Leading blocks the connector's source held at lookup: a save skips them."""
     num_loaded_blocks: int = 0
+    num_replayed_tokens: int = 0
+    """Tokens recomputed at admission to rebuild sliding-window KV (SWA replay)."""
     kv_load_failed: bool = False
     """A load the connector promised did not (fully) arrive: those tokens were recomputed."""
 

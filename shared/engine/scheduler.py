@@ -168,6 +168,7 @@ class Scheduler:
             request.num_computed_tokens = hit.num_computed
             request.replay_until = hit.num_tokens if hit.is_replay else 0
             request.sliding_floor = hit.num_computed if hit.is_replay else 0
+            request.num_replayed_tokens += hit.num_tokens - hit.num_computed
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
             if hit.state is not None:

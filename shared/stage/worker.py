@@ -114,6 +114,7 @@ class Worker:
         span.set_attribute("kv.load_failed", report.load_failed)
         if report.load_failed:
             self.m_kv_load_failures.inc()
+        span.set_attribute("kv.replayed_tokens", report.num_replayed_tokens)
         span.set_attribute("kv.stored_blocks", report.num_saved_blocks)
         span.set_attribute("kv.stored_bytes", stored)
         if report.save_error is not None:
