@@ -138,3 +138,25 @@ def decode_load_of(mesh, instance_id: str) -> int:
             await nc.close()
 
     return asyncio.run(go())
+
+
+def test_with_kvcache_down_requests_are_recomputed_not_lost(start_mesh, mesh_model_dir):
+    mesh = start_mesh(extra_env={**ENV, "INFERMESH_ENGINE__BLOCK_SIZE": "16"})
+    client = openai_client(mesh)
+    name = client.models.list().data[0].id
+    prompt = "".join(f"item {i}: a line long enough to fill a few KV blocks\n" for i in range(6))
+    expected = LLM(mesh_model_dir, block_size=16).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    kvcache = dict(mesh.procs)["kvcache"]
+    kvcache.send_signal(signal.SIGKILL)
+    kvcache.wait(10)
+    started = time.monotonic()
+    out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+    # Lookups and stores fail at once (no server): the request is computed, and says so in its trace.
+    assert out.choices[0].text == expected.text
+    assert time.monotonic() - started < 20
+    time.sleep(0.6)
+    spans = load_spans(mesh.trace_dir)
+    root = next(s for s in spans if s["attributes"].get("request.id") == out.id and s["parent_id"] is None)
+    prefill = next(s for s in spans if s["trace_id"] == root["trace_id"] and s["name"] == "prefill")
+    assert prefill["attributes"]["kv.stored_blocks"] == 0
+    assert "kv.store_error" in prefill["attributes"]

@@ -19,8 +19,7 @@ from shared.engine.engine_request import EngineRequest, KVTransferParams
 from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
-from tests.hf_models import save_tiny_hf_model  # noqa: E402
-from tests.test_engine import random_prompts  # noqa: E402
+from tests.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -346,17 +346,6 @@ class LLMEngine:
                 delta += detok.flush()
                 del self._detokenizers[rid]
             lp = result.logprobs.get(rid)
-            extra: dict[str, object] = {}
-            if finished:
-                extra["generator_state"] = self.runner.generator_state(rid)
-                if request.kv_transfer is not None:
-                    num_full = request.num_prompt_tokens // self.kv.block_size
-                    extra["kv"] = KVTransferReport(
-                        request.block_hashes[:num_full],
-                        request.num_loaded_blocks,
-                        request.kv_load_failed,
-                        num_replayed_tokens=request.num_replayed_tokens,
-                    )
             outputs.append(
                 RequestOutput(
                     request_id=rid,
@@ -370,10 +359,21 @@ class LLMEngine:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
-                    **extra,  # type: ignore[arg-type]
+                    generator_state=self.runner.generator_state(rid) if finished else None,
+                    kv=self._kv_report(request) if finished else None,
                 )
             )
         return outputs
+
+    def _kv_report(self, request: Request) -> KVTransferReport | None:
+        if request.kv_transfer is None:
+            return None
+        return KVTransferReport(
+            request.block_hashes[: request.num_prompt_tokens // self.kv.block_size],
+            request.num_loaded_blocks,
+            request.kv_load_failed,
+            num_replayed_tokens=request.num_replayed_tokens,
+        )
 
     # -- KV blocks in and out (the mesh's kvcache service) -------------------
 
