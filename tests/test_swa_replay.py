@@ -155,3 +155,19 @@ def test_a_half_sliding_model_persists_half_the_bytes_per_token(tmp_path_factory
         assert len(store.blocks) == 10
         per_token[name] = sum(len(d) for d in store.blocks.values()) / (10 * BLOCK)
     assert per_token["hybrid"] / per_token["full"] == 0.5
+
+
+def test_an_all_sliding_model_resumes_from_its_window_and_persists_nothing(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mistral")
+    save_tiny_hf_model("mistral", path)  # window 8 in every layer
+    model = str(path)
+    prompt, tail = random_prompts([50, 9], vocab=500, seed=10)
+    cold = run(LLMEngine(EngineConfig(model=model, block_size=BLOCK)), "cold", prompt + tail, GREEDY).token_ids
+    store = MemoryKVStore()
+    engine = LLMEngine(EngineConfig(model=model, block_size=BLOCK), kv_connector=MemoryConnector(store))
+    first = run(engine, "a", prompt, SamplingParams(max_tokens=1), kv_transfer=SAVE)
+    assert first.kv.num_saved_blocks == 0 and not store.blocks  # nothing persistent to store
+    out = run(engine, "b", prompt + tail, GREEDY)
+    # The hit ends where a's window blocks are still indexed: 48 tokens (12 full blocks).
+    assert out.num_cached_tokens == 48 and engine.kv.num_replays == 0
+    assert out.token_ids == cold
