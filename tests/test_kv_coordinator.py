@@ -11,7 +11,7 @@ FULL = kv_cache_layout([None])
 HYBRID = kv_cache_layout([None, 8, None, 8])  # group 0: full layers 0, 2; group 1: window 8, layers 1, 3
 
 
-def KVCacheManager(num_blocks: int, block_size: int, model_fingerprint: str) -> KVCacheCoordinator:
+def full_attention_kv(num_blocks: int, block_size: int, model_fingerprint: str) -> KVCacheCoordinator:
     """A coordinator of one full-attention group: the uniform cache of a Llama."""
     return KVCacheCoordinator(FULL, num_blocks, block_size, model_fingerprint)
 
@@ -28,7 +28,7 @@ def admit(kv: KVCacheCoordinator, req: Request) -> int:
 
 
 def test_allocation_takes_blocks_in_order_and_free_returns_them_tail_first():
-    kv = KVCacheManager(num_blocks=8, block_size=4, model_fingerprint="fp")
+    kv = full_attention_kv(num_blocks=8, block_size=4, model_fingerprint="fp")
     req = make_request("a", list(range(10)))  # 3 blocks
     assert admit(kv, req) == 0
     assert kv.block_ids("a") == [[0, 1, 2]]
@@ -39,7 +39,7 @@ def test_allocation_takes_blocks_in_order_and_free_returns_them_tail_first():
 
 
 def test_prefix_hit_reuses_blocks_and_leaves_last_token_to_compute():
-    kv = KVCacheManager(num_blocks=16, block_size=4, model_fingerprint="fp")
+    kv = full_attention_kv(num_blocks=16, block_size=4, model_fingerprint="fp")
     a = make_request("a", list(range(12)))  # exactly 3 full blocks
     admit(kv, a)
     b = make_request("b", list(range(12)))
@@ -52,7 +52,7 @@ def test_prefix_hit_reuses_blocks_and_leaves_last_token_to_compute():
 
 
 def test_freed_cached_blocks_are_hit_until_evicted_lru_first():
-    kv = KVCacheManager(num_blocks=6, block_size=4, model_fingerprint="fp")
+    kv = full_attention_kv(num_blocks=6, block_size=4, model_fingerprint="fp")
     a = make_request("a", list(range(9)))  # blocks 0, 1 full, 2 partial
     admit(kv, a)
     kv.free(a)
@@ -71,7 +71,7 @@ def test_freed_cached_blocks_are_hit_until_evicted_lru_first():
 
 
 def test_hit_compares_tokens_not_only_hashes():
-    kv = KVCacheManager(num_blocks=8, block_size=4, model_fingerprint="fp")
+    kv = full_attention_kv(num_blocks=8, block_size=4, model_fingerprint="fp")
     a = make_request("a", list(range(9)))
     admit(kv, a)
     # Forge a colliding hash: same hash list, other tokens.
@@ -83,7 +83,7 @@ def test_hit_compares_tokens_not_only_hashes():
 
 
 def test_allocate_returns_none_and_changes_nothing_when_short():
-    kv = KVCacheManager(num_blocks=4, block_size=4, model_fingerprint="fp")
+    kv = full_attention_kv(num_blocks=4, block_size=4, model_fingerprint="fp")
     a = make_request("a", list(range(12)))
     admit(kv, a)
     b = make_request("b", [50 + i for i in range(8)])
@@ -93,7 +93,7 @@ def test_allocate_returns_none_and_changes_nothing_when_short():
 
 
 def test_decode_blocks_are_cached_as_they_fill():
-    kv = KVCacheManager(num_blocks=8, block_size=4, model_fingerprint="fp")
+    kv = full_attention_kv(num_blocks=8, block_size=4, model_fingerprint="fp")
     a = make_request("a", [1, 2, 3])
     admit(kv, a)
     for t in (4, 5):  # the 4th token fills block 0

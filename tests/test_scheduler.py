@@ -137,3 +137,24 @@ def test_rejects_prompt_longer_than_model_len_and_undersized_cache():
         s.add_request(req("a", 16))
     with pytest.raises(ValueError, match="could never fit"):
         make_scheduler(num_blocks=2, block_size=4, max_model_len=16)
+
+
+def test_a_replayed_request_carries_its_floor_only_while_a_window_can_see_past_it():
+    kv = KVCacheCoordinator(kv_cache_layout([None, 8]), 64, 4, "fp", swa_replay="bounded")
+    s = Scheduler(SchedulerConfig(max_model_len=64, prefill_chunk_size=4), kv)
+    # The full group holds the first 5 blocks (20 tokens) as if loaded from kvcache; no sliding state.
+    r = req("a", 22, max_tokens=4)
+    kv.update_block_hashes(r)
+    blocks = kv.pool.allocate(5)
+    assert blocks is not None
+    for i, b in enumerate(blocks):
+        kv.pool.cache_block(b, r.block_hashes[i], 0, tuple(r.all_token_ids[i * 4 : (i + 1) * 4]))
+    kv.pool.free(blocks)
+    s.add_request(r)
+    chunks = [step(s).chunks[0] for _ in range(4)]
+    # Replay from 20 - 8 = 12 in chunks of 4: sliding KV only below 20, and no key below 12 for a
+    # query that could see one (p - 7 < 12, i.e. p <= 18); then the prompt's tail and a decode step.
+    assert [(c.start_pos, c.replay_until, c.sliding_floor) for c in chunks] == [
+        (12, 20, 12), (16, 20, 12), (20, 0, 0), (22, 0, 0)
+    ]
+    assert r.num_cached_tokens == 20 and r.num_replayed_tokens == 8

@@ -63,6 +63,8 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
         """Preemptions since start: a figure for metrics and tests."""
+        self._window = kv.layout.max_window or 0
+        """A sliding floor stops mattering once queries are a window past it."""
         self.connector = connector if kv.layout.persistent_groups else None
         self.layout = layout
         self.loading: dict[str, Request] = {}
@@ -285,8 +287,9 @@ class Scheduler:
             start_pos=start,
             block_ids=self.kv.block_ids(request.request_id),
             sample=start + num_new == request.num_tokens + request.num_pending_tokens,
-            replay_until=request.replay_until,
-            sliding_floor=request.sliding_floor,
+            # Only while they matter: a decode step past them may then replay a CUDA graph.
+            replay_until=request.replay_until if start < request.replay_until else 0,
+            sliding_floor=request.sliding_floor if start < request.sliding_floor + self._window - 1 else 0,
         )
 
     def _preempt(self, request: Request) -> None:
