@@ -12,7 +12,8 @@ from shared.kv.spec import kv_cache_layout
 
 def make_scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
     cfg.setdefault("max_model_len", 64)
-    return Scheduler(SchedulerConfig(**cfg), KVCacheCoordinator(kv_cache_layout([None]), num_blocks, block_size, "fp"))
+    config = SchedulerConfig(**{**dict(max_num_seqs=64, max_num_batched_tokens=2048, prefill_chunk_size=512), **cfg})
+    return Scheduler(config, KVCacheCoordinator(kv_cache_layout([None]), num_blocks, block_size, "fp"))
 
 
 def req(rid: str, n: int, max_tokens: int = 4, base: int = 0, **kw) -> Request:
@@ -141,7 +142,7 @@ def test_rejects_prompt_longer_than_model_len_and_undersized_cache():
 
 def test_a_replayed_request_carries_its_floor_only_while_a_window_can_see_past_it():
     kv = KVCacheCoordinator(kv_cache_layout([None, 8]), 64, 4, "fp", swa_replay="bounded")
-    s = Scheduler(SchedulerConfig(max_model_len=64, prefill_chunk_size=4), kv)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=4, max_model_len=64), kv)
     # The full group holds the first 5 blocks (20 tokens) as if loaded from kvcache; no sliding state.
     r = req("a", 22, max_tokens=4)
     kv.update_block_hashes(r)

@@ -155,12 +155,7 @@ class LLMEngine:
             max_batch=config.max_num_seqs,
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                prefill_chunk_size=config.prefill_chunk_size,
-                max_model_len=max_model_len,
-            ),
+            SchedulerConfig.from_engine_config(config, max_model_len),
             self.kv,
             kv_connector,
             self.runner.block_layout,

@@ -19,6 +19,7 @@ A request whose lookup is still on its way is passed over, not waited for.
 from collections import deque
 from dataclasses import dataclass
 
+from shared.engine.config import EngineConfig
 from shared.engine.kv.connector import KVConnector
 from shared.engine.kv.coordinator import KVCacheCoordinator, StateSave
 from shared.engine.request import Request, RequestStatus
@@ -27,14 +28,17 @@ from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, Sche
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    """Most requests in the running batch."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step (prefill chunks + decode tokens)."""
-    prefill_chunk_size: int = 512
-    """Most prompt tokens of one request computed in one step."""
-    max_model_len: int = 4096
-    """Longest prompt + output a request may reach."""
+    """The scheduler's share of EngineConfig (whose fields say what each means and
+    hold the one default), with max_model_len resolved against the model."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_chunk_size: int
+    max_model_len: int
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
+        return cls(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size, max_model_len)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_model_len"):
