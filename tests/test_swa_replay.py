@@ -29,6 +29,8 @@ HYBRIDS = {
     "qwen2_alternating": ("qwen2", ["full_attention", "sliding_attention"] * 2, 6),
     "qwen3_sliding_first": ("qwen3", ["sliding_attention", "full_attention", "sliding_attention"], 5),
     "qwen2_tail_sliding": ("qwen2", ["full_attention", "full_attention", "sliding_attention"], 7),
+    # 3 full + 2 sliding: groups of 2 layers, the second full group only half used.
+    "qwen2_uneven": ("qwen2", ["full_attention", "sliding_attention"] * 2 + ["full_attention"], 5),
 }
 
 SAVE = KVTransferParams(load=True, save=True)
