@@ -18,6 +18,7 @@ from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.engine_request import EngineRequest, KVTransferParams
 from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
+from shared.engine.request import Request  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
 
@@ -62,7 +63,9 @@ def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, 
     return final
 
 
-def replayed_tokens(model: str, prompt: list[int], cached: int, replay: str, **cfg) -> tuple[list[int], LLMEngine]:
+def replayed_tokens(
+    model: str, prompt: list[int], cached: int, replay: str, **cfg
+) -> tuple[list[int], LLMEngine, MemoryKVStore]:
     """Greedy tokens of prompt on an engine that holds only the persistent KV of its
     first `cached` tokens, loaded through its connector from another engine's save."""
     store = MemoryKVStore()
@@ -74,7 +77,7 @@ def replayed_tokens(model: str, prompt: list[int], cached: int, replay: str, **c
     )
     out = run(consumer, "c", prompt, GREEDY, kv_transfer=LOAD)
     assert out.kv.num_loaded_blocks == cached // BLOCK
-    return out.token_ids, consumer
+    return out.token_ids, consumer, store
 
 
 @pytest.mark.parametrize("name", sorted(HYBRIDS))
@@ -82,7 +85,7 @@ def test_exact_replay_equals_a_cold_run(tmp_path_factory, name):
     model = make_hybrid(tmp_path_factory, name)
     prompt = random_prompts([70], vocab=500, seed=3)[0]
     cold = run(LLMEngine(EngineConfig(model=model, block_size=BLOCK)), "cold", prompt, GREEDY).token_ids
-    tokens, engine = replayed_tokens(model, prompt, 60, "exact")
+    tokens, engine, _ = replayed_tokens(model, prompt, 60, "exact")
     assert engine.kv.num_replays == 1  # the hit really was resumed by a replay
     layout = engine.model.kv_layout
     assert engine.kv.num_replayed_tokens == layout.num_sliding_layers * (layout.max_window - 1)
@@ -92,7 +95,7 @@ def test_exact_replay_equals_a_cold_run(tmp_path_factory, name):
 def test_bounded_replay_replays_one_window_and_runs(tmp_path_factory):
     model = make_hybrid(tmp_path_factory, "qwen2_alternating")
     prompt = random_prompts([70], vocab=500, seed=4)[0]
-    tokens, engine = replayed_tokens(model, prompt, 60, "bounded")
+    tokens, engine, _ = replayed_tokens(model, prompt, 60, "bounded")
     assert (engine.kv.num_replays, engine.kv.num_replayed_tokens) == (1, 6)
     assert len(tokens) == GREEDY.max_tokens
 
@@ -100,14 +103,15 @@ def test_bounded_replay_replays_one_window_and_runs(tmp_path_factory):
 def test_replay_never_overwrites_the_cached_full_attention_kv(tmp_path_factory):
     model = make_hybrid(tmp_path_factory, "qwen2_alternating")
     prompt = random_prompts([70], vocab=500, seed=5)[0]
-    _, engine = replayed_tokens(model, prompt, 60, "bounded")
-    # The loaded blocks still hold the producer's bytes: save them again elsewhere and compare.
-    ref, again = MemoryKVStore(), MemoryKVStore()
-    producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK), kv_connector=MemoryConnector(ref))
-    run(producer, "p", prompt[:60], SamplingParams(max_tokens=1), kv_transfer=SAVE)
-    engine.kv_transfer.connector = MemoryConnector(again)
-    run(engine, "again", prompt[:60], SamplingParams(max_tokens=1), kv_transfer=KVTransferParams(save=True))
-    assert again.blocks == ref.blocks and len(ref.blocks) == 15
+    _, engine, store = replayed_tokens(model, prompt, 60, "bounded")
+    # After the replay, the loaded blocks still hold exactly the producer's bytes.
+    request = Request("x", prompt[:60], SamplingParams())
+    engine.kv.update_block_hashes(request)
+    blocks = engine.kv.persistent_blocks(request, 0, 15)
+    assert blocks is not None
+    region = engine.runner.kv_region
+    ids = {g: [b.block_id for b in group] for g, group in zip(engine.kv.layout.persistent_groups, blocks)}
+    assert region.read_blocks(ids) == [store.blocks[(region.layout, h)] for h in request.block_hashes[:15]]
 
 
 def test_exact_replay_on_the_triton_kernels(tmp_path_factory):

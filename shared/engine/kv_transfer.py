@@ -1,25 +1,27 @@
-"""The engine's side of its KV connector: bytes between the connector and the
-paged cache, on the engine thread, between steps.
+"""The engine's side of its KV connector: which blocks a load or a save moves,
+and who holds them meanwhile. It runs on the engine thread, between steps; the
+bytes move on the connector's thread, straight into or out of the cache.
 
-The scheduler decides what to load (reserving blocks first) and which finished
-requests to save; this moves the bytes. Loads: the connector fetches on its own
-thread; when `poll` reports a load, its payloads are checked (one block of this
-runner's layout each) and copied into the reserved blocks, which then enter the
-prefix index, and the scheduler puts the request back in the queue. Saves: a
-finished request's prompt blocks are read from the cache before the next
-schedule can hand them out, and given to the connector. Nothing here waits for
-the network.
+Loads: the scheduler reserved blocks for what the source holds; they are
+handed to the connector with the chain hashes they must receive. When `poll`
+reports the load, the blocks that arrived enter the prefix index and the
+scheduler puts the request back in the queue. A request aborted meanwhile
+keeps its reservation until the load reports, so a late write never lands in
+a block somebody else was given.
+
+Saves: a finished request's prompt blocks (those the source lacks) are
+referenced before the next schedule can hand them out and handed to the
+connector; the references go when the save reports.
 """
 
 import logging
 from dataclasses import dataclass
 
+from shared.engine.kv.block_pool import KVBlock
 from shared.engine.kv.connector import KVConnector
 from shared.engine.kv.coordinator import KVCacheCoordinator
-from shared.engine.model_runner import ModelRunner
 from shared.engine.request import Request
 from shared.engine.scheduler import Scheduler
-from shared.kv.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
 
@@ -32,78 +34,80 @@ class SaveDone:
 
 
 class KVTransfer:
-    def __init__(self, connector: KVConnector, scheduler: Scheduler, kv: KVCacheCoordinator, runner: ModelRunner) -> None:
+    def __init__(self, connector: KVConnector, scheduler: Scheduler, kv: KVCacheCoordinator) -> None:
         self.connector = connector
         self.scheduler = scheduler
         self.kv = kv
-        self.runner = runner
-        self.layout = runner.block_layout
-        self.block_bytes = runner.persistent_block_bytes
         self._loads: dict[str, tuple[Request, int, int]] = {}
         """Loads in flight: request, first block, number of blocks."""
+        self._saves: dict[str, list[KVBlock]] = {}
+        """Saves in flight: the blocks referenced until the connector has read them."""
         self.num_loaded_blocks = 0
-        self.num_saved_blocks = 0
-        self.num_save_failures = 0
 
     @property
     def busy(self) -> bool:
         """Whether anything is on its way (the step loop keeps polling)."""
-        return bool(self._loads) or self.connector.num_pending > 0
+        return bool(self._loads) or bool(self._saves) or self.connector.num_pending > 0
 
     def start_loads(self) -> None:
         """Ask the connector for the blocks the last schedule reserved."""
         for request, first, num in self.scheduler.loads_to_start:
-            self._loads[request.request_id] = (request, first, num)
+            rid = request.request_id
+            self._loads[rid] = (request, first, num)
             hashes = request.block_hashes[first : first + num]
-            self.connector.start_load(request.request_id, hashes, self.layout, request.trace_carrier)
+            self.connector.start_load(rid, hashes, self.kv.reserved_block_ids(rid), request.trace_carrier)
         self.scheduler.loads_to_start = []
 
     def poll(self) -> list[SaveDone]:
-        """Apply finished loads; return finished saves."""
+        """Apply finished loads, release finished saves' blocks; return the finished saves."""
         loads, saves = self.connector.poll()
         for result in loads:
             entry = self._loads.pop(result.request_id, None)
-            if entry is None or result.request_id not in self.scheduler.loading:
-                continue  # aborted meanwhile: its reservation is gone already
+            if entry is None:
+                continue
             request, first, num = entry
+            if result.request_id not in self.scheduler.loading:
+                self.kv.release_reserved(result.request_id)  # aborted meanwhile: only now are its blocks free
+                continue
             if result.error is not None:
-                log.warning("KV load of %s failed (%s): recomputing", request.request_id, result.error)
-            good = 0
-            for payload in result.payloads[:num]:
-                if len(payload) != self.block_bytes:
-                    log.warning("KV load of %s: a block of %d bytes, not %d", request.request_id, len(payload), self.block_bytes)
-                    break
-                good += 1
-            if good:
-                reserved = self.kv.reserved_block_ids(request.request_id)
-                self.runner.write_blocks({g: ids[:good] for g, ids in reserved.items()}, result.payloads[:good])
-                self.kv.index_loaded(request, first, good)
-                self.num_loaded_blocks += good
-            self.scheduler.finish_load(request.request_id, good, num)
-        return [SaveDone(r.request_id, r.num_blocks, r.error) for r in saves]
-
-    def forget(self, request_id: str) -> None:
-        self._loads.pop(request_id, None)
+                log.warning("KV load of %s failed (%s): recomputing", result.request_id, result.error)
+            arrived = min(result.num_blocks, num)
+            if arrived:
+                self.kv.index_loaded(request, first, arrived)
+                self.num_loaded_blocks += arrived
+            self.scheduler.finish_load(result.request_id, arrived, num)
+        done: list[SaveDone] = []
+        for result in saves:
+            blocks = self._saves.pop(result.request_id, None)
+            if blocks is not None:
+                self.kv.pool.free(blocks[::-1])
+            done.append(SaveDone(result.request_id, result.num_blocks, result.error))
+        return done
 
     def start_saves(self) -> list[str]:
-        """Give the connector the prompt blocks of requests that just finished with a
+        """Hand the connector the prompt blocks of requests that just finished with a
         save; returns their ids (their last output waits for the save)."""
         started: list[str] = []
         for request in self.scheduler.kv_saves:
-            blocks = self._prompt_blocks(request)
-            self.connector.start_save(request.request_id, blocks, self.layout, request.trace_carrier)
+            first, blocks = self._prompt_blocks(request)
+            hashes = request.block_hashes[first : first + len(blocks[0]) if blocks else first]
+            ids = {g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)}
+            held = [b for group in blocks for b in group]
+            self.kv.pool.touch(held)  # freed with the request: referenced until the connector has read them
+            self._saves[request.request_id] = held
+            self.connector.start_save(request.request_id, hashes, ids, request.trace_carrier)
             started.append(request.request_id)
         self.scheduler.kv_saves = []
         return started
 
-    def _prompt_blocks(self, request: Request) -> list[tuple[BlockHash, bytes]]:
-        """The finished request's full prompt blocks the source lacks, as payloads. Its
-        blocks were just freed but keep their content until the next schedule."""
+    def _prompt_blocks(self, request: Request) -> tuple[int, list[list[KVBlock]]]:
+        """The finished request's full prompt blocks the source lacks, per persistent
+        group. They were just freed but keep their content until the next schedule."""
         first = request.num_external_blocks
         num = request.num_prompt_tokens // self.kv.block_size - first
         while num > 0:
-            ids = self.kv.persistent_block_ids(request, first, num)
-            if ids is not None:
-                return list(zip(request.block_hashes[first : first + num], self.runner.read_blocks(ids)))
+            blocks = self.kv.persistent_blocks(request, first, num)
+            if blocks is not None:
+                return first, blocks
             num -= 1  # a block left the index (never computed here): save the run before it
-        return []
+        return first, [[] for _ in self.kv.layout.persistent_groups]

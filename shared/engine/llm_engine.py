@@ -158,9 +158,12 @@ class LLMEngine:
             SchedulerConfig.from_engine_config(config, max_model_len),
             self.kv,
             kv_connector,
-            self.runner.block_layout,
+            self.runner.kv_region.layout,
         )
-        self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, self.runner) if kv_connector else None
+        self.kv_transfer: KVTransfer | None = None
+        if kv_connector is not None:
+            kv_connector.register_kv_region(self.runner.kv_region)
+            self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv)
         self._awaiting_save: dict[str, RequestOutput] = {}
         """Last outputs held back until the connector has stored the request's blocks."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -223,12 +226,15 @@ class LLMEngine:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
         self._awaiting_save.pop(request_id, None)
-        if self.kv_transfer is not None:
-            self.kv_transfer.forget(request_id)
         self._save_states()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self._in_flight is not None or bool(self._awaiting_save)
+        return (
+            self.scheduler.num_unfinished > 0
+            or self._in_flight is not None
+            or bool(self._awaiting_save)
+            or (self.kv_transfer is not None and self.kv_transfer.busy)  # its blocks come back when it reports
+        )
 
     def close(self) -> None:
         """Stop the connector's background work."""
@@ -322,7 +328,7 @@ class LLMEngine:
         for save in saves:
             if cache is None or cache.contains(save.block_hash):
                 continue
-            payload = self.runner.gather_blocks(save.block_ids)
+            payload = self.runner.kv_region.gather(save.block_ids)
             nbytes = payload.numel() * payload.element_size()
             cache.put(save.block_hash, SlidingState(save.num_blocks, save.first_block, payload, nbytes))
 
@@ -374,7 +380,7 @@ class LLMEngine:
 
     @property
     def block_layout(self) -> str:
-        return self.runner.block_layout
+        return self.runner.kv_region.layout
 
     def drain_kv_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         return self.kv.pool.drain_events()

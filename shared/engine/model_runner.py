@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.kv_region import KVRegion
 
 from shared.engine.sampler import Sampler, SamplingState, TokenLogprobs
 from shared.engine.step import PLACEHOLDER, SchedulerOutput
@@ -66,6 +67,8 @@ class ModelRunner:
         # where dropped sliding-window blocks point and writes that must not land go.
         self.null_block = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks + 1, block_size, kv_dtype, device)
+        self.kv_region = KVRegion(self.kv_caches, self.kv_layout)
+        """The cache as blocks that KV connectors and the state cache read and write."""
         # Positions an SWA replay recomputes already hold these groups' KV (all but sliding ones).
         self._skips_replay = [g.spec.window is None for g in self.kv_layout.groups]
         self.graphs: DecodeGraphs | None = None
@@ -167,68 +170,10 @@ class ModelRunner:
             return None
         return state.generator.get_state().numpy().tobytes()
 
-    # -- KV blocks in and out (the connector's and the state cache's payloads) --
-
-    def _group_tensors(self, group: int) -> list[torch.Tensor]:
-        return [self.kv_caches[layer] for layer in self.kv_layout.groups[group].layers]
-
-    def gather_blocks(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
-        """The blocks of several groups (the same number from each), as one host tensor
-        [blocks, layers of those groups, 2, block_size, kv_heads, head_dim], in one copy."""
-        parts = []
-        for group, ids in block_ids.items():
-            index = torch.tensor(ids, device=self.device)
-            parts += [kv.index_select(1, index) for kv in self._group_tensors(group)]  # [2, n, bs, H, D] each
-        if not parts or parts[0].shape[1] == 0:
-            return torch.empty(0)
-        return torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
-
-    def scatter_blocks(self, block_ids: dict[int, list[int]], data: torch.Tensor) -> None:
-        """The inverse of gather_blocks: data [blocks, layers, 2, ...] into those groups' blocks."""
-        data = data.to(self.device, non_blocking=True)
-        layer = 0
-        for group, ids in block_ids.items():
-            index = torch.tensor(ids, device=self.device)
-            for kv in self._group_tensors(group):
-                kv.index_copy_(1, index, data[:, layer].transpose(0, 1).to(kv.dtype))
-                layer += 1
-
-    @property
-    def persistent_groups(self) -> tuple[int, ...]:
-        return self.kv_layout.persistent_groups
-
-    @property
-    def persistent_block_bytes(self) -> int:
-        """Bytes of one block's persisted payload (see block_layout)."""
-        layers = sum(len(self.kv_layout.groups[g].layers) for g in self.persistent_groups)
-        return layers * self.kv_caches[0][:, 0].numel() * self.kv_caches[0].element_size()
-
-    @property
-    def block_layout(self) -> str:
-        """dtype and shape of one block's persisted bytes: [layers of the persistent
-        groups, k/v, block_size, kv_heads, head_dim]."""
-        _, _, bs, heads, dim = self.kv_caches[0].shape
-        layers = sum(len(self.kv_layout.groups[g].layers) for g in self.persistent_groups)
-        dtype = str(self.kv_caches[0].dtype).removeprefix("torch.")
-        return f"{dtype}:{layers}x2x{bs}x{heads}x{dim}"
-
-    def read_blocks(self, block_ids: dict[int, list[int]]) -> list[bytes]:
-        """Bytes of blocks of the persistent groups, one payload per block index."""
-        data = self.gather_blocks(block_ids)
-        return [blk.view(torch.uint8).numpy().tobytes() for blk in data]
-
-    def write_blocks(self, block_ids: dict[int, list[int]], payloads: list[bytes]) -> None:
-        if not payloads:
-            return
-        _, _, bs, heads, dim = self.kv_caches[0].shape
-        layers = sum(len(self.kv_layout.groups[g].layers) for g in block_ids)
-        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        self.scatter_blocks(block_ids, raw.view(self.kv_caches[0].dtype).view(len(payloads), layers, 2, bs, heads, dim))
-
     def _load_states(self, sched: SchedulerOutput) -> None:
         """Copy saved sliding-window states into their blocks before the step reads them."""
         for load in sched.state_loads:
-            self.scatter_blocks(load.block_ids, load.state.payload)  # type: ignore[arg-type]
+            self.kv_region.scatter(load.block_ids, load.state.payload)  # type: ignore[arg-type]
 
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
         """Hidden states of the step, from a CUDA graph when it is a decode

@@ -105,9 +105,12 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_KV:
+            # Its reservation stays until the load reports (the engine releases it then):
+            # the connector may be writing into those blocks right now.
             del self.loading[request_id]
         else:
             self.waiting.remove(request)
+            self.kv.release_reserved(request_id)  # loaded, not yet admitted
         if self.connector is not None:
             self.connector.forget(request_id)
         self._finish(request, status)

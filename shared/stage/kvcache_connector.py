@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from opentelemetry import context
 
-from shared.engine.kv.connector import KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.engine.kv.connector import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.block_hash import BlockHash
 from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.telemetry import extract_context
@@ -34,7 +34,7 @@ class KVCacheConnector(KVConnector):
         # The client's channel belongs to the loop it is made on.
         self._client: KVCacheClient = self._submit(self._make_client(address, timeout_s), None).result()
         self._lookups: dict[str, concurrent.futures.Future[int]] = {}
-        self._loads: dict[str, concurrent.futures.Future[list[bytes]]] = {}
+        self._loads: dict[str, concurrent.futures.Future[int]] = {}
         self._saves: dict[str, tuple[concurrent.futures.Future[Any], int]] = {}
         self.num_failures = 0
 
@@ -72,22 +72,31 @@ class KVCacheConnector(KVConnector):
             log.warning("kvcache lookup for %s failed: %s", request_id, exc)
             return 0
 
-    def start_load(self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None) -> None:
-        self._loads[request_id] = self._submit(self._fetch(hashes, layout), trace)
+    def start_load(
+        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+    ) -> None:
+        self._loads[request_id] = self._submit(self._fetch(hashes, block_ids), trace)
 
-    async def _fetch(self, hashes: list[BlockHash], layout: str) -> list[bytes]:
+    async def _fetch(self, hashes: list[BlockHash], block_ids: BlockIds) -> int:
+        """Fetch the blocks and write them into the engine's cache, here on the
+        connector's thread (torch's copy releases the GIL)."""
+        layout = self.region.layout
         payloads: list[bytes] = []
         async for block_hash, block_layout, data in self._client.iter_blocks(hashes):
             if block_hash != hashes[len(payloads)] or block_layout != layout:
                 break  # another chain or another model's layout: the rest is recomputed
             payloads.append(data)
-        return payloads
+        return self.region.write_blocks(block_ids, payloads)
 
     def start_save(
-        self, request_id: str, blocks: list[tuple[BlockHash, bytes]], layout: str, trace: TraceCarrier | None = None
+        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
     ) -> None:
-        future = self._submit(self._client.put_blocks([(h, layout, data) for h, data in blocks]), trace)
-        self._saves[request_id] = (future, len(blocks))
+        self._saves[request_id] = (self._submit(self._store(hashes, block_ids), trace), len(hashes))
+
+    async def _store(self, hashes: list[BlockHash], block_ids: BlockIds) -> None:
+        layout = self.region.layout
+        payloads = self.region.read_blocks(block_ids)
+        await self._client.put_blocks([(h, layout, data) for h, data in zip(hashes, payloads)])
 
     def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
         loads: list[LoadResult] = []
@@ -97,7 +106,7 @@ class KVCacheConnector(KVConnector):
                 loads.append(LoadResult(request_id, future.result()))
             except Exception as exc:
                 self.num_failures += 1
-                loads.append(LoadResult(request_id, [], f"{type(exc).__name__}: {exc}"))
+                loads.append(LoadResult(request_id, 0, f"{type(exc).__name__}: {exc}"))
         saves: list[SaveResult] = []
         for request_id, (future, num) in [(r, v) for r, v in self._saves.items() if v[0].done()]:
             del self._saves[request_id]
@@ -110,11 +119,9 @@ class KVCacheConnector(KVConnector):
         return loads, saves
 
     def forget(self, request_id: str) -> None:
-        for pending in (self._lookups, self._loads):
-            future = pending.pop(request_id, None)
-            if future is not None:
-                future.cancel()
-        self._saves.pop(request_id, None)  # a store already under way may finish; nobody waits for it
+        future = self._lookups.pop(request_id, None)
+        if future is not None:
+            future.cancel()
 
     @property
     def num_pending(self) -> int:

@@ -105,7 +105,7 @@ class Worker:
 
     def record_kv_transfer(self, report: KVTransferReport, span: Span) -> None:
         """What the engine's connector moved for a request: metrics and span attributes."""
-        block_bytes = self.engine.engine.runner.persistent_block_bytes
+        block_bytes = self.engine.engine.runner.kv_region.block_bytes
         loaded, stored = report.num_loaded_blocks * block_bytes, report.num_saved_blocks * block_bytes
         self.m_kv_loaded_bytes.inc(loaded)
         self.m_kv_stored_bytes.inc(stored)

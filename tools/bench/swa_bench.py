@@ -122,7 +122,7 @@ def main(prompt_len: int = 4000, cached_fraction: float = 0.9, drift_tokens: int
         _, cold = run(engine(hybrid), EngineRequest("cold", prompt, one))
         warm = engine(hybrid)
         run(warm, EngineRequest("turn1", prompt[: cached + 1], one))  # leaves its sliding state behind
-        warm.kv.pool._cached = {k: b for k, b in warm.kv.pool._cached.items() if k[1] in warm.runner.persistent_groups}
+        warm.kv.pool._cached = {k: b for k, b in warm.kv.pool._cached.items() if k[1] in warm.kv.layout.persistent_groups}
         _, state_hit = run(warm, EngineRequest("turn2", prompt, one))
         assert warm.kv.state_cache is not None and warm.kv.state_cache.num_hits == 1
         _, bounded, _ = resumed(hybrid, prompt, cached, "bounded", one)

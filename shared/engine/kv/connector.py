@@ -11,22 +11,25 @@ interface. The engine drives it, never a service:
   is on its way; the request then waits without holding up the others);
 - blocks for the part the source holds are reserved in the pool before
   anything is fetched, so nothing can evict them, and the request waits in its
-  own state (WAITING_FOR_KV) while the connector fetches on its own thread
-  (`start_load`);
+  own state (WAITING_FOR_KV) while the connector fetches on its own thread and
+  writes straight into those blocks (`start_load`; the engine registered its
+  cache as a `KVRegion` at start, so no copy runs on the step thread);
+- a save names blocks the engine holds a reference on until the connector
+  reports it, so a block is never reused while it is being read;
 - `poll`, called by the step loop between steps, reports finished loads and
-  saves. The engine copies loaded bytes into the reserved blocks on its own
-  thread; a failed or short load frees what did not arrive and the request
+  saves; a failed or short load frees what did not arrive and the request
   recomputes it, visibly (a counter, and a flag on the request's output),
   never silently and never a hang.
 
-Payloads are one block's bytes of the persistent KV groups
-(ModelRunner.block_layout); sliding-window KV never goes through a connector.
+A block's payload is the persistent KV groups' bytes of one block
+(KVRegion.layout); sliding-window KV never goes through a connector.
 No torch here.
 """
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from shared.kv.block_hash import BlockHash
 
@@ -34,11 +37,26 @@ TraceCarrier = Mapping[str, str]
 """W3C trace headers of the request a call is for, so its spans join the request's trace."""
 
 
+BlockIds = dict[int, list[int]]
+"""Per persistent KV group, block ids of the engine's cache (the same count in each)."""
+
+
+class KVRegion(Protocol):
+    """The engine's paged cache as seen by a connector (shared/engine/kv_region.py)."""
+
+    layout: str
+    block_bytes: int
+
+    def read_blocks(self, block_ids: BlockIds) -> list[bytes]: ...
+
+    def write_blocks(self, block_ids: BlockIds, payloads: list[bytes]) -> int: ...
+
+
 @dataclass(slots=True)
 class LoadResult:
     request_id: str
-    payloads: list[bytes]
-    """The leading blocks asked for that arrived, in order (fewer than asked on a miss)."""
+    num_blocks: int
+    """The leading blocks asked for that arrived and were written (fewer than asked on a miss)."""
     error: str | None = None
 
 
@@ -50,6 +68,12 @@ class SaveResult:
 
 
 class KVConnector(ABC):
+    region: KVRegion
+
+    def register_kv_region(self, region: KVRegion) -> None:
+        """The engine's cache, once, before any load or save."""
+        self.region = region
+
     @abstractmethod
     def lookup(
         self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None
@@ -58,14 +82,18 @@ class KVConnector(ABC):
         while the answer is not in yet (the scheduler asks again next step). Never blocks."""
 
     @abstractmethod
-    def start_load(self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None) -> None:
-        """Fetch these blocks' payloads in `layout` in the background; `poll` reports them."""
+    def start_load(
+        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+    ) -> None:
+        """In the background, fetch these blocks and write them into `block_ids` of the
+        registered region; `poll` reports how many arrived."""
 
     @abstractmethod
     def start_save(
-        self, request_id: str, blocks: list[tuple[BlockHash, bytes]], layout: str, trace: TraceCarrier | None = None
+        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
     ) -> None:
-        """Store these blocks in the background; `poll` reports when they are stored."""
+        """In the background, read `block_ids` of the region and store them under
+        `hashes`; `poll` reports when they are stored."""
 
     @abstractmethod
     def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
@@ -73,7 +101,8 @@ class KVConnector(ABC):
 
     @abstractmethod
     def forget(self, request_id: str) -> None:
-        """The request ended: drop whatever is pending for it (its results are discarded)."""
+        """The request ended: drop its pending lookup. A load or save under way still
+        reports in `poll` (the engine holds its blocks until then)."""
 
     @property
     @abstractmethod

@@ -268,19 +268,19 @@ class KVCacheCoordinator:
         for blocks in self._reserved.pop(request_id, {}).values():
             self.pool.free(blocks[::-1])
 
-    def persistent_block_ids(self, request: Request, first_block: int, num_blocks: int) -> dict[int, list[int]] | None:
-        """The ids of blocks first_block .. first_block + num_blocks - 1 of the request in
-        each persistent group, from the prefix index; None if one is missing."""
+    def persistent_blocks(self, request: Request, first_block: int, num_blocks: int) -> list[list[KVBlock]] | None:
+        """Blocks first_block .. first_block + num_blocks - 1 of the request in each
+        persistent group (in layout order), from the prefix index; None if one is missing."""
         bs, tokens = self.block_size, request.all_token_ids
-        ids: dict[int, list[int]] = {g: [] for g in self.layout.persistent_groups}
+        blocks: list[list[KVBlock]] = [[] for _ in self.layout.persistent_groups]
         for i in range(first_block, first_block + num_blocks):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            for g in ids:
-                block = self.pool.lookup(request.block_hashes[i], g, chunk)
+            for group, found in zip(self.layout.persistent_groups, blocks):
+                block = self.pool.lookup(request.block_hashes[i], group, chunk)
                 if block is None:
                     return None
-                ids[g].append(block.block_id)
-        return ids
+                found.append(block)
+        return blocks
 
     def state_block_ids(self, request_id: str, state: SlidingState) -> dict[int, list[int]]:
         """Per sliding group, the blocks a loaded state goes into."""
@@ -294,7 +294,6 @@ class KVCacheCoordinator:
         save = self._state_to_save(request) if save_state else None
         for m in self.managers:
             m.free(request.request_id)
-        self.release_reserved(request.request_id)
         return save
 
     def _state_to_save(self, request: Request) -> StateSave | None:

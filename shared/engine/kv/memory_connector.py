@@ -3,7 +3,7 @@ share blocks through it (offline tools, tests). It answers at the next `poll`,
 as a remote store would, so the engine's waiting-for-KV path is the same.
 No torch here."""
 
-from shared.engine.kv.connector import KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.engine.kv.connector import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.block_hash import BlockHash
 
 
@@ -25,21 +25,23 @@ class MemoryConnector(KVConnector):
     ) -> int | None:
         return next((i for i, h in enumerate(hashes) if (layout, h) not in self.store.blocks), len(hashes))
 
-    def start_load(self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None) -> None:
+    def start_load(
+        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+    ) -> None:
         payloads: list[bytes] = []
         for h in hashes:
-            data = self.store.blocks.get((layout, h))
+            data = self.store.blocks.get((self.region.layout, h))
             if data is None:
                 break
             payloads.append(data)
-        self._loads.append(LoadResult(request_id, payloads))
+        self._loads.append(LoadResult(request_id, self.region.write_blocks(block_ids, payloads)))
 
     def start_save(
-        self, request_id: str, blocks: list[tuple[BlockHash, bytes]], layout: str, trace: TraceCarrier | None = None
+        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
     ) -> None:
-        for h, data in blocks:
-            self.store.blocks[(layout, h)] = data
-        self._saves.append(SaveResult(request_id, len(blocks)))
+        for h, data in zip(hashes, self.region.read_blocks(block_ids)):
+            self.store.blocks[(self.region.layout, h)] = data
+        self._saves.append(SaveResult(request_id, len(hashes)))
 
     def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
         loads, saves = self._loads, self._saves
@@ -47,8 +49,7 @@ class MemoryConnector(KVConnector):
         return loads, saves
 
     def forget(self, request_id: str) -> None:
-        self._loads = [r for r in self._loads if r.request_id != request_id]
-        self._saves = [r for r in self._saves if r.request_id != request_id]
+        """Lookups answer at once here: nothing is pending."""
 
     @property
     def num_pending(self) -> int:

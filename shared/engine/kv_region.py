@@ -1,0 +1,109 @@
+"""The paged KV cache as a region of blocks that KV connectors read and write.
+
+The model runner owns the cache tensors; a connector gets this view of them
+(`KVConnector.register_kv_region`) and moves blocks itself, on its own thread,
+so no KV copy runs on the engine's step thread. A block's payload is the
+persistent groups' KV of one block id per group, [layers, k/v, block_size,
+kv_heads, head_dim] in the cache dtype (`layout` names it; two engines
+exchange blocks only when their layouts agree).
+
+Threads: torch's copies release the GIL. On CUDA the connector's copies run on
+a stream of their own and the call returns once they are done, so the engine
+sees loaded blocks complete when the connector reports them; a read first
+waits for the work the engine has queued, so it never sees a half-written block.
+The engine makes sure nobody else writes the blocks a connector is moving
+(reserved for a load, referenced for a save).
+"""
+
+import threading
+
+import torch
+
+from shared.kv.spec import KVCacheLayout
+
+
+class KVRegion:
+    def __init__(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
+        self.kv_caches = kv_caches
+        self.kv_layout = layout
+        self.device = kv_caches[0].device
+        self.persistent_groups = layout.persistent_groups
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._lock = threading.Lock()  # one connector copy at a time on the side stream
+        _, _, bs, heads, dim = kv_caches[0].shape
+        self._block_shape = (2, bs, heads, dim)
+        layers = sum(len(layout.groups[g].layers) for g in self.persistent_groups)
+        self.block_bytes = layers * kv_caches[0][:, 0].numel() * kv_caches[0].element_size()
+        """Bytes of one block's payload."""
+        dtype = str(kv_caches[0].dtype).removeprefix("torch.")
+        self.layout = f"{dtype}:{layers}x2x{bs}x{heads}x{dim}"
+        """dtype and shape of one block's payload: [layers of the persistent groups, k/v,
+        block_size, kv_heads, head_dim]."""
+
+    def _group_tensors(self, group: int) -> list[torch.Tensor]:
+        return [self.kv_caches[layer] for layer in self.kv_layout.groups[group].layers]
+
+    # -- for the engine's thread (the state cache): on the current stream --------
+
+    @torch.inference_mode()
+    def gather(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
+        """The blocks of several groups (the same number from each), as one host tensor
+        [blocks, layers of those groups, 2, block_size, kv_heads, head_dim], in one copy."""
+        parts = []
+        for group, ids in block_ids.items():
+            index = torch.tensor(ids, device=self.device)
+            parts += [kv.index_select(1, index) for kv in self._group_tensors(group)]  # [2, n, bs, H, D] each
+        if not parts or parts[0].shape[1] == 0:
+            return torch.empty(0)
+        return torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+
+    @torch.inference_mode()
+    def scatter(self, block_ids: dict[int, list[int]], data: torch.Tensor) -> None:
+        """The inverse of gather: data [blocks, layers, 2, ...] into those groups' blocks."""
+        data = data.to(self.device, non_blocking=True)
+        layer = 0
+        for group, ids in block_ids.items():
+            index = torch.tensor(ids, device=self.device)
+            for kv in self._group_tensors(group):
+                kv.index_copy_(1, index, data[:, layer].transpose(0, 1).to(kv.dtype))
+                layer += 1
+
+    # -- for connectors: payloads of the persistent groups, from any thread --------
+
+    def read_blocks(self, block_ids: dict[int, list[int]]) -> list[bytes]:
+        """One payload per block index (block_ids: per persistent group, the same count)."""
+        with self._lock, self._side_stream():
+            if self._stream is not None:
+                self._stream.wait_stream(torch.cuda.default_stream(self.device))
+            data = self.gather(block_ids)
+        return [blk.view(torch.uint8).numpy().tobytes() for blk in data]
+
+    def write_blocks(self, block_ids: dict[int, list[int]], payloads: list[bytes]) -> int:
+        """Write the leading payloads of the right size into the blocks (per persistent
+        group, one id per payload); returns how many were written."""
+        good = 0
+        for payload in payloads:
+            if len(payload) != self.block_bytes:
+                break
+            good += 1
+        if good == 0:
+            return 0
+        layers = sum(len(self.kv_layout.groups[g].layers) for g in block_ids)
+        raw = torch.frombuffer(bytearray(b"".join(payloads[:good])), dtype=torch.uint8)
+        data = raw.view(self.kv_caches[0].dtype).view(good, layers, *self._block_shape)
+        with self._lock, self._side_stream():
+            self.scatter({g: ids[:good] for g, ids in block_ids.items()}, data)
+            if self._stream is not None:
+                self._stream.synchronize()
+        return good
+
+    def _side_stream(self) -> "torch.cuda.StreamContext | _NoStream":
+        return torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
+
+
+class _NoStream:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
