@@ -7,7 +7,7 @@ import pytest
 from shared.engine.config import EngineConfig
 from shared.engine.dtypes import torch_dtype
 from shared.engine.engine_request import EngineRequest, KVTransferParams
-from shared.engine.kv.connector import LoadResult
+from shared.engine.kv.connector import LoadResult, SaveResult
 from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import RequestStatus
@@ -80,8 +80,8 @@ class FailingConnector(MemoryConnector):
         super().__init__(store)
         self.deliver = deliver
 
-    def start_load(self, request_id, hashes, block_ids, trace=None):
-        super().start_load(request_id, hashes[: self.deliver], block_ids, trace)
+    def start_load(self, request_id, first_block, hashes, block_ids, params, trace=None):
+        super().start_load(request_id, first_block, hashes[: self.deliver], block_ids, params, trace)
         self._loads[-1] = LoadResult(request_id, self._loads[-1].num_blocks, "connection reset")
 
 
@@ -109,9 +109,9 @@ class SlowLookups(MemoryConnector):
         super().__init__(store)
         self.asked: dict[str, int] = {}
 
-    def lookup(self, request_id, hashes, layout, trace=None):
+    def lookup(self, request_id, hashes, params, trace=None):
         self.asked[request_id] = self.asked.get(request_id, 0) + 1
-        return super().lookup(request_id, hashes, layout) if self.asked[request_id] >= 2 else None
+        return super().lookup(request_id, hashes, params) if self.asked[request_id] >= 2 else None
 
 
 def test_a_pending_lookup_holds_up_no_other_request_and_reserves_before_loading(model_dir):
@@ -169,3 +169,20 @@ def test_seeded_request_resumes_its_generator_after_handoff(model_dir):
         resume_token_ids=first.token_ids, sampler_state=first.generator_state,
     )  # fmt: skip
     assert rest.token_ids == whole
+
+
+class FailingStores(MemoryConnector):
+    def start_save(self, request_id, hashes, block_ids, trace=None):
+        self._saves.append(SaveResult(request_id, 0, "store unreachable"))
+
+
+def test_a_failed_store_is_counted_whether_waited_for_or_written_behind(model_dir):
+    engine = make(model_dir, FailingStores(MemoryKVStore()))
+    prompt = random_prompts([45], vocab=500, seed=15)[0]
+    out = run(engine, "a", prompt, SamplingParams(max_tokens=1), kv_transfer=SAVE)
+    assert out.kv.save_error == "store unreachable" and out.kv.num_saved_blocks == 0
+    behind = KVTransferParams(save=True, wait_for_save=False)
+    out = run(engine, "b", prompt[:30], SamplingParams(max_tokens=1), kv_transfer=behind)
+    assert out.kv.save_error is None  # not waited for: the output went out before the store answered
+    engine.step()  # the store's answer arrives
+    assert engine.load().num_kv_save_failures == 2

@@ -81,6 +81,45 @@ def kv_stats(mesh):
     return asyncio.run(go())
 
 
+def kv_blocks_settled(mesh, at_least: int, timeout_s: float = 15.0) -> int:
+    """kvcache's block count once it reaches at_least and stops moving: prefill writes
+    behind (off the time to first token), so a store may land after the response."""
+    deadline = time.monotonic() + timeout_s
+    last = kv_stats(mesh).num_blocks
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = kv_stats(mesh).num_blocks
+        if now >= at_least and now == last:
+            return now
+        last = now
+    return last
+
+
+def decode_attributes(mesh, request_id: str, timeout_s: float = 30.0) -> dict:
+    """The decode span's attributes of a request, once its spans reached the trace files."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        spans = load_spans(mesh.trace_dir)
+        root = next((s for s in spans if s["attributes"].get("request.id") == request_id and s["parent_id"] is None), None)
+        if root is not None:
+            decode = [s for s in spans if s["trace_id"] == root["trace_id"] and s["name"] == "decode"]
+            if decode and "kv.loaded_blocks" in decode[0]["attributes"]:
+                return decode[0]["attributes"]
+        time.sleep(0.2)
+    raise AssertionError(f"no decode span of {request_id} within {timeout_s} s")
+
+
+def test_decode_copies_prefills_kv_directly_not_through_kvcache(mesh, client, offline):
+    prompt = PROMPT * 4
+    expected = offline.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    out = client.completions.create(model=model_name(client), prompt=prompt, max_tokens=8, temperature=0)
+    assert out.choices[0].text == expected.text
+    attrs = decode_attributes(mesh, out.id)
+    assert attrs["kv.loaded_direct"] is True and attrs["kv.load_failed"] is False
+    # Decode already holds the blocks of PROMPT's first 16 tokens (an earlier test): it copies the rest.
+    assert attrs["kv.loaded_blocks"] == len(expected.prompt_token_ids) // 16 - expected.num_cached_tokens // 16
+
+
 def test_shared_prefix_is_cached_moves_only_new_blocks_and_matches_cold(mesh, client, mesh_model_dir):
     name = model_name(client)
     prefix = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(12))
@@ -89,11 +128,11 @@ def test_shared_prefix_is_cached_moves_only_new_blocks_and_matches_cold(mesh, cl
     cold = cold_llm.generate([second_prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
     num_prompt = len(cold.prompt_token_ids)
 
-    before = kv_stats(mesh).num_blocks
+    before = kv_blocks_settled(mesh, 0)
     first = client.completions.create(model=name, prompt=prefix + "Meanwhile the dog", max_tokens=4, temperature=0)
-    after_first = kv_stats(mesh).num_blocks
+    after_first = kv_blocks_settled(mesh, before + 1)
     out = client.completions.create(model=name, prompt=second_prompt, max_tokens=16, temperature=0)
-    after_second = kv_stats(mesh).num_blocks
+    after_second = kv_blocks_settled(mesh, after_first + num_prompt // 16 - out.usage.prompt_tokens_details.cached_tokens // 16)
 
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = out.usage.prompt_tokens_details.cached_tokens

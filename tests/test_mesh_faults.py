@@ -151,12 +151,33 @@ def test_with_kvcache_down_requests_are_recomputed_not_lost(start_mesh, mesh_mod
     kvcache.wait(10)
     started = time.monotonic()
     out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
-    # Lookups and stores fail at once (no server): the request is computed, and says so in its trace.
+    # Lookups and stores fail at once (no server): prefill computes the whole prompt, its
+    # store (written behind) fails, and decode still gets the KV straight from prefill.
     assert out.choices[0].text == expected.text
     assert time.monotonic() - started < 20
     time.sleep(0.6)
     spans = load_spans(mesh.trace_dir)
     root = next(s for s in spans if s["attributes"].get("request.id") == out.id and s["parent_id"] is None)
-    prefill = next(s for s in spans if s["trace_id"] == root["trace_id"] and s["name"] == "prefill")
-    assert prefill["attributes"]["kv.stored_blocks"] == 0
-    assert "kv.store_error" in prefill["attributes"]
+    mine = {s["name"]: s["attributes"] for s in spans if s["trace_id"] == root["trace_id"]}
+    assert mine["prefill"]["kv.loaded_blocks"] == 0 and mine["prefill"]["prompt.cached_tokens"] == 0
+    assert mine["decode"]["kv.loaded_direct"] is True
+
+
+def test_without_direct_transfer_decode_reads_kvcache(start_mesh, mesh_model_dir):
+    mesh = start_mesh(extra_env={**ENV, "INFERMESH_ENGINE__BLOCK_SIZE": "16", "INFERMESH_ENGINE__KV_DIRECT_TRANSFER": "false"})
+    client = openai_client(mesh)
+    prompt = "".join(f"entry {i}: enough text to fill several KV blocks\n" for i in range(6))
+    expected = LLM(mesh_model_dir, block_size=16).generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=8, temperature=0)
+    assert out.choices[0].text == expected.text
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        spans = load_spans(mesh.trace_dir)
+        root = next((s for s in spans if s["attributes"].get("request.id") == out.id and s["parent_id"] is None), None)
+        decode = [s for s in spans if root and s["trace_id"] == root["trace_id"] and s["name"] == "decode"]
+        if decode and "kv.loaded_blocks" in decode[0]["attributes"]:
+            break
+        time.sleep(0.2)
+    attrs = decode[0]["attributes"]
+    assert attrs["kv.loaded_direct"] is False
+    assert attrs["kv.loaded_blocks"] == len(expected.prompt_token_ids) // 16

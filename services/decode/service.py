@@ -13,7 +13,7 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 
-from shared.engine.engine_request import EngineRequest, KVTransferParams
+from shared.engine.engine_request import EngineRequest, KVTransferParams, PeerSource
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
@@ -94,7 +94,7 @@ class DecodeService:
                     cache_salt=h.cache_salt or None,
                     resume_token_ids=list(h.output_token_ids),
                     sampler_state=h.generator_state or None,
-                    kv_transfer=KVTransferParams(load=True),
+                    kv_transfer=KVTransferParams(load=True, source=self._peer_source(h)),
                     trace_carrier=inject_headers(),
                 )
                 async for out in self.worker.engine.generate(request):
@@ -127,6 +127,19 @@ class DecodeService:
                     error=f"decode failed: {exc}", instance_id=self.ctx.instance_id,
                 )
                 await pub.send(error)
+
+    def _peer_source(self, h: mesh_pb2.DecodeHandoff) -> PeerSource | None:
+        """Where prefill holds the prompt's KV for a direct copy, if it does."""
+        if not h.HasField("kv_source") or h.kv_source.num_blocks == 0:
+            return None
+        src = h.kv_source
+        groups = self.engine.kv.layout.persistent_groups
+        n = src.num_blocks
+        if len(src.block_ids) != n * len(groups):
+            return None  # another model's layout: kvcache serves it
+        ids = list(src.block_ids)
+        block_ids = {g: ids[i * n : (i + 1) * n] for i, g in enumerate(groups)}
+        return PeerSource(src.instance_id, src.region, block_ids, n, src.lease_deadline_unix, src.layout)
 
     def _stops_at_first_token(self, h: mesh_pb2.DecodeHandoff, params: SamplingParams) -> str | None:
         """The engine's own stop rules, applied to the token prefill sampled."""

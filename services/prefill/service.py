@@ -2,9 +2,13 @@
 
 For a request: run it for its first token with KV transfer on both ways (the
 engine's connector loads the prompt's blocks kvcache holds and this worker
-lacks, and stores the new full blocks before the request ends), then hand it
-with its first token to decode. The service moves no KV itself. A failure at
-any point ends the request's stream with an error: never lost silently.
+lacks, and stores the new full blocks), then hand it with its first token to
+decode. With direct transfer (kv_direct_transfer, the default) the prompt's
+blocks stay held in this engine's cache under a lease and the handoff says
+where, so decode copies them straight across; kvcache is written behind, off
+the time to first token. Without it, the last output waits for the store and
+decode reads kvcache. The service moves no KV itself. A failure at any point
+ends the request's stream with an error: never lost silently.
 """
 
 import asyncio
@@ -65,10 +69,9 @@ class PrefillService:
             try:
                 # The first token only: decode generates the rest.
                 first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-                request = EngineRequest(
-                    rid, prompt, first, salt,
-                    kv_transfer=KVTransferParams(load=True, save=True), trace_carrier=inject_headers(),
-                )  # fmt: skip
+                direct = self.engine.runner.shares_kv
+                transfer = KVTransferParams(load=True, save=True, wait_for_save=not direct, hold=direct)
+                request = EngineRequest(rid, prompt, first, salt, kv_transfer=transfer, trace_carrier=inject_headers())
                 final: RequestOutput | None = None
                 async for out in self.worker.engine.generate(request):
                     final = out
@@ -93,6 +96,20 @@ class PrefillService:
                 )
                 if final.new_logprobs:
                     handoff.first_logprobs.CopyFrom(logprobs_to_proto(final.new_logprobs[0]))
+                held = final.kv.held
+                if held is not None and held.num_blocks:
+                    region = self.engine.runner.kv_region
+                    handoff.kv_source.CopyFrom(
+                        mesh_pb2.KvSource(
+                            instance_id=self.ctx.instance_id,
+                            region=region.share(),
+                            block_ids=[b for g in sorted(held.block_ids) for b in held.block_ids[g]],
+                            num_blocks=held.num_blocks,
+                            lease_deadline_unix=held.deadline,
+                            layout=region.layout,
+                        )
+                    )
+                    span.set_attribute("kv.held_blocks", held.num_blocks)
                 await self._hand_over(req.decode_instance, handoff)
                 self.m_requests.labels("ok").inc()
                 self.m_latency.observe(loop.time() - started)
@@ -121,4 +138,5 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         lambda worker: PrefillService(ctx, worker).on_run,
         subjects.prefill_run(ctx.instance_id),
         mesh_pb2.PrefillRequest,
+        share_kv=ctx.settings.engine.kv_direct_transfer,
     )

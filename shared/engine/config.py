@@ -66,6 +66,13 @@ class EngineConfig:
     kernels: str = "auto"
     """Attention, norm, rotary and activation code: "auto" (Triton kernels on CUDA,
     PyTorch elsewhere), "triton" (on the CPU only under TRITON_INTERPRET=1) or "torch"."""
+    kv_direct_transfer: bool = True
+    """Let a decode instance on the same host copy a request's KV straight out of this
+    engine's cache (CUDA IPC on a GPU, shared memory under /dev/shm on the CPU),
+    instead of through kvcache."""
+    kv_lease_timeout_s: float = 10.0
+    """How long finished prefill blocks are held for a direct copy before they are freed
+    (the copier gives up earlier, so a block is never freed while it is being read)."""
     swa_replay: str = "bounded"
     """How a prefix hit whose sliding-window KV is gone is resumed: "bounded" replays
     the last W tokens (DeepSeek's SWA bounded replay, approximate by design); "exact"
@@ -84,6 +91,8 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.swa_replay not in SWA_REPLAY_CHOICES:
             raise ValueError(f"swa_replay must be one of {SWA_REPLAY_CHOICES}, got {self.swa_replay!r}")
+        if self.kv_lease_timeout_s <= 0:
+            raise ValueError(f"kv_lease_timeout_s must be > 0, got {self.kv_lease_timeout_s}")
         if self.state_cache_bytes < 0 or self.state_cache_ttl_s <= 0:
             raise ValueError("state_cache_bytes must be >= 0 and state_cache_ttl_s > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -19,13 +19,21 @@ import threading
 
 import torch
 
+from shared.engine.kv_share import SharedMemoryAllocator, describe
 from shared.kv.spec import KVCacheLayout
 
 
 class KVRegion:
-    def __init__(self, kv_caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
+    def __init__(
+        self, kv_caches: list[torch.Tensor], layout: KVCacheLayout, allocator: SharedMemoryAllocator | None = None
+    ) -> None:
+        """allocator: what made the tensors when the CPU cache is shared with peers."""
         self.kv_caches = kv_caches
         self.kv_layout = layout
+        self.tensors = [
+            kv_caches[next(g for g in layout.groups if len(g.layers) > k).layers[k]] for k in range(layout.group_size)
+        ]
+        """The cache tensors, k-th of them used by the k-th layer of every group."""
         self.device = kv_caches[0].device
         self.persistent_groups = layout.persistent_groups
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -39,9 +47,35 @@ class KVRegion:
         self.layout = f"{dtype}:{layers}x2x{bs}x{heads}x{dim}"
         """dtype and shape of one block's payload: [layers of the persistent groups, k/v,
         block_size, kv_heads, head_dim]."""
+        self._allocator = allocator
+        self._description: bytes | None = None
+
+    def share(self) -> bytes:
+        """How a peer on this host maps this cache (see kv_share)."""
+        if self._description is None:
+            self._description = describe(self.tensors, self._allocator, self.layout)
+        return self._description
+
+    def copy_from_peer(self, peer: list[torch.Tensor], src: dict[int, list[int]], dst: dict[int, list[int]]) -> None:
+        """Copy blocks src (per persistent group) of a peer's cache tensors into our
+        blocks dst, tensor by tensor: one gather and one scatter per cache tensor,
+        device to device on a GPU (CUDA IPC), memory to memory on the CPU."""
+        with self._lock, self._side_stream():
+            for group, src_ids in src.items():
+                dst_index = torch.tensor(dst[group], device=self.device)
+                for k in range(len(self.kv_layout.groups[group].layers)):
+                    theirs = peer[k]
+                    blocks = theirs.index_select(1, torch.tensor(src_ids, device=theirs.device))
+                    self.tensors[k].index_copy_(1, dst_index, blocks.to(self.device, non_blocking=True))
+            if self._stream is not None:
+                self._stream.synchronize()
+
+    def close(self) -> None:
+        if self._allocator is not None:
+            self._allocator.close()
 
     def _group_tensors(self, group: int) -> list[torch.Tensor]:
-        return [self.kv_caches[layer] for layer in self.kv_layout.groups[group].layers]
+        return self.tensors[: len(self.kv_layout.groups[group].layers)]
 
     # -- for the engine's thread (the state cache): on the current stream --------
 

@@ -11,12 +11,19 @@ a block somebody else was given.
 
 Saves: a finished request's prompt blocks (those the source lacks) are
 referenced before the next schedule can hand them out and handed to the
-connector; the references go when the save reports.
+connector; the references go when the save reports. A save written behind
+(nobody waits for it) is dropped, and counted, when too many are in flight.
+
+Leases: a finished request that a peer will copy from keeps its prompt's
+blocks referenced until the peer releases them or the lease runs out.
 """
+
+import time
 
 import logging
 from dataclasses import dataclass
 
+from shared.engine.engine_request import HeldBlocks
 from shared.engine.kv.block_pool import KVBlock
 from shared.engine.kv.connector import KVConnector
 from shared.engine.kv.coordinator import KVCacheCoordinator
@@ -33,11 +40,25 @@ class SaveDone:
     error: str | None
 
 
+MAX_SAVES_BEHIND = 64
+"""Saves written behind that may be in flight; more are dropped (counted)."""
+
+
 class KVTransfer:
-    def __init__(self, connector: KVConnector, scheduler: Scheduler, kv: KVCacheCoordinator) -> None:
+    def __init__(
+        self, connector: KVConnector, scheduler: Scheduler, kv: KVCacheCoordinator, lease_timeout_s: float
+    ) -> None:
         self.connector = connector
         self.scheduler = scheduler
         self.kv = kv
+        self.lease_timeout_s = lease_timeout_s
+        self._leases: dict[str, tuple[list[KVBlock], float]] = {}
+        """Held blocks by request: referenced until released or past the deadline (unix time)."""
+        self._behind: set[str] = set()
+        """Saves in flight that nobody waits for."""
+        self.num_saves_dropped = 0
+        self.num_save_failures = 0
+        self.num_leases_expired = 0
         self._loads: dict[str, tuple[Request, int, int]] = {}
         """Loads in flight: request, first block, number of blocks."""
         self._saves: dict[str, list[KVBlock]] = {}
@@ -47,6 +68,7 @@ class KVTransfer:
     @property
     def busy(self) -> bool:
         """Whether anything is on its way (the step loop keeps polling)."""
+        # Leases are not waited for: an idle engine lets them expire at its next step.
         return bool(self._loads) or bool(self._saves) or self.connector.num_pending > 0
 
     def start_loads(self) -> None:
@@ -55,7 +77,9 @@ class KVTransfer:
             rid = request.request_id
             self._loads[rid] = (request, first, num)
             hashes = request.block_hashes[first : first + num]
-            self.connector.start_load(rid, hashes, self.kv.reserved_block_ids(rid), request.trace_carrier)
+            assert request.kv_transfer is not None
+            reserved = self.kv.reserved_block_ids(rid)
+            self.connector.start_load(rid, first, hashes, reserved, request.kv_transfer, request.trace_carrier)
         self.scheduler.loads_to_start = []
 
     def poll(self) -> list[SaveDone]:
@@ -75,30 +99,79 @@ class KVTransfer:
             if arrived:
                 self.kv.index_loaded(request, first, arrived)
                 self.num_loaded_blocks += arrived
+            request.kv_loaded_direct = result.direct
             self.scheduler.finish_load(result.request_id, arrived, num)
         done: list[SaveDone] = []
         for result in saves:
             blocks = self._saves.pop(result.request_id, None)
             if blocks is not None:
                 self.kv.pool.free(blocks[::-1])
+            self._behind.discard(result.request_id)
             done.append(SaveDone(result.request_id, result.num_blocks, result.error))
+        self._expire_leases()
         return done
 
-    def start_saves(self) -> list[str]:
-        """Hand the connector the prompt blocks of requests that just finished with a
-        save; returns their ids (their last output waits for the save)."""
-        started: list[str] = []
-        for request in self.scheduler.kv_saves:
-            first, blocks = self._prompt_blocks(request)
-            hashes = request.block_hashes[first : first + len(blocks[0]) if blocks else first]
-            ids = {g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)}
-            held = [b for group in blocks for b in group]
-            self.kv.pool.touch(held)  # freed with the request: referenced until the connector has read them
-            self._saves[request.request_id] = held
-            self.connector.start_save(request.request_id, hashes, ids, request.trace_carrier)
-            started.append(request.request_id)
-        self.scheduler.kv_saves = []
-        return started
+    def release(self, request_id: str) -> bool:
+        """A peer copied the request's held blocks: they may go. False if not held (any more)."""
+        lease = self._leases.pop(request_id, None)
+        if lease is not None:
+            self.kv.pool.free(lease[0][::-1])
+        return lease is not None
+
+    def _expire_leases(self) -> None:
+        now = time.time()
+        for request_id in [r for r, (_, deadline) in self._leases.items() if deadline <= now]:
+            self.release(request_id)
+            self.num_leases_expired += 1
+
+    def finish_requests(self) -> tuple[set[str], dict[str, HeldBlocks]]:
+        """For the requests that just finished with a save or a hold: start their saves
+        and take their leases. Returns the ids whose last output waits for its save,
+        and the blocks held per request."""
+        waiting: set[str] = set()
+        held: dict[str, HeldBlocks] = {}
+        for request in self.scheduler.kv_finished:
+            transfer = request.kv_transfer
+            assert transfer is not None
+            rid = request.request_id
+            if transfer.hold:
+                held[rid] = self._hold(request)
+            if transfer.save:
+                if not transfer.wait_for_save and len(self._behind) >= MAX_SAVES_BEHIND:
+                    self.num_saves_dropped += 1  # under pressure a write-behind goes: only the store misses it
+                    continue
+                self._save(request)
+                if transfer.wait_for_save:
+                    waiting.add(rid)
+                else:
+                    self._behind.add(rid)
+        self.scheduler.kv_finished = []
+        return waiting, held
+
+    def _hold(self, request: Request) -> HeldBlocks:
+        num = request.num_prompt_tokens // self.kv.block_size
+        blocks = self.kv.persistent_blocks(request, 0, num) if num else None
+        while num > 0 and blocks is None:
+            num -= 1
+            blocks = self.kv.persistent_blocks(request, 0, num)
+        if not num or blocks is None:
+            return HeldBlocks({}, 0, 0.0)
+        flat = [b for group in blocks for b in group]
+        self.kv.pool.touch(flat)
+        deadline = time.time() + self.lease_timeout_s
+        self._leases[request.request_id] = (flat, deadline)
+        ids = {g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)}
+        return HeldBlocks(ids, num, deadline)
+
+    def _save(self, request: Request) -> None:
+        first, blocks = self._prompt_blocks(request)
+        hashes = request.block_hashes[first : first + len(blocks[0]) if blocks else first]
+        ids = {g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)}
+        held = [b for group in blocks for b in group]
+        self.kv.pool.touch(held)  # freed with the request: referenced until the connector has read them
+        self._saves[request.request_id] = held
+        assert request.kv_transfer is not None
+        self.connector.start_save(request.request_id, hashes, ids, request.trace_carrier)
 
     def _prompt_blocks(self, request: Request) -> tuple[int, list[list[KVBlock]]]:
         """The finished request's full prompt blocks the source lacks, per persistent

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest
+from shared.engine.engine_request import EngineRequest, HeldBlocks
 from shared.engine.dtypes import torch_dtype
 from shared.engine.kv.connector import KVConnector
 from shared.engine.kv.coordinator import KVCacheCoordinator
@@ -65,6 +65,10 @@ class KVTransferReport:
     save_error: str | None = None
     num_replayed_tokens: int = 0
     """Tokens recomputed to rebuild sliding-window KV after a hit (SWA replay)."""
+    loaded_direct: bool = False
+    """The loaded blocks came straight from a peer's cache (not through kvcache)."""
+    held: HeldBlocks | None = None
+    """The prompt's blocks held for a peer to copy (KVTransferParams.hold)."""
 
 
 @dataclass(slots=True)
@@ -76,6 +80,10 @@ class EngineLoad:
     num_free_kv_blocks: int
     num_total_kv_blocks: int
     num_queued_tokens: int
+    num_kv_save_failures: int = 0
+    """Stores through the KV connector that failed since start (written behind or not)."""
+    num_kv_saves_dropped: int = 0
+    """Stores written behind that were dropped since start: too many in flight."""
 
 
 def _host_free(params: SamplingParams) -> bool:
@@ -99,6 +107,7 @@ class LLMEngine:
         record_kv_events: bool = False,
         load_progress: bool = False,
         kv_connector: KVConnector | None = None,
+        share_kv: bool = False,
     ) -> None:
         """model: an already built model (benchmarks build one in GPU memory);
         None loads config.model. The caller's choices, not knobs of the config:
@@ -108,7 +117,9 @@ class LLMEngine:
         entering / leaving the prefix cache for drain_kv_events() (a mesh worker).
         load_progress: a progress bar while the weights load. kv_connector: where
         KV beyond this engine's cache comes from and goes to (the engine owns it
-        and closes it in close())."""
+        and closes it in close()). share_kv: let peers on this host map this engine's
+        KV cache and copy held blocks straight out of it (a prefill worker, when
+        config.kv_direct_transfer is on)."""
         self.config = config
         self.detokenize = detokenize
         dtype = torch_dtype(config.dtype)
@@ -153,17 +164,17 @@ class LLMEngine:
             cuda_graphs=config.cuda_graphs,
             max_model_len=max_model_len,
             max_batch=config.max_num_seqs,
+            share_kv=share_kv,
         )
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config, max_model_len),
             self.kv,
             kv_connector,
-            self.runner.kv_region.layout,
         )
         self.kv_transfer: KVTransfer | None = None
         if kv_connector is not None:
             kv_connector.register_kv_region(self.runner.kv_region)
-            self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv)
+            self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, config.kv_lease_timeout_s)
         self._awaiting_save: dict[str, RequestOutput] = {}
         """Last outputs held back until the connector has stored the request's blocks."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -237,9 +248,10 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Stop the connector's background work."""
+        """Stop the connector's background work; unmap the shared cache."""
         if self.kv_transfer is not None:
             self.kv_transfer.connector.close()
+        self.runner.kv_region.close()
 
     # -- the step ------------------------------------------------------------
 
@@ -261,7 +273,7 @@ class LLMEngine:
                 self._start_loads()
                 outputs = self._process(sched, self.runner.execute(sched))
         self._save_states()
-        outputs = self._hold_for_saves(outputs)
+        outputs = self._finish_transfers(outputs)
         if not outputs and not released and self._idle_on_io():
             time.sleep(0.001)  # only KV on its way: let the connector's thread run
         return released + outputs
@@ -279,28 +291,38 @@ class LLMEngine:
         released: list[RequestOutput] = []
         for done in self.kv_transfer.poll():
             out = self._awaiting_save.pop(done.request_id, None)
-            if out is None:
+            if out is None:  # written behind: nobody waits, so it is counted here
+                if done.error is not None:
+                    self.kv_transfer.num_save_failures += 1
+                    log.warning("writing %s's KV behind failed: %s", done.request_id, done.error)
                 continue
             if out.kv is not None:
                 out.kv.num_saved_blocks = done.num_blocks if done.error is None else 0
                 out.kv.save_error = done.error
+                if done.error is not None:
+                    self.kv_transfer.num_save_failures += 1
             released.append(out)
         return released
 
-    def _hold_for_saves(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Hold back the last output of requests whose blocks are being saved."""
+    def _finish_transfers(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Start the saves and leases of requests that just finished; hold back the last
+        output of those whose save must be stored first."""
         if self.kv_transfer is None:
             return outputs
-        saving = set(self.kv_transfer.start_saves())
-        if not saving:
-            return outputs
+        waiting, held = self.kv_transfer.finish_requests()
         kept: list[RequestOutput] = []
         for out in outputs:
-            if out.finished and out.request_id in saving:
+            if out.finished and out.kv is not None:
+                out.kv.held = held.get(out.request_id)
+            if out.finished and out.request_id in waiting:
                 self._awaiting_save[out.request_id] = out
             else:
                 kept.append(out)
         return kept
+
+    def release_kv_lease(self, request_id: str) -> bool:
+        """A peer copied the blocks held for this request: free them (False if not held)."""
+        return self.kv_transfer is not None and self.kv_transfer.release(request_id)
 
     def _idle_on_io(self) -> bool:
         return (
@@ -374,6 +396,7 @@ class LLMEngine:
             request.num_loaded_blocks,
             request.kv_load_failed,
             num_replayed_tokens=request.num_replayed_tokens,
+            loaded_direct=request.kv_loaded_direct,
         )
 
     # -- KV blocks in and out (the mesh's kvcache service) -------------------
@@ -394,4 +417,6 @@ class LLMEngine:
             num_total_kv_blocks=self.kv.pool.num_blocks,
             num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
             + sum(r.num_tokens - r.num_computed_tokens for r in sched.running),
+            num_kv_save_failures=self.kv_transfer.num_save_failures if self.kv_transfer else 0,
+            num_kv_saves_dropped=self.kv_transfer.num_saves_dropped if self.kv_transfer else 0,
         )

@@ -12,6 +12,7 @@ import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.kv_region import KVRegion
+from shared.engine.kv_share import SharedMemoryAllocator
 
 from shared.engine.sampler import Sampler, SamplingState, TokenLogprobs
 from shared.engine.step import PLACEHOLDER, SchedulerOutput
@@ -58,7 +59,9 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_model_len: int = 4096,
         max_batch: int = 64,
+        share_kv: bool = False,
     ) -> None:
+        """share_kv: make the KV cache mappable by peers on this host (direct transfer)."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -66,8 +69,17 @@ class ModelRunner:
         # One block more than the pool hands out: the pool's null block (id num_blocks),
         # where dropped sliding-window blocks point and writes that must not land go.
         self.null_block = num_blocks
-        self.kv_caches = model.allocate_kv_cache(num_blocks + 1, block_size, kv_dtype, device)
-        self.kv_region = KVRegion(self.kv_caches, self.kv_layout)
+        # A CPU cache a peer can map is made in shared memory (a GPU one is shared by CUDA IPC).
+        allocator = SharedMemoryAllocator() if share_kv and device.type == "cpu" else None
+        try:
+            self.kv_caches = model.allocate_kv_cache(num_blocks + 1, block_size, kv_dtype, device, allocator)
+        except OSError as exc:
+            log.warning("KV cache not shared with peers (%s): decode instances read it through kvcache", exc)
+            allocator.close()  # type: ignore[union-attr]
+            allocator = None
+            self.kv_caches = model.allocate_kv_cache(num_blocks + 1, block_size, kv_dtype, device)
+        self.kv_region = KVRegion(self.kv_caches, self.kv_layout, allocator)
+        self.shares_kv = share_kv and (allocator is not None or device.type == "cuda")
         """The cache as blocks that KV connectors and the state cache read and write."""
         # Positions an SWA replay recomputes already hold these groups' KV (all but sliding ones).
         self._skips_replay = [g.spec.window is None for g in self.kv_layout.groups]

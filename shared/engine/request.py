@@ -75,6 +75,8 @@ class Request:
     num_loaded_blocks: int = 0
     num_replayed_tokens: int = 0
     """Tokens recomputed at admission to rebuild sliding-window KV (SWA replay)."""
+    kv_loaded_direct: bool = False
+    """The load was a direct copy from a peer's cache."""
     kv_load_failed: bool = False
     """A load the connector promised did not (fully) arrive: those tokens were recomputed."""
 

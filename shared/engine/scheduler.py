@@ -48,10 +48,9 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheCoordinator, connector: KVConnector | None = None, layout: str = ""
+        self, config: SchedulerConfig, kv: KVCacheCoordinator, connector: KVConnector | None = None
     ) -> None:
-        """connector: where KV beyond the local cache comes from (None: nowhere);
-        layout: the runner's block layout, which names the connector's payloads."""
+        """connector: where KV beyond the local cache comes from (None: nowhere)."""
         if kv.pool.num_blocks < kv.num_blocks_needed(config.max_model_len):
             raise ValueError(
                 f"the KV cache has {kv.pool.num_blocks} blocks of {kv.block_size} tokens, fewer than "
@@ -70,13 +69,12 @@ class Scheduler:
         self._window = kv.layout.max_window or 0
         """A sliding floor stops mattering once queries are a window past it."""
         self.connector = connector if kv.layout.persistent_groups else None
-        self.layout = layout
         self.loading: dict[str, Request] = {}
         """Requests in WAITING_FOR_KV, by id."""
         self.loads_to_start: list[tuple[Request, int, int]] = []
         """(request, first block, number of blocks) the engine asks the connector to load."""
-        self.kv_saves: list[Request] = []
-        """Finished requests whose prompt blocks the engine saves through the connector."""
+        self.kv_finished: list[Request] = []
+        """Finished requests whose prompt blocks the engine saves or holds for a peer."""
         self.num_kv_load_failures = 0
         self.state_saves: list[StateSave] = []
         """Sliding-window states of requests that ended, for the engine to copy before
@@ -211,9 +209,7 @@ class Scheduler:
         if local >= max_blocks:
             request.kv_lookup_done = True
             return False
-        held = self.connector.lookup(
-            request.request_id, request.block_hashes[:max_blocks], self.layout, request.trace_carrier
-        )
+        held = self.connector.lookup(request.request_id, request.block_hashes[:max_blocks], transfer, request.trace_carrier)
         if held is None:
             return True
         request.kv_lookup_done = True
@@ -310,13 +306,14 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        transfer = request.kv_transfer
         if (
             self.connector is not None
-            and request.kv_transfer is not None
-            and request.kv_transfer.save
+            and transfer is not None
+            and (transfer.save or transfer.hold)
             and status != RequestStatus.FINISHED_ABORTED
         ):
-            self.kv_saves.append(request)  # before free: its blocks stay indexed until the next schedule
+            self.kv_finished.append(request)  # before free: its blocks stay indexed until the next schedule
         save = self.kv.free(request)
         if save is not None:
             self.state_saves.append(save)

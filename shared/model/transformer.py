@@ -8,6 +8,7 @@ goes, so loading a checkpoint is still a name lookup. Architecture differences c
 layer, tied embeddings.
 """
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -209,18 +210,27 @@ class CausalLM(nn.Module):
         return linear(hidden, weight, None, self._gemv).float()
 
     def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        make: "Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None" = None,
     ) -> list[torch.Tensor]:
         """The KV cache of every layer: ``kv_layout.group_size`` zeroed tensors
         ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, layer k of each group
         using tensor k (a block id names the same memory whichever group holds it).
 
         Zeroed, not empty: a masked key still enters the attention matmul with weight 0,
-        and 0 * NaN from uninitialised memory would be NaN.
+        and 0 * NaN from uninitialised memory would be NaN. ``make(shape, dtype)``, when
+        given, makes each zeroed tensor instead (e.g. in memory another process can map).
         """
         c = self.config
         shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.kv_layout.group_size)]
+        if make is None:
+            tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.kv_layout.group_size)]
+        else:
+            tensors = [make(shape, dtype) for _ in range(self.kv_layout.group_size)]
         return [tensors[self.kv_layout.tensor_of_layer(i)] for i in range(c.num_hidden_layers)]
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:

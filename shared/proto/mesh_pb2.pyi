@@ -91,7 +91,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DecodeHandoff(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "cache_salt", "block_hashes", "num_cached_tokens", "generator_state", "first_logprobs", "prefill_instance")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "cache_salt", "block_hashes", "num_cached_tokens", "generator_state", "first_logprobs", "prefill_instance", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class DecodeHandoff(_message.Message):
     GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -112,7 +113,30 @@ class DecodeHandoff(_message.Message):
     generator_state: bytes
     first_logprobs: TokenLogprobs
     prefill_instance: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_cached_tokens: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prefill_instance: _Optional[str] = ...) -> None: ...
+    kv_source: KvSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_cached_tokens: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prefill_instance: _Optional[str] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("instance_id", "region", "block_ids", "num_blocks", "lease_deadline_unix", "layout")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    region: bytes
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks: int
+    lease_deadline_unix: float
+    layout: str
+    def __init__(self, instance_id: _Optional[str] = ..., region: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class KvRelease(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

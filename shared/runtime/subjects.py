@@ -14,6 +14,12 @@ def decode_admit(instance_id: str) -> str:
     return f"{PREFIX}.decode.{instance_id}.admit"
 
 
+def kv_release(instance_id: str) -> str:
+    """Where a decode instance tells the prefill instance it copied a request's KV from
+    that the blocks may go (KvRelease)."""
+    return f"{PREFIX}.kv.release.{check_token(instance_id)}"
+
+
 def stream(request_id: str) -> str:
     return f"{PREFIX}.stream.{request_id}"
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from opentelemetry import context
 
+from shared.engine.engine_request import KVTransferParams
 from shared.engine.kv.connector import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.block_hash import BlockHash
 from shared.runtime.kvcache_client import KVCacheClient
@@ -56,7 +57,7 @@ class KVCacheConnector(KVConnector):
     # -- the interface -------------------------------------------------------
 
     def lookup(
-        self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None
+        self, request_id: str, hashes: list[BlockHash], params: KVTransferParams, trace: TraceCarrier | None = None
     ) -> int | None:
         future = self._lookups.get(request_id)
         if future is None:
@@ -73,7 +74,13 @@ class KVCacheConnector(KVConnector):
             return 0
 
     def start_load(
-        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+        self,
+        request_id: str,
+        first_block: int,
+        hashes: list[BlockHash],
+        block_ids: BlockIds,
+        params: KVTransferParams,
+        trace: TraceCarrier | None = None,
     ) -> None:
         self._loads[request_id] = self._submit(self._fetch(hashes, block_ids), trace)
 

@@ -23,6 +23,7 @@ from shared.runtime.bus import Bus, StreamPublisher
 from shared.runtime.rpc import GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
 from shared.stage.kvcache_connector import KVCacheConnector
+from shared.stage.peer_connector import PeerConnector
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ class Worker:
         self.m_kv_usage = m.gauge("kv_usage_ratio", "Used fraction of the paged KV cache")
         self.m_kv_loaded_bytes = m.counter("kv_loaded_bytes_total", "KV bytes loaded from kvcache into the paged cache")
         self.m_kv_stored_bytes = m.counter("kv_stored_bytes_total", "KV bytes written to kvcache")
+        self.m_kv_store_failures = m.gauge("kv_store_failures", "Stores to kvcache that failed since start")
+        self.m_kv_stores_dropped = m.gauge(
+            "kv_stores_dropped", "Stores to kvcache written behind that were dropped since start (too many in flight)"
+        )
         self.m_kv_load_failures = m.counter(
             "kv_load_failures_total", "Loads from kvcache that did not (fully) arrive: their tokens were recomputed"
         )
@@ -86,6 +91,11 @@ class Worker:
         if task is not None:
             task.cancel()  # leaving engine.generate() aborts the request and frees its blocks
 
+    async def on_kv_release(self, msg: mesh_pb2.KvRelease) -> None:
+        """A decode instance copied a request's held blocks: they may go."""
+        rid = msg.request_id
+        await self.engine.call(lambda e: e.release_kv_lease(rid))
+
     async def stop(self) -> None:
         """Drain: say NOT_SERVING and draining, let in-flight requests finish
         under a timeout, then stop the engine."""
@@ -112,6 +122,7 @@ class Worker:
         span.set_attribute("kv.loaded_blocks", report.num_loaded_blocks)
         span.set_attribute("kv.loaded_bytes", loaded)
         span.set_attribute("kv.load_failed", report.load_failed)
+        span.set_attribute("kv.loaded_direct", report.loaded_direct)
         if report.load_failed:
             self.m_kv_load_failures.inc()
         span.set_attribute("kv.replayed_tokens", report.num_replayed_tokens)
@@ -128,6 +139,8 @@ class Worker:
         self.m_kv_free.set(load.num_free_kv_blocks)
         self.m_kv_total.set(load.num_total_kv_blocks)
         self.m_kv_usage.set(1 - load.num_free_kv_blocks / max(load.num_total_kv_blocks, 1))
+        self.m_kv_store_failures.set(load.num_kv_save_failures)
+        self.m_kv_stores_dropped.set(load.num_kv_saves_dropped)
         return mesh_pb2.Load(
             num_running=load.num_running,
             num_waiting=load.num_waiting,
@@ -181,16 +194,29 @@ async def serve_engine_stage(
     make_handler: Callable[[Worker], Callable[[Any], Awaitable[Message | None]]],
     subject: str,
     message_type: type[Message],
+    *,
+    share_kv: bool = False,
 ) -> None:
-    """The setup both engine stages share: the engine with its kvcache connector
-    (loaded off the event loop), the worker duties, the dispatch subscription and
-    cancels. The exit stack unwinds intake first, then the drain, then the rest."""
-    connector = KVCacheConnector(ctx.settings.kvcache.address)
+    """The setup both engine stages share: the engine with its KV connector (direct
+    copies from a peer's cache, kvcache behind them; loaded off the event loop), the
+    worker duties, the dispatch subscription and cancels. share_kv: peers on this
+    host may copy held blocks straight out of this engine's cache (prefill), which
+    then also hears their releases. The exit stack unwinds intake first, then the
+    drain, then the rest."""
+    loop = asyncio.get_running_loop()
+
+    def release(instance_id: str, request_id: str) -> None:  # from the connector's thread
+        message = mesh_pb2.KvRelease(request_id=request_id)
+        publish = ctx.bus.publish(subjects.kv_release(instance_id), message)
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(publish))
+
+    connector = PeerConnector(KVCacheConnector(ctx.settings.kvcache.address), release)
     try:
         # Token ids only (text is the balancer's job), and block events for its routing.
         engine = await asyncio.to_thread(
-            LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True, kv_connector=connector
-        )
+            LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True, kv_connector=connector,
+            share_kv=share_kv,
+        )  # fmt: skip
     except BaseException:
         connector.close()
         raise
@@ -198,10 +224,13 @@ async def serve_engine_stage(
     worker = Worker(ctx, engine)
     handle = make_handler(worker)
     await worker.start(stack)
-    for subj, msg_type, handler in (
+    routes: list[tuple[str, type[Message], Callable[[Any], Awaitable[Message | None]]]] = [
         (subject, message_type, handle),
         (subjects.CANCEL, mesh_pb2.Cancel, worker.on_cancel),
-    ):
+    ]
+    if share_kv:
+        routes.append((subjects.kv_release(ctx.instance_id), mesh_pb2.KvRelease, worker.on_kv_release))
+    for subj, msg_type, handler in routes:
         sub = await ctx.bus.subscribe(subj, msg_type, handler)
         stack.push_async_callback(sub.unsubscribe)
 

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from shared.engine.engine_request import KVTransferParams
 from shared.kv.block_hash import BlockHash
 
 TraceCarrier = Mapping[str, str]
@@ -58,6 +59,8 @@ class LoadResult:
     num_blocks: int
     """The leading blocks asked for that arrived and were written (fewer than asked on a miss)."""
     error: str | None = None
+    direct: bool = False
+    """Copied straight from a peer's cache (rather than from a store)."""
 
 
 @dataclass(slots=True)
@@ -76,17 +79,24 @@ class KVConnector(ABC):
 
     @abstractmethod
     def lookup(
-        self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None
+        self, request_id: str, hashes: list[BlockHash], params: KVTransferParams, trace: TraceCarrier | None = None
     ) -> int | None:
-        """How many leading blocks of `hashes` the source holds (in `layout`); None
-        while the answer is not in yet (the scheduler asks again next step). Never blocks."""
+        """How many leading blocks of `hashes` the source holds (in the region's layout);
+        None while the answer is not in yet (the scheduler asks again next step). Never blocks."""
 
     @abstractmethod
     def start_load(
-        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+        self,
+        request_id: str,
+        first_block: int,
+        hashes: list[BlockHash],
+        block_ids: BlockIds,
+        params: KVTransferParams,
+        trace: TraceCarrier | None = None,
     ) -> None:
-        """In the background, fetch these blocks and write them into `block_ids` of the
-        registered region; `poll` reports how many arrived."""
+        """In the background, fetch the request's blocks first_block, first_block + 1, ...
+        (chain hashes `hashes`) and write them into `block_ids` of the registered region;
+        `poll` reports how many arrived."""
 
     @abstractmethod
     def start_save(

@@ -3,6 +3,7 @@ share blocks through it (offline tools, tests). It answers at the next `poll`,
 as a remote store would, so the engine's waiting-for-KV path is the same.
 No torch here."""
 
+from shared.engine.engine_request import KVTransferParams
 from shared.engine.kv.connector import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.block_hash import BlockHash
 
@@ -21,12 +22,19 @@ class MemoryConnector(KVConnector):
         self._saves: list[SaveResult] = []
 
     def lookup(
-        self, request_id: str, hashes: list[BlockHash], layout: str, trace: TraceCarrier | None = None
+        self, request_id: str, hashes: list[BlockHash], params: KVTransferParams, trace: TraceCarrier | None = None
     ) -> int | None:
+        layout = self.region.layout
         return next((i for i, h in enumerate(hashes) if (layout, h) not in self.store.blocks), len(hashes))
 
     def start_load(
-        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+        self,
+        request_id: str,
+        first_block: int,
+        hashes: list[BlockHash],
+        block_ids: BlockIds,
+        params: KVTransferParams,
+        trace: TraceCarrier | None = None,
     ) -> None:
         payloads: list[bytes] = []
         for h in hashes:

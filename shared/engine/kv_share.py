@@ -1,0 +1,150 @@
+"""A KV cache another process on the same host can map, and the mapping of a peer's.
+
+Direct prefill -> decode transfer copies blocks from the prefill engine's cache
+into the decode engine's, with no stop in between:
+
+- on a GPU by CUDA IPC: the cache tensors' memory handles (torch's own
+  `_share_cuda_`), opened once per peer; a copy is then one device-to-device
+  gather per cache tensor;
+- on the CPU by shared memory: the cache is made in a file under /dev/shm that
+  is unlinked at once and stays reachable as /proc/<pid>/fd/<fd> while the
+  owner lives (nothing is left behind when it dies), and the peer maps it. The
+  description carries the file's device and inode: a peer in another PID
+  namespace (another container) whose /proc/<pid>/fd/<fd> names some other
+  file refuses it, rather than reading a stranger's bytes as KV.
+
+`describe` turns the cache into a small JSON description that travels in the
+handoff; `open_peer` maps one. Nothing here is pickled: a description from the
+network is data, checked before use.
+"""
+
+import base64
+import json
+import os
+import re
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+_PROC_FD = re.compile(r"^/proc/\d+/fd/\d+$")
+
+
+@dataclass
+class SharedMemoryAllocator:
+    """Makes the cache tensors in shared memory (CPU); keeps their files open."""
+
+    fds: list[int] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    identities: list[tuple[int, int]] = field(default_factory=list)
+    """(st_dev, st_ino) of each file, which a peer checks before mapping it."""
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        # The file is sparse: a /dev/shm too small for it would kill us (SIGBUS) at first touch.
+        free = os.statvfs("/dev/shm")
+        if free.f_bavail * free.f_frsize < nbytes * 2:
+            raise OSError(f"/dev/shm has room for less than twice the {nbytes} bytes of a KV cache tensor")
+        path = f"/dev/shm/infermesh-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)  # zero-filled
+            tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+        finally:
+            os.unlink(path)  # reachable through the open fd only: gone with this process
+        self.fds.append(fd)
+        self.paths.append(f"/proc/{os.getpid()}/fd/{fd}")
+        st = os.fstat(fd)
+        self.identities.append((st.st_dev, st.st_ino))
+        return tensor
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds, self.paths, self.identities = [], [], []
+
+
+def describe(tensors: list[torch.Tensor], allocator: SharedMemoryAllocator | None, layout: str) -> bytes:
+    """How a peer on this host opens these cache tensors (as data: JSON)."""
+    first = tensors[0]
+    desc: dict = {"layout": layout, "shape": list(first.shape), "dtype": str(first.dtype).removeprefix("torch.")}
+    if first.device.type == "cuda":
+        storages = []
+        for t in tensors:
+            dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = t.untyped_storage()._share_cuda_()
+            storages.append(
+                {
+                    "device": dev,
+                    "handle": base64.b64encode(handle).decode(),
+                    "size": size,
+                    "offset": offset,
+                    "ref_counter_handle": base64.b64encode(rc_handle).decode(),
+                    "ref_counter_offset": rc_offset,
+                    "event_handle": base64.b64encode(ev_handle).decode(),
+                    "event_sync_required": ev_sync,
+                }
+            )
+        desc.update(kind="cuda", storages=storages)
+    elif allocator is not None:
+        desc.update(kind="shm", paths=list(allocator.paths), files=[list(i) for i in allocator.identities])
+    else:
+        raise ValueError("a CPU cache is shared only when made by a SharedMemoryAllocator")
+    return json.dumps(desc).encode()
+
+
+def open_peer(data: bytes, device: torch.device) -> tuple[str, list[torch.Tensor]]:
+    """The layout and the cache tensors a peer described; ValueError if this process
+    cannot map them (another host, another device kind, a dead peer, bad data)."""
+    try:
+        desc = json.loads(data)
+        dtype = getattr(torch, desc["dtype"])
+        shape = tuple(int(n) for n in desc["shape"])
+        kind = desc["kind"]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"unreadable KV region description: {exc}") from None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a dtype: {desc['dtype']!r}")
+    numel = 1
+    for n in shape:
+        numel *= n
+    if kind == "shm":
+        if device.type != "cpu":
+            raise ValueError("a shared-memory KV region maps into a CPU engine only")
+        tensors = []
+        for path, identity in zip(desc["paths"], desc.get("files", [])):
+            if not isinstance(path, str) or not _PROC_FD.match(path):
+                raise ValueError(f"not a shared KV file: {path!r}")
+            try:
+                st = os.stat(path)
+                if [st.st_dev, st.st_ino] != list(identity):
+                    raise ValueError(f"{path} is another file here (another host or container?)")
+                tensors.append(torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape))
+            except (OSError, RuntimeError) as exc:
+                raise ValueError(f"cannot map {path}: {exc}") from None
+        if len(tensors) != len(desc["paths"]):
+            raise ValueError("a shared KV file without its identity")
+        return desc["layout"], tensors
+    if kind == "cuda":
+        if device.type != "cuda":
+            raise ValueError("a CUDA KV region maps into a CUDA engine only")
+        tensors = []
+        for s in desc["storages"]:
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    int(s["device"]),
+                    base64.b64decode(s["handle"]),
+                    int(s["size"]),
+                    int(s["offset"]),
+                    base64.b64decode(s["ref_counter_handle"]),
+                    int(s["ref_counter_offset"]),
+                    base64.b64decode(s["event_handle"]),
+                    bool(s["event_sync_required"]),
+                )
+            except (RuntimeError, KeyError, ValueError) as exc:
+                raise ValueError(f"cannot open the peer's CUDA memory: {exc}") from None
+            tensors.append(torch.empty(0, dtype=dtype, device=f"cuda:{int(s['device'])}").set_(storage, 0, shape))
+        return desc["layout"], tensors
+    raise ValueError(f"unknown KV region kind {kind!r}")

@@ -1,0 +1,148 @@
+"""The direct prefill -> decode KV path: a connector that copies a request's
+prompt KV straight out of the prefill engine's cache on this host (CUDA IPC on
+a GPU, shared memory on the CPU), and hands every other load, and every save,
+to the connector behind it (kvcache).
+
+Prefill holds the blocks under a lease and says so in the handoff
+(`KVTransferParams.source`). Here the lookup answers at once from that
+description; the copy runs on a thread of its own, device to device, one
+gather per cache tensor. A copy is not started when the lease is about to run
+out, and its result is thrown away (the tokens are recomputed, counted) when
+the lease ran out while it ran: the peer may have reused the blocks, so stale
+KV is never used. When the copy is done the peer is told to let the blocks go.
+A peer that cannot be mapped (another host, a dead process) sends the request
+to the connector behind.
+"""
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from shared.engine.engine_request import KVTransferParams, PeerSource
+from shared.engine.kv.connector import BlockIds, KVConnector, KVRegion, LoadResult, SaveResult, TraceCarrier
+from shared.engine.kv_region import KVRegion as PagedKVRegion
+from shared.engine.kv_share import open_peer
+from shared.kv.block_hash import BlockHash
+
+log = logging.getLogger(__name__)
+
+LEASE_MARGIN_S = 1.0
+"""A copy starts only this long before the lease's end, at the latest."""
+
+
+class PeerConnector(KVConnector):
+    def __init__(self, fallback: KVConnector, release: Callable[[str, str], None]) -> None:
+        """release(instance_id, request_id): tell the peer its held blocks may go."""
+        self.fallback = fallback
+        self._release = release
+        self._peers: dict[bytes, list[torch.Tensor]] = {}
+        self._routes: dict[str, PeerSource] = {}
+        self._copies: dict[str, concurrent.futures.Future[int]] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-peer-copy")
+        self.num_direct_blocks = 0
+        self.num_failures = 0
+        self.copy_seconds = 0.0
+        """Time spent in direct copies (with num_direct_blocks, their bandwidth)."""
+
+    def register_kv_region(self, region: KVRegion) -> None:
+        super().register_kv_region(region)
+        self.fallback.register_kv_region(region)
+
+    def lookup(
+        self, request_id: str, hashes: list[BlockHash], params: KVTransferParams, trace: TraceCarrier | None = None
+    ) -> int | None:
+        source = params.source
+        if source is not None and request_id not in self._routes and self._usable(source):
+            self._routes[request_id] = source
+        if request_id in self._routes:
+            return min(self._routes[request_id].num_blocks, len(hashes))
+        return self.fallback.lookup(request_id, hashes, params, trace)
+
+    def _usable(self, source: PeerSource) -> bool:
+        if source.layout != self.region.layout or source.num_blocks == 0:
+            return False
+        if time.time() > source.lease_deadline - LEASE_MARGIN_S:
+            return False
+        try:
+            self._open(source)
+        except ValueError as exc:
+            log.info("no direct KV path to %s (%s): through kvcache", source.instance_id, exc)
+            return False
+        return True
+
+    def _open(self, source: PeerSource) -> list[torch.Tensor]:
+        tensors = self._peers.get(source.region)
+        if tensors is None:
+            assert isinstance(self.region, PagedKVRegion)
+            layout, tensors = open_peer(source.region, self.region.device)
+            if layout != self.region.layout:
+                raise ValueError(f"the peer's layout {layout} is not ours ({self.region.layout})")
+            self._peers[source.region] = tensors
+        return tensors
+
+    def start_load(
+        self,
+        request_id: str,
+        first_block: int,
+        hashes: list[BlockHash],
+        block_ids: BlockIds,
+        params: KVTransferParams,
+        trace: TraceCarrier | None = None,
+    ) -> None:
+        source = self._routes.pop(request_id, None)
+        if source is None:
+            self.fallback.start_load(request_id, first_block, hashes, block_ids, params, trace)
+            return
+        num = min(len(hashes), source.num_blocks - first_block)
+        self._copies[request_id] = self._executor.submit(self._copy, request_id, source, first_block, block_ids, num)
+
+    def _copy(self, request_id: str, source: PeerSource, first: int, block_ids: BlockIds, num: int) -> int:
+        if time.time() > source.lease_deadline - LEASE_MARGIN_S:
+            raise TimeoutError("the peer's lease ran out before the copy could start")
+        assert isinstance(self.region, PagedKVRegion)
+        # The peer holds the prompt's blocks from 0; we lack them from `first` on.
+        src = {g: ids[first : first + num] for g, ids in source.block_ids.items()}
+        dst = {g: ids[:num] for g, ids in block_ids.items()}
+        peer = self._open(source)
+        started = time.perf_counter()
+        self.region.copy_from_peer(peer, src, dst)
+        self.copy_seconds += time.perf_counter() - started
+        if time.time() > source.lease_deadline:
+            raise TimeoutError("the peer's lease ran out during the copy: its blocks may have been reused")
+        self._release(source.instance_id, request_id)
+        return num
+
+    def start_save(
+        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+    ) -> None:
+        self.fallback.start_save(request_id, hashes, block_ids, trace)
+
+    def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
+        loads, saves = self.fallback.poll()
+        for request_id, future in [(r, f) for r, f in self._copies.items() if f.done()]:
+            del self._copies[request_id]
+            try:
+                num = future.result()
+                self.num_direct_blocks += num
+                loads.append(LoadResult(request_id, num, direct=True))
+            except Exception as exc:
+                self.num_failures += 1
+                log.warning("direct KV copy for %s failed: %s", request_id, exc)
+                loads.append(LoadResult(request_id, 0, f"direct copy: {type(exc).__name__}: {exc}", direct=True))
+        return loads, saves
+
+    def forget(self, request_id: str) -> None:
+        self._routes.pop(request_id, None)
+        self.fallback.forget(request_id)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._copies) + self.fallback.num_pending
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._peers.clear()
+        self.fallback.close()
