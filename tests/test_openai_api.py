@@ -27,7 +27,7 @@ from services.balancer.generation import GenerationError, GenerationRequest, Gen
 from services.balancer.local import LocalGenerator
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
-from shared.engine.llm_engine import EngineLoad
+from shared.engine.outputs import EngineLoad
 from shared.engine.sampling_params import SamplingParams
 from shared.model.make_model import make_model
 from shared.recipe import Recipe

@@ -19,7 +19,8 @@ from contextlib import AsyncExitStack
 import nats.errors
 
 from shared.engine.engine_request import EngineRequest, KVTransferParams
-from shared.engine.llm_engine import LLMEngine, RequestOutput
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects

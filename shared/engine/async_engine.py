@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shared.engine.engine_request import EngineRequest
-from shared.engine.llm_engine import EngineLoad, LLMEngine, RequestOutput
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.outputs import EngineLoad, RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -21,23 +21,16 @@ blocks referenced until the peer releases them or the lease runs out.
 import time
 
 import logging
-from dataclasses import dataclass
 
 from shared.engine.engine_request import HeldBlocks
 from shared.engine.kv.block_pool import KVBlock
 from shared.engine.kv.connector import KVConnector
 from shared.engine.kv.coordinator import KVCacheCoordinator
+from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request
 from shared.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SaveDone:
-    request_id: str
-    num_blocks: int
-    error: str | None
 
 
 MAX_SAVES_BEHIND = 64
@@ -56,6 +49,8 @@ class KVTransfer:
         """Held blocks by request: referenced until released or past the deadline (unix time)."""
         self._behind: set[str] = set()
         """Saves in flight that nobody waits for."""
+        self._awaiting_save: dict[str, RequestOutput] = {}
+        """Last outputs held back until the connector has stored the request's blocks."""
         self.num_saves_dropped = 0
         self.num_save_failures = 0
         self.num_leases_expired = 0
@@ -69,7 +64,7 @@ class KVTransfer:
     def busy(self) -> bool:
         """Whether anything is on its way (the step loop keeps polling)."""
         # Leases are not waited for: an idle engine lets them expire at its next step.
-        return bool(self._loads) or bool(self._saves) or self.connector.num_pending > 0
+        return bool(self._loads) or bool(self._saves) or bool(self._awaiting_save) or self.connector.num_pending > 0
 
     def start_loads(self) -> None:
         """Ask the connector for the blocks the last schedule reserved."""
@@ -82,8 +77,9 @@ class KVTransfer:
             self.connector.start_load(rid, first, hashes, reserved, request.kv_transfer, request.trace_carrier)
         self.scheduler.loads_to_start = []
 
-    def poll(self) -> list[SaveDone]:
-        """Apply finished loads, release finished saves' blocks; return the finished saves."""
+    def poll(self) -> list[RequestOutput]:
+        """Apply finished loads, release finished saves' blocks; return the last outputs
+        whose saves have now been stored."""
         loads, saves = self.connector.poll()
         for result in loads:
             entry = self._loads.pop(result.request_id, None)
@@ -101,15 +97,42 @@ class KVTransfer:
                 self.num_loaded_blocks += arrived
             request.kv_loaded_direct = result.direct
             self.scheduler.finish_load(result.request_id, arrived, num)
-        done: list[SaveDone] = []
+        released: list[RequestOutput] = []
         for result in saves:
-            blocks = self._saves.pop(result.request_id, None)
+            rid = result.request_id
+            blocks = self._saves.pop(rid, None)
             if blocks is not None:
                 self.kv.pool.free(blocks[::-1])
-            self._behind.discard(result.request_id)
-            done.append(SaveDone(result.request_id, result.num_blocks, result.error))
+            self._behind.discard(rid)
+            if result.error is not None:
+                self.num_save_failures += 1
+                log.warning("storing %s's KV failed: %s", rid, result.error)
+            out = self._awaiting_save.pop(rid, None)
+            if out is not None and out.kv is not None:
+                out.kv.num_saved_blocks = result.num_blocks if result.error is None else 0
+                out.kv.save_error = result.error
+            if out is not None:
+                released.append(out)
         self._expire_leases()
-        return done
+        return released
+
+    def finish(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Start the saves and leases of requests that just finished; hold back the last
+        output of those whose save must be stored first (poll releases it)."""
+        waiting, held = self.finish_requests()
+        kept: list[RequestOutput] = []
+        for out in outputs:
+            if out.finished and out.kv is not None:
+                out.kv.held = held.get(out.request_id)
+            if out.finished and out.request_id in waiting:
+                self._awaiting_save[out.request_id] = out
+            else:
+                kept.append(out)
+        return kept
+
+    def drop_output(self, request_id: str) -> None:
+        """The request was aborted: nobody waits for its last output any more."""
+        self._awaiting_save.pop(request_id, None)
 
     def release(self, request_id: str) -> bool:
         """A peer copied the request's held blocks: they may go. False if not held (any more)."""

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest, HeldBlocks
+from shared.engine.engine_request import EngineRequest
 from shared.engine.dtypes import torch_dtype
 from shared.engine.kv.connector import KVConnector
 from shared.engine.kv.coordinator import KVCacheCoordinator
 from shared.engine.kv.state_cache import SlidingState, SlidingStateCache
 from shared.engine.kv_transfer import KVTransfer
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
-from shared.engine.outputs import TokenLogprobs
+from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -29,61 +29,6 @@ from shared.model.transformer import CausalLM
 from shared.recipe import IncrementalDetokenizer, Recipe
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    """All output tokens so far."""
-    new_token_ids: list[int]
-    text: str
-    """All output text so far, cut at a stop string."""
-    delta_text: str
-    new_logprobs: list[TokenLogprobs]
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    generator_state: bytes | None = None
-    """On a finished seeded request: the sampler's state (to hand the request over)."""
-    kv: "KVTransferReport | None" = None
-    """On a finished request with KV-transfer parameters: what the connector moved."""
-
-
-@dataclass(slots=True)
-class KVTransferReport:
-    block_hashes: list[BlockHash]
-    """The chain hashes of the prompt's full blocks, as this engine computed them."""
-    num_loaded_blocks: int = 0
-    load_failed: bool = False
-    """A promised load did not (fully) arrive: those tokens were recomputed."""
-    num_saved_blocks: int = 0
-    save_error: str | None = None
-    num_replayed_tokens: int = 0
-    """Tokens recomputed to rebuild sliding-window KV after a hit (SWA replay)."""
-    loaded_direct: bool = False
-    """The loaded blocks came straight from a peer's cache (not through kvcache)."""
-    held: HeldBlocks | None = None
-    """The prompt's blocks held for a peer to copy (KVTransferParams.hold)."""
-
-
-@dataclass(slots=True)
-class EngineLoad:
-    """The load figures a worker reports in its heartbeats."""
-
-    num_running: int
-    num_waiting: int
-    num_free_kv_blocks: int
-    num_total_kv_blocks: int
-    num_queued_tokens: int
-    num_kv_save_failures: int = 0
-    """Stores through the KV connector that failed since start (written behind or not)."""
-    num_kv_saves_dropped: int = 0
-    """Stores written behind that were dropped since start: too many in flight."""
 
 
 def _host_free(params: SamplingParams) -> bool:
@@ -175,8 +120,6 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.register_kv_region(self.runner.kv_region)
             self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, config.kv_lease_timeout_s)
-        self._awaiting_save: dict[str, RequestOutput] = {}
-        """Last outputs held back until the connector has stored the request's blocks."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         overlap = config.async_scheduling
         self._overlap = device.type == "cuda" if overlap is None else overlap
@@ -236,14 +179,14 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
-        self._awaiting_save.pop(request_id, None)
+        if self.kv_transfer is not None:
+            self.kv_transfer.drop_output(request_id)
         self._save_states()
 
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.num_unfinished > 0
             or self._in_flight is not None
-            or bool(self._awaiting_save)
             or (self.kv_transfer is not None and self.kv_transfer.busy)  # its blocks come back when it reports
         )
 
@@ -259,7 +202,7 @@ class LLMEngine:
         """One step: schedule, run, and turn sampled tokens into outputs. With
         async scheduling, step N+1 is launched before step N's tokens are read
         back, and this returns step N's outputs."""
-        released = self._poll_connector()
+        released = self.kv_transfer.poll() if self.kv_transfer is not None else []
         if self._overlap and all(_host_free(r.sampling_params) for r in self._unfinished()):
             sched = self.scheduler.schedule()
             self._start_loads()
@@ -273,7 +216,8 @@ class LLMEngine:
                 self._start_loads()
                 outputs = self._process(sched, self.runner.execute(sched))
         self._save_states()
-        outputs = self._finish_transfers(outputs)
+        if self.kv_transfer is not None:
+            outputs = self.kv_transfer.finish(outputs)
         if not outputs and not released and self._idle_on_io():
             time.sleep(0.001)  # only KV on its way: let the connector's thread run
         return released + outputs
@@ -283,42 +227,6 @@ class LLMEngine:
     def _start_loads(self) -> None:
         if self.kv_transfer is not None:
             self.kv_transfer.start_loads()
-
-    def _poll_connector(self) -> list[RequestOutput]:
-        """Apply finished loads; release the last outputs whose saves finished."""
-        if self.kv_transfer is None:
-            return []
-        released: list[RequestOutput] = []
-        for done in self.kv_transfer.poll():
-            out = self._awaiting_save.pop(done.request_id, None)
-            if out is None:  # written behind: nobody waits, so it is counted here
-                if done.error is not None:
-                    self.kv_transfer.num_save_failures += 1
-                    log.warning("writing %s's KV behind failed: %s", done.request_id, done.error)
-                continue
-            if out.kv is not None:
-                out.kv.num_saved_blocks = done.num_blocks if done.error is None else 0
-                out.kv.save_error = done.error
-                if done.error is not None:
-                    self.kv_transfer.num_save_failures += 1
-            released.append(out)
-        return released
-
-    def _finish_transfers(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Start the saves and leases of requests that just finished; hold back the last
-        output of those whose save must be stored first."""
-        if self.kv_transfer is None:
-            return outputs
-        waiting, held = self.kv_transfer.finish_requests()
-        kept: list[RequestOutput] = []
-        for out in outputs:
-            if out.finished and out.kv is not None:
-                out.kv.held = held.get(out.request_id)
-            if out.finished and out.request_id in waiting:
-                self._awaiting_save[out.request_id] = out
-            else:
-                kept.append(out)
-        return kept
 
     def release_kv_lease(self, request_id: str) -> bool:
         """A peer copied the blocks held for this request: free them (False if not held)."""

@@ -1,8 +1,11 @@
-"""What the engine hands out per token and what crosses a process boundary with
-it (the mesh's TokenChunk, the balancer's OpenAI logprobs). Plain data, no
-torch: the balancer imports these without loading the engine."""
+"""What the engine hands out: per request and step (RequestOutput, with its
+logprobs and what the KV connector moved), and its load figures. Plain data, no
+torch: the balancer and the services import these without loading the engine."""
 
 from dataclasses import dataclass
+
+from shared.engine.engine_request import HeldBlocks
+from shared.kv.block_hash import BlockHash
 
 
 @dataclass(slots=True)
@@ -13,3 +16,58 @@ class TokenLogprobs:
     """1 = most likely; ties count against the token (vLLM's >= convention)."""
     top: list[tuple[int, float]]
     """The params.logprobs most likely (token_id, logprob), best first."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """All output tokens so far."""
+    new_token_ids: list[int]
+    text: str
+    """All output text so far, cut at a stop string."""
+    delta_text: str
+    new_logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    generator_state: bytes | None = None
+    """On a finished seeded request: the sampler's state (to hand the request over)."""
+    kv: "KVTransferReport | None" = None
+    """On a finished request with KV-transfer parameters: what the connector moved."""
+
+
+@dataclass(slots=True)
+class KVTransferReport:
+    block_hashes: list[BlockHash]
+    """The chain hashes of the prompt's full blocks, as this engine computed them."""
+    num_loaded_blocks: int = 0
+    load_failed: bool = False
+    """A promised load did not (fully) arrive: those tokens were recomputed."""
+    num_saved_blocks: int = 0
+    save_error: str | None = None
+    num_replayed_tokens: int = 0
+    """Tokens recomputed to rebuild sliding-window KV after a hit (SWA replay)."""
+    loaded_direct: bool = False
+    """The loaded blocks came straight from a peer's cache (not through kvcache)."""
+    held: HeldBlocks | None = None
+    """The prompt's blocks held for a peer to copy (KVTransferParams.hold)."""
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """The load figures a worker reports in its heartbeats."""
+
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_total_kv_blocks: int
+    num_queued_tokens: int
+    num_kv_save_failures: int = 0
+    """Stores through the KV connector that failed since start (written behind or not)."""
+    num_kv_saves_dropped: int = 0
+    """Stores written behind that were dropped since start: too many in flight."""

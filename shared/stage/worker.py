@@ -15,7 +15,8 @@ from google.protobuf.message import Message
 from opentelemetry.trace import Span
 
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.llm_engine import KVTransferReport, LLMEngine
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.outputs import KVTransferReport
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects

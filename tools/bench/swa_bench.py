@@ -23,7 +23,8 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.engine_request import EngineRequest, KVTransferParams
 from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
-from shared.engine.llm_engine import LLMEngine, RequestOutput
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.model.make_model import make_model
 
