@@ -130,6 +130,7 @@ def open_peer(data: bytes, device: torch.device) -> tuple[str, list[torch.Tensor
     if kind == "cuda":
         if device.type != "cuda":
             raise ValueError("a CUDA KV region maps into a CUDA engine only")
+        torch.cuda.init()  # opening an IPC handle without a CUDA context crashes the process
         tensors = []
         for s in desc["storages"]:
             try:

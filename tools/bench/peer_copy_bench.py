@@ -1,0 +1,82 @@
+"""The direct prefill -> decode KV copy alone, between two processes on one GPU (CUDA
+IPC) or on the CPU (shared memory): effective bandwidth of KVRegion.copy_from_peer
+for a Llama-3-8B-shaped cache (32 layers, 8 kv heads of 128, bf16 on a GPU), for
+1k and 8k-token prompts, blocks scattered as a busy pool scatters them.
+
+    PYTHONPATH=$PWD python3 -m tools.bench.peer_copy_bench            # on the GPU machine
+    .venv/bin/python -m tools.bench.peer_copy_bench --device cpu --layers 4
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from shared.engine.kv_region import KVRegion
+from shared.engine.kv_share import SharedMemoryAllocator, open_peer
+from shared.kv.spec import kv_cache_layout
+
+CHILD = """
+import json, sys, torch
+from shared.engine.kv_region import KVRegion
+from shared.engine.kv_share import SharedMemoryAllocator
+from shared.kv.spec import kv_cache_layout
+layers, blocks, device, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], getattr(torch, sys.argv[4])
+layout = kv_cache_layout([None] * layers)
+alloc = SharedMemoryAllocator() if device == "cpu" else None
+shape = (2, blocks, 16, 8, 128)
+tensors = [alloc(shape, dtype) if alloc else torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+for t in tensors:
+    t.normal_()
+region = KVRegion(tensors, layout, alloc)
+print(json.dumps({"region": region.share().decode()}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--blocks", type=int, default=2048, help="blocks of 16 tokens in each cache")
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(args.layers), str(args.blocks), args.device, dtype],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        description = json.loads(child.stdout.readline())["region"].encode()
+        device = torch.device(args.device)
+        _, peer = open_peer(description, device)
+        layout = kv_cache_layout([None] * args.layers)
+        alloc = SharedMemoryAllocator() if args.device == "cpu" else None
+        shape = (2, args.blocks, 16, 8, 128)
+        mine = [torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for _ in range(args.layers)]
+        region = KVRegion(mine, layout, alloc)
+        g = torch.Generator().manual_seed(0)
+        print(f"{args.device}, {args.layers} layers, {dtype}: block = {region.block_bytes / 1e6:.2f} MB across layers")
+        for tokens in (1024, 8192):
+            n = tokens // 16
+            src = torch.randperm(args.blocks, generator=g)[:n].tolist()
+            dst = torch.randperm(args.blocks, generator=g)[:n].tolist()
+            times = []
+            for _ in range(args.reps + 1):
+                start = time.perf_counter()
+                region.copy_from_peer(peer, {0: src}, {0: dst})
+                times.append(time.perf_counter() - start)
+            best = min(times[1:])  # the first includes one-time costs
+            moved = n * region.block_bytes
+            assert torch.equal(mine[0][:, dst[0]].cpu(), peer[0][:, src[0]].cpu())
+            print(f"  {tokens:5d}-token prompt: {moved / 1e6:7.1f} MB in {best * 1e3:7.2f} ms = {moved / best / 1e9:7.1f} GB/s"
+                  f" (first copy {times[0] * 1e3:.2f} ms)")
+    finally:
+        child.communicate("\n", timeout=60)
+
+
+if __name__ == "__main__":
+    main()
