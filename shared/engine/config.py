@@ -73,6 +73,9 @@ class EngineConfig:
     kv_lease_timeout_s: float = 10.0
     """How long finished prefill blocks are held for a direct copy before they are freed
     (the copier gives up earlier, so a block is never freed while it is being read)."""
+    host_kv_cache_bytes: int = 1 << 30
+    """Host memory (pinned on a GPU machine) that keeps stored KV blocks in front of
+    kvcache, so a prefix evicted from the device comes back at PCIe speed; 0 turns it off."""
     swa_replay: str = "bounded"
     """How a prefix hit whose sliding-window KV is gone is resumed: "bounded" replays
     the last W tokens (DeepSeek's SWA bounded replay, approximate by design); "exact"
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.swa_replay not in SWA_REPLAY_CHOICES:
             raise ValueError(f"swa_replay must be one of {SWA_REPLAY_CHOICES}, got {self.swa_replay!r}")
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")
         if self.kv_lease_timeout_s <= 0:
             raise ValueError(f"kv_lease_timeout_s must be > 0, got {self.kv_lease_timeout_s}")
         if self.state_cache_bytes < 0 or self.state_cache_ttl_s <= 0:

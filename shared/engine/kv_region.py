@@ -62,10 +62,10 @@ class KVRegion:
         device to device on a GPU (CUDA IPC), memory to memory on the CPU."""
         with self._lock, self._side_stream():
             for group, src_ids in src.items():
-                dst_index = torch.tensor(dst[group], device=self.device)
+                dst_index = torch.tensor(dst[group], dtype=torch.long, device=self.device)
                 for k in range(len(self.kv_layout.groups[group].layers)):
                     theirs = peer[k]
-                    blocks = theirs.index_select(1, torch.tensor(src_ids, device=theirs.device))
+                    blocks = theirs.index_select(1, torch.tensor(src_ids, dtype=torch.long, device=theirs.device))
                     self.tensors[k].index_copy_(1, dst_index, blocks.to(self.device, non_blocking=True))
             if self._stream is not None:
                 self._stream.synchronize()
@@ -85,7 +85,7 @@ class KVRegion:
         [blocks, layers of those groups, 2, block_size, kv_heads, head_dim], in one copy."""
         parts = []
         for group, ids in block_ids.items():
-            index = torch.tensor(ids, device=self.device)
+            index = torch.tensor(ids, dtype=torch.long, device=self.device)
             parts += [kv.index_select(1, index) for kv in self._group_tensors(group)]  # [2, n, bs, H, D] each
         if not parts or parts[0].shape[1] == 0:
             return torch.empty(0)
@@ -97,7 +97,7 @@ class KVRegion:
         data = data.to(self.device, non_blocking=True)
         layer = 0
         for group, ids in block_ids.items():
-            index = torch.tensor(ids, device=self.device)
+            index = torch.tensor(ids, dtype=torch.long, device=self.device)
             for kv in self._group_tensors(group):
                 kv.index_copy_(1, index, data[:, layer].transpose(0, 1).to(kv.dtype))
                 layer += 1
@@ -106,11 +106,27 @@ class KVRegion:
 
     def read_blocks(self, block_ids: dict[int, list[int]]) -> list[bytes]:
         """One payload per block index (block_ids: per persistent group, the same count)."""
+        return [blk.numpy().tobytes() for blk in self.read_payloads(block_ids)]
+
+    def read_payloads(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
+        """The payloads as a host uint8 tensor [blocks, block_bytes]."""
         with self._lock, self._side_stream():
             if self._stream is not None:
                 self._stream.wait_stream(torch.cuda.default_stream(self.device))
             data = self.gather(block_ids)
-        return [blk.view(torch.uint8).numpy().tobytes() for blk in data]
+        if not data.numel():
+            return torch.empty(0, self.block_bytes, dtype=torch.uint8)
+        return data.view(data.shape[0], -1).view(torch.uint8)
+
+    def write_payloads(self, block_ids: dict[int, list[int]], payloads: torch.Tensor) -> None:
+        """Write host payloads [blocks, block_bytes] (uint8; pinned memory copies fastest)
+        into the blocks, one id per payload in each persistent group."""
+        layers = sum(len(self.kv_layout.groups[g].layers) for g in block_ids)
+        data = payloads.view(self.kv_caches[0].dtype).view(payloads.shape[0], layers, *self._block_shape)
+        with self._lock, self._side_stream():
+            self.scatter({g: ids[: payloads.shape[0]] for g, ids in block_ids.items()}, data)
+            if self._stream is not None:
+                self._stream.synchronize()
 
     def write_blocks(self, block_ids: dict[int, list[int]], payloads: list[bytes]) -> int:
         """Write the leading payloads of the right size into the blocks (per persistent
@@ -122,13 +138,8 @@ class KVRegion:
             good += 1
         if good == 0:
             return 0
-        layers = sum(len(self.kv_layout.groups[g].layers) for g in block_ids)
         raw = torch.frombuffer(bytearray(b"".join(payloads[:good])), dtype=torch.uint8)
-        data = raw.view(self.kv_caches[0].dtype).view(good, layers, *self._block_shape)
-        with self._lock, self._side_stream():
-            self.scatter({g: ids[:good] for g, ids in block_ids.items()}, data)
-            if self._stream is not None:
-                self._stream.synchronize()
+        self.write_payloads(block_ids, raw.view(good, self.block_bytes))
         return good
 
     def _side_stream(self) -> "torch.cuda.StreamContext | _NoStream":

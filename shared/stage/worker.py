@@ -23,6 +23,8 @@ from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamPublisher
 from shared.runtime.rpc import GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
+from shared.engine.host_tier import HostTierConnector
+from shared.engine.kv.connector import KVConnector
 from shared.stage.kvcache_connector import KVCacheConnector
 from shared.stage.peer_connector import PeerConnector
 
@@ -199,7 +201,7 @@ async def serve_engine_stage(
     share_kv: bool = False,
 ) -> None:
     """The setup both engine stages share: the engine with its KV connector (direct
-    copies from a peer's cache, kvcache behind them; loaded off the event loop), the
+    copies from a peer's cache, then the host tier, then kvcache; loaded off the event loop), the
     worker duties, the dispatch subscription and cancels. share_kv: peers on this
     host may copy held blocks straight out of this engine's cache (prefill), which
     then also hears their releases. The exit stack unwinds intake first, then the
@@ -211,7 +213,10 @@ async def serve_engine_stage(
         publish = ctx.bus.publish(subjects.kv_release(instance_id), message)
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(publish))
 
-    connector = PeerConnector(KVCacheConnector(ctx.settings.kvcache.address), release)
+    store: KVConnector = KVCacheConnector(ctx.settings.kvcache.address)
+    if ctx.settings.engine.host_kv_cache_bytes:
+        store = HostTierConnector(store, ctx.settings.engine.host_kv_cache_bytes)
+    connector = PeerConnector(store, release)
     try:
         # Token ids only (text is the balancer's job), and block events for its routing.
         engine = await asyncio.to_thread(
