@@ -13,6 +13,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from tests.hf_models import random_prompts, save_tiny_hf_model
+from tests.engine_helpers import run
 
 SAVE = KVTransferParams(load=True, save=True)
 LOAD = KVTransferParams(load=True)
@@ -25,15 +26,6 @@ def model_dir(tmp_path_factory):
     save_tiny_hf_model("qwen3", path)
     return str(path)
 
-
-def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw):
-    engine.add_request(EngineRequest(rid, prompt, params, **kw))
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    return final
 
 
 def make(model_dir: str, connector=None, **cfg) -> LLMEngine:

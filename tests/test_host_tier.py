@@ -4,12 +4,13 @@ the device cache evicted them, the rest from the store behind; bounded by bytes.
 import pytest
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest, KVTransferParams
+from shared.engine.engine_request import KVTransferParams
 from shared.engine.host_tier import HostTierConnector
 from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from tests.hf_models import random_prompts, save_tiny_hf_model
+from tests.engine_helpers import run
 
 SAVE = KVTransferParams(load=True, save=True)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -33,15 +34,6 @@ class CountingStore(MemoryConnector):
         self.loaded.append(len(hashes))
         super().start_load(request_id, first_block, hashes, block_ids, params, trace)
 
-
-def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw):
-    engine.add_request(EngineRequest(rid, prompt, params, **kw))
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    return final
 
 
 def engine_with_tier(model_dir: str, capacity_blocks: int, store: MemoryKVStore):

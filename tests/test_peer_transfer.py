@@ -10,13 +10,14 @@ import time
 import pytest
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest, KVTransferParams, PeerSource
+from shared.engine.engine_request import KVTransferParams, PeerSource
 from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.kv_share import open_peer
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.stage.peer_connector import LEASE_MARGIN_S, PeerConnector
 from tests.hf_models import random_prompts, save_tiny_hf_model
+from tests.engine_helpers import run
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 HOLD = KVTransferParams(load=True, save=True, wait_for_save=False, hold=True)
@@ -28,15 +29,6 @@ def model_dir(tmp_path_factory):
     save_tiny_hf_model("qwen2", path)  # layer 0 full, layers 1-2 sliding: one persistent group
     return str(path)
 
-
-def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw):
-    engine.add_request(EngineRequest(rid, prompt, params, **kw))
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    return final
 
 
 class Pair:

@@ -15,12 +15,13 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton variant runs in the interpreter on the CPU
 
 from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine_request import EngineRequest, KVTransferParams
+from shared.engine.engine_request import KVTransferParams
 from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.request import Request  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
+from tests.engine_helpers import run  # noqa: E402
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -52,15 +53,6 @@ def make_hybrid(tmp_path_factory, name: str) -> str:
     )
     return str(path)
 
-
-def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw):
-    engine.add_request(EngineRequest(rid, prompt, params, **kw))
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    return final
 
 
 def replayed_tokens(

@@ -5,7 +5,6 @@ service runs step() on a thread of its own and talks to it through queues."""
 import logging
 import time
 from pathlib import Path
-from dataclasses import dataclass
 
 import torch
 

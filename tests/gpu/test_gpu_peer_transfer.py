@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest, KVTransferParams, PeerSource
+from shared.engine.engine_request import KVTransferParams, PeerSource
 from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.stage.peer_connector import PeerConnector
 from tests.hf_models import save_tiny_hf_model
+from tests.engine_helpers import run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -47,15 +48,6 @@ print(json.dumps({"region": region.share().decode(), "layout": region.layout, "f
 sys.stdin.readline()  # hold the memory until the test is done
 """
 
-
-def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw):
-    engine.add_request(EngineRequest(rid, prompt, params, **kw))
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    return final
 
 
 def test_cuda_ipc_copy_between_processes_equals_a_cold_run(tmp_path):

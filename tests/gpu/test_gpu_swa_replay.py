@@ -7,25 +7,17 @@ import pytest
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest, KVTransferParams
+from shared.engine.engine_request import KVTransferParams
 from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from tests.hf_models import save_tiny_hf_model
+from tests.engine_helpers import run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
-
-def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw):
-    engine.add_request(EngineRequest(rid, prompt, params, **kw))
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    return final
 
 
 @pytest.mark.parametrize("layer_types", [["full_attention", "sliding_attention"] * 2, ["sliding_attention", "full_attention", "sliding_attention"]])
