@@ -34,6 +34,10 @@ class KVRegion:
             kv_caches[next(g for g in layout.groups if len(g.layers) > k).layers[k]] for k in range(layout.group_size)
         ]
         """The cache tensors, k-th of them used by the k-th layer of every group."""
+        self.stacked = _stacked(self.tensors)
+        """The tensors as one [tensors, 2, blocks, ...] tensor, when they lie back to back in
+        one allocation (CausalLM.allocate_kv_cache makes them so): a copy then moves a block
+        of every layer at once."""
         self.device = kv_caches[0].device
         self.persistent_groups = layout.persistent_groups
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -53,7 +57,8 @@ class KVRegion:
     def share(self) -> bytes:
         """How a peer on this host maps this cache (see kv_share)."""
         if self._description is None:
-            self._description = describe(self.tensors, self._allocator, self.layout)
+            shared = [self.stacked] if self.stacked is not None else self.tensors
+            self._description = describe(shared, self._allocator, self.layout)
         return self._description
 
     def copy_from_peer(self, peer: list[torch.Tensor], src: dict[int, list[int]], dst: dict[int, list[int]]) -> None:
@@ -63,8 +68,16 @@ class KVRegion:
         with self._lock, self._side_stream():
             for group, src_ids in src.items():
                 dst_index = torch.tensor(dst[group], dtype=torch.long, device=self.device)
-                for k in range(len(self.kv_layout.groups[group].layers)):
-                    theirs = peer[k]
+                num_layers = len(self.kv_layout.groups[group].layers)
+                if self.stacked is not None and len(peer) == 1 and peer[0].dim() == 6:
+                    # One gather and one scatter for every layer of the group.
+                    theirs = peer[0][:num_layers]
+                    blocks = theirs.index_select(2, torch.tensor(src_ids, dtype=torch.long, device=theirs.device))
+                    self.stacked[:num_layers].index_copy_(2, dst_index, blocks.to(self.device, non_blocking=True))
+                    continue
+                tensors = peer if len(peer) > 1 else list(peer[0].unbind(0))
+                for k in range(num_layers):
+                    theirs = tensors[k]
                     blocks = theirs.index_select(1, torch.tensor(src_ids, dtype=torch.long, device=theirs.device))
                     self.tensors[k].index_copy_(1, dst_index, blocks.to(self.device, non_blocking=True))
             if self._stream is not None:
@@ -144,6 +157,20 @@ class KVRegion:
 
     def _side_stream(self) -> "torch.cuda.StreamContext | _NoStream":
         return torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    first = tensors[0]
+    storage = first.untyped_storage()
+    for k, t in enumerate(tensors):
+        if (
+            not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.storage_offset() != first.storage_offset() + k * first.numel()
+        ):
+            return None
+    whole = torch.empty(0, dtype=first.dtype, device=first.device)
+    return whole.set_(storage, first.storage_offset(), (len(tensors), *first.shape))
 
 
 class _NoStream:

@@ -220,17 +220,17 @@ class CausalLM(nn.Module):
         """The KV cache of every layer: ``kv_layout.group_size`` zeroed tensors
         ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, layer k of each group
         using tensor k (a block id names the same memory whichever group holds it).
+        They are views of one tensor ``[group_size, 2, num_blocks, ...]`` (their
+        ``_base``), so a block of every layer moves in one copy.
 
         Zeroed, not empty: a masked key still enters the attention matmul with weight 0,
         and 0 * NaN from uninitialised memory would be NaN. ``make(shape, dtype)``, when
         given, makes each zeroed tensor instead (e.g. in memory another process can map).
         """
         c = self.config
-        shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        if make is None:
-            tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.kv_layout.group_size)]
-        else:
-            tensors = [make(shape, dtype) for _ in range(self.kv_layout.group_size)]
+        shape = (self.kv_layout.group_size, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        stacked = torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
+        tensors = list(stacked.unbind(0))
         return [tensors[self.kv_layout.tensor_of_layer(i)] for i in range(c.num_hidden_layers)]
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:

@@ -1,7 +1,9 @@
 """The direct prefill -> decode KV copy alone, between two processes on one GPU (CUDA
 IPC) or on the CPU (shared memory): effective bandwidth of KVRegion.copy_from_peer
 for a Llama-3-8B-shaped cache (32 layers, 8 kv heads of 128, bf16 on a GPU), for
-1k and 8k-token prompts, blocks scattered as a busy pool scatters them.
+1k and 8k-token prompts, blocks scattered as a busy pool scatters them. Both
+caches are one allocation, as the engine makes them, so a copy is one gather and
+one scatter over all layers.
 
     PYTHONPATH=$PWD python3 -m tools.bench.peer_copy_bench            # on the GPU machine
     .venv/bin/python -m tools.bench.peer_copy_bench --device cpu --layers 4
@@ -27,10 +29,10 @@ from shared.kv.spec import kv_cache_layout
 layers, blocks, device, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], getattr(torch, sys.argv[4])
 layout = kv_cache_layout([None] * layers)
 alloc = SharedMemoryAllocator() if device == "cpu" else None
-shape = (2, blocks, 16, 8, 128)
-tensors = [alloc(shape, dtype) if alloc else torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-for t in tensors:
-    t.normal_()
+shape = (layers, 2, blocks, 16, 8, 128)  # one allocation, as the engine makes its cache
+stacked = alloc(shape, dtype) if alloc else torch.empty(shape, dtype=dtype, device=device)
+stacked.normal_()
+tensors = list(stacked.unbind(0))
 region = KVRegion(tensors, layout, alloc)
 print(json.dumps({"region": region.share().decode()}), flush=True)
 sys.stdin.readline()
@@ -55,8 +57,8 @@ def main() -> None:
         _, peer = open_peer(description, device)
         layout = kv_cache_layout([None] * args.layers)
         alloc = SharedMemoryAllocator() if args.device == "cpu" else None
-        shape = (2, args.blocks, 16, 8, 128)
-        mine = [torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for _ in range(args.layers)]
+        shape = (args.layers, 2, args.blocks, 16, 8, 128)
+        mine = list(torch.zeros(shape, dtype=getattr(torch, dtype), device=device).unbind(0))
         region = KVRegion(mine, layout, alloc)
         g = torch.Generator().manual_seed(0)
         print(f"{args.device}, {args.layers} layers, {dtype}: block = {region.block_bytes / 1e6:.2f} MB across layers")
@@ -71,7 +73,8 @@ def main() -> None:
                 times.append(time.perf_counter() - start)
             best = min(times[1:])  # the first includes one-time costs
             moved = n * region.block_bytes
-            assert torch.equal(mine[0][:, dst[0]].cpu(), peer[0][:, src[0]].cpu())
+            theirs = peer[0][0] if len(peer) == 1 else peer[0]
+            assert torch.equal(mine[0][:, dst[0]].cpu(), theirs[:, src[0]].cpu())
             print(f"  {tokens:5d}-token prompt: {moved / 1e6:7.1f} MB in {best * 1e3:7.2f} ms = {moved / best / 1e9:7.1f} GB/s"
                   f" (first copy {times[0] * 1e3:.2f} ms)")
     finally:
