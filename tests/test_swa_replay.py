@@ -99,8 +99,8 @@ def test_replay_never_overwrites_the_cached_full_attention_kv(tmp_path_factory):
     # After the replay, the loaded blocks still hold exactly the producer's bytes.
     request = Request("x", prompt[:60], SamplingParams())
     engine.kv.update_block_hashes(request)
-    blocks = engine.kv.persistent_blocks(request, 0, 15)
-    assert blocks is not None
+    num, blocks = engine.kv.persistent_blocks(request, 0, 15)
+    assert num == 15
     region = engine.runner.kv_region
     ids = {g: [b.block_id for b in group] for g, group in zip(engine.kv.layout.persistent_groups, blocks)}
     assert region.read_blocks(ids) == [store.blocks[(region.layout, h)] for h in request.block_hashes[:15]]

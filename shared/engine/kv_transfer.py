@@ -172,12 +172,10 @@ class KVTransfer:
         return waiting, held
 
     def _hold(self, request: Request) -> HeldBlocks:
-        num = request.num_prompt_tokens // self.kv.block_size
-        blocks = self.kv.persistent_blocks(request, 0, num) if num else None
-        while num > 0 and blocks is None:
-            num -= 1
-            blocks = self.kv.persistent_blocks(request, 0, num)
-        if not num or blocks is None:
+        """Reference the prompt's leading full blocks under a lease (a block that left the
+        index, never computed here, ends the run)."""
+        num, blocks = self.kv.persistent_blocks(request, 0, request.num_prompt_tokens // self.kv.block_size)
+        if not num:
             return HeldBlocks({}, 0, 0.0)
         flat = [b for group in blocks for b in group]
         self.kv.pool.touch(flat)
@@ -187,23 +185,14 @@ class KVTransfer:
         return HeldBlocks(ids, num, deadline)
 
     def _save(self, request: Request) -> None:
-        first, blocks = self._prompt_blocks(request)
-        hashes = request.block_hashes[first : first + len(blocks[0]) if blocks else first]
+        """Store the finished request's full prompt blocks the source lacks (from
+        num_external_blocks on, up to a block that left the index). They were just
+        freed but keep their content until the next schedule."""
+        first = request.num_external_blocks
+        num, blocks = self.kv.persistent_blocks(request, first, request.num_prompt_tokens // self.kv.block_size - first)
+        hashes = request.block_hashes[first : first + num]
         ids = {g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)}
         held = [b for group in blocks for b in group]
         self.kv.pool.touch(held)  # freed with the request: referenced until the connector has read them
         self._saves[request.request_id] = held
-        assert request.kv_transfer is not None
         self.connector.start_save(request.request_id, hashes, ids, request.trace_carrier)
-
-    def _prompt_blocks(self, request: Request) -> tuple[int, list[list[KVBlock]]]:
-        """The finished request's full prompt blocks the source lacks, per persistent
-        group. They were just freed but keep their content until the next schedule."""
-        first = request.num_external_blocks
-        num = request.num_prompt_tokens // self.kv.block_size - first
-        while num > 0:
-            blocks = self.kv.persistent_blocks(request, first, num)
-            if blocks is not None:
-                return first, blocks
-            num -= 1  # a block left the index (never computed here): save the run before it
-        return first, [[] for _ in self.kv.layout.persistent_groups]

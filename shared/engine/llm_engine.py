@@ -12,7 +12,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine_request import EngineRequest
 from shared.engine.dtypes import torch_dtype
 from shared.engine.kv.connector import KVConnector
-from shared.engine.kv.coordinator import KVCacheCoordinator
+from shared.engine.kv.coordinator import KVCacheCoordinator, blocks_for_one_request
 from shared.engine.kv.state_cache import SlidingState, SlidingStateCache
 from shared.engine.kv_transfer import KVTransfer
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
@@ -130,7 +130,7 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_block = self.model.kv_bytes_per_block(cfg.block_size, torch_dtype(cfg.dtype))
-        at_least = -(-max_model_len // cfg.block_size) * len(self.model.kv_layout.groups)
+        at_least = blocks_for_one_request(self.model.kv_layout, max_model_len, cfg.block_size)
         return max(cfg.kv_cache_memory_bytes // per_block, at_least)
 
     @property
@@ -307,10 +307,6 @@ class LLMEngine:
         )
 
     # -- KV blocks in and out (the mesh's kvcache service) -------------------
-
-    @property
-    def block_layout(self) -> str:
-        return self.runner.kv_region.layout
 
     def drain_kv_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         return self.kv.pool.drain_events()

@@ -27,6 +27,12 @@ from shared.kv.spec import KVCacheLayout
 SwaReplay = Literal["bounded", "exact"]
 
 
+def blocks_for_one_request(layout: KVCacheLayout, num_tokens: int, block_size: int) -> int:
+    """Blocks one request of num_tokens may hold, all groups together: every block of
+    every group (an upper bound: a sliding group drops what leaves its window)."""
+    return -(-num_tokens // block_size) * len(layout.groups)
+
+
 @dataclass(slots=True)
 class PrefixHit:
     tables: list[list[KVBlock]]
@@ -112,10 +118,8 @@ class KVCacheCoordinator:
         return [m.block_ids(request_id) for m in self.managers]
 
     def num_blocks_needed(self, num_tokens: int) -> int:
-        """Blocks one request of num_tokens holds at most, all groups together (a
-        sliding group holds its window plus the chunk being computed)."""
-        per_group = -(-num_tokens // self.block_size)
-        return per_group * len(self.managers)
+        """See blocks_for_one_request."""
+        return blocks_for_one_request(self.layout, num_tokens, self.block_size)
 
     def hash_chain(self, token_ids: list[int], cache_salt: str | None = None) -> list[BlockHash]:
         """The chain hashes of the full blocks of token_ids, as this engine names them."""
@@ -233,13 +237,7 @@ class KVCacheCoordinator:
     def num_cached_persistent_blocks(self, request: Request, max_blocks: int) -> int:
         """Leading blocks of the request that every persistent group holds here."""
         self.update_block_hashes(request)
-        tokens, bs = request.all_token_ids, self.block_size
-        groups = self.layout.persistent_groups
-        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            if any(self.pool.lookup(block_hash, g, chunk) is None for g in groups):
-                return i
-        return min(max_blocks, len(request.block_hashes))
+        return self.persistent_blocks(request, 0, max_blocks)[0]
 
     def reserve_for_load(self, request: Request, num_blocks: int) -> bool:
         """Take fresh blocks for `num_blocks` blocks of every persistent group, held for the
@@ -268,19 +266,27 @@ class KVCacheCoordinator:
         for blocks in self._reserved.pop(request_id, {}).values():
             self.pool.free(blocks[::-1])
 
-    def persistent_blocks(self, request: Request, first_block: int, num_blocks: int) -> list[list[KVBlock]] | None:
-        """Blocks first_block .. first_block + num_blocks - 1 of the request in each
-        persistent group (in layout order), from the prefix index; None if one is missing."""
+    def persistent_blocks(
+        self, request: Request, first_block: int, num_blocks: int
+    ) -> tuple[int, list[list[KVBlock]]]:
+        """The longest run of the request's blocks first_block, first_block + 1, ... (at
+        most num_blocks) that every persistent group holds in the prefix index: its
+        length, and its blocks in each persistent group (in layout order). A model with
+        no persistent group holds no run."""
+        groups = self.layout.persistent_groups
         bs, tokens = self.block_size, request.all_token_ids
-        blocks: list[list[KVBlock]] = [[] for _ in self.layout.persistent_groups]
-        for i in range(first_block, first_block + num_blocks):
+        blocks: list[list[KVBlock]] = [[] for _ in groups]
+        if not groups:
+            return 0, blocks
+        last = min(first_block + num_blocks, len(request.block_hashes))
+        for i in range(first_block, last):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            for group, found in zip(self.layout.persistent_groups, blocks):
-                block = self.pool.lookup(request.block_hashes[i], group, chunk)
-                if block is None:
-                    return None
-                found.append(block)
-        return blocks
+            found = [self.pool.lookup(request.block_hashes[i], g, chunk) for g in groups]
+            if any(b is None for b in found):
+                return i - first_block, blocks
+            for run, block in zip(blocks, found):
+                run.append(block)  # type: ignore[arg-type]
+        return max(last - first_block, 0), blocks
 
     def state_block_ids(self, request_id: str, state: SlidingState) -> dict[int, list[int]]:
         """Per sliding group, the blocks a loaded state goes into."""
