@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tools.launch.trace_view import load_spans
 from tools.launch.up import find_nats_server, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,3 +70,18 @@ def nats_server(tmp_path_factory):
     server = NatsServer(tmp_path_factory.mktemp("nats"))
     yield server
     server.stop()
+
+
+def span_attributes(trace_dir: Path, request_id: str, name: str, timeout_s: float = 30.0) -> dict:
+    """The attributes of the span `name` in a request's trace, once it has reached the
+    trace files (spans are written when they end, in batches)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        spans = load_spans(trace_dir)
+        root = next((s for s in spans if s["attributes"].get("request.id") == request_id and s["parent_id"] is None), None)
+        if root is not None:
+            found = [s for s in spans if s["trace_id"] == root["trace_id"] and s["name"] == name]
+            if found:
+                return found[0]["attributes"]
+        time.sleep(0.2)
+    raise AssertionError(f"no {name} span of {request_id} within {timeout_s} s")

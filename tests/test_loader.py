@@ -208,6 +208,25 @@ def test_make_model_is_deterministic_and_transformers_agrees(arch: str, tmp_path
     assert rel_err(ours, expected) < 1e-4
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_make_model_with_a_sliding_window_matches_transformers(arch: str, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    make_model(tmp_path / "full", arch=arch, seed=3, tokenizer=False)
+    make_model(tmp_path / "swa", arch=arch, seed=3, tokenizer=False, sliding_window=4)
+    # The same weights, only the attention pattern differs.
+    assert (tmp_path / "full/model.safetensors").read_bytes() == (tmp_path / "swa/model.safetensors").read_bytes()
+    config = ModelConfig.from_pretrained(tmp_path / "swa")
+    expected = (None, 4, None, 4) if arch == "qwen2" else (4, 4, 4, 4)
+    assert config.sliding_windows == expected
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "swa", dtype=torch.float32)
+    ids = [5, 17, 300, 4095, 0, 9, 9, 1000, 77]
+    with torch.no_grad():
+        reference = hf(torch.tensor([ids])).logits[0]
+    assert rel_err(PagedDriver(load_model(tmp_path / "swa"), num_seqs=1).step({0: ids})[0], reference) < 1e-4
+    with pytest.raises(ValueError, match="Llama has no sliding-window layers"):
+        make_model(tmp_path / "llama", arch="llama", sliding_window=4)
+
+
 def test_make_model_with_tokenizer(tmp_path: Path) -> None:
     pytest.importorskip("shared.recipe.train_tokenizer")
     from tokenizers import Tokenizer

@@ -17,6 +17,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.runtime.kvcache_client import KVCacheClient
 from tools.launch.trace_view import load_spans
 from tools.launch.up import grpc_serving
+from tests.mesh_procs import span_attributes
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -95,26 +96,12 @@ def kv_blocks_settled(mesh, at_least: int, timeout_s: float = 15.0) -> int:
     return last
 
 
-def decode_attributes(mesh, request_id: str, timeout_s: float = 30.0) -> dict:
-    """The decode span's attributes of a request, once its spans reached the trace files."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        spans = load_spans(mesh.trace_dir)
-        root = next((s for s in spans if s["attributes"].get("request.id") == request_id and s["parent_id"] is None), None)
-        if root is not None:
-            decode = [s for s in spans if s["trace_id"] == root["trace_id"] and s["name"] == "decode"]
-            if decode and "kv.loaded_blocks" in decode[0]["attributes"]:
-                return decode[0]["attributes"]
-        time.sleep(0.2)
-    raise AssertionError(f"no decode span of {request_id} within {timeout_s} s")
-
-
 def test_decode_copies_prefills_kv_directly_not_through_kvcache(mesh, client, offline):
     prompt = PROMPT * 4
     expected = offline.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
     out = client.completions.create(model=model_name(client), prompt=prompt, max_tokens=8, temperature=0)
     assert out.choices[0].text == expected.text
-    attrs = decode_attributes(mesh, out.id)
+    attrs = span_attributes(mesh.trace_dir, out.id, "decode")
     assert attrs["kv.loaded_direct"] is True and attrs["kv.load_failed"] is False
     # Decode already holds the blocks of PROMPT's first 16 tokens (an earlier test): it copies the rest.
     assert attrs["kv.loaded_blocks"] == len(expected.prompt_token_ids) // 16 - expected.num_cached_tokens // 16

@@ -4,16 +4,13 @@ decode loads them and, having no sliding-window KV, replays the last
 L_swa * (W - 1) tokens (swa_replay=exact): its output must be the offline cold
 run's, token for token."""
 
-import json
-import time
-
 import openai
 import pytest
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.make_model import make_model
-from tools.launch.trace_view import load_spans
+from tests.mesh_procs import span_attributes
 
 WINDOW = 12
 BLOCK = 16
@@ -23,16 +20,7 @@ BLOCK = 16
 def hybrid_model_dir(tmp_path_factory) -> str:
     """The default preset as Qwen2 with every other layer sliding (a tokenizer included)."""
     path = tmp_path_factory.mktemp("hybrid-model")
-    make_model(path, arch="qwen2")
-    config = json.loads((path / "config.json").read_text())
-    n = config["num_hidden_layers"]
-    config.update(
-        layer_types=["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(n)],
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        max_window_layers=0,
-    )
-    (path / "config.json").write_text(json.dumps(config))
+    make_model(path, arch="qwen2", sliding_window=WINDOW)
     return str(path)
 
 
@@ -45,20 +33,6 @@ def hybrid_mesh(hybrid_model_dir, tmp_path_factory):
         yield mesh
 
 
-def decode_attributes(mesh, request_id: str, timeout_s: float = 30.0) -> dict:
-    """The decode span's attributes of a request, once its spans reached the trace files."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        spans = load_spans(mesh.trace_dir)
-        root = next((s for s in spans if s["attributes"].get("request.id") == request_id and s["parent_id"] is None), None)
-        if root is not None:
-            decode = [s for s in spans if s["trace_id"] == root["trace_id"] and s["service"] == "decode" and s["name"] == "decode"]
-            if decode:
-                return decode[0]["attributes"]
-        time.sleep(0.2)
-    raise AssertionError(f"no decode span of {request_id} within {timeout_s} s")
-
-
 def test_exact_replay_through_the_mesh_equals_a_cold_run(hybrid_mesh, hybrid_model_dir):
     client = openai.OpenAI(base_url=hybrid_mesh.api_url, api_key="x", max_retries=0, timeout=120)
     name = client.models.list().data[0].id
@@ -69,7 +43,7 @@ def test_exact_replay_through_the_mesh_equals_a_cold_run(hybrid_mesh, hybrid_mod
     out = client.completions.create(model=name, prompt=prompt, max_tokens=24, temperature=0)
     assert out.choices[0].text == expected.text
     # Decode loaded the full-attention blocks and rebuilt the sliding window by replay.
-    attrs = decode_attributes(hybrid_mesh, out.id)
+    attrs = span_attributes(hybrid_mesh.trace_dir, out.id, "decode")
     assert attrs["kv.loaded_blocks"] == len(expected.prompt_token_ids) // BLOCK
     assert attrs["kv.replayed_tokens"] == 2 * (WINDOW - 1)
     assert attrs["kv.load_failed"] is False

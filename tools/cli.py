@@ -50,7 +50,7 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from shared.model.make_model import make_model
 
-    make_model(args.path, arch=args.arch, seed=args.seed, preset=args.preset)
+    make_model(args.path, arch=args.arch, seed=args.seed, preset=args.preset, sliding_window=args.sliding_window)
     print(f"wrote a seeded {args.arch} checkpoint to {args.path}", file=sys.stderr)
     return 0
 
@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny")
+    p.add_argument(
+        "--sliding-window", type=int, default=None, metavar="W",
+        help="qwen2/qwen3: every other layer sliding with window W; mistral: every layer",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("generate", help="offline generation")

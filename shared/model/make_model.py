@@ -71,9 +71,11 @@ def make_model(
     preset: str = "tiny",
     dtype: torch.dtype = torch.float32,
     tokenizer: bool = True,
+    sliding_window: int | None = None,
 ) -> None:
     """Write config.json, model.safetensors, generation_config.json and (with ``tokenizer``)
-    the tokenizer files into ``path``. ``tokenizer=False`` leaves bos/eos ids null."""
+    the tokenizer files into ``path``. ``tokenizer=False`` leaves bos/eos ids null.
+    ``sliding_window``: see hf_config_dict (the weights do not change with it)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if preset not in PRESETS:
@@ -84,7 +86,7 @@ def make_model(
     out.mkdir(parents=True, exist_ok=True)
     bos, eos, end_of_turn = _write_tokenizer(out, PRESETS[preset]["vocab_size"]) if tokenizer else (None, None, None)
 
-    config = hf_config_dict(arch, PRESETS[preset], _DTYPE_NAMES[dtype], bos, eos)
+    config = hf_config_dict(arch, PRESETS[preset], _DTYPE_NAMES[dtype], bos, eos, sliding_window)
     _write_json(out / "config.json", config)
     generation = {"bos_token_id": bos, "eos_token_id": [t for t in (eos, end_of_turn) if t is not None] or None}
     _write_json(out / "generation_config.json", {**generation, "transformers_version": TRANSFORMERS_VERSION})
@@ -92,9 +94,18 @@ def make_model(
 
 
 def hf_config_dict(
-    arch: str, preset: Mapping[str, Any], dtype_name: str, bos_token_id: int | None, eos_token_id: int | None
+    arch: str,
+    preset: Mapping[str, Any],
+    dtype_name: str,
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+    sliding_window: int | None = None,
 ) -> dict[str, Any]:
-    """config.json as transformers 5.24 writes it for ``arch`` with these dimensions."""
+    """config.json as transformers 5.24 writes it for ``arch`` with these dimensions.
+    ``sliding_window`` W makes a hybrid model: Qwen2/Qwen3 with every other layer
+    (the odd ones) sliding, Mistral with every layer sliding; Llama has none."""
+    if sliding_window is not None and arch == "llama":
+        raise ValueError("Llama has no sliding-window layers; use qwen2, qwen3 or mistral")
     heads, hidden = preset["num_attention_heads"], preset["hidden_size"]
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -128,14 +139,18 @@ def hf_config_dict(
         config.update(mlp_bias=False, pretraining_tp=1)
     if arch in ("qwen2", "qwen3"):
         num_layers = preset["num_hidden_layers"]
+        if sliding_window is None:
+            layer_types = ["full_attention"] * num_layers
+        else:
+            layer_types = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(num_layers)]
         config.update(
-            layer_types=["full_attention"] * num_layers,
-            max_window_layers=num_layers,
-            sliding_window=None,
-            use_sliding_window=False,
+            layer_types=layer_types,
+            max_window_layers=num_layers if sliding_window is None else 0,
+            sliding_window=sliding_window,
+            use_sliding_window=sliding_window is not None,
         )
     if arch == "mistral":
-        config["sliding_window"] = None
+        config["sliding_window"] = sliding_window
     return config
 
 

@@ -35,17 +35,8 @@ BLOCK = 16
 def write_models(root: Path) -> tuple[str, str]:
     """The default preset as Qwen2 twice, same weights: all layers full, and every other layer sliding."""
     full, hybrid = root / "full", root / "hybrid"
-    for path in (full, hybrid):
-        make_model(path, arch="qwen2", seed=0)
-    config = json.loads((hybrid / "config.json").read_text())
-    n = config["num_hidden_layers"]
-    config.update(
-        layer_types=["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(n)],
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        max_window_layers=0,
-    )
-    (hybrid / "config.json").write_text(json.dumps(config, indent=2))
+    make_model(full, arch="qwen2", seed=0)
+    make_model(hybrid, arch="qwen2", seed=0, sliding_window=WINDOW)
     return str(full), str(hybrid)
 
 
