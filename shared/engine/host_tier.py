@@ -46,7 +46,11 @@ class HostTierConnector(KVConnector):
     def register_kv_region(self, region: KVRegion) -> None:
         super().register_kv_region(region)
         self.behind.register_kv_region(region)
-        self._pin = torch.cuda.is_available() and isinstance(region, PagedKVRegion) and region.device.type == "cuda"
+
+    @property
+    def _pin(self) -> bool:
+        """Pinned host memory where the cache is on a GPU (faster, asynchronous copies)."""
+        return isinstance(self.region, PagedKVRegion) and self.region.device.type == "cuda"
 
     @property
     def num_bytes(self) -> int:
@@ -54,7 +58,7 @@ class HostTierConnector(KVConnector):
 
     def _leading(self, hashes: list[BlockHash]) -> int:
         with self._lock:
-            return next((i for i, h in enumerate(hashes) if h not in self._blocks), len(hashes))
+            return self._leading_locked(hashes)
 
     def lookup(
         self, request_id: str, hashes: list[BlockHash], params: KVTransferParams, trace: TraceCarrier | None = None

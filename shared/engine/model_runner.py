@@ -79,8 +79,9 @@ class ModelRunner:
             allocator = None
             self.kv_caches = model.allocate_kv_cache(num_blocks + 1, block_size, kv_dtype, device)
         self.kv_region = KVRegion(self.kv_caches, self.kv_layout, allocator)
-        self.shares_kv = share_kv and (allocator is not None or device.type == "cuda")
         """The cache as blocks that KV connectors and the state cache read and write."""
+        self.shares_kv = share_kv and (allocator is not None or device.type == "cuda")
+        """Whether peers on this host can map the cache (a CPU one only in shared memory)."""
         # Positions an SWA replay recomputes already hold these groups' KV (all but sliding ones).
         self._skips_replay = [g.spec.window is None for g in self.kv_layout.groups]
         self.graphs: DecodeGraphs | None = None
