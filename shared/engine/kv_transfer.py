@@ -58,7 +58,6 @@ class KVTransfer:
         """Loads in flight: request, first block, number of blocks."""
         self._saves: dict[str, list[KVBlock]] = {}
         """Saves in flight: the blocks referenced until the connector has read them."""
-        self.num_loaded_blocks = 0
 
     @property
     def busy(self) -> bool:
@@ -94,7 +93,6 @@ class KVTransfer:
             arrived = min(result.num_blocks, num)
             if arrived:
                 self.kv.index_loaded(request, first, arrived)
-                self.num_loaded_blocks += arrived
             request.kv_loaded_direct = result.direct
             self.scheduler.finish_load(result.request_id, arrived, num)
         released: list[RequestOutput] = []

@@ -37,7 +37,6 @@ class KVCacheConnector(KVConnector):
         self._lookups: dict[str, concurrent.futures.Future[int]] = {}
         self._loads: dict[str, concurrent.futures.Future[int]] = {}
         self._saves: dict[str, tuple[concurrent.futures.Future[Any], int]] = {}
-        self.num_failures = 0
 
     @staticmethod
     async def _make_client(address: str, timeout_s: float) -> KVCacheClient:
@@ -69,7 +68,6 @@ class KVCacheConnector(KVConnector):
         try:
             return future.result()
         except Exception as exc:  # the cache is down or slow: nothing to load, compute
-            self.num_failures += 1
             log.warning("kvcache lookup for %s failed: %s", request_id, exc)
             return 0
 
@@ -112,7 +110,6 @@ class KVCacheConnector(KVConnector):
             try:
                 loads.append(LoadResult(request_id, future.result()))
             except Exception as exc:
-                self.num_failures += 1
                 loads.append(LoadResult(request_id, 0, f"{type(exc).__name__}: {exc}"))
         saves: list[SaveResult] = []
         for request_id, (future, num) in [(r, v) for r, v in self._saves.items() if v[0].done()]:
@@ -121,7 +118,6 @@ class KVCacheConnector(KVConnector):
                 future.result()
                 saves.append(SaveResult(request_id, num))
             except Exception as exc:
-                self.num_failures += 1
                 saves.append(SaveResult(request_id, 0, f"{type(exc).__name__}: {exc}"))
         return loads, saves
 
