@@ -120,16 +120,55 @@ def test_async_scheduling_gives_the_same_tokens(llama):
     assert overlapped.engine.kv.pool.num_free_blocks == 24
 
 
+def _count_launches(llm: LLM) -> list[int]:
+    """Counts the runner's overlapped launches (execute() is the step-by-step path)."""
+    calls = [0]
+    launch = llm.engine.runner.launch
+
+    def counted(sched):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        return launch(sched)
+
+    llm.engine.runner.launch = counted
+    return calls
+
+
 def test_async_scheduling_falls_back_for_host_side_sampling(llama):
     prompts = random_prompts([11, 23], vocab=500, seed=13)
     params = [
         SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
-        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=3, ignore_eos=True),
     ]
     sync = LLM(llama, async_scheduling=False).generate(prompts, params)
-    overlapped = LLM(llama, async_scheduling=True).generate(prompts, params)
-    assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
-    assert [len(o.logprobs) for o in overlapped] == [0, 12]
+    overlapped = LLM(llama, async_scheduling=True)
+    launches = _count_launches(overlapped)
+    outs = overlapped.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+    assert launches[0] == 0  # every step ran step by step
+
+
+def test_logprobs_travel_with_overlapped_steps(llama):
+    """Logprobs no longer force step-by-step decoding: they are computed on the device
+    with the tokens and read back with them, and equal the step-by-step ones."""
+    prompts = random_prompts([11, 23, 17], vocab=500, seed=13)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    ]
+    sync = LLM(llama, async_scheduling=False).generate(prompts, params)
+    overlapped = LLM(llama, async_scheduling=True)
+    launches = _count_launches(overlapped)
+    outs = overlapped.generate(prompts, params)
+    assert launches[0] >= 12  # the decode steps were overlapped
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+    assert [len(o.logprobs) for o in outs] == [12, 12, 0]
+    for got, want in zip(outs[:2], sync[:2]):
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+    assert len(outs[0].logprobs[0].top) == 2 and outs[1].logprobs[0].top == []
 
 
 def test_placeholders_take_the_previous_steps_samples():

@@ -31,10 +31,10 @@ log = logging.getLogger(__name__)
 
 
 def _host_free(params: SamplingParams) -> bool:
-    """Whether a request can be sampled without its latest token on the host."""
+    """Whether a request can be sampled without its latest token on the host
+    (penalties and min_tokens read the output so far; logprobs travel with the tokens)."""
     return (
-        params.logprobs is None
-        and params.min_tokens == 0
+        params.min_tokens == 0
         and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0

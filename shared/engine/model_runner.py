@@ -14,7 +14,7 @@ from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.kv_region import KVRegion
 from shared.engine.kv_share import SharedMemoryAllocator
 
-from shared.engine.sampler import Sampler, SamplingState, TokenLogprobs
+from shared.engine.sampler import LogprobTensors, Sampler, SamplingState, TokenLogprobs, logprob_tensors
 from shared.engine.step import PLACEHOLDER, SchedulerOutput
 from shared.engine.step_inputs import fill_placeholders, to_device
 from shared.model.forward_batch import AttentionMetadata
@@ -26,11 +26,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StepHandle:
-    """A launched step: its sampled tokens arrive in `tokens` once `done` fired."""
+    """A launched step: its sampled tokens (and logprobs, where asked) arrive in
+    `tokens` and `logprobs` once `done` fired."""
 
     request_ids: list[str]
     tokens: torch.Tensor | None
     done: "torch.cuda.Event | None"
+    logprobs: LogprobTensors | None = None
 
 
 @dataclass(slots=True)
@@ -130,8 +132,9 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """Start one step and return at once: the sampled tokens stay on the
         device (the next step's placeholders read them there) and are copied
-        to the host in the background. For requests without penalties or
-        logprobs, which need the host-side history every step."""
+        to the host in the background, with their logprobs where asked. For
+        requests without penalties or min_tokens, which need the host-side
+        history every step."""
         self._update_states(sched)
         self._load_states(sched)
         if sched.is_empty:
@@ -140,15 +143,18 @@ class ModelRunner:
         if not sample_rows:
             return StepHandle([], None, None)
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
-        tokens = self.sampler.sample_tokens(logits, [self.states[rid] for rid in sample_ids])
+        states = [self.states[rid] for rid in sample_ids]
+        tokens = self.sampler.sample_tokens(logits, states)
+        logprobs = logprob_tensors(logits, states, tokens)
         self._remember(sample_ids, tokens)
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
+            host_logprobs = logprobs.to_host() if logprobs is not None else None
             done = torch.cuda.Event()
             done.record()
-            return StepHandle(sample_ids, host, done)
-        return StepHandle(sample_ids, tokens, None)
+            return StepHandle(sample_ids, host, done, host_logprobs)
+        return StepHandle(sample_ids, tokens, None, logprobs)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """The tokens of a launched step (waits for the device if needed)."""
@@ -156,12 +162,18 @@ class ModelRunner:
             return RunnerOutput({}, {})
         if handle.done is not None:
             handle.done.synchronize()
-        sampled = {rid: [token] for rid, token in zip(handle.request_ids, handle.tokens.tolist())}
+        token_ids: list[int] = handle.tokens.tolist()
+        sampled = {rid: [token] for rid, token in zip(handle.request_ids, token_ids)}
         for rid, tokens in sampled.items():
             state = self.states.get(rid)
             if state is not None:
                 state.output_token_ids += tokens
-        return RunnerOutput(sampled, {})
+        logprobs: dict[str, TokenLogprobs] = {}
+        if handle.logprobs is not None:
+            for rid, lp in zip(handle.request_ids, handle.logprobs.unpack(token_ids)):
+                if lp is not None:
+                    logprobs[rid] = lp
+        return RunnerOutput(sampled, logprobs)
 
     def _remember(self, request_ids: list[str], tokens: torch.Tensor) -> None:
         """The last step's sampled tokens on the device, for the next step's placeholders."""

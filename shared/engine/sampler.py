@@ -82,9 +82,8 @@ class Sampler:
         """logits: [num_reqs, vocab]; row i belongs to states[i]. The input is not modified."""
         tokens = self.sample_tokens(logits, states)
         token_ids: list[int] = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(states)
-        if any(s.params.logprobs is not None for s in states):
-            _fill_logprobs(logits.float(), states, tokens, token_ids, logprobs)
+        wanted = logprob_tensors(logits, states, tokens)
+        logprobs = wanted.unpack(token_ids) if wanted is not None else [None] * len(states)
         return SamplerOutput(token_ids, logprobs)
 
     def sample_tokens(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -234,25 +233,57 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
 
-def _fill_logprobs(
-    logits: torch.Tensor,
-    states: list[SamplingState],
-    tokens: torch.Tensor,
-    token_ids: list[int],
-    out: list[TokenLogprobs | None],
-) -> None:
-    """Logprobs of the raw logits (before penalties and temperature), vLLM's default."""
+@dataclass(slots=True)
+class LogprobTensors:
+    """One step's logprobs, computed where the logits are and read back later: an
+    overlapped engine copies them to the host with the sampled tokens, without
+    waiting for the device. Rows are those of the requests that asked, in order."""
+
+    num_rows: int
+    """Rows of the step (requests sampled)."""
+    rows: list[int]
+    num_top: list[int]
+    """Per wanted row, how many top entries its request asked for."""
+    chosen: torch.Tensor
+    ranks: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to_host(self) -> "LogprobTensors":
+        """Copies into pinned host memory, queued on the current stream (non-blocking)."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        return LogprobTensors(
+            self.num_rows, self.rows, self.num_top,
+            host(self.chosen), host(self.ranks), host(self.top_values), host(self.top_ids),
+        )
+
+    def unpack(self, token_ids: list[int]) -> list[TokenLogprobs | None]:
+        """Per row of the step (token_ids: its sampled tokens), its logprobs or None."""
+        out: list[TokenLogprobs | None] = [None] * self.num_rows
+        chosen: list[float] = self.chosen.tolist()
+        ranks: list[int] = self.ranks.tolist()
+        top_values: list[list[float]] = self.top_values.tolist()
+        top_ids: list[list[int]] = self.top_ids.tolist()
+        for j, (i, k) in enumerate(zip(self.rows, self.num_top)):
+            top = list(zip(top_ids[j][:k], top_values[j][:k]))
+            out[i] = TokenLogprobs(token_ids[i], chosen[j], ranks[j], top)
+        return out
+
+
+def logprob_tensors(logits: torch.Tensor, states: list[SamplingState], tokens: torch.Tensor) -> LogprobTensors | None:
+    """Logprobs of the raw logits (before penalties and temperature, vLLM's default)
+    for the rows whose request asked for them; None when none did. Nothing is read
+    back to the host here."""
     wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    if not wanted:
+        return None
     rows = _index(wanted, logits.device)
-    logprobs = logits[rows].log_softmax(dim=-1)
+    logprobs = logits[rows].float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))
-    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
-    num_top = min(max(states[i].params.logprobs or 0 for i in wanted), logprobs.size(1))
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    top_values_l: list[list[float]] = top_values.tolist()
-    top_ids_l: list[list[int]] = top_ids.tolist()
-    chosen_l: list[float] = chosen.squeeze(1).tolist()
-    for j, i in enumerate(wanted):
-        k = states[i].params.logprobs or 0
-        top = list(zip(top_ids_l[j][:k], top_values_l[j][:k]))
-        out[i] = TokenLogprobs(token_ids[i], chosen_l[j], ranks[j], top)
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    num_top = [states[i].params.logprobs or 0 for i in wanted]
+    top_values, top_ids = logprobs.topk(min(max(num_top), logprobs.size(1)), dim=-1)
+    return LogprobTensors(len(states), wanted, num_top, chosen.squeeze(1), ranks, top_values, top_ids)
