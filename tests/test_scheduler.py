@@ -28,13 +28,29 @@ def step(s: Scheduler, token: int = 7):
 
 
 def test_prompt_is_prefilled_in_chunks_and_sampled_once_complete():
-    s = make_scheduler(prefill_chunk_size=4)
+    s = make_scheduler(max_num_batched_tokens=4, prefill_chunk_size=4)
     s.add_request(req("a", 10))
     shapes = []
     for _ in range(4):
         out = step(s)
         shapes += [(c.start_pos, len(c.token_ids), c.sample) for c in out.chunks]
     assert shapes == [(0, 4, False), (4, 4, False), (8, 2, True), (10, 1, True)]
+
+
+def test_prompts_are_chunked_only_while_others_decode():
+    """A step of prompts alone takes the whole budget (a long prompt's TTFT is one
+    big efficient step); once a request decodes, prompts go in chunks of
+    prefill_chunk_size, so its next token waits for one chunk at most."""
+    s = make_scheduler(max_num_batched_tokens=32, prefill_chunk_size=4)
+    s.add_request(req("a", 20))
+    assert [(c.start_pos, len(c.token_ids)) for c in step(s).chunks] == [(0, 20)]
+    s.add_request(req("b", 10, base=100))
+    shapes = [[(c.request_id, c.start_pos, len(c.token_ids)) for c in step(s).chunks] for _ in range(3)]
+    assert shapes == [
+        [("a", 20, 1), ("b", 0, 4)],
+        [("a", 21, 1), ("b", 4, 4)],
+        [("a", 22, 1), ("b", 8, 2)],
+    ]
 
 
 def test_decode_goes_first_and_prefill_fills_the_token_budget():
@@ -142,7 +158,7 @@ def test_rejects_prompt_longer_than_model_len_and_undersized_cache():
 
 def test_a_replayed_request_carries_its_floor_only_while_a_window_can_see_past_it():
     kv = KVCacheCoordinator(kv_cache_layout([None, 8]), 64, 4, "fp", swa_replay="bounded")
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=4, max_model_len=64), kv)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4, prefill_chunk_size=4, max_model_len=64), kv)
     # The full group holds the first 5 blocks (20 tokens) as if loaded from kvcache; no sliding state.
     r = req("a", 22, max_tokens=4)
     kv.update_block_hashes(r)

@@ -24,6 +24,11 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # the same tuple (it must not import the engine); a test checks they agree.
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
 SWA_REPLAY_CHOICES: tuple[str, ...] = ("bounded", "exact")
+# (max_num_batched_tokens, prefill_chunk_size) when unset. On an H200 with an 8B model
+# (docs/perf/README.md, "whole engine"): an 8k prompt in one step runs at the runner's
+# prefill rate, and a 2048-token chunk costs a decoding request ~60 ms.
+STEP_SIZES_CUDA: tuple[int, int] = (8192, 2048)
+STEP_SIZES_OTHER: tuple[int, int] = (2048, 512)
 
 
 @dataclass(slots=True)
@@ -46,10 +51,14 @@ class EngineConfig:
     left after the weights."""
     max_num_seqs: int = 64
     """Most requests in the running batch."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step (prefill chunks + decode tokens)."""
-    prefill_chunk_size: int = 512
-    """Most prompt tokens of one request computed in one step."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step (prompt chunks + decode tokens). None: 8192 on CUDA
+    (an 8k prompt in one step, at the card's matmul rate), 2048 elsewhere."""
+    prefill_chunk_size: int | None = None
+    """Most prompt tokens of one request in a step where other requests decode: their
+    next token waits for one such chunk at most, which bounds their inter-token
+    latency. A step of prompts alone takes the whole budget. None: 2048 on CUDA,
+    512 elsewhere."""
     max_model_len: int | None = None
     """Longest prompt + output a request may reach; None takes the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
@@ -59,8 +68,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     """Schedule and launch step N+1 before reading step N's tokens back, so the
     device does not idle while the host prepares a step. None: on for CUDA.
-    Batches with penalties, logprobs or min_tokens run step by step (they need
-    every token on the host)."""
+    Batches with penalties or min_tokens run step by step (they need every
+    token on the host)."""
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs (on CUDA with the Triton kernels); False runs them eagerly."""
     kernels: str = "auto"
@@ -84,6 +93,11 @@ class EngineConfig:
     """Host memory of the sliding-window state cache (0 turns it off)."""
     state_cache_ttl_s: float = 600.0
     """Seconds a saved sliding-window state is kept."""
+
+    def step_sizes(self) -> tuple[int, int]:
+        """(max_num_batched_tokens, prefill_chunk_size), the device's defaults where unset."""
+        budget, chunk = STEP_SIZES_CUDA if self.device.startswith("cuda") else STEP_SIZES_OTHER
+        return self.max_num_batched_tokens or budget, self.prefill_chunk_size or chunk
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -38,7 +38,7 @@ class SchedulerConfig:
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
-        return cls(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size, max_model_len)
+        return cls(config.max_num_seqs, *config.step_sizes(), max_model_len)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_model_len"):
@@ -124,6 +124,10 @@ class Scheduler:
         self._finished_since_last_step = set()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        # Prompts are cut into chunks only while other requests decode, so that their
+        # next token waits for one chunk at most; a step of prompts alone takes the budget.
+        decoding = any(self._remaining(r) == 1 for r in self.running)
+        chunk_size = self.config.prefill_chunk_size if decoding else budget
 
         # 1. Running requests, oldest first; the youngest are preempted for them.
         i = 0
@@ -132,11 +136,7 @@ class Scheduler:
             if self._will_finish(request):
                 i += 1  # its last token is still on the device: nothing more to compute
                 continue
-            num_new = min(
-                request.num_tokens + request.num_pending_tokens - request.num_computed_tokens,
-                self.config.prefill_chunk_size,
-                budget,
-            )
+            num_new = min(self._remaining(request), chunk_size, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -163,11 +163,7 @@ class Scheduler:
                     passed_over.append(request)  # its lookup is on its way: ask again next step
                 continue
             hit = self.kv.find_prefix_hit(request)
-            num_new = min(
-                request.num_tokens + request.num_pending_tokens - hit.num_computed,
-                self.config.prefill_chunk_size,
-                budget,
-            )
+            num_new = min(request.num_tokens + request.num_pending_tokens - hit.num_computed, chunk_size, budget)
             if not self.kv.allocate_slots(request, num_new, hit):
                 break  # wait for blocks to come free; FCFS, so nobody overtakes
             self.waiting.popleft()
@@ -195,6 +191,11 @@ class Scheduler:
             if chunk.sample:
                 request.num_pending_tokens += 1
         return out
+
+    @staticmethod
+    def _remaining(request: Request) -> int:
+        """Tokens the request has yet to compute (1 while it decodes)."""
+        return request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
 
     def _waits_for_kv(self, request: Request) -> bool:
         """Whether the request must wait for the connector: its lookup is pending, or
