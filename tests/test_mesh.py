@@ -105,6 +105,8 @@ def test_decode_copies_prefills_kv_directly_not_through_kvcache(mesh, client, of
     assert attrs["kv.loaded_direct"] is True and attrs["kv.load_failed"] is False
     # Decode already holds the blocks of PROMPT's first 16 tokens (an earlier test): it copies the rest.
     assert attrs["kv.loaded_blocks"] == len(expected.prompt_token_ids) // 16 - expected.num_cached_tokens // 16
+    # The load's time (for its bandwidth in traces): measured, and shorter than the request's decode span.
+    assert 0 < attrs["kv.load_ms"] < 10_000
 
 
 def test_shared_prefix_is_cached_moves_only_new_blocks_and_matches_cold(mesh, client, mesh_model_dir):

@@ -54,8 +54,8 @@ class KVTransfer:
         self.num_saves_dropped = 0
         self.num_save_failures = 0
         self.num_leases_expired = 0
-        self._loads: dict[str, tuple[Request, int, int]] = {}
-        """Loads in flight: request, first block, number of blocks."""
+        self._loads: dict[str, tuple[Request, int, int, float]] = {}
+        """Loads in flight: request, first block, number of blocks, when asked (perf_counter)."""
         self._saves: dict[str, list[KVBlock]] = {}
         """Saves in flight: the blocks referenced until the connector has read them."""
 
@@ -69,7 +69,7 @@ class KVTransfer:
         """Ask the connector for the blocks the last schedule reserved."""
         for request, first, num in self.scheduler.loads_to_start:
             rid = request.request_id
-            self._loads[rid] = (request, first, num)
+            self._loads[rid] = (request, first, num, time.perf_counter())
             hashes = request.block_hashes[first : first + num]
             assert request.kv_transfer is not None
             reserved = self.kv.reserved_block_ids(rid)
@@ -84,7 +84,8 @@ class KVTransfer:
             entry = self._loads.pop(result.request_id, None)
             if entry is None:
                 continue
-            request, first, num = entry
+            request, first, num, asked = entry
+            request.kv_load_seconds += time.perf_counter() - asked
             if result.request_id not in self.scheduler.loading:
                 self.kv.release_reserved(result.request_id)  # aborted meanwhile: only now are its blocks free
                 continue

@@ -304,6 +304,7 @@ class LLMEngine:
             request.kv_load_failed,
             num_replayed_tokens=request.num_replayed_tokens,
             loaded_direct=request.kv_loaded_direct,
+            load_seconds=request.kv_load_seconds,
         )
 
     # -- KV blocks in and out (the mesh's kvcache service) -------------------

@@ -54,6 +54,9 @@ class KVTransferReport:
     """Tokens recomputed to rebuild sliding-window KV after a hit (SWA replay)."""
     loaded_direct: bool = False
     """The loaded blocks came straight from a peer's cache (not through kvcache)."""
+    load_seconds: float = 0.0
+    """From asking the connector for the blocks to their arrival (with num_loaded_blocks,
+    the load's effective bandwidth)."""
     held: HeldBlocks | None = None
     """The prompt's blocks held for a peer to copy (KVTransferParams.hold)."""
 

@@ -79,6 +79,8 @@ class Request:
     """The load was a direct copy from a peer's cache."""
     kv_load_failed: bool = False
     """A load the connector promised did not (fully) arrive: those tokens were recomputed."""
+    kv_load_seconds: float = 0.0
+    """From asking the connector for the blocks to their arrival in the cache."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -9,7 +9,7 @@ from pathlib import Path
 _SHOWN = (
     "prompt.tokens", "prompt.cached_tokens", "output.tokens", "ttft_ms",
     "prefill.choice", "prefill.reason", "decode.choice",
-    "kv.loaded_blocks", "kv.loaded_bytes", "kv.stored_blocks", "kv.stored_bytes",
+    "kv.loaded_blocks", "kv.loaded_bytes", "kv.load_ms", "kv.stored_blocks", "kv.stored_bytes",
     "kvcache.blocks", "kvcache.hits", "kvcache.bytes", "finish_reason",
 )
 
