@@ -48,10 +48,19 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
+    import torch
+
     from shared.model.make_model import make_model
 
-    make_model(args.path, arch=args.arch, seed=args.seed, preset=args.preset, sliding_window=args.sliding_window)
-    print(f"wrote a seeded {args.arch} checkpoint to {args.path}", file=sys.stderr)
+    num_params = make_model(
+        args.path, arch=args.arch, seed=args.seed, preset=args.preset, sliding_window=args.sliding_window,
+        dtype=getattr(torch, args.dtype), device=args.device,
+    )  # fmt: skip
+    print(
+        f"wrote a seeded {args.arch} checkpoint to {args.path}: preset {args.preset}, "
+        f"{num_params:,} params, {args.dtype}, drawn on {args.device}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -147,10 +156,9 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
 
         run_overlap_bench(args.out)
         return 0
-    from tools.bench.gpu_bench import DECODE_ROWS, PREFILL_ROWS, parse_rows
+    from tools.bench.gpu_bench import DEFAULT_ROWS, parse_rows
 
-    decode_rows, prefill_rows = parse_rows(args.rows) if args.rows else (DECODE_ROWS, PREFILL_ROWS)
-    run_gpu_bench(args.out, hf_rows=not args.no_transformers, decode_rows=decode_rows, prefill_rows=prefill_rows)
+    run_gpu_bench(args.out, hf_rows=not args.no_transformers, spec=parse_rows(args.rows) if args.rows else DEFAULT_ROWS)
     return 0
 
 
@@ -203,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--sliding-window", type=int, default=None, metavar="W",
         help="qwen2/qwen3: every other layer sliding with window W; mistral: every layer",
     )  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype (drawn in float32, cast per tensor)")  # fmt: skip
+    p.add_argument("--device", default="cpu",
+                   help="where the weights are drawn, e.g. cuda: much faster for large presets, "
+                        "but not the bytes a cpu draw gives")  # fmt: skip
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("generate", help="offline generation")
@@ -257,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     p.add_argument("--overlap-only", action="store_true", help="only the engine's idle gap, step by step vs overlapped")
     p.add_argument("--rows", default=None, metavar="SPEC",
-                   help="only these rows, e.g. decode:1x1024,decode:64x1024,prefill:8192 (default: the full table)")
+                   help="only these rows, e.g. decode:1x1024,prefill:8192,engine-decode:1x1024,engine-prefill:8192 "
+                        "(engine-*: the whole engine at its default step sizes; default: the full table)")
     p.add_argument("--profile", action="store_true", help="only where a decode step's time goes (matmuls, kernels by kind)")
     p.set_defaults(func=_cmd_bench_gpu)
 

@@ -14,9 +14,8 @@ stepped as the engine steps with async scheduling (launch N+1, then read N).
 """
 
 import json
-from collections.abc import Sequence
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -149,6 +148,15 @@ def bench_decode(model: CausalLM, config: ModelConfig, batch: int, context: int,
     return batch * steps / elapsed
 
 
+def prefill_flops(config: ModelConfig, wbytes: int, prompt_len: int) -> float:
+    """The work a prefill must do: every layer's matmuls for every token, causal
+    attention, and the logits of the last token only (as transformers' logits_to_keep=1)."""
+    lm_head = config.vocab_size * config.hidden_size
+    layer_params = wbytes // 2 - lm_head
+    attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * prompt_len * (prompt_len + 1) / 2
+    return 2 * layer_params * prompt_len + 2 * lm_head + attention
+
+
 def bench_prefill(model: CausalLM, prompt_len: int, block_size: int = 16) -> float:
     blocks = -(-prompt_len // block_size)
     runner = ModelRunner(model, blocks + 1, block_size, torch.bfloat16, torch.device("cuda"))
@@ -203,36 +211,145 @@ def hf_prefill(hf, prompt_len: int) -> float:  # noqa: ANN001
     return prompt_len / seconds
 
 
-DECODE_ROWS = tuple((b, c) for c in (1024, 8192) for b in (1, 8, 64, 256))  # (batch, context)
-PREFILL_ROWS = (1024, 8192)  # prompt tokens
+# -- the whole engine (scheduler, runner, sampler, step loop) ---------------------------
+
+ENGINE_OUTPUT_LEN = 128
 
 
-def parse_rows(spec: str) -> tuple[list[tuple[int, int]], list[int]]:
-    """``"decode:1x1024,decode:64x1024,prefill:8192"`` -> (decode (batch, context) rows, prefill lengths)."""
-    decode: list[tuple[int, int]] = []
-    prefill: list[int] = []
+def _engine(model: CausalLM, **knobs) -> "LLMEngine":  # noqa: ANN003
+    """The engine as a service builds it on this card, with its default step sizes
+    unless knobs say otherwise; 8 GiB of KV, no prefix cache (every prompt is new)."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model="(in memory)", dtype="bfloat16", device="cuda", kv_cache_memory_bytes=8 << 30,
+        enable_prefix_caching=False, **knobs,
+    )
+    return LLMEngine(config, model=model, detokenize=False)
+
+
+def _prompt(length: int) -> list[int]:
+    return torch.randint(10, 100000, (length,)).tolist()
+
+
+def engine_prefill(model: CausalLM, prompt_len: int, budget: int | None, chunk: int | None, repeats: int = 3) -> float:
+    """Median seconds from add_request to the first token of a lone `prompt_len` prompt."""
+    engine = _engine(model, max_num_batched_tokens=budget, prefill_chunk_size=chunk)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for i in range(repeats + 1):  # the first warms up
+        start = time.perf_counter()
+        engine.add_request(EngineRequest(f"p{i}", _prompt(prompt_len), params))
+        while not any(out.new_token_ids for out in engine.step()):
+            pass
+        times.append(time.perf_counter() - start)
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.close()
+    del engine
+    torch.cuda.empty_cache()
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def engine_decode(model: CausalLM, batch: int, context: int, logprobs: int | None) -> float:
+    """Output tokens/s of `batch` requests of `context`-token prompts decoding together,
+    from the step that gave every one its first token to the last (a warm-up round first)."""
+    engine = _engine(model, max_num_seqs=max(batch, 1))
+    params = SamplingParams(max_tokens=ENGINE_OUTPUT_LEN, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    rate = 0.0
+    for rnd in range(2):
+        for i in range(batch):
+            engine.add_request(EngineRequest(f"d{rnd}-{i}", _prompt(context), params))
+        counts: dict[str, int] = {}
+        start = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+            if start is None and len(counts) == batch and all(counts.values()):
+                start, at_start = time.perf_counter(), sum(counts.values())
+        rate = (sum(counts.values()) - at_start) / (time.perf_counter() - start)
+    engine.close()
+    del engine
+    torch.cuda.empty_cache()
+    return rate
+
+
+def engine_mixed(model: CausalLM, prompt_len: int, num_decoding: int = 8) -> dict[str, float]:
+    """A `prompt_len` prompt arriving while `num_decoding` requests decode, at the default
+    step sizes: its TTFT, and the decoding requests' inter-token latency meanwhile
+    (the gap between consecutive steps that gave them a token)."""
+    engine = _engine(model)
+    long = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    for i in range(num_decoding):
+        engine.add_request(EngineRequest(f"bg{i}", _prompt(128), long))
+    for _ in range(40):  # well into decoding, graphs captured
+        engine.step()
+    engine.step()
+    last = time.perf_counter()
+    gaps: list[float] = []
+    start = time.perf_counter()
+    engine.add_request(EngineRequest("long", _prompt(prompt_len), SamplingParams(max_tokens=1, temperature=0.0)))
+    ttft = None
+    while ttft is None:
+        outs = engine.step()
+        now = time.perf_counter()
+        if any(o.request_id == "bg0" and o.new_token_ids for o in outs):
+            gaps.append(now - last)
+            last = now
+        if any(o.request_id == "long" and o.new_token_ids for o in outs):
+            ttft = now - start
+    for i in range(num_decoding):
+        engine.abort_request(f"bg{i}")
+    engine.close()
+    del engine
+    torch.cuda.empty_cache()
+    gaps_ms = sorted(g * 1e3 for g in gaps)
+    return {"ttft_s": ttft, "num_decoding": num_decoding, "itl_p50_ms": gaps_ms[len(gaps_ms) // 2],
+            "itl_max_ms": gaps_ms[-1]}
+
+
+@dataclass(slots=True)
+class RowSpec:
+    """Which rows to run: the runner alone (decode, prefill) and the whole engine."""
+
+    decode: list[tuple[int, int]] = field(default_factory=list)
+    """(batch, context)"""
+    prefill: list[int] = field(default_factory=list)
+    """prompt tokens"""
+    engine_decode: list[tuple[int, int]] = field(default_factory=list)
+    engine_prefill: list[int] = field(default_factory=list)
+
+
+DEFAULT_ROWS = RowSpec(
+    decode=[(b, c) for c in (1024, 8192) for b in (1, 8, 64, 256)],
+    prefill=[1024, 8192],
+    engine_decode=[(1, 1024), (64, 1024)],
+    engine_prefill=[8192],
+)
+
+
+def parse_rows(spec: str) -> RowSpec:
+    """``"decode:1x1024,prefill:8192,engine-decode:1x1024,engine-prefill:8192"`` -> a RowSpec."""
+    rows = RowSpec()
     for item in filter(None, (part.strip() for part in spec.split(","))):
         kind, _, shape = item.partition(":")
         try:
-            if kind == "decode":
+            if kind in ("decode", "engine-decode"):
                 batch, context = shape.split("x")
-                decode.append((int(batch), int(context)))
-            elif kind == "prefill":
-                prefill.append(int(shape))
+                (rows.decode if kind == "decode" else rows.engine_decode).append((int(batch), int(context)))
+            elif kind in ("prefill", "engine-prefill"):
+                (rows.prefill if kind == "prefill" else rows.engine_prefill).append(int(shape))
             else:
                 raise ValueError(kind)
         except ValueError:
-            raise ValueError(f"bad row {item!r}: expected decode:BATCHxCONTEXT or prefill:TOKENS") from None
-    return decode, prefill
+            raise ValueError(
+                f"bad row {item!r}: expected [engine-]decode:BATCHxCONTEXT or [engine-]prefill:TOKENS"
+            ) from None
+    return rows
 
 
-def run_gpu_bench(
-    out_dir: str,
-    hf_rows: bool = True,
-    seed: int = 0,
-    decode_rows: Sequence[tuple[int, int]] = DECODE_ROWS,
-    prefill_rows: Sequence[int] = PREFILL_ROWS,
-) -> list[Row]:
+def run_gpu_bench(out_dir: str, hf_rows: bool = True, seed: int = 0, spec: RowSpec = DEFAULT_ROWS) -> list[Row]:
     bw, rate = measure_card()
     print(f"card: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     config, model, hf = build_models(seed, hf_rows)
@@ -240,7 +357,7 @@ def run_gpu_bench(
     kv_tok = kv_bytes_per_token(config)
     free = torch.cuda.mem_get_info()[0]
     rows: list[Row] = []
-    for batch, context in decode_rows:
+    for batch, context in spec.decode:
         need = batch * (context + 32) * kv_tok
         roof = batch / ((wbytes + batch * context * kv_tok) / bw)
         if need > free * 0.8:
@@ -254,19 +371,39 @@ def run_gpu_bench(
         rows.append(Row("decode", batch, context, ours, roof, theirs, eager))
         print(f"decode b={batch} ctx={context}: {ours:.0f} tok/s ({ours / roof:.2f} of roofline), eager {eager:.0f}"
               + (f", transformers {theirs:.0f}" if theirs else ""), flush=True)
-    # The work a prefill must do: every layer's matmuls for every token, causal
-    # attention, and the logits of the last token only (as transformers' logits_to_keep=1).
-    lm_head = config.vocab_size * config.hidden_size
-    layer_params = wbytes // 2 - lm_head
-    for prompt_len in prefill_rows:
-        attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * prompt_len * (prompt_len + 1) / 2
-        flops = 2 * layer_params * prompt_len + 2 * lm_head + attention
-        roof = prompt_len / (flops / rate)
+    for prompt_len in spec.prefill:
+        roof = prompt_len / (prefill_flops(config, wbytes, prompt_len) / rate)
         ours = bench_prefill(model, prompt_len)
         theirs = hf_prefill(hf, prompt_len) if hf is not None else None
         rows.append(Row("prefill", 1, prompt_len, ours, roof, theirs))
         print(f"prefill {prompt_len}: {ours:.0f} tok/s ({ours / roof:.2f} of roofline)"
               + (f", transformers {theirs:.0f}" if theirs else ""), flush=True)
+    if spec.engine_decode or spec.engine_prefill:
+        del hf
+        torch.cuda.empty_cache()
+    for batch, context in spec.engine_decode:
+        roof = batch / ((wbytes + batch * (context + ENGINE_OUTPUT_LEN // 2) * kv_tok) / bw)
+        for logprobs in (None, 0):
+            ours = engine_decode(model, batch, context, logprobs)
+            note = "whole engine" + (", logprobs=0" if logprobs is not None else "")
+            rows.append(Row("decode", batch, context, ours, roof, note=note))
+            print(f"engine decode b={batch} ctx={context} ({note}): {ours:.0f} tok/s ({ours / roof:.2f} of roofline)",
+                  flush=True)
+    for prompt_len in spec.engine_prefill:
+        roof = prompt_len / (prefill_flops(config, wbytes, prompt_len) / rate)
+        for sizes in ((None, None), (512, 512)):
+            budget, chunk = sizes
+            ttft = engine_prefill(model, prompt_len, budget, chunk)
+            note = "whole engine, default step sizes" if budget is None else f"whole engine, step budget {budget}"
+            rows.append(Row("prefill", 1, prompt_len, prompt_len / ttft, roof, note=f"{note}, TTFT {ttft * 1e3:.0f} ms"))
+            print(f"engine prefill {prompt_len} ({note}): TTFT {ttft * 1e3:.0f} ms, "
+                  f"{prompt_len / ttft / roof:.2f} of roofline", flush=True)
+        mixed = engine_mixed(model, prompt_len)
+        rows.append(Row("prefill", 1, prompt_len, prompt_len / mixed["ttft_s"], roof, note=(
+            f"whole engine, while {mixed['num_decoding']} requests decode: their inter-token latency "
+            f"p50 {mixed['itl_p50_ms']:.1f} ms, max {mixed['itl_max_ms']:.1f} ms; TTFT {mixed['ttft_s'] * 1e3:.0f} ms"
+        )))
+        print(f"engine prefill {prompt_len} while decoding: {rows[-1].note}", flush=True)
     table = render(rows, bw, rate)
     print(table)
     out = Path(out_dir)
@@ -287,8 +424,8 @@ def render(rows: list[Row], bw: float, rate: float) -> str:
     lines = [
         f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s (measured in this run)",
         "",
-        "| kind | batch | context | tok/s | roofline tok/s | of roofline | without CUDA graphs | transformers tok/s | vs transformers |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| kind | batch | context | tok/s | roofline tok/s | of roofline | without CUDA graphs | transformers tok/s | vs transformers | what |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         hf = f"{r.hf_tok_s:.0f}" if r.hf_tok_s else "-"
@@ -296,7 +433,8 @@ def render(rows: list[Row], bw: float, rate: float) -> str:
         tok = f"{r.tok_s:.0f}" if r.tok_s == r.tok_s else r.note
         frac = f"{r.fraction:.2f}" if r.tok_s == r.tok_s else "-"
         eager = f"{r.eager_tok_s:.0f}" if r.eager_tok_s else "-"
-        lines.append(f"| {r.kind} | {r.batch} | {r.context} | {tok} | {r.roofline_tok_s:.0f} | {frac} | {eager} | {hf} | {vs} |")
+        what = r.note if r.tok_s == r.tok_s and r.note else "model runner"
+        lines.append(f"| {r.kind} | {r.batch} | {r.context} | {tok} | {r.roofline_tok_s:.0f} | {frac} | {eager} | {hf} | {vs} | {what} |")
     return "\n".join(lines)
 
 
