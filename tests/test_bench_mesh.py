@@ -8,6 +8,7 @@ import math
 import pytest
 
 from tests.hf_models import save_tiny_hf_model
+from tools.bench.mesh_traces import breakdown
 from tools.bench.mesh_bench import TARGETS, Timing, compare, engine_setup, run_mesh_bench, summarize
 from tools.cli import main
 
@@ -92,5 +93,44 @@ def test_tiny_run_measures_every_target(tmp_path, capsys):
         for pair in level["compare"].values():
             assert all(math.isfinite(v) for v in pair.values())
             assert pair["tok_s_ratio"] > 0 and pair["ttft_ratio"] > 0
+        # The mesh's own traces, for exactly this level's requests: every prompt's KV
+        # went straight from prefill to decode, and the hops add up to the TTFT.
+        t = level["mesh_trace"]
+        assert t["num_requests"] == NUM_REQUESTS and t["kv_loads"] == t["kv_loads_direct"] == NUM_REQUESTS
+        assert t["kv_load_gb_s_p50"] > 0 and t["kv_load_gb_s_total"] > 0
+        assert 1 <= t["decode_in_flight_max"] <= level["concurrency"]
+        assert sum(t["ttft_segments_p50_ms"].values()) > 0
     printed = capsys.readouterr().out
-    assert "mesh" in printed and "added ms/req" in printed
+    assert "mesh" in printed and "added ms/req" in printed and "GB/s p50" in printed
+
+
+def _span(name, rid, start_ms, end_ms, parent="p", **attrs):
+    return {"name": name, "parent_id": parent, "start_ns": int(start_ms * 1e6), "end_ns": int(end_ms * 1e6),
+            "attributes": {"request.id": rid, **attrs}}
+
+
+def test_trace_breakdown_is_exact():
+    spans = []
+    for i, rid in enumerate(["a", "b"]):
+        t0 = 1000 * i
+        spans += [
+            _span("POST /v1/completions", rid, t0, t0 + 100, parent=None, ttft_ms=40.0),
+            _span("route", rid, t0 + 1, t0 + 3),
+            _span("prefill", rid, t0 + 5, t0 + 30),
+            _span("decode", rid, t0 + 29, t0 + 90, **{"kv.loaded_bytes": 2_000_000, "kv.load_ms": 0.5 * (i + 1),
+                                                       "kv.loaded_direct": True}),
+        ]
+    spans.append(_span("POST /v1/completions", "late", 5000, 5100, parent=None, ttft_ms=1.0))  # another level
+    t = breakdown(spans, [(0, int(2000 * 1e6))])
+    assert t["num_requests"] == 2 and t["ttft_p50_ms"] == 40.0
+    assert t["ttft_segments_p50_ms"] == pytest.approx(
+        {"route": 3.0, "to_prefill": 2.0, "prefill": 25.0, "handoff": -1.0, "first_token_out": 11.0}
+    )
+    assert t["kv_loads"] == t["kv_loads_direct"] == 2
+    assert t["kv_load_gb_s_p50"] == pytest.approx((4.0 + 2.0) / 2)  # 2 MB in 0.5 ms and in 1 ms
+    assert t["kv_load_gb_s_total"] == pytest.approx(4e6 / 1.5e-3 / 1e9)
+    assert t["decode_in_flight_max"] == 1
+    overlapping = spans + [_span("decode", "c", 50, 60), _span("decode", "d", 55, 58)]
+    overlapping.append(_span("POST /v1/completions", "c", 40, 70, parent=None))
+    overlapping.append(_span("POST /v1/completions", "d", 41, 70, parent=None))
+    assert breakdown(overlapping, [(0, int(2000 * 1e6))])["decode_in_flight_max"] == 3

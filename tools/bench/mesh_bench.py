@@ -38,6 +38,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.runtime.settings import env_name, load_settings
 from tools.bench.local_server import LocalServer
+from tools.bench.mesh_traces import level_breakdowns, print_breakdowns
 from tools.launch.up import Mesh, free_port
 
 TARGETS = ("engine", "http", "mesh")
@@ -283,18 +284,22 @@ async def _measure(
             prompts = _prompts(num_requests, prompt_len, vocab, seed=i)
             timings: dict[str, list[Timing]] = {t: [] for t in names}
             walls = dict.fromkeys(names, 0.0)
+            mesh_windows: list[tuple[int, int]] = []  # when the mesh ran this level (its traces' requests)
             # In rounds, the targets taking turns in a rotating order, so a burst of load
             # from elsewhere on the machine falls on all of them rather than on one.
             for r in range(num_rounds):
                 part = prompts[r * num_requests // num_rounds : (r + 1) * num_requests // num_rounds]
                 for t in names[r % len(names) :] + names[: r % len(names)]:
+                    started_ns = time.time_ns()
                     got, wall = await run(t, part, conc)
+                    if t == "mesh":
+                        mesh_windows.append((started_ns, time.time_ns()))
                     timings[t] += got
                     walls[t] += wall
             rows = {t: summarize(timings[t], walls[t]) for t in names}
             for t in names:
                 _print_row(conc, t, rows[t])
-            levels.append({"concurrency": conc, "rows": rows, "compare": compare(rows)})
+            levels.append({"concurrency": conc, "rows": rows, "compare": compare(rows), "mesh_windows": mesh_windows})
         return levels
     finally:
         for c in clients.values():
@@ -372,12 +377,15 @@ def run_mesh_bench(
             levels = asyncio.run(
                 _measure(engine, apis, vocab, concurrency, num_requests, num_rounds, prompt_len, output_len)
             )
+        # The mesh has stopped: its services flushed their spans.
+        level_breakdowns(state / "mesh" / "traces", levels)
     except BaseException:
         print(f"infermesh: logs of the mesh and the local server are kept in {state}", file=sys.stderr)
         raise
     if not keep_state:
         shutil.rmtree(state, ignore_errors=True)
     _print_comparisons(levels)
+    print_breakdowns(levels)
     figures = {"config": {**run, "engine": asdict(config)}, "levels": levels}
     if json_path:
         Path(json_path).write_text(json.dumps(figures, indent=2))
