@@ -164,7 +164,7 @@ def test_seeded_request_resumes_its_generator_after_handoff(model_dir):
 
 
 class FailingStores(MemoryConnector):
-    def start_save(self, request_id, hashes, block_ids, trace=None):
+    def start_save(self, request_id, hashes, block_ids, params, trace=None):
         self._saves.append(SaveResult(request_id, 0, "store unreachable"))
 
 

@@ -6,7 +6,8 @@ Loads take the leading blocks this tier holds and ask the connector behind for
 the rest; saves land here and go on behind. Bounded by a byte capacity, least
 recently used first. Copies run on the tier's own thread: the step thread never
 copies KV. The save's blocks stay referenced by the engine until both this tier
-and the connector behind have read them.
+and the connector behind have read them (and, for a save the request waits for,
+until the connector behind has stored them).
 """
 
 import concurrent.futures
@@ -100,10 +101,15 @@ class HostTierConnector(KVConnector):
         return len(payloads)
 
     def start_save(
-        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+        self,
+        request_id: str,
+        hashes: list[BlockHash],
+        block_ids: BlockIds,
+        params: KVTransferParams,
+        trace: TraceCarrier | None = None,
     ) -> None:
         self._saves[request_id] = self._executor.submit(self._keep, hashes, block_ids)
-        self.behind.start_save(request_id, hashes, block_ids, trace)
+        self.behind.start_save(request_id, hashes, block_ids, params, trace)
 
     def _keep(self, hashes: list[BlockHash], block_ids: BlockIds) -> None:
         assert isinstance(self.region, PagedKVRegion)
@@ -153,6 +159,14 @@ class HostTierConnector(KVConnector):
     @property
     def num_pending(self) -> int:
         return len(self._loads) + len(self._saves) + self.behind.num_pending
+
+    @property
+    def num_saves_dropped(self) -> int:
+        return self.behind.num_saves_dropped
+
+    @property
+    def num_save_failures_behind(self) -> int:
+        return self.behind.num_save_failures_behind
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 
 MAX_SAVES_BEHIND = 64
-"""Saves written behind that may be in flight; more are dropped (counted)."""
+"""Saves written behind whose blocks the connector has yet to read; more are dropped
+(counted). Once read, the connector bounds what is still on its way to the store."""
 
 
 class KVTransfer:
@@ -51,13 +52,23 @@ class KVTransfer:
         """Saves in flight that nobody waits for."""
         self._awaiting_save: dict[str, RequestOutput] = {}
         """Last outputs held back until the connector has stored the request's blocks."""
-        self.num_saves_dropped = 0
-        self.num_save_failures = 0
+        self._num_saves_dropped = 0
+        self._num_save_failures = 0
         self.num_leases_expired = 0
         self._loads: dict[str, tuple[Request, int, int, float]] = {}
         """Loads in flight: request, first block, number of blocks, when asked (perf_counter)."""
         self._saves: dict[str, list[KVBlock]] = {}
         """Saves in flight: the blocks referenced until the connector has read them."""
+
+    @property
+    def num_saves_dropped(self) -> int:
+        """Saves written behind that were dropped under pressure, here or in the connector."""
+        return self._num_saves_dropped + self.connector.num_saves_dropped
+
+    @property
+    def num_save_failures(self) -> int:
+        """Saves that failed to store, reported or written behind."""
+        return self._num_save_failures + self.connector.num_save_failures_behind
 
     @property
     def busy(self) -> bool:
@@ -104,7 +115,7 @@ class KVTransfer:
                 self.kv.pool.free(blocks[::-1])
             self._behind.discard(rid)
             if result.error is not None:
-                self.num_save_failures += 1
+                self._num_save_failures += 1
                 log.warning("storing %s's KV failed: %s", rid, result.error)
             out = self._awaiting_save.pop(rid, None)
             if out is not None and out.kv is not None:
@@ -160,7 +171,7 @@ class KVTransfer:
                 held[rid] = self._hold(request)
             if transfer.save:
                 if not transfer.wait_for_save and len(self._behind) >= MAX_SAVES_BEHIND:
-                    self.num_saves_dropped += 1  # under pressure a write-behind goes: only the store misses it
+                    self._num_saves_dropped += 1  # under pressure a write-behind goes: only the store misses it
                     continue
                 self._save(request)
                 if transfer.wait_for_save:
@@ -194,4 +205,5 @@ class KVTransfer:
         held = [b for group in blocks for b in group]
         self.kv.pool.touch(held)  # freed with the request: referenced until the connector has read them
         self._saves[request.request_id] = held
-        self.connector.start_save(request.request_id, hashes, ids, request.trace_carrier)
+        assert request.kv_transfer is not None
+        self.connector.start_save(request.request_id, hashes, ids, request.kv_transfer, request.trace_carrier)

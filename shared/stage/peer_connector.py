@@ -116,9 +116,14 @@ class PeerConnector(KVConnector):
         return num
 
     def start_save(
-        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+        self,
+        request_id: str,
+        hashes: list[BlockHash],
+        block_ids: BlockIds,
+        params: KVTransferParams,
+        trace: TraceCarrier | None = None,
     ) -> None:
-        self.fallback.start_save(request_id, hashes, block_ids, trace)
+        self.fallback.start_save(request_id, hashes, block_ids, params, trace)
 
     def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
         loads, saves = self.fallback.poll()
@@ -141,6 +146,14 @@ class PeerConnector(KVConnector):
     @property
     def num_pending(self) -> int:
         return len(self._copies) + self.fallback.num_pending
+
+    @property
+    def num_saves_dropped(self) -> int:
+        return self.fallback.num_saves_dropped
+
+    @property
+    def num_save_failures_behind(self) -> int:
+        return self.fallback.num_save_failures_behind
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -15,7 +15,10 @@ interface. The engine drives it, never a service:
   writes straight into those blocks (`start_load`; the engine registered its
   cache as a `KVRegion` at start, so no copy runs on the step thread);
 - a save names blocks the engine holds a reference on until the connector
-  reports it, so a block is never reused while it is being read;
+  reports it, so a block is never reused while it is being read; a save the
+  request waits for is reported once stored, one written behind as soon as its
+  blocks have been read (the store then runs on from host memory, bounded, and
+  what it drops or fails to store is counted by the connector);
 - `poll`, called by the step loop between steps, reports finished loads and
   saves; a failed or short load frees what did not arrive and the request
   recomputes it, visibly (a counter, and a flag on the request's output),
@@ -100,10 +103,16 @@ class KVConnector(ABC):
 
     @abstractmethod
     def start_save(
-        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+        self,
+        request_id: str,
+        hashes: list[BlockHash],
+        block_ids: BlockIds,
+        params: KVTransferParams,
+        trace: TraceCarrier | None = None,
     ) -> None:
         """In the background, read `block_ids` of the region and store them under
-        `hashes`; `poll` reports when they are stored."""
+        `hashes`. `poll` reports the save when they are stored if
+        params.wait_for_save, else as soon as they have been read (written behind)."""
 
     @abstractmethod
     def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
@@ -118,6 +127,17 @@ class KVConnector(ABC):
     @abstractmethod
     def num_pending(self) -> int:
         """Lookups, loads and saves in flight."""
+
+    @property
+    def num_saves_dropped(self) -> int:
+        """Saves written behind that were dropped (too many bytes on their way) after
+        their blocks had been reported read."""
+        return 0
+
+    @property
+    def num_save_failures_behind(self) -> int:
+        """Saves written behind that failed to store after they had been reported."""
+        return 0
 
     def close(self) -> None:
         """Stop the background work."""

@@ -45,7 +45,12 @@ class MemoryConnector(KVConnector):
         self._loads.append(LoadResult(request_id, self.region.write_blocks(block_ids, payloads)))
 
     def start_save(
-        self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, trace: TraceCarrier | None = None
+        self,
+        request_id: str,
+        hashes: list[BlockHash],
+        block_ids: BlockIds,
+        params: KVTransferParams,
+        trace: TraceCarrier | None = None,
     ) -> None:
         for h, data in zip(hashes, self.region.read_blocks(block_ids)):
             self.store.blocks[(self.region.layout, h)] = data

@@ -1,0 +1,99 @@
+"""Saves written behind to a real kvcache process: the engine's blocks come back
+as soon as the connector has read them, whatever the store is doing, and what
+the connector drops under pressure is counted."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine_request import KVTransferParams
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from shared.kv.block_hash import BlockHash
+from shared.runtime.kvcache_client import KVCacheClient
+from shared.stage import kvcache_connector
+from shared.stage.kvcache_connector import KVCacheConnector
+from tests.engine_helpers import run
+from tests.hf_models import random_prompts, save_tiny_hf_model
+from tests.mesh_procs import nats_server, stop_process  # noqa: F401
+from tests.test_kvcache_service import start_kvcache, wait_serving
+
+WRITE_BEHIND = KVTransferParams(save=True, wait_for_save=False)
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("write-behind")
+    save_tiny_hf_model("llama", path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def kvcache(nats_server, tmp_path_factory):  # noqa: F811
+    svc = start_kvcache(nats_server.url, tmp_path_factory.mktemp("kvcache"))
+    asyncio.run(wait_serving(svc))
+    yield svc
+    svc.proc.send_signal(signal.SIGCONT)
+    assert stop_process(svc.proc) == 0, svc.log()
+
+
+def stored_blocks(address: str, hashes: list[BlockHash]) -> int:
+    async def ask() -> int:
+        client = KVCacheClient(address, timeout_s=5)
+        try:
+            return await client.lookup(hashes)
+        finally:
+            await client.close()
+
+    return asyncio.run(ask())
+
+
+def full_block_hashes(engine: LLMEngine, out) -> list[BlockHash]:  # noqa: ANN001
+    return out.kv.block_hashes[: len(out.prompt_token_ids) // BLOCK]
+
+
+def test_a_save_written_behind_gives_the_blocks_back_while_the_store_is_stalled(model_dir, kvcache):
+    engine = LLMEngine(EngineConfig(model=model_dir, block_size=BLOCK, num_kv_blocks=64),
+                       kv_connector=KVCacheConnector(kvcache.address))  # fmt: skip
+    prompt = random_prompts([45], vocab=500, seed=31)[0]
+    os.kill(kvcache.proc.pid, signal.SIGSTOP)  # the store takes nothing in
+    try:
+        started = time.monotonic()
+        out = run(engine, "a", prompt, SamplingParams(max_tokens=1), kv_transfer=WRITE_BEHIND)
+        # Reported once read: the request ended at once, and the engine holds none of its
+        # blocks (all free, the prompt's cached for a later hit), though nothing is stored yet.
+        assert time.monotonic() - started < 10
+        assert engine.kv.pool.num_free_blocks == 64
+        assert not engine.has_unfinished_requests()
+    finally:
+        os.kill(kvcache.proc.pid, signal.SIGCONT)
+    hashes = full_block_hashes(engine, out)
+    deadline = time.monotonic() + 10
+    while stored_blocks(kvcache.address, hashes) < len(hashes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stored_blocks(kvcache.address, hashes) == len(hashes) == 45 // BLOCK  # the store ran on
+    assert engine.load().num_kv_saves_dropped == 0 and engine.load().num_kv_save_failures == 0
+    engine.close()
+
+
+def test_a_save_beyond_the_bytes_on_their_way_is_dropped_and_counted(model_dir, kvcache, monkeypatch):
+    monkeypatch.setattr(kvcache_connector, "MAX_BYTES_BEHIND", 1)  # no room for any block
+    engine = LLMEngine(EngineConfig(model=model_dir, block_size=BLOCK), kv_connector=KVCacheConnector(kvcache.address))
+    prompt = random_prompts([40], vocab=500, seed=32)[0]
+    out = run(engine, "b", prompt, SamplingParams(max_tokens=1), kv_transfer=WRITE_BEHIND)
+    assert out.kv.save_error is None
+    deadline = time.monotonic() + 10
+    while engine.load().num_kv_saves_dropped == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.load().num_kv_saves_dropped == 1
+    assert stored_blocks(kvcache.address, full_block_hashes(engine, out)) == 0
+    # A save the request waits for is never dropped: it is reported once stored.
+    waited = run(engine, "c", prompt, SamplingParams(max_tokens=1), kv_transfer=KVTransferParams(save=True))
+    assert waited.kv.num_saved_blocks == 40 // BLOCK and waited.kv.save_error is None
+    assert stored_blocks(kvcache.address, full_block_hashes(engine, waited)) == 40 // BLOCK
+    engine.close()
