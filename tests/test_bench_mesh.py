@@ -62,6 +62,8 @@ def test_bad_settings_are_refused_before_anything_starts():
         run_mesh_bench(None, [1], 4, PROMPT_LEN, 1)
     with pytest.raises(ValueError, match="num_rounds"):
         run_mesh_bench(None, [1], 4, PROMPT_LEN, OUTPUT_LEN, num_rounds=5)
+    with pytest.raises(ValueError, match="one per concurrency level"):
+        run_mesh_bench(None, [1, 4], [4, 8, 16], PROMPT_LEN, OUTPUT_LEN)
     with pytest.raises(ValueError, match="targets"):
         run_mesh_bench(None, [1], 4, PROMPT_LEN, OUTPUT_LEN, targets=("engine", "gpu"))
 
@@ -70,7 +72,7 @@ def test_tiny_run_measures_every_target(tmp_path, capsys):
     figures = run_mesh_bench(
         model=None,
         concurrency=[1, 4],
-        num_requests=NUM_REQUESTS,
+        num_requests=[NUM_REQUESTS, 2 * NUM_REQUESTS],  # one count per level
         prompt_len=PROMPT_LEN,
         output_len=OUTPUT_LEN,
         state_dir=str(tmp_path / "state"),
@@ -78,13 +80,13 @@ def test_tiny_run_measures_every_target(tmp_path, capsys):
     )
     assert json.loads((tmp_path / "figures.json").read_text()) == json.loads(json.dumps(figures))
     assert [level["concurrency"] for level in figures["levels"]] == [1, 4]
-    for level in figures["levels"]:
+    for level, num in zip(figures["levels"], [NUM_REQUESTS, 2 * NUM_REQUESTS]):
         assert set(level["rows"]) == set(TARGETS)
         for target, row in level["rows"].items():
             # Every request completed with exactly output_len tokens, counted as they arrived.
-            assert row["num_completed"] == NUM_REQUESTS, target
-            assert row["output_tokens"] == [OUTPUT_LEN] * NUM_REQUESTS, target
-            assert row["usage_tokens"] == [OUTPUT_LEN] * NUM_REQUESTS, target
+            assert row["num_completed"] == num, target
+            assert row["output_tokens"] == [OUTPUT_LEN] * num, target
+            assert row["usage_tokens"] == [OUTPUT_LEN] * num, target
             assert row["cached_tokens"] == 0, target  # distinct prompts: no prefix hit flatters anyone
             assert row["req_s"] > 0 and row["out_tok_s"] > 0
             assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"]
@@ -96,7 +98,7 @@ def test_tiny_run_measures_every_target(tmp_path, capsys):
         # The mesh's own traces, for exactly this level's requests: every prompt's KV
         # went straight from prefill to decode, and the hops add up to the TTFT.
         t = level["mesh_trace"]
-        assert t["num_requests"] == NUM_REQUESTS and t["kv_loads"] == t["kv_loads_direct"] == NUM_REQUESTS
+        assert t["num_requests"] == num and t["kv_loads"] == t["kv_loads_direct"] == num
         assert t["kv_load_gb_s_p50"] > 0 and t["kv_load_gb_s_total"] > 0
         assert 1 <= t["decode_in_flight_max"] <= level["concurrency"]
         assert sum(t["ttft_segments_p50_ms"].values()) > 0

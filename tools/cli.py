@@ -129,7 +129,7 @@ def _cmd_bench_mesh(args: argparse.Namespace) -> int:
     run_mesh_bench(
         model=args.model,
         concurrency=args.concurrency,
-        num_requests=args.num_requests,
+        num_requests=args.num_requests[0] if len(args.num_requests) == 1 else args.num_requests,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
         num_rounds=args.rounds,
@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="checkpoint folder (default: make the tiny model)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="clients in the closed loop, per level")
-    p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency level and target")
+    p.add_argument("--num-requests", type=int, nargs="+", default=[32],
+                   help="requests per concurrency level and target: one count for every level, or one per level")
     p.add_argument("--rounds", type=int, default=2, help="the targets take turns this many times per level")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)

@@ -255,7 +255,7 @@ async def _measure(
     apis: dict[str, str],
     vocab: int,
     concurrency: list[int],
-    num_requests: int,
+    num_requests: list[int],
     num_rounds: int,
     prompt_len: int,
     output_len: int,
@@ -279,16 +279,16 @@ async def _measure(
         for t in names:
             await run(t, _prompts(2, prompt_len, vocab, _WARMUP_SEED), 2)
         levels = []
-        for i, conc in enumerate(concurrency):
+        for i, (conc, num) in enumerate(zip(concurrency, num_requests)):
             # Fresh prompts per level, the same for every target: each target sees each prompt once.
-            prompts = _prompts(num_requests, prompt_len, vocab, seed=i)
+            prompts = _prompts(num, prompt_len, vocab, seed=i)
             timings: dict[str, list[Timing]] = {t: [] for t in names}
             walls = dict.fromkeys(names, 0.0)
             mesh_windows: list[tuple[int, int]] = []  # when the mesh ran this level (its traces' requests)
             # In rounds, the targets taking turns in a rotating order, so a burst of load
             # from elsewhere on the machine falls on all of them rather than on one.
             for r in range(num_rounds):
-                part = prompts[r * num_requests // num_rounds : (r + 1) * num_requests // num_rounds]
+                part = prompts[r * num // num_rounds : (r + 1) * num // num_rounds]
                 for t in names[r % len(names) :] + names[: r % len(names)]:
                     started_ns = time.time_ns()
                     got, wall = await run(t, part, conc)
@@ -309,7 +309,7 @@ async def _measure(
 def run_mesh_bench(
     model: str | None,
     concurrency: list[int],
-    num_requests: int,
+    num_requests: int | list[int],
     prompt_len: int,
     output_len: int,
     num_rounds: int = 2,
@@ -325,10 +325,14 @@ def run_mesh_bench(
     engine_flags: EngineConfig fields over the settings (see engine_setup)."""
     if output_len < 2:
         raise ValueError("output_len must be at least 2 to time tokens after the first")
-    if num_requests < 1 or prompt_len < 1 or not concurrency or min(concurrency) < 1:
+    # One request count for every level, or one per level.
+    counts = [num_requests] * len(concurrency) if isinstance(num_requests, int) else list(num_requests)
+    if len(counts) != len(concurrency):
+        raise ValueError(f"give one num_requests or one per concurrency level ({len(concurrency)}), got {len(counts)}")
+    if min(counts, default=0) < 1 or prompt_len < 1 or not concurrency or min(concurrency) < 1:
         raise ValueError("num_requests, prompt_len and every concurrency must be at least 1")
-    if not 1 <= num_rounds <= num_requests:
-        raise ValueError(f"num_rounds must be in [1, num_requests={num_requests}], got {num_rounds}")
+    if not 1 <= num_rounds <= min(counts):
+        raise ValueError(f"num_rounds must be in [1, num_requests={min(counts)}], got {num_rounds}")
     if not targets or set(targets) - set(TARGETS):
         raise ValueError(f"targets must be among {', '.join(TARGETS)}, got {targets}")
     from shared.model.config import ModelConfig
@@ -345,7 +349,7 @@ def run_mesh_bench(
     config, mesh_env = engine_setup(model, engine_flags or {})
     run = {
         "model": None if made else model, "device": config.device, "dtype": config.dtype, "prompt_len": prompt_len,
-        "output_len": output_len, "num_requests": num_requests, "num_rounds": num_rounds,
+        "output_len": output_len, "num_requests": counts if len(set(counts)) > 1 else counts[0], "num_rounds": num_rounds,
         "num_prefill": num_prefill, "num_decode": num_decode, "targets": list(targets),
     }
     vocab = ModelConfig.from_pretrained(model).vocab_size
@@ -375,7 +379,7 @@ def run_mesh_bench(
             )
             print(header + "\n" + "-" * len(header), flush=True)
             levels = asyncio.run(
-                _measure(engine, apis, vocab, concurrency, num_requests, num_rounds, prompt_len, output_len)
+                _measure(engine, apis, vocab, concurrency, counts, num_rounds, prompt_len, output_len)
             )
         # The mesh has stopped: its services flushed their spans.
         level_breakdowns(state / "mesh" / "traces", levels)
