@@ -240,3 +240,85 @@ def test_make_model_with_tokenizer(tmp_path: Path) -> None:
     assert config.eos_token_ids == (tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|im_end|>"))
     generation = json.loads((tmp_path / "a/generation_config.json").read_text())
     assert generation["eos_token_id"] == list(config.eos_token_ids)
+
+
+def test_make_model_with_a_padded_vocab_in_shards_matches_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer smaller than the embedding (as the llama3-8b preset has), bfloat16
+    weights cast per tensor and written as shards: our engine and transformers load it
+    alike, ids past the tokenizer's are valid and decode to nothing."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    from shared.engine.llm import LLM
+    from shared.engine.sampling_params import SamplingParams
+    from shared.model import make_model as make_model_module
+    from shared.recipe.tokenizer import Recipe
+    from tests.hf_models import hf_greedy
+
+    single = tmp_path / "single"
+    make_model(single, seed=3, dtype=torch.bfloat16, tokenizer=False)
+    monkeypatch.setattr(make_model_module, "MAX_SHARD_BYTES", 3_000_000)  # tiny in bfloat16 is 10 MB
+    padded = tmp_path / "padded"
+    num_params = make_model(padded, seed=3, dtype=torch.bfloat16, device="cpu", tokenizer_vocab_size=1024)
+
+    index = json.loads((padded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (padded / "model.safetensors").exists()
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(padded / file), framework="pt") as f:
+            assert all(index["weight_map"][name] == file for name in f.keys())
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    # Sharding does not change the draws, and the index counts every byte.
+    expected = load_file(single / "model.safetensors")
+    assert tensors.keys() == expected.keys() and all(torch.equal(tensors[n], expected[n]) for n in expected)
+    assert index["metadata"]["total_size"] == 2 * num_params == sum(t.numel() * 2 for t in expected.values())
+
+    config = ModelConfig.from_pretrained(padded)
+    recipe = Recipe.from_pretrained(padded)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(padded)
+    assert config.vocab_size == 4096 and recipe.vocab_size == len(hf_tokenizer) == 1024
+    assert max(config.eos_token_ids) < 1024 and config.bos_token_id < 1024
+    text = "def f(x):\n    return x + 1  # 🦙"
+    assert recipe.encode(text) == hf_tokenizer(text)["input_ids"]
+    assert recipe.decode([1024, 4095]) == "" and recipe.decode(recipe.encode(text) + [2000]) == text
+
+    ids = recipe.encode(text) + [1024, 4095, 2000, 7]  # the last few past the tokenizer's vocab
+    hf = transformers.AutoModelForCausalLM.from_pretrained(padded, dtype=torch.float32)
+    with torch.no_grad():
+        reference = hf(torch.tensor([ids])).logits[0]
+    assert rel_err(PagedDriver(load_model(padded), num_seqs=1).step({0: ids})[0], reference) < 1e-4
+
+    # End to end: greedy as transformers generates, and sampled ids past the tokenizer's
+    # stream as the text they decode to.
+    llm = LLM(str(padded))
+    greedy = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert [greedy.token_ids] == hf_greedy(padded, [ids], 8)
+    sampled = llm.generate([text], SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True))[0]
+    assert any(t >= 1024 for t in sampled.token_ids) and sampled.text == recipe.decode(sampled.token_ids)
+
+    # Written again unsharded into the same folder, no stale shard or index is left.
+    monkeypatch.undo()
+    make_model(padded, seed=3, dtype=torch.bfloat16, tokenizer=False)
+    assert not list(padded.glob("model-*"))
+    assert (padded / "model.safetensors").read_bytes() == (single / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="exceeds the model's vocab_size=4096"):
+        make_model(tmp_path / "bad", tokenizer_vocab_size=4097)
+
+
+def test_make_model_cli_dtype_and_device(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    make_model(tmp_path / "api", seed=2, dtype=torch.bfloat16, tokenizer=False)
+    args = ["make-model", str(tmp_path / "cli"), "--seed", "2", "--dtype", "bfloat16", "--device", "cpu"]
+    done = subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    # device="cpu" draws what the default draws: the same bytes as the API call.
+    assert (tmp_path / "cli/model.safetensors").read_bytes() == (tmp_path / "api/model.safetensors").read_bytes()
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"wrote a seeded llama checkpoint to {tmp_path / 'cli'}: preset tiny, 4,999,424 params, bfloat16, drawn on cpu"
+    )

@@ -1,14 +1,23 @@
-"""Write a small seeded random checkpoint in Hugging Face format: what tests and the
-default demo run on, since no weights can be downloaded here.
+"""Write a seeded random checkpoint in Hugging Face format: what tests, the default
+demo (the tiny preset) and the GPU benchmarks (Llama-3-8B's shape) run on, since no
+weights can be downloaded here.
 
 ``config.json`` has exactly the keys and values transformers 5.24's
 ``save_pretrained`` writes for the architecture (tests check this), so transformers
 loads the folder too. Everything is deterministic: the same call twice gives
 byte-identical files.
+
+The tokenizer may be smaller than the model's vocabulary (a padded vocab, as many
+real checkpoints have): ids past the tokenizer's are valid model inputs and outputs
+that decode to nothing. The stdlib corpus the tokenizer trains on yields about 35k
+tokens from its default 4 MB and 80k from all of it, so the llama3-8b preset keeps
+the real 128,256-row embedding with a 32,768-token tokenizer.
 """
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
+from itertools import islice
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -17,12 +26,17 @@ import torch
 from safetensors.torch import save_file
 
 from shared.model.config import ModelConfig
+from shared.model.loader import INDEX_FILE, SINGLE_FILE
 from shared.model.transformer import CausalLM
 
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose save_pretrained output config.json mirrors
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 END_OF_TURN_TOKEN = "<|im_end|>"
+# A checkpoint whose tensors take more bytes than this is written as shards of at most
+# this size (unless one tensor is larger) with model.safetensors.index.json, as
+# transformers' save_pretrained does with max_shard_size="5GB".
+MAX_SHARD_BYTES = 5_000_000_000
 
 PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
@@ -51,6 +65,12 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 max_position_embeddings=16384,
                 rope_theta=500000.0,
                 tie_word_embeddings=False,
+                # Not config.json keys: the tokenizer is smaller than the embedding (see
+                # the module docstring), and 8 MB of stdlib sources yield about 60k tokens,
+                # a safe margin over 32,768 on any Python version (the default 4 MB yields
+                # 33-36k). Presets without them train vocab_size tokens from 4 MB.
+                tokenizer_vocab_size=32768,
+                tokenizer_corpus_bytes=8_000_000,
             )
         ),
     }
@@ -72,25 +92,48 @@ def make_model(
     dtype: torch.dtype = torch.float32,
     tokenizer: bool = True,
     sliding_window: int | None = None,
-) -> None:
-    """Write config.json, model.safetensors, generation_config.json and (with ``tokenizer``)
-    the tokenizer files into ``path``. ``tokenizer=False`` leaves bos/eos ids null.
-    ``sliding_window``: see hf_config_dict (the weights do not change with it)."""
+    device: torch.device | str = "cpu",
+    tokenizer_vocab_size: int | None = None,
+) -> int:
+    """Write config.json, the weights, generation_config.json and (with ``tokenizer``)
+    the tokenizer files into ``path``; return the number of parameters.
+
+    ``tokenizer=False`` leaves bos/eos ids null. ``sliding_window``: see hf_config_dict
+    (the weights do not change with it). ``tokenizer_vocab_size``: how many tokens the
+    tokenizer is trained to (default: the preset's ``tokenizer_vocab_size``, else its
+    ``vocab_size``); at most the model's vocab_size, which config.json keeps.
+
+    The weights are drawn on ``device`` with a generator of that device, one tensor at
+    a time, cast to ``dtype`` there and then moved to the CPU, so the host never holds
+    the whole model in float32. Their bytes depend on (config, seed, dtype, device): a
+    CUDA draw is not byte-equal to a CPU draw, while every CPU draw is the same. Past
+    MAX_SHARD_BYTES they are written as shards, each saved (and freed) before the next
+    is drawn."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype {dtype} not supported; choose one of {', '.join(_DTYPE_NAMES.values())}")
+    dims = PRESETS[preset]
+    if tokenizer_vocab_size is None:
+        tokenizer_vocab_size = dims.get("tokenizer_vocab_size", dims["vocab_size"])
+    if tokenizer_vocab_size > dims["vocab_size"]:
+        raise ValueError(
+            f"tokenizer_vocab_size={tokenizer_vocab_size} exceeds the model's vocab_size={dims['vocab_size']}"
+        )
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    bos, eos, end_of_turn = _write_tokenizer(out, PRESETS[preset]["vocab_size"]) if tokenizer else (None, None, None)
+    if tokenizer:
+        bos, eos, end_of_turn = _write_tokenizer(out, tokenizer_vocab_size, dims.get("tokenizer_corpus_bytes"))
+    else:
+        bos, eos, end_of_turn = None, None, None
 
-    config = hf_config_dict(arch, PRESETS[preset], _DTYPE_NAMES[dtype], bos, eos, sliding_window)
+    config = hf_config_dict(arch, dims, _DTYPE_NAMES[dtype], bos, eos, sliding_window)
     _write_json(out / "config.json", config)
     generation = {"bos_token_id": bos, "eos_token_id": [t for t in (eos, end_of_turn) if t is not None] or None}
     _write_json(out / "generation_config.json", {**generation, "transformers_version": TRANSFORMERS_VERSION})
-    save_file(_random_weights(ModelConfig.from_dict(config), seed, dtype), str(out / "model.safetensors"), {"format": "pt"})
+    return _write_weights(out, ModelConfig.from_dict(config), seed, dtype, torch.device(device))
 
 
 def hf_config_dict(
@@ -154,33 +197,78 @@ def hf_config_dict(
     return config
 
 
-def _random_weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF-style init: normal(0, 0.02) matrices and embeddings, zero biases, unit norms.
-    Drawn in float32 in sorted name order from one seeded generator, so the bytes
-    depend only on (config, seed, dtype)."""
+def _write_weights(out: Path, config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Draw the weights (see _random_weights) and save them as model.safetensors, or
+    past MAX_SHARD_BYTES as model-0000i-of-0000n.safetensors shards with an index;
+    return the number of parameters. Checkpoint files of an earlier call are removed
+    first, so the loader never reads a stale index or shard."""
     # The meta device gives names and shapes without allocating anything.
     shapes = {name: tuple(t.shape) for name, t in CausalLM(config, device="meta").checkpoint_tensors().items()}
-    generator = torch.Generator().manual_seed(seed)
-    weights: dict[str, torch.Tensor] = {}
+    names = sorted(shapes)
+    numels = {name: math.prod(shapes[name]) for name in names}
+    for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    tensors = _random_weights(shapes, seed, dtype, device)
+    shards = _shards(names, {name: numels[name] * dtype.itemsize for name in names})
+    if len(shards) == 1:
+        save_file(dict(tensors), str(out / SINGLE_FILE), {"format": "pt"})
+        return sum(numels.values())
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        # The draw yields in sorted name order, the shards' order; del frees this shard
+        # before the next is drawn.
+        part = dict(islice(tensors, len(shard)))
+        save_file(part, str(out / file), {"format": "pt"})
+        del part
+        weight_map.update(dict.fromkeys(shard, file))
+    total_size = sum(numels.values()) * dtype.itemsize
+    _write_json(out / INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+    return sum(numels.values())
+
+
+def _random_weights(
+    shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-style init: normal(0, 0.02) matrices and embeddings, zero biases, unit norms.
+    Drawn in float32 on ``device`` in sorted name order from one seeded generator of
+    that device, cast to ``dtype`` there and yielded one CPU tensor at a time."""
+    generator = torch.Generator(device=device).manual_seed(seed)
     for name in sorted(shapes):
         if name.endswith("norm.weight"):
-            tensor = torch.ones(shapes[name])
+            tensor = torch.ones(shapes[name], device=device)
         elif name.endswith(".bias"):
-            tensor = torch.zeros(shapes[name])
+            tensor = torch.zeros(shapes[name], device=device)
         else:
-            tensor = torch.empty(shapes[name]).normal_(0.0, 0.02, generator=generator)
-        weights[name] = tensor.to(dtype).contiguous()
-    return weights
+            tensor = torch.empty(shapes[name], device=device).normal_(0.0, 0.02, generator=generator)
+        yield name, tensor.to(dtype).contiguous().cpu()
 
 
-def _write_tokenizer(out: Path, vocab_size: int) -> tuple[int, int, int]:
-    """Train the project's tokenizer into ``out``; return the ids of bos, eos and end-of-turn."""
+def _shards(names: list[str], nbytes: Mapping[str, int]) -> list[list[str]]:
+    """``names`` in order, cut into runs of at most MAX_SHARD_BYTES (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        if shards[-1] and size + nbytes[name] > MAX_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes[name]
+    return shards
+
+
+def _write_tokenizer(out: Path, vocab_size: int, corpus_bytes: int | None) -> tuple[int, int, int]:
+    """Train the project's tokenizer into ``out`` (from ``corpus_bytes`` of sources, or
+    train_tokenizer's default); return the ids of bos, eos and end-of-turn."""
     # Imported here: the Recipe is another package, and only this step needs it.
     from tokenizers import Tokenizer
 
     from shared.recipe.train_tokenizer import train_tokenizer
 
-    train_tokenizer(out, vocab_size=vocab_size)
+    if corpus_bytes is None:
+        train_tokenizer(out, vocab_size=vocab_size)
+    else:
+        train_tokenizer(out, vocab_size=vocab_size, max_corpus_bytes=corpus_bytes)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     ids = [tok.token_to_id(t) for t in (BOS_TOKEN, EOS_TOKEN, END_OF_TURN_TOKEN)]
     if None in ids:
