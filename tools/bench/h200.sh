@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The H200 figures of docs/perf/README.md, each stage one call of the device machine
+# (its python3 has torch, triton, transformers, grpcio; nothing else of the mesh):
+#
+#   bash tools/bench/h200.sh engine   # tests/gpu, bench-gpu's whole-engine rows, the KV tiers
+#   bash tools/bench/h200.sh mesh     # bench-mesh: engine / http / mesh, 1k and 8k prompts
+#
+# Carried beside the checkout (git-ignored): .whl/ (the mesh's wheels, ../shared/STACK.md)
+# and .bin/nats-server. The 8B-shaped checkpoint is drawn on the GPU into models/llama3-8b
+# (kept while the machine stays warm). Logs and figures go to $OUT (default ./h200-out).
+set -euo pipefail
+stage=${1:?usage: h200.sh engine|mesh}
+out=${OUT:-$PWD/h200-out}
+mkdir -p "$out"
+log="$out/$stage.log"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="$PWD:/tmp/site" PATH="$PWD/.bin:$PATH" PYTHONUNBUFFERED=1
+model=models/llama3-8b
+run() { echo "\$ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
+if [ ! -f "$model/model.safetensors.index.json" ] && [ ! -f "$model/model.safetensors" ]; then
+  start=$(date +%s)
+  run python3 -m tools.cli make-model "$model" --preset llama3-8b --dtype bfloat16 --device cuda
+  echo "make-model took $(( $(date +%s) - start )) s" | tee -a "$log"
+fi
+
+case "$stage" in
+engine)
+  run python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu
+  run python3 -m tools.cli bench-gpu --no-transformers --out "$out" \
+    --rows decode:1x1024,prefill:8192,engine-decode:1x1024,engine-decode:64x1024,engine-prefill:8192
+  run python3 -m tools.bench.tier_bench --model "$model" --device cuda --dtype bfloat16 \
+    --prompt-len 4096 --repeats 3 --out "$out"
+  ;;
+mesh)
+  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --rounds 1)
+  # 1k: four engines on the card (in-process, http, prefill, decode), 10 GiB of KV each.
+  run python3 -m tools.cli bench-mesh "${common[@]}" --prompt-len 1024 --concurrency 1 16 64 \
+    --num-requests 12 64 128 --kv-cache-memory-bytes $((10 << 30)) --json "$out/mesh_1k.json"
+  # 8k: 16 clients hold 133k tokens of KV; without the http target three engines fit.
+  run python3 -m tools.cli bench-mesh "${common[@]}" --prompt-len 8192 --concurrency 1 16 \
+    --num-requests 6 32 --targets engine mesh --kv-cache-memory-bytes $((18 << 30)) --json "$out/mesh_8k.json"
+  ;;
+*)
+  echo "unknown stage $stage" >&2
+  exit 2
+  ;;
+esac
