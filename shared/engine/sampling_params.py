@@ -1,6 +1,15 @@
 """Per-request sampling settings, validated where they enter the engine."""
 
+import math
 from dataclasses import dataclass, field
+
+# The widths these values have on the wire (mesh.proto's SamplingParams): a value
+# past them would fail deep in the mesh instead of here.
+_TOKEN_ID_LIMIT = 1 << 32
+"""Token ids and top_k are uint32."""
+_SEED_LIMIT = 1 << 63
+"""A seed is a uint64 on the wire and an int64 to torch: [0, 2**63) is both."""
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass(slots=True)
@@ -14,7 +23,7 @@ class SamplingParams:
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability sums to at least top_p."""
     top_k: int | None = None
-    """Keep only the k most likely tokens; None keeps all."""
+    """Keep only the k most likely tokens; None keeps all, and so does a k past the vocabulary."""
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the top token's."""
     repetition_penalty: float = 1.0
@@ -41,12 +50,15 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in _FLOAT_FIELDS:  # NaN passes every comparison below
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
+        if self.top_k is not None and not 1 <= self.top_k < _TOKEN_ID_LIMIT:
+            raise ValueError(f"top_k must be None or in [1, 2**32), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
@@ -57,6 +69,11 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        bad_ids = [t for t in self.stop_token_ids if not 0 <= t < _TOKEN_ID_LIMIT]
+        if bad_ids:
+            raise ValueError(f"stop_token_ids must be token ids in [0, 2**32), got {bad_ids[0]}")
+        if self.seed is not None and not 0 <= self.seed < _SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
