@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +26,7 @@ from opentelemetry.trace import Tracer
 from services.balancer.api import create_app
 from services.balancer.generation import GenerationError, GenerationRequest, Generator, TokenEvent
 from services.balancer.local import LocalGenerator
+from services.balancer.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_TOKEN_IDS
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.outputs import EngineLoad
@@ -181,7 +183,8 @@ def mesh(model_path: str) -> Iterator[Mesh]:
 
 def post(served: Served, path: str, body: dict[str, Any] | bytes, headers: dict[str, str] = AUTH) -> httpx.Response:
     if isinstance(body, bytes):
-        return httpx.post(served.url + path, content=body, headers={**headers, "Content-Type": "application/json"})
+        headers = {**headers, "Content-Type": "application/json"}
+        return httpx.post(served.url + path, content=body, headers=headers, timeout=30)
     return httpx.post(served.url + path, json=body, headers=headers, timeout=30)
 
 
@@ -316,7 +319,7 @@ def test_bad_requests_get_400(mesh: Mesh) -> None:
     base = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     error = assert_error(post(mesh.main, "/v1/completions", {**base, "temperature": -1}), 400, "temperature")
     assert error["param"] == "temperature" and error["type"] == "invalid_request_error"
-    assert_error(post(mesh.main, "/v1/completions", {**base, "n": 2}), 400, "n must be 1")
+    assert_error(post(mesh.main, "/v1/completions", {**base, "n": 2}), 400, "n: must be 1")
     assert_error(post(mesh.main, "/v1/completions", {**base, "prompt": ["a", "b"]}), 400, "one prompt per request")
     assert_error(post(mesh.main, "/v1/completions", {**base, "temperature": "hot"}), 400, "temperature")
     assert_error(post(mesh.main, "/v1/completions", {"model": MODEL}), 400, "prompt")
@@ -329,13 +332,122 @@ def test_bad_requests_get_400(mesh: Mesh) -> None:
     assert_error(post(mesh.main, "/v1/completions", {**base, "prompt": [10**6]}), 400)
     assert_error(post(mesh.main, "/v1/completions", {**base, "prompt": [10**6], "stream": True}), 400)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
-    assert_error(post(mesh.main, "/v1/chat/completions", chat), 400, "only text content parts")
+    assert_error(post(mesh.main, "/v1/chat/completions", chat), 400, "messages.0.content.0.type: Input should be 'text")
     assert_error(post(mesh.main, "/v1/chat/completions", {**chat, "messages": []}), 400, "messages")
-    # Unknown fields are ignored; the server still serves afterwards.
-    ok = post(mesh.main, "/v1/completions", {**base, "metadata": {"a": 1}, "store": False})
+    ok = post(mesh.main, "/v1/completions", base)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
     with pytest.raises(openai.BadRequestError):
         mesh.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+
+
+_COMPLETION = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+_NAN, _INF = float("nan"), float("inf")
+_TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+# (request, what replaces or adds to it, the param the 400 names)
+BAD_INPUTS = [
+    # Values that would not fit their protobuf field deeper in the mesh.
+    (_COMPLETION, {"prompt": [-1]}, "prompt.0"),
+    (_COMPLETION, {"prompt": [5, 2**32]}, "prompt.1"),
+    (_COMPLETION, {"prompt": [[5, -1]]}, "prompt.0.1"),
+    (_COMPLETION, {"prompt": [-1], "stream": True}, "prompt.0"),
+    (_COMPLETION, {"seed": -1}, "seed"),
+    (_COMPLETION, {"seed": 2**80}, "seed"),
+    (_COMPLETION, {"top_k": 2**40}, "top_k"),
+    (_COMPLETION, {"top_k": -2}, "top_k"),
+    (_COMPLETION, {"stop_token_ids": [-1]}, "stop_token_ids"),
+    (_COMPLETION, {"stop_token_ids": [2**32]}, "stop_token_ids"),
+    # Sizes bounded so a request fits a NATS message.
+    (_COMPLETION, {"cache_salt": "s" * (MAX_CACHE_SALT_CHARS + 1)}, "cache_salt"),
+    (_COMPLETION, {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+    # Text that is not valid Unicode (JSON can spell a lone surrogate).
+    (_COMPLETION, {"prompt": "a\ud800b"}, "prompt"),
+    (_COMPLETION, {"prompt": ["\udfff"]}, "prompt.0"),
+    (_COMPLETION, {"stop": "\ud800"}, "stop"),
+    (_CHAT, {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages.0.content"),
+    (_CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content.0.text"),
+    # Floats that are not finite.
+    (_COMPLETION, {"temperature": _NAN}, "temperature"),
+    (_COMPLETION, {"temperature": _INF}, "temperature"),
+    (_COMPLETION, {"temperature": -_INF}, "temperature"),
+    (_COMPLETION, {"top_p": _NAN}, "top_p"),
+    (_COMPLETION, {"min_p": _INF}, "min_p"),
+    (_COMPLETION, {"presence_penalty": -_INF}, "presence_penalty"),
+    (_COMPLETION, {"frequency_penalty": _NAN}, "frequency_penalty"),
+    (_COMPLETION, {"repetition_penalty": _INF}, "repetition_penalty"),
+    (_CHAT, {"temperature": _NAN}, "temperature"),
+    # Fields we do not implement, declared or not.
+    (_COMPLETION, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (_COMPLETION, {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+    (_COMPLETION, {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    (_CHAT, {"tools": [_TOOL]}, "tools"),
+    (_CHAT, {"tool_choice": "auto"}, "tool_choice"),
+    (_CHAT, {"tool_choice": "none"}, "tool_choice"),
+    (_CHAT, {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    (_CHAT, {"functions": [_TOOL["function"]]}, "functions"),
+    (_CHAT, {"function_call": "auto"}, "function_call"),
+    (_CHAT, {"messages": [{"role": "assistant", "tool_calls": [_TOOL_CALL]}, {"role": "user", "content": "hi"}]},
+     "messages.0.tool_calls"),
+    (_CHAT, {"messages": [{"role": "tool", "content": "1", "tool_call_id": "call_1"}]}, "messages.0.role"),
+    (_CHAT, {"response_format": {"type": "json_object"}}, "response_format.type"),
+    (_CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.type"),
+    (_CHAT, {"top_logprobs": 2}, "top_logprobs"),
+    (_COMPLETION, {"logit_bias": {"5": 10}}, "logit_bias"),
+    (_COMPLETION, {"n": 2}, "n"),
+    (_COMPLETION, {"best_of": 2}, "best_of"),
+    (_COMPLETION, {"echo": True}, "echo"),
+    (_COMPLETION, {"suffix": "}"}, "suffix"),
+    (_COMPLETION, {"metadata": {"a": 1}}, "metadata"),
+    (_COMPLETION, {"store": False}, "store"),
+    (_COMPLETION, {"user": "u-1"}, "user"),
+    # A value of another type where a bool, an int or a string belongs: no coercion.
+    (_CHAT, {"add_generation_prompt": 0}, "add_generation_prompt"),
+    (_COMPLETION, {"stream": 1}, "stream"),
+    (_COMPLETION, {"ignore_eos": "true"}, "ignore_eos"),
+    (_COMPLETION, {"max_tokens": "2"}, "max_tokens"),
+    (_COMPLETION, {"seed": 1.5}, "seed"),
+    (_COMPLETION, {"prompt": 5}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("request_body", "change", "param"), BAD_INPUTS, ids=[p for _, _, p in BAD_INPUTS])
+def test_bad_input_gets_400_naming_the_field(
+    mesh: Mesh, request_body: dict[str, Any], change: dict[str, Any], param: str
+) -> None:
+    path = "/v1/chat/completions" if "messages" in request_body else "/v1/completions"
+    # json.dumps, not httpx's encoder: it writes NaN, Infinity and lone surrogates (as \ud800) as clients can.
+    response = post(mesh.main, path, json.dumps({**request_body, **change}).encode())
+    error = assert_error(response, 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith(f"{param}: ") or error["message"].startswith(f"{param} "), error
+    assert "Traceback" not in response.text and "127.0.0.1" not in response.text
+    ok = post(mesh.main, path, request_body)  # the server still serves
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_bad_input_at_the_limits(mesh: Mesh) -> None:
+    # A 1 MB cache salt under the deployed body limit (4 MiB): refused by name, not a 5xx from NATS.
+    salted = post(mesh.narrow, "/v1/completions", json.dumps({**_COMPLETION, "cache_salt": "s" * (1 << 20)}).encode())
+    error = assert_error(salted, 400, f"at most {MAX_CACHE_SALT_CHARS}")
+    assert error["param"] == "cache_salt"
+    # Past the model's vocabulary: the engine refuses it (streamed or not).
+    vocab = json.loads((Path(mesh.path) / "config.json").read_text())["vocab_size"]
+    for stream in (False, True):
+        past_vocab = {**_COMPLETION, "prompt": [5, vocab], "stream": stream}
+        error = assert_error(post(mesh.main, "/v1/completions", past_vocab), 400)
+        assert f"prompt token ids must be in [0, {vocab})" in error["message"]
+    # The largest values that fit are served: top_k past the vocabulary keeps every token.
+    edge = {**_COMPLETION, "seed": 2**63 - 1, "top_k": 2**32 - 1, "stop_token_ids": [2**32 - 1], "temperature": 1.0}
+    assert post(mesh.main, "/v1/completions", edge).json()["usage"]["completion_tokens"] == 2
+    assert_error(post(mesh.main, "/v1/completions", {**edge, "seed": 2**63}), 400, "seed must be in [0, 2**63)")
+    # Not JSON, or not an object: 400s too.
+    assert_error(post(mesh.main, "/v1/completions", b'{"model": "tiny-llama", "prompt": "x",}'), 400, "not valid JSON")
+    assert_error(post(mesh.main, "/v1/completions", b"[1, 2]"), 400)
+    assert_error(post(mesh.main, "/v1/completions", b'{"model": "tiny-llama", "prompt": "\xff\xfe"}'), 400)
 
 
 def test_auth_model_route_and_size_errors(mesh: Mesh) -> None:

@@ -45,16 +45,36 @@ class ClientGone(Exception):
     """The client disconnected before the response started; its request was cancelled."""
 
 
+def _where(error: dict[str, Any]) -> str:
+    """The field's dotted path (messages.0.content), without pydantic's union tags (list[int], ...)."""
+    return ".".join(str(x) for x in error.get("loc", ()) if x != "body" and "[" not in str(x))
+
+
+def _wrong_type(error: dict[str, Any]) -> bool:
+    return str(error.get("type")).endswith("_type")
+
+
 def _validation_error(errors: Iterable[Any]) -> APIError:
-    """FastAPI's 422 as OpenAI's 400, with pydantic's messages."""
+    """FastAPI's 422 as OpenAI's 400, with pydantic's messages and param the first field at fault."""
+    errors = list(errors)
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return APIError(400, "The body is not valid JSON.")
+    # A value that fits no member of a union fails each; the member it was meant for
+    # says the useful thing (prompt [-1]: "greater than or equal to 0", not "a valid string").
+    fields: dict[Any, list[Any]] = {}
+    for error in errors:
+        fields.setdefault(tuple(error.get("loc", ()))[:2], []).append(error)
+    errors = [e for same in fields.values() for e in ([e for e in same if not _wrong_type(e)] or same)]
     parts: list[str] = []
-    params: list[str] = []
-    for error in list(errors)[:5]:
-        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
-        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-        parts.append(f"{'.'.join(loc)}: {message}" if loc else message)
-        params += loc[:1]
-    return APIError(400, "; ".join(parts) or "Invalid request.", param=params[0] if params else None)
+    for error in errors[:5]:
+        where = _where(error)
+        if error.get("type") == "extra_forbidden":
+            message = "not supported: this server refuses the fields it does not implement"
+        else:
+            message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    param = _where(errors[0]) if errors else ""
+    return APIError(400, "; ".join(parts) or "Invalid request.", param=param or None)
 
 
 def add_error_handlers(app: FastAPI) -> None:

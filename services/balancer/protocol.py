@@ -1,21 +1,30 @@
 """The OpenAI API's request and response bodies, in the shapes vLLM's OpenAI server uses.
 
-Unknown request fields are accepted and ignored (extra="allow"; serving.py logs their
-names at debug level), as OpenAI-compatible servers do: clients send parameters a
-server may not implement (metadata, store, parallel_tool_calls, ...). Parameters
-whose silent omission would change the output (n > 1, best_of, echo, suffix,
-logit_bias, response_format, a forced tool_choice) are declared here so that they
-are refused with a 400 instead.
+Every request field is implemented or refused with a 400 that names it, never
+silently ignored: unknown fields are refused (extra="forbid"), and so are declared
+ones whose value we cannot honour (n > 1, best_of, echo, suffix, logit_bias, a
+response_format other than text). Tools are not implemented: tools, tool_choice,
+functions, ... are unknown fields here, and so is a message's tool_calls.
 
-Ranges of sampling values are checked once, by SamplingParams; the models here
-check types and what is specific to the API.
+Types are strict (no 0 for false, no "5" for 5), floats finite, strings valid
+Unicode, and values bounded where they cross NATS (token ids are uint32 there; a
+message is at most 1 MiB). Ranges of sampling values are checked once, by
+SamplingParams (serving.py names the field in its 400).
 """
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+)
 
 from services.balancer.generation import Usage
 from shared.engine.outputs import TokenLogprobs
@@ -24,30 +33,54 @@ from shared.engine.sampling_params import SamplingParams
 # vLLM's floor: -inf is not valid JSON and clients choke on it.
 _MIN_LOGPROB = -9999.0
 
+MAX_CACHE_SALT_CHARS = 1024
+"""A salt names a tenant; it travels with the prompt in every NATS message of the request."""
+MAX_STOP_TOKEN_IDS = 1024
+"""stop_token_ids travel in every NATS message of the request too."""
+
 # ---------------------------------------------------------------------------
 # requests
 # ---------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+def _valid_unicode(text: str) -> str:
+    # JSON can spell a lone surrogate ("\ud800"), which no UTF-8 tokenizer or encoder takes.
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
+"""A uint32 on the wire; the engine refuses ids past the model's vocabulary."""
+
+
+class _Strict(BaseModel):
+    """A request body: unknown fields refused, no type coercion, no NaN or infinity."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
     """Send a last chunk with empty choices and the usage."""
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Strict):
     """What completions and chat share: the sampling settings and the vLLM extensions."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str
+    model: Text
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     """vLLM's: None, 0 or -1 keep every token."""
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float | None = None
@@ -57,19 +90,31 @@ class _GenerationRequest(BaseModel):
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS), AfterValidator(_valid_unicode)] | None = None
     """vLLM's: requests with different salts never share prefix-cache blocks."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> "_GenerationRequest":
-        if self.n not in (None, 1):
-            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        return self
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError(f"must be 1 (one choice per request), got {n}")
+        return n
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        if logit_bias:
+            raise ValueError("is not supported")
+        return logit_bias
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("is only allowed with stream: true")
+        return options
 
     @property
     def stop_strings(self) -> list[str]:
@@ -103,28 +148,36 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     """One prompt. A list of one string or one token list is taken as that prompt;
     batches of several prompts are refused (send one request per prompt)."""
     max_tokens: int | None = None
     """None: up to the model's context length."""
     logprobs: int | None = None
     echo: bool | None = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
-    @model_validator(mode="after")
-    def _refuse_unsupported_completion(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError(f"best_of must be 1, got {self.best_of}")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-        return self
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[Any]) -> str | list[Any]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
+            raise ValueError("batched prompts are not supported: send one prompt per request")
+        return prompt
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _not_supported(cls, value: bool | str | None) -> bool | str | None:
+        if value:
+            raise ValueError("is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise ValueError(f"must be 1, got {best_of}")
+        return best_of
 
     @property
     def single_prompt(self) -> str | list[int]:
@@ -134,26 +187,29 @@ class CompletionRequest(_GenerationRequest):
         return prompt  # type: ignore[return-value]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, reasoning_content, ... reach the template
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
 
+
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]] | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _text_parts_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
-        if isinstance(content, list):
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
-        return content
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    """OpenAI's; passed to the chat template, as are the other fields."""
+    reasoning_content: Text | None = None
+    """vLLM's: an assistant turn's reasoning, for templates that render it."""
 
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
         if message["role"] == "developer":  # OpenAI's newer name for the system role
             message["role"] = "system"
         return message
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+    """Only plain text: json_object and json_schema would need constrained decoding."""
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -163,21 +219,17 @@ class ChatCompletionRequest(_GenerationRequest):
     """Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are set."""
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[Text, Any] | None = None
     """vLLM's: extra template variables (e.g. enable_thinking)."""
 
-    @model_validator(mode="after")
-    def _refuse_unsupported_chat(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool calls are not supported: tool_choice must be 'none' or 'auto'")
-        return self
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return top_logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
