@@ -18,12 +18,13 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
 
-from services.balancer.api import create_app
+from services.balancer.api import MAX_CONTEXT_TOKENS, create_app
 from services.balancer.generation import GenerationError, GenerationRequest, Generator, TokenEvent
 from services.balancer.local import LocalGenerator
 from services.balancer.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_TOKEN_IDS
@@ -448,6 +449,17 @@ def test_bad_input_at_the_limits(mesh: Mesh) -> None:
     assert_error(post(mesh.main, "/v1/completions", b'{"model": "tiny-llama", "prompt": "x",}'), 400, "not valid JSON")
     assert_error(post(mesh.main, "/v1/completions", b"[1, 2]"), 400)
     assert_error(post(mesh.main, "/v1/completions", b'{"model": "tiny-llama", "prompt": "\xff\xfe"}'), 400)
+
+
+def test_context_fits_a_nats_message(model_path: str) -> None:
+    # A model's context past what one NATS message carries is cut to it, and a prompt past that is a 400.
+    app = create_app(generator=Failing(), recipe=Recipe.from_pretrained(model_path), model_name=MODEL,
+                     max_model_len=1 << 20, settings=BalancerSettings())
+    with TestClient(app) as client:
+        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_CONTEXT_TOKENS
+        too_long = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * MAX_CONTEXT_TOKENS})
+        error = assert_error(too_long, 400, f"maximum context length is {MAX_CONTEXT_TOKENS} tokens")
+        assert error["param"] == "prompt"
 
 
 def test_auth_model_route_and_size_errors(mesh: Mesh) -> None:

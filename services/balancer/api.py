@@ -38,6 +38,16 @@ from shared.recipe import Recipe
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings
 
+MAX_CONTEXT_TOKENS = 1 << 17
+"""The longest context served. A prompt (with the tokens so far, when a request
+migrates) crosses NATS whole, balancer to prefill and prefill to decode, and a
+NATS message holds at most 1 MiB (nats-server's max_payload). The handoff to
+decode is the larger: per token at most 5 bytes of id (a uint32 varint), per
+block of 16 tokens (the default) a 34-byte hash and a block id per KV group. At
+2**17 tokens, with every other field at its limit, that is ~1,000 KiB
+(tests/test_bad_input.py builds it); real vocabularies (ids under 2**21: 3 bytes)
+leave a quarter of the message free."""
+
 
 # -- the app ---------------------------------------------------------------------------
 
@@ -56,6 +66,7 @@ def create_app(
     balancer's series (create one app per Metrics) and is served on /metrics;
     without it the series are kept privately and /metrics answers 404. tracer
     makes one SERVER span per generation request, parent of the generator's spans."""
+    max_model_len = min(max_model_len, MAX_CONTEXT_TOKENS)  # a 400 that names the limit, not a 5xx from NATS
     stats = HttpMetrics(metrics or Metrics("balancer"))
     server = OpenAIServer(generator, recipe, model_name, max_model_len, settings, stats, tracer or trace.NoOpTracer())
     # FastAPI's own telemetry would add a second root span per request from the global
