@@ -370,6 +370,7 @@ BAD_INPUTS = [
     (_CHAT, {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages.0.content"),
     (_CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
      "messages.0.content.0.text"),
+    (_CHAT, {"chat_template_kwargs": {"enable_thinking": False, "notes": ["\udc00"]}}, "chat_template_kwargs"),
     # Floats that are not finite.
     (_COMPLETION, {"temperature": _NAN}, "temperature"),
     (_COMPLETION, {"temperature": _INF}, "temperature"),
@@ -397,6 +398,7 @@ BAD_INPUTS = [
     (_CHAT, {"response_format": {"type": "json_object"}}, "response_format.type"),
     (_CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.type"),
     (_CHAT, {"top_logprobs": 2}, "top_logprobs"),
+    (_CHAT, {"logprobs": True, "top_logprobs": 2**80}, "top_logprobs"),
     (_COMPLETION, {"logit_bias": {"5": 10}}, "logit_bias"),
     (_COMPLETION, {"n": 2}, "n"),
     (_COMPLETION, {"best_of": 2}, "best_of"),

@@ -12,6 +12,7 @@ message is at most 1 MiB). Ranges of sampling values are checked once, by
 SamplingParams (serving.py names the field in its 400).
 """
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
@@ -28,7 +29,7 @@ from pydantic import (
 
 from services.balancer.generation import Usage
 from shared.engine.outputs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # vLLM's floor: -inf is not valid JSON and clients choke on it.
 _MIN_LOGPROB = -9999.0
@@ -218,11 +219,21 @@ class ChatCompletionRequest(_GenerationRequest):
     max_tokens: int | None = None
     """Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are set."""
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """Checked here, not only by SamplingParams: its logprobs is this field in chat."""
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[Text, Any] | None = None
     """vLLM's: extra template variables (e.g. enable_thinking)."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _valid_unicode_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:  # every string in it, however deep
+            json.dumps(kwargs, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("not valid Unicode: a string in it holds a lone surrogate") from None
+        return kwargs
 
     @field_validator("top_logprobs")
     @classmethod

@@ -9,6 +9,8 @@ _TOKEN_ID_LIMIT = 1 << 32
 """Token ids and top_k are uint32."""
 _SEED_LIMIT = 1 << 63
 """A seed is a uint64 on the wire and an int64 to torch: [0, 2**63) is both."""
+MAX_LOGPROBS = 20
+"""The most alternatives a token's logprobs may list (OpenAI's limit)."""
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -67,8 +69,8 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         bad_ids = [t for t in self.stop_token_ids if not 0 <= t < _TOKEN_ID_LIMIT]
         if bad_ids:
             raise ValueError(f"stop_token_ids must be token ids in [0, 2**32), got {bad_ids[0]}")
