@@ -88,4 +88,4 @@ def test_the_tier_keeps_at_most_its_capacity_least_recently_used_first(model_dir
     engine.step()  # the saves' copies report
     a_hashes = engine.kv.hash_chain(first)[:3]
     b_hashes = engine.kv.hash_chain(second)[:2]
-    assert list(tier._blocks) == [a_hashes[2], *b_hashes]
+    assert list(tier._slots) == [a_hashes[2], *b_hashes]

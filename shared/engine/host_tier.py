@@ -3,11 +3,14 @@ GPU machine, so they come back at PCIe speed) in front of a slower connector
 (kvcache). A prefix evicted from the device cache is found here first.
 
 Loads take the leading blocks this tier holds and ask the connector behind for
-the rest; saves land here and go on behind. Bounded by a byte capacity, least
-recently used first. Copies run on the tier's own thread: the step thread never
-copies KV. The save's blocks stay referenced by the engine until both this tier
-and the connector behind have read them (and, for a save the request waits for,
-until the connector behind has stored them).
+the rest; saves land here and go on behind. The memory is one pool of
+block-sized slots allocated (and pinned) once, at the byte capacity: least
+recently used blocks give their slots up. Copies run on the tier's own thread,
+one gather (or scatter) on the device and one copy per run of consecutive
+slots: the step thread never copies KV, and no copy allocates host memory. The
+save's blocks stay referenced by the engine until both this tier and the
+connector behind have read them (and, for a save the request waits for, until
+the connector behind has stored them).
 """
 
 import concurrent.futures
@@ -27,7 +30,10 @@ from shared.kv.block_hash import BlockHash
 class _Load:
     host: "concurrent.futures.Future[int]"
     """The copy of the leading blocks this tier holds."""
+    num_here: int
+    """How many the lookup found here."""
     asks_behind: bool
+    """The connector behind was asked for the rest."""
     behind: LoadResult | None = None
     """What the connector behind reported for the rest."""
 
@@ -36,7 +42,11 @@ class HostTierConnector(KVConnector):
     def __init__(self, behind: KVConnector, capacity_bytes: int) -> None:
         self.behind = behind
         self.capacity_bytes = capacity_bytes
-        self._blocks: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
+        self._slots: OrderedDict[BlockHash, int] = OrderedDict()
+        """The blocks held, least recently used first, and the pool row of each."""
+        self._free: list[int] = []
+        self._pool = torch.empty(0, dtype=torch.uint8)
+        """[slots, block_bytes], made when the engine registers its cache."""
         self._lock = threading.Lock()  # the index, between the engine thread and the copy thread
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-host-tier")
         self._loads: dict[str, _Load] = {}
@@ -47,15 +57,16 @@ class HostTierConnector(KVConnector):
     def register_kv_region(self, region: KVRegion) -> None:
         super().register_kv_region(region)
         self.behind.register_kv_region(region)
-
-    @property
-    def _pin(self) -> bool:
-        """Pinned host memory where the cache is on a GPU (faster, asynchronous copies)."""
-        return isinstance(self.region, PagedKVRegion) and self.region.device.type == "cuda"
+        assert isinstance(region, PagedKVRegion)
+        num_slots = self.capacity_bytes // max(region.block_bytes, 1)
+        # Pinned where the cache is on a GPU: copies to and from it run asynchronously at PCIe speed.
+        pin = region.device.type == "cuda"
+        self._pool = torch.empty((num_slots, region.block_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._free = list(range(num_slots - 1, -1, -1))
 
     @property
     def num_bytes(self) -> int:
-        return len(self._blocks) * self.region.block_bytes
+        return len(self._slots) * self.region.block_bytes
 
     def _leading(self, hashes: list[BlockHash]) -> int:
         with self._lock:
@@ -80,25 +91,27 @@ class HostTierConnector(KVConnector):
         params: KVTransferParams,
         trace: TraceCarrier | None = None,
     ) -> None:
-        with self._lock:
-            here = [self._blocks[h] for h in hashes[: self._leading_locked(hashes)]]
-            for h in hashes[: len(here)]:
-                self._blocks.move_to_end(h)
-        n = len(here)
-        future = self._executor.submit(self._write, {g: ids[:n] for g, ids in block_ids.items()}, here)
-        self._loads[request_id] = _Load(future, asks_behind=n < len(hashes))
+        n = self._leading(hashes)
+        future = self._executor.submit(self._write, hashes[:n], {g: ids[:n] for g, ids in block_ids.items()})
+        self._loads[request_id] = _Load(future, n, asks_behind=n < len(hashes))
         if n < len(hashes):
             rest = {g: ids[n:] for g, ids in block_ids.items()}
             self.behind.start_load(request_id, first_block + n, hashes[n:], rest, params, trace)
 
     def _leading_locked(self, hashes: list[BlockHash]) -> int:
-        return next((i for i, h in enumerate(hashes) if h not in self._blocks), len(hashes))
+        return next((i for i, h in enumerate(hashes) if h not in self._slots), len(hashes))
 
-    def _write(self, block_ids: BlockIds, payloads: list[torch.Tensor]) -> int:
-        if payloads:
+    def _write(self, hashes: list[BlockHash], block_ids: BlockIds) -> int:
+        """On the tier's thread: the leading blocks still held (a save run since the
+        lookup may have taken some slots) into the engine's blocks."""
+        with self._lock:
+            rows = [self._slots[h] for h in hashes[: self._leading_locked(hashes)]]
+            for h in hashes[: len(rows)]:
+                self._slots.move_to_end(h)
+        if rows:
             assert isinstance(self.region, PagedKVRegion)
-            self.region.write_payloads(block_ids, torch.stack(payloads))
-        return len(payloads)
+            self.region.copy_in({g: ids[: len(rows)] for g, ids in block_ids.items()}, self._pool, rows)
+        return len(rows)
 
     def start_save(
         self,
@@ -112,17 +125,27 @@ class HostTierConnector(KVConnector):
         self.behind.start_save(request_id, hashes, block_ids, params, trace)
 
     def _keep(self, hashes: list[BlockHash], block_ids: BlockIds) -> None:
-        assert isinstance(self.region, PagedKVRegion)
-        payloads = self.region.read_payloads(block_ids)
-        if self._pin:
-            payloads = payloads.pin_memory()
-        capacity_blocks = self.capacity_bytes // max(self.region.block_bytes, 1)
+        """On the tier's thread: copy the blocks not held yet into slots, free ones first,
+        then those of the least recently used blocks."""
         with self._lock:
-            for h, data in zip(hashes, payloads):
-                self._blocks[h] = data
-                self._blocks.move_to_end(h)
-            while len(self._blocks) > capacity_blocks:
-                self._blocks.popitem(last=False)
+            new = [i for i, h in enumerate(hashes) if h not in self._slots]
+            for h in hashes:
+                if h in self._slots:
+                    self._slots.move_to_end(h)
+            new = new[-len(self._pool) :] if len(self._pool) else []  # more than fit: keep the last
+            rows = []
+            for i in new:
+                if self._free:
+                    rows.append(self._free.pop())
+                else:
+                    rows.append(self._slots.popitem(last=False)[1])
+        if not rows:
+            return
+        assert isinstance(self.region, PagedKVRegion)
+        self.region.copy_out({g: [ids[i] for i in new] for g, ids in block_ids.items()}, self._pool, rows)
+        with self._lock:  # indexed only once the copy is done: a lookup never finds a half-copied block
+            for i, row in zip(new, rows):
+                self._slots[hashes[i]] = row
 
     def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
         behind_loads, behind_saves = self.behind.poll()
@@ -148,7 +171,8 @@ class HostTierConnector(KVConnector):
         except Exception as exc:
             return LoadResult(request_id, 0, f"host tier: {type(exc).__name__}: {exc}")
         self.num_hit_blocks += here
-        if load.behind is None:
+        if load.behind is None or here < load.num_here:
+            # Short here (slots taken since the lookup): what behind wrote does not follow on.
             return LoadResult(request_id, here)
         # This tier wrote the leading blocks; what behind wrote follows them.
         return LoadResult(request_id, here + load.behind.num_blocks, load.behind.error, load.behind.direct)

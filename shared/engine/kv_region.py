@@ -96,13 +96,17 @@ class KVRegion:
     def gather(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
         """The blocks of several groups (the same number from each), as one host tensor
         [blocks, layers of those groups, 2, block_size, kv_heads, head_dim], in one copy."""
+        return self._gather_here(block_ids).cpu()
+
+    def _gather_here(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
+        """As gather, left on the cache's device."""
         parts = []
         for group, ids in block_ids.items():
             index = torch.tensor(ids, dtype=torch.long, device=self.device)
             parts += [kv.index_select(1, index) for kv in self._group_tensors(group)]  # [2, n, bs, H, D] each
         if not parts or parts[0].shape[1] == 0:
-            return torch.empty(0)
-        return torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+            return torch.empty(0, device=self.device)
+        return torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     @torch.inference_mode()
     def scatter(self, block_ids: dict[int, list[int]], data: torch.Tensor) -> None:
@@ -141,6 +145,34 @@ class KVRegion:
             if self._stream is not None:
                 self._stream.synchronize()
 
+    @torch.inference_mode()
+    def copy_out(self, block_ids: dict[int, list[int]], dst: torch.Tensor, rows: list[int]) -> None:
+        """The blocks' payloads into rows of dst (a host [rows, block_bytes] uint8 tensor;
+        pinned memory makes the copies asynchronous), block i into rows[i]: one gather on
+        the device, then one copy per run of consecutive rows."""
+        with self._lock, self._side_stream():
+            if self._stream is not None:
+                self._stream.wait_stream(torch.cuda.default_stream(self.device))
+            data = self._gather_here(block_ids)
+            data = data.view(data.shape[0], -1).view(torch.uint8)
+            for start, row, length in _runs(rows):
+                dst[row : row + length].copy_(data[start : start + length], non_blocking=True)
+            if self._stream is not None:
+                self._stream.synchronize()
+
+    @torch.inference_mode()
+    def copy_in(self, block_ids: dict[int, list[int]], src: torch.Tensor, rows: list[int]) -> None:
+        """The inverse of copy_out: rows of src into the blocks (block i from rows[i])."""
+        layers = sum(len(self.kv_layout.groups[g].layers) for g in block_ids)
+        with self._lock, self._side_stream():
+            staging = torch.empty((len(rows), self.block_bytes), dtype=torch.uint8, device=self.device)
+            for start, row, length in _runs(rows):
+                staging[start : start + length].copy_(src[row : row + length], non_blocking=True)
+            data = staging.view(self.kv_caches[0].dtype).view(len(rows), layers, *self._block_shape)
+            self.scatter({g: ids[: len(rows)] for g, ids in block_ids.items()}, data)
+            if self._stream is not None:
+                self._stream.synchronize()
+
     def write_blocks(self, block_ids: dict[int, list[int]], payloads: list[bytes]) -> int:
         """Write the leading payloads of the right size into the blocks (per persistent
         group, one id per payload); returns how many were written."""
@@ -157,6 +189,18 @@ class KVRegion:
 
     def _side_stream(self) -> "torch.cuda.StreamContext | _NoStream":
         return torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """(index into rows, first row, length) of each run of consecutive rows."""
+    runs: list[tuple[int, int, int]] = []
+    for i, row in enumerate(rows):
+        if runs and runs[-1][1] + runs[-1][2] == row:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((i, row, 1))
+    return runs
 
 
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor | None:
