@@ -66,8 +66,10 @@ def test_a_load_of_wrong_kv_fails_loudly(model_dir, monkeypatch):
     is what catches it); the kvcache row, loaded right, is not."""
     write = HostTierConnector._write
 
-    def swapped(self, block_ids, payloads):
-        return write(self, block_ids, [payloads[1], payloads[0], *payloads[2:]] if len(payloads) > 1 else payloads)
+    def swapped(self, hashes, block_ids):
+        # The first two blocks' destinations exchanged: each gets the other's KV.
+        ids = {g: [b[1], b[0], *b[2:]] if len(b) > 1 else b for g, b in block_ids.items()}
+        return write(self, hashes, ids)
 
     monkeypatch.setattr(HostTierConnector, "_write", swapped)
     with pytest.raises(TierBenchError, match="host: the loaded prefix KV is not") as failed:

@@ -218,12 +218,13 @@ ENGINE_OUTPUT_LEN = 128
 
 def _engine(model: CausalLM, **knobs) -> "LLMEngine":  # noqa: ANN003
     """The engine as a service builds it on this card, with its default step sizes
-    unless knobs say otherwise; 8 GiB of KV, no prefix cache (every prompt is new)."""
+    unless knobs say otherwise; 16 GiB of KV (64 requests of 1k + 128 tokens fit, so
+    nothing is preempted), no prefix cache (every prompt is new)."""
     from shared.engine.config import EngineConfig
     from shared.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
-        model="(in memory)", dtype="bfloat16", device="cuda", kv_cache_memory_bytes=8 << 30,
+        model="(in memory)", dtype="bfloat16", device="cuda", kv_cache_memory_bytes=16 << 30,
         enable_prefix_caching=False, **knobs,
     )
     return LLMEngine(config, model=model, detokenize=False)

@@ -91,7 +91,11 @@ _LEGEND = {
 DEVICE_POOL_REQUESTS = 2
 """Without --kv-cache-memory-bytes, the device pool holds this many requests: small
 enough that a flood of a few prompts evicts a prefix, as on a busy worker."""
-_LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+_LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-3}
+# bfloat16: on the H200 (8B shape, 4k prompt) a device hit's logits, which load nothing,
+# differ from cold's by 3-4 % of their largest magnitude: the tail is computed in a step
+# of its own. A loaded tier is held to the device hit's logits much more tightly.
+_SAME_AS_DEVICE_HIT = 1e-3
 """A hit's first token may differ from cold's only on a near-tie of cold's logits:
 within this fraction of their largest magnitude (the tail is computed in other chunks)."""
 
@@ -407,6 +411,12 @@ class _Round:
             self.fail(f"{tier}: first token {got.first_token}, cold's {cold_token} (no near-tie: margin {margin:.3g})")
         if not got.logits_rel_err_vs_cold <= s.tolerance:  # NaN fails too
             self.fail(f"{tier}: first-token logits differ from cold's by {got.logits_rel_err_vs_cold:.3g} (relative)")
+        device = self.result.logits.get("device")
+        if tier in ("host", "kvcache") and device is not None:
+            # The same computation as the device hit over the same KV bytes: the same logits.
+            off = (logits - device).abs().max().item() / scale
+            if not off <= _SAME_AS_DEVICE_HIT:
+                self.fail(f"{tier}: first-token logits differ from the device hit's by {off:.3g} (relative)")
 
 
 def _summary(rounds: list[RoundResult], block_bytes: int) -> dict[str, dict[str, Any]]:
