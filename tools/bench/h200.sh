@@ -4,6 +4,7 @@
 #
 #   bash tools/bench/h200.sh engine   # tests/gpu, bench-gpu's whole-engine rows, the KV tiers
 #   bash tools/bench/h200.sh mesh     # bench-mesh: engine / http / mesh, 1k and 8k prompts
+#   bash tools/bench/h200.sh final    # the batch-64 engine row, the tiers, the mesh, then tests/gpu
 #
 # Carried beside the checkout (git-ignored): .whl/ (the mesh's wheels, ../shared/STACK.md)
 # and .bin/nats-server. The 8B-shaped checkpoint is drawn on the GPU into models/llama3-8b
@@ -13,6 +14,7 @@ stage=${1:?usage: h200.sh engine|mesh}
 out=${OUT:-$PWD/h200-out}
 mkdir -p "$out"
 log="$out/$stage.log"
+rm -rf /tmp/mesh-8k
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="$PWD:/tmp/site" PATH="$PWD/.bin:$PATH" PYTHONUNBUFFERED=1
 model=models/llama3-8b
@@ -33,14 +35,24 @@ engine)
   run python3 -m tools.bench.tier_bench --model "$model" --device cuda --dtype bfloat16 \
     --prompt-len 4096 --repeats 3 --out "$out"
   ;;
-mesh)
+mesh | final)
+  if [ "$stage" = final ]; then
+    run python3 -m tools.cli bench-gpu --no-transformers --out "$out" --rows engine-decode:64x1024
+    run python3 -m tools.bench.tier_bench --model "$model" --device cuda --dtype bfloat16 \
+      --prompt-len 4096 --repeats 3 --out "$out" || true
+  fi
   common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --rounds 1)
   # 1k: four engines on the card (in-process, http, prefill, decode), 10 GiB of KV each.
   run python3 -m tools.cli bench-mesh "${common[@]}" --prompt-len 1024 --concurrency 1 16 64 \
     --num-requests 12 64 128 --kv-cache-memory-bytes $((10 << 30)) --json "$out/mesh_1k.json"
   # 8k: 16 clients hold 133k tokens of KV; without the http target three engines fit.
   run python3 -m tools.cli bench-mesh "${common[@]}" --prompt-len 8192 --concurrency 1 16 \
-    --num-requests 6 32 --targets engine mesh --kv-cache-memory-bytes $((18 << 30)) --json "$out/mesh_8k.json"
+    --num-requests 6 32 --targets engine mesh --kv-cache-memory-bytes $((18 << 30)) --json "$out/mesh_8k.json" \
+    --state-dir /tmp/mesh-8k
+  tar czf "$out/traces_8k.tgz" -C /tmp/mesh-8k mesh/traces mesh/logs
+  if [ "$stage" = final ]; then
+    run python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu
+  fi
   ;;
 *)
   echo "unknown stage $stage" >&2
