@@ -3,10 +3,12 @@
 Settings (env var INFERMESH_<SECTION>__<FIELD>, see shared/runtime/settings.py):
 kvcache.path (LMDB folder), kvcache.capacity_bytes, kvcache.ttl_s,
 kvcache.chunk_bytes, kvcache.address, worker.grpc_port, worker.drain_timeout_s,
-nats.url, telemetry.*.
+worker.bind_host, worker.grpc_token, nats.url, nats.user, nats.password, telemetry.*.
 
 Port rule: workers dial kvcache.address, so by default the service binds the
-port of that address (on all interfaces). worker.grpc_port, when non-zero,
+port of that address, on worker.bind_host (loopback unless told otherwise:
+containers and pods set 0.0.0.0); every call but health needs
+worker.grpc_token (shared/runtime/rpc.py). worker.grpc_port, when non-zero,
 wins: for a deployment where the address workers dial is a proxy or a
 Kubernetes Service whose port differs from the container's. The service never
 picks a random port: nobody could find it.
@@ -77,8 +79,8 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     await servicer.refresh_metrics()
     stats = await asyncio.to_thread(store.stats)
     await server.set_serving(True)
-    log.info("kvcache serving on :%d (workers dial %s): %d blocks, %d of %d bytes in %s",
-             server.port, kv.address, stats.num_blocks, stats.num_bytes, stats.capacity_bytes, kv.path)
+    log.info("kvcache serving on %s:%d (workers dial %s): %d blocks, %d of %d bytes in %s",
+             ctx.settings.worker.bind_host, server.port, kv.address, stats.num_blocks, stats.num_bytes, stats.capacity_bytes, kv.path)
 
 
 if __name__ == "__main__":

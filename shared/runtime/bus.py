@@ -24,6 +24,11 @@ M = TypeVar("M", bound=Message)
 R = TypeVar("R", bound=Message)
 
 
+def inbox_prefix(user: str | None) -> str:
+    """Where a NATS user's request replies arrive: _INBOX.<user> (see tools/launch/nats_auth.py)."""
+    return "_INBOX" if user is None else f"_INBOX.{subjects.check_token(user)}"
+
+
 class StreamTimeout(TimeoutError):
     """A stream fell silent for longer than allowed."""
 
@@ -57,6 +62,11 @@ class Bus:
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
+            user=settings.user,
+            password=settings.password,
+            # Replies come back on the user's own inboxes, which its permissions
+            # let it (and no other user) subscribe to: nobody reads another's Acks.
+            inbox_prefix=inbox_prefix(settings.user),
         )
         return bus
 

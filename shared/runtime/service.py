@@ -2,6 +2,10 @@
 
     python -m services.<stage>  →  run_service("<stage>", setup)
 
+Binds and credentials come from settings: gRPC and /metrics listen on
+worker.bind_host (loopback by default), NATS logs in as nats.user, and gRPC
+calls carry worker.grpc_token both ways (shared/runtime/rpc.py).
+
 SIGTERM/SIGINT set an event; an AsyncExitStack enters NATS, metrics and
 whatever `setup` adds (gRPC server, engine, subscriptions); on the event the
 stack unwinds in reverse: setup's own callbacks first (flip health to
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Tracer
 
+from shared.runtime import rpc
 from shared.runtime.bus import Bus
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import Settings, load_settings
@@ -51,6 +56,8 @@ async def run_service(stage: str, setup: Setup, settings: Settings | None = None
     settings = settings or load_settings()
     instance_id = check_token(settings.worker.instance_id or default_instance_id(stage))
     provider = setup_telemetry(stage, instance_id, settings.telemetry)
+    # Every gRPC server and channel of this process binds worker.bind_host and carries the token.
+    rpc.configure(settings.worker.grpc_token, settings.worker.bind_host)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -60,11 +67,11 @@ async def run_service(stage: str, setup: Setup, settings: Settings | None = None
             bus = await Bus.connect(settings.nats, name=instance_id)
             stack.push_async_callback(bus.close)
             metrics = Metrics(stage)
-            metrics_port = metrics.serve(settings.worker.metrics_port)
+            metrics_port = metrics.serve(settings.worker.metrics_port, host=settings.worker.bind_host)
             stack.callback(metrics.close)
             ctx = ServiceContext(stage, instance_id, settings, bus, provider.get_tracer(stage), metrics, stop)
             await setup(ctx, stack)
-            log.info("%s ready (metrics on :%d)", instance_id, metrics_port)
+            log.info("%s ready (metrics on %s:%d)", instance_id, settings.worker.bind_host, metrics_port)
             await stop.wait()
             log.info("%s stopping", instance_id)
     finally:

@@ -38,6 +38,12 @@ class NatsSettings:
     """Give up the first connection after this long."""
     request_timeout_s: float = 5.0
     """How long a dispatch waits for an instance's Ack."""
+    user: str | None = None
+    """User name this service logs in to NATS with (its role's or its instance's
+    account, which carries its subject permissions); None connects without one."""
+    password: str | None = None
+    """Password of nats.user (`infermesh up` generates one per user; Helm and
+    compose take it from a Secret / env file)."""
 
 
 @dataclass(slots=True)
@@ -60,6 +66,13 @@ class WorkerSettings:
     """Port of the gRPC server (health, admin); 0 picks a free one."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish."""
+    bind_host: str = "127.0.0.1"
+    """Interface the gRPC server (kvcache, workers) and /metrics listen on:
+    loopback unless told otherwise; containers and pods set 0.0.0.0."""
+    grpc_token: str | None = None
+    """Shared secret of the mesh's gRPC plane: servers refuse any call (but
+    grpc.health.v1) without `authorization: Bearer <grpc_token>`, clients send
+    it. None turns the check off (tests that start a service by hand)."""
 
 
 @dataclass(slots=True)
@@ -187,6 +200,10 @@ def env_name(section: str, field_name: str) -> str:
     return f"{ENV_PREFIX}{section.upper()}__{field_name.upper()}"
 
 
+# Fields whose values `infermesh config` never prints (they end up in logs and terminals).
+SECRET_FIELDS = frozenset({"password", "grpc_token", "api_key"})
+
+
 def describe(settings: Settings) -> str:
     """Every setting, its env var, its value and its doc (for `infermesh config`)."""
     lines = []
@@ -195,7 +212,9 @@ def describe(settings: Settings) -> str:
         docs = field_docs(type(obj))
         lines.append(f"[{section.name}]")
         for f in dataclasses.fields(obj):
-            lines.append(f"  {f.name} = {getattr(obj, f.name)!r}    ({env_name(section.name, f.name)})")
+            value = getattr(obj, f.name)
+            shown = "'<secret>'" if value is not None and f.name in SECRET_FIELDS else repr(value)
+            lines.append(f"  {f.name} = {shown}    ({env_name(section.name, f.name)})")
             if f.name in docs:
                 lines.append(f"      {docs[f.name]}")
     return "\n".join(lines)
