@@ -12,6 +12,8 @@ import torch
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.make_model import make_model
 from shared.model.transformer import CausalLM
+from shared.runtime import rpc
+from tools.launch.nats_auth import new_password
 from tools.launch.up import Mesh, free_port
 
 
@@ -86,12 +88,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- the mesh ------------------------------------------------------------------------------
 
 
+# The meshes of a test session share one gRPC token, which this process's own
+# clients (KVCacheClient(mesh.kv_address) in a test) send too. A mesh makes its
+# NATS users itself: tests reach its NATS as mesh.nats_url's read-only monitor.
+GRPC_TOKEN = new_password()
+rpc.configure(GRPC_TOKEN, "127.0.0.1")
+
+
 @contextmanager
 def _running_mesh(model_dir: str, state_dir: Path, timeout_s: float = 240.0, **options: Any) -> Iterator[Mesh]:
     """nats-server, kvcache, prefill, decode and the balancer as real processes,
-    started as `infermesh up` starts them; stopped on exit, also when the start fails.
-    options: Mesh's num_prefill, num_decode, extra_env."""
-    mesh = Mesh(model_dir, port=free_port(), state_dir=state_dir, **options)
+    started as `infermesh up` starts them (NATS users and gRPC token on); stopped on
+    exit, also when the start fails. options: Mesh's num_prefill, num_decode, extra_env,
+    supervise."""
+    mesh = Mesh(model_dir, port=free_port(), state_dir=state_dir, grpc_token=GRPC_TOKEN, **options)
     try:
         mesh.start(timeout_s=timeout_s)
         yield mesh

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -59,3 +60,18 @@ def test_clear_errors_for_bad_input(tmp_path):
     out = infermesh("generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
     assert out.returncode == 2 and "infermesh: error:" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_config_lists_the_trust_settings_and_never_prints_a_secret():
+    secrets = {"INFERMESH_NATS__PASSWORD": "pNatsSecret1", "INFERMESH_WORKER__GRPC_TOKEN": "pGrpcSecret2",
+               "INFERMESH_BALANCER__API_KEY": "pApiSecret3"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("INFERMESH_")}, **secrets,
+           "INFERMESH_NATS__USER": "balancer"}
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "config"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    for line in ("user = 'balancer'    (INFERMESH_NATS__USER)", "bind_host = '127.0.0.1'    (INFERMESH_WORKER__BIND_HOST)",
+                 "password = '<secret>'    (INFERMESH_NATS__PASSWORD)",
+                 "grpc_token = '<secret>'    (INFERMESH_WORKER__GRPC_TOKEN)",
+                 "api_key = '<secret>'    (INFERMESH_BALANCER__API_KEY)"):
+        assert line in out.stdout, line
+    assert not any(s in out.stdout + out.stderr for s in secrets.values())

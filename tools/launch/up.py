@@ -2,7 +2,18 @@
 machine, each started exactly as docker-compose or Helm would start it
 (`python -m services.<stage>` with INFERMESH_* variables), health-checked
 before the API address is printed. Ctrl-C (or SIGTERM) stops them all,
-services first (they drain), NATS last."""
+services first (they drain), NATS last.
+
+Closed by default: the mesh's NATS takes only the users `up` writes into
+<state_dir>/nats-auth.conf (mode 0600), one per instance with random
+passwords and the subject permissions of tools/launch/nats_auth.py; gRPC
+calls carry a token made here; every service binds loopback.
+
+Supervised: a process that dies is started again (same command, environment
+and ports) after a backoff that doubles from 0.5 s to 10 s (back to 0.5 s once
+it has run for 30 s); the others keep serving. Every child is started through
+a tiny exec wrapper that asks the kernel to kill it when `up` dies
+(PR_SET_PDEATHSIG), so even `kill -9` of `up` leaves no orphan."""
 
 import os
 import shutil
@@ -10,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -17,6 +29,21 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tools.launch.nats_auth import MeshCredentials, new_password
+
+# Run by the child before it execs its command: die with the thread that
+# started it (prctl(PR_SET_PDEATHSIG, SIGKILL); Linux), and give up if that
+# parent is already gone. A wrapper rather than preexec_fn, which is unsafe in
+# a process with threads (the supervisor is one).
+_PDEATHSIG_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0: sys.exit('prctl(PR_SET_PDEATHSIG) failed')\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
+RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, longest delay
+RESTART_RESET_AFTER_S = 30.0  # a process that ran this long restarts after the first delay again
 
 
 def free_port() -> int:
@@ -51,6 +78,10 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
 
 @dataclass
 class Mesh:
+    """auth: NATS users and permissions, and the gRPC token (on for `up`; off only
+    for a test that wants an open mesh). supervise: restart what dies (`up`
+    turns it on; tests that kill instances want them to stay dead)."""
+
     model: str
     num_prefill: int = 1
     num_decode: int = 1
@@ -60,8 +91,22 @@ class Mesh:
     extra_env: dict[str, str] = field(default_factory=dict)
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     nats_url: str = ""
+    """NATS with the read-only `monitor` user's credentials (heartbeats and KV events) when auth is on."""
     kv_address: str = ""
+    auth: bool = True
+    supervise: bool = False
+    grpc_token: str | None = None
+    """The mesh's gRPC bearer token: made at start when auth is on and none is given."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """How many times the supervisor restarted each process."""
     _commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict, init=False, repr=False)
+    _creds: MeshCredentials | None = field(default=None, init=False, repr=False)
+    _services_nats_url: str = field(default="", init=False, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
+    _stopping: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _exit: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _supervisor: threading.Thread | None = field(default=None, init=False, repr=False)
+    _started_at: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def api_url(self) -> str:
@@ -71,40 +116,57 @@ class Mesh:
     def trace_dir(self) -> Path:
         return self.state_dir / "traces"
 
-    def _env(self, **more: str) -> dict[str, str]:
+    @property
+    def nats_config(self) -> Path:
+        return self.state_dir / "nats-auth.conf"
+
+    def credentials(self, user: str) -> tuple[str, str]:
+        """(user, password) of one of the mesh's NATS users: balancer, kvcache,
+        monitor, or an instance (prefill-0, decode-1, ...)."""
+        assert self._creds is not None, "the mesh runs without auth"
+        return user, self._creds.users[user].password
+
+    def _env(self, user: str, **more: str) -> dict[str, str]:
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
-            "INFERMESH_NATS__URL": self.nats_url,
+            "INFERMESH_NATS__URL": self._services_nats_url,
             "INFERMESH_ENGINE__MODEL": self.model,
             "INFERMESH_KVCACHE__ADDRESS": self.kv_address,
             "INFERMESH_KVCACHE__PATH": str(self.state_dir / "kvcache"),
             "INFERMESH_TELEMETRY__TRACE_DIR": str(self.trace_dir),
             "INFERMESH_BALANCER__HOST": self.host,
             "INFERMESH_BALANCER__PORT": str(self.port),
-            **self.extra_env,
         }
+        if self._creds is not None:
+            env["INFERMESH_NATS__USER"], env["INFERMESH_NATS__PASSWORD"] = self.credentials(user)
+            env["INFERMESH_WORKER__GRPC_TOKEN"] = self.grpc_token or ""
+        env.update(self.extra_env)
         env.update(more)
         return env
 
     def _start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        wrapped = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *args]
         with (logs / f"{name}.log").open("ab") as log:
-            proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc))
-        self._commands[name] = (args, env)
+            proc = subprocess.Popen(wrapped, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with self._lock:
+            self.procs.append((name, proc))
+            self._commands[name] = (args, env)
+            self._started_at[name] = time.monotonic()
         return proc
 
     def restart(self, name: str) -> subprocess.Popen:
         """Start the stopped process `name` again as it was started (same command,
         environment and ports); it takes its old place in procs. Returns at once:
         the caller waits for its health."""
-        i = next(i for i, (n, _) in enumerate(self.procs) if n == name)
-        if self.procs[i][1].poll() is None:
-            raise RuntimeError(f"{name} is still running")
-        proc = self._start(name, *self._commands[name])
-        self.procs[i] = self.procs.pop()
+        with self._lock:
+            i = next(i for i, (n, _) in enumerate(self.procs) if n == name)
+            if self.procs[i][1].poll() is None:
+                raise RuntimeError(f"{name} is still running")
+            proc = self._start(name, *self._commands[name])
+            self.procs[i] = self.procs.pop()
         return proc
 
     def _wait(self, what: str, check, timeout_s: float) -> None:  # noqa: ANN001
@@ -119,35 +181,85 @@ class Mesh:
             time.sleep(0.1)
         raise TimeoutError(f"{what} not healthy after {timeout_s:.0f}s; logs in {self.state_dir / 'logs'}")
 
+    def _make_credentials(self, nats_port: int) -> None:
+        """One NATS user per instance (its own subjects only), the balancer, kvcache
+        and a read-only monitor; random passwords; the config file nats-server reads."""
+        creds = MeshCredentials()
+        for role in ("balancer", "kvcache", "monitor"):
+            creds.add(role, role)
+        for stage, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+            for i in range(count):
+                creds.add(f"{stage}-{i}", stage, instance=f"{stage}-{i}")
+        creds.write_config(self.nats_config, "127.0.0.1", nats_port)
+        self._creds = creds
+        self.grpc_token = self.grpc_token or new_password()
+
     def start(self, timeout_s: float = 120.0) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         nats_port = free_port()
-        self.nats_url = f"nats://127.0.0.1:{nats_port}"
-        self._start(
-            "nats",
-            [find_nats_server(), "-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", str(self.state_dir / "nats")],
-            dict(os.environ),
-        )
+        self._services_nats_url = self.nats_url = f"nats://127.0.0.1:{nats_port}"
+        nats_args = [find_nats_server()]
+        if self.auth:
+            self._make_credentials(nats_port)
+            nats_args += ["-c", str(self.nats_config)]
+            user, password = self.credentials("monitor")
+            self.nats_url = f"nats://{user}:{password}@127.0.0.1:{nats_port}"
+        nats_args += ["-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", str(self.state_dir / "nats")]
+        self._start("nats", nats_args, dict(os.environ))
         self._wait("nats-server", lambda: _port_open(nats_port), 10)
         self.kv_address = f"127.0.0.1:{free_port()}"
         py = [sys.executable, "-m"]
-        self._start("kvcache", py + ["services.kvcache"], self._env())
+        self._start("kvcache", py + ["services.kvcache"], self._env("kvcache"))
         self._wait("kvcache", lambda: grpc_serving(self.kv_address), timeout_s)
         health: list[str] = []
         for stage, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(count):
                 grpc_port = free_port()
-                env = self._env(INFERMESH_WORKER__INSTANCE_ID=f"{stage}-{i}", INFERMESH_WORKER__GRPC_PORT=str(grpc_port))
-                self._start(f"{stage}-{i}", py + [f"services.{stage}"], env)
+                name = f"{stage}-{i}"
+                env = self._env(name, INFERMESH_WORKER__INSTANCE_ID=name, INFERMESH_WORKER__GRPC_PORT=str(grpc_port))
+                self._start(name, py + [f"services.{stage}"], env)
                 health.append(f"127.0.0.1:{grpc_port}")
-        self._start("balancer", py + ["services.balancer"], self._env())
+        self._start("balancer", py + ["services.balancer"], self._env("balancer"))
         self._wait("prefill and decode", lambda: all(grpc_serving(a) for a in health), timeout_s)
         self._wait("balancer", lambda: http_ok(f"http://{self.host}:{self.port}/ready"), timeout_s)
+        if self.supervise:
+            self._supervisor = threading.Thread(target=self._supervise, name="mesh-supervisor", daemon=True)
+            self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Restart what dies, with backoff. The thread lives until stop() is done:
+        children it started die with it (PR_SET_PDEATHSIG follows the thread)."""
+        delays: dict[str, float] = {}
+        due: dict[str, float] = {}
+        while not self._stopping.wait(0.2):
+            with self._lock:
+                dead = [(n, p) for n, p in self.procs if p.poll() is not None]
+            now = time.monotonic()
+            for name, proc in dead:
+                if name not in due:
+                    ran_s = now - self._started_at.get(name, now)
+                    delay = RESTART_BACKOFF_S[0] if ran_s >= RESTART_RESET_AFTER_S else delays.get(name, RESTART_BACKOFF_S[0])
+                    delays[name] = min(delay * 2, RESTART_BACKOFF_S[1])
+                    due[name] = now + delay
+                    print(f"{name} exited with {proc.returncode} after {ran_s:.1f}s; restarting it in {delay:.1f}s",
+                          file=sys.stderr, flush=True)
+                elif now >= due[name] and not self._stopping.is_set():
+                    del due[name]
+                    try:
+                        self.restart(name)
+                    except Exception as exc:  # noqa: BLE001  (the supervisor must outlive one bad start)
+                        print(f"restarting {name} failed: {exc}", file=sys.stderr, flush=True)
+                        continue
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    print(f"{name} restarted (restart {self.restarts[name]})", file=sys.stderr, flush=True)
+        self._exit.wait()
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM services (they drain), then NATS; SIGKILL what lingers."""
-        services = [(n, p) for n, p in self.procs if n != "nats"]
-        nats_procs = [(n, p) for n, p in self.procs if n == "nats"]
+        self._stopping.set()  # no restarts from here on
+        with self._lock:
+            services = [(n, p) for n, p in self.procs if n != "nats"]
+            nats_procs = [(n, p) for n, p in self.procs if n == "nats"]
         for group in (services, nats_procs):
             for _, proc in group:
                 if proc.poll() is None:
@@ -159,7 +271,11 @@ class Mesh:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        self.procs.clear()
+        self._exit.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
+        with self._lock:
+            self.procs.clear()
 
 
 def _port_open(port: int) -> bool:
@@ -199,7 +315,7 @@ def run_demo(mesh: Mesh) -> None:
 
 
 def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str, demo: bool) -> int:
-    mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir))
+    mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True)
     stopping = False
 
     def on_term(signum: int, frame: object) -> None:
@@ -215,13 +331,9 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
         if demo:
             run_demo(mesh)
             return 0
-        print("Ctrl-C stops it.", file=sys.stderr)
+        print("Ctrl-C stops it; a process that dies is restarted.", file=sys.stderr)
         while True:
             time.sleep(1)
-            for name, proc in mesh.procs:
-                if proc.poll() is not None:
-                    print(f"{name} exited with {proc.returncode}; stopping the mesh", file=sys.stderr)
-                    return 1
     except KeyboardInterrupt:
         return 0
     finally:

@@ -1,0 +1,203 @@
+"""Who may publish and subscribe what on the mesh's NATS, written from the
+subject helpers (shared/runtime/subjects.py), and the nats-server
+`authorization` block that enforces it.
+
+Roles (each user also gets its own reply inboxes, _INBOX.<user>.>, and only
+the users that answer requests may publish to reply subjects):
+
+| user        | publishes                                              | subscribes                                  |
+|-------------|--------------------------------------------------------|---------------------------------------------|
+| balancer    | prefill dispatch (im.prefill.*.run), cancels           | heartbeats, KV events, every token stream   |
+| prefill X   | decode handoffs, its heartbeat, KV events, X's streams | X's dispatch, cancels, X's KV releases      |
+| decode X    | its heartbeat, KV events, X's streams, KV releases     | X's handoffs, cancels                       |
+| kvcache     | KV events                                              | nothing                                     |
+| monitor     | nothing                                                | heartbeats, KV events (load figures only)   |
+
+`infermesh up` knows every instance id, so it makes one user per instance
+(X = the instance): an instance can neither read another's prompts nor
+publish into another's streams. Helm and compose scale instances whose ids
+nobody knows beforehand: there X is `*`, one user per stage, and the
+balancer's check that a chunk comes from the instance it handed the request
+to is what keeps instances of one stage apart.
+
+    python -m tools.launch.nats_auth --conf > deploy/helm/infermesh/charts/nats/files/auth.conf
+        # the block for Helm and compose, passwords read from $NATS_<ROLE>_PASSWORD
+    python -m tools.launch.nats_auth --env > deploy/compose/secrets.env
+        # random values for those, the gRPC token, the API key, Grafana's admin password
+"""
+
+import argparse
+import inspect
+import json
+import os
+import secrets
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.runtime import subjects
+
+ANY = "__ANY__"  # stands for a wildcard while a subject helper builds a pattern
+ROLES = ("balancer", "prefill", "decode", "kvcache", "monitor")
+
+
+def _pattern(subject: str, wildcard: str = "*") -> str:
+    return subject.replace(ANY, wildcard)
+
+
+def _any(helper) -> str:  # noqa: ANN001  (a one-token subject helper)
+    return _pattern(helper(ANY))
+
+
+def stream_subjects(instance: str) -> str:
+    """The token streams instance may publish (`*`: any instance's):
+    im.stream.<instance>.> (subjects.stream_of_instance). Before stream subjects
+    named the publishing instance, every worker needed im.stream.>."""
+    helper = getattr(subjects, "stream_of_instance", None)
+    if helper is None:
+        return _pattern(subjects.stream(ANY), ">")
+    return _any(helper) if instance == "*" else helper(instance)
+
+
+def inbox(user: str) -> str:
+    """The reply subjects of a user's requests (Bus.connect sets nats-py's inbox_prefix to match)."""
+    return f"_INBOX.{subjects.check_token(user)}.>"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False
+    """May answer requests (publish once to the reply subject of a message it received)."""
+
+
+def permissions(role: str, instance: str = "*") -> Permissions:
+    """What a user of role may do; instance: the one instance it is (workers), or `*`."""
+    own = (lambda helper: helper(instance)) if instance != "*" else _any
+    if role == "balancer":
+        return Permissions(
+            publish=(_any(subjects.prefill_run), subjects.CANCEL),
+            subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS, stream_subjects("*")),
+        )
+    if role == "prefill":
+        return Permissions(
+            publish=(_any(subjects.decode_admit), subjects.heartbeat("prefill"), subjects.KV_EVENTS,
+                     stream_subjects(instance)),
+            subscribe=(own(subjects.prefill_run), subjects.CANCEL, own(subjects.kv_release)),
+            allow_responses=True,
+        )
+    if role == "decode":
+        return Permissions(
+            publish=(subjects.heartbeat("decode"), subjects.KV_EVENTS, stream_subjects(instance),
+                     _any(subjects.kv_release)),
+            subscribe=(own(subjects.decode_admit), subjects.CANCEL),
+            allow_responses=True,
+        )
+    if role == "kvcache":
+        return Permissions(publish=(subjects.KV_EVENTS,), subscribe=())
+    if role == "monitor":
+        return Permissions(publish=(), subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS))
+    raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    role: str
+    password: str
+    """The password itself, or `$VARIABLE` for nats-server to read from its environment."""
+    instance: str = "*"
+
+    @property
+    def permissions(self) -> Permissions:
+        return permissions(self.role, self.instance)
+
+
+def _list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def authorization_block(users: list[User]) -> str:
+    """nats-server's `authorization { users = [...] }` for these users. A password
+    `$NAME` is left unquoted: nats-server reads it from its environment."""
+    lines = ["authorization {", "  users = ["]
+    for u in users:
+        p = u.permissions
+        password = u.password if u.password.startswith("$") else json.dumps(u.password)
+        subscribe = (*p.subscribe, inbox(u.name))
+        # An empty allow list would allow everything: deny all instead.
+        publish = f"{{allow: {_list(p.publish)}}}" if p.publish else '{deny: [">"]}'
+        lines.append(f"    {{user: {json.dumps(u.name)}, password: {password}, permissions: {{")
+        lines.append(f"      publish: {publish}")
+        lines.append(f"      subscribe: {{allow: {_list(subscribe)}}}")
+        if p.allow_responses:
+            lines.append("      allow_responses: true")
+        lines.append("    }}")
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def password_variable(user: str) -> str:
+    return "NATS_" + user.upper().replace("-", "_") + "_PASSWORD"
+
+
+def role_users() -> list[User]:
+    """One user per role, passwords from the environment (Helm, compose)."""
+    return [User(role, role, "$" + password_variable(role)) for role in ROLES]
+
+
+# The other secrets of a compose deployment, beside the NATS passwords.
+ENV_SECRETS = ("INFERMESH_GRPC_TOKEN", "INFERMESH_API_KEY", "GRAFANA_ADMIN_PASSWORD")
+
+
+def secrets_env() -> dict[str, str]:
+    """What `--env` prints, as a dict (tests)."""
+    return {**{password_variable(r): new_password() for r in ROLES}, **{n: new_password() for n in ENV_SECRETS}}
+
+
+def new_password() -> str:
+    """192 random bits as letters and digits, led by a letter: nats-server parses a
+    variable's value as a config token, and reads "-x..." or "7e3..." as something else."""
+    return "p" + secrets.token_hex(24)
+
+
+@dataclass
+class MeshCredentials:
+    """The users `infermesh up` makes: one per instance, random passwords."""
+
+    users: dict[str, User] = field(default_factory=dict)
+
+    def add(self, name: str, role: str, instance: str = "*") -> User:
+        user = User(name, role, new_password(), instance)
+        self.users[name] = user
+        return user
+
+    def write_config(self, path: Path, listen_host: str, port: int) -> None:
+        """A nats-server config (mode 0600: it holds the passwords)."""
+        text = f"listen: {json.dumps(f'{listen_host}:{port}')}\n" + authorization_block(list(self.users.values()))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o600)  # an older file keeps its mode through O_CREAT
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.launch.nats_auth", description=__doc__.split("\n\n")[0])
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--conf", action="store_true", help="the authorization block, one user per role")
+    what.add_argument("--env", action="store_true",
+                      help="random secrets as VAR=value lines: NATS_<ROLE>_PASSWORD, INFERMESH_GRPC_TOKEN, "
+                           "INFERMESH_API_KEY, GRAFANA_ADMIN_PASSWORD (deploy/compose/secrets.env)")
+    args = parser.parse_args(argv)
+    if args.conf:
+        sys.stdout.write("# Generated by `python -m tools.launch.nats_auth --conf`; do not edit.\n")
+        sys.stdout.write(authorization_block(role_users()))
+    else:
+        for name, value in secrets_env().items():
+            print(f"{name}={value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
