@@ -14,6 +14,7 @@
   files themselves, serves a completion, and exports traces over OTLP.
 """
 
+import base64
 import dataclasses
 import json
 import os
@@ -40,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.engine.config import EngineConfig
 from shared.runtime.settings import Settings, load_settings
 from tests.mesh_procs import ROOT, free_port, start_service, stop_process
+from tools.launch.nats_auth import ROLES, authorization_block, role_users, secrets_env
 from tools.launch.up import find_nats_server, grpc_serving, http_ok
 
 DEPLOY = ROOT / "deploy"
@@ -55,6 +57,9 @@ OWN_PORT_KEYS = ("INFERMESH_WORKER__GRPC_PORT", "INFERMESH_WORKER__METRICS_PORT"
 HEALTH_TIMEOUT_S = 120.0
 # Custom resources the chart can render (the Prometheus Operator's PodMonitor).
 CRD_API_VERSIONS = ("monitoring.coreos.com/v1",)
+NATS_AUTH_CONF = CHART / "charts" / "nats" / "files" / "auth.conf"
+# deploy/compose/secrets.env as `python -m tools.launch.nats_auth --env` makes it (compose requires each).
+COMPOSE_SECRETS = secrets_env()
 
 
 # -- the metric names the code defines -------------------------------------------------------
@@ -113,7 +118,7 @@ def compose_config(*profiles: str, quiet: bool = False) -> dict:
     args = [str(binary), "-f", str(COMPOSE_FILE)] + [a for p in profiles for a in ("--profile", p)]
     args += ["config", "-q"] if quiet else ["config", "--format", "json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "INFERMESH_"))}
-    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(args, capture_output=True, text=True, env={**env, **COMPOSE_SECRETS}, timeout=60)
     assert out.returncode == 0, out.stderr
     return {} if quiet else json.loads(out.stdout)
 
@@ -302,13 +307,23 @@ def test_chart_values_list_every_engine_knob_and_a_null_is_not_set():
     assert (engine.kernels, engine.cuda_graphs, engine.block_size) == ("torch", False, EngineConfig().block_size)
 
 
-def container_env(container: dict, configmaps: dict[str, dict]) -> dict[str, str]:
+def secret_value(ref: dict, secrets: dict[str, dict]) -> str:
+    """A secretKeyRef's value from the rendered Secrets."""
+    secret = secrets[ref["name"]]
+    if ref["key"] in secret.get("stringData", {}):
+        return secret["stringData"][ref["key"]]
+    return base64.b64decode(secret["data"][ref["key"]]).decode()
+
+
+def container_env(container: dict, configmaps: dict[str, dict], secrets: dict[str, dict],
+                  base: dict[str, str] | None = None) -> dict[str, str]:
     """A container's environment as Kubernetes builds it: image ENV, then the
-    ConfigMaps of envFrom, then env (values only: no valueFrom to reproduce)."""
-    env = image_env()
+    ConfigMaps of envFrom, then env (values, and secretKeyRefs to the rendered Secrets)."""
+    env = image_env() if base is None else dict(base)
     for ref in container.get("envFrom", []):
         env.update(configmaps[ref["configMapRef"]["name"]]["data"])
-    env.update({e["name"]: e["value"] for e in container.get("env", [])})
+    for e in container.get("env", []):
+        env[e["name"]] = e["value"] if "value" in e else secret_value(e["valueFrom"]["secretKeyRef"], secrets)
     return env
 
 
@@ -317,8 +332,8 @@ def containers(pod: dict) -> list[dict]:
 
 
 def container_envs(docs: list[dict]) -> dict[str, dict[str, str]]:
-    configmaps = kinds(docs, "ConfigMap")
-    return {f"{name}/{c['name']}": container_env(c, configmaps) for name, wl in workloads(docs).items()
+    configmaps, secrets = kinds(docs, "ConfigMap"), kinds(docs, "Secret")
+    return {f"{name}/{c['name']}": container_env(c, configmaps, secrets) for name, wl in workloads(docs).items()
             for c in containers(wl["spec"]["template"]["spec"]) if not c["image"].startswith("nats:")}
 
 
@@ -339,6 +354,82 @@ def test_every_container_env_is_valid_settings(source):
             assert settings.balancer.host == "0.0.0.0", name
         if source.endswith("gpu") and name.split("/")[0].endswith(("prefill", "decode", "prefill-gpu", "decode-gpu")):
             assert settings.engine.device == "cuda", name
+        if "make-model" in name or name == "model-init":
+            continue  # a one-shot that joins no plane
+        # Closed by default: the role's NATS user with a password, the gRPC token, and
+        # (containers and pods being reached by others) the non-loopback bind set explicitly.
+        role = next(r for r in ROLES if r in name.split("/")[-1])
+        assert settings.nats.user == role and settings.nats.password, name
+        assert settings.worker.grpc_token and settings.worker.bind_host == "0.0.0.0", name
+        if role == "balancer":
+            assert settings.balancer.api_key, name
+
+
+def test_nats_auth_conf_is_the_one_generated_from_the_subjects():
+    """Helm and compose mount charts/nats/files/auth.conf: it must say what
+    `python -m tools.launch.nats_auth --conf` says today (regenerate it when a subject changes)."""
+    out = subprocess.run([sys.executable, "-m", "tools.launch.nats_auth", "--conf"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert NATS_AUTH_CONF.read_text() == out
+    assert authorization_block(role_users()) in out
+    assert set(re.findall(r"\$(NATS_\w+_PASSWORD)", out)) == {f"NATS_{r.upper()}_PASSWORD" for r in ROLES}
+
+
+def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
+    docs = render_chart()
+    (secret,) = kinds(docs, "Secret").values()
+    keys = {f"NATS_{r.upper()}_PASSWORD" for r in ROLES} | {"INFERMESH_GRPC_TOKEN", "INFERMESH_API_KEY"}
+    assert set(secret["data"]) == keys
+    values = [base64.b64decode(v).decode() for v in secret["data"].values()]
+    assert len(set(values)) == len(values) and all(len(v) >= 32 for v in values)
+    assert values != [base64.b64decode(v).decode() for v in kinds(render_chart(), "Secret")[
+        secret["metadata"]["name"]]["data"].values()], "random per install"
+    for name, wl in workloads(docs).items():
+        for c in containers(wl["spec"]["template"]["spec"]):
+            for e in c.get("env", []):
+                if re.search(r"PASSWORD|TOKEN|API_KEY", e["name"]):
+                    assert e["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"], (name, e)
+    assert not re.search(r"PASSWORD|TOKEN|API_KEY", json.dumps(kinds(docs, "ConfigMap")["mesh-infermesh-settings"]))
+    # Only this release's InferMesh pods reach NATS, kvcache and the workers' gRPC.
+    policies = kinds(docs, "NetworkPolicy")
+    pods = workloads(docs)
+    fenced = {"mesh-nats": 4222, "mesh-infermesh-kvcache": 50051, "mesh-infermesh-prefill": 50061,
+              "mesh-infermesh-decode": 50061}
+    for pod_name, port in fenced.items():
+        labels = pods[pod_name]["spec"]["template"]["metadata"]["labels"]
+        matching = [p for p in policies.values() if all(labels.get(k) == v for k, v in
+                    p["spec"]["podSelector"].get("matchLabels", {}).items())
+                    and all(labels.get(e["key"]) in e["values"] for e in p["spec"]["podSelector"].get("matchExpressions", []))]
+        assert len(matching) == 1, pod_name
+        rules = [r for r in matching[0]["spec"]["ingress"] if any(p["port"] == port for p in r["ports"])]
+        assert rules and all(r.get("from") for r in rules), pod_name
+        for rule in rules:
+            for peer in rule["from"]:
+                assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/instance": "mesh",
+                                                              "app.kubernetes.io/part-of": "infermesh"}
+    # Your own Secret instead: nothing is generated, everything points at it.
+    docs = render_chart({"global": {"authSecret": "my-secret"}})
+    assert not kinds(docs, "Secret")
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for wl in workloads(docs).values()
+            for c in containers(wl["spec"]["template"]["spec"]) for e in c.get("env", []) if "valueFrom" in e}
+    assert refs == {"my-secret"}
+
+
+def test_compose_publishes_on_loopback_only_and_needs_its_secrets():
+    for profile in ((), ("gpu",)):
+        services = compose_config(*profile)["services"]
+        for name, svc in services.items():
+            for port in svc.get("ports", []):
+                assert port["host_ip"] == "127.0.0.1", (name, port)
+        assert services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == COMPOSE_SECRETS["GRAFANA_ADMIN_PASSWORD"]
+        assert services["balancer"]["environment"]["INFERMESH_BALANCER__API_KEY"] == COMPOSE_SECRETS["INFERMESH_API_KEY"]
+    import compose
+
+    binary = Path(compose.__file__).parent / "docker-compose"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "INFERMESH_", "NATS_", "GRAFANA_"))}
+    out = subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode != 0 and "make secrets.env" in out.stderr  # no secrets, no mesh: never an open one
 
 
 def test_autoscaling_metrics_exist_in_the_code():
@@ -530,9 +621,9 @@ class Local:
         out, rest = [], list(args)
         while rest:
             flag, _, value = rest.pop(0).partition("=")
-            if flag in ("--port", "-p", "--http_port", "-m", "--store_dir", "-sd"):
+            if flag in ("--port", "-p", "--http_port", "-m", "--store_dir", "-sd", "--config", "-c"):
                 value = value or rest.pop(0)
-                is_dir = flag in ("--store_dir", "-sd")
+                is_dir = flag in ("--store_dir", "-sd", "--config", "-c")
                 out += [flag, self.text(value, own, paths) if is_dir else str(self.port(own, int(value)))]
             else:
                 out.append(flag + (f"={value}" if value else ""))
@@ -595,6 +686,22 @@ def wait_healthy(procs: list[Proc], which: list[Proc], logs: Path) -> None:
         time.sleep(0.3 if pending else 0)
 
 
+def nats_refuses_anonymous(url: str) -> bool:
+    import asyncio
+
+    import nats
+
+    async def go() -> bool:
+        try:
+            nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+        except nats.errors.Error as exc:
+            return "Authorization Violation" in str(exc)
+        await nc.close()
+        return False
+
+    return asyncio.run(go())
+
+
 def run_mesh(specs: list[Spec], procs: list[Proc], logs: Path, api: str, receiver: OtlpReceiver) -> None:
     """Start in order, then: all healthy, one completion, every service's
     metrics its own and defined in the code, spans at the OTLP endpoint."""
@@ -608,9 +715,14 @@ def run_mesh(specs: list[Spec], procs: list[Proc], logs: Path, api: str, receive
             wait_healthy(procs, procs[-1:], logs)
     wait_healthy(procs, procs, logs)
 
-    model = httpx.get(f"{api}/v1/models", timeout=30).json()["data"][0]["id"]
+    balancer = next(p.spec for p in procs if p.spec.command[-1:] == ["services.balancer"])
+    assert nats_refuses_anonymous(balancer.env["INFERMESH_NATS__URL"])  # the files' NATS has its users
+    key = balancer.env["INFERMESH_BALANCER__API_KEY"]
+    assert httpx.get(f"{api}/v1/models", timeout=30).status_code == 401  # closed by default
+    auth = {"Authorization": f"Bearer {key}"}
+    model = httpx.get(f"{api}/v1/models", headers=auth, timeout=30).json()["data"][0]["id"]
     reply = httpx.post(f"{api}/v1/completions", json={"model": model, "prompt": "def f(x):", "max_tokens": 4},
-                       timeout=120)
+                       headers=auth, timeout=120)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] >= 1
 
@@ -646,7 +758,8 @@ def compose_specs(services: dict, local: Local, tmp: Path, models_dir: Path, sca
         for replica in range(1, scale.get(name, 1) + 1):
             own = name if replica == 1 else f"{name}-{replica}"  # its own ports and state
             # A named volume is one folder, whoever mounts it; the rest of the image's state is the container's.
-            paths = {v["target"]: models_dir if v["source"] == "models" else tmp / "volumes" / v["source"]
+            paths = {v["target"]: Path(v["source"]) if v["type"] == "bind"
+                     else models_dir if v["source"] == "models" else tmp / "volumes" / v["source"]
                      for v in svc.get("volumes", [])}
             paths.setdefault("/var/lib/infermesh", tmp / own / "state")
             env = {k: v.replace("$$", "$") for k, v in svc.get("environment", {}).items()}  # compose's $$ is $
@@ -670,6 +783,7 @@ def chart_specs(docs: list[dict], local: Local, tmp: Path, models_dir: Path) -> 
     """Each workload's pod (one replica): init containers, then the container
     with its liveness and readiness probes as checks."""
     configmaps, services, pods = kinds(docs, "ConfigMap"), kinds(docs, "Service"), workloads(docs)
+    secrets = kinds(docs, "Secret")
     order = ["mesh-nats", "mesh-infermesh-kvcache", "mesh-infermesh-prefill", "mesh-infermesh-decode",
              "mesh-infermesh-balancer"]
     assert set(pods) == set(order)
@@ -683,11 +797,19 @@ def chart_specs(docs: list[dict], local: Local, tmp: Path, models_dir: Path) -> 
             # The demo model's emptyDir is one folder for all pods here: make-model is deterministic.
             paths = {m["mountPath"]: models_dir if m["name"] == "models" and demo_model else tmp / name / m["name"]
                      for m in c.get("volumeMounts", [])}
+            for volume in pod.get("volumes", []):  # a ConfigMap volume: its keys as files
+                if "configMap" in volume:
+                    folder = tmp / name / volume["name"]
+                    folder.mkdir(parents=True, exist_ok=True)
+                    for key, text in configmaps[volume["configMap"]["name"]]["data"].items():
+                        (folder / key).write_text(text)
             if c["image"].startswith("nats:"):
-                specs.append(Spec(name, local.nats_command(c["args"], own, paths), {}, wait=True))
+                specs.append(Spec(name, local.nats_command(c["args"], own, paths),
+                                  container_env(c, configmaps, secrets, base={}), wait=True))
             else:
                 specs.append(Spec(f"{name}-{c['name']}", [local.text(a, own, paths) for a in c["command"]],
-                                  local.env(container_env(c, configmaps), own, paths), wait=name.endswith("kvcache")))
+                                  local.env(container_env(c, configmaps, secrets), own, paths),
+                                  wait=name.endswith("kvcache")))
             if c in pod["containers"]:
                 named = {p["name"]: p["containerPort"] for p in c["ports"]}
                 for probe in (c["livenessProbe"], c["readinessProbe"]):

@@ -164,3 +164,27 @@ initContainers:
   emptyDir: {}
 {{- end }}
 {{- end -}}
+
+{{/* The Secret of the mesh's credentials: global.authSecret, or the one this
+chart makes (templates/secret.yaml). The NATS subchart computes the same name. */}}
+{{- define "infermesh.authSecret" -}}
+{{- dig "authSecret" "" (.Values.global | default dict) | default (printf "%s-infermesh-auth" .Release.Name | trunc 63 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/* A component's credentials from the Secret, as env entries: its NATS user
+(named after its role, which carries the role's subject permissions) and
+password, and the gRPC token; call with (dict "root" $ "user" "prefill"). */}}
+{{- define "infermesh.authEnv" -}}
+- name: INFERMESH_NATS__USER
+  value: {{ .user | quote }}
+- name: INFERMESH_NATS__PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "infermesh.authSecret" .root }}
+      key: {{ printf "NATS_%s_PASSWORD" (upper .user) }}
+- name: INFERMESH_WORKER__GRPC_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "infermesh.authSecret" .root }}
+      key: INFERMESH_GRPC_TOKEN
+{{- end -}}

@@ -15,3 +15,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 app.kubernetes.io/name: nats
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+
+{{/* The parent's credentials Secret (global.authSecret, or <release>-infermesh-auth). */}}
+{{- define "nats.authSecret" -}}
+{{- dig "authSecret" "" (.Values.global | default dict) | default (printf "%s-infermesh-auth" .Release.Name | trunc 63 | trimSuffix "-") -}}
+{{- end -}}
