@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from services.balancer.policies import choose_decode, choose_prefill
-from services.balancer.registry import Registry
+from services.balancer.registry import MIN_INTERVAL_S, Registry
 from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
 
@@ -101,3 +101,41 @@ def test_no_instance_is_a_lookup_error():
         choose_decode([], random.Random(0))
     with pytest.raises(LookupError, match="no live prefill"):
         choose_prefill([], HASHES, random.Random(0))
+
+
+def test_a_heartbeat_claiming_an_interval_beyond_the_bound_is_refused_and_counted():
+    clock = Clock()
+    reg = Registry(misses=3, clock=clock, max_interval_s=5.0)
+    for iid, interval in (("forever", 1e9), ("nan", float("nan")), ("inf", float("inf")), ("negative", -1.0)):
+        hb = mesh_pb2.Heartbeat(stage="decode", instance_id=iid, seq=1, interval_s=interval)
+        assert reg.on_heartbeat(hb) == "interval"
+    assert reg.on_heartbeat(mesh_pb2.Heartbeat(stage="decode", instance_id="a.b", seq=1)) == "instance_id"
+    assert reg.on_heartbeat(mesh_pb2.Heartbeat(stage="vision", instance_id="v", seq=1)) == "stage"
+    # The subject names the stage: a decode heartbeat on prefill's subject is refused.
+    assert reg.on_heartbeat(mesh_pb2.Heartbeat(stage="decode", instance_id="d", seq=1), stage="prefill") == "stage"
+    assert reg.num_refused == {"interval": 4, "instance_id": 1, "stage": 2}
+    assert reg.live("decode") == []
+    # At the bound it is taken; below the floor it is read as the floor (50 ms).
+    assert reg.on_heartbeat(mesh_pb2.Heartbeat(stage="decode", instance_id="slow", seq=1, interval_s=5.0)) is None
+    assert reg.on_heartbeat(mesh_pb2.Heartbeat(stage="decode", instance_id="fast", seq=1, interval_s=1e-6)) is None
+    assert reg.get("fast").interval_s == MIN_INTERVAL_S
+    clock.now += 3 * MIN_INTERVAL_S + 0.001
+    assert [i.instance_id for i in reg.live("decode")] == ["slow"]
+
+
+def test_leaving_instances_are_announced_once_with_why_and_a_restart_is_a_leave():
+    clock = Clock()
+    reg = Registry(misses=3, clock=clock)
+    left: list[tuple[str, str]] = []
+    reg.on_removed.append(lambda inst, why: left.append((inst.instance_id, why)))
+    for iid in ("d0", "d1"):
+        reg.on_heartbeat(mesh_pb2.Heartbeat(stage="decode", instance_id=iid, seq=1, interval_s=0.2))
+    clock.now += 0.5
+    reg.on_heartbeat(mesh_pb2.Heartbeat(stage="decode", instance_id="d1", seq=2, interval_s=0.2))
+    clock.now += 0.2  # d0 silent for 0.7 s > 3 * 0.2 s
+    assert [i.instance_id for i in reg.sweep()] == ["d0"]
+    assert reg.sweep() == [] and left == [("d0", "missed 3 heartbeats")]
+    # d1's seq goes back: a new process under the old name, whose predecessor's work is gone.
+    reg.on_heartbeat(mesh_pb2.Heartbeat(stage="decode", instance_id="d1", seq=1, interval_s=0.2))
+    assert left[-1] == ("d1", "restarted") and reg.get("d1") is not None and reg.get("d1").seq == 1
+    assert reg.num_dropped == 2

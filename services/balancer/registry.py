@@ -5,14 +5,33 @@ An instance that misses `misses` heartbeats in a row is dropped; a draining
 one stays known but gets no new work. `in_flight` counts what this balancer
 sent an instance since its last heartbeat, so that a burst between two
 heartbeats does not all land on the instance that looked idlest.
+
+Trust: a heartbeat is a claim. Its interval decides how long the instance
+counts as alive, so the claim is bounded: above max_interval_s (or not a finite
+positive number) the heartbeat is refused and counted, below MIN_INTERVAL_S it
+is read as MIN_INTERVAL_S. A heartbeat whose seq goes back names a new process
+under the old id (a restart): the old one's requests are gone with it, so it
+leaves (its requests fail over) and the new one joins. Whoever watches
+`on_removed` hears each instance that leaves, the moment the registry notices
+(`sweep`, run every SWEEP_INTERVAL_S by the service): the orchestrator moves
+that instance's requests at once instead of waiting for their streams to time out.
 """
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.kv.block_hash import BlockHash
 from shared.proto import mesh_pb2
+from shared.runtime.subjects import check_token
+
+MIN_INTERVAL_S = 0.05
+"""A claimed heartbeat interval below this is read as this (a dead instance is
+then noticed no sooner than misses * 50 ms)."""
+SWEEP_INTERVAL_S = 0.1
+"""How often the service looks for silent instances."""
+STAGES = ("prefill", "decode")
 
 
 @dataclass(slots=True)
@@ -25,27 +44,61 @@ class Instance:
     draining: bool = False
     in_flight: int = 0
     blocks: set[BlockHash] = field(default_factory=set)
+    seq: int = 0
+    """The last heartbeat's seq (0: unnumbered)."""
+
+
+Removed = Callable[[Instance, str], None]
+"""(instance, why): an instance left the registry."""
 
 
 class Registry:
-    def __init__(self, misses: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, misses: int = 3, clock: Callable[[], float] = time.monotonic, max_interval_s: float = 5.0
+    ) -> None:
         self.misses = misses
         self.clock = clock
+        self.max_interval_s = max_interval_s
         self._instances: dict[str, Instance] = {}
         self._kv_seq: dict[str, int] = {}
         self.num_dropped = 0
+        self.num_refused: dict[str, int] = {}
+        """Heartbeats refused, by reason."""
+        self.on_removed: list[Removed] = []
 
-    def on_heartbeat(self, hb: mesh_pb2.Heartbeat) -> None:
+    def on_heartbeat(self, hb: mesh_pb2.Heartbeat, stage: str | None = None) -> str | None:
+        """Take a heartbeat (stage: the one its subject names); why it was refused, or None."""
+        reason = self._refusal(hb, stage)
+        if reason is not None:
+            self.num_refused[reason] = self.num_refused.get(reason, 0) + 1
+            return reason
+        interval = max(hb.interval_s or 1.0, MIN_INTERVAL_S)
         inst = self._instances.get(hb.instance_id)
+        if inst is not None and ((hb.seq and hb.seq <= inst.seq) or hb.stage != inst.stage):
+            self._remove(inst, "restarted")  # a new process under the old id: the old one's work is gone
+            inst = None
         now = self.clock()
         if inst is None:
-            inst = Instance(hb.stage, hb.instance_id, hb.load, now, hb.interval_s or 1.0)
+            inst = Instance(hb.stage, hb.instance_id, hb.load, now, interval)
             self._instances[hb.instance_id] = inst
         inst.load = hb.load
         inst.last_seen = now
-        inst.interval_s = hb.interval_s or 1.0
+        inst.interval_s = interval
         inst.draining = hb.draining
+        inst.seq = hb.seq or inst.seq
         inst.in_flight = 0  # the heartbeat's figures now include what we sent
+        return None
+
+    def _refusal(self, hb: mesh_pb2.Heartbeat, stage: str | None) -> str | None:
+        if hb.stage not in STAGES or (stage is not None and hb.stage != stage):
+            return "stage"
+        try:
+            check_token(hb.instance_id)
+        except ValueError:
+            return "instance_id"
+        if not math.isfinite(hb.interval_s) or hb.interval_s < 0 or hb.interval_s > self.max_interval_s:
+            return "interval"
+        return None
 
     def on_kv_event(self, ev: mesh_pb2.KvEvent) -> None:
         inst = self._instances.get(ev.instance_id)
@@ -58,23 +111,32 @@ class Registry:
         inst.blocks.difference_update(BlockHash(h) for h in ev.removed)
         inst.blocks.update(BlockHash(h) for h in ev.stored)
 
-    def _expire(self) -> None:
+    def _remove(self, inst: Instance, why: str) -> None:
+        if self._instances.get(inst.instance_id) is not inst:
+            return
+        del self._instances[inst.instance_id]
+        self.num_dropped += 1
+        for callback in self.on_removed:
+            callback(inst, why)
+
+    def sweep(self) -> list[Instance]:
+        """Drop the instances silent for more than `misses` intervals; returns them."""
         now = self.clock()
-        dead = [i for i, inst in self._instances.items() if now - inst.last_seen > self.misses * inst.interval_s]
-        for instance_id in dead:
-            del self._instances[instance_id]
-            self.num_dropped += 1
+        dead = [inst for inst in self._instances.values() if now - inst.last_seen > self.misses * inst.interval_s]
+        for inst in dead:
+            self._remove(inst, f"missed {self.misses} heartbeats")
+        return dead
 
     def live(self, stage: str) -> list[Instance]:
         """Instances of the stage that take new work."""
-        self._expire()
+        self.sweep()
         return [i for i in self._instances.values() if i.stage == stage and not i.draining]
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
 
     def counts(self) -> dict[str, int]:
-        self._expire()
+        self.sweep()
         out: dict[str, int] = {}
         for inst in self._instances.values():
             if not inst.draining:
