@@ -90,7 +90,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # The meshes of a test session share one gRPC token, which this process's own
 # clients (KVCacheClient(mesh.kv_address) in a test) send too. A mesh makes its
-# NATS users itself: tests reach its NATS as mesh.nats_url's read-only monitor.
+# NATS users itself: tests reach its NATS as mesh.nats_url's operator (admin).
 GRPC_TOKEN = new_password()
 rpc.configure(GRPC_TOKEN, "127.0.0.1")
 

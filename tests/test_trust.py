@@ -317,7 +317,8 @@ def test_up_writes_its_secrets_for_its_user_only(up):
     conf = up.state / "nats-auth.conf"
     assert conf.stat().st_mode & 0o777 == 0o600
     text = conf.read_text()
-    assert {"balancer", "kvcache", "monitor", "prefill-0", "decode-0"} == set(re.findall(r'user: "([^"]+)"', text))
+    assert {"balancer", "kvcache", "monitor", "admin", "prefill-0", "decode-0"} == set(
+        re.findall(r'user: "([^"]+)"', text))
     assert up.token() not in up.output()
 
 

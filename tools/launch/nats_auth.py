@@ -12,7 +12,11 @@ the users that answer requests may publish to reply subjects):
 | decode X    | its heartbeat, KV events, X's streams, KV releases     | X's handoffs, cancels                       |
 | kvcache     | KV events                                              | nothing                                     |
 | monitor     | nothing                                                | heartbeats, KV events (load figures only)   |
+| admin       | anything                                               | anything (`up`'s operator only)             |
 
+`admin` exists only under `infermesh up`, for its operator (debugging, the
+tests' Mesh.nats_url): its password sits in the same 0600 file as every other
+one, so it grants nobody anything they could not already read there.
 `infermesh up` knows every instance id, so it makes one user per instance
 (X = the instance): an instance can neither read another's prompts nor
 publish into another's streams. Helm and compose scale instances whose ids
@@ -76,9 +80,13 @@ def permissions(role: str, instance: str = "*") -> Permissions:
     """What a user of role may do; instance: the one instance it is (workers), or `*`."""
     own = (lambda helper: helper(instance)) if instance != "*" else _any
     if role == "balancer":
+        # STREAM_OLD_FORM (im.stream.<request>): the balancer listens there only to
+        # count forgeries of the subject form before streams named their instance.
+        old_form = getattr(subjects, "STREAM_OLD_FORM", None)
         return Permissions(
             publish=(_any(subjects.prefill_run), subjects.CANCEL),
-            subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS, stream_subjects("*")),
+            subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS, stream_subjects("*"),
+                       *([old_form] if old_form else [])),
         )
     if role == "prefill":
         return Permissions(
@@ -98,6 +106,8 @@ def permissions(role: str, instance: str = "*") -> Permissions:
         return Permissions(publish=(subjects.KV_EVENTS,), subscribe=())
     if role == "monitor":
         return Permissions(publish=(), subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS))
+    if role == "admin":
+        return Permissions(publish=(">",), subscribe=(">",), allow_responses=True)
     raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
 
 

@@ -91,7 +91,8 @@ class Mesh:
     extra_env: dict[str, str] = field(default_factory=dict)
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     nats_url: str = ""
-    """NATS with the read-only `monitor` user's credentials (heartbeats and KV events) when auth is on."""
+    """NATS as the operator: with auth, the `admin` user's credentials (anything
+    goes; the password is in the same 0600 file as every other one)."""
     kv_address: str = ""
     auth: bool = True
     supervise: bool = False
@@ -182,10 +183,11 @@ class Mesh:
         raise TimeoutError(f"{what} not healthy after {timeout_s:.0f}s; logs in {self.state_dir / 'logs'}")
 
     def _make_credentials(self, nats_port: int) -> None:
-        """One NATS user per instance (its own subjects only), the balancer, kvcache
-        and a read-only monitor; random passwords; the config file nats-server reads."""
+        """One NATS user per instance (its own subjects only), the balancer, kvcache,
+        a read-only monitor and the operator's admin; random passwords; the config
+        file nats-server reads."""
         creds = MeshCredentials()
-        for role in ("balancer", "kvcache", "monitor"):
+        for role in ("balancer", "kvcache", "monitor", "admin"):
             creds.add(role, role)
         for stage, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(count):
@@ -202,7 +204,7 @@ class Mesh:
         if self.auth:
             self._make_credentials(nats_port)
             nats_args += ["-c", str(self.nats_config)]
-            user, password = self.credentials("monitor")
+            user, password = self.credentials("admin")
             self.nats_url = f"nats://{user}:{password}@127.0.0.1:{nats_port}"
         nats_args += ["-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", str(self.state_dir / "nats")]
         self._start("nats", nats_args, dict(os.environ))
