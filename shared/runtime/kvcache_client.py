@@ -10,6 +10,12 @@ as in the service), so a block of any size fits gRPC's message limit. gRPC
 failures surface as grpc.aio.AioRpcError (UNAVAILABLE when the service is down,
 DEADLINE_EXCEEDED past timeout_s): a cache is an optimisation, so callers
 usually log them and recompute.
+
+A channel whose server went away waits out gRPC's reconnect backoff (up to two
+minutes) before it tries again, and fails every call meanwhile; `reconnect()`
+replaces it with a fresh channel that dials at once. A worker calls it when
+`probe()` (a health check on a channel of its own, so never stuck in backoff)
+finds the service back: see shared/stage/kvcache_connector.py.
 """
 
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -24,7 +30,7 @@ from shared.runtime.block_stream import (
     check_chunk_bytes,
     iter_chunks,
 )
-from shared.runtime.rpc import open_channel
+from shared.runtime.rpc import check_health, open_channel
 
 Block = tuple[BlockHash, str, bytes]
 """(hash, layout, data): layout names the tensor's dtype and shape, checked by the loader."""
@@ -97,17 +103,30 @@ class KVCacheClient:
         """The leading blocks the service holds (all of them, or up to the first missing)."""
         return [block async for block in self.iter_blocks(hashes)]
 
-    async def lookup(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of the chain the service holds."""
+    async def lookup(self, hashes: Sequence[BlockHash], timeout_s: float | None = None) -> int:
+        """How many leading blocks of the chain the service holds (timeout_s: this
+        call's deadline, the client's by default)."""
         if not hashes:
             return 0
-        reply = await self._stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=hashes), timeout=self.timeout_s)
+        request = kvcache_pb2.LookupRequest(block_hashes=hashes)
+        reply = await self._stub.Lookup(request, timeout=timeout_s or self.timeout_s)
         return reply.num_leading
 
     async def stats(self) -> KVCacheStats:
         r = await self._stub.Stats(kvcache_pb2.StatsRequest(), timeout=self.timeout_s)
         return KVCacheStats(r.num_blocks, r.num_bytes, r.capacity_bytes, r.num_evicted, r.num_expired,
                             r.num_corrupt, r.num_hits, r.num_misses)
+
+    async def probe(self, timeout_s: float = 0.5) -> bool:
+        """Whether the service answers its health check now, asked on a fresh channel."""
+        return await check_health(self.address, timeout_s=timeout_s)
+
+    async def reconnect(self) -> None:
+        """Dial again at once on a fresh channel; calls still on the old one may finish (1 s)."""
+        old = self._channel
+        self._channel = open_channel(self.address)
+        self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
+        await old.close(grace=1.0)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -87,6 +87,12 @@ class KVCacheSettings:
     """Blocks unused for this long expire."""
     chunk_bytes: int = 1 << 20
     """Size of the data chunks of a streamed block."""
+    lookup_timeout_s: float = 1.0
+    """A worker's lookup that kvcache does not answer within this counts as a miss
+    (the request computes instead of waiting for the cache)."""
+    probe_interval_s: float = 0.5
+    """How often workers and the balancer check kvcache's health; once it is back
+    a worker redials at once (no gRPC reconnect backoff) and uses it again."""
 
 
 @dataclass(slots=True)
@@ -99,6 +105,9 @@ class BalancerSettings:
     """The name /v1/models reports; None takes the model folder's name."""
     heartbeat_misses: int = 3
     """An instance missing this many heartbeats is dropped from the registry."""
+    max_heartbeat_interval_s: float = 5.0
+    """A heartbeat claiming a longer interval is refused (and counted): a claim
+    decides how long a silent instance still gets work."""
     max_queued_requests: int = 256
     """Requests in flight beyond this are refused with 429."""
     max_request_bytes: int = 4 << 20

@@ -11,12 +11,24 @@ A save written behind is reported as soon as its blocks have been copied to
 host memory, so the engine's blocks are not held while the store runs; what is
 on its way to the store is bounded (MAX_BYTES_BEHIND), and a save beyond that
 is dropped, counted like one that fails.
+
+kvcache is a cache, so a worker computes without it rather than waits for it.
+A lookup that does not answer within lookup_timeout_s counts as a miss; a call
+that fails or times out marks the service down, and while it is down lookups
+answer 0 at once and saves fail at once (nothing is sent). A probe on a channel
+of its own (every probe_interval_s) notices when it is back, replaces the
+client's channel (which gRPC would otherwise leave in reconnect backoff for up to
+two minutes) and marks it up: its use resumes within about one interval. `up`
+is the worker's view for /metrics and gRPC health; `take_outcome(request)` says
+what kvcache did for a request's lookup ("ok", "down", "failed", "slow").
 """
 
 import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,8 +44,16 @@ from shared.runtime.telemetry import extract_context
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAX_BYTES_BEHIND = 2 << 30
-"""Host bytes of saves written behind that may be on their way to the store at once."""
+MAX_BYTES_BEHIND = 1 << 30
+"""Bytes of saves written behind that may be on their way to the store at once; a save
+beyond is dropped before anything is read (the store is slower than prefill: on an
+H200 an 8B model prefills ~4.5 GB of KV a second, kvcache stores ~0.3)."""
+MAX_OUTCOMES = 4096
+"""Lookup outcomes kept for take_outcome (those of requests nobody asked about go first)."""
+
+
+class KVCacheDown(ConnectionError):
+    """kvcache is unreachable: nothing was sent."""
 
 
 @dataclass(slots=True)
@@ -46,17 +66,28 @@ class _Save:
 
 
 class KVCacheConnector(KVConnector):
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = 30.0, lookup_timeout_s: float = 1.0, probe_interval_s: float = 0.5
+    ) -> None:
+        self.lookup_timeout_s = lookup_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.up = True
+        """Whether kvcache answered lately (a failed call says no at once, the probe says yes again)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvcache-connector", daemon=True)
         self._thread.start()
         # The client's channel belongs to the loop it is made on.
         self._client: KVCacheClient = self._submit(self._make_client(address, timeout_s), None).result()
-        self._lookups: dict[str, concurrent.futures.Future[int]] = {}
+        self._probe = self._submit(self._probe_loop(), None)
+        self._lookups: dict[str, tuple[concurrent.futures.Future[int], float]] = {}
+        """Lookups in flight: the answer to come, and when it was asked (monotonic)."""
+        self._outcomes: OrderedDict[str, str] = OrderedDict()
+        self._outcomes_lock = threading.Lock()
         self._loads: dict[str, concurrent.futures.Future[int]] = {}
         self._saves: dict[str, _Save] = {}
         self._bytes_behind = 0
-        """Bytes of saves written behind on their way to the store (the loop's thread only)."""
+        """Bytes of saves written behind on their way to the store (under _behind_lock)."""
+        self._behind_lock = threading.Lock()  # reserved on the engine's thread, released on the loop's
         self._num_dropped = 0
         self._num_failed_behind = 0
 
@@ -75,23 +106,71 @@ class KVCacheConnector(KVConnector):
 
         return asyncio.run_coroutine_threadsafe(in_context(), self._loop)
 
+    # -- kvcache's state ----------------------------------------------------
+
+    def _mark_down(self, why: str) -> None:
+        if self.up:
+            log.warning("kvcache unreachable (%s): computing without it until it is back", why)
+        self.up = False
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                ok = await self._client.probe(timeout_s=min(self.probe_interval_s, 1.0))
+            except Exception:
+                ok = False
+            if not ok:
+                self._mark_down("health check")
+            elif not self.up:
+                await self._client.reconnect()  # the old channel may sit in reconnect backoff
+                self.up = True
+                log.info("kvcache is back: using it again")
+
+    def _record(self, request_id: str, outcome: str) -> None:
+        with self._outcomes_lock:
+            self._outcomes[request_id] = outcome
+            while len(self._outcomes) > MAX_OUTCOMES:
+                self._outcomes.popitem(last=False)
+
+    def take_outcome(self, request_id: str) -> str | None:
+        """What kvcache did for the request's lookup ("ok", "down": not asked, "failed",
+        "slow": no answer in lookup_timeout_s); None when it was not asked (any thread)."""
+        with self._outcomes_lock:
+            return self._outcomes.pop(request_id, None)
+
     # -- the interface -------------------------------------------------------
 
     def lookup(
         self, request_id: str, hashes: list[BlockHash], params: KVTransferParams, trace: TraceCarrier | None = None
     ) -> int | None:
-        future = self._lookups.get(request_id)
-        if future is None:
-            self._lookups[request_id] = self._submit(self._client.lookup(hashes), trace)
+        pending = self._lookups.get(request_id)
+        if pending is None:
+            if not self.up:  # known down: a miss at once, the request computes
+                self._record(request_id, "down")
+                return 0
+            lookup = self._client.lookup(hashes, timeout_s=self.lookup_timeout_s)
+            self._lookups[request_id] = (self._submit(lookup, trace), time.monotonic())
             return None
+        future, asked = pending
         if not future.done():
-            return None
+            if time.monotonic() - asked < self.lookup_timeout_s:
+                return None
+            del self._lookups[request_id]  # too slow: a miss; the request does not wait for the cache
+            future.cancel()
+            self._record(request_id, "slow")
+            self._mark_down(f"a lookup took over {self.lookup_timeout_s} s")
+            return 0
         del self._lookups[request_id]
         try:
-            return future.result()
+            held = future.result()
         except Exception as exc:  # the cache is down or slow: nothing to load, compute
-            log.warning("kvcache lookup for %s failed: %s", request_id, exc)
+            log.info("kvcache lookup for %s failed: %s", request_id, exc)
+            self._record(request_id, "failed")
+            self._mark_down(type(exc).__name__)
             return 0
+        self._record(request_id, "ok")
+        return held
 
     def start_load(
         self,
@@ -124,33 +203,53 @@ class KVCacheConnector(KVConnector):
         trace: TraceCarrier | None = None,
     ) -> None:
         read: concurrent.futures.Future[None] = concurrent.futures.Future()
-        stored = self._submit(self._store(hashes, block_ids, read, params.wait_for_save), trace)
+        if not self.up:  # known down: fail at once, nobody waits for a store that cannot happen
+            read.set_exception(KVCacheDown("kvcache is unreachable"))
+            stored: concurrent.futures.Future[None] = read
+            if not params.wait_for_save:
+                self._num_failed_behind += 1
+        elif not params.wait_for_save and not self._reserve_behind(len(hashes) * self.region.block_bytes):
+            self._num_dropped += 1  # the store falls behind: this prefix only misses the cache later
+            read.set_result(None)
+            stored = read
+        else:
+            stored = self._submit(self._store(hashes, block_ids, read, params.wait_for_save), trace)
         self._saves[request_id] = _Save(len(hashes), params.wait_for_save, read, stored)
+
+    def _reserve_behind(self, size: int) -> bool:
+        with self._behind_lock:
+            if self._bytes_behind + size > MAX_BYTES_BEHIND:
+                return False
+            self._bytes_behind += size
+            return True
 
     async def _store(
         self, hashes: list[BlockHash], block_ids: BlockIds, read: "concurrent.futures.Future[None]", waited_for: bool
     ) -> None:
         layout = self.region.layout
+        size = len(hashes) * self.region.block_bytes
         try:
-            payloads = self.region.read_blocks(block_ids)
+            # Off the loop: lookups and loads of other requests go on meanwhile.
+            payloads = await asyncio.to_thread(self.region.read_blocks, block_ids)
         except BaseException as exc:
             read.set_exception(exc)
+            if not waited_for:
+                self._release_behind(size)
             raise
         read.set_result(None)
         if waited_for:
             await self._client.put_blocks([(h, layout, data) for h, data in zip(hashes, payloads)])
             return
-        size = sum(len(data) for data in payloads)
-        if self._bytes_behind + size > MAX_BYTES_BEHIND:
-            self._num_dropped += 1  # the store falls behind: this prefix only misses the cache later
-            return
-        self._bytes_behind += size
         try:
             await self._client.put_blocks([(h, layout, data) for h, data in zip(hashes, payloads)])
         except Exception as exc:
             self._num_failed_behind += 1
             log.warning("storing %d blocks written behind failed: %s", len(hashes), exc)
         finally:
+            self._release_behind(size)
+
+    def _release_behind(self, size: int) -> None:
+        with self._behind_lock:
             self._bytes_behind -= size
 
     def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
@@ -176,9 +275,9 @@ class KVCacheConnector(KVConnector):
         return loads, saves
 
     def forget(self, request_id: str) -> None:
-        future = self._lookups.pop(request_id, None)
-        if future is not None:
-            future.cancel()
+        pending = self._lookups.pop(request_id, None)
+        if pending is not None:
+            pending[0].cancel()
 
     @property
     def num_pending(self) -> int:
@@ -195,6 +294,7 @@ class KVCacheConnector(KVConnector):
     def close(self) -> None:
         if not self._loop.is_running():
             return
+        self._loop.call_soon_threadsafe(self._probe.cancel)
         asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
