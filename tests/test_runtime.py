@@ -63,25 +63,34 @@ def test_the_engine_section_is_engine_config_every_knob_with_its_variable_and_do
 
 
 def test_subject_tokens_refuse_dots_and_wildcards():
-    assert subjects.stream(subjects.check_token("cmpl-1")) == "im.stream.cmpl-1"
+    assert subjects.stream("decode-0", subjects.check_token("cmpl-1")) == "im.stream.decode-0.cmpl-1"
+    assert subjects.stream_of_instance("decode-0") == "im.stream.decode-0.>"
+    assert subjects.stream_instance("im.stream.decode-0.cmpl-1") == "decode-0"
     for bad in ("a.b", "a*", ">", "a b", ""):
         with pytest.raises(ValueError):
             subjects.check_token(bad)
+        with pytest.raises(ValueError):
+            subjects.stream(bad, "cmpl-1")
 
 
 async def test_stream_reader_reorders_drops_duplicates_and_ends_at_final(nats_server):  # noqa: F811
     bus = await Bus.connect(NatsSettings(url=nats_server.url), "test")
+    rejected: list[str] = []
     try:
-        async with StreamReader(bus, "r1") as reader:
-            subject = subjects.stream("r1")
+        async with StreamReader(bus, "r1", lambda reason, _: rejected.append(reason)) as reader:
+            await reader.listen("d0")
+            subject = subjects.stream("d0", "r1")
             for seq in (1, 0, 0, 2, 1, 3):  # reordered, with duplicates
-                chunk = mesh_pb2.TokenChunk(request_id="r1", seq=seq, token_ids=[100 + seq], final=seq == 3)
+                chunk = mesh_pb2.TokenChunk(request_id="r1", seq=seq, token_ids=[100 + seq], final=seq == 3,
+                                            instance_id="d0")
                 await bus.publish(subject, chunk)
             got = [c.token_ids[0] async for c in reader.chunks(5, 5)]
         assert got == [100, 101, 102, 103]
+        assert rejected == ["duplicate_seq", "duplicate_seq"]
         async with StreamReader(bus, "r2") as reader:
-            await bus.publish(subjects.stream("r2"), mesh_pb2.TokenChunk(seq=1))  # seq 0 never comes
-            with pytest.raises(StreamTimeout, match="no chunk 0"):
+            await reader.listen("d0")
+            await bus.publish(subjects.stream("d0", "r2"), mesh_pb2.TokenChunk(seq=1, request_id="r2", instance_id="d0"))
+            with pytest.raises(StreamTimeout, match="no chunk 0"):  # seq 0 never comes
                 async for _ in reader.chunks(0.3, 0.3):
                     pass
     finally:

@@ -3,9 +3,23 @@ instance, dispatch it over NATS, and turn the decode instance's token stream
 into TokenEvents.
 
 Failure handling: a refusal from an overloaded or draining prefill instance is
-retried on the next candidate; a silent stream (no chunk in time) or an error
-chunk ends the request with an error; leaving the iteration early publishes a
-cancel that every worker applies. Nothing waits forever.
+retried on the next candidate. Once accepted, a request fails over (migrates:
+prompt + tokens so far go to other instances) when an instance it depends on
+fails it: an error chunk, a silent stream, or, at once, the instance leaving the
+registry (missed heartbeats, a restart) — the prefill instance until decode's
+first chunk, the decode instance until the end. The failure is charged to the
+instance at fault, which the retry avoids: a prefill error to prefill; a
+handoff that decode refused or did not answer (prefill reports it with a
+retryable code, OVERLOADED or SHUTTING_DOWN) to decode; decode's errors to
+decode. Leaving the iteration early publishes a cancel that every worker
+applies. Nothing waits forever.
+
+Stream integrity: each attempt listens only on the stream subjects of the
+instances it was handed to (`im.stream.<instance>.<request>`, see
+bus.StreamReader); a chunk from anyone else is dropped and counted
+(`stream_chunks_rejected_total`, and a `stream.chunk_rejected` event on the
+request's span). Errors that reach the client say what happened, never where
+(no instance addresses or worker messages): those go to the log and the trace.
 """
 
 import asyncio
@@ -21,11 +35,12 @@ from opentelemetry.trace import Span, Tracer
 
 from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
 from services.balancer.policies import choose_decode, choose_prefill
-from services.balancer.registry import Registry
+from services.balancer.registry import Instance, Registry
 from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamReader, StreamTimeout
+from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings
 from shared.stage.convert import logprobs_from_proto, params_to_proto
 
@@ -35,11 +50,18 @@ _RETRYABLE = (mesh_pb2.ERROR_CODE_OVERLOADED, mesh_pb2.ERROR_CODE_SHUTTING_DOWN)
 
 
 class _InstanceFailed(Exception):
-    """An instance failed a request it had accepted: worth migrating."""
+    """Instances failed a request they had accepted: worth migrating, elsewhere."""
 
-    def __init__(self, message: str, decode_id: str) -> None:
+    def __init__(self, message: str, *instance_ids: str, cause: str = "error") -> None:
         super().__init__(message)
-        self.decode_id = decode_id
+        self.instance_ids = set(instance_ids)
+        self.cause = cause
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class _Route:
+    prefill: str
+    decode: str
 
 
 class MeshGenerator:
@@ -52,6 +74,7 @@ class MeshGenerator:
         block_size: int,
         kv_fingerprint: str,
         rng: random.Random | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.bus = bus
         self.registry = registry
@@ -62,9 +85,41 @@ class MeshGenerator:
         self.rng = rng or random.Random()
         self._in_flight = 0
         self._background: set[asyncio.Task] = set()
+        self._watchers: dict[str, set[StreamReader]] = {}
+        """Per instance id, the streams of the attempts that depend on it."""
+        self._leaving: dict[str, set[asyncio.Future[str]]] = {}
+        """Per instance id, dispatches waiting for its Ack: told when it leaves."""
+        registry.on_removed.append(self._on_instance_removed)
+        metrics = metrics or Metrics("balancer")
+        self.m_rejected = metrics.counter(
+            "stream_chunks_rejected_total", "Stream chunks dropped: from an instance the request was not handed to, "
+            "naming another instance or request, a repeated seq, or on the old subject form", ("reason",)
+        )
+        self.m_migrations = metrics.counter(
+            "migrations_total", "Requests moved to other instances, by cause (left_mesh: the registry lost the "
+            "instance; error; timeout; handoff: decode did not take prefill's handoff)", ("cause",)
+        )
+        self.m_migration_gap = metrics.histogram(
+            "migration_gap_seconds", "What a moved request's client waited: from its last token before the failure "
+            "(or its start) to its first token after the move"
+        )
 
     def num_in_flight(self) -> int:
         return self._in_flight
+
+    def reject_chunk(
+        self, reason: str, chunk: mesh_pb2.TokenChunk, span: Span | None = None, tally: list[int] | None = None
+    ) -> None:
+        """Count a stream chunk nobody may send; note it on the request's span (an
+        event, and the request's running count in tally as `stream.rejected_chunks`)."""
+        self.m_rejected.labels(reason).inc()
+        log.debug("dropped a stream chunk (%s) claiming %s for %s", reason, chunk.instance_id or "?",
+                  chunk.request_id or "?")
+        if span is not None:
+            span.add_event("stream.chunk_rejected", {"reason": reason, "claimed_instance": chunk.instance_id})
+            if tally is not None:
+                tally[0] += 1
+                span.set_attribute("stream.rejected_chunks", tally[0])
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         self._in_flight += 1
@@ -85,15 +140,24 @@ class MeshGenerator:
         generated: list[int] = []
         cached: int | None = None
         excluded: set[str] = set()
+        rejected = [0]  # chunks dropped from this request's streams
         attempt = req
-        last: Exception | None = None
+        last_token = started  # when tokens last went out (the start before any)
+        moved = False
         for migration in range(self.settings.migration_limit + 1):
             if migration:
                 attempt = self._continuation(req, generated, migration)
             try:
-                async for event in self._attempt(attempt, excluded, root, time.perf_counter()):
+                async for event in self._attempt(attempt, excluded, root, time.perf_counter(), rejected):
+                    now = time.perf_counter()
+                    if moved and event.token_ids:
+                        moved = False
+                        self.m_migration_gap.observe(now - last_token)
+                        root.set_attribute("migration.gap_ms", round((now - last_token) * 1e3, 2))
+                    if event.token_ids:
+                        last_token = now
                     if not generated and event.token_ids:
-                        root.set_attribute("ttft_ms", round((time.perf_counter() - started) * 1e3, 2))
+                        root.set_attribute("ttft_ms", round((now - started) * 1e3, 2))
                     generated += event.token_ids
                     if event.usage is not None:
                         cached = event.usage.cached_tokens if cached is None else cached
@@ -101,12 +165,15 @@ class MeshGenerator:
                     yield event
                 return
             except _InstanceFailed as exc:
-                excluded.add(exc.decode_id)
+                moved = True
+                excluded |= exc.instance_ids
+                self.m_migrations.labels(exc.cause).inc()
                 log.warning("request %s: %s; migrating (%d/%d)", req.request_id, exc, migration + 1,
                             self.settings.migration_limit)
                 root.set_attribute("migrations", migration + 1)
-                last = exc
-        raise GenerationError(f"the mesh failed this request: {last}", status=503)
+                root.add_event("migrate", {"cause": exc.cause, "error": str(exc), "tokens_so_far": len(generated)})
+        raise GenerationError("The mesh failed this request, also after moving it to other instances; retry.",
+                              status=503)
 
     @staticmethod
     def _continuation(req: GenerationRequest, generated: list[int], migration: int) -> GenerationRequest:
@@ -118,23 +185,95 @@ class MeshGenerator:
             f"{req.request_id}-m{migration}", req.prompt_token_ids + generated, params, req.cache_salt
         )
 
+    # -- failover from the registry -------------------------------------------------------
+
+    def _watch(self, reader: StreamReader, instance_id: str) -> None:
+        self._watchers.setdefault(instance_id, set()).add(reader)
+        if self.registry.get(instance_id) is None:  # it left while we dispatched
+            self._fail(reader, instance_id, "left the mesh")
+
+    def _unwatch(self, reader: StreamReader, instance_id: str) -> None:
+        readers = self._watchers.get(instance_id)
+        if readers is not None:
+            readers.discard(reader)
+            if not readers:
+                del self._watchers[instance_id]
+
+    def _on_instance_removed(self, inst: Instance, why: str) -> None:
+        for reader in self._watchers.pop(inst.instance_id, set()):
+            self._fail(reader, inst.instance_id, why)
+        for gone in self._leaving.pop(inst.instance_id, set()):
+            if not gone.done():
+                gone.set_result(why)
+
+    async def _request_unless_gone(self, instance_id: str, subject: str, msg: mesh_pb2.PrefillRequest) -> mesh_pb2.Ack:
+        """The instance's Ack; _InstanceFailed as soon as it leaves the registry (a
+        dispatch that reached a dying instance is not waited on for the whole timeout).
+        The request then moves under a new id and its old id is cancelled: should the
+        instance only have been frozen, its late work on the old id is dropped."""
+        gone_error = _InstanceFailed(f"instance {instance_id} left the mesh during dispatch", instance_id,
+                                     cause="left_mesh")
+        if self.registry.get(instance_id) is None:
+            raise gone_error
+        gone: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._leaving.setdefault(instance_id, set()).add(gone)
+        ack = asyncio.ensure_future(self.bus.request(subject, msg, mesh_pb2.Ack))
+        try:
+            await asyncio.wait((ack, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting = self._leaving.get(instance_id)
+            if waiting is not None:
+                waiting.discard(gone)
+                if not waiting:
+                    del self._leaving[instance_id]
+            if not ack.done():
+                ack.cancel()
+        if not ack.done() or ack.cancelled():
+            self._cancel_soon(msg.request_id)
+            raise gone_error
+        return ack.result()
+
+    @staticmethod
+    def _fail(reader: StreamReader, instance_id: str, why: str) -> None:
+        reader.fail(_InstanceFailed(f"instance {instance_id} {why}", instance_id, cause="left_mesh"))
+
+    # -- one attempt ------------------------------------------------------------------------
+
     async def _attempt(
-        self, req: GenerationRequest, excluded: set[str], root: Span, started: float
+        self, req: GenerationRequest, excluded: set[str], root: Span, started: float, rejected: list[int]
     ) -> AsyncIterator[TokenEvent]:
         rid = req.request_id
         finished = False
-        async with StreamReader(self.bus, rid) as reader:
-            decode_id = await self._dispatch(req, excluded)
+
+        def on_rejected(reason: str, chunk: mesh_pb2.TokenChunk) -> None:
+            self.reject_chunk(reason, chunk, root, rejected)
+
+        async with StreamReader(self.bus, rid, on_rejected) as reader:
+            route = await self._dispatch(req, excluded, reader)
             # Not the current span: this generator yields, and a span made current
             # across a yield would be detached in another context when closed.
-            span = self.tracer.start_span("stream", attributes={"decode.instance": decode_id})
+            span = self.tracer.start_span(
+                "stream", attributes={"decode.instance": route.decode, "prefill.instance": route.prefill}
+            )
+            self._watch(reader, route.prefill)
+            self._watch(reader, route.decode)
             num_tokens = 0
+            num_chunks = 0
             try:
                 async for chunk in reader.chunks(self.settings.first_token_timeout_s, self.settings.token_timeout_s):
                     if chunk.error:
+                        span.set_attribute("error", chunk.error)
                         if chunk.error_code == mesh_pb2.ERROR_CODE_INVALID_REQUEST:
                             raise GenerationError(chunk.error, status=400, error_type="invalid_request_error")
-                        raise _InstanceFailed(chunk.error, decode_id)
+                        if chunk.instance_id != route.decode:
+                            if chunk.error_code in _RETRYABLE:
+                                raise _InstanceFailed(f"the handoff to decode failed: {chunk.error}", route.decode,
+                                                      cause="handoff")
+                            raise _InstanceFailed(chunk.error, route.prefill)
+                        raise _InstanceFailed(chunk.error, route.decode)
+                    if num_chunks == 0:  # decode has the request: prefill's fate no longer matters
+                        self._unwatch(reader, route.prefill)
+                    num_chunks += 1
                     if num_tokens == 0:
                         span.set_attribute("ttft_ms", round((time.perf_counter() - started) * 1e3, 2))
                     num_tokens += len(chunk.token_ids)
@@ -155,8 +294,15 @@ class MeshGenerator:
                     yield event
             except StreamTimeout as exc:
                 span.set_attribute("error", str(exc))
-                raise _InstanceFailed(f"the mesh did not answer in time: {exc}", decode_id) from None
+                # Before decode's first chunk the request may as well be stuck in prefill.
+                culprits = (route.decode,) if num_chunks else (route.decode, route.prefill)
+                raise _InstanceFailed(f"the mesh did not answer in time: {exc}", *culprits, cause="timeout") from None
+            except _InstanceFailed as exc:
+                span.set_attribute("error", str(exc))
+                raise
             finally:
+                self._unwatch(reader, route.prefill)
+                self._unwatch(reader, route.decode)
                 span.end()
                 if not finished:  # an error, a stop string or a client gone: stop the work everywhere
                     self._cancel_soon(rid)
@@ -174,30 +320,40 @@ class MeshGenerator:
         except Exception:
             log.exception("could not publish the cancel of %s", request_id)
 
-    async def _dispatch(self, req: GenerationRequest, excluded_decode: set[str]) -> str:
-        """Choose the instances and hand the request to prefill; returns the
-        decode instance's id. Retries other prefill instances that refuse
-        because they are busy or draining. Decode instances that failed this
-        request before are not chosen again."""
+    @staticmethod
+    def _prefer(candidates: list[Instance], excluded: set[str]) -> list[Instance]:
+        """The candidates that have not failed this request; all of them if every one has
+        (still live: worth one more try rather than a certain failure)."""
+        return [i for i in candidates if i.instance_id not in excluded] or candidates
+
+    async def _dispatch(self, req: GenerationRequest, excluded: set[str], reader: StreamReader) -> _Route:
+        """Choose the instances, listen to their streams and hand the request to
+        prefill. Retries other prefill instances that refuse because they are busy
+        or draining, or do not answer. Instances that failed this request before
+        are chosen again only when no other is live."""
         hashes = hash_block_chain(req.prompt_token_ids, self.block_size, self.kv_fingerprint, req.cache_salt)
         with self.tracer.start_as_current_span("route") as span:
             span.set_attribute("request.id", req.request_id)
             span.set_attribute("prompt.tokens", len(req.prompt_token_ids))
             try:
-                live = [i for i in self.registry.live("decode") if i.instance_id not in excluded_decode]
-                decode = choose_decode(live, self.rng)
+                decode = choose_decode(self._prefer(self.registry.live("decode"), excluded), self.rng)
             except LookupError as exc:
                 raise GenerationError(str(exc), status=503) from None
+            did = decode.instance.instance_id
             span.set_attribute("decode.candidates", list(decode.scores))
-            span.set_attribute("decode.choice", decode.instance.instance_id)
+            span.set_attribute("decode.choice", did)
+            await reader.listen(did)
             tried: set[str] = set()
             last_error = "no live prefill instance"
             while True:
-                candidates = [i for i in self.registry.live("prefill") if i.instance_id not in tried]
+                live = [i for i in self.registry.live("prefill") if i.instance_id not in tried]
                 try:
-                    prefill = choose_prefill(candidates, hashes, self.rng)
+                    prefill = choose_prefill(self._prefer(live, excluded), hashes, self.rng)
                 except LookupError:
-                    raise GenerationError(last_error, status=503) from None
+                    log.warning("request %s: no prefill instance took it: %s", req.request_id, last_error)
+                    span.set_attribute("error", last_error)
+                    raise GenerationError("No prefill instance could take the request; retry later.",
+                                          status=503) from None
                 pid = prefill.instance.instance_id
                 tried.add(pid)
                 span.set_attribute("prefill.candidates", list(prefill.scores))
@@ -209,17 +365,18 @@ class MeshGenerator:
                     prompt_token_ids=req.prompt_token_ids,
                     sampling=params_to_proto(req.params),
                     cache_salt=req.cache_salt or "",
-                    decode_instance=decode.instance.instance_id,
+                    decode_instance=did,
                 )
+                await reader.listen(pid, source=False)  # prefill may only end the stream with an error
                 try:
-                    ack = await self.bus.request(subjects.prefill_run(pid), msg, mesh_pb2.Ack)
+                    ack = await self._request_unless_gone(pid, subjects.prefill_run(pid), msg)
                 except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                     last_error = f"prefill instance {pid} did not answer ({type(exc).__name__})"
                     continue
                 if ack.accepted:
                     prefill.instance.in_flight += 1
                     decode.instance.in_flight += 1
-                    return decode.instance.instance_id
+                    return _Route(pid, did)
                 if ack.code not in _RETRYABLE:
                     raise GenerationError(ack.message, status=400, error_type="invalid_request_error")
                 last_error = f"prefill instance {pid} refused: {ack.message}"

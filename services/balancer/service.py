@@ -1,5 +1,18 @@
 """The balancer service: registry fed by NATS, the mesh generator, and the
-OpenAI-compatible app served by uvicorn on the service's event loop."""
+OpenAI-compatible app served by uvicorn on the service's event loop.
+
+Heartbeats are read per stage subject (`im.heartbeat.<stage>`; one naming
+another stage is refused), swept for silent instances every
+registry.SWEEP_INTERVAL_S (their requests fail over at once), and counted when
+refused. Chunks on the old stream subject form (`im.stream.<request>`) are
+counted as forged: no worker publishes there.
+
+/ready: 200 with {"ready": true} once at least one prefill and one decode
+instance are live, 503 otherwise. kvcache is a cache, not a dependency: while it
+is unreachable (health checked every kvcache.probe_interval_s) the mesh computes
+what it would have loaded, so /ready stays 200 and says {"status": "degraded",
+"kvcache": "down"}; "kvcache": "up" and "status": "ok" otherwise.
+"""
 
 import asyncio
 import contextlib
@@ -13,13 +26,14 @@ from fastapi.responses import JSONResponse
 
 from services.balancer.api import create_app
 from services.balancer.orchestrator import MeshGenerator
-from services.balancer.registry import Registry
+from services.balancer.registry import STAGES, SWEEP_INTERVAL_S, Registry
 from shared.kv.block_hash import kv_fingerprint
 from shared.model.config import ModelConfig
 from shared.model.fingerprint import model_fingerprint
 from shared.proto import mesh_pb2
 from shared.recipe import Recipe
 from shared.runtime import subjects
+from shared.runtime.rpc import check_health
 from shared.runtime.service import ServiceContext
 
 log = logging.getLogger(__name__)
@@ -38,21 +52,9 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     model_dir = settings.engine.model
     model_config = ModelConfig.from_pretrained(model_dir)
     recipe = Recipe.from_pretrained(model_dir)
-    registry = Registry(misses=settings.balancer.heartbeat_misses)
-
-    async def on_heartbeat(hb: mesh_pb2.Heartbeat) -> None:
-        registry.on_heartbeat(hb)
-
-    async def on_kv_event(ev: mesh_pb2.KvEvent) -> None:
-        registry.on_kv_event(ev)
-
-    for subject, msg_type, handler in (
-        (subjects.HEARTBEAT_ALL, mesh_pb2.Heartbeat, on_heartbeat),
-        (subjects.KV_EVENTS, mesh_pb2.KvEvent, on_kv_event),
-    ):
-        sub = await ctx.bus.subscribe(subject, msg_type, handler)
-        stack.push_async_callback(sub.unsubscribe)
-
+    registry = Registry(
+        misses=settings.balancer.heartbeat_misses, max_interval_s=settings.balancer.max_heartbeat_interval_s
+    )
     generator = MeshGenerator(
         ctx.bus,
         registry,
@@ -60,7 +62,64 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         settings.balancer,
         block_size=settings.engine.block_size,
         kv_fingerprint=kv_fingerprint(model_fingerprint(model_dir), settings.engine.dtype),
+        metrics=ctx.metrics,
     )
+    m_refused = ctx.metrics.counter(
+        "heartbeats_refused_total", "Heartbeats refused: an interval beyond max_heartbeat_interval_s, another "
+        "stage than their subject's, or an instance id that cannot be a subject token", ("reason",)
+    )
+    m_left = ctx.metrics.counter("instances_left_total", "Instances dropped from the registry", ("stage", "why"))
+    registry.on_removed.append(lambda inst, why: m_left.labels(inst.stage, why.split(" ")[0]).inc())
+
+    def on_heartbeat_of(stage: str):  # noqa: ANN202
+        async def on_heartbeat(hb: mesh_pb2.Heartbeat) -> None:
+            reason = registry.on_heartbeat(hb, stage)
+            if reason is not None:
+                m_refused.labels(reason).inc()
+                log.warning("refused a heartbeat of %r on %s (%s)", hb.instance_id, subjects.heartbeat(stage), reason)
+
+        return on_heartbeat
+
+    async def on_kv_event(ev: mesh_pb2.KvEvent) -> None:
+        registry.on_kv_event(ev)
+
+    async def on_old_stream_subject(chunk: mesh_pb2.TokenChunk) -> None:
+        generator.reject_chunk("old_subject", chunk)
+
+    routes = [(subjects.heartbeat(stage), mesh_pb2.Heartbeat, on_heartbeat_of(stage)) for stage in STAGES]
+    routes += [
+        (subjects.KV_EVENTS, mesh_pb2.KvEvent, on_kv_event),
+        (subjects.STREAM_OLD_FORM, mesh_pb2.TokenChunk, on_old_stream_subject),
+    ]
+    for subject, msg_type, handler in routes:
+        sub = await ctx.bus.subscribe(subject, msg_type, handler)
+        stack.push_async_callback(sub.unsubscribe)
+
+    async def sweep() -> None:
+        """Notice silent instances promptly: their requests fail over when they leave."""
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            try:
+                registry.sweep()
+            except Exception:
+                log.exception("sweeping the registry failed")
+
+    kvcache_up: list[bool | None] = [None]  # None: not checked yet
+
+    async def probe_kvcache() -> None:
+        interval = settings.kvcache.probe_interval_s
+        while True:
+            up = await check_health(settings.kvcache.address, timeout_s=min(interval, 1.0))
+            if up != kvcache_up[0]:
+                (log.info if up else log.warning)("kvcache is %s", "up" if up else "unreachable: workers compute without it")
+            kvcache_up[0] = up
+            g_kvcache.set(1 if up else 0)
+            await asyncio.sleep(interval)
+
+    g_kvcache = ctx.metrics.gauge("kvcache_up", "1 while the balancer reaches kvcache's health check")
+    for name, coro in (("registry-sweep", sweep()), ("kvcache-probe", probe_kvcache())):
+        task = asyncio.create_task(coro, name=name)
+        stack.callback(task.cancel)
     max_model_len = settings.engine.max_model_len or model_config.max_position_embeddings
     app = create_app(
         generator=generator,
@@ -75,12 +134,16 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        """200 once the mesh can serve: at least one prefill and one decode instance."""
+        """200 once the mesh can serve: at least one prefill and one decode instance.
+        kvcache down is "degraded", still ready: the workers compute without it."""
         counts = registry.counts()
-        for stage in ("prefill", "decode"):
+        for stage in STAGES:
             g_instances.labels(stage).set(counts.get(stage, 0))
         ok = counts.get("prefill", 0) > 0 and counts.get("decode", 0) > 0
-        return JSONResponse({"ready": ok, "instances": counts}, status_code=200 if ok else 503)
+        kvcache = {None: "unknown", True: "up", False: "down"}[kvcache_up[0]]
+        status = "ok" if kvcache == "up" else "degraded"
+        body = {"ready": ok, "status": status if ok else "unavailable", "instances": counts, "kvcache": kvcache}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     config = uvicorn.Config(
         app, host=settings.balancer.host, port=settings.balancer.port, log_level="warning", lifespan="off"

@@ -63,7 +63,7 @@ class DecodeService:
     async def _decode(self, h: mesh_pb2.DecodeHandoff, params: SamplingParams) -> None:
         rid = h.request_id
         prompt = list(h.prompt_token_ids)
-        pub = StreamPublisher(self.ctx.bus, rid)
+        pub = StreamPublisher(self.ctx.bus, self.ctx.instance_id, rid)
         loop = asyncio.get_running_loop()
         with self.ctx.tracer.start_as_current_span("decode") as span:
             span.set_attribute("request.id", rid)
@@ -102,7 +102,7 @@ class DecodeService:
                     chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
                     if out.finished:
                         if out.kv is not None:
-                            self.worker.record_kv_transfer(out.kv, span)
+                            self.worker.record_kv_transfer(out.kv, span, rid)
                         chunk.final = True
                         chunk.finish_reason = out.finish_reason or "stop"
                         chunk.usage.CopyFrom(self._usage(h, len(out.token_ids)))

@@ -8,7 +8,9 @@ blocks stay held in this engine's cache under a lease and the handoff says
 where, so decode copies them straight across; kvcache is written behind, off
 the time to first token. Without it, the last output waits for the store and
 decode reads kvcache. The service moves no KV itself. A failure at any point
-ends the request's stream with an error: never lost silently.
+ends the request's stream with an error: never lost silently. A handoff that
+decode refuses or does not answer ends it with a retryable code (OVERLOADED), so
+the balancer charges decode, not this instance, and moves the request.
 """
 
 import asyncio
@@ -31,6 +33,10 @@ from shared.stage.worker import Worker, fail_stream, serve_engine_stage, validat
 
 
 log = logging.getLogger(__name__)
+
+
+class _HandoffFailed(RuntimeError):
+    """The decode instance the balancer named did not take the request."""
 
 
 class PrefillService:
@@ -77,7 +83,7 @@ class PrefillService:
                 async for out in self.worker.engine.generate(request):
                     final = out
                 assert final is not None and final.finished and final.kv is not None
-                self.worker.record_kv_transfer(final.kv, span)
+                self.worker.record_kv_transfer(final.kv, span, rid)
                 span.set_attribute("prompt.cached_tokens", final.num_cached_tokens)
                 self.m_prompt_tokens.inc(len(prompt))
                 from_kvcache = min(final.kv.num_loaded_blocks * self.engine.kv.block_size, final.num_cached_tokens)
@@ -117,6 +123,12 @@ class PrefillService:
             except asyncio.CancelledError:
                 self.m_requests.labels("cancelled").inc()
                 raise
+            except _HandoffFailed as exc:
+                log.warning("handoff of %s failed: %s", rid, exc)
+                self.m_requests.labels("handoff_failed").inc()
+                span.record_exception(exc)
+                # A retryable code: the decode instance is at fault, not this one.
+                await fail_stream(self.ctx.bus, rid, self.ctx.instance_id, str(exc), mesh_pb2.ERROR_CODE_OVERLOADED)
             except Exception as exc:
                 log.exception("prefill of %s failed", rid)
                 self.m_requests.labels("error").inc()
@@ -127,9 +139,9 @@ class PrefillService:
         try:
             ack = await self.ctx.bus.request(subjects.decode_admit(decode_instance), handoff, mesh_pb2.Ack)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-            raise RuntimeError(f"decode instance {decode_instance} did not answer ({type(exc).__name__})") from None
+            raise _HandoffFailed(f"decode instance {decode_instance} did not answer ({type(exc).__name__})") from None
         if not ack.accepted:
-            raise RuntimeError(f"decode instance {decode_instance} refused: {ack.message}")
+            raise _HandoffFailed(f"decode instance {decode_instance} refused: {ack.message}")
 
 
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:

@@ -3,11 +3,12 @@ payloads, trace context in headers, request/reply dispatch and ordered token
 streams with sequence numbers and an explicit end."""
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -122,42 +123,89 @@ class Bus:
 
 
 class StreamPublisher:
-    """The sending end of one request's token stream: numbers the chunks."""
+    """The sending end of one request's token stream, on the subject of the
+    publishing instance: numbers the chunks and signs them with that instance."""
 
-    def __init__(self, bus: Bus, request_id: str) -> None:
+    def __init__(self, bus: Bus, instance_id: str, request_id: str) -> None:
         self.bus = bus
-        self.subject = subjects.stream(request_id)
+        self.instance_id = instance_id
+        self.subject = subjects.stream(instance_id, request_id)
         self.next_seq = 0
 
     async def send(self, chunk: mesh_pb2.TokenChunk) -> None:
         chunk.seq = self.next_seq
+        chunk.instance_id = self.instance_id
         self.next_seq += 1
         await self.bus.publish(self.subject, chunk)
 
 
-class StreamReader:
-    """The receiving end: subscribe before dispatching the request, then iterate
-    the chunks in seq order (a reordered chunk waits for its predecessors; a
-    duplicate is dropped) until the final one."""
+OnRejected = Callable[[str, mesh_pb2.TokenChunk], None]
+"""(reason, chunk): a chunk a StreamReader dropped."""
 
-    def __init__(self, bus: Bus, request_id: str) -> None:
+
+class StreamReader:
+    """The receiving end of one request's stream, from the instances it was
+    handed to. `listen(instance)` subscribes to that instance's subject for the
+    request, before the request is dispatched there; one instance is the token
+    source (decode), the others (prefill) may only end the request with an error.
+
+    A chunk counts only when it names the instance of the subject it came on and
+    this request, and carries tokens only from the token source: anything else is
+    dropped and reported to on_rejected (a forgery, or a bug), as is a duplicate
+    seq. The source's chunks come out in seq order (a reordered chunk waits for its
+    predecessors) until the final one; `fail(exc)` ends the iteration with exc
+    (the instance left the mesh)."""
+
+    def __init__(self, bus: Bus, request_id: str, on_rejected: OnRejected | None = None) -> None:
         self.bus = bus
-        self.subject = subjects.stream(request_id)
-        self._queue: asyncio.Queue[mesh_pb2.TokenChunk] = asyncio.Queue()
-        self._sub: Subscription | None = None
+        self.request_id = request_id
+        self.on_rejected = on_rejected
+        self.source: str | None = None
+        self._queue: asyncio.Queue[mesh_pb2.TokenChunk | BaseException] = asyncio.Queue()
+        self._subs: dict[str, Subscription] = {}
 
     async def __aenter__(self) -> "StreamReader":
-        async def on_msg(msg: Msg) -> None:
-            chunk = mesh_pb2.TokenChunk()
-            chunk.ParseFromString(msg.data)
-            self._queue.put_nowait(chunk)
-
-        self._sub = await self.bus.nc.subscribe(self.subject, cb=on_msg, pending_msgs_limit=65536)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
+        subs, self._subs = list(self._subs.values()), {}
+        for sub in subs:
+            with contextlib.suppress(Exception):  # the connection may be gone: nothing left to unsubscribe
+                await sub.unsubscribe()
+
+    async def listen(self, instance_id: str, source: bool = True) -> None:
+        """Accept this instance's chunks from now on: its tokens if source, else only an error."""
+        if source:
+            self.source = instance_id
+        if instance_id in self._subs:
+            return
+
+        async def on_msg(msg: Msg) -> None:
+            chunk = mesh_pb2.TokenChunk()
+            try:
+                chunk.ParseFromString(msg.data)
+            except DecodeError:
+                self._reject("malformed", chunk)
+                return
+            if chunk.instance_id != instance_id:
+                self._reject("instance_mismatch", chunk)
+            elif chunk.request_id != self.request_id:
+                self._reject("request_mismatch", chunk)
+            elif instance_id != self.source and not chunk.error:
+                self._reject("not_the_source", chunk)
+            else:
+                self._queue.put_nowait(chunk)
+
+        subject = subjects.stream(instance_id, self.request_id)
+        self._subs[instance_id] = await self.bus.nc.subscribe(subject, cb=on_msg, pending_msgs_limit=65536)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the iteration with exc (from the event loop's thread)."""
+        self._queue.put_nowait(exc)
+
+    def _reject(self, reason: str, chunk: mesh_pb2.TokenChunk) -> None:
+        if self.on_rejected is not None:
+            self.on_rejected(reason, chunk)
 
     async def chunks(self, first_timeout_s: float, idle_timeout_s: float) -> AsyncIterator[mesh_pb2.TokenChunk]:
         next_seq = 0
@@ -165,13 +213,20 @@ class StreamReader:
         timeout = first_timeout_s
         while True:
             try:
-                chunk = await asyncio.wait_for(self._queue.get(), timeout)
+                item = await asyncio.wait_for(self._queue.get(), timeout)
             except TimeoutError:
-                raise StreamTimeout(f"no chunk {next_seq} on {self.subject} within {timeout:.1f}s") from None
+                where = f"{self.source}'s stream of {self.request_id}"
+                raise StreamTimeout(f"no chunk {next_seq} on {where} within {timeout:.1f}s") from None
+            if isinstance(item, BaseException):
+                raise item
+            if item.instance_id != self.source:  # an error from an instance before the source (listen checked)
+                yield item
+                return
             timeout = idle_timeout_s
-            if chunk.seq < next_seq or chunk.seq in pending:
-                continue  # duplicate
-            pending[chunk.seq] = chunk
+            if item.seq < next_seq or item.seq in pending:
+                self._reject("duplicate_seq", item)
+                continue
+            pending[item.seq] = item
             while next_seq in pending:
                 ready = pending.pop(next_seq)
                 next_seq += 1

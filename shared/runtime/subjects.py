@@ -1,9 +1,19 @@
-"""NATS subject names, defined once (see proto/infermesh/mesh.proto)."""
+"""NATS subject names, defined once (see proto/infermesh/mesh.proto). Every
+subject is built here, so NATS permissions can be generated from these helpers.
+
+A token stream's subject names the instance that publishes it,
+`im.stream.<instance_id>.<request_id>`: with permissions that let instance X
+publish only on `im.stream.X.>` (stream_of_instance), the subject proves who sent
+a chunk, and the balancer listens only to the instance it handed the request to.
+"""
 
 PREFIX = "im"
 CANCEL = f"{PREFIX}.cancel"
 KV_EVENTS = f"{PREFIX}.kv.events"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
+STREAM_OLD_FORM = f"{PREFIX}.stream.*"
+"""The old one-token stream subject (`im.stream.<request_id>`): nobody publishes
+there any more; the balancer counts what arrives as forged."""
 
 
 def prefill_run(instance_id: str) -> str:
@@ -20,8 +30,22 @@ def kv_release(instance_id: str) -> str:
     return f"{PREFIX}.kv.release.{check_token(instance_id)}"
 
 
-def stream(request_id: str) -> str:
-    return f"{PREFIX}.stream.{request_id}"
+def stream(instance_id: str, request_id: str) -> str:
+    """Where instance_id publishes the token stream (or the error) of request_id."""
+    return f"{PREFIX}.stream.{check_token(instance_id)}.{check_token(request_id)}"
+
+
+def stream_of_instance(instance_id: str) -> str:
+    """Every stream instance_id may publish (the wildcard its permissions allow)."""
+    return f"{PREFIX}.stream.{check_token(instance_id)}.>"
+
+
+def stream_instance(subject: str) -> str | None:
+    """The publishing instance named by a stream subject; None for another subject."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != PREFIX or parts[1] != "stream":
+        return None
+    return parts[2]
 
 
 def heartbeat(stage: str) -> str:

@@ -1,6 +1,14 @@
 """What the engine-running services (prefill, decode) share: building the
 engine from settings, its thread, heartbeats with load figures, KV block
-events, and the drain on shutdown."""
+events, and the drain on shutdown.
+
+kvcache is a soft dependency: while it is unreachable the engine computes what
+it would have loaded (the connector answers misses at once). The worker stays
+SERVING (overall gRPC health) and says where kvcache stands: the gRPC health
+service "kvcache" (SERVING or NOT_SERVING, `grpc_health_probe -service=kvcache`),
+the gauge kvcache_up, the counter kvcache_bypassed_total (requests whose lookup
+kvcache did not answer), and each request's span attribute kv.kvcache ("ok",
+"down", "failed", "slow", or "unused" when kvcache was not asked)."""
 
 import asyncio
 import contextlib
@@ -21,7 +29,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamPublisher
-from shared.runtime.rpc import GrpcServer, start_grpc_server
+from shared.runtime.rpc import NOT_SERVING, SERVING, GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
 from shared.engine.host_tier import HostTierConnector
 from shared.engine.kv.connector import KVConnector
@@ -30,13 +38,18 @@ from shared.stage.peer_connector import PeerConnector
 
 log = logging.getLogger(__name__)
 
+KVCACHE_HEALTH = "kvcache"
+"""The gRPC health service name under which a worker reports whether it reaches kvcache."""
+
 
 class Worker:
     """An engine on its thread plus the mesh duties around it. Services make one
     in their setup and register its stop on the exit stack."""
 
-    def __init__(self, ctx: ServiceContext, engine: LLMEngine) -> None:
+    def __init__(self, ctx: ServiceContext, engine: LLMEngine, kvcache: KVCacheConnector | None = None) -> None:
         self.ctx = ctx
+        self.kvcache = kvcache
+        self._kvcache_up: bool | None = None
         self.engine = AsyncEngine(engine, asyncio.get_running_loop())
         self.grpc: GrpcServer | None = None
         self.draining = False
@@ -61,10 +74,16 @@ class Worker:
         self.m_kv_load_failures = m.counter(
             "kv_load_failures_total", "Loads from kvcache that did not (fully) arrive: their tokens were recomputed"
         )
+        self.m_kvcache_up = m.gauge("kvcache_up", "1 while this worker reaches kvcache, 0 while it computes without it")
+        self.m_kvcache_bypassed = m.counter(
+            "kvcache_bypassed_total", "Requests computed without kvcache: it was down, failed or was slow to answer",
+            ("outcome",),
+        )
 
     async def start(self, stack: AsyncExitStack) -> None:
         self.engine.start()
         self.grpc = await start_grpc_server(self.ctx.settings.worker.grpc_port, [], [self.ctx.stage])
+        await self._report_kvcache()
         await self._publish_kv_events(cleared=True)
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
@@ -116,8 +135,21 @@ class Worker:
         if self.grpc is not None:
             await self.grpc.stop(grace_s=1.0)
 
-    def record_kv_transfer(self, report: KVTransferReport, span: Span) -> None:
+    async def _report_kvcache(self) -> None:
+        """kvcache's state as this worker sees it: the gauge, and the "kvcache" health service."""
+        up = self.kvcache is None or self.kvcache.up
+        self.m_kvcache_up.set(1 if up else 0)
+        if up != self._kvcache_up and self.grpc is not None:
+            self._kvcache_up = up
+            await self.grpc.health.set(KVCACHE_HEALTH, SERVING if up else NOT_SERVING)
+
+    def record_kv_transfer(self, report: KVTransferReport, span: Span, request_id: str | None = None) -> None:
         """What the engine's connector moved for a request: metrics and span attributes."""
+        if request_id is not None and self.kvcache is not None:
+            outcome = self.kvcache.take_outcome(request_id) or "unused"
+            span.set_attribute("kv.kvcache", outcome)
+            if outcome not in ("ok", "unused"):
+                self.m_kvcache_bypassed.labels(outcome).inc()
         block_bytes = self.engine.engine.runner.kv_region.block_bytes
         loaded, stored = report.num_loaded_blocks * block_bytes, report.num_saved_blocks * block_bytes
         self.m_kv_loaded_bytes.inc(loaded)
@@ -171,6 +203,8 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         while True:
             await self._send_heartbeat()
+            with contextlib.suppress(Exception):
+                await self._report_kvcache()
             await asyncio.sleep(self.ctx.settings.worker.heartbeat_interval_s)
 
     async def _publish_kv_events(self, cleared: bool = False) -> None:
@@ -214,7 +248,9 @@ async def serve_engine_stage(
         publish = ctx.bus.publish(subjects.kv_release(instance_id), message)
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(publish))
 
-    store: KVConnector = KVCacheConnector(ctx.settings.kvcache.address)
+    kv = ctx.settings.kvcache
+    kvcache = KVCacheConnector(kv.address, lookup_timeout_s=kv.lookup_timeout_s, probe_interval_s=kv.probe_interval_s)
+    store: KVConnector = kvcache
     if ctx.settings.engine.host_kv_cache_bytes:
         store = HostTierConnector(store, ctx.settings.engine.host_kv_cache_bytes)
     connector = PeerConnector(store, release)
@@ -228,7 +264,7 @@ async def serve_engine_stage(
         connector.close()
         raise
     stack.callback(engine.close)  # after the drain below has stopped the engine thread
-    worker = Worker(ctx, engine)
+    worker = Worker(ctx, engine, kvcache)
     handle = make_handler(worker)
     await worker.start(stack)
     routes: list[tuple[str, type[Message], Callable[[Any], Awaitable[Message | None]]]] = [
@@ -254,15 +290,19 @@ def validate_prompt(engine: LLMEngine, prompt: list[int], params: SamplingParams
         raise ValueError(f"the prompt has {len(prompt)} tokens; the model takes at most {engine.max_model_len}")
 
 
-async def fail_stream(bus: Bus, request_id: str, instance_id: str, message: str) -> None:
+async def fail_stream(
+    bus: Bus, request_id: str, instance_id: str, message: str, code: int = mesh_pb2.ERROR_CODE_INTERNAL
+) -> None:
     """End a request's token stream with an error, so the balancer answers the
-    client instead of waiting for a timeout."""
+    client (or moves the request) instead of waiting for a timeout. From prefill,
+    a retryable code (OVERLOADED, SHUTTING_DOWN) says the decode instance did not
+    take the handoff; any other code, that prefill itself failed."""
     chunk = mesh_pb2.TokenChunk(
         request_id=request_id,
         final=True,
-        error_code=mesh_pb2.ERROR_CODE_INTERNAL,
+        error_code=code,
         error=message,
         instance_id=instance_id,
     )
     with contextlib.suppress(Exception):
-        await StreamPublisher(bus, request_id).send(chunk)
+        await StreamPublisher(bus, instance_id, request_id).send(chunk)

@@ -1,0 +1,260 @@
+"""Failover from the registry: a worker killed with SIGKILL under load (32
+concurrent streams, 2 prefill + 2 decode) leaves the registry after its missed
+heartbeats, and its requests move at once — resuming with the tokens already
+streamed — not at the stream timeouts (kept at their defaults here, 30 s and
+60 s, so a pass cannot come from a timeout). Nothing is lost, greedy output is
+unchanged, and no stream waits more than 5 s for its next chunk.
+
+And kvcache as a soft dependency: killed, requests are computed and /ready says
+"degraded"; restarted, workers use it again within about one probe interval."""
+
+import asyncio
+import re
+import signal
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+import nats
+import openai
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from tests.mesh_procs import span_attributes
+from tools.launch.trace_view import load_spans
+from tools.launch.up import grpc_serving
+
+ENV = {"INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2"}  # a dead worker leaves the registry after 0.6 s
+NUM_STREAMS = 32
+MAX_STALL_S = 5.0
+
+
+@dataclass
+class Stream:
+    prompt: str
+    started: float = 0.0
+    times: list[float] = field(default_factory=list)
+    """When each chunk with text arrived (monotonic)."""
+    text: str = ""
+    completion_tokens: int | None = None
+    error: str | None = None
+    request_id: str = ""
+
+    def stall(self) -> float:
+        """The longest the client waited for something: from the start to the first
+        chunk, or between two chunks."""
+        points = [self.started, *self.times]
+        return max(b - a for a, b in zip(points, points[1:])) if self.times else float("inf")
+
+
+def stream_one(client: openai.OpenAI, name: str, s: Stream, max_tokens: int) -> None:
+    s.started = time.monotonic()
+    try:
+        chunks = client.completions.create(
+            model=name, prompt=s.prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        for chunk in chunks:
+            s.request_id = chunk.id
+            if chunk.choices and chunk.choices[0].text:
+                s.times.append(time.monotonic())
+                s.text += chunk.choices[0].text
+            if chunk.usage is not None:
+                s.completion_tokens = chunk.usage.completion_tokens
+    except Exception as exc:  # counted as failed
+        s.error = f"{type(exc).__name__}: {exc}"
+
+
+def metric(mesh, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(mesh.api_url.removesuffix("/v1") + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    want = "".join(f'(?=[^}}]*{k}="{re.escape(v)}")' for k, v in labels.items())
+    return sum(float(m.group(1)) for m in re.finditer(
+        rf"^infermesh_balancer_{name}(?:\{{{want}[^}}]*\}})? ([0-9.e+]+)$", text, re.M))
+
+
+def causes(mesh) -> dict[str, int]:
+    return {c: int(metric(mesh, "migrations_total", cause=c)) for c in ("left_mesh", "handoff", "error", "timeout")
+            if metric(mesh, "migrations_total", cause=c)}
+
+
+def migration_gaps(mesh, streams: list[Stream]) -> list[float]:
+    """Per moved request, from the balancer's trace: its last token before the failure
+    (or its start) to its first token after the move, in seconds."""
+    wanted = {s.request_id for s in streams}
+    deadline = time.monotonic() + 10
+    while True:
+        roots = {s["attributes"]["request.id"]: s["attributes"] for s in load_spans(mesh.trace_dir)
+                 if s["name"].startswith("POST ") and s["attributes"].get("request.id") in wanted}
+        if len(roots) == len(wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return [a["migration.gap_ms"] / 1e3 for a in roots.values() if "migration.gap_ms" in a]
+
+
+class Listener:
+    """A NATS subscription on a thread of its own, started once the mesh's address is known."""
+
+    def __init__(self, subject: str, on_msg) -> None:  # noqa: ANN001
+        self.subject = subject
+        self.on_msg = on_msg
+        self.nats_url: str | None = None
+
+    def start(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        ready = threading.Event()
+
+        async def run() -> None:
+            nc = await nats.connect(nats_url, allow_reconnect=False)
+
+            async def cb(msg) -> None:  # noqa: ANN001
+                self.on_msg(msg)
+
+            await nc.subscribe(self.subject, cb=cb)
+            await nc.flush()
+            ready.set()
+            await asyncio.sleep(3600)  # a daemon thread: ends with the test process
+
+        threading.Thread(target=lambda: asyncio.run(run()), daemon=True).start()
+        assert ready.wait(10)
+
+
+def kill_under_load(start_mesh, mesh_model_dir: str, victim: str, prompts: list[str], max_tokens: int,
+                    busy, prepare=None) -> tuple[list[Stream], object]:  # noqa: ANN001
+    """Stream every prompt at once, SIGKILL `victim` once busy(mesh, streams) says it holds work,
+    wait for every stream; check the outputs against offline greedy generation.
+    prepare(nats_url) runs before the streams start."""
+    mesh = start_mesh(num_prefill=2, num_decode=2, extra_env=ENV)
+    if prepare is not None:
+        prepare(mesh.nats_url)
+    client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    expected = [o.text for o in LLM(mesh_model_dir).generate(prompts, params)]
+    streams = [Stream(p) for p in prompts]
+    threads = [threading.Thread(target=stream_one, args=(client, name, s, max_tokens)) for s in streams]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while not busy(mesh, streams):
+        assert time.monotonic() < deadline, f"{victim} never got work"
+    dict(mesh.procs)[victim].send_signal(signal.SIGKILL)  # no drain, no goodbye
+    for t in threads:
+        t.join(120)
+    ok = [s for s in streams if s.error is None]
+    failed = [s for s in streams if s.error is not None]
+    stalled = [s for s in streams if s.stall() > MAX_STALL_S]
+    gaps = migration_gaps(mesh, streams)
+    print(f"\nkill {victim}: {len(ok)} ok, {len(failed)} failed, {len(stalled)} stalled > {MAX_STALL_S} s "
+          f"(longest wait for a chunk, client side: {max(s.stall() for s in streams):.2f} s); "
+          f"{len(gaps)} moved (causes {causes(mesh)}), their gap: longest {max(gaps, default=0):.2f} s, "
+          f"median {sorted(gaps)[len(gaps) // 2] if gaps else 0:.2f} s")
+    assert len(gaps) == metric(mesh, "migrations_total")
+    assert failed == []
+    assert [s.text for s in streams] == expected  # moved with prompt + tokens so far: the same greedy text
+    assert all(s.completion_tokens == max_tokens for s in streams)
+    return streams, mesh
+
+
+def test_killing_a_decode_instance_mid_stream_moves_its_requests_within_2s(start_mesh, mesh_model_dir):
+    prompts = [f"stream {i}: one two three" for i in range(NUM_STREAMS)]
+
+    def busy(mesh, streams: list[Stream]) -> bool:  # noqa: ANN001
+        time.sleep(0.02)
+        return all(len(s.times) >= 4 for s in streams)  # every stream mid-way, half of them on decode-0
+
+    streams, mesh = kill_under_load(start_mesh, mesh_model_dir, "decode-0", prompts, 96, busy)
+    # The registry's loss moved them, not a timeout (nor an error: decode-0 sent none) ...
+    assert metric(mesh, "migrations_total", cause="left_mesh") >= 8
+    assert metric(mesh, "migrations_total") == metric(mesh, "migrations_total", cause="left_mesh")
+    # ... within 2 s: 3 missed beats (0.6 s) and a prefill of prompt + tokens so far elsewhere.
+    assert max(migration_gaps(mesh, streams)) < 2.0
+    assert max(s.stall() for s in streams) < MAX_STALL_S
+
+
+def test_killing_a_prefill_instance_before_its_handoffs_moves_them(start_mesh, mesh_model_dir):
+    # Longer prompts, all at once: prefill-0 has a queue when it dies, killed as soon as
+    # it was handed 6 requests (a listener of its own on prefill-0's dispatch subject).
+    prompts = [f"request {i}: " + "a long line of prompt text to prefill\n" * 8 for i in range(NUM_STREAMS)]
+    dispatched = [0]
+    seen = Listener("im.prefill.prefill-0.run", lambda _: dispatched.__setitem__(0, dispatched[0] + 1))
+
+    def busy(mesh, streams: list[Stream]) -> bool:  # noqa: ANN001
+        time.sleep(0.005)
+        return dispatched[0] >= 6
+
+    streams, mesh = kill_under_load(start_mesh, mesh_model_dir, "prefill-0", prompts, 8, busy, seen.start)
+    assert metric(mesh, "migrations_total", cause="left_mesh") >= 1
+    assert metric(mesh, "migrations_total", cause="timeout") == 0
+    # Those queued on prefill-0 started over on prefill-1 at once (behind its own queue):
+    # from their start to their first token, under 5 s. (The client's longest wait, printed,
+    # also counts the queue of 32 prompts on the one prefill instance left: capacity, on
+    # this test's 2 shared cores, not the failover.)
+    assert max(migration_gaps(mesh, streams)) < MAX_STALL_S
+
+
+def kvcache_health_of(mesh, worker: str) -> bool:
+    """The worker's gRPC health service "kvcache": SERVING while it reaches kvcache."""
+    port = mesh._commands[worker][1]["INFERMESH_WORKER__GRPC_PORT"]  # the port Mesh gave it
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="kvcache"), timeout=2)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def ready(mesh) -> tuple[int, dict]:
+    import json
+
+    with urllib.request.urlopen(mesh.api_url.removesuffix("/v1") + "/ready", timeout=5) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def wait_until(what: str, check, timeout_s: float) -> float:  # noqa: ANN001
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout_s, f"{what} not within {timeout_s} s"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def test_kvcache_down_is_degraded_not_unavailable_and_its_use_resumes_when_back(start_mesh, mesh_model_dir):
+    mesh = start_mesh(extra_env={**ENV, "INFERMESH_ENGINE__BLOCK_SIZE": "16"})
+    client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=60)
+    name = client.models.list().data[0].id
+    assert ready(mesh) == (200, {"ready": True, "status": "ok", "instances": {"prefill": 1, "decode": 1},
+                                 "kvcache": "up"})
+    assert kvcache_health_of(mesh, "prefill-0")
+    dict(mesh.procs)["kvcache"].send_signal(signal.SIGKILL)
+    wait_until("/ready saying kvcache is down", lambda: ready(mesh)[1]["kvcache"] == "down", 2.0)
+    assert ready(mesh) == (200, {"ready": True, "status": "degraded", "instances": {"prefill": 1, "decode": 1},
+                                 "kvcache": "down"})
+    wait_until("prefill's kvcache health NOT_SERVING", lambda: not kvcache_health_of(mesh, "prefill-0"), 2.0)
+    llm = LLM(mesh_model_dir, block_size=16)
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+
+    def prompt(i: int) -> str:  # a new prefix each time: prefill asks kvcache
+        return "".join(f"note {i}.{j}: a line long enough to fill a few KV blocks\n" for j in range(4))
+
+    for i in range(4):  # all succeed, computed; each says kvcache was not used
+        out = client.completions.create(model=name, prompt=prompt(i), max_tokens=8, temperature=0)
+        assert out.choices[0].text == llm.generate([prompt(i)], greedy)[0].text
+        assert span_attributes(mesh.trace_dir, out.id, "prefill")["kv.kvcache"] in ("down", "failed", "slow")
+    mesh.restart("kvcache")
+    wait_until("kvcache serving again", lambda: grpc_serving(mesh.kv_address), 60)
+    back = time.monotonic()
+    i = 100
+    while True:  # a request a time until prefill's lookup is answered by kvcache again
+        sent = time.monotonic()
+        out = client.completions.create(model=name, prompt=prompt(i), max_tokens=8, temperature=0)
+        if span_attributes(mesh.trace_dir, out.id, "prefill")["kv.kvcache"] == "ok":
+            break
+        i += 1
+        assert time.monotonic() - back < 10, "kvcache is not used again"
+    resumed = sent - back
+    print(f"\nkvcache used again by a request sent {resumed:.2f} s after it served again "
+          f"({i - 100} computed without it meanwhile)")
+    assert resumed < 2.0  # the probe (every 0.5 s) finds it back and redials at once
+    wait_until("/ready saying kvcache is up", lambda: ready(mesh)[1]["kvcache"] == "up", 2.0)
+    assert kvcache_health_of(mesh, "prefill-0")
