@@ -196,6 +196,7 @@ async def test_replies_go_to_the_asker_only(auth_nats):
             await msg.respond(b"ack")
 
         await owner.nc.subscribe(subjects.prefill_run("prefill-0"), cb=answer)
+        await owner.nc.flush()  # the server has the subscription before the request comes
         stolen = await spy.received(inbox_prefix("balancer") + ".>")
         reply = await balancer.nc.request(subjects.prefill_run("prefill-0"), b"prompt", timeout=5)
         await settle(spy)

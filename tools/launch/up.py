@@ -33,12 +33,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tools.launch.nats_auth import MeshCredentials, new_password
 
 # Run by the child before it execs its command: die with the thread that
-# started it (prctl(PR_SET_PDEATHSIG, SIGKILL); Linux), and give up if that
-# parent is already gone. A wrapper rather than preexec_fn, which is unsafe in
-# a process with threads (the supervisor is one).
+# started it (prctl(PR_SET_PDEATHSIG, SIGKILL)), and give up if that parent is
+# already gone. A wrapper rather than preexec_fn, which is unsafe in a process
+# with threads (the supervisor is one). Without prctl (not Linux) the child
+# runs anyway, and says that it may outlive `up`.
 _PDEATHSIG_EXEC = (
     "import ctypes, os, signal, sys\n"
-    "if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0: sys.exit('prctl(PR_SET_PDEATHSIG) failed')\n"
+    "prctl = getattr(ctypes.CDLL(None, use_errno=True), 'prctl', None)\n"
+    "if prctl is None: print('no prctl here: this process may outlive infermesh up', file=sys.stderr)\n"
+    "elif prctl(1, signal.SIGKILL) != 0: sys.exit('prctl(PR_SET_PDEATHSIG) failed')\n"
     "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
     "os.execvp(sys.argv[2], sys.argv[2:])"
 )
