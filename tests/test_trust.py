@@ -411,3 +411,14 @@ def test_up_killed_with_sigkill_leaves_no_child(up):
     while any(alive(pid) for pid in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in kids if alive(pid)]
+
+
+def test_up_stopped_with_sigterm_drains_everything_and_restarts_nothing(mesh_model_dir, tmp_path):
+    up = Up(mesh_model_dir, tmp_path)
+    kids = {n: up.child(n) for n in ("nats", "kvcache", "prefill-0", "decode-0", "balancer")}
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 0
+    assert not [n for n, pid in kids.items() if alive(pid)]
+    assert "restart" not in up.output().split("stopping the mesh")[-1]  # the supervisor stood down
+    for name in ("kvcache", "prefill-0", "decode-0", "balancer"):  # each drained on its SIGTERM
+        assert "stopping" in (tmp_path / "logs" / f"{name}.log").read_text(), name
