@@ -83,7 +83,9 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
 class Mesh:
     """auth: NATS users and permissions, and the gRPC token (on for `up`; off only
     for a test that wants an open mesh). supervise: restart what dies (`up`
-    turns it on; tests that kill instances want them to stay dead)."""
+    turns it on; tests that kill instances want them to stay dead). Call start()
+    and restart() from a thread that outlives the mesh (the main thread, say): a
+    child dies with the thread that started it (PR_SET_PDEATHSIG)."""
 
     model: str
     num_prefill: int = 1
