@@ -153,6 +153,7 @@ def kill_under_load(start_mesh, mesh_model_dir: str, victim: str, prompts: list[
           f"{len(gaps)} moved (causes {causes(mesh)}), their gap: longest {max(gaps, default=0):.2f} s, "
           f"median {sorted(gaps)[len(gaps) // 2] if gaps else 0:.2f} s")
     assert len(gaps) == metric(mesh, "migrations_total")
+    assert metric(mesh, "instances_left_total") == 1  # the victim, and no live instance taken for dead
     assert failed == []
     assert [s.text for s in streams] == expected  # moved with prompt + tokens so far: the same greedy text
     assert all(s.completion_tokens == max_tokens for s in streams)

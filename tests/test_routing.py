@@ -35,9 +35,11 @@ def test_instances_missing_heartbeats_are_dropped_and_draining_ones_get_no_work(
     assert reg.live("prefill") == []
     clock.now += 2.5
     beat(reg, "decode", "d1")
-    clock.now += 1.0  # d0 silent for 3.5 s > 3 missed beats
+    clock.now += 1.0  # d0 silent for 3.5 s > 3 missed beats: no new work, not dropped yet
     assert [i.instance_id for i in reg.live("decode")] == ["d1"]
-    # d0, and p0: draining still beats, and p0 has been as silent as d0.
+    assert reg.num_dropped == 0 and [i.instance_id for i in reg.silent()] == ["d0", "p0"]
+    # sweep() drops d0, and p0: draining still beats, and p0 has been as silent as d0.
+    assert [i.instance_id for i in reg.sweep()] == ["d0", "p0"]
     assert reg.num_dropped == 2 and reg.get("p0") is None
 
 
@@ -121,6 +123,9 @@ def test_a_heartbeat_claiming_an_interval_beyond_the_bound_is_refused_and_counte
     assert reg.get("fast").interval_s == MIN_INTERVAL_S
     clock.now += 3 * MIN_INTERVAL_S + 0.001
     assert [i.instance_id for i in reg.live("decode")] == ["slow"]
+    # A checked stream chunk is proof of life: fast is back.
+    reg.touch("fast")
+    assert sorted(i.instance_id for i in reg.live("decode")) == ["fast", "slow"]
 
 
 def test_leaving_instances_are_announced_once_with_why_and_a_restart_is_a_leave():

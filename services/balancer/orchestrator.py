@@ -231,7 +231,9 @@ class MeshGenerator:
         if not ack.done() or ack.cancelled():
             self._cancel_soon(msg.request_id)
             raise gone_error
-        return ack.result()
+        reply = ack.result()
+        self.registry.touch(instance_id)  # it answered: alive
+        return reply
 
     @staticmethod
     def _fail(reader: StreamReader, instance_id: str, why: str) -> None:
@@ -271,6 +273,7 @@ class MeshGenerator:
                                                       cause="handoff")
                             raise _InstanceFailed(chunk.error, route.prefill)
                         raise _InstanceFailed(chunk.error, route.decode)
+                    self.registry.touch(route.decode)  # proof of life, should its heartbeat be late
                     if num_chunks == 0:  # decode has the request: prefill's fate no longer matters
                         self._unwatch(reader, route.prefill)
                     num_chunks += 1

@@ -15,6 +15,13 @@ leaves (its requests fail over) and the new one joins. Whoever watches
 `on_removed` hears each instance that leaves, the moment the registry notices
 (`sweep`, run every SWEEP_INTERVAL_S by the service): the orchestrator moves
 that instance's requests at once instead of waiting for their streams to time out.
+
+Silent and gone are two steps. A silent instance gets no new work (`live`
+leaves it out); only `sweep` removes it, which the service runs after reading
+what NATS already delivered, so a balancer whose own loop lags behind its
+heartbeats does not fail over instances that are fine. A stream chunk that
+passed the balancer's checks is proof of life too (`touch`): a decode instance
+busy streaming is not dropped because its heartbeat came late.
 """
 
 import math
@@ -119,26 +126,39 @@ class Registry:
         for callback in self.on_removed:
             callback(inst, why)
 
+    def touch(self, instance_id: str) -> None:
+        """The instance was heard from (a checked stream chunk): it is alive."""
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            inst.last_seen = max(inst.last_seen, self.clock())
+
+    def _silent(self, inst: Instance, now: float) -> bool:
+        return now - inst.last_seen > self.misses * inst.interval_s
+
+    def silent(self) -> list[Instance]:
+        """The instances silent for more than `misses` intervals (not removed yet)."""
+        now = self.clock()
+        return [inst for inst in self._instances.values() if self._silent(inst, now)]
+
     def sweep(self) -> list[Instance]:
         """Drop the instances silent for more than `misses` intervals; returns them."""
-        now = self.clock()
-        dead = [inst for inst in self._instances.values() if now - inst.last_seen > self.misses * inst.interval_s]
+        dead = self.silent()
         for inst in dead:
             self._remove(inst, f"missed {self.misses} heartbeats")
         return dead
 
     def live(self, stage: str) -> list[Instance]:
-        """Instances of the stage that take new work."""
-        self.sweep()
-        return [i for i in self._instances.values() if i.stage == stage and not i.draining]
+        """Instances of the stage that take new work: neither draining nor silent."""
+        now = self.clock()
+        return [i for i in self._instances.values() if i.stage == stage and not i.draining and not self._silent(i, now)]
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
 
     def counts(self) -> dict[str, int]:
-        self.sweep()
+        now = self.clock()
         out: dict[str, int] = {}
         for inst in self._instances.values():
-            if not inst.draining:
+            if not inst.draining and not self._silent(inst, now):
                 out[inst.stage] = out.get(inst.stage, 0) + 1
         return out

@@ -96,11 +96,17 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         stack.push_async_callback(sub.unsubscribe)
 
     async def sweep() -> None:
-        """Notice silent instances promptly: their requests fail over when they leave."""
+        """Notice silent instances promptly: their requests fail over when they leave.
+        Before dropping one, read what NATS has delivered (a round trip to the server,
+        then a moment for the handlers): when this loop lags, its heartbeat may be there."""
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             try:
-                registry.sweep()
+                if registry.silent():
+                    with contextlib.suppress(Exception):
+                        await ctx.bus.nc.flush(timeout=1)
+                    await asyncio.sleep(0.01)
+                    registry.sweep()
             except Exception:
                 log.exception("sweeping the registry failed")
 
