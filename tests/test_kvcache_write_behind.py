@@ -97,3 +97,39 @@ def test_a_save_beyond_the_bytes_on_their_way_is_dropped_and_counted(model_dir, 
     assert waited.kv.num_saved_blocks == 40 // BLOCK and waited.kv.save_error is None
     assert stored_blocks(kvcache.address, full_block_hashes(engine, waited)) == 40 // BLOCK
     engine.close()
+
+
+def test_saves_run_in_a_writer_process_when_the_cache_can_be_mapped(model_dir, kvcache):
+    """A cache other processes can map (a prefill worker's, in shared memory here): the
+    byte work of its saves runs in the writer process, the blocks land in kvcache, and
+    a writer that dies turns later saves into counted failures, never a stuck engine."""
+    connector = KVCacheConnector(kvcache.address)
+    engine = LLMEngine(EngineConfig(model=model_dir, block_size=BLOCK, num_kv_blocks=64),
+                       kv_connector=connector, share_kv=True)  # fmt: skip
+    prompt = random_prompts([45], vocab=500, seed=33)[0]
+    out = run(engine, "w", prompt, SamplingParams(max_tokens=1), kv_transfer=WRITE_BEHIND)
+    writer = connector._writer
+    assert writer is not None and writer.alive and writer._proc.pid != os.getpid()
+    hashes = full_block_hashes(engine, out)
+    deadline = time.monotonic() + 10
+    while stored_blocks(kvcache.address, hashes) < len(hashes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stored_blocks(kvcache.address, hashes) == len(hashes) == 45 // BLOCK
+    # A save the request waits for goes through the writer too, and is reported once stored.
+    other = random_prompts([33], vocab=500, seed=34)[0]
+    waited = run(engine, "v", other, SamplingParams(max_tokens=1), kv_transfer=KVTransferParams(save=True))
+    assert waited.kv.num_saved_blocks == 33 // BLOCK and waited.kv.save_error is None
+    assert stored_blocks(kvcache.address, full_block_hashes(engine, waited)) == 33 // BLOCK
+
+    writer._proc.kill()
+    writer._proc.wait()
+    deadline = time.monotonic() + 10
+    while writer.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not writer.alive
+    third = random_prompts([41], vocab=500, seed=35)[0]
+    failed = run(engine, "x", third, SamplingParams(max_tokens=1), kv_transfer=KVTransferParams(save=True))
+    # With the writer gone the connector saves in this process again: the store still happens.
+    assert failed.kv.save_error is None and failed.kv.num_saved_blocks == 41 // BLOCK
+    assert engine.kv.pool.num_free_blocks == 64
+    engine.close()

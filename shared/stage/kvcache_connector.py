@@ -10,7 +10,9 @@ load: no payloads, with the error): the engine recomputes, and says so.
 A save written behind is reported as soon as its blocks have been copied to
 host memory, so the engine's blocks are not held while the store runs; what is
 on its way to the store is bounded (MAX_BYTES_BEHIND), and a save beyond that
-is dropped, counted like one that fails.
+is dropped, counted like one that fails. Where the engine's cache can be mapped
+by another process (a prefill worker's), saves run in a writer process of their
+own (kv_writer.py), so their byte work never takes the GIL from the engine.
 
 kvcache is a cache, so a worker computes without it rather than waits for it.
 A lookup that does not answer within lookup_timeout_s counts as a miss; a call
@@ -40,6 +42,7 @@ from shared.engine.kv.connector import BlockIds, KVConnector, LoadResult, SaveRe
 from shared.kv.block_hash import BlockHash
 from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.telemetry import extract_context
+from shared.stage.kv_writer import KVWriter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,6 +74,9 @@ class KVCacheConnector(KVConnector):
     ) -> None:
         self.lookup_timeout_s = lookup_timeout_s
         self.probe_interval_s = probe_interval_s
+        self._address, self._timeout_s = address, timeout_s
+        self._writer: KVWriter | None = None
+        self._writer_tried = False
         self.up = True
         """Whether kvcache answered lately (a failed call says no at once, the probe says yes again)."""
         self._loop = asyncio.new_event_loop()
@@ -212,9 +218,35 @@ class KVCacheConnector(KVConnector):
             self._num_dropped += 1  # the store falls behind: this prefix only misses the cache later
             read.set_result(None)
             stored = read
+        elif (writer := self._the_writer()) is not None:
+            read, stored = writer.submit(hashes, block_ids)
+            if not params.wait_for_save:
+                size = len(hashes) * self.region.block_bytes
+                stored.add_done_callback(lambda done: self._stored_behind(done, size))
         else:
             stored = self._submit(self._store(hashes, block_ids, read, params.wait_for_save), trace)
         self._saves[request_id] = _Save(len(hashes), params.wait_for_save, read, stored)
+
+    def _the_writer(self) -> KVWriter | None:
+        """The writer process, started at the first save where the cache can be mapped."""
+        if not self._writer_tried:
+            self._writer_tried = True
+            try:
+                description = self.region.share()  # type: ignore[attr-defined]
+            except (AttributeError, ValueError):
+                return None  # a cache only this process sees: saves run here
+            region = self.region
+            self._writer = KVWriter(
+                description, region.kv_layout, str(region.device), self._address, self._timeout_s  # type: ignore[attr-defined]
+            )
+        return self._writer if self._writer is not None and self._writer.alive else None
+
+    def _stored_behind(self, stored: "concurrent.futures.Future[None]", size: int) -> None:
+        """A save written behind by the writer ended (the writer's reply thread)."""
+        self._release_behind(size)
+        if stored.exception() is not None:
+            self._num_failed_behind += 1
+            log.warning("storing blocks written behind failed: %s", stored.exception())
 
     def _reserve_behind(self, size: int) -> bool:
         with self._behind_lock:
@@ -292,6 +324,8 @@ class KVCacheConnector(KVConnector):
         return self._num_failed_behind
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
         if not self._loop.is_running():
             return
         self._loop.call_soon_threadsafe(self._probe.cancel)
