@@ -22,6 +22,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import uvicorn
+from prometheus_client import Gauge
 from fastapi.responses import JSONResponse
 
 from services.balancer.api import create_app
@@ -33,6 +34,7 @@ from shared.model.fingerprint import model_fingerprint
 from shared.proto import mesh_pb2
 from shared.recipe import Recipe
 from shared.runtime import subjects
+from shared.runtime.bus import Bus
 from shared.runtime.rpc import check_health
 from shared.runtime.service import ServiceContext
 
@@ -45,6 +47,45 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+async def _sweep(registry: Registry, bus: Bus) -> None:
+    """Notice silent instances promptly: their requests fail over when they leave.
+    Before dropping one, read what NATS has delivered (a round trip to the server,
+    then a moment for the handlers): when this loop lags, its heartbeat may be there."""
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL_S)
+        try:
+            if registry.silent():
+                with contextlib.suppress(Exception):
+                    await bus.nc.flush(timeout=1)
+                await asyncio.sleep(0.01)
+                registry.sweep()
+        except Exception:
+            log.exception("sweeping the registry failed")
+
+
+class _KVCacheProbe:
+    """kvcache's health as the balancer sees it (grpc.health.v1, which needs no token)."""
+
+    def __init__(self, address: str, interval_s: float, gauge: Gauge) -> None:
+        self.address = address
+        self.interval_s = interval_s
+        self.gauge = gauge
+        self.up: bool | None = None
+        """None until the first check."""
+
+    async def run(self) -> None:
+        while True:
+            up = await check_health(self.address, timeout_s=min(self.interval_s, 1.0))
+            if up != self.up:
+                if up:
+                    log.info("kvcache is up")
+                else:
+                    log.warning("kvcache is unreachable: workers compute without it")
+            self.up = up
+            self.gauge.set(1 if up else 0)
+            await asyncio.sleep(self.interval_s)
 
 
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
@@ -95,35 +136,9 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         sub = await ctx.bus.subscribe(subject, msg_type, handler)
         stack.push_async_callback(sub.unsubscribe)
 
-    async def sweep() -> None:
-        """Notice silent instances promptly: their requests fail over when they leave.
-        Before dropping one, read what NATS has delivered (a round trip to the server,
-        then a moment for the handlers): when this loop lags, its heartbeat may be there."""
-        while True:
-            await asyncio.sleep(SWEEP_INTERVAL_S)
-            try:
-                if registry.silent():
-                    with contextlib.suppress(Exception):
-                        await ctx.bus.nc.flush(timeout=1)
-                    await asyncio.sleep(0.01)
-                    registry.sweep()
-            except Exception:
-                log.exception("sweeping the registry failed")
-
-    kvcache_up: list[bool | None] = [None]  # None: not checked yet
-
-    async def probe_kvcache() -> None:
-        interval = settings.kvcache.probe_interval_s
-        while True:
-            up = await check_health(settings.kvcache.address, timeout_s=min(interval, 1.0))
-            if up != kvcache_up[0]:
-                (log.info if up else log.warning)("kvcache is %s", "up" if up else "unreachable: workers compute without it")
-            kvcache_up[0] = up
-            g_kvcache.set(1 if up else 0)
-            await asyncio.sleep(interval)
-
-    g_kvcache = ctx.metrics.gauge("kvcache_up", "1 while the balancer reaches kvcache's health check")
-    for name, coro in (("registry-sweep", sweep()), ("kvcache-probe", probe_kvcache())):
+    kvcache = _KVCacheProbe(settings.kvcache.address, settings.kvcache.probe_interval_s,
+                            ctx.metrics.gauge("kvcache_up", "1 while the balancer reaches kvcache's health check"))
+    for name, coro in (("registry-sweep", _sweep(registry, ctx.bus)), ("kvcache-probe", kvcache.run())):
         task = asyncio.create_task(coro, name=name)
         stack.callback(task.cancel)
     max_model_len = settings.engine.max_model_len or model_config.max_position_embeddings
@@ -146,9 +161,9 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         for stage in STAGES:
             g_instances.labels(stage).set(counts.get(stage, 0))
         ok = counts.get("prefill", 0) > 0 and counts.get("decode", 0) > 0
-        kvcache = {None: "unknown", True: "up", False: "down"}[kvcache_up[0]]
-        status = "ok" if kvcache == "up" else "degraded"
-        body = {"ready": ok, "status": status if ok else "unavailable", "instances": counts, "kvcache": kvcache}
+        kv_state = {None: "unknown", True: "up", False: "down"}[kvcache.up]
+        status = "ok" if kv_state == "up" else "degraded"
+        body = {"ready": ok, "status": status if ok else "unavailable", "instances": counts, "kvcache": kv_state}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     config = uvicorn.Config(
