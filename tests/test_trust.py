@@ -98,9 +98,14 @@ async def as_user(server: AuthNats, user: str) -> Client:
     return await Client().connect(server.url, user, server.creds.users[user].password)
 
 
-async def settle(*clients: Client) -> None:
+async def settle(*clients: Client, until=None) -> None:  # noqa: ANN001
+    """Flush every client, wait (up to 10 s) for until() where something must arrive,
+    then watch QUIET_S more for what must not."""
     for c in clients:
         await c.nc.flush()
+    deadline = asyncio.get_running_loop().time() + 10
+    while until is not None and not until() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
     await asyncio.sleep(QUIET_S)
 
 
@@ -137,7 +142,7 @@ async def test_a_worker_cannot_dispatch_cancel_or_forge_another_stages_heartbeat
         await balancer.nc.publish(subjects.prefill_run("prefill-0"), b"dispatch")
         await balancer.nc.publish(subjects.CANCEL, b"cancel")
         await attacker.nc.publish(subjects.heartbeat("decode"), b"its own heartbeat")
-        await settle(attacker, prefill, balancer)
+        await settle(attacker, prefill, balancer, until=lambda: runs and cancels and heartbeats)
         assert [m.data for m in runs] == [b"dispatch"] and [m.data for m in cancels] == [b"cancel"]
         assert [m.subject for m in heartbeats] == [subjects.heartbeat("decode")]
     finally:
@@ -158,7 +163,8 @@ async def test_no_one_but_the_instance_reads_its_prompts(auth_nats):
             stolen.append(await spy.received(subjects.decode_admit("decode-1")))  # handoffs carry prompts too
             await settle(spy)
             await balancer.nc.publish(subjects.prefill_run("prefill-0"), b"secret prompt")
-            await settle(balancer, owner, spy)
+            expected = len(mine) + 1
+            await settle(balancer, owner, spy, until=lambda: len(mine) >= expected)  # noqa: B023
             assert stolen == [[], [], [], []], name
             assert len(violations(spy, "subscription")) == 4, (name, spy.errors)
             await spy.nc.close()
@@ -178,7 +184,7 @@ async def test_a_worker_cannot_publish_into_another_instances_stream(auth_nats):
         chunks = await balancer.received(stream_subjects("*"))
         await attacker.nc.publish(subjects.stream("decode-0", "victim"), b"injected tokens")
         await attacker.nc.publish(subjects.stream("decode-1", "mine"), b"its own stream")
-        await settle(attacker, balancer)
+        await settle(attacker, balancer, until=lambda: chunks)
         assert [m.subject for m in chunks] == [subjects.stream("decode-1", "mine")]
         assert len(violations(attacker, "publish")) == 1, attacker.errors
     finally:
