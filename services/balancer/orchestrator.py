@@ -154,6 +154,7 @@ class MeshGenerator:
                         moved = False
                         self.m_migration_gap.observe(now - last_token)
                         root.set_attribute("migration.gap_ms", round((now - last_token) * 1e3, 2))
+                        root.set_attribute("migration.resumed_unix", time.time())  # to line up with a death
                     if event.token_ids:
                         last_token = now
                     if not generated and event.token_ids:
@@ -250,7 +251,8 @@ class MeshGenerator:
         def on_rejected(reason: str, chunk: mesh_pb2.TokenChunk) -> None:
             self.reject_chunk(reason, chunk, root, rejected)
 
-        async with StreamReader(self.bus, rid, on_rejected) as reader:
+        # A chunk that passed the checks is proof of life, as it arrives (its heartbeat may be late).
+        async with StreamReader(self.bus, rid, on_rejected, lambda chunk: self.registry.touch(chunk.instance_id)) as reader:
             route = await self._dispatch(req, excluded, reader)
             # Not the current span: this generator yields, and a span made current
             # across a yield would be detached in another context when closed.
@@ -273,7 +275,6 @@ class MeshGenerator:
                                                       cause="handoff")
                             raise _InstanceFailed(chunk.error, route.prefill)
                         raise _InstanceFailed(chunk.error, route.decode)
-                    self.registry.touch(route.decode)  # proof of life, should its heartbeat be late
                     if num_chunks == 0:  # decode has the request: prefill's fate no longer matters
                         self._unwatch(reader, route.prefill)
                     num_chunks += 1
@@ -323,6 +324,12 @@ class MeshGenerator:
         except Exception:
             log.exception("could not publish the cancel of %s", request_id)
 
+    def _candidates(self, stage: str) -> list[Instance]:
+        """The live instances of the stage; when none is, those only late with their
+        heartbeat (not yet dropped: a dead one is dropped within a sweep or two), rather
+        than a certain 503 while the machine is busy."""
+        return self.registry.live(stage) or self.registry.live(stage, include_silent=True)
+
     @staticmethod
     def _prefer(candidates: list[Instance], excluded: set[str]) -> list[Instance]:
         """The candidates that have not failed this request; all of them if every one has
@@ -339,7 +346,7 @@ class MeshGenerator:
             span.set_attribute("request.id", req.request_id)
             span.set_attribute("prompt.tokens", len(req.prompt_token_ids))
             try:
-                decode = choose_decode(self._prefer(self.registry.live("decode"), excluded), self.rng)
+                decode = choose_decode(self._prefer(self._candidates("decode"), excluded), self.rng)
             except LookupError as exc:
                 raise GenerationError(str(exc), status=503) from None
             did = decode.instance.instance_id
@@ -349,7 +356,7 @@ class MeshGenerator:
             tried: set[str] = set()
             last_error = "no live prefill instance"
             while True:
-                live = [i for i in self.registry.live("prefill") if i.instance_id not in tried]
+                live = [i for i in self._candidates("prefill") if i.instance_id not in tried]
                 try:
                     prefill = choose_prefill(self._prefer(live, excluded), hashes, self.rng)
                 except LookupError:

@@ -147,10 +147,12 @@ class Registry:
             self._remove(inst, f"missed {self.misses} heartbeats")
         return dead
 
-    def live(self, stage: str) -> list[Instance]:
-        """Instances of the stage that take new work: neither draining nor silent."""
+    def live(self, stage: str, include_silent: bool = False) -> list[Instance]:
+        """Instances of the stage that take new work: neither draining nor silent
+        (include_silent: silent ones too, as long as the registry keeps them)."""
         now = self.clock()
-        return [i for i in self._instances.values() if i.stage == stage and not i.draining and not self._silent(i, now)]
+        return [i for i in self._instances.values()
+                if i.stage == stage and not i.draining and (include_silent or not self._silent(i, now))]
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)

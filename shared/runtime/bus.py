@@ -156,10 +156,18 @@ class StreamReader:
     predecessors) until the final one; `fail(exc)` ends the iteration with exc
     (the instance left the mesh)."""
 
-    def __init__(self, bus: Bus, request_id: str, on_rejected: OnRejected | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        request_id: str,
+        on_rejected: OnRejected | None = None,
+        on_accepted: Callable[[mesh_pb2.TokenChunk], None] | None = None,
+    ) -> None:
+        """on_accepted(chunk): a chunk passed the checks, as it arrives (before it is read)."""
         self.bus = bus
         self.request_id = request_id
         self.on_rejected = on_rejected
+        self.on_accepted = on_accepted
         self.source: str | None = None
         self._queue: asyncio.Queue[mesh_pb2.TokenChunk | BaseException] = asyncio.Queue()
         self._subs: dict[str, Subscription] = {}
@@ -195,6 +203,8 @@ class StreamReader:
                 self._reject("not_the_source", chunk)
             else:
                 self._queue.put_nowait(chunk)
+                if self.on_accepted is not None:
+                    self.on_accepted(chunk)
 
         subject = subjects.stream(instance_id, self.request_id)
         self._subs[instance_id] = await self.bus.nc.subscribe(subject, cb=on_msg, pending_msgs_limit=65536)
