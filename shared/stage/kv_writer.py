@@ -170,6 +170,8 @@ async def _serve(conn: Connection) -> None:
             conn.send(("stored", job_id, None))
         except Exception as exc:
             conn.send(("stored", job_id, f"{type(exc).__name__}: {exc}"))
+            # kvcache may have restarted: dial again at once rather than sit out gRPC's backoff.
+            await client.reconnect()
 
     try:
         while (job := await loop.run_in_executor(None, _recv_or_none, conn)) is not None:
