@@ -75,3 +75,23 @@ def test_config_lists_the_trust_settings_and_never_prints_a_secret():
                  "api_key = '<secret>'    (INFERMESH_BALANCER__API_KEY)"):
         assert line in out.stdout, line
     assert not any(s in out.stdout + out.stderr for s in secrets.values())
+
+
+def test_trace_picks_the_last_request_not_a_health_check():
+    """`infermesh trace last` shows the last request's trace, though a health probe's
+    span (a trace of its own, no request) started later; a request id picks its trace."""
+    from tools.launch.trace_view import pick_trace
+
+    def span(trace, name, start, parent=None, **attrs):  # noqa: ANN001, ANN202
+        return {"trace_id": trace, "span_id": f"{trace}-{name}", "parent_id": parent, "name": name,
+                "start_ns": start, "end_ns": start + 10, "attributes": attrs}
+
+    spans = [
+        span("aaaa", "POST /v1/completions", 100, **{"request.id": "cmpl-a"}),
+        span("aaaa", "prefill", 105, parent="aaaa-POST /v1/completions", **{"request.id": "cmpl-a"}),
+        span("bbbb", "POST /v1/chat/completions", 200, **{"request.id": "chatcmpl-b"}),
+        span("cccc", "/grpc.health.v1.Health/Check", 300),
+    ]
+    assert {s["trace_id"] for s in pick_trace(spans, "last")} == {"bbbb"}
+    assert [s["name"] for s in pick_trace(spans, "cmpl-a")] == ["POST /v1/completions", "prefill"]
+    assert {s["trace_id"] for s in pick_trace(spans, "cc")} == {"cccc"}  # a trace id still works

@@ -286,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("trace", help="print a request's spans as a waterfall")
-    p.add_argument("which", nargs="?", default="last", help="'last' or a trace id (a prefix is enough)")
+    p.add_argument("which", nargs="?", default="last",
+                   help="'last' (the last request), a request id, or a trace id (a prefix is enough)")
     p.add_argument("--trace-dir", default=None, help="default: the telemetry.trace_dir setting")
     p.set_defaults(func=_cmd_trace)
 

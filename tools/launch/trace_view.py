@@ -27,12 +27,17 @@ def load_spans(trace_dir: str | Path) -> list[dict]:
 
 
 def pick_trace(spans: list[dict], which: str) -> list[dict]:
-    """`last`: the trace whose root span started last; else a trace id (prefix ok)."""
+    """`last`: the request whose trace started last (health checks and other traces
+    without a request are passed over); else a request id, or a trace id (prefix ok)."""
     if which == "last":
-        roots = [s for s in spans if s["parent_id"] is None]
+        roots = [s for s in spans if s["parent_id"] is None and "request.id" in s["attributes"]]
         if not roots:
-            raise LookupError("no traces recorded yet")
+            raise LookupError("no request traced yet")
         trace_id = max(roots, key=lambda s: s["start_ns"])["trace_id"]
+    elif by_request := {s["trace_id"] for s in spans if s["attributes"].get("request.id") == which}:
+        if len(by_request) != 1:
+            raise LookupError(f"{len(by_request)} traces carry request {which!r}")
+        trace_id = by_request.pop()
     else:
         ids = {s["trace_id"] for s in spans if s["trace_id"].startswith(which)}
         if len(ids) != 1:
