@@ -46,15 +46,11 @@ must be installed (the kvcache service connects to NATS).
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,9 +74,8 @@ from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.settings import env_name
 from shared.stage.kvcache_connector import KVCacheConnector
 from shared.stage.peer_connector import PeerConnector
-from tools.launch.up import find_nats_server, free_port, grpc_serving
+from tools.launch.up import Mesh
 
-ROOT = Path(__file__).resolve().parents[2]
 TIERS = ("cold", "device", "host", "kvcache")
 _LEGEND = {
     "cold": "nothing cached: the whole prompt computed",
@@ -107,74 +102,18 @@ class TierBenchError(RuntimeError):
 # -- the kvcache service ---------------------------------------------------------------
 
 
-def _port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
-def _spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with log_path.open("ab") as log:
-        return subprocess.Popen(
-            args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def _stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    """SIGTERM (kvcache drains and closes LMDB), SIGKILL if it lingers."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait(what: str, ready: Callable[[], bool], proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail}")
-        if ready():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not ready after {timeout_s:.0f} s; log: {log_path}")
-
-
 @contextmanager
 def kvcache_service(workdir: Path, capacity_bytes: int, timeout_s: float = 60.0) -> Iterator[str]:
     """nats-server and `python -m services.kvcache` with its LMDB store in workdir, started
-    as `infermesh up` starts them; yields the address workers dial. Both stop on exit."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    with ExitStack() as stack:
-        nats_port = free_port()
-        nats_log = workdir / "nats.log"
-        nats = _spawn(
-            [find_nats_server(), "-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", str(workdir / "nats")],
-            nats_log,
-        )
-        stack.callback(_stop, nats)
-        _wait("nats-server", lambda: _port_open(nats_port), nats, nats_log, 10.0)
-        address = f"127.0.0.1:{free_port()}"
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            env_name("nats", "url"): f"nats://127.0.0.1:{nats_port}",
-            env_name("kvcache", "address"): address,
-            env_name("kvcache", "path"): str(workdir / "lmdb"),
-            env_name("kvcache", "capacity_bytes"): str(capacity_bytes),
-            env_name("worker", "drain_timeout_s"): "5",
-            env_name("telemetry", "trace_dir"): str(workdir / "traces"),
-        }
-        kv_log = workdir / "kvcache.log"
-        kvcache = _spawn([sys.executable, "-m", "services.kvcache"], kv_log, env)
-        stack.callback(_stop, kvcache)
-        _wait("kvcache", lambda: grpc_serving(address), kvcache, kv_log, timeout_s)
-        yield address
+    as `infermesh up` starts them (Mesh.start_store; open: this process's connectors carry
+    no token); yields the address workers dial. Both stop on exit."""
+    env = {env_name("kvcache", "capacity_bytes"): str(capacity_bytes), env_name("worker", "drain_timeout_s"): "5"}
+    store = Mesh("(no model)", 0, 0, state_dir=workdir, extra_env=env, auth=False)
+    try:
+        store.start_store(timeout_s)
+        yield store.kv_address
+    finally:
+        store.stop()
 
 
 def kvcache_hits(address: str) -> int:

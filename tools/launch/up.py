@@ -202,6 +202,11 @@ class Mesh:
         self.grpc_token = self.grpc_token or new_password()
 
     def start(self, timeout_s: float = 120.0) -> None:
+        self.start_store(timeout_s)
+        self._start_workers_and_balancer(timeout_s)
+
+    def start_store(self, timeout_s: float = 120.0) -> None:
+        """nats-server and kvcache alone (what a benchmark of the KV tiers needs); start() runs it first."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         nats_port = free_port()
         self._services_nats_url = self.nats_url = f"nats://127.0.0.1:{nats_port}"
@@ -218,6 +223,9 @@ class Mesh:
         py = [sys.executable, "-m"]
         self._start("kvcache", py + ["services.kvcache"], self._env("kvcache"))
         self._wait("kvcache", lambda: grpc_serving(self.kv_address), timeout_s)
+
+    def _start_workers_and_balancer(self, timeout_s: float) -> None:
+        py = [sys.executable, "-m"]
         health: list[str] = []
         for stage, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(count):
