@@ -21,7 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.engine_request import KVTransferParams
-from shared.engine.kv.connector import BlockIds, KVConnector, KVRegion, LoadResult, SaveResult, TraceCarrier
+from shared.engine.kv.connector import (
+    BlockIds,
+    InFrontConnector,
+    KVConnector,
+    KVRegion,
+    LoadResult,
+    SaveResult,
+    TraceCarrier,
+)
 from shared.engine.kv_region import KVRegion as PagedKVRegion
 from shared.kv.block_hash import BlockHash
 
@@ -38,9 +46,9 @@ class _Load:
     """What the connector behind reported for the rest."""
 
 
-class HostTierConnector(KVConnector):
+class HostTierConnector(InFrontConnector):
     def __init__(self, behind: KVConnector, capacity_bytes: int) -> None:
-        self.behind = behind
+        super().__init__(behind)
         self.capacity_bytes = capacity_bytes
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()
         """The blocks held, least recently used first, and the pool row of each."""
@@ -56,7 +64,6 @@ class HostTierConnector(KVConnector):
 
     def register_kv_region(self, region: KVRegion) -> None:
         super().register_kv_region(region)
-        self.behind.register_kv_region(region)
         assert isinstance(region, PagedKVRegion)
         num_slots = self.capacity_bytes // max(region.block_bytes, 1)
         # Pinned where the cache is on a GPU: copies to and from it run asynchronously at PCIe speed.
@@ -177,21 +184,10 @@ class HostTierConnector(KVConnector):
         # This tier wrote the leading blocks; what behind wrote follows them.
         return LoadResult(request_id, here + load.behind.num_blocks, load.behind.error, load.behind.direct)
 
-    def forget(self, request_id: str) -> None:
-        self.behind.forget(request_id)
-
     @property
     def num_pending(self) -> int:
         return len(self._loads) + len(self._saves) + self.behind.num_pending
 
-    @property
-    def num_saves_dropped(self) -> int:
-        return self.behind.num_saves_dropped
-
-    @property
-    def num_save_failures_behind(self) -> int:
-        return self.behind.num_save_failures_behind
-
     def close(self) -> None:
         self._executor.shutdown(wait=True)
-        self.behind.close()
+        super().close()

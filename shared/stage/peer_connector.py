@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from shared.engine.engine_request import KVTransferParams, PeerSource
-from shared.engine.kv.connector import BlockIds, KVConnector, KVRegion, LoadResult, SaveResult, TraceCarrier
+from shared.engine.kv.connector import BlockIds, InFrontConnector, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.engine.kv_region import KVRegion as PagedKVRegion
 from shared.engine.kv_share import open_peer
 from shared.kv.block_hash import BlockHash
@@ -33,10 +33,10 @@ LEASE_MARGIN_S = 1.0
 """A copy starts only this long before the lease's end, at the latest."""
 
 
-class PeerConnector(KVConnector):
-    def __init__(self, fallback: KVConnector, release: Callable[[str, str], None]) -> None:
+class PeerConnector(InFrontConnector):
+    def __init__(self, behind: KVConnector, release: Callable[[str, str], None]) -> None:
         """release(instance_id, request_id): tell the peer its held blocks may go."""
-        self.fallback = fallback
+        super().__init__(behind)
         self._release = release
         self._peers: dict[bytes, list[torch.Tensor]] = {}
         self._routes: dict[str, PeerSource] = {}
@@ -47,10 +47,6 @@ class PeerConnector(KVConnector):
         self.copy_seconds = 0.0
         """Time spent in direct copies (with num_direct_blocks, their bandwidth)."""
 
-    def register_kv_region(self, region: KVRegion) -> None:
-        super().register_kv_region(region)
-        self.fallback.register_kv_region(region)
-
     def lookup(
         self, request_id: str, hashes: list[BlockHash], params: KVTransferParams, trace: TraceCarrier | None = None
     ) -> int | None:
@@ -59,7 +55,7 @@ class PeerConnector(KVConnector):
             self._routes[request_id] = source
         if request_id in self._routes:
             return min(self._routes[request_id].num_blocks, len(hashes))
-        return self.fallback.lookup(request_id, hashes, params, trace)
+        return self.behind.lookup(request_id, hashes, params, trace)
 
     def _usable(self, source: PeerSource) -> bool:
         if source.layout != self.region.layout or source.num_blocks == 0:
@@ -94,7 +90,7 @@ class PeerConnector(KVConnector):
     ) -> None:
         source = self._routes.pop(request_id, None)
         if source is None:
-            self.fallback.start_load(request_id, first_block, hashes, block_ids, params, trace)
+            self.behind.start_load(request_id, first_block, hashes, block_ids, params, trace)
             return
         num = min(len(hashes), source.num_blocks - first_block)
         self._copies[request_id] = self._executor.submit(self._copy, request_id, source, first_block, block_ids, num)
@@ -123,10 +119,10 @@ class PeerConnector(KVConnector):
         params: KVTransferParams,
         trace: TraceCarrier | None = None,
     ) -> None:
-        self.fallback.start_save(request_id, hashes, block_ids, params, trace)
+        self.behind.start_save(request_id, hashes, block_ids, params, trace)
 
     def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
-        loads, saves = self.fallback.poll()
+        loads, saves = self.behind.poll()
         for request_id, future in [(r, f) for r, f in self._copies.items() if f.done()]:
             del self._copies[request_id]
             try:
@@ -141,21 +137,13 @@ class PeerConnector(KVConnector):
 
     def forget(self, request_id: str) -> None:
         self._routes.pop(request_id, None)
-        self.fallback.forget(request_id)
+        super().forget(request_id)
 
     @property
     def num_pending(self) -> int:
-        return len(self._copies) + self.fallback.num_pending
-
-    @property
-    def num_saves_dropped(self) -> int:
-        return self.fallback.num_saves_dropped
-
-    @property
-    def num_save_failures_behind(self) -> int:
-        return self.fallback.num_save_failures_behind
+        return len(self._copies) + self.behind.num_pending
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._peers.clear()
-        self.fallback.close()
+        super().close()

@@ -141,3 +141,30 @@ class KVConnector(ABC):
 
     def close(self) -> None:
         """Stop the background work."""
+
+
+class InFrontConnector(KVConnector):
+    """A connector in front of another (the host tier before kvcache, the direct peer
+    path before both): what it does not serve goes to the one behind. The region, a
+    forgotten request, the counters of saves written behind and closing pass through."""
+
+    def __init__(self, behind: KVConnector) -> None:
+        self.behind = behind
+
+    def register_kv_region(self, region: KVRegion) -> None:
+        super().register_kv_region(region)
+        self.behind.register_kv_region(region)
+
+    def forget(self, request_id: str) -> None:
+        self.behind.forget(request_id)
+
+    @property
+    def num_saves_dropped(self) -> int:
+        return self.behind.num_saves_dropped
+
+    @property
+    def num_save_failures_behind(self) -> int:
+        return self.behind.num_save_failures_behind
+
+    def close(self) -> None:
+        self.behind.close()
