@@ -1,9 +1,11 @@
 """The model's shape and math, parsed from a Hugging Face ``config.json``.
 
-The four supported architectures are one transformer; what tells them apart is
+The four dense architectures are one transformer; what tells them apart is
 data in ``_ARCH_TRAITS`` (which projections carry biases, per-head q/k norms,
 how the sliding window is read, the default head size), never a copy of the
-model class. Both config spellings are accepted: transformers v4 (``rope_theta``
+model class. The MoE families (Qwen3-MoE, GPT-OSS) add a ``MoEConfig``
+(shared/model/moe_config.py), which layers are sparse, GPT-OSS's attention sinks
+and YaRN rope; their structure lives in ``shared/model/models/``. Both config spellings are accepted: transformers v4 (``rope_theta``
 and ``rope_scaling`` at the top level) and v5 (one ``rope_parameters`` dict,
 which is what transformers 5.24's ``save_pretrained`` writes, besides ``dtype``
 instead of ``torch_dtype`` and, for Qwen2/Qwen3, ``layer_types``).
@@ -12,17 +14,21 @@ instead of ``torch_dtype`` and, for Qwen2/Qwen3, ``layer_types``).
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
+from shared.model import moe_config
+from shared.model.moe_config import MlpLayerType, MoEConfig
+
 if TYPE_CHECKING:  # torch only where a dtype is asked for: the balancer reads configs without it
     import torch
 
-RopeType = Literal["default", "linear", "llama3"]
-SlidingRule = Literal["none", "qwen", "all"]
+RopeType = Literal["default", "linear", "llama3", "yarn"]
+SlidingRule = Literal["none", "qwen", "all", "all_if_enabled", "layer_types"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,7 @@ class _ArchTraits:
     qk_norm: bool
     sliding: SlidingRule
     default_head_dim: int | None  # None: hidden_size // num_attention_heads
+    attention_bias_default: bool = False  # ``attention_bias`` when config.json lacks it
 
 
 # Read-only: the table is configuration of the code, not state.
@@ -47,6 +54,10 @@ _ARCH_TRAITS: Mapping[str, _ArchTraits] = MappingProxyType(
         # Qwen3Config's head_dim defaults to 128, not hidden/heads.
         "Qwen3ForCausalLM": _ArchTraits("qwen3", None, None, False, True, "qwen", 128),
         "MistralForCausalLM": _ArchTraits("mistral", False, False, False, False, "all", None),
+        # Qwen3-MoE: Qwen3's attention; a window (when enabled) on every layer.
+        "Qwen3MoeForCausalLM": _ArchTraits("qwen3_moe", None, None, False, True, "all_if_enabled", None),
+        # GPT-OSS: biased q/k/v/o by default, sliding and full layers from layer_types.
+        "GptOssForCausalLM": _ArchTraits("gpt_oss", None, None, False, False, "layer_types", 64, True),
     }
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_TRAITS)
@@ -63,7 +74,12 @@ class RopeConfig:
     factor: float | None = None  # linear and llama3
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None  # llama3
-    original_max_position_embeddings: int | None = None  # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    beta_fast: float | None = None  # yarn
+    beta_slow: float | None = None  # yarn
+    truncate: bool | None = None  # yarn
+    attention_factor: float | None = None
+    """yarn: the factor cos and sin are multiplied by (resolved as transformers does)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +109,18 @@ class ModelConfig:
     pad_token_id: int | None
     dtype: str | None
     """The checkpoint's dtype name ("bfloat16"), from ``dtype`` (v5) or ``torch_dtype`` (v4)."""
+    # Fields added with the MoE families; their defaults are the dense models' values and
+    # are left out of the fingerprint, so a dense model's fingerprint did not change.
+    moe: MoEConfig | None = None
+    """The routed experts of the sparse layers; None: a dense model."""
+    mlp_layer_types: tuple[MlpLayerType, ...] = ()
+    """Per layer: "dense" (an MLP), "moe" (routed experts), "hash_moe" (experts chosen by
+    token id); empty: every layer dense."""
+    attention_sinks: bool = False
+    """A learned per-head logit that joins every softmax and takes weight (GPT-OSS)."""
+
+    def mlp_layer_type(self, layer_idx: int) -> MlpLayerType:
+        return self.mlp_layer_types[layer_idx] if self.mlp_layer_types else "dense"
 
     @property
     def torch_dtype(self) -> "torch.dtype | None":
@@ -116,7 +144,14 @@ class ModelConfig:
     def fingerprint(self) -> str:
         """sha256 of the canonical JSON of every parsed field: the same math gives the same
         fingerprint whichever config spelling or transformers version wrote the file."""
-        canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = dataclasses.asdict(self)
+        for name, default in _ADDED_DEFAULTS.items():
+            if fields[name] == default:
+                del fields[name]
+        for name in _ADDED_ROPE_FIELDS:
+            if fields["rope"][name] is None:
+                del fields["rope"][name]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     @classmethod
@@ -141,8 +176,9 @@ class ModelConfig:
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or traits.default_head_dim or hidden // num_heads
         max_pos = int(d.get("max_position_embeddings", 2048))
-        attention_bias = bool(d.get("attention_bias", False))
+        attention_bias = bool(d.get("attention_bias", traits.attention_bias_default))
         layers = int(d["num_hidden_layers"])
+        moe, mlp_layer_types = _moe(architecture, d, layers)
         eos = _token_ids(d.get("eos_token_id"))
         if generation_config is not None:
             eos += tuple(t for t in _token_ids(generation_config.get("eos_token_id")) if t not in eos)
@@ -169,7 +205,24 @@ class ModelConfig:
             eos_token_ids=eos,
             pad_token_id=d.get("pad_token_id"),
             dtype=d.get("dtype") or d.get("torch_dtype"),
+            moe=moe,
+            mlp_layer_types=mlp_layer_types,
+            attention_sinks=architecture == "GptOssForCausalLM",
         )
+
+
+# The fields added with the MoE families and their dense defaults (see fingerprint).
+_ADDED_DEFAULTS: Mapping[str, Any] = MappingProxyType({"moe": None, "mlp_layer_types": (), "attention_sinks": False})
+_ADDED_ROPE_FIELDS = ("beta_fast", "beta_slow", "truncate", "attention_factor")
+
+
+def _moe(architecture: str, d: Mapping[str, Any], num_layers: int) -> tuple[MoEConfig | None, tuple[MlpLayerType, ...]]:
+    if architecture == "Qwen3MoeForCausalLM":
+        moe, kinds = moe_config.qwen3_moe(d, num_layers)
+        return moe, (() if moe is None else kinds)
+    if architecture == "GptOssForCausalLM":
+        return moe_config.gpt_oss(d, num_layers)
+    return None, ()
 
 
 def _architecture(d: Mapping[str, Any]) -> str:
@@ -216,13 +269,60 @@ def _rope(d: Mapping[str, Any], max_position_embeddings: int) -> RopeConfig:
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(original),
         )
-    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3")
+    if rope_type == "yarn":
+        return _yarn(d, params, theta, max_position_embeddings)
+    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
+
+
+def _yarn(d: Mapping[str, Any], params: Mapping[str, Any], theta: float, max_pos: int) -> RopeConfig:
+    """YaRN as transformers' _compute_yarn_parameters reads it: the attention factor
+    from ``attention_factor``, else mscale/mscale_all_dim, else 0.1 ln(factor) + 1."""
+    original = params.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("rope_type 'yarn' needs original_max_position_embeddings")
+    factor = params.get("factor")
+    factor = max_pos / int(original) if factor is None else float(factor)
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    return RopeConfig(
+        "yarn",
+        theta,
+        factor=factor,
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention_factor),
+    )
 
 
 def _sliding_windows(d: Mapping[str, Any], rule: SlidingRule, num_layers: int) -> tuple[int | None, ...]:
     if rule == "none":
         return (None,) * num_layers
     window = d.get("sliding_window")
+    if rule == "all_if_enabled":
+        # Qwen3-MoE: the window (only with use_sliding_window) applies to every layer.
+        enabled = d.get("use_sliding_window", False) and window is not None
+        return (int(window) if enabled else None,) * num_layers
+    if rule == "layer_types":
+        # GPT-OSS: layer_types, by default even layers sliding and odd ones full.
+        layer_types = d.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+        ]
+        if len(layer_types) != num_layers or any(t not in _LAYER_TYPES for t in layer_types):
+            raise ValueError(f"layer_types must be {num_layers} of {_LAYER_TYPES}, got {layer_types}")
+        if window is None and "sliding_attention" in layer_types:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
     if rule == "all":
         # Mistral: one window for every layer when set; layer_types is ignored by MistralForCausalLM.
         return (None if window is None else int(window),) * num_layers
