@@ -50,6 +50,37 @@ ARCH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# The MoE families (tests/test_moe_parity.py): several sparse/dense layer mixes, windows.
+MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Layers 0 and 2 sparse, layer 1 dense (mlp_only_layers), renormalised top-2 of 8.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    ),
+    # Only layer 1 sparse (decoder_sparse_step 2), top-3 not renormalised, a window on every layer.
+    "qwen3_moe_step2": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, decoder_sparse_step=2,
+            use_sliding_window=True, sliding_window=6, head_dim=24,
+        ),
+    ),
+    # Sliding (0, 2) and full (1) layers, sinks, YaRN with a short original context so the
+    # ramp bites, a swiglu limit low enough that the clamp bites.
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=6,
+            swiglu_limit=0.3, max_position_embeddings=128,
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                original_max_position_embeddings=32, truncate=False,
+            ),
+        ),
+    ),
+}
+
+
 def save_tiny_hf_model(arch: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Build the tiny transformers model ``arch`` (a key of ARCH_VARIANTS or one of
     llama/qwen2/qwen3/mistral), randomise it with ``seed`` and ``save_pretrained`` it into
@@ -58,7 +89,7 @@ def save_tiny_hf_model(arch: str, path: str | Path, seed: int = 0, **overrides: 
     import transformers
 
     aliases = {"llama": "llama3_rope", "qwen3": "qwen3_mqa"}
-    class_name, variant = ARCH_VARIANTS[aliases.get(arch, arch)]
+    class_name, variant = {**ARCH_VARIANTS, **MOE_VARIANTS}[aliases.get(arch, arch)]
     max_shard_size = overrides.pop("max_shard_size", None)
     config = getattr(transformers, class_name)(**{**_COMMON, **variant, **overrides})
     torch.manual_seed(seed)
@@ -68,7 +99,9 @@ def save_tiny_hf_model(arch: str, path: str | Path, seed: int = 0, **overrides: 
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
             # Norm weights near 1, everything else like HF's init (std 0.02) but biases not zero.
-            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
+            # Sinks near 1 in size, so that they take a real share of each softmax.
+            scale = 1.0 if name.endswith("sinks") else 0.05
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else scale * noise)
     out = Path(path)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, **kwargs)

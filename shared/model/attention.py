@@ -89,6 +89,7 @@ def paged_attention(
     plan: AttentionPlan,
     sliding_window: int | None,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, heads, head_dim], new key/value [T, kv_heads, head_dim] -> output [T, heads, head_dim].
 
@@ -97,14 +98,22 @@ def paged_attention(
     contiguous groups, as transformers' ``repeat_kv``.
     """
     write_kv(kv_cache, key, value, meta.slot_mapping)
-    return attend(query, kv_cache, plan, sliding_window, scale)
+    return attend(query, kv_cache, plan, sliding_window, scale, sinks)
 
 
 def attend(
-    query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, sliding_window: int | None, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: AttentionPlan,
+    sliding_window: int | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention of ``paged_attention`` once the new K/V are in the cache: query
-    [T, heads, head_dim] -> [T, heads, head_dim]. The Triton kernels' reference."""
+    [T, heads, head_dim] -> [T, heads, head_dim]. The Triton kernels' reference.
+
+    sinks [heads] (GPT-OSS): one more logit per head in every softmax, with no value:
+    it takes its share of the weight and gives nothing back."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = plan.query_index.shape
@@ -114,6 +123,9 @@ def attend(
     k = kv_cache[0][plan.kv_blocks].view(num_seqs, kv_len, num_kv_heads, head_dim)[:, : plan.max_kv].transpose(1, 2)
     v = kv_cache[1][plan.kv_blocks].view(num_seqs, kv_len, num_kv_heads, head_dim)[:, : plan.max_kv].transpose(1, 2)
     q = query[plan.query_index].transpose(1, 2)  # [S, heads, max_q, D]
+    if sinks is not None:
+        out = _attend_with_sinks(q, k.to(q.dtype), v.to(q.dtype), plan.masks[sliding_window], scale, sinks)
+        return out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)[plan.token_rows]
     out = F.scaled_dot_product_attention(
         q,
         k.to(q.dtype),
@@ -124,3 +136,21 @@ def attend(
     )
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
     return out[plan.token_rows]
+
+
+def _attend_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """q [S, heads, max_q, D], k/v [S, kv_heads, max_kv, D], mask [S, 1, max_q, max_kv] ->
+    [S, heads, max_q, D]: scaled dot products and the head's sink logit in one softmax,
+    in the order of transformers' GPT-OSS eager attention (SDPA has no sink)."""
+    num_seqs, num_heads, max_q, _ = q.shape
+    group = num_heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(1, num_heads, 1, 1).expand(num_seqs, num_heads, max_q, 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

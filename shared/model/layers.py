@@ -144,6 +144,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | None =
     if rope.rope_type == "linear":
         assert rope.factor is not None
         return inv_freq / rope.factor
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim, inv_freq)
     assert rope.rope_type == "llama3"
     assert rope.factor is not None and rope.low_freq_factor is not None and rope.high_freq_factor is not None
     assert rope.original_max_position_embeddings is not None
@@ -160,6 +162,32 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | None =
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
 
 
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int, inv_freq_extrapolation: torch.Tensor) -> torch.Tensor:
+    """YaRN: interpolated (slowed by ``factor``) frequencies for long wavelengths, the
+    original ones for short wavelengths, a linear ramp between the correction dims."""
+    assert rope.factor is not None and rope.original_max_position_embeddings is not None
+    assert rope.beta_fast is not None and rope.beta_slow is not None
+    base, dim, original = rope.rope_theta, head_dim, rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    device = inv_freq_extrapolation.device
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim)
+    inv_freq_interpolation = 1.0 / (rope.factor * pos_freqs)
+    return (
+        inv_freq_interpolation * (1 - extrapolation_factor) + inv_freq_extrapolation * extrapolation_factor
+    )
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for the given positions, neox layout (two halves), like LlamaRotaryEmbedding.
 
@@ -171,12 +199,17 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim, device), persistent=False)
+        # YaRN scales cos and sin (transformers' attention_scaling) before the cast.
+        self.attention_factor = rope.attention_factor
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, head_dim] in ``dtype``."""
         freqs = positions[:, None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor is not None:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Load a Hugging Face format checkpoint folder into a ``CausalLM``.
+"""Load a Hugging Face format checkpoint folder into the ``CausalLM`` of its architecture.
 
 The folder holds ``config.json`` and either ``model.safetensors`` or shards named
 by ``model.safetensors.index.json``. Files are memory-mapped and copied tensor by
@@ -18,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from shared.model.config import ModelConfig
-from shared.model.transformer import CausalLM
+from shared.model.models import build_model
+from shared.model.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ def load_model(
     tie = config.tie_word_embeddings or "lm_head.weight" not in tensor_files
     if tie and not config.tie_word_embeddings:
         logger.warning("%s has no lm_head.weight: tying it to model.embed_tokens.weight", folder)
-    model = CausalLM(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels)
-    params = model.checkpoint_tensors()
+    model = build_model(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels)
+    params = model.checkpoint_tensors(set(tensor_files))
     _check_names(folder, set(params), set(tensor_files), tie)
 
     by_file: dict[str, list[str]] = {}
@@ -69,7 +70,7 @@ def load_model(
 def load_weights(model: CausalLM, weights: Mapping[str, torch.Tensor]) -> None:
     """Copy checkpoint-named tensors already in memory (a transformers model's
     ``state_dict()``, say) into ``model``, with the same name checks as a folder."""
-    targets = model.checkpoint_tensors()
+    targets = model.checkpoint_tensors(set(weights))
     _check_names("the weights given", set(targets), set(weights), tied=model.lm_head is None)
     for name, target in targets.items():
         target.copy_(weights[name])

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from shared.model.config import ModelConfig
 from shared.model.loader import INDEX_FILE, SINGLE_FILE
-from shared.model.transformer import CausalLM
+from shared.model.models import build_model
 
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose save_pretrained output config.json mirrors
 BOS_TOKEN = "<|begin_of_text|>"
@@ -203,7 +203,7 @@ def _write_weights(out: Path, config: ModelConfig, seed: int, dtype: torch.dtype
     return the number of parameters. Checkpoint files of an earlier call are removed
     first, so the loader never reads a stale index or shard."""
     # The meta device gives names and shapes without allocating anything.
-    shapes = {name: tuple(t.shape) for name, t in CausalLM(config, device="meta").checkpoint_tensors().items()}
+    shapes = {name: tuple(t.shape) for name, t in build_model(config, device="meta").checkpoint_tensors().items()}
     names = sorted(shapes)
     numels = {name: math.prod(shapes[name]) for name in names}
     for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:

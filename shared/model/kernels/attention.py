@@ -56,7 +56,12 @@ def plan_triton_attention(
 
 
 def triton_attend(
-    query: torch.Tensor, kv_cache: torch.Tensor, plan: TritonAttentionPlan, sliding_window: int | None, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: TritonAttentionPlan,
+    sliding_window: int | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As ``attention.attend``: query [T, heads, D] over the cache, the new K/V already in it.
     The plan's key floor applies to sliding-window layers only."""

@@ -1,0 +1,29 @@
+"""GPT-OSS (``GptOssForCausalLM``): attention with q/k/v/o biases and a learned sink
+logit per head (``self_attn.sinks``), sliding-window and full layers alternating
+(``layer_types``), YaRN rope; every MLP sparse: a biased router (``mlp.router``)
+whose top-k logits are softmaxed, and experts with biases and the clamped
+``(up + 1) * gate * sigmoid(alpha * gate)`` activation, stored fused
+(``mlp.experts.gate_up_proj`` [E, hidden, 2I], gate and up interleaved).
+
+The attention sinks and the rope are data the shared attention reads
+(``ModelConfig.attention_sinks``, ``RopeConfig``); what this file adds is the MLP.
+Quantised (MXFP4 ``*_blocks``/``*_scales``) checkpoints are not read: the loader
+names those tensors as unexpected."""
+
+import torch
+from torch import nn
+
+from shared.model.config import ModelConfig
+from shared.model.models.llama import CausalLM
+from shared.model.moe import SparseMoE
+
+
+def gpt_oss_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool) -> nn.Module:
+    if config.moe is None:
+        raise ValueError("a GPT-OSS config without experts")
+    kind = config.mlp_layer_type(layer_idx)
+    return SparseMoE(config.hidden_size, config.moe, kind, config.vocab_size, dtype, device, router_name="router")
+
+
+class GptOssForCausalLM(CausalLM):
+    make_mlp = staticmethod(gpt_oss_mlp)

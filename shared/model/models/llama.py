@@ -1,0 +1,285 @@
+"""One Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over a paged KV cache, and
+the base the MoE families (``qwen3_moe``, ``gpt_oss``) build on: they change which
+MLP a layer has (``CausalLM.make_mlp``) and set data the shared parts read
+(attention sinks, rope).
+
+Parameter names are transformers' (``model.layers.N.self_attn.o_proj.weight``...),
+except that q/k/v and gate/up are stacked into one matmul each (``qkv_proj``,
+``gate_up_proj``); ``checkpoint_tensors`` maps every checkpoint name to where it
+goes, so loading a checkpoint is still a name lookup. Architecture differences come from
+``ModelConfig`` fields: biases, per-head q/k RMSNorm (Qwen3), sliding windows per
+layer, tied embeddings.
+"""
+
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from shared.model.attention import AttentionPlan, paged_attention, plan_attention
+from shared.model.config import ModelConfig
+from shared.model.forward_batch import AttentionMetadata
+from shared.model.kernels import triton_module, use_triton_kernels
+from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope, linear
+from shared.model.moe import Experts, SparseMoE
+from shared.kv.spec import KVCacheLayout, kv_cache_layout
+
+if TYPE_CHECKING:  # the kernel modules are imported only when a model selects them
+    from shared.model.kernels.attention import TritonAttentionPlan
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool = False
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_windows[layer_idx]
+        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shards = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+        self.qkv_proj = MergedLinear(hidden, shards, config.qkv_bias, dtype, device, use_triton)
+        self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device, use_triton)
+        # Qwen3 normalises each head of q and k before rope.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
+        # GPT-OSS: a learned logit per head that joins every softmax (no value).
+        self.sinks = (
+            nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False)
+            if config.attention_sinks
+            else None
+        )
+        self._rotary = triton_module("rotary") if use_triton else None
+        self._attention = triton_module("attention") if use_triton else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        plan: "AttentionPlan | TritonAttentionPlan",
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self._rotary is not None and self._attention is not None:
+            # One launch rotates q and k and stores k and v in the cache, then attention reads the cache.
+            q = self._rotary.rotary_embedding_and_store_kv(q, k, v, cos, sin, kv_cache, meta.slot_mapping)
+            out = self._attention.triton_attend(q, kv_cache, plan, self.sliding_window, self.scale, self.sinks)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out = paged_attention(q, k, v, kv_cache, meta, plan, self.sliding_window, self.scale, self.sinks)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+MlpFactory = Callable[[ModelConfig, int, torch.dtype, torch.device, bool], nn.Module]
+"""(config, layer index, dtype, device, use_triton) -> the layer's MLP module."""
+
+
+def dense_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool) -> nn.Module:
+    return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, use_triton)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool = False,
+        make_mlp: MlpFactory = dense_mlp,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, dtype, device, use_triton)
+        self.mlp = make_mlp(config, layer_idx, dtype, device, use_triton)
+        # Hash-routed experts are chosen by token id: a sparse MLP gets the input ids.
+        self._mlp_takes_ids = isinstance(self.mlp, SparseMoE)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        plan: "AttentionPlan | TritonAttentionPlan",
+        input_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's output, the residual stream before adding it): each residual add
+        is fused into the next norm (the first layer gets residual None)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.fused_add(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, plan)
+        x, residual = self.post_attention_layernorm.fused_add(x, residual)
+        if self._mlp_takes_ids:
+            return self.mlp(x, input_ids), residual
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    """transformers' ``model.`` prefix: embeddings, layers, final norm."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, use_triton: bool = False,
+        make_mlp: MlpFactory = dense_mlp,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        # _weight skips nn.Embedding's random init, which costs seconds on a large vocabulary.
+        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device, use_triton, make_mlp) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton)
+
+
+class CausalLM(nn.Module):
+    """``forward`` returns final-normed hidden states [T, hidden]; ``compute_logits`` maps the
+    rows the caller keeps (usually the last token of each sequence) to float32 logits.
+
+    Build it in its final dtype and device (``load_model`` does): parameters start
+    uninitialised, and the rope frequencies must stay float32.
+
+    ``kernels`` ("auto", "triton", "torch"; see shared/model/kernels) picks the Triton
+    kernels or the PyTorch path once, for the model's life; "auto" is Triton on CUDA.
+
+    A family with another MLP (experts) sets ``make_mlp``; everything else is shared.
+    """
+
+    make_mlp: ClassVar[MlpFactory] = staticmethod(dense_mlp)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tie_word_embeddings: bool | None = None,
+        kernels: str = "auto",
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.use_triton = use_triton_kernels(kernels, device)
+        self.tie_word_embeddings = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        self.model = DecoderModel(config, dtype, device, self.use_triton, type(self).make_mlp)
+        sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+        self.expert_counts: torch.Tensor | None = None
+        """[sparse layers, experts] int64 on the model's device: the (token, choice) pairs
+        each expert got in the last forward, counted on the device (no sync); read it back
+        with a non-blocking copy after the step. None for a dense model."""
+        if sparse and config.moe is not None:
+            self.expert_counts = torch.zeros(len(sparse), config.moe.num_experts, dtype=torch.int64, device=device)
+            for row, block in zip(self.expert_counts, sparse):
+                block.counts = row
+        self._triton_attention = triton_module("attention") if self.use_triton else None
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
+        # Tied: no lm_head parameter at all, so the checkpoint's name list has no entry to fill.
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self._gemv = triton_module("gemv").gemv if self.use_triton else None
+        self.kv_layout: KVCacheLayout = kv_cache_layout(config.sliding_windows)
+        """The model's KV cache groups: which layers share a block table, and what each keeps."""
+        self._group_of_layer = [self.kv_layout.group_of_layer(i) for i in range(config.num_hidden_layers)]
+        self._group_windows = [frozenset([g.spec.window]) for g in self.kv_layout.groups]
+
+    def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """Each tensor name of a transformers checkpoint -> the tensor to copy it into:
+        a parameter, or its rows of a stacked projection (or a view of stacked experts).
+        ``available``: the checkpoint's names, where a layout has two spellings (experts
+        per expert or fused); None: the spelling transformers saves."""
+        merged = {name: m for name, m in self.named_modules() if isinstance(m, MergedLinear)}
+        experts = {name: m for name, m in self.named_modules() if isinstance(m, Experts)}
+        targets: dict[str, torch.Tensor] = {}
+        for module_name, module in experts.items():
+            targets.update(module.checkpoint_targets(module_name, available))
+        for name, param in self.named_parameters():
+            module_name = name.rpartition(".")[0]
+            if module_name not in merged and module_name not in experts:
+                targets[name] = param.detach()
+        for module_name, module in merged.items():
+            parent = module_name.rpartition(".")[0]
+            targets.update({f"{parent}.{part}": view for part, view in module.shard_views().items()})
+        return targets
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metas: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        """metas: the attention metadata of each KV cache group (``kv_layout.groups``):
+        the groups share the batch and differ in block tables and slots."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        if len(metas) != len(self.kv_layout.groups):
+            raise ValueError(f"got attention metadata for {len(metas)} KV groups, the model has {len(self.kv_layout.groups)}")
+        meta = metas[0]
+        if input_ids.shape[0] != meta.query_start_loc[-1] or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must both have "
+                f"query_start_loc[-1]={meta.query_start_loc[-1]} tokens"
+            )
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        plans: list[AttentionPlan] | list[TritonAttentionPlan]
+        if self._triton_attention is not None:
+            c = self.config
+            plan_group = self._triton_attention.plan_triton_attention
+            plans = [plan_group(m, c.num_key_value_heads, c.head_dim, x.device) for m in metas]
+        else:
+            plans = [plan_attention(m, w, x.device) for m, w in zip(metas, self._group_windows)]
+        residual: torch.Tensor | None = None
+        for layer, kv_cache, g in zip(self.model.layers, kv_caches, self._group_of_layer):
+            x, residual = layer(x, residual, cos, sin, kv_cache, metas[g], plans[g], input_ids)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.fused_add(x, residual)[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The product runs in the model dtype, then widens, as transformers' lm_head does;
+        # greedy decoding then picks the same token as transformers in bf16 too.
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight, None, self._gemv).float()
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        make: "Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None" = None,
+    ) -> list[torch.Tensor]:
+        """The KV cache of every layer: ``kv_layout.group_size`` zeroed tensors
+        ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, layer k of each group
+        using tensor k (a block id names the same memory whichever group holds it).
+        They are views of one tensor ``[group_size, 2, num_blocks, ...]`` (their
+        ``_base``), so a block of every layer moves in one copy.
+
+        Zeroed, not empty: a masked key still enters the attention matmul with weight 0,
+        and 0 * NaN from uninitialised memory would be NaN. ``make(shape, dtype)``, when
+        given, makes each zeroed tensor instead (e.g. in memory another process can map).
+        """
+        c = self.config
+        shape = (self.kv_layout.group_size, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        stacked = torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
+        tensors = list(stacked.unbind(0))
+        return [tensors[self.kv_layout.tensor_of_layer(i)] for i in range(c.num_hidden_layers)]
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block id takes (keys and values of ``kv_layout.group_size`` layers)."""
+        c = self.config
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * block_size * c.num_key_value_heads * c.head_dim * element_size * self.kv_layout.group_size
