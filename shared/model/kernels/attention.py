@@ -64,13 +64,13 @@ def triton_attend(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As ``attention.attend``: query [T, heads, D] over the cache, the new K/V already in it.
-    The plan's key floor applies to sliding-window layers only."""
+    The plan's key floor applies to sliding-window layers only; sinks [heads] or None."""
     key_floor = plan.key_floor if sliding_window is not None else None
     if plan.is_decode:
         return paged_decode_attention(
-            query, kv_cache, plan.seq_lens, plan.block_tables, scale, sliding_window, plan.num_splits, key_floor
+            query, kv_cache, plan.seq_lens, plan.block_tables, scale, sliding_window, plan.num_splits, key_floor, sinks
         )
     return paged_prefill_attention(
         query, kv_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables, plan.max_query_len, scale,
-        sliding_window, key_floor,
+        sliding_window, key_floor, sinks,
     )  # fmt: skip

@@ -125,6 +125,12 @@ def check_key_floor(key_floor: torch.Tensor | None, num_seqs: int, device: torch
         check_tensor("key_floor", key_floor, ndim=1, dtypes=INDEX_DTYPES, device=device, shape=(num_seqs,))
 
 
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """sinks: None, or [num_heads] float on the query's device (one logit per head)."""
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape=(num_heads,))
+
+
 def output_like(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``out`` after checking that it can take the result, or a new tensor like query."""
     if out is None:

@@ -30,6 +30,7 @@ from shared.model.kernels.paged_common import (
     cdiv,
     check_key_floor,
     check_paged_inputs,
+    check_sinks,
     dot_precision,
     num_sms,
     output_like,
@@ -52,6 +53,7 @@ def _decode_kernel(
     seq_lens_ptr,
     tables_ptr,
     key_floor_ptr,
+    sinks_ptr,
     out_ptr,
     part_acc_ptr,
     part_m_ptr,
@@ -77,6 +79,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_FLOOR: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -107,6 +110,13 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if HAS_SINKS:
+        if split == 0:
+            # The sink is one more key with no value: the running max starts at its logit
+            # (log2 domain) with weight 1. Split 0 only, so the reduce counts it once.
+            sink = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0).to(tl.float32)
+            m_i = sink * 1.4426950408889634
+            l_i = tl.zeros([BLOCK_G], dtype=tl.float32) + 1.0
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + seq_len - 1
     acc, m_i, l_i = attend_tiles(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, tables_ptr + seq * stride_bt, kv_head.to(tl.int64) * stride_kh,
@@ -180,6 +190,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     key_floor: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     *,
     block_n: int | None = None,
     num_warps: int = 4,
@@ -194,13 +205,15 @@ def paged_decode_attention(
     num_splits None picks one from the batch and the table width (a static bound on
     the length, so no host sync). key_floor [num_seqs] (int32/int64, device) or None:
     sequence s attends only keys j >= key_floor[s] (none left: zeros); applied whenever
-    given, so a caller passes it for sliding-window layers only."""
+    given, so a caller passes it for sliding-window layers only. sinks [heads] (float,
+    device) or None: each head's sink logit joins its softmax with no value (GPT-OSS)."""
     num_seqs, num_heads, num_kv_heads, head_dim = check_paged_inputs(
         query, kv_cache, seq_lens, block_tables, sliding_window
     )
     if query.shape[0] != num_seqs:
         raise ValueError(f"decode takes one query per sequence: query has {query.shape[0]} rows, seq_lens {num_seqs}")
     check_key_floor(key_floor, num_seqs, query.device)
+    check_sinks(sinks, num_heads, query.device)
     block_size = kv_cache.shape[2]
     block_n = default_block_n(head_dim) if block_n is None else block_n
     if block_n < 16 or block_n & (block_n - 1):
@@ -224,12 +237,12 @@ def paged_decode_attention(
     k, v = kv_cache[0], kv_cache[1]
     floor_arg = seq_lens if key_floor is None else key_floor  # unread without a floor
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k, v, seq_lens, block_tables, floor_arg, out, part_acc, part_m, part_l,
+        query, k, v, seq_lens, block_tables, floor_arg, query if sinks is None else sinks, out, part_acc, part_m, part_l,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, sliding_window or 0, num_splits,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
-        HAS_WINDOW=sliding_window is not None, HAS_FLOOR=key_floor is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_FLOOR=key_floor is not None, HAS_SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:

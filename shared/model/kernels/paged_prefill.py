@@ -31,6 +31,7 @@ from shared.model.kernels.paged_common import (
     attend_tiles,
     check_key_floor,
     check_paged_inputs,
+    check_sinks,
     dot_precision,
     output_like,
 )
@@ -65,6 +66,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     tables_ptr,
     key_floor_ptr,
+    sinks_ptr,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -85,6 +87,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_FLOOR: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # Causal tiles late in a sequence see the most keys: run those first, so the
@@ -122,6 +125,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # The head's sink is one more key with no value: start from its logit (log2 domain), weight 1.
+        m_i = tl.load(sinks_ptr + heads).to(tl.float32) * 1.4426950408889634
+        l_i = l_i + 1.0
     table = tables_ptr + seq.to(tl.int64) * stride_bt
     head_offset = kv_head.to(tl.int64) * stride_kh
     tile_lo = kv_lo // BLOCK_N
@@ -177,6 +184,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     key_floor: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -191,6 +199,8 @@ def paged_prefill_attention(
     key_floor [num_seqs] (int32/int64, device) or None: sequence s attends only keys
     j >= key_floor[s] (a query with none left gets zeros); applied whenever given, so a
     caller passes it for sliding-window layers only (``attention.triton_attend``).
+    sinks [heads] (float, device) or None: each head's sink logit joins its softmax with
+    no value (GPT-OSS).
     block_m/block_n/num_warps/num_stages override the tile choice (for tuning sweeps)."""
     num_seqs, num_heads, num_kv_heads, head_dim = check_paged_inputs(
         query, kv_cache, seq_lens, block_tables, sliding_window
@@ -199,6 +209,7 @@ def paged_prefill_attention(
         "query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=query.device, shape=(num_seqs + 1,)
     )
     check_key_floor(key_floor, num_seqs, query.device)
+    check_sinks(sinks, num_heads, query.device)
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be at least 1, got {max_query_len}")
     group = num_heads // num_kv_heads
@@ -221,12 +232,14 @@ def paged_prefill_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     floor_arg = seq_lens if key_floor is None else key_floor  # unread without a floor
     _prefill_kernel[grid](
-        query, k, v, out, query_start_loc, seq_lens, block_tables, floor_arg, num_seqs,
+        query, k, v, out, query_start_loc, seq_lens, block_tables, floor_arg, query if sinks is None else sinks,
+        num_seqs,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, sliding_window or 0,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2], HAS_WINDOW=sliding_window is not None,
-        HAS_FLOOR=key_floor is not None, DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps,
+        HAS_FLOOR=key_floor is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -39,12 +39,14 @@ def paged_attention_ref(
     sliding_window: int | None,
     scale: float,
     key_floor: list[int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen attention of query [T, heads, D] over the paged cache (decode is the case
     of one query per sequence): ``plan_attention`` + ``attend``, the CPU path.
 
     key_floor (per sequence, or None) drops keys j < key_floor[s] from the mask, window
-    or not, as the kernels do when given one; a query left with no key gets zeros."""
+    or not, as the kernels do when given one; a query left with no key gets zeros.
+    sinks [heads] or None: each head's sink logit in its softmax (GPT-OSS)."""
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.int64, device=query.device),
         block_tables=block_tables,
@@ -54,7 +56,7 @@ def paged_attention_ref(
     )
     plan = plan_attention(meta, [sliding_window], query.device)
     if key_floor is None:
-        return attend(query, kv_cache, plan, sliding_window, scale)
+        return attend(query, kv_cache, plan, sliding_window, scale, sinks)
     j = torch.arange(plan.max_kv, device=query.device)
     floor = torch.tensor(key_floor, device=query.device)
     mask = plan.masks[sliding_window] & (j[None, :] >= floor[:, None])[:, None, None, :]  # [S, 1, max_q, max_kv]
@@ -62,6 +64,6 @@ def paged_attention_ref(
     # softmax has no empty row (NaN); their output is replaced by zeros below.
     empty = ~mask.any(-1, keepdim=True)
     plan.masks[sliding_window] = mask | (empty & (j == 0))
-    out = attend(query, kv_cache, plan, sliding_window, scale)
+    out = attend(query, kv_cache, plan, sliding_window, scale, sinks)
     no_key = empty.reshape(-1)[plan.token_rows]  # [T]
     return torch.where(no_key[:, None, None], torch.zeros_like(out), out)
