@@ -53,6 +53,26 @@ def test_prompts_are_chunked_only_while_others_decode():
     ]
 
 
+def test_a_request_whose_last_token_is_in_flight_does_not_cut_prompts_into_chunks():
+    """Async scheduling plans step N+1 before step N's tokens are back. On a
+    prefill instance (max_tokens 1) the request sampled in step N is then
+    finishing, not decoding: the next prompt still gets the whole budget (H200,
+    16 clients of 8k: counting it as decoding halved the prefill instance's rate)."""
+    s = make_scheduler(max_num_batched_tokens=32, prefill_chunk_size=4)
+    s.add_request(req("a", 20, max_tokens=1))
+    s.add_request(req("b", 20, max_tokens=1, base=100))
+    first = s.schedule()  # a in full, b gets what is left of the budget
+    assert [(c.request_id, c.start_pos, len(c.token_ids)) for c in first.chunks] == [("a", 0, 20), ("b", 0, 12)]
+    second = s.schedule()  # a's token is still on the device: b's rest in one chunk
+    assert [(c.request_id, c.start_pos, len(c.token_ids)) for c in second.chunks] == [("b", 12, 8)]
+    # A request that will decode on does cut prompts into chunks.
+    s = make_scheduler(max_num_batched_tokens=32, prefill_chunk_size=4)
+    s.add_request(req("a", 20, max_tokens=5))
+    s.schedule()
+    s.add_request(req("b", 20, base=100))
+    assert [(c.request_id, len(c.token_ids)) for c in s.schedule().chunks] == [("a", 1), ("b", 4)]
+
+
 def test_decode_goes_first_and_prefill_fills_the_token_budget():
     s = make_scheduler(max_num_batched_tokens=6, prefill_chunk_size=8)
     s.add_request(req("a", 3))

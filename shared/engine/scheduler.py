@@ -126,7 +126,9 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         # Prompts are cut into chunks only while other requests decode, so that their
         # next token waits for one chunk at most; a step of prompts alone takes the budget.
-        decoding = any(self._remaining(r) == 1 for r in self.running)
+        # A request whose last token is already on the device is not decoding: on a
+        # prefill instance (max_tokens 1) counting it cut every other step to one chunk.
+        decoding = any(self._remaining(r) == 1 and not self._will_finish(r) for r in self.running)
         chunk_size = self.config.prefill_chunk_size if decoding else budget
 
         # 1. Running requests, oldest first; the youngest are preempted for them.
