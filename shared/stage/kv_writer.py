@@ -59,6 +59,7 @@ class KVWriter:
         self._jobs: dict[int, tuple[concurrent.futures.Future[None], concurrent.futures.Future[None]]] = {}
         self._next_id = 0
         self._dead: str | None = None
+        self._closing = False  # close() asked the child to stop: its EOF is no death
         self._reader = threading.Thread(target=self._read_replies, name="kv-writer-replies", daemon=True)
         self._reader.start()
 
@@ -107,8 +108,8 @@ class KVWriter:
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
-            if self._dead is None:
-                log.warning("%s: saves to kvcache fail until the worker restarts", why)
+            if self._dead is None and not self._closing:
+                log.warning("%s: saves to kvcache run in the worker's own process from now on", why)
             self._dead = why
             jobs, self._jobs = self._jobs, {}
         for read, stored in jobs.values():
@@ -121,6 +122,8 @@ class KVWriter:
         return self._dead is None
 
     def close(self) -> None:
+        with self._lock:
+            self._closing = True
         try:
             self._conn.send(None)
         except OSError:
