@@ -76,8 +76,20 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     }
 )
 ARCHITECTURES: Mapping[str, str] = MappingProxyType(
-    {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+    {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "gpt_oss": "GptOssForCausalLM",
+    }
 )
+# The MoE families' experts, whatever the preset: small enough to draw fast on the CPU,
+# enough experts that routing matters. Qwen3-MoE keeps its last layer dense
+# (mlp_only_layers), so a checkpoint has both kinds.
+MOE_EXPERTS: Mapping[str, int] = MappingProxyType(dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128))
+GPT_OSS_SLIDING_WINDOW = 128  # GptOssConfig's default, when no window is asked for
 _DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType(
     {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 )
@@ -146,9 +158,10 @@ def hf_config_dict(
 ) -> dict[str, Any]:
     """config.json as transformers 5.24 writes it for ``arch`` with these dimensions.
     ``sliding_window`` W makes a hybrid model: Qwen2/Qwen3 with every other layer
-    (the odd ones) sliding, Mistral with every layer sliding; Llama has none."""
+    (the odd ones) sliding, Mistral and Qwen3-MoE with every layer sliding; GPT-OSS
+    always alternates (even layers sliding), with W or its default 128; Llama has none."""
     if sliding_window is not None and arch == "llama":
-        raise ValueError("Llama has no sliding-window layers; use qwen2, qwen3 or mistral")
+        raise ValueError("Llama has no sliding-window layers; use qwen2, qwen3, mistral, qwen3_moe or gpt_oss")
     heads, hidden = preset["num_attention_heads"], preset["hidden_size"]
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -194,7 +207,49 @@ def hf_config_dict(
         )
     if arch == "mistral":
         config["sliding_window"] = sliding_window
+    if arch == "qwen3_moe":
+        config.update(_qwen3_moe_keys(preset, sliding_window))
+    if arch == "gpt_oss":
+        config.update(_gpt_oss_keys(preset, sliding_window))
     return config
+
+
+def _qwen3_moe_keys(preset: Mapping[str, Any], sliding_window: int | None) -> dict[str, Any]:
+    return {
+        "attention_bias": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [preset["num_hidden_layers"] - 1],
+        "moe_intermediate_size": MOE_EXPERTS["moe_intermediate_size"],
+        "norm_topk_prob": True,
+        "num_experts_per_tok": MOE_EXPERTS["num_experts_per_tok"],
+        "num_local_experts": MOE_EXPERTS["num_experts"],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": sliding_window,
+        "use_sliding_window": sliding_window is not None,
+    }
+
+
+def _gpt_oss_keys(preset: Mapping[str, Any], sliding_window: int | None) -> dict[str, Any]:
+    num_layers, max_pos = preset["num_hidden_layers"], preset["max_position_embeddings"]
+    return {
+        "attention_bias": True,
+        "head_dim": preset["hidden_size"] // preset["num_attention_heads"],
+        "intermediate_size": MOE_EXPERTS["moe_intermediate_size"],
+        "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)],
+        "num_experts_per_tok": MOE_EXPERTS["num_experts_per_tok"],
+        "num_local_experts": MOE_EXPERTS["num_experts"],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        # YaRN as GPT-OSS ships it, the factor matching max_position_embeddings.
+        "rope_parameters": {
+            "beta_fast": 32.0, "beta_slow": 1.0, "factor": 4.0, "original_max_position_embeddings": max_pos // 4,
+            "rope_theta": preset["rope_theta"], "rope_type": "yarn", "truncate": False,
+        },
+        "sliding_window": GPT_OSS_SLIDING_WINDOW if sliding_window is None else sliding_window,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+    }  # fmt: skip
 
 
 def _write_weights(out: Path, config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -237,7 +292,7 @@ def _random_weights(
     for name in sorted(shapes):
         if name.endswith("norm.weight"):
             tensor = torch.ones(shapes[name], device=device)
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", "_bias")):
             tensor = torch.zeros(shapes[name], device=device)
         else:
             tensor = torch.empty(shapes[name], device=device).normal_(0.0, 0.02, generator=generator)
