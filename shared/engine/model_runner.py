@@ -87,7 +87,7 @@ class ModelRunner:
         # Positions an SWA replay recomputes already hold these groups' KV (all but sliding ones).
         self._skips_replay = [g.spec.window is None for g in self.kv_layout.groups]
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and device.type == "cuda" and getattr(model, "use_triton", False):
+        if cuda_graphs and device.type == "cuda" and model.supports_cuda_graphs:
             self.graphs = DecodeGraphs(
                 model, self.kv_caches, block_size, max_model_len, max_batch, self.null_block * block_size, device
             )

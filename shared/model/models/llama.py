@@ -192,6 +192,12 @@ class CausalLM(nn.Module):
         self._group_of_layer = [self.kv_layout.group_of_layer(i) for i in range(config.num_hidden_layers)]
         self._group_windows = [frozenset([g.spec.window]) for g in self.kv_layout.groups]
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a decode step can be captured: the Triton path, and no sparse layer
+        (the experts' PyTorch path reads its run lengths on the host)."""
+        return self.use_triton and self.expert_counts is None
+
     def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """Each tensor name of a transformers checkpoint -> the tensor to copy it into:
         a parameter, or its rows of a stacked projection (or a view of stacked experts).
