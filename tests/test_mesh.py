@@ -190,7 +190,7 @@ def decode_load(mesh) -> tuple[int, int, int]:
 
     async def go():
         nc = await nats.connect(mesh.nats_url)
-        sub = await nc.subscribe("im.heartbeat.decode")
+        sub = await nc.subscribe("im.heartbeat.decode.*")
         msg = await sub.next_msg(timeout=5)
         await nc.close()
         hb = mesh_pb2.Heartbeat()

@@ -127,7 +127,7 @@ def decode_load_of(mesh, instance_id: str) -> int:
 
     async def go() -> int:
         nc = await nats.connect(mesh.nats_url)
-        sub = await nc.subscribe("im.heartbeat.decode")
+        sub = await nc.subscribe("im.heartbeat.decode.*")
         try:
             while True:
                 msg = await sub.next_msg(timeout=5)

@@ -168,10 +168,10 @@ def test_a_forged_heartbeat_is_refused_or_expires_and_gets_no_work(start_mesh):
     client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=60)
     name = client.models.list().data[0].id
 
-    async def forge(*beats: mesh_pb2.Heartbeat, subject: str = "im.heartbeat.decode") -> None:
-        nc = await nats.connect(mesh.nats_url)
+    async def forge(*beats: mesh_pb2.Heartbeat, subject: str | None = None) -> None:
+        nc = await nats.connect(mesh.nats_url)  # the operator: past NATS's permissions, as a Helm insider is
         for hb in beats:
-            await nc.publish(subject, hb.SerializeToString())
+            await nc.publish(subject or subjects.heartbeat("decode", hb.instance_id), hb.SerializeToString())
         await nc.flush()
         await nc.close()
 
@@ -179,10 +179,27 @@ def test_a_forged_heartbeat_is_refused_or_expires_and_gets_no_work(start_mesh):
     asyncio.run(forge(mesh_pb2.Heartbeat(stage="decode", instance_id="forever", seq=1, interval_s=1e9, load=idle)))
     asyncio.run(forge(mesh_pb2.Heartbeat(stage="decode", instance_id="nan", seq=1, interval_s=float("nan"), load=idle)))
     asyncio.run(forge(mesh_pb2.Heartbeat(stage="decode", instance_id="sideways", seq=1, interval_s=0.2, load=idle),
-                      subject="im.heartbeat.prefill"))
+                      subject=subjects.heartbeat("prefill", "sideways")))
+    # In another instance's name: the subject names the sender, the body decode-0.
+    asyncio.run(forge(mesh_pb2.Heartbeat(stage="decode", instance_id="decode-0", seq=1 << 40, interval_s=0.2,
+                                         load=idle, draining=True), subject=subjects.heartbeat("decode", "evil")))
     time.sleep(0.3)
     assert metric(mesh, "heartbeats_refused_total", reason="interval") == 2
     assert metric(mesh, "heartbeats_refused_total", reason="stage") == 1
+    assert metric(mesh, "heartbeats_refused_total", reason="instance_mismatch") == 1
+    # Block events in prefill-0's name (which would pull prompts to it) from another subject: refused.
+    async def forge_kv_event() -> None:
+        nc = await nats.connect(mesh.nats_url)
+        event = mesh_pb2.KvEvent(instance_id="prefill-0", seq=1, stored=[b"\x01" * 32], cleared=True)
+        await nc.publish(subjects.kv_events("evil"), event.SerializeToString())
+        await nc.flush()
+        await nc.close()
+
+    asyncio.run(forge_kv_event())
+    deadline = time.monotonic() + 5
+    while metric(mesh, "kv_events_refused_total") != 1:
+        assert time.monotonic() < deadline, "the forged KV event was not refused"
+        time.sleep(0.05)
     assert ready(mesh)["instances"].get("decode", 0) <= 1  # none of them counts (decode-0 may, if not late)
     # A well-formed forgery (valid interval) that stops beating is gone within misses * interval.
     asyncio.run(forge(mesh_pb2.Heartbeat(stage="decode", instance_id="ghost", seq=1, interval_s=0.2, load=idle)))

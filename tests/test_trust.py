@@ -10,6 +10,7 @@ SIGKILL (no child survives it)."""
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import re
 import signal
@@ -109,6 +110,20 @@ async def settle(*clients: Client, until=None) -> None:  # noqa: ANN001
     await asyncio.sleep(QUIET_S)
 
 
+async def connected(sender: Client, subject: str, got: list, *receivers: Client) -> None:
+    """Publish on subject until got holds it (up to 10 s), then empty got: a freshly
+    made pair of connections sometimes loses its first messages (nats-server 2.9, seen
+    in 1 of 8 tries with or without accounts), which would pass for a refusal."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while not got:
+        assert asyncio.get_running_loop().time() < deadline, f"nothing on {subject} arrives"
+        await sender.nc.publish(subject, b"hello")
+        for c in (sender, *receivers):
+            await c.nc.flush()
+        await asyncio.sleep(0.1)
+    got.clear()
+
+
 def violations(client: Client, kind: str) -> list[str]:
     return [e for e in client.errors if "permissions violation" in e.lower() and kind.lower() in e.lower()]
 
@@ -134,20 +149,73 @@ async def test_a_worker_cannot_dispatch_cancel_or_forge_another_stages_heartbeat
         forged_hb = mesh_pb2.Heartbeat(instance_id="prefill-9", stage="prefill").SerializeToString()
         await attacker.nc.publish(subjects.prefill_run("prefill-0"), b"forged dispatch")
         await attacker.nc.publish(subjects.CANCEL, mesh_pb2.Cancel(request_id="victim").SerializeToString())
-        await attacker.nc.publish(subjects.heartbeat("prefill"), forged_hb)
+        await attacker.nc.publish(subjects.heartbeat("prefill", "prefill-9"), forged_hb)
         await settle(attacker, prefill, balancer)
         assert runs == [] and cancels == [] and heartbeats == []
         assert len(violations(attacker, "publish")) == 3, attacker.errors
         # The same subjects work for the roles they belong to: the refusals above are permissions.
         await balancer.nc.publish(subjects.prefill_run("prefill-0"), b"dispatch")
         await balancer.nc.publish(subjects.CANCEL, b"cancel")
-        await attacker.nc.publish(subjects.heartbeat("decode"), b"its own heartbeat")
+        await attacker.nc.publish(subjects.heartbeat("decode", "decode-0"), b"its own heartbeat")
         await settle(attacker, prefill, balancer, until=lambda: runs and cancels and heartbeats)
         assert [m.data for m in runs] == [b"dispatch"] and [m.data for m in cancels] == [b"cancel"]
-        assert [m.subject for m in heartbeats] == [subjects.heartbeat("decode")]
+        assert [m.subject for m in heartbeats] == [subjects.heartbeat("decode", "decode-0")]
     finally:
         for c in (prefill, balancer, attacker):
             await c.nc.close()
+
+
+@pytest.mark.asyncio
+async def test_a_worker_cannot_speak_in_another_instances_name(auth_nats):
+    """decode-0's own credentials: its heartbeats and KV events go out on its own
+    subjects only; another decode instance's (which would keep a dead decode-1 alive,
+    or mark a live one draining), a prefill's KV events (which steer prompts), and
+    nats-server's departure advisories (which would make the balancer fail others
+    over) are refused by the server, so the balancer never sees them."""
+    balancer, attacker = await as_user(auth_nats, "balancer"), await as_user(auth_nats, "decode-0")
+    try:
+        heartbeats = await balancer.received(subjects.HEARTBEAT_ALL)
+        events = await balancer.received(subjects.KV_EVENTS_ALL)
+        departures = await balancer.received(subjects.CLIENT_DISCONNECTED)
+        await connected(attacker, subjects.heartbeat("decode", "decode-0"), heartbeats, balancer)
+        as_decode_1 = mesh_pb2.Heartbeat(instance_id="decode-1", stage="decode", seq=1 << 40, draining=True)
+        await attacker.nc.publish(subjects.heartbeat("decode", "decode-1"), as_decode_1.SerializeToString())
+        kv = mesh_pb2.KvEvent(instance_id="prefill-0", stored=[b"\x01" * 32])
+        await attacker.nc.publish(subjects.kv_events("prefill-0"), kv.SerializeToString())
+        await attacker.nc.publish(subjects.kv_events("decode-1"), kv.SerializeToString())
+        fake = b'{"type": "io.nats.server.advisory.v1.client_disconnect", "client": {"name": "decode-1"}}'
+        await attacker.nc.publish(subjects.CLIENT_DISCONNECTED, fake)
+        await settle(attacker, balancer)
+        assert heartbeats == [] and events == [] and departures == []
+        assert len(violations(attacker, "publish")) == 4, attacker.errors
+        # Its own name works (what the balancer then checks: the body names the subject's instance).
+        await attacker.nc.publish(subjects.heartbeat("decode", "decode-0"), b"mine")
+        await attacker.nc.publish(subjects.kv_events("decode-0"), b"mine")
+        await settle(attacker, balancer, until=lambda: heartbeats and events)
+        assert [m.subject for m in heartbeats + events] == [subjects.heartbeat("decode", "decode-0"),
+                                                              subjects.kv_events("decode-0")]
+    finally:
+        await balancer.nc.close()
+        await attacker.nc.close()
+
+
+@pytest.mark.asyncio
+async def test_nats_tells_the_balancer_when_a_worker_connection_closes(auth_nats):
+    """The server's departure advisory reaches the balancer's subject (and nobody else's)
+    within moments, naming the connection and its user: how a killed worker is noticed."""
+    balancer, monitor = await as_user(auth_nats, "balancer"), await as_user(auth_nats, "monitor")
+    try:
+        departures = await balancer.received(subjects.CLIENT_DISCONNECTED)
+        spied = await monitor.received(subjects.CLIENT_DISCONNECTED)
+        worker = Client()
+        await worker.connect(auth_nats.url, "decode-1", auth_nats.creds.users["decode-1"].password)
+        await worker.nc.close()
+        await settle(balancer, until=lambda: departures)
+        assert [json.loads(m.data)["client"]["user"] for m in departures] == ["decode-1"]
+        assert spied == [] and len(violations(monitor, "subscription")) == 1
+    finally:
+        await balancer.nc.close()
+        await monitor.nc.close()
 
 
 @pytest.mark.asyncio
@@ -182,6 +250,7 @@ async def test_a_worker_cannot_publish_into_another_instances_stream(auth_nats):
     attacker = await as_user(auth_nats, "decode-1")
     try:
         chunks = await balancer.received(stream_subjects("*"))
+        await connected(attacker, subjects.stream("decode-1", "hello"), chunks, balancer)
         await attacker.nc.publish(subjects.stream("decode-0", "victim"), b"injected tokens")
         await attacker.nc.publish(subjects.stream("decode-1", "mine"), b"its own stream")
         await settle(attacker, balancer, until=lambda: chunks)

@@ -148,7 +148,7 @@ class MeshGenerator:
             if migration:
                 attempt = self._continuation(req, generated, migration)
             try:
-                async for event in self._attempt(attempt, excluded, root, time.perf_counter(), rejected):
+                async for event in self._attempt(attempt, excluded, root, time.perf_counter(), rejected, migration):
                     now = time.perf_counter()
                     if moved and event.token_ids:
                         moved = False
@@ -243,7 +243,8 @@ class MeshGenerator:
     # -- one attempt ------------------------------------------------------------------------
 
     async def _attempt(
-        self, req: GenerationRequest, excluded: set[str], root: Span, started: float, rejected: list[int]
+        self, req: GenerationRequest, excluded: set[str], root: Span, started: float, rejected: list[int],
+        migration: int = 0,
     ) -> AsyncIterator[TokenEvent]:
         rid = req.request_id
         finished = False
@@ -254,6 +255,8 @@ class MeshGenerator:
         # A chunk that passed the checks is proof of life, as it arrives (its heartbeat may be late).
         async with StreamReader(self.bus, rid, on_rejected, lambda chunk: self.registry.touch(chunk.instance_id)) as reader:
             route = await self._dispatch(req, excluded, reader)
+            if migration:  # handed to its new instances: when, to line up with a death
+                root.set_attribute("migration.dispatched_unix", time.time())
             # Not the current span: this generator yields, and a span made current
             # across a yield would be detached in another context when closed.
             span = self.tracer.start_span(

@@ -22,6 +22,15 @@ what NATS already delivered, so a balancer whose own loop lags behind its
 heartbeats does not fail over instances that are fine. A stream chunk that
 passed the balancer's checks is proof of life too (`touch`): a decode instance
 busy streaming is not dropped because its heartbeat came late.
+
+A death needs no sweep: when a worker's NATS connection closes, the balancer
+hears nats-server's advisory and the instance leaves at once (`leave`, see
+services/balancer/departures.py), well before its heartbeats are missed.
+
+Names are checked against subjects: a heartbeat or KV event arrives on a subject
+that names its instance (`im.heartbeat.<stage>.<instance>`, which only that
+instance may publish under `infermesh up`); one whose body names another
+instance is refused and counted ("instance_mismatch").
 """
 
 import math
@@ -73,11 +82,15 @@ class Registry:
         """Heartbeats refused, by reason."""
         self.on_removed: list[Removed] = []
 
-    def on_heartbeat(self, hb: mesh_pb2.Heartbeat, stage: str | None = None) -> str | None:
-        """Take a heartbeat (stage: the one its subject names); why it was refused, or None."""
+    def on_heartbeat(
+        self, hb: mesh_pb2.Heartbeat, stage: str | None = None, instance_id: str | None = None
+    ) -> str | None:
+        """Take a heartbeat (stage, instance_id: those its subject names); why it was refused, or None."""
         reason = self._refusal(hb, stage)
+        if reason is None and instance_id is not None and hb.instance_id != instance_id:
+            reason = "instance_mismatch"
         if reason is not None:
-            self.num_refused[reason] = self.num_refused.get(reason, 0) + 1
+            self._count_refusal(reason)
             return reason
         interval = max(hb.interval_s or 1.0, MIN_INTERVAL_S)
         inst = self._instances.get(hb.instance_id)
@@ -107,7 +120,18 @@ class Registry:
             return "interval"
         return None
 
-    def on_kv_event(self, ev: mesh_pb2.KvEvent) -> None:
+    def _count_refusal(self, reason: str) -> None:
+        self.num_refused[reason] = self.num_refused.get(reason, 0) + 1
+
+    def on_kv_event(self, ev: mesh_pb2.KvEvent, instance_id: str | None = None) -> str | None:
+        """Take a worker's block events (instance_id: the one its subject names); why refused, or None."""
+        if instance_id is not None and ev.instance_id != instance_id:
+            self._count_refusal("kv_instance_mismatch")
+            return "kv_instance_mismatch"
+        self._apply_kv_event(ev)
+        return None
+
+    def _apply_kv_event(self, ev: mesh_pb2.KvEvent) -> None:
         inst = self._instances.get(ev.instance_id)
         if ev.cleared:
             self._kv_seq[ev.instance_id] = ev.seq
@@ -125,6 +149,13 @@ class Registry:
         self.num_dropped += 1
         for callback in self.on_removed:
             callback(inst, why)
+
+    def leave(self, instance_id: str, why: str) -> Instance | None:
+        """The instance is gone (its process died): drop it now; returns it, or None if unknown."""
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            self._remove(inst, why)
+        return inst
 
     def touch(self, instance_id: str) -> None:
         """The instance was heard from (a checked stream chunk): it is alive."""

@@ -1,10 +1,12 @@
 """The balancer service: registry fed by NATS, the mesh generator, and the
 OpenAI-compatible app served by uvicorn on the service's event loop.
 
-Heartbeats are read per stage subject (`im.heartbeat.<stage>`; one naming
-another stage is refused), swept for silent instances every
+Heartbeats are read per stage and instance subject (`im.heartbeat.<stage>.<instance>`;
+one whose body names another stage or instance is refused, as are KV events
+naming another instance than `im.kv.events.<instance>`), swept for silent instances every
 registry.SWEEP_INTERVAL_S (their requests fail over at once), and counted when
-refused. Chunks on the old stream subject form (`im.stream.<request>`) are
+refused. An instance whose NATS connection closes leaves at once
+(services/balancer/departures.py). Chunks on the old stream subject form (`im.stream.<request>`) are
 counted as forged: no worker publishes there.
 
 /ready: 200 with {"ready": true} once at least one prefill and one decode
@@ -22,10 +24,12 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import uvicorn
+from nats.aio.msg import Msg
 from prometheus_client import Gauge
 from fastapi.responses import JSONResponse
 
 from services.balancer.api import create_app
+from services.balancer.departures import instance_departed, parse_advisory
 from services.balancer.orchestrator import MeshGenerator
 from services.balancer.registry import STAGES, SWEEP_INTERVAL_S, Registry
 from shared.kv.block_hash import kv_fingerprint
@@ -112,29 +116,44 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     m_left = ctx.metrics.counter("instances_left_total", "Instances dropped from the registry", ("stage", "why"))
     registry.on_removed.append(lambda inst, why: m_left.labels(inst.stage, why.split(" ")[0]).inc())
 
+    m_kv_refused = ctx.metrics.counter(
+        "kv_events_refused_total", "Worker KV events refused: the body names another instance than the subject"
+    )
+
     def on_heartbeat_of(stage: str):  # noqa: ANN202
-        async def on_heartbeat(hb: mesh_pb2.Heartbeat) -> None:
-            reason = registry.on_heartbeat(hb, stage)
+        async def on_heartbeat(hb: mesh_pb2.Heartbeat, subject: str) -> None:
+            reason = registry.on_heartbeat(hb, stage, subjects.last_token(subject))
             if reason is not None:
                 m_refused.labels(reason).inc()
-                log.warning("refused a heartbeat of %r on %s (%s)", hb.instance_id, subjects.heartbeat(stage), reason)
+                log.warning("refused a heartbeat of %r on %s (%s)", hb.instance_id, subject, reason)
 
         return on_heartbeat
 
-    async def on_kv_event(ev: mesh_pb2.KvEvent) -> None:
-        registry.on_kv_event(ev)
+    async def on_kv_event(ev: mesh_pb2.KvEvent, subject: str) -> None:
+        if registry.on_kv_event(ev, subjects.last_token(subject)) is not None:
+            m_kv_refused.inc()
+            log.warning("refused KV events naming %r on %s", ev.instance_id, subject)
 
-    async def on_old_stream_subject(chunk: mesh_pb2.TokenChunk) -> None:
+    async def on_old_stream_subject(chunk: mesh_pb2.TokenChunk, subject: str) -> None:
         generator.reject_chunk("old_subject", chunk)
 
-    routes = [(subjects.heartbeat(stage), mesh_pb2.Heartbeat, on_heartbeat_of(stage)) for stage in STAGES]
+    routes = [(subjects.heartbeats_of(stage), mesh_pb2.Heartbeat, on_heartbeat_of(stage)) for stage in STAGES]
     routes += [
-        (subjects.KV_EVENTS, mesh_pb2.KvEvent, on_kv_event),
+        (subjects.KV_EVENTS_ALL, mesh_pb2.KvEvent, on_kv_event),
         (subjects.STREAM_OLD_FORM, mesh_pb2.TokenChunk, on_old_stream_subject),
     ]
     for subject, msg_type, handler in routes:
-        sub = await ctx.bus.subscribe(subject, msg_type, handler)
+        sub = await ctx.bus.subscribe(subject, msg_type, handler, with_subject=True)
         stack.push_async_callback(sub.unsubscribe)
+
+    async def on_disconnect_advisory(msg: Msg) -> None:
+        departure = parse_advisory(msg.data)
+        if departure is not None and (inst := instance_departed(registry, departure)) is not None:
+            log.warning("%s left: its NATS connection closed (%s)", inst.instance_id, departure.reason)
+
+    # Deaths, from nats-server at once (where its config imports the advisories: up, compose, Helm).
+    sub = await ctx.bus.nc.subscribe(subjects.CLIENT_DISCONNECTED, cb=on_disconnect_advisory)
+    stack.push_async_callback(sub.unsubscribe)
 
     kvcache = _KVCacheProbe(settings.kvcache.address, settings.kvcache.probe_interval_s,
                             ctx.metrics.gauge("kvcache_up", "1 while the balancer reaches kvcache's health check"))

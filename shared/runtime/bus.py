@@ -96,19 +96,22 @@ class Bus:
         self,
         subject: str,
         message_type: type[M],
-        handler: Callable[[M], Awaitable[Message | None]],
+        handler: Callable[..., Awaitable[Message | None]],
         queue: str = "",
+        with_subject: bool = False,
     ) -> Subscription:
-        """Run handler for each message under the sender's trace context; a
-        returned message is sent as the reply when the sender asked for one.
-        A handler's exception is logged and never kills the subscription."""
+        """Run handler(payload) for each message under the sender's trace context
+        (handler(payload, subject) with_subject: where a wildcard subscription
+        needs the subject, which names the sender); a returned message is sent as
+        the reply when the sender asked for one. A handler's exception is logged
+        and never kills the subscription."""
 
         async def on_msg(msg: Msg) -> None:
             token = otel_context.attach(extract_context(msg.headers))
             try:
                 payload = message_type()
                 payload.ParseFromString(msg.data)
-                reply = await handler(payload)
+                reply = await (handler(payload, msg.subject) if with_subject else handler(payload))
                 if reply is not None and msg.reply:
                     await msg.respond(reply.SerializeToString())
             except Exception:

@@ -59,7 +59,10 @@ class TelemetrySettings:
 class WorkerSettings:
     instance_id: str | None = None
     """Name on the mesh; None derives <stage>-<host>-<pid>."""
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = 0.5
+    """How often a worker says it is alive (with its load); the balancer drops one
+    silent for balancer.heartbeat_misses intervals (a frozen process: 1.5 s). A
+    worker that dies is noticed sooner, when NATS closes its connection."""
     metrics_port: int = 0
     """Port of the Prometheus /metrics endpoint; 0 picks a free one."""
     grpc_port: int = 0

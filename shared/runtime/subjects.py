@@ -5,12 +5,22 @@ A token stream's subject names the instance that publishes it,
 `im.stream.<instance_id>.<request_id>`: with permissions that let instance X
 publish only on `im.stream.X.>` (stream_of_instance), the subject proves who sent
 a chunk, and the balancer listens only to the instance it handed the request to.
+Heartbeats and a worker's KV events name their instance the same way
+(`im.heartbeat.<stage>.<instance>`, `im.kv.events.<instance>`): the balancer
+takes a message only when its body names the instance of its subject.
 """
 
 PREFIX = "im"
 CANCEL = f"{PREFIX}.cancel"
 KV_EVENTS = f"{PREFIX}.kv.events"
-HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
+"""The kvcache service's own block events (workers publish on kv_events(instance))."""
+KV_EVENTS_ALL = f"{PREFIX}.kv.events.*"
+"""Every worker's KV events."""
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*.*"
+CLIENT_DISCONNECTED = f"{PREFIX}.nats.disconnected"
+"""Where nats-server's advisory of a client that left (its connection closed: the
+process died, or drained) arrives in the mesh's account; only the server feeds it
+(see tools/launch/nats_auth.py). The balancer moves that instance's requests at once."""
 STREAM_OLD_FORM = f"{PREFIX}.stream.*"
 """The old one-token stream subject (`im.stream.<request_id>`): nobody publishes
 there any more; the balancer counts what arrives as forged."""
@@ -48,8 +58,24 @@ def stream_instance(subject: str) -> str | None:
     return parts[2]
 
 
-def heartbeat(stage: str) -> str:
-    return f"{PREFIX}.heartbeat.{stage}"
+def heartbeat(stage: str, instance_id: str) -> str:
+    """Where instance_id (of stage) publishes its heartbeats."""
+    return f"{PREFIX}.heartbeat.{check_token(stage)}.{check_token(instance_id)}"
+
+
+def heartbeats_of(stage: str) -> str:
+    """Every instance's heartbeats of one stage (a subscription)."""
+    return f"{PREFIX}.heartbeat.{check_token(stage)}.*"
+
+
+def kv_events(instance_id: str) -> str:
+    """Where instance_id publishes the blocks that entered or left its memory."""
+    return f"{PREFIX}.kv.events.{check_token(instance_id)}"
+
+
+def last_token(subject: str) -> str:
+    """The instance a heartbeat or KV event subject names (its last token)."""
+    return subject.rsplit(".", 1)[-1]
 
 
 def check_token(name: str) -> str:

@@ -198,7 +198,7 @@ class Worker:
             draining=self.draining,
         )
         with contextlib.suppress(Exception):  # NATS down: the next beat retries
-            await self.ctx.bus.publish(subjects.heartbeat(self.ctx.stage), hb)
+            await self.ctx.bus.publish(subjects.heartbeat(self.ctx.stage, self.ctx.instance_id), hb)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -215,7 +215,7 @@ class Worker:
         event = mesh_pb2.KvEvent(
             instance_id=self.ctx.instance_id, seq=self._kv_seq, stored=stored, removed=removed, cleared=cleared
         )
-        await self.ctx.bus.publish(subjects.KV_EVENTS, event)
+        await self.ctx.bus.publish(subjects.kv_events(self.ctx.instance_id), event)
 
     async def _kv_event_loop(self) -> None:
         while True:

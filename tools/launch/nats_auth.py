@@ -7,10 +7,10 @@ the users that answer requests may publish to reply subjects):
 
 | user        | publishes                                              | subscribes                                  |
 |-------------|--------------------------------------------------------|---------------------------------------------|
-| balancer    | prefill dispatch (im.prefill.*.run), cancels           | heartbeats, KV events, every token stream   |
-| prefill X   | decode handoffs, its heartbeat, KV events, X's streams | X's dispatch, cancels, X's KV releases      |
-| decode X    | its heartbeat, KV events, X's streams, KV releases     | X's handoffs, cancels                       |
-| kvcache     | KV events                                              | nothing                                     |
+| balancer    | prefill dispatch (im.prefill.*.run), cancels           | heartbeats, KV events, every token stream, departures |
+| prefill X   | decode handoffs, X's heartbeats, KV events and streams | X's dispatch, cancels, X's KV releases      |
+| decode X    | X's heartbeats, KV events and streams, KV releases     | X's handoffs, cancels                       |
+| kvcache     | its KV events (im.kv.events)                           | nothing                                     |
 | monitor     | nothing                                                | heartbeats, KV events (load figures only)   |
 | admin       | anything                                               | anything (`up`'s operator only)             |
 
@@ -23,6 +23,12 @@ publish into another's streams. Helm and compose scale instances whose ids
 nobody knows beforehand: there X is `*`, one user per stage, and the
 balancer's check that a chunk comes from the instance it handed the request
 to is what keeps instances of one stage apart.
+
+Every user sits in one account (MESH). The system account (SYS) exports
+nats-server's advisory of a client that left; MESH imports it as
+`im.nats.disconnected` (subjects.CLIENT_DISCONNECTED), which only the server
+feeds: the balancer hears a worker's death within milliseconds
+(services/balancer/departures.py).
 
     python -m tools.launch.nats_auth --conf > deploy/helm/infermesh/charts/nats/files/auth.conf
         # the block for Helm and compose, passwords read from $NATS_<ROLE>_PASSWORD
@@ -82,30 +88,30 @@ def permissions(role: str, instance: str = "*") -> Permissions:
     if role == "balancer":
         # STREAM_OLD_FORM (im.stream.<request>): the balancer listens there only to
         # count forgeries of the subject form before streams named their instance.
-        old_form = getattr(subjects, "STREAM_OLD_FORM", None)
         return Permissions(
             publish=(_any(subjects.prefill_run), subjects.CANCEL),
-            subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS, stream_subjects("*"),
-                       *([old_form] if old_form else [])),
+            subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS_ALL, stream_subjects("*"),
+                       subjects.STREAM_OLD_FORM, subjects.CLIENT_DISCONNECTED),
         )
-    if role == "prefill":
+    if role in ("prefill", "decode"):
+        # Its own heartbeat and KV event subjects, as its own streams: under `up` a
+        # worker cannot speak in another instance's name.
+        heartbeat = own(lambda i: subjects.heartbeat(role, i))
+        if role == "prefill":
+            return Permissions(
+                publish=(_any(subjects.decode_admit), heartbeat, own(subjects.kv_events), stream_subjects(instance)),
+                subscribe=(own(subjects.prefill_run), subjects.CANCEL, own(subjects.kv_release)),
+                allow_responses=True,
+            )
         return Permissions(
-            publish=(_any(subjects.decode_admit), subjects.heartbeat("prefill"), subjects.KV_EVENTS,
-                     stream_subjects(instance)),
-            subscribe=(own(subjects.prefill_run), subjects.CANCEL, own(subjects.kv_release)),
-            allow_responses=True,
-        )
-    if role == "decode":
-        return Permissions(
-            publish=(subjects.heartbeat("decode"), subjects.KV_EVENTS, stream_subjects(instance),
-                     _any(subjects.kv_release)),
+            publish=(heartbeat, own(subjects.kv_events), stream_subjects(instance), _any(subjects.kv_release)),
             subscribe=(own(subjects.decode_admit), subjects.CANCEL),
             allow_responses=True,
         )
     if role == "kvcache":
         return Permissions(publish=(subjects.KV_EVENTS,), subscribe=())
     if role == "monitor":
-        return Permissions(publish=(), subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS))
+        return Permissions(publish=(), subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS, subjects.KV_EVENTS_ALL))
     if role == "admin":
         return Permissions(publish=(">",), subscribe=(">",), allow_responses=True)
     raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
@@ -128,23 +134,37 @@ def _list(items: tuple[str, ...]) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
+MESH_ACCOUNT = "MESH"
+SYSTEM_ACCOUNT = "SYS"
+DISCONNECT_ADVISORIES = f"$SYS.ACCOUNT.{MESH_ACCOUNT}.DISCONNECT"
+"""What nats-server publishes (in its system account) when a client of the mesh's account leaves."""
+
+
 def authorization_block(users: list[User]) -> str:
-    """nats-server's `authorization { users = [...] }` for these users. A password
-    `$NAME` is left unquoted: nats-server reads it from its environment."""
-    lines = ["authorization {", "  users = ["]
+    """nats-server's accounts for these users: all in the mesh's account, with
+    their permissions; the system account exports the advisories of clients that
+    leave, which the mesh's account imports on subjects.CLIENT_DISCONNECTED (the
+    balancer moves a dead worker's requests at once). A password `$NAME` is left
+    unquoted: nats-server reads it from its environment."""
+    lines = [f"system_account: {SYSTEM_ACCOUNT}", "accounts {",
+             f"  {SYSTEM_ACCOUNT} {{", f"    exports = [{{stream: {json.dumps(DISCONNECT_ADVISORIES)}}}]", "  }",
+             f"  {MESH_ACCOUNT} {{", "    users = ["]
     for u in users:
         p = u.permissions
         password = u.password if u.password.startswith("$") else json.dumps(u.password)
         subscribe = (*p.subscribe, inbox(u.name))
         # An empty allow list would allow everything: deny all instead.
         publish = f"{{allow: {_list(p.publish)}}}" if p.publish else '{deny: [">"]}'
-        lines.append(f"    {{user: {json.dumps(u.name)}, password: {password}, permissions: {{")
-        lines.append(f"      publish: {publish}")
-        lines.append(f"      subscribe: {{allow: {_list(subscribe)}}}")
+        lines.append(f"      {{user: {json.dumps(u.name)}, password: {password}, permissions: {{")
+        lines.append(f"        publish: {publish}")
+        lines.append(f"        subscribe: {{allow: {_list(subscribe)}}}")
         if p.allow_responses:
-            lines.append("      allow_responses: true")
-        lines.append("    }}")
-    lines += ["  ]", "}"]
+            lines.append("        allow_responses: true")
+        lines.append("      }}")
+    lines += ["    ]",
+              f"    imports = [{{stream: {{account: {SYSTEM_ACCOUNT}, subject: {json.dumps(DISCONNECT_ADVISORIES)}}}, "
+              f"to: {json.dumps(subjects.CLIENT_DISCONNECTED)}}}]",
+              "  }", "}"]
     return "\n".join(lines) + "\n"
 
 
