@@ -10,12 +10,22 @@ cannot send metadata, and it reveals one bit (SERVING or not). The process's
 token and bind host are set once at start (configure(), from settings, by the
 service skeleton), so the servers and channels made deep inside a service
 (the Worker's server, KVCacheClient's channel) use them without threading
-them through every constructor."""
+them through every constructor.
+
+Mutual TLS, besides the token, where worker.tls_cert, tls_key and tls_ca are
+set (Helm does, with a CA and a certificate per service of its own making):
+servers take only TLS connections that present a client certificate signed by
+the CA, clients present theirs and check the server's against the same CA (and
+its name against the address they dial). A client without a certificate, or
+with one of another CA, fails the handshake before any call, health included.
+`infermesh up` keeps the token alone (every process on one host, loopback).
+The certificate checks are gRPC's own (BoringSSL), not code of ours."""
 
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,6 +45,57 @@ OPEN_METHOD_PREFIX = "/grpc.health.v1.Health/"
 AUTH_HEADER = "authorization"
 
 
+class TlsPaths(Protocol):
+    """Where the PEM files are (settings.WorkerSettings has these fields)."""
+
+    tls_cert: str | None
+    tls_key: str | None
+    tls_ca: str | None
+
+
+class RpcSettings(TlsPaths, Protocol):
+    """What configure_from reads (settings.WorkerSettings)."""
+
+    grpc_token: str | None
+    bind_host: str
+
+
+@dataclass(slots=True, frozen=True)
+class TlsFiles:
+    """This process's certificate chain and key, and the mesh's CA (PEM bytes)."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    @classmethod
+    def load(cls, paths: TlsPaths) -> "TlsFiles | None":
+        """Read the three files; None when none is set; a ValueError naming the
+        settings when only some are (a half-configured TLS must not fall back to plain)."""
+        named = {"worker.tls_cert": paths.tls_cert, "worker.tls_key": paths.tls_key, "worker.tls_ca": paths.tls_ca}
+        missing = [name for name, path in named.items() if not path]
+        if len(missing) == len(named):
+            return None
+        if missing:
+            raise ValueError(f"mutual TLS needs worker.tls_cert, tls_key and tls_ca together; {', '.join(missing)} "
+                             "is not set")
+        files = []
+        for name, path in named.items():
+            try:
+                files.append(Path(path).read_bytes())  # type: ignore[arg-type]
+            except OSError as exc:
+                raise ValueError(f"{name}: cannot read {path!r}: {exc.strerror}") from None
+        return cls(*files)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
 @dataclass(slots=True)
 class RpcDefaults:
     """What servers and channels of this process use unless told otherwise."""
@@ -43,15 +104,23 @@ class RpcDefaults:
     """The shared bearer token; None: servers check nothing, clients send nothing."""
     bind_host: str = "127.0.0.1"
     """Interface servers listen on."""
+    tls: TlsFiles | None = None
+    """Mutual TLS for every server and channel; None: plaintext (loopback, `up`)."""
 
 
 _defaults = RpcDefaults()
 
 
-def configure(token: str | None, bind_host: str) -> None:
-    """Set this process's token and bind host (the service skeleton calls it from settings)."""
+def configure(token: str | None, bind_host: str, tls: TlsFiles | None = None) -> None:
+    """Set this process's token, bind host and TLS files (the service skeleton calls it from settings)."""
     _defaults.token = token or None
     _defaults.bind_host = bind_host
+    _defaults.tls = tls
+
+
+def configure_from(worker: RpcSettings) -> None:
+    """configure() from the settings' worker section: token, bind host, TLS files."""
+    configure(worker.grpc_token, worker.bind_host, TlsFiles.load(worker))
 
 
 def bearer_ok(metadata: Any, token: str) -> bool:
@@ -120,14 +189,15 @@ class GrpcServer:
 
 async def start_grpc_server(
     port: int, servicers: list[tuple[object, object]], service_names: list[str], host: str | None = None,
-    token: str | None = None,
+    token: str | None = None, tls: TlsFiles | None = None,
 ) -> GrpcServer:
     """servicers: (add_XServicer_to_server function, servicer) pairs. Port 0
-    picks a free port. host and token default to the process's (configure()).
+    picks a free port. host, token and tls default to the process's (configure()).
     Health starts NOT_SERVING: the caller flips it when the service is ready
     (after its engine loaded, say)."""
     host = host or _defaults.bind_host
     token = token or _defaults.token
+    tls = tls or _defaults.tls
     interceptors: list[grpc.aio.ServerInterceptor] = [aio_server_interceptor()]
     if token:
         interceptors.insert(0, TokenInterceptor(token))  # refuse before anything runs or is traced
@@ -136,7 +206,8 @@ async def start_grpc_server(
         add(servicer, server)  # type: ignore[operator]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server on {host}:{port}")
     await server.start()
@@ -179,19 +250,27 @@ class _TokenStreamStream(_AddToken, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._details(details), request_iterator)
 
 
-def open_channel(address: str, token: str | None = None) -> grpc.aio.Channel:
-    """A channel whose calls carry the bearer token (the process's unless given)."""
+def _channel(address: str, tls: TlsFiles | None, **kwargs: Any) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address, **kwargs)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), **kwargs)
+
+
+def open_channel(address: str, token: str | None = None, tls: TlsFiles | None = None) -> grpc.aio.Channel:
+    """A channel whose calls carry the bearer token, over mutual TLS when set up
+    (the process's token and TLS files unless given)."""
     token = token or _defaults.token
     interceptors = list(aio_client_interceptors())
     if token:
         interceptors = [cls(token) for cls in (_TokenUnaryUnary, _TokenUnaryStream, _TokenStreamUnary,
                                                _TokenStreamStream)] + interceptors
-    return grpc.aio.insecure_channel(address, options=_OPTIONS, interceptors=interceptors)
+    return _channel(address, tls or _defaults.tls, options=_OPTIONS, interceptors=interceptors)
 
 
-async def check_health(address: str, timeout_s: float = 2.0, service: str = "") -> bool:
-    """True when the server at address says SERVING (health needs no token)."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def check_health(address: str, timeout_s: float = 2.0, service: str = "", tls: TlsFiles | None = None) -> bool:
+    """True when the server at address says SERVING (health needs no token; under
+    mutual TLS it needs the handshake, with the process's certificate unless given)."""
+    async with _channel(address, tls or _defaults.tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

@@ -57,7 +57,7 @@ async def run_service(stage: str, setup: Setup, settings: Settings | None = None
     instance_id = check_token(settings.worker.instance_id or default_instance_id(stage))
     provider = setup_telemetry(stage, instance_id, settings.telemetry)
     # Every gRPC server and channel of this process binds worker.bind_host and carries the token.
-    rpc.configure(settings.worker.grpc_token, settings.worker.bind_host)
+    rpc.configure_from(settings.worker)  # token, bind host and (mutual) TLS files
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

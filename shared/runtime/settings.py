@@ -76,6 +76,16 @@ class WorkerSettings:
     """Shared secret of the mesh's gRPC plane: servers refuse any call (but
     grpc.health.v1) without `authorization: Bearer <grpc_token>`, clients send
     it. None turns the check off (tests that start a service by hand)."""
+    tls_cert: str | None = None
+    """PEM certificate (chain) this process presents on the mesh's gRPC plane, as
+    server and as client. With tls_key and tls_ca set too, gRPC runs over mutual
+    TLS: servers refuse a client without a certificate signed by tls_ca (Helm makes
+    the CA and one certificate per service); None with the others: plaintext."""
+    tls_key: str | None = None
+    """PEM private key of worker.tls_cert."""
+    tls_ca: str | None = None
+    """PEM certificate of the CA that signed every certificate of the mesh: clients
+    check servers against it, servers check clients."""
 
 
 @dataclass(slots=True)

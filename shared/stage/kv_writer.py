@@ -161,7 +161,7 @@ async def _serve(conn: Connection) -> None:
 
     description, layout, device, address, timeout_s = conn.recv()
     settings = load_settings()
-    rpc.configure(settings.worker.grpc_token, settings.worker.bind_host)  # the worker's token, from its env
+    rpc.configure_from(settings.worker)  # the worker's token and TLS files, from its env
     region = _child_region(description, layout, device)
     client = KVCacheClient(address, timeout_s=timeout_s)
     loop = asyncio.get_running_loop()

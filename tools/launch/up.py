@@ -7,7 +7,10 @@ services first (they drain), NATS last.
 Closed by default: the mesh's NATS takes only the users `up` writes into
 <state_dir>/nats-auth.conf (mode 0600), one per instance with random
 passwords and the subject permissions of tools/launch/nats_auth.py; gRPC
-calls carry a token made here; every service binds loopback.
+calls carry a token made here; every service binds loopback. gRPC runs
+without TLS here (every process on one host, on loopback): mutual TLS is
+Helm's, or given through the worker.tls_* settings (extra_env), which the
+health checks here then use too.
 
 Supervised: a process that dies is started again (same command, environment
 and ports) after a backoff that doubles from 0.5 s to 10 s (back to 0.5 s once
@@ -30,6 +33,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.runtime.rpc import TlsFiles
+from shared.runtime.settings import load_settings
 from tools.launch.nats_auth import MeshCredentials, new_password
 
 # Run by the child before it execs its command: die with the thread that
@@ -62,9 +67,11 @@ def find_nats_server() -> str:
     raise FileNotFoundError("nats-server is not installed: apt-get install nats-server (make run does it)")
 
 
-def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
+def grpc_serving(address: str, timeout_s: float = 1.0, tls: TlsFiles | None = None) -> bool:
+    """Whether the gRPC server at address says SERVING (over mutual TLS with tls)."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        channel = grpc.secure_channel(address, tls.channel_credentials()) if tls else grpc.insecure_channel(address)
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -113,6 +120,8 @@ class Mesh:
     _exit: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _supervisor: threading.Thread | None = field(default=None, init=False, repr=False)
     _started_at: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    _tls: TlsFiles | None = field(default=None, init=False, repr=False)
+    """Mutual TLS files the services were given (extra_env's worker.tls_*): what the health checks present."""
 
     @property
     def api_url(self) -> str:
@@ -208,6 +217,7 @@ class Mesh:
     def start_store(self, timeout_s: float = 120.0) -> None:
         """nats-server and kvcache alone (what a benchmark of the KV tiers needs); start() runs it first."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._tls = TlsFiles.load(load_settings(env=self.extra_env).worker)
         nats_port = free_port()
         self._services_nats_url = self.nats_url = f"nats://127.0.0.1:{nats_port}"
         nats_args = [find_nats_server()]
@@ -222,7 +232,7 @@ class Mesh:
         self.kv_address = f"127.0.0.1:{free_port()}"
         py = [sys.executable, "-m"]
         self._start("kvcache", py + ["services.kvcache"], self._env("kvcache"))
-        self._wait("kvcache", lambda: grpc_serving(self.kv_address), timeout_s)
+        self._wait("kvcache", lambda: grpc_serving(self.kv_address, tls=self._tls), timeout_s)
 
     def _start_workers_and_balancer(self, timeout_s: float) -> None:
         py = [sys.executable, "-m"]
@@ -235,7 +245,7 @@ class Mesh:
                 self._start(name, py + [f"services.{stage}"], env)
                 health.append(f"127.0.0.1:{grpc_port}")
         self._start("balancer", py + ["services.balancer"], self._env("balancer"))
-        self._wait("prefill and decode", lambda: all(grpc_serving(a) for a in health), timeout_s)
+        self._wait("prefill and decode", lambda: all(grpc_serving(a, tls=self._tls) for a in health), timeout_s)
         self._wait("balancer", lambda: http_ok(f"http://{self.host}:{self.port}/ready"), timeout_s)
         if self.supervise:
             self._supervisor = threading.Thread(target=self._supervise, name="mesh-supervisor", daemon=True)
