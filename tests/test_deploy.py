@@ -239,7 +239,9 @@ def test_chart_default_values_shape():
     assert kvcache["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "10Gi"
     for name in ("mesh-infermesh-kvcache", "mesh-infermesh-prefill", "mesh-infermesh-decode"):
         main = pods[name]["spec"]["template"]["spec"]["containers"][0]
-        assert all("grpc" in main[p] for p in ("startupProbe", "livenessProbe", "readinessProbe")), name
+        # gRPC health, asked under mutual TLS by the image's check (test_chart_runs_grpc_over_mutual_tls...).
+        assert all(main[p]["exec"]["command"][2] == "grpc" for p in ("startupProbe", "livenessProbe",
+                                                                     "readinessProbe")), name
     balancer = pods["mesh-infermesh-balancer"]["spec"]["template"]["spec"]["containers"][0]
     assert balancer["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert balancer["livenessProbe"]["httpGet"]["path"] == "/health"
@@ -377,7 +379,7 @@ def test_nats_auth_conf_is_the_one_generated_from_the_subjects():
 
 def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
     docs = render_chart()
-    (secret,) = kinds(docs, "Secret").values()
+    secret = kinds(docs, "Secret")["mesh-infermesh-auth"]
     keys = {f"NATS_{r.upper()}_PASSWORD" for r in ROLES} | {"INFERMESH_GRPC_TOKEN", "INFERMESH_API_KEY"}
     assert set(secret["data"]) == keys
     values = [base64.b64decode(v).decode() for v in secret["data"].values()]
@@ -409,10 +411,66 @@ def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
                                                               "app.kubernetes.io/part-of": "infermesh"}
     # Your own Secret instead: nothing is generated, everything points at it.
     docs = render_chart({"global": {"authSecret": "my-secret"}})
-    assert not kinds(docs, "Secret")
+    assert set(kinds(docs, "Secret")) == {"mesh-infermesh-tls"}  # the certificates are not credentials of yours
     refs = {e["valueFrom"]["secretKeyRef"]["name"] for wl in workloads(docs).values()
             for c in containers(wl["spec"]["template"]["spec"]) for e in c.get("env", []) if "valueFrom" in e}
     assert refs == {"my-secret"}
+
+
+TLS_COMPONENTS = {"mesh-infermesh-kvcache": "kvcache", "mesh-infermesh-prefill": "prefill",
+                  "mesh-infermesh-decode": "decode", "mesh-infermesh-balancer": "balancer"}
+
+
+def test_chart_runs_grpc_over_mutual_tls_with_certificates_of_its_own_ca(tmp_path):
+    """On by default: a CA and a certificate per component in a Secret, each signed by
+    that CA for the names its clients dial; every component mounts its own and points
+    worker.tls_* at it; gRPC probes ask through the image's health check (kubelet's
+    speaks no TLS). Off, or with your Secret, as asked."""
+    docs = render_chart()
+    data = {k: base64.b64decode(v) for k, v in kinds(docs, "Secret")["mesh-infermesh-tls"]["data"].items()}
+    assert set(data) == {"ca.crt"} | {f"{c}.{ext}" for c in TLS_COMPONENTS.values() for ext in ("crt", "key")}
+    (tmp_path / "ca.crt").write_bytes(data["ca.crt"])
+    for component in TLS_COMPONENTS.values():
+        (tmp_path / f"{component}.crt").write_bytes(data[f"{component}.crt"])
+        verify = subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"),
+                                 "-purpose", "sslclient", str(tmp_path / f"{component}.crt")], capture_output=True,
+                                text=True)
+        assert verify.returncode == 0, verify.stderr
+        text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", str(tmp_path / f"{component}.crt")],
+                              capture_output=True, text=True, check=True).stdout
+        for name in (f"DNS:mesh-infermesh-{component}", f"DNS:mesh-infermesh-{component}.infermesh.svc",
+                     "DNS:localhost", "IP Address:127.0.0.1"):
+            assert name in text, (component, name)
+    # The address workers dial is a name kvcache's certificate carries.
+    settings = kinds(docs, "ConfigMap")["mesh-infermesh-settings"]["data"]
+    assert settings["INFERMESH_KVCACHE__ADDRESS"].split(":")[0] == "mesh-infermesh-kvcache"
+    pods = workloads(docs)
+    for name, component in TLS_COMPONENTS.items():
+        pod = pods[name]["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "mesh-infermesh-tls"
+        assert {i["key"]: i["path"] for i in volume["secret"]["items"]} == {
+            "ca.crt": "ca.crt", f"{component}.crt": "tls.crt", f"{component}.key": "tls.key"}
+        (c,) = pod["containers"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert {env[f"INFERMESH_WORKER__TLS_{k}"] for k in ("CERT", "KEY", "CA")} == {
+            f"{mount['mountPath']}/{f}" for f in ("tls.crt", "tls.key", "ca.crt")}
+        if component != "balancer":
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert c[probe]["exec"]["command"][:4] == ["python", "deploy/docker/healthcheck.py", "grpc",
+                                                           c[probe]["exec"]["command"][3]], (name, probe)
+    # Off: kubelet's gRPC probes, no certificates anywhere.
+    docs = render_chart({"tls": {"enabled": False}})
+    assert "mesh-infermesh-tls" not in kinds(docs, "Secret")
+    assert "INFERMESH_WORKER__TLS" not in json.dumps(docs)
+    assert all("grpc" in workloads(docs)[n]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+               for n in TLS_COMPONENTS if n != "mesh-infermesh-balancer")
+    # Your own Secret: mounted, nothing generated.
+    docs = render_chart({"tls": {"secret": "my-certs"}})
+    assert "mesh-infermesh-tls" not in kinds(docs, "Secret")
+    assert {v["secret"]["secretName"] for wl in workloads(docs).values()
+            for v in wl["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"} == {"my-certs"}
 
 
 def test_compose_publishes_on_loopback_only_and_needs_its_secrets():
@@ -654,6 +712,10 @@ def healthy(check: tuple[str, object]) -> bool:
     kind, what = check
     if kind == "grpc":
         return grpc_serving(str(what))
+    if kind == "exec":  # a pod's exec probe: run in the container's environment
+        argv, env = what  # type: ignore[misc]
+        argv = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
+        return subprocess.run(argv, cwd=ROOT, env={**os.environ, **env}, capture_output=True, timeout=30).returncode == 0
     if kind == "http":
         return http_ok(str(what))
     argv = list(what)  # a compose healthcheck command
@@ -725,6 +787,9 @@ def run_mesh(specs: list[Spec], procs: list[Proc], logs: Path, api: str, receive
                        headers=auth, timeout=120)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] >= 1
+    # kvcache is a soft dependency, so a completion alone would pass without it: the
+    # balancer reaches it (over mutual TLS where the files say so).
+    assert httpx.get(f"{api}/ready", timeout=10).json()["kvcache"] == "up"
 
     series = code_metric_series()
     for p in procs:
@@ -797,12 +862,18 @@ def chart_specs(docs: list[dict], local: Local, tmp: Path, models_dir: Path) -> 
             # The demo model's emptyDir is one folder for all pods here: make-model is deterministic.
             paths = {m["mountPath"]: models_dir if m["name"] == "models" and demo_model else tmp / name / m["name"]
                      for m in c.get("volumeMounts", [])}
-            for volume in pod.get("volumes", []):  # a ConfigMap volume: its keys as files
+            for volume in pod.get("volumes", []):  # a ConfigMap or Secret volume: its keys (or items) as files
+                folder = tmp / name / volume["name"]
                 if "configMap" in volume:
-                    folder = tmp / name / volume["name"]
                     folder.mkdir(parents=True, exist_ok=True)
                     for key, text in configmaps[volume["configMap"]["name"]]["data"].items():
                         (folder / key).write_text(text)
+                if "secret" in volume:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    data = secrets[volume["secret"]["secretName"]]["data"]
+                    items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
+                    for item in items:
+                        (folder / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
             if c["image"].startswith("nats:"):
                 specs.append(Spec(name, local.nats_command(c["args"], own, paths),
                                   container_env(c, configmaps, secrets, base={}), wait=True))
@@ -815,6 +886,9 @@ def chart_specs(docs: list[dict], local: Local, tmp: Path, models_dir: Path) -> 
                 for probe in (c["livenessProbe"], c["readinessProbe"]):
                     if "grpc" in probe:
                         specs[-1].checks.append(("grpc", f"127.0.0.1:{local.port(own, probe['grpc']['port'])}"))
+                    elif "exec" in probe:
+                        argv = [local.text(a, own, paths) for a in probe["exec"]["command"]]
+                        specs[-1].checks.append(("exec", (argv, specs[-1].env)))
                     else:
                         port = local.port(own, int(named.get(probe["httpGet"]["port"], probe["httpGet"]["port"])))
                         specs[-1].checks.append(("http", f"http://127.0.0.1:{port}{probe['httpGet']['path']}"))

@@ -6,10 +6,29 @@
 Exit status 0 when healthy, 1 when not (docker-compose healthchecks read it).
 Standard library plus grpcio-health-checking, which the image already has; no
 project import, so it starts fast and works while a service is still loading.
+
+Under mutual TLS (the container's INFERMESH_WORKER__TLS_CERT, _KEY and _CA, as
+Helm sets them) the gRPC check presents the container's own certificate: the
+server takes no client without one, and kubelet's native gRPC probe has none.
 """
 
+import os
 import sys
 import urllib.request
+from pathlib import Path
+
+TLS_VARIABLES = ("INFERMESH_WORKER__TLS_CA", "INFERMESH_WORKER__TLS_KEY", "INFERMESH_WORKER__TLS_CERT")
+
+
+def _channel(address: str):  # noqa: ANN202
+    import grpc
+
+    paths = [os.environ.get(name) for name in TLS_VARIABLES]
+    if not all(paths):
+        return grpc.insecure_channel(address)
+    ca, key, cert = (Path(path).read_bytes() for path in paths)  # type: ignore[arg-type]
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.secure_channel(address, credentials)
 
 
 def grpc_serving(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
@@ -17,7 +36,7 @@ def grpc_serving(address: str, service: str = "", timeout_s: float = 2.0) -> boo
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(address) as channel:
+        with _channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     except grpc.RpcError as exc:

@@ -188,3 +188,58 @@ password, and the gRPC token; call with (dict "root" $ "user" "prefill"). */}}
       name: {{ include "infermesh.authSecret" .root }}
       key: INFERMESH_GRPC_TOKEN
 {{- end -}}
+
+{{/* The Secret of the gRPC plane's certificates: tls.secret, or the one this
+chart makes (templates/tls-secret.yaml). */}}
+{{- define "infermesh.tlsSecret" -}}
+{{- .Values.tls.secret | default (printf "%s-infermesh-tls" .Release.Name | trunc 63 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/* With tls.enabled: the settings that point a component at its certificate,
+its key and the CA (mounted by infermesh.tlsVolume); call with (dict "root" $). */}}
+{{- define "infermesh.tlsEnv" -}}
+{{- if .root.Values.tls.enabled }}
+- name: INFERMESH_WORKER__TLS_CERT
+  value: /etc/infermesh/tls/tls.crt
+- name: INFERMESH_WORKER__TLS_KEY
+  value: /etc/infermesh/tls/tls.key
+- name: INFERMESH_WORKER__TLS_CA
+  value: /etc/infermesh/tls/ca.crt
+{{- end }}
+{{- end -}}
+
+{{- define "infermesh.tlsMount" -}}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/infermesh/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The component's own certificate and key and the CA, from the Secret; call
+with (dict "root" $ "component" "decode"). */}}
+{{- define "infermesh.tlsVolume" -}}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "infermesh.tlsSecret" .root }}
+    defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: {{ printf "%s.crt" .component }}, path: tls.crt}
+      - {key: {{ printf "%s.key" .component }}, path: tls.key}
+{{- end }}
+{{- end -}}
+
+{{/* A gRPC health probe of port: Kubernetes' own (grpc) when the port speaks
+plaintext; under mutual TLS, which kubelet's gRPC probe cannot speak, the
+image's health check run in the container with its certificate (exec).
+Call with (dict "root" $ "port" 50051). */}}
+{{- define "infermesh.grpcProbe" -}}
+{{- if .root.Values.tls.enabled }}
+exec:
+  command: ["python", "deploy/docker/healthcheck.py", "grpc", "127.0.0.1:{{ .port }}"]
+{{- else }}
+grpc: {port: {{ .port }}}
+{{- end }}
+{{- end -}}
