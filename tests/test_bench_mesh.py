@@ -8,7 +8,7 @@ import math
 import pytest
 
 from tests.hf_models import save_tiny_hf_model
-from tools.bench.mesh_traces import breakdown
+from tools.bench.mesh_traces import breakdown, prefill_pace
 from tools.bench.mesh_bench import TARGETS, Timing, compare, engine_setup, run_mesh_bench, summarize
 from tools.cli import main
 
@@ -136,3 +136,19 @@ def test_trace_breakdown_is_exact():
     overlapping.append(_span("POST /v1/completions", "c", 40, 70, parent=None))
     overlapping.append(_span("POST /v1/completions", "d", 41, 70, parent=None))
     assert breakdown(overlapping, [(0, int(2000 * 1e6))])["decode_in_flight_max"] == 3
+
+
+def test_prefill_pace_splits_prompts_by_whether_decode_was_stepping():
+    ms = 1_000_000
+    # Two prompts queued at once, the second finishing 40 ms after the first while
+    # decode spans cover that gap; then a prompt alone (decode idle), then two more
+    # back to back with decode idle between them.
+    prefills = [(0, 25 * ms), (1 * ms, 65 * ms), (200 * ms, 225 * ms), (300 * ms, 330 * ms), (301 * ms, 360 * ms)]
+    decodes = [(20 * ms, 70 * ms), (226 * ms, 240 * ms)]
+    pace = prefill_pace(prefills, decodes)
+    assert pace["prefill_back_to_back_decode_busy_ms_p50"] == pytest.approx(40.0)
+    assert pace["prefill_back_to_back_decode_busy_n"] == 1
+    assert pace["prefill_back_to_back_decode_idle_ms_p50"] == pytest.approx(30.0)
+    # Decode covered 5 of the first prompt's 25 ms (alone) and 45 of the second's 64 (not):
+    # alone are 25, 25, 30 and 59 ms.
+    assert pace["prefill_alone_ms_p50"] == pytest.approx(27.5)

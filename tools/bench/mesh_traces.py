@@ -38,6 +38,36 @@ def _max_overlap(intervals: list[tuple[int, int]]) -> int:
     return peak
 
 
+def prefill_pace(prefills: list[tuple[int, int]], decodes: list[tuple[int, int]]) -> dict[str, float]:
+    """How fast the prefill instance turns prompts out, and whether decode was stepping
+    meanwhile (both processes share one card: without MPS its time is sliced between
+    them). `alone`: prefill spans decode spans covered less than half of; `back_to_back`: the gaps
+    between consecutive prefill ends where the later prompt was already queued (one
+    prompt's compute each), split by whether decode spans covered most of the gap."""
+    def decode_busy(a: int, b: int) -> bool:  # decode spans cover most of [a, b]
+        covered, reach = 0, a
+        for s, e in sorted(decodes):
+            s, e = max(s, reach), min(e, b)
+            if e > s:
+                covered += e - s
+                reach = e
+        return covered > (b - a) / 2
+
+    alone = [(e - s) / 1e6 for s, e in prefills if not decode_busy(s, e)]
+    ordered = sorted(prefills, key=lambda p: p[1])
+    idle_gaps: list[float] = []
+    busy_gaps: list[float] = []
+    for (_, prev_end), (start, end) in zip(ordered, ordered[1:]):
+        if start < prev_end:  # queued behind the previous prompt: the gap is this prompt's compute
+            (busy_gaps if decode_busy(prev_end, end) else idle_gaps).append((end - prev_end) / 1e6)
+    return {
+        "prefill_alone_ms_p50": _p50(alone),
+        "prefill_back_to_back_decode_idle_ms_p50": _p50(idle_gaps),
+        "prefill_back_to_back_decode_busy_ms_p50": _p50(busy_gaps),
+        "prefill_back_to_back_decode_busy_n": len(busy_gaps),
+    }
+
+
 def breakdown(spans: list[dict], windows: list[tuple[int, int]]) -> dict[str, Any]:
     """The figures of the requests whose root span started inside one of `windows`
     (unix ns), i.e. those of one concurrency level's mesh runs."""
@@ -54,11 +84,14 @@ def breakdown(spans: list[dict], windows: list[tuple[int, int]]) -> dict[str, An
     bytes_total = ms_total = 0.0
     num_direct = num_loaded = 0
     decode_intervals: list[tuple[int, int]] = []
+    prefill_intervals: list[tuple[int, int]] = []
     for parts in by_request.values():
         root = parts.get("root")
         if root is None or not any(a <= root["start_ns"] <= b for a, b in windows):
             continue
         route, prefill, decode = parts.get("route"), parts.get("prefill"), parts.get("decode")
+        if prefill is not None:
+            prefill_intervals.append((prefill["start_ns"], prefill["end_ns"]))
         if decode is not None:
             decode_intervals.append((decode["start_ns"], decode["end_ns"]))
             attrs = decode["attributes"]
@@ -88,6 +121,7 @@ def breakdown(spans: list[dict], windows: list[tuple[int, int]]) -> dict[str, An
         "kv_load_gb_s_total": bytes_total / (ms_total * 1e-3) / 1e9 if ms_total else float("nan"),
         "kv_load_ms_p50": _p50(load_ms_values),
         "decode_in_flight_max": _max_overlap(decode_intervals),
+        **prefill_pace(prefill_intervals, decode_intervals),
     }
 
 
@@ -120,4 +154,12 @@ def print_breakdowns(levels: list[dict[str, Any]]) -> None:
             f"{t['kv_loads']:>5} {t['kv_loads_direct']:>6} {t['kv_load_ms_p50']:>7.2f} {t['kv_load_gb_s_p50']:>8.2f} "
             f"{t['kv_load_gb_s_total']:>8.2f} | "
             f"{t['decode_in_flight_max']:>16}"
+        )
+    print("\nprefill's pace (ms per prompt, p50): alone = decode spans covered under half its span; back to back = the")
+    print("gap between two prefill ends while the next prompt was queued, with decode idle or stepping meanwhile")
+    print(f"{'conc':>4} | {'alone':>7} | {'b2b, decode idle':>16} | {'b2b, decode busy':>16} {'n':>4}")
+    for conc, t in rows:
+        print(
+            f"{conc:>4} | {t['prefill_alone_ms_p50']:>7.1f} | {t['prefill_back_to_back_decode_idle_ms_p50']:>16.1f} | "
+            f"{t['prefill_back_to_back_decode_busy_ms_p50']:>16.1f} {t['prefill_back_to_back_decode_busy_n']:>4}"
         )
