@@ -17,7 +17,10 @@ from shared.runtime.rpc import MAX_MESSAGE_BYTES
 
 MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
 """A data chunk plus its framing must fit gRPC's message limit."""
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20
+"""Large enough that a block (2 MiB for a Llama-3-8B-shaped 16-token block) travels in
+one message: with 1 MiB chunks the receiver joined every block from pieces, and Get
+moved half the bytes per second (0.22 against 0.45 GB/s here, 230 blocks of 2 MiB)."""
 
 
 def check_chunk_bytes(chunk_bytes: int, name: str = "chunk_bytes") -> None:

@@ -98,8 +98,8 @@ class KVCacheSettings:
     """Evict least recently used blocks beyond this."""
     ttl_s: float = 7 * 24 * 3600.0
     """Blocks unused for this long expire."""
-    chunk_bytes: int = 1 << 20
-    """Size of the data chunks of a streamed block."""
+    chunk_bytes: int = 8 << 20
+    """Size of the data chunks of a streamed block (at most gRPC's message limit less framing)."""
     lookup_timeout_s: float = 1.0
     """A worker's lookup that kvcache does not answer within this counts as a miss
     (the request computes instead of waiting for the cache)."""
