@@ -3,11 +3,20 @@ stored stacked ``[num_experts, ...]``, shared experts, and the block that joins 
 under the checkpoint's names. ``MoEConfig`` (shared/model/moe_config.py) says which
 variant each family uses.
 
-The PyTorch path sorts the (token, choice) pairs by expert and runs one matmul per
-projection per active expert on its contiguous run of rows. It needs the run
-lengths on the host, so it syncs once per layer: fine on the CPU, not graph
-capturable. Each forward also counts tokens per expert on the device into a row of
-the model's ``expert_counts`` (no sync), for balancing.
+The experts run one of two ways, chosen when the model is built (``use_triton``):
+
+- the PyTorch path (``experts_reference``, the CPU path and the reference) sorts the
+  (token, choice) pairs by expert and runs one matmul per projection per active
+  expert on its contiguous run of rows. It needs the run lengths on the host, so it
+  syncs once per layer: fine on the CPU, not graph capturable.
+- the fused path (``kernels/fused_moe.py``, on CUDA or under Triton's interpreter):
+  the pairs aligned by expert on the device and two grouped GEMMs, with no host
+  read at all, so a model whose sparse layers all take it can be captured in CUDA
+  graphs (``SparseMoE.host_sync_free``).
+
+Each forward also counts tokens per expert on the device into a row of the model's
+``expert_counts`` (no sync), for balancing; rows that are only a CUDA graph's
+padding are not counted (``counted_tokens``).
 """
 
 from collections.abc import Collection
@@ -16,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model.forward_batch import AttentionMetadata
+from shared.model.kernels import triton_module
 from shared.model.layers import MergedLinear, Linear
 from shared.model.moe_config import MlpLayerType, MoEConfig
 
@@ -108,6 +119,54 @@ def gpt_oss_gate(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Ten
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def expert_activation(gate_up: torch.Tensor, activation: str, limit: float | None, alpha: float) -> torch.Tensor:
+    """[.., 2I] -> [.., I]: SiLU experts' gate then up halves, or GPT-OSS's interleaved pair."""
+    if activation == "gpt_oss":
+        if limit is None:
+            raise ValueError("GPT-OSS experts need swiglu_limit")
+        return gpt_oss_gate(gate_up, alpha, limit)
+    return silu_gate(gate_up, limit)
+
+
+def experts_reference(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    activation: str,
+    limit: float | None,
+    alpha: float,
+) -> torch.Tensor:
+    """The experts' PyTorch path: x [T, hidden], ids and weights [T, k], stacked weights
+    gate_up [E, 2I, hidden] and down [E, hidden, I] (biases [E, 2I], [E, hidden] or None)
+    -> sum over the k choices of weight * expert(x), [T, hidden]."""
+    num_tokens, k = ids.shape
+    flat_ids = ids.reshape(-1)
+    order = torch.sort(flat_ids, stable=True).indices  # (token, choice) pairs grouped by expert
+    token_of_row = order // k
+    rows = x[token_of_row]
+    out_rows = torch.empty_like(rows)
+    # The host needs the run lengths to slice: the one sync of this path.
+    run_lengths = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    start = 0
+    for expert, n in enumerate(run_lengths):
+        if n == 0:
+            continue
+        end = start + n
+        expert_gate_up_bias = None if gate_up_bias is None else gate_up_bias[expert]
+        expert_down_bias = None if down_bias is None else down_bias[expert]
+        h = expert_activation(F.linear(rows[start:end], gate_up[expert], expert_gate_up_bias), activation, limit, alpha)
+        out_rows[start:end] = F.linear(h, down[expert], expert_down_bias)
+        start = end
+    out_rows = out_rows * weights.reshape(-1)[order, None]
+    out = torch.zeros_like(x)
+    out.index_add_(0, token_of_row, out_rows.to(x.dtype))
+    return out
+
+
 class Experts(nn.Module):
     """The routed experts, stacked: ``gate_up_proj`` [E, 2I, hidden] and ``down_proj``
     [E, hidden, I] (each expert's slice is an ``F.linear`` weight), with biases
@@ -117,45 +176,39 @@ class Experts(nn.Module):
     transformers' fused tensors; interleaved row by row for GPT-OSS, as its
     checkpoint's columns, so that its fused tensors load as transposed views."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, hidden: int, moe: MoEConfig, dtype: torch.dtype, device: torch.device, use_triton: bool = False
+    ) -> None:
         super().__init__()
         self.moe = moe
+        self._fused_moe = triton_module("fused_moe").fused_moe if use_triton else None
         e, i = moe.num_experts, moe.intermediate_size
         self.gate_up_proj = _parameter((e, 2 * i, hidden), dtype, device)
         self.down_proj = _parameter((e, hidden, i), dtype, device)
         self.gate_up_proj_bias = _parameter((e, 2 * i), dtype, device) if moe.expert_bias else None
         self.down_proj_bias = _parameter((e, hidden), dtype, device) if moe.expert_bias else None
 
+    @property
+    def host_sync_free(self) -> bool:
+        """Whether a forward never reads the device from the host (the fused path)."""
+        return self._fused_moe is not None
+
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.moe.activation == "gpt_oss":
-            assert self.moe.swiglu_limit is not None
-            return gpt_oss_gate(gate_up, self.moe.swiglu_alpha, self.moe.swiglu_limit)
-        return silu_gate(gate_up, self.moe.swiglu_limit)
+        return expert_activation(gate_up, self.moe.activation, self.moe.swiglu_limit, self.moe.swiglu_alpha)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], ids and weights [T, k] -> sum over the k choices of weight * expert(x)."""
-        num_tokens, k = ids.shape
-        flat_ids = ids.reshape(-1)
-        order = torch.sort(flat_ids, stable=True).indices  # (token, choice) pairs grouped by expert
-        token_of_row = order // k
-        rows = x[token_of_row]
-        out_rows = torch.empty_like(rows)
-        # The host needs the run lengths to slice: the one sync of this path.
-        run_lengths = torch.bincount(flat_ids, minlength=self.moe.num_experts).tolist()
-        start = 0
-        for expert, n in enumerate(run_lengths):
-            if n == 0:
-                continue
-            end = start + n
-            gate_up_bias = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[expert]
-            down_bias = None if self.down_proj_bias is None else self.down_proj_bias[expert]
-            h = self.activation(F.linear(rows[start:end], self.gate_up_proj[expert], gate_up_bias))
-            out_rows[start:end] = F.linear(h, self.down_proj[expert], down_bias)
-            start = end
-        out_rows = out_rows * weights.reshape(-1)[order, None]
-        out = torch.zeros_like(x)
-        out.index_add_(0, token_of_row, out_rows.to(x.dtype))
-        return out
+        moe = self.moe
+        if self._fused_moe is not None:
+            return self._fused_moe(
+                x, self.gate_up_proj, self.down_proj, ids, weights,
+                gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
+                activation=moe.activation, swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha,
+            )  # fmt: skip
+        return experts_reference(
+            x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias,
+            moe.activation, moe.swiglu_limit, moe.swiglu_alpha,
+        )  # fmt: skip
 
     def checkpoint_targets(self, prefix: str, available: Collection[str] | None) -> dict[str, torch.Tensor]:
         """Checkpoint name -> the tensor (or view) it is copied into. Fused tensors
@@ -203,9 +256,20 @@ class SharedExperts(nn.Module):
         return self.down_proj(silu_gate(self.gate_up_proj(x), self.limit))
 
 
+def counted_tokens(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | None:
+    """[T] int64, 1 for the rows that are real tokens, or None when all are (nothing
+    computed). A CUDA graph's padding rows are sequences of one query and no key
+    (seq_len 0, ``DecodeGraphs``), which no real token is: read from the device
+    lengths, so a replay counts the batch it replays, not the bucket it was captured at."""
+    if meta.seq_lens_tensor is None or meta.num_seqs != num_tokens:
+        return None  # eager batches carry no padding rows
+    return (meta.seq_lens_tensor > 0).to(torch.int64)
+
+
 class SparseMoE(nn.Module):
     """One sparse MLP: the router (under ``router_name``: Qwen's ``gate``, GPT-OSS's
     ``router``), the routed ``experts`` and, where configured, ``shared_experts``.
+    ``use_triton``: the experts take the fused Triton path (no host sync).
 
     ``counts`` (set by the model: a row of its ``expert_counts``) receives the
     number of (token, choice) pairs each expert got in the last forward."""
@@ -219,23 +283,35 @@ class SparseMoE(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         router_name: str = "gate",
+        use_triton: bool = False,
     ) -> None:
         super().__init__()
         if layer_type == "dense":
             raise ValueError("a dense layer has no experts")
         self.router_name = router_name
         self.add_module(router_name, Router(hidden, moe, vocab_size, layer_type == "hash_moe", dtype, device))
-        self.experts = Experts(hidden, moe, dtype, device)
+        self.experts = Experts(hidden, moe, dtype, device, use_triton)
         self.shared_experts = SharedExperts(hidden, moe, dtype, device) if moe.num_shared_experts else None
         self.counts: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def host_sync_free(self) -> bool:
+        """Whether a forward can be captured in a CUDA graph (routing, counting and the
+        shared experts never sync; the experts do unless fused)."""
+        return self.experts.host_sync_free
+
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None = None, counted: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``counted``: [T] 0/1, the rows to count in ``counts`` (``counted_tokens``); None: all."""
         router: Router = getattr(self, self.router_name)
         weights, ids = router(x, input_ids)
         if self.counts is not None:
+            flat = ids.reshape(-1)
+            ones = torch.ones_like(flat) if counted is None else counted[:, None].expand(ids.shape).reshape(-1)
             # scatter_add_ rather than bincount: bincount sizes its output on the host (a sync).
             self.counts.zero_()
-            self.counts.scatter_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1), dtype=self.counts.dtype))
+            self.counts.scatter_add_(0, flat, ones.to(self.counts.dtype))
         out = self.experts(x, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

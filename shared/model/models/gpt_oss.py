@@ -22,7 +22,9 @@ def gpt_oss_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device:
     if config.moe is None:
         raise ValueError("a GPT-OSS config without experts")
     kind = config.mlp_layer_type(layer_idx)
-    return SparseMoE(config.hidden_size, config.moe, kind, config.vocab_size, dtype, device, router_name="router")
+    return SparseMoE(
+        config.hidden_size, config.moe, kind, config.vocab_size, dtype, device, router_name="router", use_triton=use_triton
+    )
 
 
 class GptOssForCausalLM(CausalLM):

@@ -22,7 +22,7 @@ from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.kernels import triton_module, use_triton_kernels
 from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope, linear
-from shared.model.moe import Experts, SparseMoE
+from shared.model.moe import Experts, SparseMoE, counted_tokens
 from shared.kv.spec import KVCacheLayout, kv_cache_layout
 
 if TYPE_CHECKING:  # the kernel modules are imported only when a model selects them
@@ -112,9 +112,11 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         plan: "AttentionPlan | TritonAttentionPlan",
         input_ids: torch.Tensor | None = None,
+        counted: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the layer's output, the residual stream before adding it): each residual add
-        is fused into the next norm (the first layer gets residual None)."""
+        is fused into the next norm (the first layer gets residual None). ``counted``:
+        the rows a sparse MLP counts per expert (``moe.counted_tokens``)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -122,7 +124,7 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, cos, sin, kv_cache, meta, plan)
         x, residual = self.post_attention_layernorm.fused_add(x, residual)
         if self._mlp_takes_ids:
-            return self.mlp(x, input_ids), residual
+            return self.mlp(x, input_ids, counted), residual
         return self.mlp(x), residual
 
 
@@ -174,6 +176,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         self.model = DecoderModel(config, dtype, device, self.use_triton, type(self).make_mlp)
         sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+        self._sparse_blocks: list[SparseMoE] = sparse
         self.expert_counts: torch.Tensor | None = None
         """[sparse layers, experts] int64 on the model's device: the (token, choice) pairs
         each expert got in the last forward, counted on the device (no sync); read it back
@@ -194,9 +197,9 @@ class CausalLM(nn.Module):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        """Whether a decode step can be captured: the Triton path, and no sparse layer
-        (the experts' PyTorch path reads its run lengths on the host)."""
-        return self.use_triton and self.expert_counts is None
+        """Whether a decode step can be captured: the Triton path, and sparse layers only
+        on the fused experts (the PyTorch path reads its run lengths on the host)."""
+        return self.use_triton and all(block.host_sync_free for block in self._sparse_blocks)
 
     def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """Each tensor name of a transformers checkpoint -> the tensor to copy it into:
@@ -247,8 +250,9 @@ class CausalLM(nn.Module):
         else:
             plans = [plan_attention(m, w, x.device) for m, w in zip(metas, self._group_windows)]
         residual: torch.Tensor | None = None
+        counted = counted_tokens(meta, input_ids.shape[0]) if self._sparse_blocks else None
         for layer, kv_cache, g in zip(self.model.layers, kv_caches, self._group_of_layer):
-            x, residual = layer(x, residual, cos, sin, kv_cache, metas[g], plans[g], input_ids)
+            x, residual = layer(x, residual, cos, sin, kv_cache, metas[g], plans[g], input_ids, counted)
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm.fused_add(x, residual)[0]

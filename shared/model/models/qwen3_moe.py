@@ -16,7 +16,9 @@ def qwen3_moe_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, devic
     kind = config.mlp_layer_type(layer_idx)
     if kind == "dense" or config.moe is None:
         return dense_mlp(config, layer_idx, dtype, device, use_triton)
-    return SparseMoE(config.hidden_size, config.moe, kind, config.vocab_size, dtype, device, router_name="gate")
+    return SparseMoE(
+        config.hidden_size, config.moe, kind, config.vocab_size, dtype, device, router_name="gate", use_triton=use_triton
+    )
 
 
 class Qwen3MoeForCausalLM(CausalLM):
