@@ -123,6 +123,11 @@ class LLMEngine:
         overlap = config.async_scheduling
         self._overlap = device.type == "cuda" if overlap is None else overlap
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        counts = self.model.expert_counts
+        self._tokens_per_expert: torch.Tensor | None = (
+            None if counts is None else torch.zeros(counts.shape, dtype=torch.int64)
+        )
+        """The steps' tokens per expert summed on the host (EngineLoad.tokens_per_expert)."""
         log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
@@ -262,6 +267,8 @@ class LLMEngine:
             cache.put(save.block_hash, SlidingState(save.num_blocks, save.first_block, payload, nbytes))
 
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        if result.expert_counts is not None and self._tokens_per_expert is not None:
+            self._tokens_per_expert += result.expert_counts
         updated = self.scheduler.update_from_output(sched, result.sampled)
         outputs: list[RequestOutput] = []
         for request, new_tokens in updated:
@@ -323,4 +330,5 @@ class LLMEngine:
             + sum(r.num_tokens - r.num_computed_tokens for r in sched.running),
             num_kv_save_failures=self.kv_transfer.num_save_failures if self.kv_transfer else 0,
             num_kv_saves_dropped=self.kv_transfer.num_saves_dropped if self.kv_transfer else 0,
+            tokens_per_expert=None if self._tokens_per_expert is None else self._tokens_per_expert.tolist(),
         )

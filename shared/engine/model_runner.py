@@ -27,12 +27,13 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class StepHandle:
     """A launched step: its sampled tokens (and logprobs, where asked) arrive in
-    `tokens` and `logprobs` once `done` fired."""
+    `tokens` and `logprobs` once `done` fired, and so do its tokens per expert."""
 
     request_ids: list[str]
     tokens: torch.Tensor | None
     done: "torch.cuda.Event | None"
     logprobs: LogprobTensors | None = None
+    expert_counts: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -40,6 +41,9 @@ class RunnerOutput:
     sampled: dict[str, list[int]]
     """Per request, the tokens this step produced (one today; speculative decoding more)."""
     logprobs: dict[str, TokenLogprobs]
+    expert_counts: torch.Tensor | None = None
+    """[sparse layers, experts] int64 on the host: the (token, choice) pairs each expert
+    got in this step's forward; None for a dense model or a step that ran nothing."""
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -114,8 +118,12 @@ class ModelRunner:
         if sched.is_empty:
             return RunnerOutput({}, {})
         hidden, sample_rows, sample_ids = self._forward(sched)
+        # Copied before the sampler reads its tokens back: that read waits for this copy too.
+        expert_counts = self._copy_expert_counts()
         if not sample_rows:
-            return RunnerOutput({}, {})
+            if expert_counts is not None and self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            return RunnerOutput({}, {}, expert_counts)
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
         states = [self.states[rid] for rid in sample_ids]
         result = self.sampler(logits, states)
@@ -126,7 +134,7 @@ class ModelRunner:
             sampled[rid] = [token]
             if lp is not None:
                 logprobs[rid] = lp
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, expert_counts)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> StepHandle:
@@ -140,8 +148,9 @@ class ModelRunner:
         if sched.is_empty:
             return StepHandle([], None, None)
         hidden, sample_rows, sample_ids = self._forward(sched)
+        expert_counts = self._copy_expert_counts()
         if not sample_rows:
-            return StepHandle([], None, None)
+            return StepHandle([], None, self._record_done(expert_counts), expert_counts=expert_counts)
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
         states = [self.states[rid] for rid in sample_ids]
         tokens = self.sampler.sample_tokens(logits, states)
@@ -151,17 +160,36 @@ class ModelRunner:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             host_logprobs = logprobs.to_host() if logprobs is not None else None
-            done = torch.cuda.Event()
-            done.record()
-            return StepHandle(sample_ids, host, done, host_logprobs)
-        return StepHandle(sample_ids, tokens, None, logprobs)
+            return StepHandle(sample_ids, host, self._record_done(host), host_logprobs, expert_counts)
+        return StepHandle(sample_ids, tokens, None, logprobs, expert_counts)
+
+    def _copy_expert_counts(self) -> torch.Tensor | None:
+        """The model's tokens per expert of the forward just launched, as a host tensor
+        that the next forward cannot overwrite: on CUDA a non-blocking copy into pinned
+        memory (complete once the step's tokens are), queued behind the forward like the
+        sampled tokens' copy, so reading it costs no sync of its own."""
+        counts = self.model.expert_counts
+        if counts is None:
+            return None
+        if self.device.type != "cuda":
+            return counts.clone()
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        return host.copy_(counts, non_blocking=True)
+
+    def _record_done(self, copied: torch.Tensor | None) -> "torch.cuda.Event | None":
+        """An event after the copies to the host just queued (None if nothing to wait for)."""
+        if copied is None or self.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """The tokens of a launched step (waits for the device if needed)."""
-        if handle.tokens is None:
-            return RunnerOutput({}, {})
         if handle.done is not None:
             handle.done.synchronize()
+        if handle.tokens is None:
+            return RunnerOutput({}, {}, handle.expert_counts)
         token_ids: list[int] = handle.tokens.tolist()
         sampled = {rid: [token] for rid, token in zip(handle.request_ids, token_ids)}
         for rid, tokens in sampled.items():
@@ -173,7 +201,7 @@ class ModelRunner:
             for rid, lp in zip(handle.request_ids, handle.logprobs.unpack(token_ids)):
                 if lp is not None:
                     logprobs[rid] = lp
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, handle.expert_counts)
 
     def _remember(self, request_ids: list[str], tokens: torch.Tensor) -> None:
         """The last step's sampled tokens on the device, for the next step's placeholders."""

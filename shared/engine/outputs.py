@@ -74,3 +74,8 @@ class EngineLoad:
     """Stores through the KV connector that failed since start (written behind or not)."""
     num_kv_saves_dropped: int = 0
     """Stores written behind that were dropped since start: too many in flight."""
+    tokens_per_expert: list[list[int]] | None = None
+    """Per sparse layer, per expert: the (token, choice) pairs routed to it since start,
+    over every forward (prefill chunks and replays included), as counted on the device.
+    The difference of two loads is the window between them (what expert placement
+    and EPLB balance on). None for a dense model."""
