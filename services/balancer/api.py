@@ -67,7 +67,7 @@ def create_app(
     without it the series are kept privately and /metrics answers 404. tracer
     makes one SERVER span per generation request, parent of the generator's spans."""
     max_model_len = min(max_model_len, MAX_CONTEXT_TOKENS)  # a 400 that names the limit, not a 5xx from NATS
-    stats = HttpMetrics(metrics or Metrics("balancer"))
+    stats = HttpMetrics(metrics or Metrics("balancer"), model_name, max_model_len)
     server = OpenAIServer(generator, recipe, model_name, max_model_len, settings, stats, tracer or trace.NoOpTracer())
     # FastAPI's own telemetry would add a second root span per request from the global
     # tracer provider; ours is explicit (the tracer given) and parents the generator's spans.

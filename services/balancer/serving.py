@@ -231,12 +231,11 @@ class OpenAIServer:
         """Text deltas of one request; the last one has finish_reason and usage.
         Closing this closes the generator's iteration, which cancels the request."""
         detok = job.detokenizer
-        num_tokens, num_cached, last = 0, 0, job.arrival
-        async with aclosing(self.generator.generate(job.request)) as events:
+        num_tokens, num_cached = 0, 0
+        clock = self.stats.clock(job.arrival, len(job.request.prompt_token_ids))
+        async with aclosing(self.generator.generate(job.request)) as events, clock:
             async for event in events:
-                now = time.monotonic()
-                (self.stats.itl if num_tokens else self.stats.ttft).observe(now - last)
-                last = now
+                clock.tokens(len(event.token_ids))
                 num_tokens += len(event.token_ids)
                 if event.usage is not None:  # on the last event; one cut by a stop string has none
                     num_cached = event.usage.cached_tokens
@@ -247,7 +246,7 @@ class OpenAIServer:
                     continue
                 text += detok.flush()
                 usage = Usage(len(job.request.prompt_token_ids), num_tokens, num_cached)
-                self.stats.finished(usage, now - job.arrival)
+                clock.finished(finish, usage)
                 job.span.set_attribute("output.tokens", num_tokens)
                 job.span.set_attribute("finish_reason", finish)
                 yield _Delta(text, event.logprobs, finish, usage)
