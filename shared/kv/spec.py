@@ -11,7 +11,8 @@ page across those tensors whichever group holds it.
 Groups are marked persistent or not. Full-attention KV is persisted (the
 kvcache service stores it by chain hash); sliding-window KV never is: it stays
 in the worker and is rebuilt by replay when it is gone (SWA bounded replay, see
-shared/engine/kv/replay.py). No torch here.
+shared/engine/kv/replay.py). DeepSeek-V4's compressed entries are a third kind
+(``CompressedSpec``), persistent like full attention. No torch here.
 """
 
 from collections.abc import Sequence
@@ -46,7 +47,29 @@ class SlidingWindowSpec:
         return False
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+@dataclass(frozen=True, slots=True)
+class CompressedSpec:
+    """DeepSeek-V4's compressed KV (a CSA or HCA layer): one entry per ``compress_rate``
+    raw tokens (CSA's entries carry the lightning indexer's key too). Kept for every
+    past token like full attention, addressed like it (a block holds the entries of
+    block_size raw tokens, so block_size must be a multiple of the rate), persisted."""
+
+    compress_rate: int
+
+    def __post_init__(self) -> None:
+        if self.compress_rate < 1:
+            raise ValueError(f"a compression rate must be at least 1 token, got {self.compress_rate}")
+
+    @property
+    def persistent(self) -> bool:
+        return True
+
+    @property
+    def window(self) -> None:
+        return None
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | CompressedSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +118,19 @@ def kv_cache_layout(sliding_windows: Sequence[int | None]) -> KVCacheLayout:
     (None: full attention). Each kind is cut into groups of the smallest kind's
     layer count, the last group of a kind possibly shorter (its missing tensors
     stay unused), as vLLM does."""
-    if not sliding_windows:
+    return kv_cache_layout_of_specs(
+        [FullAttentionSpec() if window is None else SlidingWindowSpec(window) for window in sliding_windows]
+    )
+
+
+def kv_cache_layout_of_specs(specs: Sequence[KVCacheSpec]) -> KVCacheLayout:
+    """kv_cache_layout for caches given by their specs: cache i (a "layer" of the
+    layout) keeps what ``specs[i]`` says. A model whose layer keeps two kinds of KV
+    (DeepSeek-V4: a window and compressed entries) declares one cache for each."""
+    if not specs:
         raise ValueError("a model needs at least one layer")
     by_spec: dict[KVCacheSpec, list[int]] = {}
-    for layer, window in enumerate(sliding_windows):
-        spec: KVCacheSpec = FullAttentionSpec() if window is None else SlidingWindowSpec(window)
+    for layer, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(layer)
     size = min(len(layers) for layers in by_spec.values())
     groups = [
@@ -107,4 +138,4 @@ def kv_cache_layout(sliding_windows: Sequence[int | None]) -> KVCacheLayout:
         for spec, layers in by_spec.items()
         for i in range(0, len(layers), size)
     ]
-    return KVCacheLayout(tuple(groups), len(sliding_windows))
+    return KVCacheLayout(tuple(groups), len(specs))

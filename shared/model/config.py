@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 from shared.model import moe_config
+from shared.model.deepseek_v4_config import DeepseekV4Params, deepseek_v4_moe, parse_deepseek_v4
 from shared.model.moe_config import MlpLayerType, MoEConfig
 
 if TYPE_CHECKING:  # torch only where a dtype is asked for: the balancer reads configs without it
@@ -58,6 +59,9 @@ _ARCH_TRAITS: Mapping[str, _ArchTraits] = MappingProxyType(
         "Qwen3MoeForCausalLM": _ArchTraits("qwen3_moe", None, None, False, True, "all_if_enabled", None),
         # GPT-OSS: biased q/k/v/o by default, sliding and full layers from layer_types.
         "GptOssForCausalLM": _ArchTraits("gpt_oss", None, None, False, False, "layer_types", 64, True),
+        # DeepSeek-V4: one shared K=V head of 512, a window in every layer (besides the
+        # compressed entries of CSA/HCA layers; see DeepseekV4Params).
+        "DeepseekV4ForCausalLM": _ArchTraits("deepseek_v4", False, False, False, False, "all", 512),
     }
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_TRAITS)
@@ -118,6 +122,12 @@ class ModelConfig:
     token id); empty: every layer dense."""
     attention_sinks: bool = False
     """A learned per-head logit that joins every softmax and takes weight (GPT-OSS)."""
+    deepseek_v4: DeepseekV4Params | None = None
+    """DeepSeek-V4's compressed attention, indexer and hyper-connections; None: not V4."""
+    compress_rope: RopeConfig | None = None
+    """DeepSeek-V4: the rotary of compressed layers, their compressors and indexer
+    (``rope`` is then the "main" one, of sliding-only layers); both rotate only
+    ``deepseek_v4.rope_head_dim`` channels."""
 
     def mlp_layer_type(self, layer_idx: int) -> MlpLayerType:
         return self.mlp_layer_types[layer_idx] if self.mlp_layer_types else "dense"
@@ -179,6 +189,7 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", traits.attention_bias_default))
         layers = int(d["num_hidden_layers"])
         moe, mlp_layer_types = _moe(architecture, d, layers)
+        v4 = parse_deepseek_v4(d, layers, int(head_dim)) if architecture == "DeepseekV4ForCausalLM" else None
         eos = _token_ids(d.get("eos_token_id"))
         if generation_config is not None:
             eos += tuple(t for t in _token_ids(generation_config.get("eos_token_id")) if t not in eos)
@@ -187,14 +198,14 @@ class ModelConfig:
             model_type=traits.model_type,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
+            intermediate_size=int(d["moe_intermediate_size"] if v4 is not None else d["intermediate_size"]),
             num_hidden_layers=layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
-            rope=_rope(d, max_pos),
+            rope=_rope(d, max_pos) if v4 is None else _v4_ropes(d, max_pos)[0],
             qkv_bias=attention_bias if traits.qkv_bias is None else traits.qkv_bias,
             o_bias=attention_bias if traits.o_bias is None else traits.o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if traits.has_mlp_bias_key else False,
@@ -207,12 +218,16 @@ class ModelConfig:
             dtype=d.get("dtype") or d.get("torch_dtype"),
             moe=moe,
             mlp_layer_types=mlp_layer_types,
-            attention_sinks=architecture == "GptOssForCausalLM",
+            attention_sinks=architecture in ("GptOssForCausalLM", "DeepseekV4ForCausalLM"),
+            deepseek_v4=v4,
+            compress_rope=None if v4 is None else _v4_ropes(d, max_pos)[1],
         )
 
 
 # The fields added with the MoE families and their dense defaults (see fingerprint).
-_ADDED_DEFAULTS: Mapping[str, Any] = MappingProxyType({"moe": None, "mlp_layer_types": (), "attention_sinks": False})
+_ADDED_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {"moe": None, "mlp_layer_types": (), "attention_sinks": False, "deepseek_v4": None, "compress_rope": None}
+)
 _ADDED_ROPE_FIELDS = ("beta_fast", "beta_slow", "truncate", "attention_factor")
 
 
@@ -222,7 +237,29 @@ def _moe(architecture: str, d: Mapping[str, Any], num_layers: int) -> tuple[MoEC
         return moe, (() if moe is None else kinds)
     if architecture == "GptOssForCausalLM":
         return moe_config.gpt_oss(d, num_layers)
+    if architecture == "DeepseekV4ForCausalLM":
+        return deepseek_v4_moe(d, num_layers)
     return None, ()
+
+
+def _v4_ropes(d: Mapping[str, Any], max_pos: int) -> tuple[RopeConfig, RopeConfig]:
+    """DeepSeek-V4's (main, compress) rotaries, as DeepseekV4Config nests them under
+    ``rope_parameters``; a flat (older) spelling is nested as transformers does: main
+    is plain rope at ``rope_theta``, compress the flat parameters (YaRN, where given)
+    at ``compress_rope_theta`` with an attention factor of 1 (V4 does not scale cos/sin)."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        main, compress = dict(params["main"]), dict(params["compress"])
+    else:
+        flat = {k: v for k, v in params.items() if k not in ("main", "compress")}
+        main = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
+        compress = {"rope_type": "default", **flat, "rope_theta": d.get("compress_rope_theta", 160000.0)}
+        if compress["rope_type"] == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+    # The rope covers partial_rotary_factor of the head: DeepseekV4Params.rope_head_dim.
+    main.pop("partial_rotary_factor", None)
+    compress.pop("partial_rotary_factor", None)
+    return _rope({"rope_parameters": main}, max_pos), _rope({"rope_parameters": compress}, max_pos)
 
 
 def _architecture(d: Mapping[str, Any]) -> str:

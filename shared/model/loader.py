@@ -46,7 +46,8 @@ def load_model(
     config = read_config(folder)
     tensor_files = _tensor_files(folder)
     # Tie when the config says so, or when the checkpoint simply has no lm_head.
-    tie = config.tie_word_embeddings or "lm_head.weight" not in tensor_files
+    # DeepSeek-V4 checkpoints (as transformers saves them) name the LM head head.weight.
+    tie = config.tie_word_embeddings or not {"lm_head.weight", "head.weight"} & set(tensor_files)
     if tie and not config.tie_word_embeddings:
         logger.warning("%s has no lm_head.weight: tying it to model.embed_tokens.weight", folder)
     model = build_model(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels)

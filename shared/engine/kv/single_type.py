@@ -11,7 +11,7 @@ them back. No tensors here.
 from shared.engine.kv.block_pool import BlockPool, KVBlock
 from shared.engine.request import Request
 from shared.kv.block_hash import BlockHash
-from shared.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from shared.kv.spec import CompressedSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
 class SingleTypeKVManager:
@@ -128,6 +128,14 @@ class SlidingWindowManager(SingleTypeKVManager):
 
 
 def make_manager(group: int, spec: KVCacheSpec, pool: BlockPool, block_size: int) -> SingleTypeKVManager:
+    if isinstance(spec, CompressedSpec):
+        if block_size % spec.compress_rate:
+            raise ValueError(
+                f"block_size {block_size} must be a multiple of the compression rate {spec.compress_rate}: "
+                "a block holds the compressed entries of its raw tokens"
+            )
+        # Compressed entries are kept, named and persisted block by block like full attention's.
+        return FullAttentionManager(group, spec, pool, block_size)
     if isinstance(spec, FullAttentionSpec):
         return FullAttentionManager(group, spec, pool, block_size)
     return SlidingWindowManager(group, spec, pool, block_size)

@@ -3,7 +3,8 @@
 
 - ``llama``: Llama, Qwen2, Qwen3, Mistral (one transformer; differences are data);
 - ``qwen3_moe``: Qwen3-MoE;
-- ``gpt_oss``: GPT-OSS.
+- ``gpt_oss``: GPT-OSS;
+- ``deepseek_v4``: DeepSeek-V4 (compressed attention, mHC; its own KV groups).
 
 Every class is a ``CausalLM`` (the engine's interface: forward over the paged KV
 cache, compute_logits, kv_layout, allocate_kv_cache, checkpoint_tensors)."""
@@ -14,6 +15,7 @@ from types import MappingProxyType
 import torch
 
 from shared.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from shared.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from shared.model.models.gpt_oss import GptOssForCausalLM
 from shared.model.models.llama import CausalLM
 from shared.model.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -26,6 +28,7 @@ MODEL_CLASSES: Mapping[str, type[CausalLM]] = MappingProxyType(
         "MistralForCausalLM": CausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
         "GptOssForCausalLM": GptOssForCausalLM,
+        "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     }
 )
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES), "every parsed architecture needs a model class"

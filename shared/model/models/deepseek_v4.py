@@ -1,0 +1,452 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``) over the engine's paged cache, matching
+transformers 5.24's modeling_deepseek_v4.
+
+A layer: mHC collapses the ``hc_mult`` residual streams (shared/model/hyper_connections),
+then attention: q through a LoRA (``q_a_proj`` -> RMSNorm -> ``q_b_proj``) and a per-head
+unweighted RMSNorm, one shared K = V head (``kv_proj`` -> RMSNorm), both rotated on
+their trailing ``rope_head_dim`` channels (the "main" rope in sliding-only layers, the
+"compress" one in CSA/HCA layers), a sliding window plus, in CSA/HCA layers, compressed
+entries (shared/model/compressed_attention), sinks, the conjugate rotation of the
+output, and the grouped low-rank output projection (``o_a_proj`` per head group, then
+``o_b_proj``); then the MoE (shared/model/moe, hash-routed first layers) between mHC
+again. The hyper head collapses the streams before the final norm and LM head.
+
+Its KV (``kv_layout``): per layer a state cache in a sliding-window group of window
+``DeepseekV4Params.state_window`` (never persisted) and, per CSA/HCA layer, a
+compressed cache in a persistent group; see compressed_attention for what they hold.
+Parameters keep transformers' in-memory names; ``checkpoint_tensors`` also maps the
+names transformers saves (DeepSeek's own: ``attn.wq_a``, ``ffn.experts.0.w1``...).
+"""
+
+import dataclasses
+import re
+from collections.abc import Callable, Collection
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.kv.spec import CompressedSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec, kv_cache_layout_of_specs
+from shared.model.compressed_attention import (
+    SequenceView, StateRow, attend, compress_windows, entry_slots, index_top_k, rope_interleaved, sequences, slots_of,
+)  # fmt: skip
+from shared.model.config import ModelConfig
+from shared.model.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Params
+from shared.model.forward_batch import AttentionMetadata
+from shared.model.hyper_connections import HyperConnection, HyperHead, merge_streams, unweighted_rms_norm
+from shared.model.layers import Linear, rope_inv_freq
+from shared.model.models.llama import CausalLM
+from shared.model.moe import Experts, SparseMoE
+
+
+class V4RMSNorm(nn.Module):
+    """transformers' DeepseekV4RMSNorm: float32 weight, scaled in float32, cast once."""
+
+    def __init__(self, size: int, eps: float, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+class V4Rotary(nn.Module):
+    """cos/sin [T, rope_dim / 2] of one of V4's rotaries (one angle per channel pair)."""
+
+    def __init__(self, config: ModelConfig, compress: bool, device: torch.device) -> None:
+        super().__init__()
+        assert config.deepseek_v4 is not None and config.compress_rope is not None
+        rope = config.compress_rope if compress else config.rope
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", rope_inv_freq(rope, config.deepseek_v4.rope_head_dim, device), persistent=False)
+        self.scale = rope.attention_factor if rope.attention_factor is not None else 1.0
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.float()
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+
+class Compressor(nn.Module):
+    """kv_proj, gate_proj (2 series for CSA), position_bias and kv_norm of one compressor
+    (the layer's, or its indexer's at index_head_dim)."""
+
+    def __init__(self, hidden: int, head_dim: int, rate: int, overlap: bool, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        width = 2 * head_dim if overlap else head_dim
+        self.head_dim, self.rate, self.overlap = head_dim, rate, overlap
+        self.kv_proj = Linear(hidden, width, False, dtype, device)
+        self.gate_proj = Linear(hidden, width, False, dtype, device)
+        self.position_bias = nn.Parameter(torch.empty(rate, width, dtype=torch.float32, device=device), requires_grad=False)
+        self.kv_norm = V4RMSNorm(head_dim, eps, device)
+
+    def entries(self, kv: torch.Tensor, gate: torch.Tensor, rotary: V4Rotary, first_positions: torch.Tensor) -> torch.Tensor:
+        pooled = compress_windows(kv, gate, self.position_bias, self.head_dim, self.overlap)
+        cos, sin = rotary(first_positions, pooled.dtype)
+        return rope_interleaved(self.kv_norm(pooled), cos, sin)
+
+
+class Indexer(Compressor):
+    """The lightning indexer of a CSA layer: a compressor of its own (at index_head_dim,
+    overlapping windows), q_b_proj from the query LoRA, and the scorer's weights_proj."""
+
+    def __init__(self, config: ModelConfig, p: DeepseekV4Params, rate: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(config.hidden_size, p.index_head_dim, rate, True, config.rms_norm_eps, dtype, device)
+        self.num_heads, self.top_k = p.index_n_heads, p.index_topk
+        self.q_b_proj = Linear(p.q_lora_rank, p.index_n_heads * p.index_head_dim, False, dtype, device)
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = Linear(config.hidden_size, p.index_n_heads, False, dtype, device)
+
+    def scores(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """sum_h w_h * relu(q_h . k): x, q_residual one sequence's rows; keys [e, index_head_dim] -> [n, e]."""
+        q = rope_interleaved(self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+        dots = F.relu(torch.einsum("nhd,ed->nhe", q.float(), keys.float())) * self.head_dim**-0.5
+        weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5
+        return (dots * weights[..., None]).sum(dim=1)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        p = config.deepseek_v4
+        assert p is not None
+        self.kind = p.layer_type(layer_idx)
+        self.rate = p.compress_rates[layer_idx]
+        self.num_heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, p.sliding_window
+        self.o_groups, self.eps = p.o_groups, config.rms_norm_eps
+        hidden, heads_dim = config.hidden_size, config.num_attention_heads * config.head_dim
+        self.q_a_proj = Linear(hidden, p.q_lora_rank, False, dtype, device)
+        self.q_a_norm = V4RMSNorm(p.q_lora_rank, config.rms_norm_eps, device)
+        self.q_b_proj = Linear(p.q_lora_rank, heads_dim, False, dtype, device)
+        self.kv_proj = Linear(hidden, config.head_dim, False, dtype, device)
+        self.kv_norm = V4RMSNorm(config.head_dim, config.rms_norm_eps, device)
+        # o_a_proj: g blocks [o_lora_rank, heads_dim / g] stacked, one per head group.
+        self.o_a_proj = Linear(heads_dim // p.o_groups, p.o_groups * p.o_lora_rank, False, dtype, device)
+        self.o_b_proj = Linear(p.o_groups * p.o_lora_rank, hidden, False, dtype, device)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32, device=device), requires_grad=False)
+        self.compressor: Compressor | None = None
+        if self.kind != SLIDING:
+            self.compressor = Compressor(hidden, config.head_dim, self.rate, self.kind == CSA, config.rms_norm_eps, dtype, device)
+            if self.kind == CSA:
+                self.compressor.indexer = Indexer(config, p, self.rate, dtype, device)
+        cw = 0 if self.kind == SLIDING else (2 if self.kind == CSA else 1) * config.head_dim
+        self.row = StateRow(config.head_dim, cw, 2 * p.index_head_dim if self.kind == CSA else 0)
+
+    @property
+    def indexer(self) -> "Indexer | None":
+        return getattr(self.compressor, "indexer", None)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        index_rope: tuple[torch.Tensor, torch.Tensor],
+        rotary: V4Rotary,
+        state: torch.Tensor,
+        compressed: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cmeta: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        cos, sin = rope
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_residual).view(num_tokens, self.num_heads, self.head_dim), self.eps)
+        q = rope_interleaved(q, cos, sin)
+        kv = rope_interleaved(self.kv_norm(self.kv_proj(x)), cos, sin)
+        plane0, plane1 = state[0].view(-1, state.shape[-1]), state[1].view(-1, state.shape[-1])
+        row = self.row
+        new0 = [kv]
+        new1: list[torch.Tensor] = []
+        for part in [c for c in (self.compressor, self.indexer) if c is not None]:
+            new0.append(part.kv_proj(x))
+            new1.append(part.gate_proj(x))
+        plane0[meta.slot_mapping, : row.plane0] = torch.cat(new0, dim=-1).to(state.dtype)
+        if new1:
+            plane1[meta.slot_mapping, : row.plane1] = torch.cat(new1, dim=-1).to(state.dtype)
+        if compressed is not None and cmeta is not None:
+            self._emit_entries(positions, plane0, plane1, compressed, meta, cmeta, rotary)
+        out = torch.empty_like(q)
+        cplane = None if compressed is None else compressed[0].view(-1, compressed.shape[-1])
+        for seq in sequences(meta, cmeta):
+            out[seq.rows] = self._attend_sequence(q, x, q_residual, index_rope, plane0, cplane, seq, meta.block_size)
+        # K = V carried rope into the output: rotate back by the query's angle.
+        out = rope_interleaved(out, cos, -sin)
+        grouped = out.reshape(num_tokens, self.o_groups, -1)
+        weight = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])
+        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1))
+
+    def _emit_entries(
+        self,
+        positions: torch.Tensor,
+        plane0: torch.Tensor,
+        plane1: torch.Tensor,
+        compressed: torch.Tensor,
+        meta: AttentionMetadata,
+        cmeta: AttentionMetadata,
+        rotary: V4Rotary,
+    ) -> None:
+        """Entries of the windows this step closes, from their rows in the state cache."""
+        assert self.compressor is not None
+        m, bs, hd, cw = self.rate, meta.block_size, self.head_dim, self.row.compress_width
+        closing = ((positions + 1) % m == 0).nonzero().flatten()
+        if closing.numel() == 0:
+            return
+        seq_of_row = torch.repeat_interleave(
+            torch.arange(meta.num_seqs, device=positions.device), torch.tensor(meta.query_lens, device=positions.device)
+        )
+        seqs, ends = seq_of_row[closing], positions[closing]
+        windows = (ends + 1) // m - 1
+        span = 2 * m if self.kind == CSA else m
+        pos = (windows * m)[:, None] + torch.arange(span, device=positions.device)[None, :] - (span - m)
+        tables = meta.block_tables.to(positions.device)[seqs]
+        slots = (tables.gather(1, pos.clamp(min=0) // bs) * bs + pos.clamp(min=0) % bs)
+        rows0, rows1 = plane0[slots], plane1[slots]  # [E, span, width]
+        before_start = (pos < 0)[..., None]
+        first = windows * m
+
+        def pooled(part: Compressor, kv_at: int, gate_at: int) -> torch.Tensor:
+            width = 2 * part.head_dim if part.overlap else part.head_dim
+            kv = rows0[..., kv_at : kv_at + width].to(part.kv_proj.weight.dtype)
+            gate = rows1[..., gate_at : gate_at + width].to(part.kv_proj.weight.dtype)
+            gate = gate.masked_fill(before_start, float("-inf"))
+            return part.entries(kv, gate, rotary, first)
+
+        entry = pooled(self.compressor, hd, 0)
+        if self.indexer is not None:
+            entry = torch.cat([entry, pooled(self.indexer, hd + cw, cw)], dim=-1)
+        # The compressed cache's slot of the closing token names the block (the null
+        # block in a replay of cached positions); the entry's row in it follows from w.
+        blocks = cmeta.slot_mapping[closing] // bs
+        rows = blocks * bs + (first % bs) // m
+        cplane = compressed[0].view(-1, compressed.shape[-1])
+        cplane[rows, : entry.shape[-1]] = entry.to(compressed.dtype)
+
+    def _attend_sequence(
+        self,
+        q: torch.Tensor,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        index_rope: tuple[torch.Tensor, torch.Tensor],
+        plane0: torch.Tensor,
+        cplane: torch.Tensor | None,
+        seq: SequenceView,
+        block_size: int,
+    ) -> torch.Tensor:
+        device = q.device
+        query_pos = torch.arange(seq.start, seq.end, device=device)
+        lo = max(seq.start - self.window + 1, seq.floor, 0)
+        key_pos = torch.arange(lo, seq.end, device=device)
+        window_kv = plane0[slots_of(seq.state_table.to(device), key_pos, block_size), : self.head_dim]
+        entries = visible = None
+        num_entries = seq.end // self.rate if self.rate else 0
+        if cplane is not None and num_entries > 0:
+            ids = torch.arange(num_entries, device=device)
+            rows = cplane[entry_slots(seq.compressed_table.to(device), ids, self.rate, block_size)]
+            entries = rows[:, : self.head_dim]
+            visible = ids[None, :] < ((query_pos + 1) // self.rate)[:, None]
+            if self.indexer is not None:
+                keys = rows[:, self.head_dim : self.head_dim + self.indexer.head_dim]
+                cos, sin = index_rope
+                scores = self.indexer.scores(x[seq.rows], q_residual[seq.rows], cos[seq.rows], sin[seq.rows], keys)
+                visible = index_top_k(scores, visible, self.indexer.top_k)
+        return attend(
+            q[seq.rows], window_kv, entries, visible, query_pos, key_pos, self.window, seq.floor,
+            self.head_dim**-0.5, self.sinks,
+        )  # fmt: skip
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        p, moe = config.deepseek_v4, config.moe
+        assert p is not None and moe is not None
+        kind = config.mlp_layer_type(layer_idx)
+        # A hash-routed layer chooses by token id: no selection bias (transformers' DeepseekV4HashRouter).
+        layer_moe = dataclasses.replace(moe, selection_bias=False) if kind == "hash_moe" else moe
+        self.self_attn = V4Attention(config, layer_idx, dtype, device)
+        self.mlp = SparseMoE(config.hidden_size, layer_moe, kind, config.vocab_size, dtype, device, router_name="gate")
+        self.input_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.post_attention_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        hc = (config.hidden_size, p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps, config.rms_norm_eps, device)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        p = config.deepseek_v4
+        assert p is not None
+        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
+        self.layers = nn.ModuleList(V4DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.hc_head = HyperHead(config.hidden_size, p.hc_mult, p.hc_eps, config.rms_norm_eps, device)
+
+
+def v4_kv_specs(config: ModelConfig) -> list[KVCacheSpec]:
+    """The model's caches: one state cache per layer, then one compressed cache per
+    CSA/HCA layer, in layer order."""
+    p = config.deepseek_v4
+    assert p is not None
+    specs: list[KVCacheSpec] = [SlidingWindowSpec(p.state_window)] * config.num_hidden_layers
+    return specs + [CompressedSpec(r) for t, r in zip(p.layer_types, p.compress_rates) if t != SLIDING]
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    """The engine's CausalLM interface (forward over the paged cache, compute_logits,
+    kv_layout, allocate_kv_cache, kv_bytes_per_block, checkpoint_tensors) for V4.
+    PyTorch path only (no Triton kernel for the compressed attention yet)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tie_word_embeddings: bool | None = None,
+        kernels: str = "auto",
+    ) -> None:
+        nn.Module.__init__(self)
+        p = config.deepseek_v4
+        if p is None or config.moe is None:
+            raise ValueError("DeepseekV4ForCausalLM needs a DeepSeek-V4 config")
+        device = torch.device(device)
+        self.config, self.dtype, self.use_triton = config, dtype, False
+        # The checkpoint's LM head is "head.weight" (transformers' saved name): the
+        # loader's "no lm_head.weight" guess of a tied head does not apply; the config says.
+        self.tie_word_embeddings = config.tie_word_embeddings
+        self.model = DeepseekV4Model(config, dtype, device)
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self._gemv = None
+        self.main_rotary = V4Rotary(config, False, device)
+        self.compress_rotary = V4Rotary(config, True, device)
+        self.expert_counts = torch.zeros(config.num_hidden_layers, config.moe.num_experts, dtype=torch.int64, device=device)
+        for row, layer in zip(self.expert_counts, self.model.layers):
+            layer.mlp.counts = row
+        self.kv_layout: KVCacheLayout = kv_cache_layout_of_specs(v4_kv_specs(config))
+        num_layers = config.num_hidden_layers
+        compressed_layers = [i for i, t in enumerate(p.layer_types) if t != SLIDING]
+        self._compressed_cache = {layer: num_layers + j for j, layer in enumerate(compressed_layers)}
+        self._group_of_cache = [self.kv_layout.group_of_layer(i) for i in range(self.kv_layout.num_layers)]
+        rows = [layer.self_attn.row for layer in self.model.layers]
+        entry = max([config.head_dim + (p.index_head_dim if t == CSA else 0) for t in p.layer_types if t != SLIDING], default=0)
+        self.cache_width = max([r.plane0 for r in rows] + [entry])
+        """Channels of a cache row: the widest state row or compressed entry (see compressed_attention)."""
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return False
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]
+    ) -> torch.Tensor:
+        if len(kv_caches) != self.kv_layout.num_layers:
+            raise ValueError(f"got {len(kv_caches)} KV caches, the model has {self.kv_layout.num_layers}")
+        if len(metas) != len(self.kv_layout.groups):
+            raise ValueError(f"got attention metadata for {len(metas)} KV groups, the model has {len(self.kv_layout.groups)}")
+        x = self.model.embed_tokens(input_ids)
+        ropes = {False: self.main_rotary(positions, x.dtype), True: self.compress_rotary(positions, x.dtype)}
+        p = self.config.deepseek_v4
+        assert p is not None
+        streams = x.unsqueeze(1).expand(-1, p.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.model.layers):
+            attn: V4Attention = layer.self_attn
+            c = self._compressed_cache.get(i)
+            post, comb, collapsed = layer.attn_hc(streams)
+            out = attn(
+                layer.input_layernorm(collapsed), positions, ropes[p.uses_compress_rope(i)], ropes[True],
+                self.compress_rotary, kv_caches[i], None if c is None else kv_caches[c],
+                metas[self._group_of_cache[i]], None if c is None else metas[self._group_of_cache[c]],
+            )  # fmt: skip
+            streams = merge_streams(streams, out, post, comb)
+            post, comb, collapsed = layer.ffn_hc(streams)
+            out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids)
+            streams = merge_streams(streams, out, post, comb)
+        return self.model.norm(self.model.hc_head(streams))
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        make: "Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None" = None,
+    ) -> list[torch.Tensor]:
+        """One [2, num_blocks, block_size, 1, cache_width] tensor per cache (state caches,
+        then compressed caches), as CausalLM lays them out: views of one allocation,
+        cache k of every group in tensor k."""
+        for rate in {r for r in self.config.deepseek_v4.compress_rates if r}:  # type: ignore[union-attr]
+            if block_size % rate:
+                raise ValueError(f"block_size {block_size} must be a multiple of every compression rate, {rate} is not")
+        layout = self.kv_layout
+        shape = (layout.group_size, 2, num_blocks, block_size, 1, self.cache_width)
+        stacked = torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
+        tensors = list(stacked.unbind(0))
+        return [tensors[layout.tensor_of_layer(i)] for i in range(layout.num_layers)]
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * block_size * self.cache_width * element_size * self.kv_layout.group_size
+
+    def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> tensor. Names as transformers saves V4 (DeepSeek's:
+        ``model.layers.0.attn.wq_a.weight``, ``ffn.experts.0.w1.weight``, ``head.weight``...)
+        unless ``available`` holds transformers' in-memory names (a model's state_dict)."""
+        in_memory = available is not None and ("lm_head.weight" in available or any(".self_attn." in n for n in available))
+        targets: dict[str, torch.Tensor] = {}
+        experts = {name: m for name, m in self.named_modules() if isinstance(m, Experts)}
+        for prefix, module in experts.items():
+            targets.update(module.checkpoint_targets(prefix, available if in_memory else None))
+        for name, param in self.named_parameters():
+            module_name = name.rpartition(".")[0]
+            if module_name in experts:
+                continue
+            if module_name.endswith("shared_experts.gate_up_proj"):
+                parent = module_name.rpartition(".")[0]
+                targets.update({f"{parent}.{part}": v for part, v in self.get_submodule(module_name).shard_views().items()})
+                continue
+            targets[name] = param.detach()
+        if in_memory:
+            return targets
+        return {saved_name(name): tensor for name, tensor in targets.items()}
+
+# transformers' in-memory names -> the names it saves (the reverse of its deepseek_v4
+# conversion mapping), applied in order to a name.
+_SAVED_NAMES: tuple[tuple[str, str], ...] = (
+    (r"^lm_head\.weight$", "head.weight"),
+    (r"\.compressor\.indexer\.scorer\.weights_proj\.", ".indexer.weights_proj."),
+    (r"\.compressor\.indexer\.q_b_proj\.", ".indexer.wq_b."),
+    (r"\.compressor\.indexer\.", ".indexer.compressor."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"),
+    (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
+    (r"\.sinks$", ".attn_sink"),
+    (r"\.kv_norm\.", ".norm."),
+    (r"\.position_bias$", ".ape"),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.attn\.q_b_proj\.", ".attn.wq_b."),
+    (r"\.kv_proj\.", ".wkv."),
+    (r"\.gate_proj\.(weight)$", r".wgate.\1"),
+    (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."),
+    (r"\.q_a_norm\.", ".q_norm."),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+)
+_EXPERT_PARTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def saved_name(name: str) -> str:
+    """The name transformers saves a V4 tensor under, from its in-memory name."""
+    expert = re.search(r"\.(experts\.\d+|shared_experts)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+    if expert:
+        name = f"{name[: expert.start()]}.{expert.group(1)}.{_EXPERT_PARTS[expert.group(2)]}.weight"
+    for pattern, replacement in _SAVED_NAMES:
+        name = re.sub(pattern, replacement, name)
+    return name
