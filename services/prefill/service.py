@@ -84,6 +84,8 @@ class PrefillService:
                     final = out
                 assert final is not None and final.finished and final.kv is not None
                 self.worker.record_kv_transfer(final.kv, span, rid)
+                if final.queued_seconds is not None:  # a request waits in prefill's engine, nowhere else
+                    self.worker.vllm.queue_time.observe(final.queued_seconds)
                 span.set_attribute("prompt.cached_tokens", final.num_cached_tokens)
                 self.m_prompt_tokens.inc(len(prompt))
                 from_kvcache = min(final.kv.num_loaded_blocks * self.engine.kv.block_size, final.num_cached_tokens)

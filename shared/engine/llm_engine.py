@@ -298,6 +298,7 @@ class LLMEngine:
                     num_cached_tokens=request.num_cached_tokens or 0,
                     generator_state=self.runner.generator_state(rid) if finished else None,
                     kv=self._kv_report(request) if finished else None,
+                    queued_seconds=_queued_seconds(request) if finished else None,
                 )
             )
         return outputs
@@ -330,5 +331,13 @@ class LLMEngine:
             + sum(r.num_tokens - r.num_computed_tokens for r in sched.running),
             num_kv_save_failures=self.kv_transfer.num_save_failures if self.kv_transfer else 0,
             num_kv_saves_dropped=self.kv_transfer.num_saves_dropped if self.kv_transfer else 0,
+            num_preemptions=sched.num_preemptions,
+            num_prefix_query_tokens=self.kv.num_query_tokens,
+            num_prefix_hit_tokens=self.kv.num_hit_tokens,
             tokens_per_expert=None if self._tokens_per_expert is None else self._tokens_per_expert.tolist(),
         )
+
+
+def _queued_seconds(request: Request) -> float | None:
+    start = request.first_scheduled_time
+    return None if start is None else start - request.arrival_time

@@ -39,6 +39,9 @@ class RequestOutput:
     """On a finished seeded request: the sampler's state (to hand the request over)."""
     kv: "KVTransferReport | None" = None
     """On a finished request with KV-transfer parameters: what the connector moved."""
+    queued_seconds: float | None = None
+    """On a finished request: from its arrival in the engine to the first step that
+    took it (vLLM's queue time); None if no step took it."""
 
 
 @dataclass(slots=True)
@@ -74,6 +77,12 @@ class EngineLoad:
     """Stores through the KV connector that failed since start (written behind or not)."""
     num_kv_saves_dropped: int = 0
     """Stores written behind that were dropped since start: too many in flight."""
+    num_preemptions: int = 0
+    """Since start."""
+    num_prefix_query_tokens: int = 0
+    """Since start: tokens of the requests looked up in the prefix cache (vLLM's prefix cache queries)."""
+    num_prefix_hit_tokens: int = 0
+    """Since start: of those, the tokens found cached (vLLM's prefix cache hits)."""
     tokens_per_expert: list[list[int]] | None = None
     """Per sparse layer, per expert: the (token, choice) pairs routed to it since start,
     over every forward (prefill chunks and replays included), as counted on the device.

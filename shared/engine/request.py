@@ -81,6 +81,8 @@ class Request:
     """A load the connector promised did not (fully) arrive: those tokens were recomputed."""
     kv_load_seconds: float = 0.0
     """From asking the connector for the blocks to their arrival in the cache."""
+    first_scheduled_time: float | None = None
+    """time.monotonic() when a step first took the request (its queue time ends there)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -16,6 +16,7 @@ front of the queue and is admitted like any other, hitting the loaded blocks.
 A request whose lookup is still on its way is passed over, not waited for.
 """
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -181,6 +182,8 @@ class Scheduler:
                     StateLoad(request.request_id, hit.state, self.kv.state_block_ids(request.request_id, hit.state))
                 )
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new

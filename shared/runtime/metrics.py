@@ -3,8 +3,9 @@ Each service owns a registry (no process-global state) served on /metrics."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-# Latency buckets that span a CPU test model and a GPU deployment.
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Latency buckets that span a CPU test model and a GPU deployment, up to 10 minutes
+# (a long generation, or a request queued behind many).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
 class Metrics:

@@ -33,6 +33,8 @@ from shared.runtime.rpc import NOT_SERVING, SERVING, GrpcServer, start_grpc_serv
 from shared.runtime.service import ServiceContext
 from shared.engine.host_tier import HostTierConnector
 from shared.engine.kv.connector import KVConnector
+from shared.runtime.vllm_metrics import served_model_name
+from shared.stage.engine_metrics import EngineMetrics
 from shared.stage.kvcache_connector import KVCacheConnector
 from shared.stage.peer_connector import PeerConnector
 
@@ -79,6 +81,9 @@ class Worker:
             "kvcache_bypassed_total", "Requests computed without kvcache: it was down, failed or was slow to answer",
             ("outcome",),
         )
+        settings = ctx.settings
+        self.vllm = EngineMetrics(m.registry, served_model_name(settings.balancer.model_name, settings.engine.model))
+        """vLLM's series of this engine (shared/runtime/vllm_metrics.py says who exports what)."""
 
     async def start(self, stack: AsyncExitStack) -> None:
         self.engine.start()
@@ -177,6 +182,7 @@ class Worker:
         self.m_kv_usage.set(1 - load.num_free_kv_blocks / max(load.num_total_kv_blocks, 1))
         self.m_kv_store_failures.set(load.num_kv_save_failures)
         self.m_kv_stores_dropped.set(load.num_kv_saves_dropped)
+        self.vllm.update(load)
         return mesh_pb2.Load(
             num_running=load.num_running,
             num_waiting=load.num_waiting,
