@@ -53,6 +53,21 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 tie_word_embeddings=False,
             )
         ),
+        # The default model's draft (speculative decoding): tiny's vocabulary and
+        # tokenizer, half its width and depth (tools/train/default_model.py).
+        "tiny-draft": MappingProxyType(
+            dict(
+                hidden_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=344,
+                vocab_size=4096,
+                max_position_embeddings=4096,
+                rope_theta=10000.0,
+                tie_word_embeddings=False,
+            )
+        ),
         # The GPU benchmark's model: Llama-3-8B's shape with seeded random weights.
         "llama3-8b": MappingProxyType(
             dict(

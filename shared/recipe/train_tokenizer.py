@@ -84,7 +84,7 @@ def train_tokenizer(
     min_vocab_size = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < min_vocab_size:
         raise ValueError(f"vocab_size={vocab_size} is too small: it must be at least {min_vocab_size}.")
-    texts = _stdlib_corpus(max_corpus_bytes)
+    texts = stdlib_corpus(max_corpus_bytes)
     tokenizer = _build_tokenizer(texts, vocab_size)
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(
@@ -101,7 +101,7 @@ def train_tokenizer(
     )
 
 
-def _stdlib_corpus(max_bytes: int) -> list[str]:
+def stdlib_corpus(max_bytes: int) -> list[str]:
     """The stdlib's `.py` files in sorted path order, as long as they fit in max_bytes."""
     root = Path(sysconfig.get_paths()["stdlib"])
     relative_paths: list[str] = []
