@@ -112,6 +112,9 @@ class Mesh:
     """The mesh's gRPC bearer token: made at start when auth is on and none is given."""
     restarts: dict[str, int] = field(default_factory=dict)
     """How many times the supervisor restarted each process."""
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    """Each service's Prometheus /metrics port, by process name (kvcache, prefill-0, ..., balancer;
+    the balancer also serves its series on the API port's /metrics)."""
     _commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict, init=False, repr=False)
     _creds: MeshCredentials | None = field(default=None, init=False, repr=False)
     _services_nats_url: str = field(default="", init=False, repr=False)
@@ -159,6 +162,11 @@ class Mesh:
         env.update(self.extra_env)
         env.update(more)
         return env
+
+    def _metrics_env(self, name: str) -> dict[str, str]:
+        """A /metrics port of its own for the process `name`, kept across restarts, so a scraper finds it."""
+        port = self.metrics_ports.setdefault(name, free_port())
+        return {"INFERMESH_WORKER__METRICS_PORT": str(port)}
 
     def _start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
         logs = self.state_dir / "logs"
@@ -231,7 +239,7 @@ class Mesh:
         self._wait("nats-server", lambda: _port_open(nats_port), 10)
         self.kv_address = f"127.0.0.1:{free_port()}"
         py = [sys.executable, "-m"]
-        self._start("kvcache", py + ["services.kvcache"], self._env("kvcache"))
+        self._start("kvcache", py + ["services.kvcache"], self._env("kvcache", **self._metrics_env("kvcache")))
         self._wait("kvcache", lambda: grpc_serving(self.kv_address, tls=self._tls), timeout_s)
 
     def _start_workers_and_balancer(self, timeout_s: float) -> None:
@@ -241,10 +249,11 @@ class Mesh:
             for i in range(count):
                 grpc_port = free_port()
                 name = f"{stage}-{i}"
-                env = self._env(name, INFERMESH_WORKER__INSTANCE_ID=name, INFERMESH_WORKER__GRPC_PORT=str(grpc_port))
+                env = self._env(name, INFERMESH_WORKER__INSTANCE_ID=name, INFERMESH_WORKER__GRPC_PORT=str(grpc_port),
+                                **self._metrics_env(name))
                 self._start(name, py + [f"services.{stage}"], env)
                 health.append(f"127.0.0.1:{grpc_port}")
-        self._start("balancer", py + ["services.balancer"], self._env("balancer"))
+        self._start("balancer", py + ["services.balancer"], self._env("balancer", **self._metrics_env("balancer")))
         self._wait("prefill and decode", lambda: all(grpc_serving(a, tls=self._tls) for a in health), timeout_s)
         self._wait("balancer", lambda: http_ok(f"http://{self.host}:{self.port}/ready"), timeout_s)
         if self.supervise:

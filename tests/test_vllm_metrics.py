@@ -1,0 +1,157 @@
+"""vLLM-compatible metrics, scraped off a real mesh (nats-server, kvcache,
+prefill, decode and the balancer as processes): the vllm:* series with the
+model_name label each process exports, and values that move by exactly what
+the requests sent did."""
+
+import time
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.runtime.vllm_metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, one_two_five_buckets
+
+MESH = dict(
+    num_prefill=1,
+    num_decode=1,
+    extra_env={"INFERMESH_ENGINE__BLOCK_SIZE": "16", "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2"},
+)
+BLOCK_SIZE = 16
+
+BALANCER_SERIES = {
+    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket", "vllm:request_success_total",
+}  # fmt: skip
+WORKER_SERIES = {
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+}  # fmt: skip
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str) -> Samples:
+    text = httpx.get(url, timeout=10).raise_for_status().text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sample of `name` whose labels include `labels` (exactly one)."""
+    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
+    return found[0]
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the metrics did not move in time"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def urls(mesh) -> dict[str, str]:
+    ports = mesh.metrics_ports
+    return {
+        "balancer": mesh.api_url.removesuffix("/v1") + "/metrics",
+        **{name: f"http://127.0.0.1:{ports[name]}/metrics" for name in ("prefill-0", "decode-0")},
+    }
+
+
+def test_buckets_are_vllms_and_reach_past_ten_minutes():
+    assert TTFT_BUCKETS[-1] >= 600 and REQUEST_LATENCY_BUCKETS[-1] >= 600
+    assert one_two_five_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert one_two_five_buckets(4096)[-3:] == (500, 1000, 2000)
+
+
+def test_every_process_exports_its_vllm_series_with_model_name(mesh, urls):
+    model = openai.OpenAI(base_url=mesh.api_url, api_key="x").models.list().data[0].id
+    for process, expected in (("balancer", BALANCER_SERIES), ("prefill-0", WORKER_SERIES), ("decode-0", WORKER_SERIES)):
+        samples = scrape(urls[process])
+        vllm = {(n, ls) for n, ls in samples if n.startswith("vllm:")}
+        assert expected <= {n for n, _ in vllm}, f"{process} lacks {expected - {n for n, _ in vllm}}"
+        assert all(dict(ls).get("model_name") == model for _, ls in vllm), process
+    # Each series comes from one kind of process: summed over the mesh, nothing counts twice.
+    balancer = {n for n, _ in scrape(urls["balancer"])}
+    assert not balancer & WORKER_SERIES
+    assert not {n for n, _ in scrape(urls["decode-0"])} & BALANCER_SERIES
+    assert "vllm:request_queue_time_seconds_count" in {n for n, _ in scrape(urls["prefill-0"])}
+    # The mesh's own series stay beside them (the dashboard and the HPAs read these).
+    assert {"infermesh_balancer_time_to_first_token_seconds_count", "infermesh_balancer_requests_total"} <= balancer
+    assert "infermesh_decode_running_requests" in {n for n, _ in scrape(urls["decode-0"])}
+    reasons = {dict(ls)["finished_reason"] for n, ls in scrape(urls["balancer"]) if n == "vllm:request_success_total"}
+    assert reasons == {"stop", "length", "abort", "error"}
+
+
+def test_values_move_with_the_requests_sent(mesh, urls):
+    client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    before = {p: scrape(u) for p, u in urls.items()}
+    prompt = "def quicksort(xs):\n    " * 6
+    usages = [
+        client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}).usage
+        for _ in range(3)
+    ]
+    num_prompt = usages[0].prompt_tokens
+    assert all(u.prompt_tokens == num_prompt and u.completion_tokens == 6 for u in usages)
+
+    b0, b1 = before["balancer"], scrape(urls["balancer"])
+
+    def grew(name: str, samples0: Samples = b0, samples1: Samples | None = None, **labels: str) -> float:
+        return value(samples1 or b1, name, **labels) - value(samples0, name, **labels)
+
+    assert grew("vllm:request_success_total", finished_reason="length") == 3
+    assert grew("vllm:request_success_total", finished_reason="stop") == 0
+    assert grew("vllm:prompt_tokens_total") == 3 * num_prompt
+    assert grew("vllm:generation_tokens_total") == 18
+    assert grew("vllm:request_prompt_tokens_sum") == 3 * num_prompt
+    assert grew("vllm:request_generation_tokens_sum") == 18
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                      "request_time_per_output_token_seconds"):
+        assert grew(f"vllm:{histogram}_count") == 3, histogram
+        assert grew(f"vllm:{histogram}_sum") > 0, histogram
+    # One gap per token event after the first: at most 5 per request of 6 tokens.
+    assert 3 <= grew("vllm:inter_token_latency_seconds_count") <= 15
+    # TTFT and TPOT fit inside end-to-end latency.
+    e2e = grew("vllm:e2e_request_latency_seconds_sum")
+    assert grew("vllm:time_to_first_token_seconds_sum") < e2e
+
+    # Workers: prefill looked each prompt up in its prefix cache; the 2nd and 3rd hit
+    # every full block but the one holding the last token (the step needs its logits).
+    p0 = before["prefill-0"]
+    full_blocks = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    wait_for(lambda: grew("vllm:prefix_cache_queries_total", p0, scrape(urls["prefill-0"])) == 3 * num_prompt)
+    p1 = scrape(urls["prefill-0"])
+    assert grew("vllm:prefix_cache_hits_total", p0, p1) == 2 * full_blocks
+    assert grew("vllm:request_queue_time_seconds_count", p0, p1) == 3
+    d0 = before["decode-0"]
+    wait_for(lambda: grew("vllm:prefix_cache_queries_total", d0, scrape(urls["decode-0"])) > 0)
+    for process in ("prefill-0", "decode-0"):
+        now = scrape(urls[process])
+        assert value(now, "vllm:num_requests_running") == 0 and value(now, "vllm:num_requests_waiting") == 0
+        assert 0 <= value(now, "vllm:kv_cache_usage_perc") <= 1
+        assert value(now, "vllm:num_preemptions_total") == 0
+
+
+def test_a_client_that_leaves_counts_as_abort(mesh, urls):
+    client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    before = scrape(urls["balancer"])
+    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=400, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()  # the client leaves after the first chunk
+    wait_for(lambda: value(scrape(urls["balancer"]), "vllm:request_success_total", finished_reason="abort")
+             == value(before, "vllm:request_success_total", finished_reason="abort") + 1)
+    after = scrape(urls["balancer"])
+    assert value(after, "vllm:request_success_total", finished_reason="length") == value(
+        before, "vllm:request_success_total", finished_reason="length")
+    assert value(after, "vllm:e2e_request_latency_seconds_count") == value(before, "vllm:e2e_request_latency_seconds_count") + 1
