@@ -8,6 +8,8 @@ shapes, dtypes, strides and devices before launch and beside its PyTorch referen
 - ``rmsnorm``: RMSNorm with an optional fused residual add.
 - ``rotary``: neox rotary embedding of q and k in place.
 - ``activation``: SiLU(gate) * up.
+- ``fused_moe``: a MoE layer's routed experts, pairs aligned by expert on the device
+  and one grouped GEMM per projection (activation, biases and routing weights fused).
 - ``attention``: the per-forward plan and the choice between the two attention kernels.
 - ``reference``: the PyTorch references, which are the model's own CPU path.
 
