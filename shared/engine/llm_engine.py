@@ -16,7 +16,7 @@ from shared.engine.kv.coordinator import KVCacheCoordinator, blocks_for_one_requ
 from shared.engine.kv.state_cache import SlidingState, SlidingStateCache
 from shared.engine.kv_transfer import KVTransfer
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
-from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput
+from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput, TokenLogprobs
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -30,15 +30,14 @@ from shared.recipe import IncrementalDetokenizer, Recipe
 log = logging.getLogger(__name__)
 
 
-def _host_free(params: SamplingParams) -> bool:
+def _host_free(request: Request) -> bool:
     """Whether a request can be sampled without its latest token on the host
-    (penalties and min_tokens read the output so far; logprobs travel with the tokens)."""
-    return (
-        params.min_tokens == 0
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-    )
+    (penalties, min_tokens and bad words read the output so far; logprobs travel
+    with the tokens). A prompt being scored (prompt_logprobs) runs in synchronous
+    steps until its first token: the runner scores it from the step's hidden states."""
+    params = request.sampling_params
+    scoring = params.prompt_logprobs is not None and request.num_output_tokens == 0
+    return not params.needs_output_history and not scoring
 
 
 class LLMEngine:
@@ -120,6 +119,9 @@ class LLMEngine:
             kv_connector.register_kv_region(self.runner.kv_region)
             self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, config.kv_lease_timeout_s)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = {}
+        """Per request scoring its prompt, the positions scored so far (a preempted
+        request's recomputed chunks overwrite theirs); handed out with its first token."""
         overlap = config.async_scheduling
         self._overlap = device.type == "cuda" if overlap is None else overlap
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
@@ -170,7 +172,10 @@ class LLMEngine:
             request.append_output_token(token)
         if params.stop and self.recipe is None:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none")
+        params.check_vocab(vocab)
         self.scheduler.add_request(request)
+        if params.prompt_logprobs is not None and not req.resume_token_ids:
+            self._prompt_logprobs[req.request_id] = {}
         if self.recipe is not None and self.detokenize:
             self._detokenizers[req.request_id] = self.recipe.detokenizer(
                 prompt_ids,
@@ -182,6 +187,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._prompt_logprobs.pop(request_id, None)
         self._detokenizers.pop(request_id, None)
         if self.kv_transfer is not None:
             self.kv_transfer.drop_output(request_id)
@@ -207,7 +213,7 @@ class LLMEngine:
         async scheduling, step N+1 is launched before step N's tokens are read
         back, and this returns step N's outputs."""
         released = self.kv_transfer.poll() if self.kv_transfer is not None else []
-        if self._overlap and all(_host_free(r.sampling_params) for r in self._unfinished()):
+        if self._overlap and all(_host_free(r) for r in self._unfinished()):
             sched = self.scheduler.schedule()
             self._start_loads()
             handle = self.runner.launch(sched)
@@ -269,6 +275,9 @@ class LLMEngine:
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         if result.expert_counts is not None and self._tokens_per_expert is not None:
             self._tokens_per_expert += result.expert_counts
+        for rid, scored in result.prompt_logprobs.items():
+            if rid in self._prompt_logprobs:
+                self._prompt_logprobs[rid].update(scored)
         updated = self.scheduler.update_from_output(sched, result.sampled)
         outputs: list[RequestOutput] = []
         for request, new_tokens in updated:
@@ -298,10 +307,18 @@ class LLMEngine:
                     num_cached_tokens=request.num_cached_tokens or 0,
                     generator_state=self.runner.generator_state(rid) if finished else None,
                     kv=self._kv_report(request) if finished else None,
+                    prompt_logprobs=self._scored_prompt(request),
                     queued_seconds=_queued_seconds(request) if finished else None,
                 )
             )
         return outputs
+
+    def _scored_prompt(self, request: Request) -> list[TokenLogprobs | None] | None:
+        """The request's prompt logprobs, once (with its first token)."""
+        scored = self._prompt_logprobs.pop(request.request_id, None)
+        if scored is None:
+            return None
+        return [None] + [scored.get(pos) for pos in range(1, request.num_prompt_tokens)]
 
     def _kv_report(self, request: Request) -> KVTransferReport | None:
         if request.kv_transfer is None:

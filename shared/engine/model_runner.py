@@ -6,13 +6,14 @@ request's sampling state; it knows nothing about queues or stopping rules.
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.kv_region import KVRegion
 from shared.engine.kv_share import SharedMemoryAllocator
+from shared.engine.prompt_logprobs import chunk_targets, score_prompt
 
 from shared.engine.sampler import LogprobTensors, Sampler, SamplingState, TokenLogprobs, logprob_tensors
 from shared.engine.step import PLACEHOLDER, SchedulerOutput
@@ -44,6 +45,9 @@ class RunnerOutput:
     expert_counts: torch.Tensor | None = None
     """[sparse layers, experts] int64 on the host: the (token, choice) pairs each expert
     got in this step's forward; None for a dense model or a step that ran nothing."""
+    prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = field(default_factory=dict)
+    """Per request scoring its prompt (params.prompt_logprobs), the prompt positions
+    this step's chunk scored (execute only: the engine steps such requests synchronously)."""
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -120,10 +124,11 @@ class ModelRunner:
         hidden, sample_rows, sample_ids = self._forward(sched)
         # Copied before the sampler reads its tokens back: that read waits for this copy too.
         expert_counts = self._copy_expert_counts()
+        scored = self._score_prompts(sched, hidden)
         if not sample_rows:
             if expert_counts is not None and self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
-            return RunnerOutput({}, {}, expert_counts)
+            return RunnerOutput({}, {}, expert_counts, scored)
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
         states = [self.states[rid] for rid in sample_ids]
         result = self.sampler(logits, states)
@@ -134,7 +139,23 @@ class ModelRunner:
             sampled[rid] = [token]
             if lp is not None:
                 logprobs[rid] = lp
-        return RunnerOutput(sampled, logprobs, expert_counts)
+        return RunnerOutput(sampled, logprobs, expert_counts, scored)
+
+    def _score_prompts(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, dict[int, TokenLogprobs]]:
+        """The prompt positions each scoring request's chunk predicts, with their logprobs."""
+        scored: dict[str, dict[int, TokenLogprobs]] = {}
+        offset = 0
+        for chunk in sched.chunks:
+            state = self.states[chunk.request_id]
+            k = state.params.prompt_logprobs
+            targets = chunk_targets(chunk, state.prompt_token_ids) if k is not None else []
+            if targets:
+                rows = [offset + row for row, _ in targets]
+                ids = [state.prompt_token_ids[pos] for _, pos in targets]
+                entries = score_prompt(self.model.compute_logits, hidden, rows, ids, k or 0)
+                scored[chunk.request_id] = {pos: lp for (_, pos), lp in zip(targets, entries)}
+            offset += len(chunk.token_ids)
+        return scored
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> StepHandle:

@@ -39,6 +39,9 @@ class RequestOutput:
     """On a finished seeded request: the sampler's state (to hand the request over)."""
     kv: "KVTransferReport | None" = None
     """On a finished request with KV-transfer parameters: what the connector moved."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On the first output of a request with params.prompt_logprobs: per prompt
+    token, its logprobs (None for the first token, which nothing predicts)."""
     queued_seconds: float | None = None
     """On a finished request: from its arrival in the engine to the first step that
     took it (vLLM's queue time); None if no step took it."""

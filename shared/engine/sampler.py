@@ -1,4 +1,5 @@
-"""Turns one step's logits into one token per request: penalties, greedy or
+"""Turns one step's logits into one token per request: constraints (allowed
+tokens, bad words, logit bias: logit_constraints.py), penalties, greedy or
 temperature / top-k / top-p / min-p sampling, and logprobs.
 
 Pure torch, no model code. Rows are grouped by what they need so the common
@@ -17,6 +18,7 @@ from itertools import chain
 
 import torch
 
+from shared.engine.logit_constraints import apply_constraints
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.step_inputs import to_device
@@ -94,7 +96,7 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()  # softmax / cumsum in half precision would bias top-p
         num_reqs = len(states)
-        x = _apply_penalties(logits, states)
+        x = _apply_penalties(apply_constraints(logits, states), states)
         greedy_rows = [i for i, s in enumerate(states) if s.params.greedy]
         if len(greedy_rows) == num_reqs:
             return x.argmax(dim=-1)  # the common case: one argmax, no sort, no row gathers

@@ -12,6 +12,8 @@ _SEED_LIMIT = 1 << 63
 MAX_LOGPROBS = 20
 """The most alternatives a token's logprobs may list (OpenAI's limit)."""
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a logit_bias value (the HTTP layer clamps to it, as vLLM does)."""
 
 
 @dataclass(slots=True)
@@ -46,6 +48,18 @@ class SamplingParams:
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the token's logit before sampling (OpenAI's logit_bias), in
+    [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; logprobs stay those of the raw logits."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled (vLLM's); None allows every token."""
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    """Token sequences that must not appear in the output (vLLM's bad_words,
+    tokenized): the last token of each is banned where the output ends with the rest."""
+    prompt_logprobs: int | None = None
+    """None: none. k >= 0: every prompt token's logprob (the first has none) plus
+    the k most likely alternatives at its position. The prompt is then computed
+    in full, without prefix-cache hits, as vLLM does."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -78,6 +92,44 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        for token, bias in self.logit_bias.items():
+            if not 0 <= token < _TOKEN_ID_LIMIT:
+                raise ValueError(f"logit_bias keys must be token ids in [0, 2**32), got {token}")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+            if any(not 0 <= t < _TOKEN_ID_LIMIT for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be token ids in [0, 2**32)")
+        if any(not word or any(not 0 <= t < _TOKEN_ID_LIMIT for t in word) for word in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty lists of token ids in [0, 2**32)")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the request names must exist in the model: a ValueError naming the field."""
+        named = (
+            ("logit_bias", self.logit_bias),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("bad_words", [t for word in self.bad_words_token_ids for t in word]),
+        )
+        for name, ids in named:
+            past = [t for t in ids if t >= vocab_size]
+            if past:
+                raise ValueError(f"{name} names token ids past the vocabulary ({vocab_size} tokens): {past[:5]}")
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling reads the output so far on the host (penalties, min_tokens,
+        bad words), so an overlapped engine cannot sample before the last token is back."""
+        return (
+            self.min_tokens > 0
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.bad_words_token_ids)
+        )
 
     @property
     def greedy(self) -> bool:

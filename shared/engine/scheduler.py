@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
 from shared.engine.kv.connector import KVConnector
-from shared.engine.kv.coordinator import KVCacheCoordinator, StateSave
+from shared.engine.kv.coordinator import KVCacheCoordinator, PrefixHit, StateSave
 from shared.engine.request import Request, RequestStatus
 from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput, StateLoad
 
@@ -165,7 +165,7 @@ class Scheduler:
                 if request.status != RequestStatus.WAITING_FOR_KV:
                     passed_over.append(request)  # its lookup is on its way: ask again next step
                 continue
-            hit = self.kv.find_prefix_hit(request)
+            hit = self._prefix_hit(request)
             num_new = min(request.num_tokens + request.num_pending_tokens - hit.num_computed, chunk_size, budget)
             if not self.kv.allocate_slots(request, num_new, hit):
                 break  # wait for blocks to come free; FCFS, so nobody overtakes
@@ -197,6 +197,13 @@ class Scheduler:
                 request.num_pending_tokens += 1
         return out
 
+    def _prefix_hit(self, request: Request) -> PrefixHit:
+        """The cached prefix the request adopts: none when it scores its prompt
+        (prompt_logprobs), whose every position must be computed (vLLM does the same)."""
+        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+            return PrefixHit([[] for _ in self.kv.managers])
+        return self.kv.find_prefix_hit(request)
+
     @staticmethod
     def _remaining(request: Request) -> int:
         """Tokens the request has yet to compute (1 while it decodes)."""
@@ -208,8 +215,8 @@ class Scheduler:
         if self.connector is None or request.kv_lookup_done:
             return False
         transfer = request.kv_transfer
-        if transfer is None or not transfer.load:
-            return False
+        if transfer is None or not transfer.load or request.sampling_params.prompt_logprobs is not None:
+            return False  # nothing to load, or a prompt to score: computed in full
         max_blocks = (request.num_tokens - 1) // self.kv.block_size
         local = self.kv.num_cached_persistent_blocks(request, max_blocks)
         if local >= max_blocks:

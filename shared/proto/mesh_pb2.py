@@ -24,39 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmesh.proto\x12\x0cinfermesh.v1\"\xc6\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x12\n\x05top_k\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x04H\x02\x88\x01\x01\x42\x08\n\x06_top_kB\x0b\n\t_logprobsB\x07\n\x05_seed\"d\n\x03\x41\x63k\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12%\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x17.infermesh.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"\x9b\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x05 \x01(\t\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xdf\x02\n\rDecodeHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x17\n\x0fgenerator_state\x18\x08 \x01(\x0c\x12\x33\n\x0e\x66irst_logprobs\x18\t \x01(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12\x18\n\x10prefill_instance\x18\n \x01(\t\x12)\n\tkv_source\x18\x0b \x01(\x0b\x32\x16.infermesh.v1.KvSource\"\x83\x01\n\x08KvSource\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x1b\n\x13lease_deadline_unix\x18\x05 \x01(\x01\x12\x0e\n\x06layout\x18\x06 \x01(\t\"\x1f\n\tKvRelease\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8a\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.infermesh.v1.Usage\x12+\n\nerror_code\x18\x08 \x01(\x0e\x32\x17.infermesh.v1.ErrorCode\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x13\n\x0binstance_id\x18\n \x01(\t\",\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x84\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x03 \x01(\r\x12\x1b\n\x13num_total_kv_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\"\xa6\x01\n\tHeartbeat\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\tunix_time\x18\x04 \x01(\x01\x12 \n\x04load\x18\x05 \x01(\x0b\x32\x12.infermesh.v1.Load\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\ninterval_s\x18\x07 \x01(\x01\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\"]\n\x07KvEvent\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x0f\n\x07\x63leared\x18\x05 \x01(\x08*\x99\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\x19\n\x15\x45RROR_CODE_OVERLOADED\x10\x02\x12\x1c\n\x18\x45RROR_CODE_SHUTTING_DOWN\x10\x03\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmesh.proto\x12\x0cinfermesh.v1\"\xb1\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x12\n\x05top_k\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x04H\x02\x88\x01\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.infermesh.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\r\x12)\n\tbad_words\x18\x10 \x03(\x0b\x32\x16.infermesh.v1.TokenIds\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_kB\x0b\n\t_logprobsB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"d\n\x03\x41\x63k\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12%\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x17.infermesh.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"\x9b\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x05 \x01(\t\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\x95\x03\n\rDecodeHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x17\n\x0fgenerator_state\x18\x08 \x01(\x0c\x12\x33\n\x0e\x66irst_logprobs\x18\t \x01(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12\x18\n\x10prefill_instance\x18\n \x01(\t\x12)\n\tkv_source\x18\x0b \x01(\x0b\x32\x16.infermesh.v1.KvSource\x12\x34\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\"\x83\x01\n\x08KvSource\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x1b\n\x13lease_deadline_unix\x18\x05 \x01(\x01\x12\x0e\n\x06layout\x18\x06 \x01(\t\"\x1f\n\tKvRelease\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xc0\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.infermesh.v1.Usage\x12+\n\nerror_code\x18\x08 \x01(\x0e\x32\x17.infermesh.v1.ErrorCode\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x34\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\",\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x84\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x03 \x01(\r\x12\x1b\n\x13num_total_kv_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\"\xa6\x01\n\tHeartbeat\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\tunix_time\x18\x04 \x01(\x01\x12 \n\x04load\x18\x05 \x01(\x0b\x32\x12.infermesh.v1.Load\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\ninterval_s\x18\x07 \x01(\x01\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\"]\n\x07KvEvent\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x0f\n\x07\x63leared\x18\x05 \x01(\x08*\x99\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\x19\n\x15\x45RROR_CODE_OVERLOADED\x10\x02\x12\x1c\n\x18\x45RROR_CODE_SHUTTING_DOWN\x10\x03\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=2046
-  _globals['_ERRORCODE']._serialized_end=2199
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_ERRORCODE']._serialized_start=2420
+  _globals['_ERRORCODE']._serialized_end=2573
   _globals['_SAMPLINGPARAMS']._serialized_start=29
-  _globals['_SAMPLINGPARAMS']._serialized_end=355
-  _globals['_ACK']._serialized_start=357
-  _globals['_ACK']._serialized_end=457
-  _globals['_PREFILLREQUEST']._serialized_start=460
-  _globals['_PREFILLREQUEST']._serialized_end=615
-  _globals['_TOKENLOGPROBS']._serialized_start=617
-  _globals['_TOKENLOGPROBS']._serialized_end=726
-  _globals['_DECODEHANDOFF']._serialized_start=729
-  _globals['_DECODEHANDOFF']._serialized_end=1080
-  _globals['_KVSOURCE']._serialized_start=1083
-  _globals['_KVSOURCE']._serialized_end=1214
-  _globals['_KVRELEASE']._serialized_start=1216
-  _globals['_KVRELEASE']._serialized_end=1247
-  _globals['_USAGE']._serialized_start=1249
-  _globals['_USAGE']._serialized_end=1329
-  _globals['_TOKENCHUNK']._serialized_start=1332
-  _globals['_TOKENCHUNK']._serialized_end=1598
-  _globals['_CANCEL']._serialized_start=1600
-  _globals['_CANCEL']._serialized_end=1644
-  _globals['_LOAD']._serialized_start=1647
-  _globals['_LOAD']._serialized_end=1779
-  _globals['_HEARTBEAT']._serialized_start=1782
-  _globals['_HEARTBEAT']._serialized_end=1948
-  _globals['_KVEVENT']._serialized_start=1950
-  _globals['_KVEVENT']._serialized_end=2043
+  _globals['_SAMPLINGPARAMS']._serialized_end=590
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=490
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=538
+  _globals['_TOKENIDS']._serialized_start=592
+  _globals['_TOKENIDS']._serialized_end=621
+  _globals['_ACK']._serialized_start=623
+  _globals['_ACK']._serialized_end=723
+  _globals['_PREFILLREQUEST']._serialized_start=726
+  _globals['_PREFILLREQUEST']._serialized_end=881
+  _globals['_TOKENLOGPROBS']._serialized_start=883
+  _globals['_TOKENLOGPROBS']._serialized_end=992
+  _globals['_DECODEHANDOFF']._serialized_start=995
+  _globals['_DECODEHANDOFF']._serialized_end=1400
+  _globals['_KVSOURCE']._serialized_start=1403
+  _globals['_KVSOURCE']._serialized_end=1534
+  _globals['_KVRELEASE']._serialized_start=1536
+  _globals['_KVRELEASE']._serialized_end=1567
+  _globals['_USAGE']._serialized_start=1569
+  _globals['_USAGE']._serialized_end=1649
+  _globals['_TOKENCHUNK']._serialized_start=1652
+  _globals['_TOKENCHUNK']._serialized_end=1972
+  _globals['_CANCEL']._serialized_start=1974
+  _globals['_CANCEL']._serialized_end=2018
+  _globals['_LOAD']._serialized_start=2021
+  _globals['_LOAD']._serialized_end=2153
+  _globals['_HEARTBEAT']._serialized_start=2156
+  _globals['_HEARTBEAT']._serialized_end=2322
+  _globals['_KVEVENT']._serialized_start=2324
+  _globals['_KVEVENT']._serialized_end=2417
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,9 @@ def params_to_proto(p: SamplingParams) -> mesh_pb2.SamplingParams:
         frequency_penalty=p.frequency_penalty,
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
+        logit_bias=p.logit_bias,
+        allowed_token_ids=p.allowed_token_ids or (),
+        bad_words=[mesh_pb2.TokenIds(token_ids=word) for word in p.bad_words_token_ids],
     )
     if p.top_k is not None:
         msg.top_k = p.top_k
@@ -24,6 +27,8 @@ def params_to_proto(p: SamplingParams) -> mesh_pb2.SamplingParams:
         msg.logprobs = p.logprobs
     if p.seed is not None:
         msg.seed = p.seed
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -43,6 +48,10 @@ def params_from_proto(msg: mesh_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         seed=msg.seed if msg.HasField("seed") else None,
+        logit_bias=dict(msg.logit_bias),
+        allowed_token_ids=list(msg.allowed_token_ids) or None,
+        bad_words_token_ids=[list(word.token_ids) for word in msg.bad_words],
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
