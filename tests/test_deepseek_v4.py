@@ -209,3 +209,12 @@ def test_legacy_config_spellings_parse_alike() -> None:
     assert modern.deepseek_v4 == legacy.deepseek_v4 and modern.mlp_layer_types == legacy.mlp_layer_types
     assert modern.deepseek_v4 is not None and modern.deepseek_v4.rope_head_dim == 8
     assert modern.compress_rope is not None and modern.compress_rope.rope_theta == 160000.0
+
+
+def test_blocks_smaller_than_a_compression_window(case: Case) -> None:
+    """Blocks of 8 tokens: two CSA entries per block, one HCA entry every other block."""
+    driver = PagedDriver(case.model, num_seqs=2, num_blocks=2048, block_size=8, seed=9)
+    out = driver.step({0: case.prompts[0][:151], 1: case.prompts[1]})
+    assert rel_err(out[1], case.reference[1][: len(case.prompts[1])]) < TOLERANCE
+    out = driver.step({0: case.prompts[0][151:]})
+    assert rel_err(out[0], case.reference[0][151 : len(case.prompts[0])]) < TOLERANCE

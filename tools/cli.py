@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a small seeded checkpoint in the HF format")
     p.add_argument("path")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss"])
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v4"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny")
     p.add_argument(

@@ -51,8 +51,8 @@ class SlidingWindowSpec:
 class CompressedSpec:
     """DeepSeek-V4's compressed KV (a CSA or HCA layer): one entry per ``compress_rate``
     raw tokens (CSA's entries carry the lightning indexer's key too). Kept for every
-    past token like full attention, addressed like it (a block holds the entries of
-    block_size raw tokens, so block_size must be a multiple of the rate), persisted."""
+    past token like full attention, addressed like it (an entry sits in the block of
+    its window's last raw token: block_size and the rate divide one another), persisted."""
 
     compress_rate: int
 

@@ -11,9 +11,10 @@ request lives in two caches of the engine's block pool (shared/kv/spec.py):
   ``plane 0 = [window K=V | compressor kv | indexer kv]`` and
   ``plane 1 = [compressor gate | indexer gate]``: the window, and the projections of
   the tokens whose compression window is not closed yet (the "uncompressed tail");
-- the layer's *compressed* cache (a CompressedSpec group, persisted), a block holding
-  the entries of its block_size raw tokens in its first block_size / m rows of plane
-  0: ``[entry | indexer key]``.
+- the layer's *compressed* cache (a CompressedSpec group, persisted), an entry sitting
+  in the block of its window's last raw token, plane 0: ``[entry | indexer key]``
+  (a block of block_size raw tokens holds block_size / m entries, or for m larger
+  than the block one entry every m / block_size blocks).
 
 Both are views of ``[2, blocks, block_size, 1, width]`` tensors, the shape every
 engine cache has, so the block pool, the state cache, the KV connectors and peers
@@ -60,10 +61,16 @@ def slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int
 
 
 def entry_slots(block_table: torch.Tensor, entries: torch.Tensor, rate: int, block_size: int) -> torch.Tensor:
-    """Flat rows of compressed entries: entry e (raw tokens e*m ...) sits in the block of
-    its first raw token, at row (e*m mod block_size) / m."""
-    first = entries * rate
-    return block_table[first // block_size] * block_size + (first % block_size) // rate
+    """Flat rows of compressed entries: entry e (raw tokens e*m .. (e+1)*m - 1) sits in the
+    block of its last raw token p, at row (p mod block_size) / m (block_size a multiple
+    of m: block_size / m entries per block; or m a multiple of block_size: one entry
+    in every (m / block_size)-th block)."""
+    return last_token_slot_row(block_table[((entries + 1) * rate - 1) // block_size], (entries + 1) * rate - 1, rate, block_size)
+
+
+def last_token_slot_row(blocks: torch.Tensor, last: torch.Tensor, rate: int, block_size: int) -> torch.Tensor:
+    """The flat row of the entries whose last raw tokens are ``last``, in ``blocks``."""
+    return blocks * block_size + (last % block_size) // rate
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,7 @@ ARCHITECTURES: Mapping[str, str] = MappingProxyType(
         "mistral": "MistralForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "gpt_oss": "GptOssForCausalLM",
+        "deepseek_v4": "DeepseekV4ForCausalLM",
     }
 )
 # The MoE families' experts, whatever the preset: small enough to draw fast on the CPU,
@@ -105,6 +106,11 @@ ARCHITECTURES: Mapping[str, str] = MappingProxyType(
 # (mlp_only_layers), so a checkpoint has both kinds.
 MOE_EXPERTS: Mapping[str, int] = MappingProxyType(dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128))
 GPT_OSS_SLIDING_WINDOW = 128  # GptOssConfig's default, when no window is asked for
+V4_SLIDING_WINDOW = 128  # DeepseekV4Config's default (and the real model's), when no window is asked for
+# DeepSeek-V4's layers for a preset of n layers: sliding-only first (as V4-Flash's first
+# two), then CSA and HCA (compression 4 and 128, the real rates) in turn; the first
+# layer hash-routed. Every kind of layer occurs from 3 layers on.
+_V4_CSA, _V4_HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 _DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType(
     {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 )
@@ -226,7 +232,63 @@ def hf_config_dict(
         config.update(_qwen3_moe_keys(preset, sliding_window))
     if arch == "gpt_oss":
         config.update(_gpt_oss_keys(preset, sliding_window))
+    if arch == "deepseek_v4":
+        for key in ("intermediate_size", "rope_parameters"):
+            del config[key]  # V4 names them moe_intermediate_size and nests its two ropes
+        config.update(_deepseek_v4_keys(preset, sliding_window))
     return config
+
+
+def _deepseek_v4_keys(preset: Mapping[str, Any], sliding_window: int | None) -> dict[str, Any]:
+    """V4's keys at the preset's width: one K=V head twice as wide as hidden/heads (V4:
+    512 for 4096/64... scaled down), a quarter of it rotated, YaRN on the compress rope,
+    the real compression rates (4, 128) and indexer top-k over 16 heads, 4 mHC streams,
+    the MoE experts of MOE_EXPERTS (every layer sparse, the first hash-routed)."""
+    num_layers, hidden, max_pos = preset["num_hidden_layers"], preset["hidden_size"], preset["max_position_embeddings"]
+    head_dim = 2 * hidden // preset["num_attention_heads"]
+    layer_types = ["sliding_attention"] + [_V4_CSA if i % 2 == 0 else _V4_HCA for i in range(num_layers - 1)]
+    return {
+        "attention_bias": False,
+        "compress_rates": {_V4_CSA: 4, _V4_HCA: 128},
+        "compress_rope_theta": 160000.0,
+        "hc_eps": 1e-06,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "head_dim": head_dim,
+        "index_head_dim": 32,
+        "index_n_heads": 16,
+        "index_topk": 16,
+        "layer_types": layer_types[:num_layers],
+        "mlp_bias": False,
+        "mlp_layer_types": ["hash_moe"] + ["moe"] * (num_layers - 1),
+        "moe_intermediate_size": MOE_EXPERTS["moe_intermediate_size"],
+        "n_routed_experts": MOE_EXPERTS["num_experts"],
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_experts_per_tok": MOE_EXPERTS["num_experts_per_tok"],
+        "num_key_value_heads": 1,
+        "num_nextn_predict_layers": 1,
+        "o_groups": 2,
+        "o_lora_rank": hidden // 4,
+        "output_router_logits": False,
+        "partial_rotary_factor": 0.25,
+        "q_lora_rank": hidden // 2,
+        "qk_rope_head_dim": head_dim // 4,
+        "rope_parameters": {
+            "compress": {
+                "attention_factor": 1.0, "factor": 4.0, "original_max_position_embeddings": max_pos // 4,
+                "partial_rotary_factor": 0.25, "rope_theta": 160000.0, "rope_type": "yarn",
+            },
+            "main": {"partial_rotary_factor": 0.25, "rope_theta": preset["rope_theta"], "rope_type": "default"},
+        },
+        "rope_theta": preset["rope_theta"],
+        "routed_scaling_factor": 1.5,
+        "router_aux_loss_coef": 0.001,
+        "router_jitter_noise": 0.0,
+        "scoring_func": "sqrtsoftplus",
+        "sliding_window": V4_SLIDING_WINDOW if sliding_window is None else sliding_window,
+        "swiglu_limit": 10.0,
+    }  # fmt: skip
 
 
 def _qwen3_moe_keys(preset: Mapping[str, Any], sliding_window: int | None) -> dict[str, Any]:
@@ -278,7 +340,7 @@ def _write_weights(out: Path, config: ModelConfig, seed: int, dtype: torch.dtype
     numels = {name: math.prod(shapes[name]) for name in names}
     for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
-    tensors = _random_weights(shapes, seed, dtype, device)
+    tensors = _random_weights(shapes, seed, dtype, device, config.moe.num_experts if config.moe else 0)
     shards = _shards(names, {name: numels[name] * dtype.itemsize for name in names})
     if len(shards) == 1:
         save_file(dict(tensors), str(out / SINGLE_FILE), {"format": "pt"})
@@ -298,13 +360,18 @@ def _write_weights(out: Path, config: ModelConfig, seed: int, dtype: torch.dtype
 
 
 def _random_weights(
-    shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch.dtype, device: torch.device
+    shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch.dtype, device: torch.device, num_experts: int = 0
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-style init: normal(0, 0.02) matrices and embeddings, zero biases, unit norms.
     Drawn in float32 on ``device`` in sorted name order from one seeded generator of
-    that device, cast to ``dtype`` there and yielded one CPU tensor at a time."""
+    that device, cast to ``dtype`` there and yielded one CPU tensor at a time.
+    A hash router's ``tid2eid`` [vocab, k] gets k distinct experts per token id (int64)."""
     generator = torch.Generator(device=device).manual_seed(seed)
     for name in sorted(shapes):
+        if name.endswith("tid2eid"):
+            scores = torch.rand((shapes[name][0], num_experts), device=device, generator=generator)
+            yield name, scores.argsort(dim=-1)[:, : shapes[name][1]].contiguous().cpu()
+            continue
         if name.endswith("norm.weight"):
             tensor = torch.ones(shapes[name], device=device)
         elif name.endswith((".bias", "_bias")):

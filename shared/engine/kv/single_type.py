@@ -129,10 +129,10 @@ class SlidingWindowManager(SingleTypeKVManager):
 
 def make_manager(group: int, spec: KVCacheSpec, pool: BlockPool, block_size: int) -> SingleTypeKVManager:
     if isinstance(spec, CompressedSpec):
-        if block_size % spec.compress_rate:
+        if block_size % spec.compress_rate and spec.compress_rate % block_size:
             raise ValueError(
-                f"block_size {block_size} must be a multiple of the compression rate {spec.compress_rate}: "
-                "a block holds the compressed entries of its raw tokens"
+                f"block_size {block_size} and the compression rate {spec.compress_rate} must divide one another: "
+                "a block holds the compressed entries whose windows end in it"
             )
         # Compressed entries are kept, named and persisted block by block like full attention's.
         return FullAttentionManager(group, spec, pool, block_size)

@@ -28,7 +28,8 @@ from torch import nn
 
 from shared.kv.spec import CompressedSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec, kv_cache_layout_of_specs
 from shared.model.compressed_attention import (
-    SequenceView, StateRow, attend, compress_windows, entry_slots, index_top_k, rope_interleaved, sequences, slots_of,
+    SequenceView, StateRow, attend, compress_windows, entry_slots, index_top_k, last_token_slot_row, rope_interleaved,
+    sequences, slots_of,
 )  # fmt: skip
 from shared.model.config import ModelConfig
 from shared.model.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Params
@@ -217,10 +218,9 @@ class V4Attention(nn.Module):
         entry = pooled(self.compressor, hd, 0)
         if self.indexer is not None:
             entry = torch.cat([entry, pooled(self.indexer, hd + cw, cw)], dim=-1)
-        # The compressed cache's slot of the closing token names the block (the null
-        # block in a replay of cached positions); the entry's row in it follows from w.
-        blocks = cmeta.slot_mapping[closing] // bs
-        rows = blocks * bs + (first % bs) // m
+        # The compressed cache's slot of the closing token names the entry's block (the
+        # null block in a replay of cached positions).
+        rows = last_token_slot_row(cmeta.slot_mapping[closing] // bs, ends, m, bs)
         cplane = compressed[0].view(-1, compressed.shape[-1])
         cplane[rows, : entry.shape[-1]] = entry.to(compressed.dtype)
 
@@ -380,8 +380,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         then compressed caches), as CausalLM lays them out: views of one allocation,
         cache k of every group in tensor k."""
         for rate in {r for r in self.config.deepseek_v4.compress_rates if r}:  # type: ignore[union-attr]
-            if block_size % rate:
-                raise ValueError(f"block_size {block_size} must be a multiple of every compression rate, {rate} is not")
+            if block_size % rate and rate % block_size:
+                raise ValueError(f"block_size {block_size} and the compression rate {rate} must divide one another")
         layout = self.kv_layout
         shape = (layout.group_size, 2, num_blocks, block_size, 1, self.cache_width)
         stacked = torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
