@@ -320,8 +320,8 @@ def test_bad_requests_get_400(mesh: Mesh) -> None:
     base = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     error = assert_error(post(mesh.main, "/v1/completions", {**base, "temperature": -1}), 400, "temperature")
     assert error["param"] == "temperature" and error["type"] == "invalid_request_error"
-    assert_error(post(mesh.main, "/v1/completions", {**base, "n": 2}), 400, "n: must be 1")
-    assert_error(post(mesh.main, "/v1/completions", {**base, "prompt": ["a", "b"]}), 400, "one prompt per request")
+    assert_error(post(mesh.main, "/v1/completions", {**base, "n": 0}), 400, "n: Input should be greater than or equal to 1")
+    assert_error(post(mesh.main, "/v1/completions", {**base, "prompt": ["a"] * 65}), 400, "at most 64 prompts")
     assert_error(post(mesh.main, "/v1/completions", {**base, "temperature": "hot"}), 400, "temperature")
     assert_error(post(mesh.main, "/v1/completions", {"model": MODEL}), 400, "prompt")
     assert_error(post(mesh.main, "/v1/completions", b"{not json"), 400)
@@ -338,7 +338,7 @@ def test_bad_requests_get_400(mesh: Mesh) -> None:
     ok = post(mesh.main, "/v1/completions", base)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
     with pytest.raises(openai.BadRequestError):
-        mesh.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+        mesh.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=0)
 
 
 _COMPLETION = {"model": MODEL, "prompt": "x", "max_tokens": 2}
@@ -384,7 +384,7 @@ BAD_INPUTS = [
     # Fields we do not implement, declared or not.
     (_COMPLETION, {"stream_options": {"include_usage": True}}, "stream_options"),
     (_COMPLETION, {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
-    (_COMPLETION, {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+    (_COMPLETION, {"stream": True, "stream_options": {"continuous_usage_stats": 1}},
      "stream_options.continuous_usage_stats"),
     (_CHAT, {"tools": [_TOOL]}, "tools"),
     (_CHAT, {"tool_choice": "auto"}, "tool_choice"),
@@ -399,10 +399,10 @@ BAD_INPUTS = [
     (_CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.type"),
     (_CHAT, {"top_logprobs": 2}, "top_logprobs"),
     (_CHAT, {"logprobs": True, "top_logprobs": 2**80}, "top_logprobs"),
-    (_COMPLETION, {"logit_bias": {"5": 10}}, "logit_bias"),
-    (_COMPLETION, {"n": 2}, "n"),
-    (_COMPLETION, {"best_of": 2}, "best_of"),
-    (_COMPLETION, {"echo": True}, "echo"),
+    (_COMPLETION, {"logit_bias": {"five": 10}}, "logit_bias"),
+    (_COMPLETION, {"n": 0}, "n"),
+    (_COMPLETION, {"best_of": 2, "n": 3}, "best_of"),
+    (_COMPLETION, {"echo": 1}, "echo"),
     (_COMPLETION, {"suffix": "}"}, "suffix"),
     (_COMPLETION, {"metadata": {"a": 1}}, "metadata"),
     (_COMPLETION, {"store": False}, "store"),

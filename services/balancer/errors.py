@@ -16,6 +16,8 @@ from services.balancer.generation import GenerationError
 
 log = logging.getLogger(__name__)
 
+_ENGINE_CHECKED_FIELDS = frozenset({"logit_bias", "allowed_token_ids", "bad_words"})
+"""Request fields only the engine can check (token ids against the model's vocabulary)."""
 _CLIENT_GONE = 499  # nginx's "client closed request": seen only in metrics, the client has left
 
 
@@ -84,7 +86,10 @@ def add_error_handlers(app: FastAPI) -> None:
 
     async def generation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, GenerationError)
-        return APIError(exc.status, str(exc), exc.error_type).response()
+        # The engine's refusals name the field first (SamplingParams.check_vocab): say which.
+        field = str(exc).split(" ", 1)[0]
+        param = field if exc.status == 400 and field in _ENGINE_CHECKED_FIELDS else None
+        return APIError(exc.status, str(exc), exc.error_type, param=param).response()
 
     async def validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

@@ -23,6 +23,8 @@ class GenerationRequest:
     params: SamplingParams
     """Stop strings stay with the HTTP layer; the generator sees token-level settings."""
     cache_salt: str | None = None
+    priority: int = 0
+    """Lower goes first where requests wait for a place (the balancer's queue)."""
 
 
 @dataclass(slots=True)
@@ -41,6 +43,9 @@ class TokenEvent:
     usage: Usage | None = None
     """Usage so far, when the generator knows it (always on the last event). The
     first event should carry it too: a stop string may end the stream early."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On the first event of a request with params.prompt_logprobs: one entry per
+    prompt token, None for the first (nothing predicts it)."""
 
 
 class GenerationError(Exception):

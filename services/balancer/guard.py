@@ -7,7 +7,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.balancer.errors import APIError
 from services.balancer.http_metrics import HttpMetrics
 
-_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+_ENDPOINTS = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
+    "/tokenizer_info", "/version", "/ping", "/openapi.json", "/docs",
+})
+_PROTECTED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
+"""Paths that need the API key: the model's use and its tokenizer; health, version and the schema do not."""
 
 
 # -- the guard: API key, body size, requests counter -------------------------------
@@ -41,7 +46,7 @@ class Guard:
 
     async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope["headers"])
-        if self.expected_auth is not None and scope["path"].startswith("/v1"):
+        if self.expected_auth is not None and scope["path"].startswith(_PROTECTED):
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected_auth):
                 message = "Incorrect or missing API key: send the header Authorization: Bearer <key>."
                 await _send_error(send, APIError(401, message, code="invalid_api_key"))

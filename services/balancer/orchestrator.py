@@ -180,10 +180,12 @@ class MeshGenerator:
     def _continuation(req: GenerationRequest, generated: list[int], migration: int) -> GenerationRequest:
         p = req.params
         params = dataclasses.replace(
-            p, max_tokens=p.max_tokens - len(generated), min_tokens=max(p.min_tokens - len(generated), 0)
+            p, max_tokens=p.max_tokens - len(generated), min_tokens=max(p.min_tokens - len(generated), 0),
+            # The prompt's logprobs came with the first token: the continuation's longer prompt is not scored.
+            prompt_logprobs=p.prompt_logprobs if not generated else None,
         )
         return GenerationRequest(
-            f"{req.request_id}-m{migration}", req.prompt_token_ids + generated, params, req.cache_salt
+            f"{req.request_id}-m{migration}", req.prompt_token_ids + generated, params, req.cache_salt, req.priority
         )
 
     # -- failover from the registry -------------------------------------------------------
@@ -288,6 +290,8 @@ class MeshGenerator:
                         token_ids=list(chunk.token_ids),
                         logprobs=[logprobs_from_proto(lp) for lp in chunk.logprobs],
                     )
+                    if num_chunks == 1 and req.params.prompt_logprobs is not None:
+                        event.prompt_logprobs = [None, *(logprobs_from_proto(lp) for lp in chunk.prompt_logprobs)]
                     if chunk.HasField("usage"):
                         event.usage = Usage(
                             chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.cached_tokens

@@ -2,9 +2,9 @@
 
 Every request field is implemented or refused with a 400 that names it, never
 silently ignored: unknown fields are refused (extra="forbid"), and so are declared
-ones whose value we cannot honour (n > 1, best_of, echo, suffix, logit_bias, a
-response_format other than text). Tools are not implemented: tools, tool_choice,
-functions, ... are unknown fields here, and so is a message's tool_calls.
+ones whose value we cannot honour (suffix, a response_format other than text,
+best_of with stream). Tools are not implemented: tools, tool_choice, functions,
+... are unknown fields here, and so is a message's tool_calls.
 
 Types are strict (no 0 for false, no "5" for 5), floats finite, strings valid
 Unicode, and values bounded where they cross NATS (token ids are uint32 there; a
@@ -29,7 +29,7 @@ from pydantic import (
 
 from services.balancer.generation import Usage
 from shared.engine.outputs import TokenLogprobs
-from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from shared.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 # vLLM's floor: -inf is not valid JSON and clients choke on it.
 _MIN_LOGPROB = -9999.0
@@ -38,6 +38,15 @@ MAX_CACHE_SALT_CHARS = 1024
 """A salt names a tenant; it travels with the prompt in every NATS message of the request."""
 MAX_STOP_TOKEN_IDS = 1024
 """stop_token_ids travel in every NATS message of the request too."""
+MAX_LOGIT_BIAS_TOKENS = 300
+"""OpenAI's own cap on logit_bias entries; they travel in every NATS message too."""
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 64
+MAX_PROMPTS = 64
+"""Prompts in one completions request (each is a request of its own in the mesh)."""
+MAX_CHOICES = 16
+"""n and best_of: samples per prompt."""
+MAX_REQUEST_ID_CHARS = 128
 
 # ---------------------------------------------------------------------------
 # requests
@@ -68,6 +77,18 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     """Send a last chunk with empty choices and the usage."""
+    continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk also carries the usage so far."""
+
+
+def check_request_id(value: str) -> str:
+    # It names the response (cmpl-<id>) and the x-request-id header: printable ASCII only.
+    if not value or not all(c.isascii() and c.isprintable() and c != " " for c in value):
+        raise ValueError("must be printable ASCII without spaces")
+    return value
+
+
+RequestId = Annotated[str, Field(max_length=MAX_REQUEST_ID_CHARS), AfterValidator(check_request_id)]
 
 
 class _GenerationRequest(_Strict):
@@ -87,27 +108,39 @@ class _GenerationRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    n: int | None = 1
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    """Token id (as a string) to a bias added to its logit; values are clamped to
+    [-100, 100] as vLLM does."""
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS
+    )
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS), AfterValidator(_valid_unicode)] | None = None
     """vLLM's: requests with different salts never share prefix-cache blocks."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError(f"must be 1 (one choice per request), got {n}")
-        return n
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's: each prompt token's logprob (none for the first) and this many alternatives."""
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """vLLM's: keep only the prompt's last k tokens (-1: the context length)."""
+    return_token_ids: bool = False
+    """vLLM's: the prompt's and each choice's token ids in the response."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprobs name tokens as "token_id:<id>" (for tokens that are not valid text alone)."""
+    priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)
+    """vLLM's: lower goes first in the balancer's queue (see BalancerSettings.max_dispatched_requests)."""
+    request_id: RequestId | None = None
+    """vLLM's: names the response (cmpl-<request_id>) and the x-request-id header."""
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
-        if logit_bias:
-            raise ValueError("is not supported")
+    def _token_id_keys(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in logit_bias or {}:
+            if not key.isdigit() or int(key) >= 1 << 32:
+                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
         return logit_bias
 
     @field_validator("stream_options")
@@ -127,7 +160,13 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, bad_words_token_ids: list[list[int]] | None = None
+    ) -> SamplingParams:
         """Token-level settings for the generator; stop strings stay with the HTTP layer.
         Raises SamplingParams' ValueError for values out of range."""
         return SamplingParams(
@@ -145,47 +184,72 @@ class _GenerationRequest(_Strict):
             logprobs=logprobs,
             seed=self.seed,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): min(max(v, -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS) for k, v in (self.logit_bias or {}).items()},
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            bad_words_token_ids=bad_words_token_ids or [],
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+
+Prompt = str | list[int]
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
-    """One prompt. A list of one string or one token list is taken as that prompt;
-    batches of several prompts are refused (send one request per prompt)."""
-    max_tokens: int | None = None
-    """None: up to the model's context length."""
-    logprobs: int | None = None
-    echo: bool | None = False
+    """One prompt (text or token ids) or a list of them (max MAX_PROMPTS): each
+    prompt gets n choices, choice index = prompt index * n + sample index."""
+    echo: bool = False
+    """Return the prompt before the completion (and, with logprobs, the prompt tokens' logprobs)."""
+    max_tokens: int | None = Field(None, ge=0)
+    """None: up to the model's context length. 0 only with echo: the prompt alone, scored."""
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Text | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    """Draw best_of samples per prompt, return the n with the highest cumulative logprob."""
+    add_special_tokens: bool = True
+    """vLLM's: encode a text prompt with the tokenizer's special tokens (BOS)."""
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[Any]) -> str | list[Any]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
-            raise ValueError("batched prompts are not supported: send one prompt per request")
+    def _some_prompts(cls, prompt: str | list[Any]) -> str | list[Any]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
         return prompt
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
-    def _not_supported(cls, value: bool | str | None) -> bool | str | None:
-        if value:
-            raise ValueError("is not supported")
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("is not supported: this server does not do fill-in-the-middle (send the prefix as the prompt)")
         return value
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_one(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise ValueError(f"must be 1, got {best_of}")
+    def _at_least_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if best_of is not None and best_of < n:
+            raise ValueError(f"must be at least n ({n}), got {best_of}")
+        if best_of is not None and best_of > n and info.data.get("stream"):
+            raise ValueError("cannot be more than n with stream: true (the best are known only at the end)")
         return best_of
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_with_echo(cls, max_tokens: int | None, info: ValidationInfo) -> int | None:
+        if max_tokens == 0 and not info.data.get("echo"):
+            raise ValueError("must be at least 1 (0 is allowed only with echo: true)")
+        return max_tokens
+
     @property
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[Prompt]:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return prompt[0]  # type: ignore[return-value]
-        return prompt  # type: ignore[return-value]
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
+
+    @property
+    def num_samples(self) -> int:
+        return self.best_of or self.n or 1
 
 
 class TextPart(_Strict):
@@ -223,6 +287,10 @@ class ChatCompletionRequest(_GenerationRequest):
     """Checked here, not only by SamplingParams: its logprobs is this field in chat."""
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """vLLM's: leave the last (assistant) message open, so the reply continues it."""
+    add_special_tokens: bool = False
+    """vLLM's: also add the tokenizer's special tokens (the template usually writes BOS itself)."""
     chat_template_kwargs: dict[Text, Any] | None = None
     """vLLM's: extra template variables (e.g. enable_thinking)."""
 
@@ -241,6 +309,17 @@ class ChatCompletionRequest(_GenerationRequest):
         if top_logprobs is not None and not info.data.get("logprobs"):
             raise ValueError("needs logprobs: true")
         return top_logprobs
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_with_generation_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("cannot be true with add_generation_prompt: true (set it to false)")
+        return value
+
+    @property
+    def num_samples(self) -> int:
+        return self.n or 1
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -292,6 +371,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "infermesh"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
 
 
@@ -302,9 +383,22 @@ class ModelList(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    """None for the prompt's first token (echo): nothing comes before it."""
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one entry of prompt_logprobs."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""Per prompt token (None for the first), its own logprob and the top alternatives, by token id."""
 
 
 class CompletionChoice(BaseModel):
@@ -312,6 +406,11 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: on the whole response's choice, or a stream's first chunk of the choice."""
+    token_ids: list[int] | None = None
+    """return_token_ids: the tokens of this choice (of this chunk, when streaming)."""
 
 
 class CompletionResponse(BaseModel):
@@ -349,6 +448,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -358,6 +458,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -370,6 +472,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
 
     @field_serializer("delta")
     def _only_set_fields(self, delta: DeltaMessage) -> dict[str, Any]:
@@ -384,6 +487,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: on the first chunk."""
 
 
 # ---------------------------------------------------------------------------
@@ -399,22 +504,45 @@ def _logprob(value: float) -> float:
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprobs], token_text: TokenText, text_offset: int
+    entries: Sequence[TokenLogprobs | int], token_text: TokenText, text_offset: int
 ) -> tuple[CompletionLogprobs, int]:
     """The legacy completions format; text_offset is where the first token's text
     starts in the output. Returns the logprobs and the offset after the last token.
-    top_logprobs holds the k most likely tokens and the sampled one, as OpenAI's."""
+    top_logprobs holds the k most likely tokens and the sampled one, as OpenAI's.
+    A bare token id (the prompt's first, echoed) has no logprob: None, as vLLM's."""
     out = CompletionLogprobs()
     for entry in entries:
-        token = token_text(entry.token_id)
-        out.tokens.append(token)
-        out.token_logprobs.append(_logprob(entry.logprob))
-        top = {token_text(token_id): _logprob(lp) for token_id, lp in entry.top}
-        top.setdefault(token, _logprob(entry.logprob))
-        out.top_logprobs.append(top)
+        if isinstance(entry, int):
+            token = token_text(entry)
+            out.tokens.append(token)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            token = token_text(entry.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(_logprob(entry.logprob))
+            top = {token_text(token_id): _logprob(lp) for token_id, lp in entry.top}
+            top.setdefault(token, _logprob(entry.logprob))
+            out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
         text_offset += len(token)
     return out, text_offset
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprobs | None], token_text: TokenText) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else its own
+    logprob and rank with the top alternatives, keyed by token id."""
+    out: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {token_id: PromptLogprob(logprob=_logprob(lp), rank=rank, decoded_token=token_text(token_id))
+                  for rank, (token_id, lp) in enumerate(entry.top, start=1)}
+        ranked.setdefault(entry.token_id, PromptLogprob(
+            logprob=_logprob(entry.logprob), rank=entry.rank, decoded_token=token_text(entry.token_id)))
+        out.append({entry.token_id: ranked.pop(entry.token_id), **ranked})
+    return out
 
 
 def _top_logprob(token_id: int, logprob: float, token_text: TokenText) -> TopLogprob:
@@ -430,3 +558,48 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], token_text: TokenText) -> Ch
         top = [_top_logprob(token_id, lp, token_text) for token_id, lp in entry.top]
         content.append(ChatLogprobEntry(**chosen.model_dump(), top_logprobs=top))
     return ChatLogprobs(content=content)
+
+
+# ---------------------------------------------------------------------------
+# /tokenize and /detokenize (vLLM's shapes)
+# ---------------------------------------------------------------------------
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[Text, Any] | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_with_generation_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("cannot be true with add_generation_prompt: true (set it to false)")
+        return value
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

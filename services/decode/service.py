@@ -74,6 +74,7 @@ class DecodeService:
                 first = mesh_pb2.TokenChunk(request_id=rid, token_ids=h.output_token_ids, instance_id=self.ctx.instance_id)
                 if params.logprobs is not None and h.HasField("first_logprobs"):
                     first.logprobs.append(h.first_logprobs)
+                first.prompt_logprobs.extend(h.prompt_logprobs)  # scored by prefill
                 # Usage from the start: a stop string may cut the stream before the last chunk.
                 first.usage.CopyFrom(self._usage(h, 1))
                 status = self._stops_at_first_token(h, params)

@@ -56,6 +56,7 @@ class PrefillService:
         try:
             params = params_from_proto(req.sampling)
             validate_prompt(self.engine, list(req.prompt_token_ids), params)
+            params.check_vocab(self.engine.model.config.vocab_size)
             subjects.check_token(req.request_id)
             subjects.check_token(req.decode_instance)
         except ValueError as exc:
@@ -91,11 +92,15 @@ class PrefillService:
                 from_kvcache = min(final.kv.num_loaded_blocks * self.engine.kv.block_size, final.num_cached_tokens)
                 self.m_cached_tokens.labels("kvcache").inc(from_kvcache)
                 self.m_cached_tokens.labels("local").inc(final.num_cached_tokens - from_kvcache)
+                # Decode continues without scoring the prompt again: its logprobs travel in the handoff.
+                sampling = mesh_pb2.SamplingParams()
+                sampling.CopyFrom(req.sampling)
+                sampling.ClearField("prompt_logprobs")
                 handoff = mesh_pb2.DecodeHandoff(
                     request_id=rid,
                     prompt_token_ids=prompt,
                     output_token_ids=final.token_ids,
-                    sampling=req.sampling,
+                    sampling=sampling,
                     cache_salt=req.cache_salt,
                     # The prompt's chain, which kvcache holds unless the store failed (decode then recomputes).
                     block_hashes=final.kv.block_hashes if final.kv.save_error is None else [],
@@ -105,6 +110,8 @@ class PrefillService:
                 )
                 if final.new_logprobs:
                     handoff.first_logprobs.CopyFrom(logprobs_to_proto(final.new_logprobs[0]))
+                if final.prompt_logprobs is not None:  # positions 1..: the first token has none
+                    handoff.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in final.prompt_logprobs[1:] if lp)
                 held = final.kv.held
                 if held is not None and held.num_blocks:
                     region = self.engine.runner.kv_region

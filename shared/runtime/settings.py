@@ -123,6 +123,10 @@ class BalancerSettings:
     decides how long a silent instance still gets work."""
     max_queued_requests: int = 256
     """Requests in flight beyond this are refused with 429."""
+    max_dispatched_requests: int = 0
+    """At most this many generations dispatched to the mesh at once; the rest wait
+    in the balancer, lower `priority` first, then by arrival (0: dispatch at once,
+    and a request's priority must be 0)."""
     max_request_bytes: int = 4 << 20
     """Bodies larger than this are refused with 413."""
     first_token_timeout_s: float = 60.0
