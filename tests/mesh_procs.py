@@ -85,3 +85,27 @@ def span_attributes(trace_dir: Path, request_id: str, name: str, timeout_s: floa
                 return found[0]["attributes"]
         time.sleep(0.2)
     raise AssertionError(f"no {name} span of {request_id} within {timeout_s} s")
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+"""A Prometheus scrape: (series name, labels) -> value."""
+
+
+def scrape(url: str) -> Samples:
+    """Every sample a /metrics endpoint serves."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=10).raise_for_status().text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    """The one sample of `name` whose labels include `labels`."""
+    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
+    return found[0]

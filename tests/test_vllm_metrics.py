@@ -6,12 +6,11 @@ the requests sent did."""
 import time
 from collections.abc import Callable
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from shared.runtime.vllm_metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, one_two_five_buckets
+from tests.mesh_procs import Samples, sample as value, scrape
 
 MESH = dict(
     num_prefill=1,
@@ -30,25 +29,6 @@ WORKER_SERIES = {
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
 }  # fmt: skip
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(url: str) -> Samples:
-    text = httpx.get(url, timeout=10).raise_for_status().text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    """The sample of `name` whose labels include `labels` (exactly one)."""
-    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
-    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
-    return found[0]
-
 
 def wait_for(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
@@ -141,17 +121,51 @@ def test_values_move_with_the_requests_sent(mesh, urls):
         assert value(now, "vllm:num_preemptions_total") == 0
 
 
-def test_a_client_that_leaves_counts_as_abort(mesh, urls):
-    client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=120)
-    model = client.models.list().data[0].id
-    before = scrape(urls["balancer"])
-    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=400, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
-    next(iter(stream))
-    stream.close()  # the client leaves after the first chunk
-    wait_for(lambda: value(scrape(urls["balancer"]), "vllm:request_success_total", finished_reason="abort")
-             == value(before, "vllm:request_success_total", finished_reason="abort") + 1)
-    after = scrape(urls["balancer"])
-    assert value(after, "vllm:request_success_total", finished_reason="length") == value(
-        before, "vllm:request_success_total", finished_reason="length")
-    assert value(after, "vllm:e2e_request_latency_seconds_count") == value(before, "vllm:e2e_request_latency_seconds_count") + 1
+def test_requests_that_end_without_finishing_count_as_abort_or_error():
+    """The balancer's clock around a request's generation: the client leaving (the
+    generator closed, or its task cancelled) is "abort"; a failure is "error"; a
+    finish counts its reason, and only finished requests reach the mesh's own E2E."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from services.balancer.generation import Usage
+    from services.balancer.http_metrics import HttpMetrics
+    from shared.runtime.metrics import Metrics
+
+    metrics = Metrics("balancer")
+    stats = HttpMetrics(metrics, "tiny", max_model_len=64)
+    registry: CollectorRegistry = metrics.registry
+
+    def count(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, {"model_name": "tiny", **labels}) or 0.0
+
+    async def generation(end: str) -> None:
+        async with stats.clock(time.monotonic(), num_prompt_tokens=7) as clock:
+            clock.tokens(1)
+            clock.tokens(2)
+            if end == "error":
+                raise RuntimeError("the generator failed")
+            if end == "abort":
+                await asyncio.sleep(10)  # cancelled here, as when the client leaves
+            clock.finished("length", Usage(7, 3, 0))
+
+    async def run_all() -> None:
+        await generation("finish")
+        with pytest.raises(RuntimeError):
+            await generation("error")
+        task = asyncio.create_task(generation("abort"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run_all())
+    reasons = {r: count("vllm:request_success_total", finished_reason=r) for r in ("stop", "length", "abort", "error")}
+    assert reasons == {"stop": 0, "length": 1, "abort": 1, "error": 1}
+    assert count("vllm:e2e_request_latency_seconds_count") == 3
+    assert count("vllm:prompt_tokens_total") == 21 and count("vllm:generation_tokens_total") == 9
+    assert count("vllm:time_to_first_token_seconds_count") == 3 and count("vllm:inter_token_latency_seconds_count") == 3
+    assert count("vllm:request_time_per_output_token_seconds_count") == 3  # three tokens each
+    assert registry.get_sample_value("infermesh_balancer_e2e_request_latency_seconds_count") == 1
+    assert registry.get_sample_value("infermesh_balancer_completion_tokens_total") == 3

@@ -143,6 +143,38 @@ def _cmd_bench_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import math
+    import os
+
+    from tools.bench.serve_bench import LoadLevel, Slo, run_bench
+    from tools.bench.workloads import WorkloadConfig
+
+    if (args.concurrency is None) == (args.request_rate is None):
+        raise ValueError("give --concurrency (closed loop) or --request-rate (open loop), one of them")
+    if args.concurrency is not None:
+        levels = [LoadLevel(concurrency=c) for c in args.concurrency]
+    else:
+        rates = [math.inf if r == "inf" else float(r) for r in args.request_rate]
+        levels = [LoadLevel(request_rate=r, max_concurrency=args.max_concurrency, burstiness=args.burstiness)
+                  for r in rates]
+    extra: dict[str, Any] = {"temperature": args.temperature}
+    if not args.no_ignore_eos:
+        extra["ignore_eos"] = True
+    workload = WorkloadConfig(
+        name=args.workload, input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, turns=args.turns,
+        prompt_format="text" if args.workload == "multi-turn" else args.prompt_format, extra_body=extra,
+    )  # fmt: skip
+    report = run_bench(
+        args.base_url, levels, workload, num_prompts=args.num_prompts, model=args.model,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), percentiles=args.percentiles,
+        slo=Slo.parse(args.goodput or []), seed=args.seed, num_warmup=args.warmup, out_dir=args.out,
+    )  # fmt: skip
+    failed = sum(level["figures"]["failed"] for level in report["levels"])
+    return 1 if failed else 0
+
+
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:
     from tools.bench.gpu_bench import run_gpu_bench
 
@@ -265,6 +297,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     _add_engine_flags(p)
     p.set_defaults(func=_cmd_bench_mesh)
+
+    p = sub.add_parser(
+        "bench", help="load any OpenAI-compatible endpoint and report vllm bench serve's figures",
+        description="Closed-loop concurrency or open-loop request rate against --base-url (ours or anyone's), "
+        "one level after another; per level: completed/failed, req/s, goodput, output and total tok/s, peak "
+        "concurrency, mean/median/percentiles of TTFT, TPOT, ITL and E2EL. With --out: bench.json and PNG plots.",
+    )
+    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
+    p.add_argument("--model", default=None, help="model name to ask for (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=None, help="sent as a bearer token (default: $OPENAI_API_KEY)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, nargs="+", help="closed loop: clients per level")
+    load.add_argument("--request-rate", nargs="+", help="open loop: arrivals per second per level ('inf': all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="open loop: gamma shape of the arrival gaps (1: Poisson; below 1: burstier)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="open loop: at most this many in flight")
+    p.add_argument("--workload", default="random", choices=["random", "shared-prefix", "multi-turn"])
+    p.add_argument("--num-prompts", type=int, default=64, help="requests (multi-turn: conversations) per level")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (multi-turn: words per user message)")
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
+    p.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of each shared prefix")
+    p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: how many distinct prefixes")
+    p.add_argument("--turns", type=int, default=3, help="multi-turn: user turns per conversation")
+    p.add_argument("--prompt-format", default="ids", choices=["ids", "text"],
+                   help="ids: token-id prompts (exact lengths); text: words, for servers that take only text")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (a vLLM extension)")
+    p.add_argument("--percentiles", type=float, nargs="+", default=[50, 90, 99])
+    p.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    p.add_argument("--warmup", type=int, default=1, help="requests sent first and left out of the figures")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, metavar="DIR", help="write bench.json, latency_cdf.png, throughput_vs_load.png")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("bench-gpu", help="Llama-3-8B-shaped decode and prefill on a GPU against its roofline")
     p.add_argument("--out", default="docs/perf", help="folder for gpu_bench.json and gpu_bench.md")

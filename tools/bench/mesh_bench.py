@@ -14,6 +14,8 @@ HTTP requests stream token-id prompts through /v1/completions with `logprobs: 0`
 the balancer sends a chunk only when it has text or logprobs, so logprobs make one
 entry per token and let the client count tokens, not chunks, and stamp the first
 token exactly. Every target samples with the same SamplingParams, logprobs included.
+The HTTP targets are measured by `infermesh bench`'s code (tools/bench/serve_bench.py:
+the closed loop; tools/bench/openai_stream.py: one streamed request).
 """
 
 import asyncio
@@ -39,6 +41,9 @@ from shared.engine.sampling_params import SamplingParams
 from shared.runtime.settings import env_name, load_settings
 from tools.bench.local_server import LocalServer
 from tools.bench.mesh_traces import level_breakdowns, print_breakdowns
+from tools.bench.openai_stream import RequestSpec
+from tools.bench.serve_bench import LoadLevel, run_level
+from tools.bench.workloads import Session
 from tools.launch.up import Mesh, free_port
 
 TARGETS = ("engine", "http", "mesh")
@@ -111,56 +116,22 @@ def run_engine(
     return timings, time.perf_counter() - start
 
 
-async def _one_http(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> Timing:
-    body = {  # the same settings as _params
-        "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-        "logprobs": 0, "stream": True, "stream_options": {"include_usage": True},
-    }
-    first: float | None = None
-    last = 0.0
-    num_tokens = 0
-    usage: dict[str, Any] = {}
-    start = time.perf_counter()
-    async with client.stream("POST", "/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            now = time.perf_counter()
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"stream failed: {chunk['error'].get('message')}")
-            for choice in chunk.get("choices", ()):
-                if n := len((choice.get("logprobs") or {}).get("tokens", ())):
-                    first = now if first is None else first
-                    last = now
-                    num_tokens += n
-            usage = chunk.get("usage") or usage
-    if first is None:
-        raise RuntimeError("the stream carried no token")
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    # Latencies end at the last token, as for the engine (not at the usage chunk or [DONE]).
-    return Timing(first - start, last - start, num_tokens, usage.get("completion_tokens", -1), cached)
-
-
 async def run_http(
     client: httpx.AsyncClient, model: str, prompts: list[list[int]], output_len: int, concurrency: int
 ) -> tuple[list[Timing], float]:
     """Closed loop of `concurrency` clients, each sending its next request when the last ends."""
-    todo = iter(prompts)
-    timings: list[Timing] = []
-
-    async def user() -> None:
-        for prompt in todo:
-            timings.append(await _one_http(client, model, prompt, output_len))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(concurrency)))
-    return timings, time.perf_counter() - start
+    # The same settings as _params.
+    body = {"temperature": 0, "ignore_eos": True, "logprobs": 0}
+    specs = [RequestSpec(prompt=p, max_tokens=output_len, num_prompt_tokens=len(p), extra_body=body) for p in prompts]
+    sessions = [Session([lambda answers, spec=spec: spec]) for spec in specs]
+    results, wall, _ = await run_level(client, model, sessions, LoadLevel(concurrency=concurrency))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} requests failed, e.g. {failed[0]}")
+    # Latencies end at the last token, as for the engine (not at the usage chunk or [DONE]).
+    timings = [Timing(r.ttft_s, r.e2e_s, r.num_counted_tokens, -1 if r.num_usage_tokens is None else r.num_usage_tokens,
+                      r.num_cached_tokens) for r in results]  # fmt: skip
+    return timings, wall
 
 
 # -- figures -----------------------------------------------------------------------------
