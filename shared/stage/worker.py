@@ -264,7 +264,7 @@ async def serve_engine_stage(
         # Token ids only (text is the balancer's job), and block events for its routing.
         engine = await asyncio.to_thread(
             LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True, kv_connector=connector,
-            share_kv=share_kv,
+            share_kv=share_kv, load_progress=True,  # in the log: `infermesh up` shows it as a progress bar
         )  # fmt: skip
     except BaseException:
         connector.close()

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,23 @@ _PDEATHSIG_EXEC = (
 )
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, longest delay
 RESTART_RESET_AFTER_S = 30.0  # a process that ran this long restarts after the first delay again
+LOG_TAIL_LINES = 12  # what a start failure shows of the failed process's log
+
+
+class StartFailed(RuntimeError):
+    """A process died, or did not come up in time, while the mesh started. The
+    message's first line says which and why (its log's last line); the last lines
+    of its log follow."""
+
+
+def log_tail(path: Path, num_lines: int = LOG_TAIL_LINES) -> list[str]:
+    """The last non-empty lines of a log (progress bars' carriage returns cut to their last state)."""
+    try:
+        text = path.read_bytes()[-(64 << 10) :].decode(errors="replace")
+    except OSError:
+        return []
+    lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.splitlines()]
+    return [line for line in lines if line.strip()][-num_lines:]
 
 
 def free_port() -> int:
@@ -112,6 +130,10 @@ class Mesh:
     """The mesh's gRPC bearer token: made at start when auth is on and none is given."""
     restarts: dict[str, int] = field(default_factory=dict)
     """How many times the supervisor restarted each process."""
+    healthy: set[str] = field(default_factory=set)
+    """The processes that have come up (passed their health check) since start."""
+    on_wait: "Callable[[Mesh], None] | None" = None
+    """Called while start() waits for the processes, every 0.1 s (up's progress bars)."""
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """Each service's Prometheus /metrics port, by process name (kvcache, prefill-0, ..., balancer;
     the balancer also serves its series on the API port's /metrics)."""
@@ -192,17 +214,42 @@ class Mesh:
             self.procs[i] = self.procs.pop()
         return proc
 
-    def _wait(self, what: str, check, timeout_s: float) -> None:  # noqa: ANN001
+    def _wait(self, what: str, check: Callable[[], bool], timeout_s: float) -> None:
+        """Until check() passes; StartFailed if a process dies first or time runs out."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for name, proc in self.procs:
                 if proc.poll() is not None:
-                    log = self.state_dir / "logs" / f"{name}.log"
-                    raise RuntimeError(f"{name} exited with {proc.returncode}; see {log}")
+                    raise self._failure(name, f"exited with code {proc.returncode} while the mesh started")
+            if self.on_wait is not None:
+                self.on_wait(self)
             if check():
+                if self.on_wait is not None:
+                    self.on_wait(self)
                 return
             time.sleep(0.1)
-        raise TimeoutError(f"{what} not healthy after {timeout_s:.0f}s; logs in {self.state_dir / 'logs'}")
+        late = [n for n, _ in self.procs if n not in self.healthy]
+        raise self._failure(late[0] if late else what, f"is not healthy after {timeout_s:.0f} s (waiting for {what})")
+
+    def _failure(self, name: str, what: str) -> StartFailed:
+        log = self.state_dir / "logs" / f"{name}.log"
+        tail = log_tail(log)
+        cause = f": {tail[-1].strip()}" if tail else ""
+        lines = [f"{name} {what}{cause}", f"last lines of {log}:", *(f"  | {line}" for line in tail)]
+        return StartFailed("\n".join(lines))
+
+    def _until_healthy(self, name: str, check: Callable[[], bool]) -> Callable[[], bool]:
+        """check, noting `name` as healthy once it passes."""
+
+        def checked() -> bool:
+            if name in self.healthy:
+                return True
+            if check():
+                self.healthy.add(name)
+                return True
+            return False
+
+        return checked
 
     def _make_credentials(self, nats_port: int) -> None:
         """One NATS user per instance (its own subjects only), the balancer, kvcache,
@@ -236,15 +283,16 @@ class Mesh:
             self.nats_url = f"nats://{user}:{password}@127.0.0.1:{nats_port}"
         nats_args += ["-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", str(self.state_dir / "nats")]
         self._start("nats", nats_args, dict(os.environ))
-        self._wait("nats-server", lambda: _port_open(nats_port), 10)
+        self._wait("nats-server", self._until_healthy("nats", lambda: _port_open(nats_port)), 10)
         self.kv_address = f"127.0.0.1:{free_port()}"
         py = [sys.executable, "-m"]
         self._start("kvcache", py + ["services.kvcache"], self._env("kvcache", **self._metrics_env("kvcache")))
-        self._wait("kvcache", lambda: grpc_serving(self.kv_address, tls=self._tls), timeout_s)
+        self._wait("kvcache", self._until_healthy("kvcache", lambda: grpc_serving(self.kv_address, tls=self._tls)),
+                   timeout_s)
 
     def _start_workers_and_balancer(self, timeout_s: float) -> None:
         py = [sys.executable, "-m"]
-        health: list[str] = []
+        health: list[Callable[[], bool]] = []
         for stage, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(count):
                 grpc_port = free_port()
@@ -252,10 +300,13 @@ class Mesh:
                 env = self._env(name, INFERMESH_WORKER__INSTANCE_ID=name, INFERMESH_WORKER__GRPC_PORT=str(grpc_port),
                                 **self._metrics_env(name))
                 self._start(name, py + [f"services.{stage}"], env)
-                health.append(f"127.0.0.1:{grpc_port}")
+                address = f"127.0.0.1:{grpc_port}"
+                health.append(self._until_healthy(name, lambda a=address: grpc_serving(a, tls=self._tls)))
         self._start("balancer", py + ["services.balancer"], self._env("balancer", **self._metrics_env("balancer")))
-        self._wait("prefill and decode", lambda: all(grpc_serving(a, tls=self._tls) for a in health), timeout_s)
-        self._wait("balancer", lambda: http_ok(f"http://{self.host}:{self.port}/ready"), timeout_s)
+        # Every worker checked at each round (not all(), which stops at the first still loading).
+        self._wait("prefill and decode", lambda: sum(check() for check in health) == len(health), timeout_s)
+        ready = f"http://{self.host}:{self.port}/ready"
+        self._wait("balancer", self._until_healthy("balancer", lambda: http_ok(ready)), timeout_s)
         if self.supervise:
             self._supervisor = threading.Thread(target=self._supervise, name="mesh-supervisor", daemon=True)
             self._supervisor.start()
@@ -349,7 +400,18 @@ def run_demo(mesh: Mesh) -> None:
 
 
 def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str, demo: bool) -> int:
+    """Check, start with progress bars, serve until Ctrl-C or SIGTERM. A failure is
+    one line on stderr (and, for a process that failed, the end of its log), not a
+    traceback: exit code 2 for what was checked before starting, 1 after."""
+    from tools.launch.preflight import PreflightError, preflight
+    from tools.launch.progress import StartProgress
+
     mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True)
+    try:
+        preflight(model, num_prefill, num_decode, mesh.host, port)
+    except PreflightError as exc:
+        print(f"infermesh: error: {exc}", file=sys.stderr)
+        return 2
     stopping = False
 
     def on_term(signum: int, frame: object) -> None:
@@ -358,9 +420,15 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    progress = StartProgress(num_prefill + num_decode, 3 + num_prefill + num_decode)
+    mesh.on_wait = progress.update
     try:
         print(f"starting the mesh: {num_prefill} prefill, {num_decode} decode, model {model}", file=sys.stderr)
-        mesh.start()
+        try:
+            mesh.start()
+        finally:
+            mesh.on_wait = None
+            progress.close()
         print(f"InferMesh is up: OpenAI API at {mesh.api_url}  (logs and traces in {state_dir})", flush=True)
         if demo:
             run_demo(mesh)
@@ -368,6 +436,9 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
         print("Ctrl-C stops it; a process that dies is restarted.", file=sys.stderr)
         while True:
             time.sleep(1)
+    except StartFailed as exc:
+        print(f"infermesh: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 0
     finally:

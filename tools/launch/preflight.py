@@ -1,0 +1,73 @@
+"""What `infermesh up` checks before it starts anything, each failure one line
+that says what is wrong and what to do: the instance counts, the model folder
+(config.json the mesh can read, safetensors weights, the tokenizer the balancer
+needs), the API port free, nats-server installed. A process started later finds
+none of these problems, so its log is never the first place a user has to look."""
+
+import errno
+import socket
+from pathlib import Path
+
+
+class PreflightError(ValueError):
+    """Why the mesh cannot start, in one line."""
+
+
+def check_instances(num_prefill: int, num_decode: int) -> None:
+    for flag, count in (("--prefill", num_prefill), ("--decode", num_decode)):
+        if count < 1:
+            raise PreflightError(
+                f"{flag} {count}: the mesh needs at least one prefill and one decode instance to serve a request"
+            )
+
+
+def check_model(model: str) -> None:
+    """A Hugging Face checkpoint folder the mesh can serve."""
+    folder = Path(model)
+    if not folder.exists():
+        raise PreflightError(f"the model folder {folder} does not exist: give --model a checkpoint folder "
+                             "(or leave --model out for the seeded default)")  # fmt: skip
+    if not folder.is_dir():
+        raise PreflightError(f"--model {folder} is a file: give the checkpoint's folder")
+    if not (folder / "config.json").is_file():
+        raise PreflightError(f"no config.json in {folder}: --model takes a Hugging Face checkpoint folder")
+    from shared.model.config import ModelConfig
+
+    try:
+        ModelConfig.from_pretrained(folder)
+    except (ValueError, KeyError, TypeError) as exc:  # the json, or a model this mesh does not run
+        raise PreflightError(f"{folder / 'config.json'} cannot be served: {exc}") from None
+    if not any(folder.glob("*.safetensors")):
+        raise PreflightError(f"no weights in {folder}: the mesh loads *.safetensors files (convert .bin or .pt first)")
+    if not (folder / "tokenizer.json").is_file():
+        raise PreflightError(f"no tokenizer.json in {folder}: the balancer needs a fast (tokenizers) tokenizer")
+
+
+def check_port(host: str, port: int) -> None:
+    """The API port is free: otherwise the balancer would die at start, or a health
+    check would reach whatever listens there and call the mesh up."""
+    if not 0 < port < 65536:
+        raise PreflightError(f"--port {port} is not a TCP port (1-65535)")
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PreflightError(f"port {port} on {host} is in use (another server?): stop it or choose "
+                                     "another --port") from None  # fmt: skip
+            if exc.errno == errno.EACCES:
+                raise PreflightError(f"port {port} on {host} needs privileges: choose a port above 1023") from None
+            raise PreflightError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def preflight(model: str, num_prefill: int, num_decode: int, host: str, port: int) -> None:
+    """Every check, cheapest first; raises PreflightError at the first failure."""
+    from tools.launch.up import find_nats_server
+
+    check_instances(num_prefill, num_decode)
+    check_port(host, port)
+    check_model(model)
+    try:
+        find_nats_server()
+    except FileNotFoundError as exc:
+        raise PreflightError(str(exc)) from None
