@@ -89,6 +89,19 @@ def test_workloads():
         WorkloadConfig("sharegpt")
 
 
+def test_the_command_line_refuses_bad_load_flags_in_one_line():
+    for args, message in (
+        (["--request-rate", "fast"], "a rate is requests per second or 'inf', not 'fast'"),
+        (["--request-rate", "0"], "a rate must be positive"),
+        (["--concurrency", "2", "--request-rate", "1"], "not allowed with argument"),
+        ([], "give --concurrency (closed loop) or --request-rate (open loop)"),
+        (["--concurrency", "0"], "concurrency must be at least 1"),
+        (["--concurrency", "1", "--goodput", "ttft=5"], "--goodput takes ttft:MS"),
+    ):
+        out = bench_cli("--base-url", "http://127.0.0.1:9", *args)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+
+
 # -- real runs ---------------------------------------------------------------------------
 
 

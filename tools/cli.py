@@ -144,7 +144,6 @@ def _cmd_bench_mesh(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import math
     import os
 
     from tools.bench.serve_bench import LoadLevel, Slo, run_bench
@@ -155,9 +154,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         levels = [LoadLevel(concurrency=c) for c in args.concurrency]
     else:
-        rates = [math.inf if r == "inf" else float(r) for r in args.request_rate]
         levels = [LoadLevel(request_rate=r, max_concurrency=args.max_concurrency, burstiness=args.burstiness)
-                  for r in rates]
+                  for r in args.request_rate]
     extra: dict[str, Any] = {"temperature": args.temperature}
     if not args.no_ignore_eos:
         extra["ignore_eos"] = True
@@ -173,6 +171,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )  # fmt: skip
     failed = sum(level["figures"]["failed"] for level in report["levels"])
     return 1 if failed else 0
+
+
+def _request_rate(text: str) -> float:
+    """--request-rate's values: requests per second, or inf (all at once)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a rate is requests per second or 'inf', not {text!r}") from None
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a rate must be positive, not {text}")
+    return rate
 
 
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:
@@ -302,14 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="load any OpenAI-compatible endpoint and report vllm bench serve's figures",
         description="Closed-loop concurrency or open-loop request rate against --base-url (ours or anyone's), "
         "one level after another; per level: completed/failed, req/s, goodput, output and total tok/s, peak "
-        "concurrency, mean/median/percentiles of TTFT, TPOT, ITL and E2EL. With --out: bench.json and PNG plots.",
+        "concurrency, mean/median/percentiles of TTFT, TPOT, ITL and E2EL. With --out: bench.json and PNG plots. "
+        "Exits 1 when a request failed.",
     )
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--model", default=None, help="model name to ask for (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as a bearer token (default: $OPENAI_API_KEY)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, nargs="+", help="closed loop: clients per level")
-    load.add_argument("--request-rate", nargs="+", help="open loop: arrivals per second per level ('inf': all at once)")
+    load.add_argument("--request-rate", nargs="+", type=_request_rate,
+                      help="open loop: arrivals per second per level ('inf': all at once)")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="open loop: gamma shape of the arrival gaps (1: Poisson; below 1: burstier)")
     p.add_argument("--max-concurrency", type=int, default=None, help="open loop: at most this many in flight")
