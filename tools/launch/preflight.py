@@ -49,6 +49,8 @@ def check_port(host: str, port: int) -> None:
     if not 0 < port < 65536:
         raise PreflightError(f"--port {port} is not a TCP port (1-65535)")
     with socket.socket() as s:
+        # As uvicorn binds: connections of a mesh just stopped (TIME_WAIT) do not hold the port.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
