@@ -199,9 +199,10 @@ class OpenAIServer:
         num_samples = body.num_samples
         # best_of ranks samples by their cumulative logprob: ask for it even if the client did not.
         mesh_logprobs = logprobs if logprobs is not None or num_samples == (body.n or 1) else 0
-        base_id = body.request_id or _header_id(http) or uuid.uuid4().hex
-        call_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}"
-        internal = call_id if base_id != body.request_id and len(prompts) * num_samples == 1 else None
+        named = body.request_id or _header_id(http)
+        call_id = f"{'chatcmpl' if chat else 'cmpl'}-{named or uuid.uuid4().hex}"
+        # The mesh's ids are ours: unique, and safe as NATS subject tokens (a client's id need be neither).
+        internal = call_id if named is None and len(prompts) * num_samples == 1 else None
         jobs: list[Job] = []
         for prompt_index, prompt_ids in enumerate(prompts):
             num_prompt = len(prompt_ids)
