@@ -32,7 +32,7 @@ from shared.model.compressed_attention import (
     sequences, slots_of,
 )  # fmt: skip
 from shared.model.config import ModelConfig
-from shared.model.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Params
+from shared.model.deepseek_v4_config import CSA, SLIDING, DeepseekV4Params
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.hyper_connections import HyperConnection, HyperHead, merge_streams, unweighted_rms_norm
 from shared.model.layers import Linear, rope_inv_freq
