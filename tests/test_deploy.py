@@ -88,6 +88,19 @@ def code_metric_series() -> set[str]:
                 else:
                     series.add(base)
     assert worker_stages >= {"prefill", "decode"} and len(series) > 40, "the metric grep found too little"
+    # vLLM's own names, beside them (shared/runtime/vllm_metrics.py says which process exports which).
+    vllm = re.compile(r"\b(counter|gauge|histogram|Counter)\(\s*(?:r,\s*)?\"(vllm:[a-z0-9_]+)\"")
+    found = 0
+    for path in (ROOT / "shared" / "runtime" / "vllm_metrics.py", ROOT / "shared" / "stage" / "engine_metrics.py"):
+        for kind, name in vllm.findall(path.read_text()):
+            found += 1
+            if kind.lower() == "counter":
+                series |= {name + "_total", name + "_created"}
+            elif kind == "histogram":
+                series |= {name + s for s in ("_bucket", "_sum", "_count", "_created")}
+            else:
+                series.add(name)
+    assert found >= 17, "the vLLM metric grep found too little"
     return series
 
 
@@ -799,7 +812,7 @@ def run_mesh(specs: list[Spec], procs: list[Proc], logs: Path, api: str, receive
         url = f"http://127.0.0.1:{p.spec.env['INFERMESH_WORKER__METRICS_PORT']}/metrics"
         with urllib.request.urlopen(url, timeout=5) as resp:
             names = {s.name for f in text_string_to_metric_families(resp.read().decode()) for s in f.samples}
-        assert names and all(n.startswith(f"infermesh_{stage}_") for n in names), (p.spec.name, names)
+        assert names and all(n.startswith((f"infermesh_{stage}_", "vllm:")) for n in names), (p.spec.name, names)
         assert names <= series, f"{p.spec.name} exports series the code grep misses: {names - series}"
 
     deadline = time.monotonic() + 15
