@@ -3,7 +3,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-MODEL ?= models/default
+MODEL ?= models/trained/target
 
 .PHONY: run up test venv clean nats-server
 
