@@ -6,6 +6,7 @@ request's sampling state; it knows nothing about queues or stopping rules.
 """
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,8 @@ from shared.engine.kv_share import SharedMemoryAllocator
 from shared.engine.prompt_logprobs import chunk_targets, score_prompt
 
 from shared.engine.sampler import LogprobTensors, Sampler, SamplingState, TokenLogprobs, logprob_tensors
-from shared.engine.step import PLACEHOLDER, SchedulerOutput
+from shared.engine.spec.verify import verify_request
+from shared.engine.step import PLACEHOLDER, ScheduledChunk, SchedulerOutput
 from shared.engine.step_inputs import fill_placeholders, to_device
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.transformer import CausalLM
@@ -48,6 +50,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = field(default_factory=dict)
     """Per request scoring its prompt (params.prompt_logprobs), the prompt positions
     this step's chunk scored (execute only: the engine steps such requests synchronously)."""
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    """Per request whose drafted tokens this step verified, how many passed (execute only)."""
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -130,16 +134,65 @@ class ModelRunner:
                 torch.cuda.current_stream().synchronize()
             return RunnerOutput({}, {}, expert_counts, scored)
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
+        drafts = {c.request_id: list(c.spec_token_ids) for c in sched.chunks if c.spec_token_ids}
+        num_accepted: dict[str, int] = {}
+        if drafts:
+            logits, sample_ids, sampled = self._verify(logits, sample_ids, drafts, num_accepted)
+        else:
+            sampled = {}
         states = [self.states[rid] for rid in sample_ids]
-        result = self.sampler(logits, states)
-        sampled: dict[str, list[int]] = {}
+        result = self.sampler(logits, states) if states else None
         logprobs: dict[str, TokenLogprobs] = {}
-        for rid, state, token, lp in zip(sample_ids, states, result.token_ids, result.logprobs):
-            state.output_token_ids.append(token)
-            sampled[rid] = [token]
-            if lp is not None:
-                logprobs[rid] = lp
-        return RunnerOutput(sampled, logprobs, expert_counts, scored)
+        if result is not None:
+            for rid, state, token, lp in zip(sample_ids, states, result.token_ids, result.logprobs):
+                state.output_token_ids.append(token)
+                sampled[rid] = [token]
+                if lp is not None:
+                    logprobs[rid] = lp
+        return RunnerOutput(sampled, logprobs, expert_counts, scored, num_accepted)
+
+    def _verify(
+        self, logits: torch.Tensor, sample_ids: list[str], drafts: dict[str, list[int]], num_accepted: dict[str, int]
+    ) -> tuple[torch.Tensor, list[str], dict[str, list[int]]]:
+        """Verify the drafted tokens of the requests in `drafts` (their rows of logits
+        are consecutive, len(draft) + 1 each); returns the rows and ids left for the
+        plain sampler, and the verified requests' emitted tokens."""
+        sampled: dict[str, list[int]] = {}
+        plain: list[int] = []
+        row = 0
+        while row < len(sample_ids):
+            rid = sample_ids[row]
+            draft = drafts.get(rid)
+            if draft is None:
+                plain.append(row)
+                row += 1
+                continue
+            state = self.states[rid]
+            verified = verify_request(logits[row : row + len(draft) + 1], draft, state, self.sampler)
+            state.output_token_ids += verified.tokens
+            sampled[rid] = verified.tokens
+            num_accepted[rid] = verified.num_accepted
+            row += len(draft) + 1
+        return _rows(logits, plain), [sample_ids[r] for r in plain], sampled
+
+    @torch.inference_mode()
+    def time_step(self, num_tokens: int, repeats: int = 3) -> float:
+        """Seconds of one step computing num_tokens tokens and their logits (the fastest
+        of `repeats`), for the speculative scheduler's SPS profile. One sequence whose
+        KV goes to the null block: nothing the pool hands out is touched."""
+        num_blocks = -(-num_tokens // self.block_size)
+        tables = [[self.null_block] * num_blocks for _ in self._groups]
+        chunk = ScheduledChunk("sps-profile", [0] * num_tokens, 0, tables, sample=True)
+        input_ids, positions, meta, _, _ = self._prepare(SchedulerOutput(chunks=[chunk]))
+        best = float("inf")
+        for run in range(repeats + 1):  # run 0 warms up
+            start = time.perf_counter()
+            self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if run:
+                best = min(best, time.perf_counter() - start)
+        return best
 
     def _score_prompts(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, dict[int, TokenLogprobs]]:
         """The prompt positions each scoring request's chunk predicts, with their logprobs."""
@@ -163,7 +216,8 @@ class ModelRunner:
         device (the next step's placeholders read them there) and are copied
         to the host in the background, with their logprobs where asked. For
         requests without penalties or min_tokens, which need the host-side
-        history every step."""
+        history every step. Drafted tokens are verified by execute() only."""
+        assert not any(c.spec_token_ids for c in sched.chunks), "speculative steps run through execute()"
         self._update_states(sched)
         self._load_states(sched)
         if sched.is_empty:
@@ -325,8 +379,11 @@ class ModelRunner:
             seq_lens.append(chunk.start_pos + n)
             floors.append(chunk.sliding_floor)
             if chunk.sample:
-                sample_rows.append(query_start_loc[-1] - 1)
-                sample_ids.append(chunk.request_id)
+                # A chunk with drafted tokens samples at each of them and at the token before.
+                end = query_start_loc[-1]
+                for row in range(end - 1 - len(chunk.spec_token_ids), end):
+                    sample_rows.append(row)
+                    sample_ids.append(chunk.request_id)
         dev = self.device
         # One pinned copy for the token-level lists, one for the sequence-level ones
         # (see step_inputs: a plain torch.tensor(..., device=cuda) would stall the host).

@@ -83,6 +83,10 @@ class Request:
     """From asking the connector for the blocks to their arrival in the cache."""
     first_scheduled_time: float | None = None
     """time.monotonic() when a step first took the request (its queue time ends there)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Drafted tokens the engine proposes to verify in the next step (speculative
+    decoding); the scheduler may take fewer (budget, length limits). Not part of
+    all_token_ids: nothing is hashed or indexed for them until verification accepts."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -113,30 +113,8 @@ class Sampler:
 
     def _sample(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """x: penalised logits of non-greedy rows, unseeded rows first. Returns [rows] token ids."""
-        device, vocab = x.device, x.size(1)
-        temps = to_device([s.params.temperature for s in states], torch.float32, device)
-        x = x / temps.unsqueeze(1)
-
-        # Top-k / top-p only on the rows that ask: a row's result must not depend on
-        # which other rows share the batch (rounding in a top_p=1 cumsum could cut its tail).
-        cut = [j for j, s in enumerate(states) if (s.params.top_k or vocab) < vocab or s.params.top_p < 1.0]
-        if cut:
-            rows = _index(cut, device)
-            top_k = to_device([min(states[j].params.top_k or vocab, vocab) for j in cut], torch.long, device)
-            top_p = to_device([states[j].params.top_p for j in cut], torch.float32, device)
-            x[rows] = _top_k_top_p(x[rows], top_k, top_p)
-
-        probs = x.softmax(dim=-1)
-        # min-p compares probabilities to the row's maximum, a ratio that renormalisation
-        # after top-k/top-p does not change, so it can use the probabilities directly.
-        floor = [j for j, s in enumerate(states) if s.params.min_p > 0.0]
-        if floor:
-            rows = _index(floor, device)
-            min_p = to_device([states[j].params.min_p for j in floor], torch.float32, device)
-            p = probs[rows]
-            p_max = p.amax(dim=-1, keepdim=True)
-            probs[rows] = p.masked_fill(p < min_p.unsqueeze(1) * p_max, 0.0)
-
+        device = x.device
+        probs = sampling_probs(x, states)
         # The race argmax(p / q) is scale-invariant, so probs need no renormalisation
         # after masking; zeroed tokens can never win.
         q = torch.empty_like(probs)
@@ -148,6 +126,40 @@ class Sampler:
         # exponential_ may return exactly 0 (u == 0), and 0 / 0 = nan would win argmax.
         q.clamp_min_(torch.finfo(q.dtype).tiny)
         return probs.div_(q).argmax(dim=-1)
+
+    def generator_for(self, state: SamplingState, device: torch.device) -> torch.Generator:
+        """The randomness a row of this request draws from: its own when seeded, else the engine's."""
+        return state.generator if state.generator is not None else self._generator(device)
+
+
+def sampling_probs(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """The distribution each non-greedy row samples from, given its constrained and
+    penalised logits x: temperature, top-k / top-p, softmax, min-p. Rows are not
+    renormalised after min-p (callers that need a distribution divide by the sum)."""
+    device, vocab = x.device, x.size(1)
+    temps = to_device([s.params.temperature for s in states], torch.float32, device)
+    x = x / temps.unsqueeze(1)
+
+    # Top-k / top-p only on the rows that ask: a row's result must not depend on
+    # which other rows share the batch (rounding in a top_p=1 cumsum could cut its tail).
+    cut = [j for j, s in enumerate(states) if (s.params.top_k or vocab) < vocab or s.params.top_p < 1.0]
+    if cut:
+        rows = _index(cut, device)
+        top_k = to_device([min(states[j].params.top_k or vocab, vocab) for j in cut], torch.long, device)
+        top_p = to_device([states[j].params.top_p for j in cut], torch.float32, device)
+        x[rows] = _top_k_top_p(x[rows], top_k, top_p)
+
+    probs = x.softmax(dim=-1)
+    # min-p compares probabilities to the row's maximum, a ratio that renormalisation
+    # after top-k/top-p does not change, so it can use the probabilities directly.
+    floor = [j for j, s in enumerate(states) if s.params.min_p > 0.0]
+    if floor:
+        rows = _index(floor, device)
+        min_p = to_device([states[j].params.min_p for j in floor], torch.float32, device)
+        p = probs[rows]
+        p_max = p.amax(dim=-1, keepdim=True)
+        probs[rows] = p.masked_fill(p < min_p.unsqueeze(1) * p_max, 0.0)
+    return probs
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:

@@ -140,6 +140,8 @@ class Scheduler:
                 i += 1  # its last token is still on the device: nothing more to compute
                 continue
             num_new = min(self._remaining(request), chunk_size, budget)
+            num_spec = self._num_spec_tokens(request, budget) if num_new == 1 else 0
+            num_new += num_spec
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -147,7 +149,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
+                scheduled.append((request, num_new, num_spec))
                 budget -= num_new
                 i += 1
 
@@ -185,17 +187,31 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, 0))
             budget -= num_new
         self.waiting.extendleft(reversed(passed_over))
 
-        for request, num_new in scheduled:
-            chunk = self._make_chunk(request, num_new, out)
+        for request, num_new, num_spec in scheduled:
+            chunk = self._make_chunk(request, num_new, out, request.spec_token_ids[:num_spec])
             out.chunks.append(chunk)
             request.num_computed_tokens += num_new
+            request.spec_token_ids = []  # a draft is verified once; the next step drafts anew
             if chunk.sample:
                 request.num_pending_tokens += 1
         return out
+
+    def _num_spec_tokens(self, request: Request, budget: int) -> int:
+        """How many of the request's drafted tokens this step verifies: all the engine
+        proposed, but no more than the budget left after its own token, and none that
+        would run past max_tokens or max_model_len (the step emits one token more
+        than it accepts). Only a decoding request whose last token is on the host drafts."""
+        if not request.spec_token_ids or request.num_pending_tokens or request.num_output_tokens == 0:
+            return 0
+        params = request.sampling_params
+        room = min(
+            params.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens
+        ) - 1
+        return max(min(len(request.spec_token_ids), budget - 1, room), 0)
 
     def _prefix_hit(self, request: Request) -> PrefixHit:
         """The cached prefix the request adopts: none when it scores its prompt
@@ -256,9 +272,10 @@ class Scheduler:
         return request.num_output_tokens + request.num_pending_tokens >= limit
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
-        """Append each request's sampled tokens (one per step today; speculative
-        decoding will bring several) until one stops it; returns the requests that
-        received tokens, with those tokens (finished requests included)."""
+        """Append each request's sampled tokens (one, or with speculative decoding the
+        accepted drafted tokens and the correction or bonus token) until one stops it,
+        rolling rejected drafted tokens back; returns the requests that received
+        tokens, with those tokens (finished requests included)."""
         updated: list[tuple[Request, list[int]]] = []
         for chunk in out.chunks:
             tokens = sampled.get(chunk.request_id)
@@ -276,12 +293,26 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, status)
                     break
+            else:
+                self._roll_back_rejected(request, chunk, len(tokens) - 1)
             updated.append((request, accepted))
         return updated
 
+    def _roll_back_rejected(self, request: Request, chunk: ScheduledChunk, num_accepted: int) -> None:
+        """Drafted tokens past the accepted ones hold KV of tokens that are not the
+        request's: its computed length falls back to the accepted run (the emitted
+        correction or bonus token is the next step's input) and every KV group frees
+        the blocks past it."""
+        num_rejected = len(chunk.spec_token_ids) - num_accepted
+        if num_rejected > 0:
+            request.num_computed_tokens -= num_rejected
+            self.kv.rollback(request)
+
     # -- internals -----------------------------------------------------------
 
-    def _make_chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> ScheduledChunk:
+    def _make_chunk(
+        self, request: Request, num_new: int, out: SchedulerOutput, spec_token_ids: list[int]
+    ) -> ScheduledChunk:
         if request.request_id not in self._seen_by_runner:
             self._seen_by_runner.add(request.request_id)
             out.new_requests.append(
@@ -295,14 +326,16 @@ class Scheduler:
                 )
             )
         start = request.num_computed_tokens
-        token_ids = request.all_token_ids[start : start + num_new]
-        token_ids += [PLACEHOLDER] * (num_new - len(token_ids))
+        num_known = num_new - len(spec_token_ids)
+        token_ids = request.all_token_ids[start : start + num_known]
+        token_ids += [PLACEHOLDER] * (num_known - len(token_ids))
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=token_ids,
+            token_ids=token_ids + spec_token_ids,
             start_pos=start,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens + request.num_pending_tokens,
+            sample=start + num_known == request.num_tokens + request.num_pending_tokens,
+            spec_token_ids=tuple(spec_token_ids),
             # Only while they matter: a decode step past them may then replay a CUDA graph.
             replay_until=request.replay_until if start < request.replay_until else 0,
             sliding_floor=request.sliding_floor if start < request.sliding_floor + self._window - 1 else 0,
@@ -313,6 +346,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.replay_until = request.sliding_floor = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

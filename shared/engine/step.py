@@ -39,6 +39,10 @@ class ScheduledChunk:
     the step writes only sliding-window KV for them."""
     sliding_floor: int = 0
     """Sliding-window layers see no key before this position (the replay's start)."""
+    spec_token_ids: tuple[int, ...] = ()
+    """Drafted tokens to verify (speculative decoding): the chunk's last len(spec_token_ids)
+    input tokens. The runner samples at each of them and at the token before them, and
+    reports how many passed; the scheduler rolls the rejected ones back."""
 
 
 @dataclass(slots=True)

@@ -1,9 +1,10 @@
 """The KV cache of one engine over its groups: one manager per group, one pool.
 
-The scheduler asks four things: the prefix hit of a new request
+The scheduler asks five things: the prefix hit of a new request
 (find_prefix_hit), room for the next tokens of a request (allocate_slots,
 False when the pool is short: the scheduler then preempts), the block tables
-per group (block_ids), and to release a request's blocks (free).
+per group (block_ids), to release a request's blocks (free), and to give back
+the slots of drafted tokens that verification rejected (rollback).
 
 A prefix hit is found per group at the block granularity all groups share.
 Full-attention groups give the longest run of cached leading blocks, H tokens.
@@ -231,6 +232,12 @@ class KVCacheCoordinator:
             for m in self.managers:
                 m.index_full_blocks(request, total)
         return True
+
+    def rollback(self, request: Request) -> None:
+        """After verification rejected drafted tokens (request.num_computed_tokens already
+        lowered to the accepted length): free every group's blocks past that length."""
+        for m in self.managers:
+            m.truncate(request.request_id, request.num_computed_tokens)
 
     # -- loads from a KV connector -------------------------------------------
 

@@ -77,6 +77,18 @@ class SingleTypeKVManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the blocks no later query can see (sliding windows only)."""
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Free the blocks past the first num_tokens tokens (rejected drafted tokens'
+        slots). They were never indexed: only blocks full of known tokens are."""
+        table = self.tables.get(request_id)
+        if not table:
+            return
+        keep = -(-num_tokens // self.block_size)
+        assert self._num_indexed.get(request_id, 0) <= keep, "an indexed block cannot be rolled back"
+        if len(table) > keep:
+            self.pool.free(table[keep:][::-1])
+            del table[keep:]
+
 
 class FullAttentionManager(SingleTypeKVManager):
     def find_hit(self, request: Request, max_blocks: int) -> list[KVBlock]:
