@@ -9,13 +9,18 @@ import types
 import typing
 from typing import Any
 
-from shared.engine.config import DTYPES, KERNEL_CHOICES, EngineConfig
+from shared.engine.config import DTYPES, KERNEL_CHOICES, SPEC_SCHEDULE_CHOICES, SPECULATIVE_CHOICES, EngineConfig
 from shared.engine.sampling_params import SamplingParams
 from shared.runtime.settings import field_docs
 
 # Engine knobs whose flag would collide with a subcommand's own (generate's --seed is the sampling seed).
 _ENGINE_FLAG_NAMES = {"seed": "--engine-seed"}
-_ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPES, "kernels": KERNEL_CHOICES}
+_ENGINE_CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": DTYPES,
+    "kernels": KERNEL_CHOICES,
+    "speculative": SPECULATIVE_CHOICES,
+    "spec_schedule": SPEC_SCHEDULE_CHOICES,
+}
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:

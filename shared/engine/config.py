@@ -24,6 +24,8 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # the same tuple (it must not import the engine); a test checks they agree.
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
 SWA_REPLAY_CHOICES: tuple[str, ...] = ("bounded", "exact")
+SPECULATIVE_CHOICES: tuple[str, ...] = ("none", "ngram", "draft")
+SPEC_SCHEDULE_CHOICES: tuple[str, ...] = ("fixed", "dspark")
 # (max_num_batched_tokens, prefill_chunk_size) when unset. On an H200 with an 8B model
 # (docs/perf/README.md, "whole engine"): an 8k prompt in one step runs at the runner's
 # prefill rate, and a 2048-token chunk costs a decoding request ~60 ms.
@@ -93,6 +95,19 @@ class EngineConfig:
     """Host memory of the sliding-window state cache (0 turns it off)."""
     state_cache_ttl_s: float = 600.0
     """Seconds a saved sliding-window state is kept."""
+    speculative: str = "none"
+    """Speculative decoding: "none", "ngram" (prompt lookup: drafts what followed the
+    context's last tokens earlier in it) or "draft" (a small model with the same
+    tokenizer, spec_draft_model). Drafted tokens are verified losslessly: greedy output
+    is that of plain decoding, sampled output is distributed as the target's."""
+    spec_tokens: int = 4
+    """γ: the most tokens drafted per request and step."""
+    spec_schedule: str = "fixed"
+    """How many drafted tokens each step verifies: "fixed" (all γ drafted) or "dspark"
+    (per request, as many as maximise the expected tokens per second, from the drafts'
+    calibrated confidences and a steps-per-second profile measured at start)."""
+    spec_draft_model: str = "models/trained/draft"
+    """Folder of the draft model for speculative = "draft" (same tokenizer as the model)."""
 
     def step_sizes(self) -> tuple[int, int]:
         """(max_num_batched_tokens, prefill_chunk_size), the device's defaults where unset."""
@@ -114,5 +129,11 @@ class EngineConfig:
             raise ValueError(f"kv_lease_timeout_s must be > 0, got {self.kv_lease_timeout_s}")
         if self.state_cache_bytes < 0 or self.state_cache_ttl_s <= 0:
             raise ValueError("state_cache_bytes must be >= 0 and state_cache_ttl_s > 0")
+        if self.speculative not in SPECULATIVE_CHOICES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_CHOICES}, got {self.speculative!r}")
+        if self.spec_schedule not in SPEC_SCHEDULE_CHOICES:
+            raise ValueError(f"spec_schedule must be one of {SPEC_SCHEDULE_CHOICES}, got {self.spec_schedule!r}")
+        if self.spec_tokens < 1:
+            raise ValueError(f"spec_tokens must be at least 1, got {self.spec_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
