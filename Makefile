@@ -20,7 +20,7 @@ nats-server:
 		(sudo apt-get update -qq && sudo apt-get install -y -qq nats-server)
 
 # The main job: bring the mesh up on the default model (made locally, no
-# download), stream one chat completion through it, print its trace, stop.
+# download), stream one completion of Python code through it, print its trace, stop.
 run: venv nats-server
 	test -f $(MODEL)/config.json || $(BIN)/infermesh make-model $(MODEL)
 	$(BIN)/infermesh up --model $(MODEL) --demo

@@ -371,27 +371,32 @@ def _port_open(port: int) -> bool:
         return False
 
 
+DEMO_PROMPT = "import os\n\n\ndef read_lines(path):\n"
+"""The default model (models/trained) learned the stdlib's Python: a completion shows it best."""
+
+
 def run_demo(mesh: Mesh) -> None:
-    """Stream one chat completion with the official openai client, then show its trace."""
+    """Stream one completion with the official openai client, then show its trace."""
     import openai
 
     from tools.launch.trace_view import load_spans, pick_trace, render_waterfall
 
     client = openai.OpenAI(base_url=mesh.api_url, api_key="not-needed")
     model = client.models.list().data[0].id
-    print(f"model: {model}\n> Write a haiku about paged attention.\n", flush=True)
-    stream = client.chat.completions.create(
+    print(f"model: {model}\n{DEMO_PROMPT}", end="", flush=True)
+    stream = client.completions.create(
         model=model,
-        messages=[{"role": "user", "content": "Write a haiku about paged attention."}],
-        max_tokens=48,
-        temperature=0,
+        prompt=DEMO_PROMPT,
+        max_tokens=64,
+        temperature=0.7,
+        seed=0,  # the same text on every run
         stream=True,
         stream_options={"include_usage": True},
     )
     usage = None
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            print(chunk.choices[0].delta.content, end="", flush=True)
+        if chunk.choices and chunk.choices[0].text:
+            print(chunk.choices[0].text, end="", flush=True)
         if chunk.usage is not None:
             usage = chunk.usage
     print(f"\n\nusage: {usage}\n")
