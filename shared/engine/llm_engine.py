@@ -5,6 +5,7 @@ service runs step() on a thread of its own and talks to it through queues."""
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,6 +21,8 @@ from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput, T
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.spec.setup import make_speculator
+from shared.engine.spec.speculator import Speculator
 from shared.engine.step import SchedulerOutput
 from shared.kv.block_hash import BlockHash, kv_fingerprint
 from shared.model.fingerprint import model_fingerprint
@@ -109,6 +112,9 @@ class LLMEngine:
             max_batch=config.max_num_seqs,
             share_kv=share_kv,
         )
+        self.speculator: Speculator | None = None
+        if config.speculative != "none":
+            self.speculator = make_speculator(config, self.model, self.runner.time_step, max_model_len, dtype, device)
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config, max_model_len),
             self.kv,
@@ -187,6 +193,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         self._prompt_logprobs.pop(request_id, None)
         self._detokenizers.pop(request_id, None)
         if self.kv_transfer is not None:
@@ -213,7 +221,8 @@ class LLMEngine:
         async scheduling, step N+1 is launched before step N's tokens are read
         back, and this returns step N's outputs."""
         released = self.kv_transfer.poll() if self.kv_transfer is not None else []
-        if self._overlap and all(_host_free(r) for r in self._unfinished()):
+        speculator = self.speculator
+        if self._overlap and speculator is None and all(_host_free(r) for r in self._unfinished()):
             sched = self.scheduler.schedule()
             self._start_loads()
             handle = self.runner.launch(sched)
@@ -222,7 +231,14 @@ class LLMEngine:
         else:
             outputs = self._finish_in_flight()
             if not outputs:
+                if speculator is not None:
+                    # Drafting needs each request's last token on the host: no overlapped steps.
+                    if self._overlap:
+                        speculator.count_fallback("async_scheduling")
+                    speculator.propose(self.scheduler.running)
                 sched = self.scheduler.schedule()
+                if speculator is not None and self.runner.graphs is not None and _verifies(sched):
+                    speculator.count_fallback("cuda_graphs")  # verify steps run eagerly
                 self._start_loads()
                 outputs = self._process(sched, self.runner.execute(sched))
         self._save_states()
@@ -279,15 +295,23 @@ class LLMEngine:
             if rid in self._prompt_logprobs:
                 self._prompt_logprobs[rid].update(scored)
         updated = self.scheduler.update_from_output(sched, result.sampled)
+        if self.speculator is not None:
+            for chunk in sched.chunks:
+                if chunk.spec_token_ids and chunk.request_id in result.num_accepted:
+                    self.speculator.observe(
+                        chunk.request_id, len(chunk.spec_token_ids), result.num_accepted[chunk.request_id]
+                    )
         outputs: list[RequestOutput] = []
         for request, new_tokens in updated:
             rid = request.request_id
             detok = self._detokenizers.get(rid)
-            delta = detok.add_tokens(new_tokens) if detok else ""
+            delta = self._detokenize(request, detok, new_tokens) if detok else ""
             if detok and detok.stop_reason is not None and not request.status.is_finished:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = detok.stop_reason
             finished = request.status.is_finished
+            if finished and self.speculator is not None:
+                self.speculator.forget(rid)
             if finished and detok:
                 delta += detok.flush()
                 del self._detokenizers[rid]
@@ -312,6 +336,25 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    def _detokenize(self, request: Request, detok: IncrementalDetokenizer, new_tokens: list[int]) -> str:
+        """The text of the step's tokens. Several (an accepted speculative run) go in one
+        at a time: a stop string completed by one of them ends the request there, and
+        the tokens after it are dropped, as decoding without speculation would have."""
+        if len(new_tokens) == 1:
+            return detok.add_tokens(new_tokens)
+        delta = ""
+        for i, token in enumerate(new_tokens):
+            delta += detok.add_tokens([token])
+            if detok.stop_reason is not None:
+                num_dropped = len(new_tokens) - 1 - i
+                if num_dropped:
+                    self.scheduler.drop_last_tokens(request, num_dropped)
+                    del new_tokens[i + 1 :]
+                    if request.status.is_finished:  # a later token had ended it: the stop string came first
+                        request.status = RequestStatus.FINISHED_STOPPED
+                break
+        return delta
 
     def _scored_prompt(self, request: Request) -> list[TokenLogprobs | None] | None:
         """The request's prompt logprobs, once (with its first token)."""
@@ -352,7 +395,24 @@ class LLMEngine:
             num_prefix_query_tokens=self.kv.num_query_tokens,
             num_prefix_hit_tokens=self.kv.num_hit_tokens,
             tokens_per_expert=None if self._tokens_per_expert is None else self._tokens_per_expert.tolist(),
+            **self._spec_load(),
         )
+
+    def _spec_load(self) -> dict[str, Any]:
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.stats
+        return {
+            "num_spec_drafted_tokens": stats.num_drafted_tokens,
+            "num_spec_accepted_tokens": stats.num_accepted_tokens,
+            "num_spec_verifications": stats.num_verifications,
+            "spec_accepted_by_position": list(stats.accepted_by_position),
+            "spec_fallbacks": dict(stats.fallbacks),
+        }
+
+
+def _verifies(sched: SchedulerOutput) -> bool:
+    return any(c.spec_token_ids for c in sched.chunks)
 
 
 def _queued_seconds(request: Request) -> float | None:

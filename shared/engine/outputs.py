@@ -91,3 +91,22 @@ class EngineLoad:
     over every forward (prefill chunks and replays included), as counted on the device.
     The difference of two loads is the window between them (what expert placement
     and EPLB balance on). None for a dense model."""
+    num_spec_drafted_tokens: int = 0
+    """Since start: drafted tokens verified (speculative decoding)."""
+    num_spec_accepted_tokens: int = 0
+    """Since start: of those, the tokens accepted."""
+    num_spec_verifications: int = 0
+    """Since start: (request, step) pairs that verified drafted tokens."""
+    spec_accepted_by_position: list[int] | None = None
+    """[k]: verifications whose drafted token k + 1 was accepted; None without speculation."""
+    spec_fallbacks: dict[str, int] | None = None
+    """Since start, by reason: requests (penalties, logprobs) or steps (async_scheduling,
+    cuda_graphs) that ran without speculation although it is on; None without it."""
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification (accepted drafted tokens plus the bonus or
+        correction token); 0 before any verification."""
+        if not self.num_spec_verifications:
+            return 0.0
+        return (self.num_spec_accepted_tokens + self.num_spec_verifications) / self.num_spec_verifications

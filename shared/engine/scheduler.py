@@ -308,6 +308,15 @@ class Scheduler:
             request.num_computed_tokens -= num_rejected
             self.kv.rollback(request)
 
+    def drop_last_tokens(self, request: Request, num_tokens: int) -> None:
+        """Take back the last output tokens that update_from_output appended (a stop
+        string ended the request earlier in an accepted speculative run). Only before
+        the request is scheduled again; the caller finishes it."""
+        assert 0 < num_tokens <= request.num_output_tokens
+        del request.output_token_ids[-num_tokens:]
+        del request.all_token_ids[-num_tokens:]
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+
     # -- internals -----------------------------------------------------------
 
     def _make_chunk(

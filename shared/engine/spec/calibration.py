@@ -49,6 +49,9 @@ def expected_calibration_error(predicted: Sequence[float], observed: Sequence[bo
 class SequentialTemperatureScaling:
     max_positions: int
     temperatures: list[float] = field(default_factory=list)
+    max_observations: int = 0
+    """Keep only the latest this many observations (0: all), so a running engine's
+    fit follows recent traffic at a bounded cost."""
     _observations: list[tuple[tuple[float, ...], int]] = field(default_factory=list)
 
     def observe(self, raw_scores: Sequence[float], num_accepted: int) -> None:
@@ -57,6 +60,8 @@ class SequentialTemperatureScaling:
             raise ValueError(f"num_accepted {num_accepted} outside 0..{len(raw_scores)}")
         if raw_scores:
             self._observations.append((tuple(raw_scores[: self.max_positions]), num_accepted))
+            if self.max_observations and len(self._observations) > self.max_observations:
+                del self._observations[: len(self._observations) - self.max_observations]
 
     def fit(self) -> list[float]:
         """Choose T_1, T_2, ... in order; a position with no observation keeps T = 1."""

@@ -1,0 +1,120 @@
+"""The draft-model drafter: a small model with the target's tokenizer proposes γ
+tokens per request by greedy decoding, in this process, on a ModelRunner of its
+own with its own small paged KV cache.
+
+Each request keeps its blocks and the tokens whose draft KV they hold. At the
+next proposal the context has moved on (the accepted drafted tokens, then the
+target's correction or bonus token): the held tokens are compared with it, and
+the draft recomputes from the first that differs (rejected drafts' KV is simply
+overwritten). One batched forward catches every request up and drafts its first
+token; each further drafted token is one batched single-token forward. The raw
+confidence of a drafted token is its probability under the draft model.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.spec.drafter import Draft
+from shared.engine.step import NewRequestData, ScheduledChunk, SchedulerOutput
+from shared.model.transformer import CausalLM
+
+_PARAMS = SamplingParams(temperature=0.0, max_tokens=1 << 30, logprobs=0, ignore_eos=True)
+"""Greedy, with the chosen token's logprob (its probability is the raw confidence)."""
+
+
+@dataclass(slots=True)
+class _Held:
+    block_ids: list[list[int]]
+    """Per KV group of the draft model."""
+    token_ids: list[int] = field(default_factory=list)
+    """The tokens whose draft KV the blocks hold, in order."""
+
+
+class DraftModelDrafter:
+    has_scores = True
+    """Its drafts carry raw probabilities (calibrated by temperature scaling)."""
+
+    def __init__(
+        self, model: CausalLM, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.max_len = model.config.max_position_embeddings
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, cuda_graphs=False)
+        self.num_groups = len(model.kv_layout.groups)
+        self._free = list(range(num_blocks))
+        self._held: dict[str, _Held] = {}
+        self._finished: set[str] = set()
+
+    def forget(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            for ids in held.block_ids:
+                self._free += ids
+            self._finished.add(request_id)
+
+    def propose(self, contexts: dict[str, Sequence[int]], max_tokens: int) -> dict[str, Draft]:
+        """Up to max_tokens greedy draft tokens after each context (none for a request
+        whose context would pass the draft's length or whose blocks do not fit)."""
+        sched = self._sched()
+        chunks: dict[str, ScheduledChunk] = {}
+        for rid, context in contexts.items():
+            if len(context) + max_tokens > self.max_len or not self._reserve(rid, len(context) + max_tokens):
+                continue
+            held = self._held[rid]
+            start = min(_common_prefix(held.token_ids, context), len(context) - 1)
+            if rid not in self.runner.states:
+                sched.new_requests.append(NewRequestData(rid, list(context[:1]), _PARAMS, frozenset(), [], None))
+            chunks[rid] = ScheduledChunk(rid, list(context[start:]), start, held.block_ids, sample=True)
+            held.token_ids = list(context)
+        tokens: dict[str, list[int]] = {rid: [] for rid in chunks}
+        scores: dict[str, list[float]] = {rid: [] for rid in chunks}
+        for k in range(max_tokens):
+            if not chunks:
+                break
+            sched.chunks = list(chunks.values())
+            out = self.runner.execute(sched)
+            sched = self._sched()
+            for rid, chunk in chunks.items():
+                token = out.sampled[rid][0]
+                tokens[rid].append(token)
+                scores[rid].append(math.exp(out.logprobs[rid].logprob))
+                if k + 1 < max_tokens:
+                    held = self._held[rid]
+                    position = len(held.token_ids)
+                    held.token_ids.append(token)  # its KV is written by the next forward
+                    chunks[rid] = ScheduledChunk(rid, [token], position, held.block_ids, sample=True)
+        return {
+            rid: Draft(tuple(tokens[rid]), tuple(scores[rid]), tuple(scores[rid])) for rid in tokens if tokens[rid]
+        }
+
+    def _sched(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished)
+        self._finished = set()
+        return out
+
+    def _reserve(self, rid: str, num_tokens: int) -> bool:
+        """Blocks for num_tokens in every group; False, taking none, when short."""
+        held = self._held.setdefault(rid, _Held([[] for _ in range(self.num_groups)]))
+        need = -(-num_tokens // self.block_size) - len(held.block_ids[0])
+        if need <= 0:
+            return True
+        if need * self.num_groups > len(self._free):
+            return False
+        for ids in held.block_ids:
+            ids += self._free[-need:]
+            del self._free[-need:]
+        return True
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
