@@ -77,8 +77,12 @@ def test_config_and_kv_groups(case: Case) -> None:
     # compressed cache per CSA/HCA layer, persistent; the state never is.
     assert [specs[i] for i in range(p.layer_types.__len__())] == [SlidingWindowSpec(p.state_window)] * len(compressed)
     rates = [r for r in p.compress_rates if r]
-    assert [specs[len(compressed) + j] for j in range(len(rates))] == [CompressedSpec(r) for r in rates]
-    assert {layout.groups[g].spec for g in layout.persistent_groups} == {CompressedSpec(r) for r in rates}
+    # An entry carries the indexer's key in CSA layers: the page a block persists.
+    kinds = [t for t in p.layer_types if t != "sliding_attention"]
+    width = {"compressed_sparse_attention": model.config.head_dim + p.index_head_dim}
+    expected = [CompressedSpec(r, width.get(t, model.config.head_dim)) for r, t in zip(rates, kinds)]
+    assert [specs[len(compressed) + j] for j in range(len(rates))] == expected
+    assert {layout.groups[g].spec for g in layout.persistent_groups} == set(expected)
     assert p.state_window == max([16] + [2 * r if r == 4 else r for r in rates])
 
 
@@ -182,7 +186,8 @@ def test_bounded_replay_drift(mixed: str) -> None:
 
 def test_only_compressed_entries_persist(mixed: str) -> None:
     """The store holds one payload per 16-token block: the compressed caches' rows of
-    that block, never the window or the compressors' tail."""
+    that block at their real size (an entry per m tokens, CSA's with its indexer key;
+    one HCA row per block, m > 16), never the window or the compressors' tail."""
     prompt = random_prompts([96], vocab=500, seed=12)[0]
     store = MemoryKVStore()
     engine = LLMEngine(EngineConfig(model=mixed, block_size=BLOCK), kv_connector=MemoryConnector(store))
@@ -191,7 +196,17 @@ def test_only_compressed_entries_persist(mixed: str) -> None:
     region = engine.runner.kv_region
     persisted = sum(len(engine.kv.layout.groups[g].layers) for g in engine.kv.layout.persistent_groups)
     assert persisted == 3  # the CSA, HCA and CSA layers; the 4 state caches stay home
-    assert region.layout.split(":")[1].startswith(f"{persisted}x")
+    config = engine.model.config
+    p = config.deepseek_v4
+    assert p is not None
+    entries = {
+        "compressed_sparse_attention": (BLOCK // 4) * (config.head_dim + p.index_head_dim),
+        "heavily_compressed_attention": 1 * config.head_dim,
+    }
+    element_size = 4  # float32
+    real = sum(entries[t] for t in p.layer_types if t in entries) * element_size
+    assert region.block_bytes == real
+    assert {len(payload) for payload in store.blocks.values()} == {real}
 
 
 def test_legacy_config_spellings_parse_alike() -> None:

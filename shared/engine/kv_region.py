@@ -3,9 +3,12 @@
 The model runner owns the cache tensors; a connector gets this view of them
 (`KVConnector.register_kv_region`) and moves blocks itself, on its own thread,
 so no KV copy runs on the engine's step thread. A block's payload is the
-persistent groups' KV of one block id per group, [layers, k/v, block_size,
-kv_heads, head_dim] in the cache dtype (`layout` names it; two engines
-exchange blocks only when their layouts agree).
+persistent groups' KV of one block id per group, each group's page of each of
+its layers (shared/kv/spec.py's `Page`) in the cache dtype: [layers, k/v,
+block_size, kv_heads, head_dim] when every page is the whole block (a dense
+model: the block's memory as it is), else the pages' used rows and channels one
+after the other (DeepSeek-V4's compressed groups: only their entries). `layout`
+names it; two engines exchange blocks only when their layouts agree.
 
 Threads: torch's copies release the GIL. On CUDA the connector's copies run on
 a stream of their own and the call returns once they are done, so the engine
@@ -15,6 +18,7 @@ The engine makes sure nobody else writes the blocks a connector is moving
 (reserved for a load, referenced for a save).
 """
 
+import math
 import threading
 
 import torch
@@ -44,13 +48,24 @@ class KVRegion:
         self._lock = threading.Lock()  # one connector copy at a time on the side stream
         _, _, bs, heads, dim = kv_caches[0].shape
         self._block_shape = (2, bs, heads, dim)
-        layers = sum(len(layout.groups[g].layers) for g in self.persistent_groups)
-        self.block_bytes = layers * kv_caches[0][:, 0].numel() * kv_caches[0].element_size()
-        """Bytes of one block's payload."""
+        self._pages = {g: layout.groups[g].spec.page(bs) for g in self.persistent_groups}
+        self._whole_blocks = all(page.covers(bs) for page in self._pages.values())
+        """Every persistent page is the whole block: payloads are the blocks' memory as it is."""
         dtype = str(kv_caches[0].dtype).removeprefix("torch.")
-        self.layout = f"{dtype}:{layers}x2x{bs}x{heads}x{dim}"
-        """dtype and shape of one block's payload: [layers of the persistent groups, k/v,
-        block_size, kv_heads, head_dim]."""
+        if self._whole_blocks:
+            layers = sum(len(layout.groups[g].layers) for g in self.persistent_groups)
+            self.block_bytes = layers * kv_caches[0][:, 0].numel() * kv_caches[0].element_size()
+            self.layout = f"{dtype}:{layers}x2x{bs}x{heads}x{dim}"
+        else:
+            shapes = {g: (p.planes, p.rows, heads, dim if p.channels is None else p.channels) for g, p in self._pages.items()}
+            self._page_elements = {g: len(layout.groups[g].layers) * math.prod(shape) for g, shape in shapes.items()}
+            self.block_bytes = sum(self._page_elements.values()) * kv_caches[0].element_size()
+            self.layout = f"{dtype}:" + "+".join(
+                f"{len(layout.groups[g].layers)}x" + "x".join(map(str, shape)) for g, shape in shapes.items()
+            )
+        """block_bytes: bytes of one block's payload. layout: its dtype and shape, [layers of
+        the persistent groups, k/v, block_size, kv_heads, head_dim] for whole blocks, else
+        [layers, planes, rows, kv_heads, channels] of each persistent group's page, '+' between."""
         self._allocator = allocator
         self._description: bytes | None = None
 
@@ -130,20 +145,56 @@ class KVRegion:
         with self._lock, self._side_stream():
             if self._stream is not None:
                 self._stream.wait_stream(torch.cuda.default_stream(self.device))
-            data = self.gather(block_ids)
+            data = self._payloads_here(block_ids).cpu()
         if not data.numel():
             return torch.empty(0, self.block_bytes, dtype=torch.uint8)
-        return data.view(data.shape[0], -1).view(torch.uint8)
+        return data
 
     def write_payloads(self, block_ids: dict[int, list[int]], payloads: torch.Tensor) -> None:
         """Write host payloads [blocks, block_bytes] (uint8; pinned memory copies fastest)
         into the blocks, one id per payload in each persistent group."""
-        layers = sum(len(self.kv_layout.groups[g].layers) for g in block_ids)
-        data = payloads.view(self.kv_caches[0].dtype).view(payloads.shape[0], layers, *self._block_shape)
         with self._lock, self._side_stream():
-            self.scatter({g: ids[: payloads.shape[0]] for g, ids in block_ids.items()}, data)
+            self._write_payloads_here({g: ids[: payloads.shape[0]] for g, ids in block_ids.items()}, payloads)
             if self._stream is not None:
                 self._stream.synchronize()
+
+    def _payloads_here(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
+        """The blocks' payloads [blocks, block_bytes] uint8, on the cache's device."""
+        if self._whole_blocks:
+            data = self._gather_here(block_ids)
+            if not data.numel():
+                return torch.empty(0, self.block_bytes, dtype=torch.uint8, device=self.device)
+            return data.view(data.shape[0], -1).view(torch.uint8)
+        parts = []
+        for group, ids in block_ids.items():
+            page = self._pages[group]
+            index = torch.tensor(ids, dtype=torch.long, device=self.device)
+            for kv in self._group_tensors(group):
+                rows = kv[: page.planes, :, : page.rows, :, : page.channels].index_select(1, index)
+                parts.append(rows.transpose(0, 1).reshape(len(ids), -1))  # [n, planes * rows * H * C]
+        if not parts or parts[0].shape[0] == 0:
+            return torch.empty(0, self.block_bytes, dtype=torch.uint8, device=self.device)
+        return torch.cat(parts, dim=1).view(torch.uint8)
+
+    def _write_payloads_here(self, block_ids: dict[int, list[int]], payloads: torch.Tensor) -> None:
+        """The inverse of _payloads_here: payloads [blocks, block_bytes] uint8 (any device)."""
+        num_blocks = payloads.shape[0]
+        if self._whole_blocks:
+            layers = sum(len(self.kv_layout.groups[g].layers) for g in block_ids)
+            self.scatter(block_ids, payloads.view(self.kv_caches[0].dtype).view(num_blocks, layers, *self._block_shape))
+            return
+        data = payloads.to(self.device, non_blocking=True).view(self.kv_caches[0].dtype)
+        offset = 0
+        for group, ids in block_ids.items():
+            page = self._pages[group]
+            index = torch.tensor(ids, dtype=torch.long, device=self.device)
+            for kv in self._group_tensors(group):
+                _, _, _, heads, width = kv.shape
+                channels = width if page.channels is None else page.channels
+                size = page.planes * page.rows * heads * channels
+                chunk = data[:, offset : offset + size].reshape(num_blocks, page.planes, page.rows, heads, channels)
+                kv[: page.planes, index, : page.rows, :, :channels] = chunk.transpose(0, 1)
+                offset += size
 
     @torch.inference_mode()
     def copy_out(self, block_ids: dict[int, list[int]], dst: torch.Tensor, rows: list[int]) -> None:
@@ -153,8 +204,7 @@ class KVRegion:
         with self._lock, self._side_stream():
             if self._stream is not None:
                 self._stream.wait_stream(torch.cuda.default_stream(self.device))
-            data = self._gather_here(block_ids)
-            data = data.view(data.shape[0], -1).view(torch.uint8)
+            data = self._payloads_here(block_ids)
             for start, row, length in _runs(rows):
                 dst[row : row + length].copy_(data[start : start + length], non_blocking=True)
             if self._stream is not None:
@@ -163,13 +213,11 @@ class KVRegion:
     @torch.inference_mode()
     def copy_in(self, block_ids: dict[int, list[int]], src: torch.Tensor, rows: list[int]) -> None:
         """The inverse of copy_out: rows of src into the blocks (block i from rows[i])."""
-        layers = sum(len(self.kv_layout.groups[g].layers) for g in block_ids)
         with self._lock, self._side_stream():
             staging = torch.empty((len(rows), self.block_bytes), dtype=torch.uint8, device=self.device)
             for start, row, length in _runs(rows):
                 staging[start : start + length].copy_(src[row : row + length], non_blocking=True)
-            data = staging.view(self.kv_caches[0].dtype).view(len(rows), layers, *self._block_shape)
-            self.scatter({g: ids[: len(rows)] for g, ids in block_ids.items()}, data)
+            self._write_payloads_here({g: ids[: len(rows)] for g, ids in block_ids.items()}, staging)
             if self._stream is not None:
                 self._stream.synchronize()
 

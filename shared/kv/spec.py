@@ -20,12 +20,32 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class Page:
+    """The part of a block a group's layer holds, i.e. what it persists per block: of a
+    cache tensor [2, blocks, block_size, kv_heads, width], ``[:planes, block, :rows, :, :channels]``.
+    Every group's blocks take the same memory (one block pool, the widest page, as vLLM
+    unifies page sizes), but a connector moves only a group's page."""
+
+    planes: int
+    rows: int
+    channels: int | None
+    """None: the whole row."""
+
+    def covers(self, block_size: int) -> bool:
+        """Whether the page is the whole block."""
+        return self.planes == 2 and self.rows == block_size and self.channels is None
+
+
+@dataclass(frozen=True, slots=True)
 class FullAttentionSpec:
     """Every past token's KV is kept; persisted to the kvcache service."""
 
     @property
     def persistent(self) -> bool:
         return True
+
+    def page(self, block_size: int) -> Page:
+        return Page(2, block_size, None)
 
     @property
     def window(self) -> None:
@@ -46,23 +66,36 @@ class SlidingWindowSpec:
     def persistent(self) -> bool:
         return False
 
+    def page(self, block_size: int) -> Page:
+        return Page(2, block_size, None)
+
 
 @dataclass(frozen=True, slots=True)
 class CompressedSpec:
     """DeepSeek-V4's compressed KV (a CSA or HCA layer): one entry per ``compress_rate``
     raw tokens (CSA's entries carry the lightning indexer's key too). Kept for every
     past token like full attention, addressed like it (an entry sits in the block of
-    its window's last raw token: block_size and the rate divide one another), persisted."""
+    its window's last raw token: block_size and the rate divide one another), persisted.
+    Its page is plane 0's first block_size / rate rows (one row when the rate exceeds the
+    block: the entry of a window ending in that block, or nothing) and ``entry_width``
+    channels, so a block persists only its entries."""
 
     compress_rate: int
+    entry_width: int | None = None
+    """Channels of an entry (with the indexer's key); None: the whole row."""
 
     def __post_init__(self) -> None:
         if self.compress_rate < 1:
             raise ValueError(f"a compression rate must be at least 1 token, got {self.compress_rate}")
+        if self.entry_width is not None and self.entry_width < 1:
+            raise ValueError(f"an entry must be at least 1 channel wide, got {self.entry_width}")
 
     @property
     def persistent(self) -> bool:
         return True
+
+    def page(self, block_size: int) -> Page:
+        return Page(1, max(1, block_size // self.compress_rate), self.entry_width)
 
     @property
     def window(self) -> None:

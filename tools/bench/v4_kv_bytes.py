@@ -1,7 +1,7 @@
 """Bytes DeepSeek-V4 persists per raw token, against the same model persisting its
 sliding window too (DeepSeek-V4.1 keeps the window in host memory only; V4 kept it
 with the compressed entries). Logical bytes from the config, and what this engine
-stores today, measured: a tiny seeded V4 saves its blocks into an in-memory store.
+stores, measured: a tiny seeded V4 saves its blocks into an in-memory store.
 
     python -m tools.bench.v4_kv_bytes [--model FOLDER]
 
@@ -47,9 +47,11 @@ def v4_flash() -> DeepseekV4Params:
     )  # fmt: skip
 
 
-def measured_bytes(model: str, num_tokens: int = 256, block_size: int = 16) -> tuple[float, float]:
-    """(bytes the engine stored per raw token, bytes it would store with the window too)
-    for a prompt of num_tokens on the checkpoint folder `model`."""
+def measured_bytes(model: str, num_tokens: int = 256, block_size: int = 128) -> float:
+    """Bytes the engine stored per raw token for a prompt of num_tokens on the checkpoint
+    folder `model`: each block's payload (shared/engine/kv_region.py: the compressed groups'
+    pages, their entries and indexer keys only), over the block's raw tokens. With blocks
+    smaller than the HCA rate a block still carries one HCA row (empty in most blocks)."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine_request import EngineRequest, KVTransferParams
     from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
@@ -62,11 +64,7 @@ def measured_bytes(model: str, num_tokens: int = 256, block_size: int = 16) -> t
     engine.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=1), kv_transfer=KVTransferParams(save=True)))
     while engine.has_unfinished_requests():
         engine.step()
-    stored = sum(len(b) for b in store.blocks.values()) / (len(store.blocks) * block_size)
-    layout = engine.model.kv_layout
-    persisted = sum(len(layout.groups[g].layers) for g in layout.persistent_groups)
-    # Every cache row of this engine has the same width, so a state cache costs what a compressed one does.
-    return stored, stored * (persisted + layout.num_sliding_layers) / persisted
+    return sum(len(b) for b in store.blocks.values()) / (len(store.blocks) * block_size)
 
 
 def main() -> None:
@@ -90,11 +88,11 @@ def main() -> None:
         config = ModelConfig.from_pretrained(model)
         assert config.deepseek_v4 is not None, f"{model} is not a DeepSeek-V4 checkpoint"
         tiny = logical_bytes(config.deepseek_v4, config.head_dim, 4)
-        stored, stored_window = measured_bytes(model)
+        stored = {block: measured_bytes(model, block_size=block) for block in (128, 16)}
     print(f"{model}: float32, bytes per raw token")
     print(f"  logical: compressed {tiny.compressed:.1f}, with the window {tiny.with_window:.1f}")
-    print(f"  this engine stores: {stored:.1f} (with the window it would store {stored_window:.1f})")
-
+    for block, value in stored.items():
+        print(f"  this engine stores, blocks of {block}: {value:.1f}")
 
 if __name__ == "__main__":
     main()

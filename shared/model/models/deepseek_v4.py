@@ -293,7 +293,16 @@ def v4_kv_specs(config: ModelConfig) -> list[KVCacheSpec]:
     p = config.deepseek_v4
     assert p is not None
     specs: list[KVCacheSpec] = [SlidingWindowSpec(p.state_window)] * config.num_hidden_layers
-    return specs + [CompressedSpec(r) for t, r in zip(p.layer_types, p.compress_rates) if t != SLIDING]
+    return specs + [
+        CompressedSpec(r, entry_width(config, t)) for t, r in zip(p.layer_types, p.compress_rates) if t != SLIDING
+    ]
+
+
+def entry_width(config: ModelConfig, kind: str) -> int:
+    """Channels of a compressed entry of a CSA/HCA layer: the entry, and a CSA layer's indexer key."""
+    p = config.deepseek_v4
+    assert p is not None
+    return config.head_dim + (p.index_head_dim if kind == CSA else 0)
 
 
 class DeepseekV4ForCausalLM(CausalLM):
@@ -332,7 +341,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self._compressed_cache = {layer: num_layers + j for j, layer in enumerate(compressed_layers)}
         self._group_of_cache = [self.kv_layout.group_of_layer(i) for i in range(self.kv_layout.num_layers)]
         rows = [layer.self_attn.row for layer in self.model.layers]
-        entry = max([config.head_dim + (p.index_head_dim if t == CSA else 0) for t in p.layer_types if t != SLIDING], default=0)
+        entry = max([entry_width(config, t) for t in p.layer_types if t != SLIDING], default=0)
         self.cache_width = max([r.plane0 for r in rows] + [entry])
         """Channels of a cache row: the widest state row or compressed entry (see compressed_attention)."""
 
