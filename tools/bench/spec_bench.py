@@ -1,0 +1,119 @@
+"""bench-spec: speculative decoding against none, on one engine setup (issue 13).
+
+For each batch size, the same greedy requests (Python prompts for a model with a
+tokenizer, seeded token ids otherwise) run with speculation off, with a fixed γ
+for each γ given, and with DSpark's schedule (γ the largest given): throughput
+(output tokens per second of the whole batch), per-request tokens per second, and
+the mean accepted length (tokens emitted per verification). Every configuration's
+tokens must equal the run without speculation (greedy is lossless), or the bench
+fails. Prints a table and writes JSON.
+
+  python -m tools.bench.spec_bench --model models/trained/target \\
+      --draft models/trained/draft --batch 1 8 --spec-tokens 2 4 --json out.json
+"""
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+
+PYTHON_PROMPTS = (
+    "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n    for name in os.listdir(argv[1]):\n",
+    "def parse_args(args):\n    parser = argparse.ArgumentParser()\n    parser.add_argument(",
+)
+
+
+@dataclass
+class Row:
+    batch: int
+    mode: str
+    """none, fixed γ=N or dspark γ=N."""
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    per_request_tokens_per_s: float
+    mean_accepted_length: float
+    equal_to_none: bool
+
+
+def _prompts(llm: LLM, batch: int, seed: int) -> list[str | list[int]]:
+    if llm.engine.recipe is not None:
+        return [PYTHON_PROMPTS[i % len(PYTHON_PROMPTS)] for i in range(batch)]
+    rng = random.Random(seed)
+    vocab = llm.engine.model.config.vocab_size
+    return [[rng.randrange(3, vocab) for _ in range(24)] for _ in range(batch)]
+
+
+def run_spec_bench(
+    model: str, draft: str | None, batches: list[int], spec_tokens: list[int], max_tokens: int, seed: int = 0
+) -> list[Row]:
+    speculative = "draft" if draft else "ngram"
+    modes: list[tuple[str, dict]] = [("none", {})]
+    for gamma in spec_tokens:
+        modes.append((f"fixed γ={gamma}", dict(speculative=speculative, spec_tokens=gamma, spec_schedule="fixed")))
+    modes.append(
+        (f"dspark γ={max(spec_tokens)}", dict(speculative=speculative, spec_tokens=max(spec_tokens), spec_schedule="dspark"))
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rows: list[Row] = []
+    for batch in batches:
+        reference: list[list[int]] | None = None
+        for mode, knobs in modes:
+            if draft:
+                knobs = {**knobs, "spec_draft_model": draft} if knobs else knobs
+            llm = LLM(model, max_num_seqs=max(batch, 1), **knobs)
+            prompts = _prompts(llm, batch, seed)
+            llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm up
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            seconds = time.perf_counter() - start
+            tokens = [o.token_ids for o in outs]
+            reference = tokens if reference is None else reference
+            n = sum(len(t) for t in tokens)
+            load = llm.engine.load()
+            rows.append(Row(batch, mode, n, seconds, n / seconds, n / batch / seconds,
+                            load.mean_accepted_length, tokens == reference))  # fmt: skip
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = f"{'batch':>5}  {'mode':<12} {'tok/s':>9} {'tok/s/req':>10} {'accepted':>9}  lossless"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.batch:>5}  {r.mode:<12} {r.tokens_per_s:>9.1f} {r.per_request_tokens_per_s:>10.1f} "
+                     f"{r.mean_accepted_length:>9.2f}  {'yes' if r.equal_to_none else 'NO'}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="spec_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/trained/target")
+    p.add_argument("--draft", default=None, help="a draft model folder (speculative=draft); none: prompt lookup")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--spec-tokens", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if min(args.batch) < 1 or min(args.spec_tokens) < 1 or args.max_tokens < 1:
+        p.error("--batch, --spec-tokens and --max-tokens take positive integers")
+    rows = run_spec_bench(args.model, args.draft, args.batch, args.spec_tokens, args.max_tokens, args.seed)
+    print(format_table(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    if not all(r.equal_to_none for r in rows):
+        print("speculation changed the greedy output", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
