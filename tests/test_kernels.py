@@ -71,6 +71,20 @@ def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(out, ref_out, **ELEM_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16])  # the interpreter has no bf16
+def test_rms_norm_float32_weight_scales_before_the_cast(dtype: torch.dtype) -> None:
+    """GPT-OSS's norm: a float32 weight is applied in float32, one rounding at the end."""
+    g = gen(7)
+    x = (3 * torch.randn(9, 96, generator=g)).to(dtype)
+    residual = torch.randn(9, 96, generator=g).to(dtype)
+    weight = 1 + 0.1 * torch.randn(96, generator=g)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), **ELEM_TOL[dtype])
+    out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, ref_residual)
+    torch.testing.assert_close(out, ref_out, **ELEM_TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (3, 1, 24), (8, 8, 64)])
 def test_rotary_equals_reference_exactly(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:

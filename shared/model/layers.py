@@ -78,10 +78,14 @@ class MergedLinear(Linear):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As LlamaRMSNorm: normalise in float32, cast back, then scale in the input dtype.
+    """As LlamaRMSNorm: normalise in float32, cast back, then scale in the input dtype.
+    A float32 weight on a narrower x is GptOssRMSNorm's (and DeepSeek-V4's) order
+    instead: scaled in float32, cast once."""
     input_dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (weight * h).to(input_dtype)
     return weight * h.to(input_dtype)
 
 
@@ -90,11 +94,17 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """``use_triton`` runs the Triton kernel (shared/model/kernels/rmsnorm.py) instead."""
+    """``use_triton`` runs the Triton kernel (shared/model/kernels/rmsnorm.py) instead.
+    ``scale_in_float32``: the weight kept in float32 and applied before the one cast
+    back (GPT-OSS: transformers' GptOssRMSNorm), not after it (Llama)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, use_triton: bool = False) -> None:
+    def __init__(
+        self, size: int, eps: float, dtype: torch.dtype, device: torch.device, use_triton: bool = False,
+        scale_in_float32: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        weight_dtype = torch.float32 if scale_in_float32 else dtype
+        self.weight = nn.Parameter(torch.ones(size, dtype=weight_dtype, device=device), requires_grad=False)
         self.eps = eps
         self._triton = triton_module("rmsnorm") if use_triton else None
 

@@ -5,7 +5,8 @@ reference): the residual add rounds to the input dtype, the input is widened to
 float32, scaled by 1/sqrt(mean(x^2) + eps), rounded back to the input dtype, then
 multiplied by the weight and rounded again. bf16/fp16 results therefore match
 PyTorch's except where the float32 sum of squares, summed in another order,
-differs in its last bit.
+differs in its last bit. A float32 weight on a narrower input is GptOssRMSNorm's
+order: the weight applied in float32, one rounding at the end.
 """
 
 import torch
@@ -35,6 +36,7 @@ def _rms_norm_kernel(
     eps,
     NUM_COLS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ROUND_BEFORE_SCALE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -52,7 +54,9 @@ def _rms_norm_kernel(
     # Correctly rounded division and square root, as PyTorch's CPU mean and rsqrt.
     variance = tl.div_rn(tl.sum(x * x, axis=1), tl.full((BLOCK_ROWS,), NUM_COLS, tl.float32))
     rstd = tl.div_rn(tl.full((BLOCK_ROWS,), 1.0, tl.float32), tl.sqrt_rn(variance + eps))
-    normed = (x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = x * rstd[:, None]
+    if ROUND_BEFORE_SCALE:
+        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     out = (normed * w[None, :]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
@@ -72,7 +76,7 @@ def _launch(
     num_cols = x.shape[-1]
     check_device(x.device)
     check_tensor("x", x, ndim=x.dim(), dtypes=FLOAT_DTYPES, device=x.device)
-    check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=x.device, shape=(num_cols,))
+    check_tensor("weight", weight, ndim=1, dtypes=(x.dtype, torch.float32), device=x.device, shape=(num_cols,))
     x2 = _as_rows(x, num_cols)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, num_cols)
@@ -92,14 +96,15 @@ def _launch(
     _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x2, res2, weight, out2, res_out2, num_rows,
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0), eps,
-        NUM_COLS=num_cols, HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_N=block_n,
+        NUM_COLS=num_cols, HAS_RESIDUAL=residual is not None, ROUND_BEFORE_SCALE=weight.dtype != torch.float32,
+        BLOCK_ROWS=block_rows, BLOCK_N=block_n,
         num_warps=num_warps,
     )  # fmt: skip
     return out, res_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., N] (rows viewable as [-1, N]), weight [N] in x's dtype -> normed x, a new tensor."""
+    """x [..., N] (rows viewable as [-1, N]), weight [N] in x's dtype or float32 -> normed x, a new tensor."""
     return _launch(x, None, weight, eps)[0]
 
 

@@ -29,3 +29,5 @@ def gpt_oss_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device:
 
 class GptOssForCausalLM(CausalLM):
     make_mlp = staticmethod(gpt_oss_mlp)
+    # GptOssRMSNorm scales in float32 and casts once (bf16 logits drift otherwise).
+    norm_scale_in_float32 = True

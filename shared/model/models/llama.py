@@ -92,15 +92,16 @@ def dense_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: t
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool = False,
-        make_mlp: MlpFactory = dense_mlp,
+        make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         self.self_attn = Attention(config, layer_idx, dtype, device, use_triton)
         self.mlp = make_mlp(config, layer_idx, dtype, device, use_triton)
         # Hash-routed experts are chosen by token id: a sparse MLP gets the input ids.
         self._mlp_takes_ids = isinstance(self.mlp, SparseMoE)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton)
+        norm = (config.hidden_size, config.rms_norm_eps, dtype, device, use_triton, norm_scale_in_float32)
+        self.input_layernorm = RMSNorm(*norm)
+        self.post_attention_layernorm = RMSNorm(*norm)
 
     def forward(
         self,
@@ -133,16 +134,17 @@ class DecoderModel(nn.Module):
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, device: torch.device, use_triton: bool = False,
-        make_mlp: MlpFactory = dense_mlp,
+        make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         # _weight skips nn.Embedding's random init, which costs seconds on a large vocabulary.
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, use_triton, make_mlp) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, dtype, device, use_triton, make_mlp, norm_scale_in_float32)
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton, norm_scale_in_float32)
 
 
 class CausalLM(nn.Module):
@@ -159,6 +161,8 @@ class CausalLM(nn.Module):
     """
 
     make_mlp: ClassVar[MlpFactory] = staticmethod(dense_mlp)
+    norm_scale_in_float32: ClassVar[bool] = False
+    """The layer and final norms' weights in float32, applied before the cast back (see RMSNorm)."""
 
     def __init__(
         self,
@@ -174,7 +178,7 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.use_triton = use_triton_kernels(kernels, device)
         self.tie_word_embeddings = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
-        self.model = DecoderModel(config, dtype, device, self.use_triton, type(self).make_mlp)
+        self.model = DecoderModel(config, dtype, device, self.use_triton, type(self).make_mlp, self.norm_scale_in_float32)
         sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
         self._sparse_blocks: list[SparseMoE] = sparse
         self.expert_counts: torch.Tensor | None = None
