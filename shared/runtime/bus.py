@@ -5,7 +5,9 @@ streams with sequence numbers and an explicit end."""
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -30,6 +32,36 @@ def inbox_prefix(user: str | None) -> str:
     return "_INBOX" if user is None else f"_INBOX.{subjects.check_token(user)}"
 
 
+def nats_password(settings: NatsSettings) -> str | None:
+    """nats.password, else the content of nats.password_file (a mounted Secret:
+    under Helm each pod's holds its own instance's password and no other)."""
+    if settings.password is not None or settings.password_file is None:
+        return settings.password
+    try:
+        return Path(settings.password_file).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"nats.password_file: cannot read {settings.password_file}: {exc.strerror}") from None
+
+
+def nats_tls(settings: NatsSettings) -> ssl.SSLContext | None:
+    """The TLS context of the NATS connection: None without nats.tls_ca (plaintext,
+    as under `up` on loopback); else the server must present a certificate of that
+    CA for the host it was dialled by, and nats.tls_cert/tls_key, when given, are
+    presented to a server that asks for a client certificate."""
+    if settings.tls_ca is None:
+        if settings.tls_cert is not None or settings.tls_key is not None:
+            raise ValueError("nats.tls_cert/tls_key need nats.tls_ca (the CA the server's certificate is checked against)")
+        return None
+    # create_default_context: CERT_REQUIRED and host name checks, only tls_ca trusted (not the system's CAs).
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=settings.tls_ca)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if (settings.tls_cert is None) != (settings.tls_key is None):
+        raise ValueError("nats.tls_cert and nats.tls_key go together: set both or neither")
+    if settings.tls_cert is not None:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    return context
+
+
 class StreamTimeout(TimeoutError):
     """A stream fell silent for longer than allowed."""
 
@@ -43,6 +75,7 @@ class Bus:
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str) -> "Bus":
         bus = cls(NATS(), settings.request_timeout_s)
+        password, tls = nats_password(settings), nats_tls(settings)  # bad files fail here, before any retry
 
         async def on_error(exc: Exception) -> None:
             log.warning("nats: %s", exc)
@@ -64,11 +97,20 @@ class Bus:
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
             user=settings.user,
-            password=settings.password,
+            password=password,
+            # With a CA every server in nats.url must present a certificate of it:
+            # nats-py then opens TLS whatever the URL's scheme says.
+            tls=tls,
             # Replies come back on the user's own inboxes, which its permissions
             # let it (and no other user) subscribe to: nobody reads another's Acks.
             inbox_prefix=inbox_prefix(settings.user),
         )
+        if tls is not None and not bus.nc._server_info.get("tls_required"):
+            # nats-py goes TLS only when the server asks: a server that does not (an
+            # impostor, or a NATS left without its certificate) is no bus of ours.
+            # nats-server >= 2.10's handshake_first would keep even the CONNECT off it.
+            await bus.nc.close()
+            raise ConnectionError(f"nats.tls_ca is set but {settings.url} does not speak TLS")
         return bus
 
     async def close(self) -> None:

@@ -42,8 +42,22 @@ class NatsSettings:
     """User name this service logs in to NATS with (its role's or its instance's
     account, which carries its subject permissions); None connects without one."""
     password: str | None = None
-    """Password of nats.user (`infermesh up` generates one per user; Helm and
-    compose take it from a Secret / env file)."""
+    """Password of nats.user (`infermesh up` generates one per user; compose takes
+    it from its env file). Read at connect; nats.password_file instead keeps it
+    out of the environment."""
+    password_file: str | None = None
+    """A file holding nats.password (a mounted Secret: Helm gives each pod its own
+    instance's); read when connecting, trailing whitespace dropped. Ignored when
+    nats.password is set."""
+    tls_ca: str | None = None
+    """PEM certificate of the CA that signed the NATS server's certificate. Set: the
+    connection runs over TLS and the server must present a certificate of that CA
+    for the host name in nats.url; None: plaintext (`infermesh up` on loopback)."""
+    tls_cert: str | None = None
+    """PEM client certificate presented to a NATS server that asks for one (with
+    nats.tls_key; optional: the password is what logs a service in)."""
+    tls_key: str | None = None
+    """PEM private key of nats.tls_cert."""
 
 
 @dataclass(slots=True)
