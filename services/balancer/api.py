@@ -9,17 +9,20 @@ handed to the Generator as a GenerationRequest. Its token events go through one
 IncrementalDetokenizer per request (text, stop strings) and out as one JSON body
 or as SSE chunks.
 
-Each request's generation runs in a task of its own (a _Pump) that feeds a queue
+Each request's generation runs in a task of its own (a Pump) that feeds a queue
 the response reads. So the generator is iterated in one task and one context (the
 request's span is current there, and the generator's spans nest under it), and
 cancelling that one task cancels the request, whether a stop string matched or
 the client went away. The first output is awaited before the response starts, so
 a request the generator refuses gets its real status, not a 200 and an error event.
 
-The parts, one file each: errors.py (the OpenAI error body and the exception
-handlers), guard.py (API key, body size, requests counter), http_metrics.py (the
-HTTP layer's Prometheus series) and serving.py (one request's flow: _Pump,
-OpenAIServer, the SSE body); this file puts them together in create_app.
+The parts, one file each: protocol.py (the bodies, one name over the files that
+define them), errors.py (the OpenAI error body and the exception handlers),
+guard.py (API key, body size, requests counter), http_metrics.py (the HTTP layer's
+Prometheus series), serving.py (one request's flow: check, admit, generate,
+answer), jobs.py (a request as the mesh's jobs), pump.py (generation in a task of
+its own), event_stream.py (the SSE body and disconnects) and chat_template.py;
+this file puts them together in create_app.
 """
 
 import asyncio

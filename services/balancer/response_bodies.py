@@ -1,0 +1,147 @@
+"""The bodies the API answers with, in the shapes of OpenAI's and vLLM's servers:
+errors, usage, models, and completions and chat (whole and streamed)."""
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_serializer
+
+from services.balancer.generation import Usage
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, usage: Usage) -> "UsageInfo":
+        return cls(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            total_tokens=usage.prompt_tokens + usage.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        )
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "infermesh"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    """None for the prompt's first token (echo): nothing comes before it."""
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one entry of prompt_logprobs."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""Per prompt token (None for the first), its own logprob and the top alternatives, by token id."""
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: on the whole response's choice, or a stream's first chunk of the choice."""
+    token_ids: list[int] | None = None
+    """return_token_ids: the tokens of this choice (of this chunk, when streaming)."""
+
+class CompletionResponse(BaseModel):
+    """Both the whole response and each stream chunk (the completions API uses one shape)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+class ChatLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobEntry]
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+    @field_serializer("delta")
+    def _only_set_fields(self, delta: DeltaMessage) -> dict[str, Any]:
+        # OpenAI sends role in the first delta only, and no null keys in deltas.
+        return delta.model_dump(exclude_none=True)
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """return_token_ids: on the first chunk."""
+
