@@ -71,6 +71,10 @@ async def run_service(stage: str, setup: Setup, settings: Settings | None = None
             stack.callback(metrics.close)
             ctx = ServiceContext(stage, instance_id, settings, bus, provider.get_tracer(stage), metrics, stop)
             await setup(ctx, stack)
+            if not metrics.has_readiness:
+                # /ready on the metrics port: a service whose setup said nothing more
+                # (kvcache) is ready once set up, until it stops; workers say their own.
+                metrics.set_readiness(lambda: "stopping" if stop.is_set() else None)
             log.info("%s ready (metrics on %s:%d)", instance_id, settings.worker.bind_host, metrics_port)
             await stop.wait()
             log.info("%s stopping", instance_id)

@@ -59,6 +59,8 @@ class Worker:
         self._inflight: set[asyncio.Task] = set()
         self._by_request: dict[str, asyncio.Task] = {}
         self._hb_seq = 0
+        self._registered = False  # a heartbeat reached NATS: the balancer can know this instance
+        self._subscribed = False  # its dispatch subscription is up: work sent to it arrives
         self._kv_seq = 0
         m = ctx.metrics
         self.m_running = m.gauge("running_requests", "Requests in the engine's running batch")
@@ -97,6 +99,21 @@ class Worker:
         stack.push_async_callback(self.stop)
         await self.grpc.set_serving(True)
         log.info("%s: gRPC health on :%d", self.ctx.instance_id, self.grpc.port)
+
+    def not_ready(self) -> str | None:
+        """/ready's answer (on the metrics port): None once the engine is loaded (a
+        Worker exists only then), the instance is registered on the bus and listens
+        for its work, and it is not draining; else why not."""
+        if self.draining:
+            return "draining"
+        if not self.ctx.bus.nc.is_connected:
+            return "not connected to NATS"
+        if not (self._registered and self._subscribed):
+            return "not registered on the bus yet"
+        return None
+
+    def mark_subscribed(self) -> None:
+        self._subscribed = True
 
     def spawn(self, request_id: str, coro) -> asyncio.Task:  # noqa: ANN001
         """Run a request's handler as a task: counted for the drain, and
@@ -205,6 +222,7 @@ class Worker:
         )
         with contextlib.suppress(Exception):  # NATS down: the next beat retries
             await self.ctx.bus.publish(subjects.heartbeat(self.ctx.stage, self.ctx.instance_id), hb)
+            self._registered = True
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -282,6 +300,8 @@ async def serve_engine_stage(
     for subj, msg_type, handler in routes:
         sub = await ctx.bus.subscribe(subj, msg_type, handler)
         stack.push_async_callback(sub.unsubscribe)
+    worker.mark_subscribed()
+    ctx.metrics.set_readiness(worker.not_ready)
 
 
 def validate_prompt(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> None:
