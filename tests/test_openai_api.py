@@ -487,22 +487,50 @@ def test_auth_model_route_and_size_errors(mesh: Mesh) -> None:
     assert_error(response, 413)
 
 
+def pause_engine(mesh: Mesh) -> threading.Event:
+    """Holds the engine's step loop (a call on its thread) until the returned event
+    is set: meanwhile no request makes a token, so none can reach its end."""
+    paused, release = threading.Event(), threading.Event()
+
+    def hold(_: Any) -> None:
+        paused.set()
+        release.wait(30)
+
+    asyncio.run_coroutine_threadsafe(mesh.generator.engine.call(hold), mesh.loop)
+    assert paused.wait(10), "the engine did not pause"
+    return release
+
+
 def test_too_many_in_flight_and_disconnect_cancels(mesh: Mesh) -> None:
     total = mesh.wait_idle().num_total_kv_blocks
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=30) as held:
-        with held.stream("POST", mesh.narrow.url + "/v1/completions", json=body, headers=AUTH) as stream:
-            assert stream.status_code == 200
-            lines = stream.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            assert mesh.generator.num_in_flight() == 1 and mesh.load().num_free_kv_blocks < total
-            refused = post(mesh.narrow, "/v1/completions", {**body, "stream": False, "max_tokens": 1})
-            assert_error(refused, 429)
-            assert refused.json()["error"]["type"] == "rate_limit_error"
-        # Leaving the stream unread closes the connection: the server must cancel the request.
+    num_ended = len(mesh.recorder.ended)
+    release = None
+    try:
+        with httpx.Client(timeout=30) as held:
+            with held.stream("POST", mesh.narrow.url + "/v1/completions", json=body, headers=AUTH) as stream:
+                assert stream.status_code == 200
+                lines = stream.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                # From here the engine makes no token: the request can end only by the
+                # server noticing that the client left (it once ran to its end first).
+                release = pause_engine(mesh)
+                held_blocks = mesh.generator.engine.last_load.num_free_kv_blocks < total  # as the pause found it
+                assert mesh.generator.num_in_flight() == 1 and held_blocks
+                refused = post(mesh.narrow, "/v1/completions", {**body, "stream": False, "max_tokens": 1})
+                assert_error(refused, 429)
+                assert refused.json()["error"]["type"] == "rate_limit_error"
+            # Leaving the stream unread closes the connection: the server must cancel the request.
+        deadline = time.monotonic() + 10
+        while len(mesh.recorder.ended) == num_ended:
+            assert time.monotonic() < deadline, "the server did not notice that the client left"
+            time.sleep(0.02)
+        assert list(mesh.recorder.ended.values())[-1] is None  # cancelled, not run to its end
+    finally:
+        if release is not None:
+            release.set()
     load = mesh.wait_idle()
     assert mesh.generator.num_in_flight() == 0 and load.num_free_kv_blocks == total
-    assert list(mesh.recorder.ended.values())[-1] is None  # cancelled, not run to its end
     after = mesh.client(mesh.narrow).completions.create(model=MODEL, prompt="x", max_tokens=1)
     assert after.usage.completion_tokens == 1  # the place was given back
     # A non-streaming client that gives up cancels its request too.
