@@ -15,7 +15,7 @@ def test_spec_bench_runs_tiny(tmp_path, capsys):
     assert rc == 0
     rows = json.loads(out.read_text())
     assert [(r["batch"], r["mode"]) for r in rows] == [
-        (b, m) for b in (1, 3) for m in ("none", "fixed γ=2", "fixed γ=4", "dspark γ=4")
+        (b, m) for b in (1, 3) for m in ("none", "fixed γ=2", "fixed γ=4", "dspark γ=4", "capacity γ=4")
     ]
     for r in rows:
         assert r["equal_to_none"] and r["output_tokens"] == 12 * r["batch"]

@@ -42,7 +42,7 @@ def _run(model: str, prompts, params, **knobs):  # noqa: ANN001, ANN202
     return [o.token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("schedule", ["fixed", "dspark"])
+@pytest.mark.parametrize("schedule", ["fixed", "dspark", "capacity"])
 @pytest.mark.parametrize("drafter", ["ngram", "draft-self", "draft-other"])
 def test_greedy_output_equals_decoding_without_speculation(target, other_draft, drafter, schedule, monkeypatch):
     # dspark with no warm-up: its own lengths (from the lookup prior / raw draft probabilities) from the first step.
@@ -190,6 +190,30 @@ def test_trained_pair_draft_model_accepts_on_python_and_stops_at_a_stop_string()
     a = LLM(target).generate([prompt], stopped)[0]
     b = LLM(target, speculative="ngram", spec_tokens=6).generate([prompt], stopped)[0]
     assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, "stop")
+
+
+@pytest.mark.parametrize("schedule", ["dspark", "capacity"])
+def test_a_drafter_that_costs_more_than_it_yields_drafts_only_its_probes(target, schedule, monkeypatch):
+    """The scheduled modes choose the drafting depth from measured costs: with drafting
+    dearer than a step (here told so), they decode as without speculation, drafting only
+    once in PROBE_EVERY steps to keep measuring; with it free they draft every step."""
+    monkeypatch.setattr(speculator_module, "WARMUP_VERIFICATIONS", 0)
+    monkeypatch.setattr(speculator_module, "PROBE_EVERY", 6)
+    prompts = random_prompts([6, 11], vocab=50, seed=3)  # a small vocabulary repeats: lookup drafts
+    params = _greedy(40)
+    expected, _ = _run(target, prompts, params)
+    verifications = {}
+    for label, pass_seconds in (("dear", 1.0), ("free", 0.0)):
+        llm = LLM(target, speculative="ngram", spec_tokens=3, spec_schedule=schedule)
+        costs = llm.engine.speculator.costs
+        costs.draft_pass_s = {1: pass_seconds, 2: pass_seconds}
+        costs.observe_drafting = lambda *args: None  # keep the cost as told
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        assert got == expected
+        verifications[label] = llm.engine.load().num_spec_verifications
+    steps = 40
+    assert 0 < verifications["dear"] <= 2 * (steps // 6 + 1)  # the probes only
+    assert verifications["free"] > 2 * verifications["dear"]
 
 
 def test_settings_are_checked():

@@ -19,6 +19,7 @@ from shared.engine.spec.rejection import verify_greedy, verify_sampled
 from shared.engine.spec.schedule import (
     SpsTable,
     capacity,
+    choose_depth,
     expected_throughput,
     schedule_greedy,
     schedule_with_capacity,
@@ -152,6 +153,33 @@ def test_capacity_from_old_survivals_then_the_best_current_candidates():
     dear_bucket = SpsTable((1, 2, 3, 4, 5), (100.0, 90.0, 60.0, 59.0, 50.0))
     assert capacity(one, dear_bucket, buckets=[5]) == 1
     assert capacity(one, cheap_bucket, buckets=[2]) == 1  # the bucket the greedy already fills
+
+
+def test_a_step_cost_besides_the_forward_makes_verifying_more_worth_it():
+    # SPS drops from 100 to 60 steps/s when B goes 1 -> 2: verifying a token of survival
+    # 0.5 gives 1.5 tokens per 1/60 s = 90 tok/s < 100. With 10 ms the step costs anyway
+    # (drafting done, bookkeeping), it gives 1.5 / (10 + 16.7 ms) = 56 > 1 / 20 ms = 50.
+    sps = SpsTable((1, 2), (100.0, 60.0))
+    assert schedule_greedy([[0.5]], sps) == [0]
+    assert schedule_greedy([[0.5]], sps, fixed_seconds=0.010) == [1]
+
+
+def test_depth_counts_the_drafting_passes_and_drafts_nothing_when_drafts_do_not_pay():
+    flat = SpsTable((1, 64), (100.0, 100.0))  # verifying costs nothing extra
+    survival = [0.8, 0.64, 0.51, 0.41]
+    assert choose_depth(4, survival, flat, draft_seconds=0.0) == 4  # free drafts: all of them
+    # A pass costs a whole step: depth d gives (1 + Σ ā) tokens per (d + 1) steps, always < 1.
+    assert choose_depth(4, survival, flat, draft_seconds=0.010) == 0
+    # A pass costs 2 ms, a step 10 ms: tokens per ms and request are d=0 1/10, d=1 1.8/12,
+    # d=2 2.44/14, d=3 2.95/16 = 0.184, d=4 3.36/18 = 0.187: the deepest pays most.
+    assert choose_depth(4, survival, flat, draft_seconds=0.002) == 4
+    # 4 ms: d=1 1.8/14 = .129, d=2 2.44/18 = .136, d=3 2.95/22 = .134: depth 2.
+    assert choose_depth(4, survival, flat, draft_seconds=0.004) == 2
+    # The step's own overhead is paid whatever the depth, so it favours drafting deeper.
+    assert choose_depth(4, survival, flat, draft_seconds=0.004, overhead_seconds=0.010) == 4
+    # A verify step that grows dear with B stops depth early even when drafting is free.
+    steep = SpsTable((4, 8, 12, 16, 20), (100.0, 50.0, 30.0, 20.0, 10.0))
+    assert choose_depth(4, survival, steep, draft_seconds=0.0) == 0
 
 
 # -- lossless verification --------------------------------------------------------------

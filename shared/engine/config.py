@@ -25,7 +25,7 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
 SWA_REPLAY_CHOICES: tuple[str, ...] = ("bounded", "exact")
 SPECULATIVE_CHOICES: tuple[str, ...] = ("none", "ngram", "draft")
-SPEC_SCHEDULE_CHOICES: tuple[str, ...] = ("fixed", "dspark")
+SPEC_SCHEDULE_CHOICES: tuple[str, ...] = ("fixed", "dspark", "capacity")
 # (max_num_batched_tokens, prefill_chunk_size) when unset. On an H200 with an 8B model
 # (docs/perf/README.md, "whole engine"): an 8k prompt in one step runs at the runner's
 # prefill rate, and a 2048-token chunk costs a decoding request ~60 ms.
@@ -103,9 +103,12 @@ class EngineConfig:
     spec_tokens: int = 4
     """γ: the most tokens drafted per request and step."""
     spec_schedule: str = "fixed"
-    """How many drafted tokens each step verifies: "fixed" (all γ drafted) or "dspark"
+    """How many drafted tokens each step verifies: "fixed" (all γ drafted), "dspark"
     (per request, as many as maximise the expected tokens per second, from the drafts'
-    calibrated confidences and a steps-per-second profile measured at start)."""
+    calibrated confidences and a steps-per-second profile measured at start) or
+    "capacity" (DSpark's production variant: the count from survivals two steps old,
+    the best candidates of this step). Both scheduled modes also draft less deep, or
+    not at all, when drafting costs more than it yields."""
     spec_draft_model: str = "models/trained/draft"
     """Folder of the draft model for speculative = "draft" (same tokenizer as the model)."""
 

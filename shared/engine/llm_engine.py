@@ -115,6 +115,7 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if config.speculative != "none":
             self.speculator = make_speculator(config, self.model, self.runner.time_step, max_model_len, dtype, device)
+            self.runner.keep_hidden = self.speculator.reads_hidden
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config, max_model_len),
             self.kv,
@@ -231,6 +232,7 @@ class LLMEngine:
         else:
             outputs = self._finish_in_flight()
             if not outputs:
+                start = time.perf_counter()
                 if speculator is not None:
                     # Drafting needs each request's last token on the host: no overlapped steps.
                     if self._overlap:
@@ -241,6 +243,9 @@ class LLMEngine:
                     speculator.count_fallback("cuda_graphs")  # verify steps run eagerly
                 self._start_loads()
                 outputs = self._process(sched, self.runner.execute(sched))
+                if speculator is not None and _decodes_only(sched):
+                    num_tokens = sum(len(c.token_ids) for c in sched.chunks)
+                    speculator.step_done(num_tokens, time.perf_counter() - start)
         self._save_states()
         if self.kv_transfer is not None:
             outputs = self.kv_transfer.finish(outputs)
@@ -301,6 +306,8 @@ class LLMEngine:
                     self.speculator.observe(
                         chunk.request_id, len(chunk.spec_token_ids), result.num_accepted[chunk.request_id]
                     )
+                if chunk.request_id in result.hidden:  # what the MTP drafter reads
+                    self.speculator.observe_hidden(chunk.request_id, chunk.start_pos, result.hidden[chunk.request_id])
         outputs: list[RequestOutput] = []
         for request, new_tokens in updated:
             rid = request.request_id
@@ -409,6 +416,11 @@ class LLMEngine:
             "spec_accepted_by_position": list(stats.accepted_by_position),
             "spec_fallbacks": dict(stats.fallbacks),
         }
+
+
+def _decodes_only(sched: SchedulerOutput) -> bool:
+    """A step of decoding requests only (each computes its last token and its drafts)."""
+    return bool(sched.chunks) and all(len(c.token_ids) == 1 + len(c.spec_token_ids) for c in sched.chunks)
 
 
 def _verifies(sched: SchedulerOutput) -> bool:

@@ -59,9 +59,9 @@ def run_spec_bench(
     modes: list[tuple[str, dict]] = [("none", {})]
     for gamma in spec_tokens:
         modes.append((f"fixed γ={gamma}", dict(speculative=speculative, spec_tokens=gamma, spec_schedule="fixed")))
-    modes.append(
-        (f"dspark γ={max(spec_tokens)}", dict(speculative=speculative, spec_tokens=max(spec_tokens), spec_schedule="dspark"))
-    )
+    for schedule in ("dspark", "capacity"):
+        knobs = dict(speculative=speculative, spec_tokens=max(spec_tokens), spec_schedule=schedule)
+        modes.append((f"{schedule} γ={max(spec_tokens)}", knobs))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rows: list[Row] = []
     for batch in batches:
@@ -85,10 +85,10 @@ def run_spec_bench(
 
 
 def format_table(rows: list[Row]) -> str:
-    head = f"{'batch':>5}  {'mode':<12} {'tok/s':>9} {'tok/s/req':>10} {'accepted':>9}  lossless"
+    head = f"{'batch':>5}  {'mode':<14} {'tok/s':>9} {'tok/s/req':>10} {'accepted':>9}  lossless"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.batch:>5}  {r.mode:<12} {r.tokens_per_s:>9.1f} {r.per_request_tokens_per_s:>10.1f} "
+        lines.append(f"{r.batch:>5}  {r.mode:<14} {r.tokens_per_s:>9.1f} {r.per_request_tokens_per_s:>10.1f} "
                      f"{r.mean_accepted_length:>9.2f}  {'yes' if r.equal_to_none else 'NO'}")  # fmt: skip
     return "\n".join(lines)
 

@@ -19,6 +19,15 @@ is chosen from survivals two steps old (the greedy above, rounded up to a graph
 bucket when that still improves Θ), and then the K best candidates of the
 current step are taken. K comes only from old information, so no early stop
 is needed there.
+
+A drafter that costs time (a draft model, an MTP head run apart from the
+target's forward) breaks DSpark's assumption that drafting is free. Two things
+follow, both reducing to DSpark's rule when that cost is zero. `choose_depth`
+decides, before drafting and from observed survivals, how deep to draft: Θ per
+depth counts the drafting passes, and depth 0 (no drafting) wins whenever drafts
+do not pay for themselves. Then the greedy weighs each candidate with the step's
+fixed cost in the denominator, Θ = τ / (fixed + 1 / SPS(B)): the drafting time
+already spent, and the engine's per-step bookkeeping measured as it runs.
 """
 
 import bisect
@@ -66,20 +75,55 @@ def _candidates(survivals: Sequence[Sequence[float]]) -> list[tuple[float, int, 
     return pool
 
 
-def schedule_greedy(survivals: Sequence[Sequence[float]], sps: SpsTable) -> list[int]:
-    """ℓ_r per request (survivals[r][j] = a_{r,j+1}, non-increasing in j)."""
+def step_rate(sps: SpsTable, num_tokens: int, fixed_seconds: float = 0.0) -> float:
+    """Steps per second of a step of num_tokens tokens that also costs fixed_seconds
+    the forward does not (drafting already done, the engine's own bookkeeping)."""
+    return 1.0 / (1.0 / sps(num_tokens) + fixed_seconds)
+
+
+def schedule_greedy(survivals: Sequence[Sequence[float]], sps: SpsTable, fixed_seconds: float = 0.0) -> list[int]:
+    """ℓ_r per request (survivals[r][j] = a_{r,j+1}, non-increasing in j). fixed_seconds:
+    the step's cost besides the forward (0: DSpark's Θ = τ · SPS(B) exactly)."""
     lengths = [0] * len(survivals)
     if not survivals:
         return lengths
     batch, tau = len(survivals), float(len(survivals))
-    theta = tau * sps(batch)
+    theta = tau * step_rate(sps, batch, fixed_seconds)
     for a, r, j in _candidates(survivals):
-        trial = (tau + a) * sps(batch + 1)
+        trial = (tau + a) * step_rate(sps, batch + 1, fixed_seconds)
         if trial <= theta:
             break  # the first non-improvement ends the schedule
         batch, tau, theta = batch + 1, tau + a, trial
         lengths[r] += 1
     return lengths
+
+
+def choose_depth(
+    num_requests: int,
+    mean_survival: Sequence[float],
+    sps: SpsTable,
+    draft_seconds: float,
+    overhead_seconds: float = 0.0,
+) -> int:
+    """How many tokens to draft for each of num_requests requests this step, before
+    drafting, from what past steps taught (the production variant's use of old
+    information, extended to a drafter that costs time): the depth d in 0..γ
+    (γ = len(mean_survival)) of the best expected throughput
+
+        Θ(d) = R · (1 + Σ_{j<=d} ā_j) / (d · draft_seconds + overhead_seconds + 1 / SPS(R · (1 + d)))
+
+    where ā_j is the observed survival of position j and draft_seconds the cost of
+    one drafting pass over the batch. d = 0 is plain decoding: no drafting at all,
+    which is how speculation never runs slower than none when drafts do not pay."""
+    best_depth, best_theta, tau = 0, 0.0, float(num_requests)
+    for d in range(len(mean_survival) + 1):
+        if d:
+            tau += num_requests * mean_survival[d - 1]
+        seconds = d * draft_seconds + overhead_seconds + 1.0 / sps(num_requests * (1 + d))
+        theta = tau / seconds
+        if theta > best_theta * (1 + 1e-9):
+            best_depth, best_theta = d, theta
+    return best_depth
 
 
 def expected_throughput(lengths: Sequence[int], survivals: Sequence[Sequence[float]], sps: SpsTable) -> float:
@@ -88,25 +132,22 @@ def expected_throughput(lengths: Sequence[int], survivals: Sequence[Sequence[flo
     return tau * sps(sum(1 + n for n in lengths))
 
 
-def capacity(old_survivals: Sequence[Sequence[float]], sps: SpsTable, buckets: Sequence[int] = ()) -> int:
+def capacity(
+    old_survivals: Sequence[Sequence[float]], sps: SpsTable, buckets: Sequence[int] = (), fixed_seconds: float = 0.0
+) -> int:
     """K, the drafted tokens to verify, from survivals two steps old: the greedy's
-    count, or the next graph bucket above R + count when filling it still pays."""
-    lengths = schedule_greedy(old_survivals, sps)
-    k = sum(lengths)
-    r = len(old_survivals)
+    count, or the next graph bucket above R + count when filling it still pays
+    (a step padded to its bucket costs the bucket's size anyway)."""
+    lengths = schedule_greedy(old_survivals, sps, fixed_seconds)
+    k, r = sum(lengths), len(old_survivals)
     bucket = next((b for b in sorted(buckets) if b >= r + k), None)
     if bucket is None or bucket == r + k:
         return k
-    # Fill the bucket with the next candidates in order if Θ improves (the step costs
-    # the bucket's size anyway once the graph is padded to it).
-    pool = _candidates(old_survivals)
-    taken = set()
-    for n, row in enumerate(lengths):
-        taken.update((n, j) for j in range(row))
-    extra = [c for c in pool if (c[1], c[2]) not in taken][: bucket - r - k]
-    gain = sum(a for a, _, _ in extra)
-    tau = sum(1 + sum(row[:n]) for n, row in zip(lengths, old_survivals))
-    return k + len(extra) if (tau + gain) * sps(bucket) > tau * sps(r + k) else k
+    taken = {(n, j) for n, row in enumerate(lengths) for j in range(row)}
+    extra = [a for a, n, j in _candidates(old_survivals) if (n, j) not in taken][: bucket - r - k]
+    tau = r + sum(sum(row[:n]) for n, row in zip(lengths, old_survivals))
+    filled = (tau + sum(extra)) * step_rate(sps, bucket, fixed_seconds)
+    return k + len(extra) if filled > tau * step_rate(sps, r + k, fixed_seconds) else k
 
 
 def schedule_with_capacity(survivals: Sequence[Sequence[float]], k: int) -> list[int]:

@@ -58,7 +58,7 @@ def make_speculator(
     else:
         drafter = NgramDrafter()
     sps = None
-    if config.spec_schedule == "dspark":
+    if config.spec_schedule != "fixed":
         budget, _ = config.step_sizes()
         cap = PROFILE_TOKENS_CUDA if device.type == "cuda" else PROFILE_TOKENS_CPU
         sps = sps_profile(time_step, min(config.max_num_seqs * (1 + config.spec_tokens), budget, cap))

@@ -6,20 +6,29 @@ that decodes with its last token on the host gets a draft from the drafter (prom
 lookup or the draft model, behind one interface), its confidences calibrated from
 the acceptance observed so far, and a verification length: all of it ("fixed"),
 or DSpark's Algorithm 1 over the batch ("dspark", schedule.py, with the SPS
-profile measured at start; all of it too while the first observations come in). Requests whose sampling reads the output history
-(penalties, min_tokens, bad words) or that ask for logprobs decode normally that
-step, and each such fallback is counted by reason.
+profile measured at start; all of it too while the first observations come in),
+or its production variant ("capacity": how many to verify from survivals two
+steps old, then the best of this step's). The scheduled modes also choose how
+deep to draft before drafting, from the acceptance and the costs measured so far
+(`StepCosts`): a drafter that costs more than it saves drafts nothing, bar a probe
+now and then. Requests whose sampling reads the output history (penalties,
+min_tokens, bad words) or that ask for logprobs decode normally that step, and
+each such fallback is counted by reason.
 """
 
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from shared.engine.request import Request
 from shared.engine.spec.calibration import AcceptanceByPosition, SequentialTemperatureScaling
 from shared.engine.spec.drafter import Draft, PromptLookupDrafter
-from shared.engine.spec.schedule import SpsTable, schedule_greedy
+from shared.engine.spec.schedule import SpsTable, capacity, choose_depth, schedule_greedy, schedule_with_capacity
+
+if TYPE_CHECKING:  # the speculator itself runs no tensor code
+    import torch
 
 REFIT_EVERY = 32
 """Verified drafts between two calibration fits (a fit costs a grid search)."""
@@ -28,6 +37,12 @@ WARMUP_VERIFICATIONS = REFIT_EVERY
 were observed and the confidences fitted once: uncalibrated scores (a draft model's
 raw probabilities may be far from its acceptance) would otherwise verify nothing,
 and nothing would ever be learnt."""
+PROBE_EVERY = 64
+"""When the schedule chose not to draft at all, draft anyway once in this many
+steps, so that acceptance and drafting cost keep being measured as traffic changes."""
+EMA = 0.1
+"""Weight of the newest measurement in the running costs (drafting, step overhead)."""
+SCHEDULED = ("dspark", "capacity")
 
 
 class BatchDrafter(Protocol):
@@ -37,6 +52,14 @@ class BatchDrafter(Protocol):
     def propose(self, contexts: dict[str, Sequence[int]], max_tokens: int) -> dict[str, Draft]: ...
 
     def forget(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class ReadsHidden(Protocol):
+    """A drafter that reads the target's final hidden states (the MTP head): the engine
+    then has the runner keep them and hands each request's over after every step."""
+
+    def observe_hidden(self, request_id: str, start_pos: int, hidden: "torch.Tensor") -> None: ...
 
 
 @dataclass
@@ -77,10 +100,40 @@ class SpecStats:
         return (self.num_accepted_tokens + self.num_verifications) / self.num_verifications
 
 
+@dataclass
+class StepCosts:
+    """What a step costs besides the target's forward, measured as the engine runs:
+    one drafting pass over R requests (by R's power of two; a draft model's pass is a
+    batched forward, prompt lookup's nearly nothing) and the engine's own bookkeeping
+    per step (scheduling, sampling, outputs: the whole step's time less the SPS
+    profile's forward time)."""
+
+    draft_pass_s: dict[int, float] = field(default_factory=dict)
+    overhead_s: float = 0.0
+
+    def draft_pass(self, num_requests: int) -> float | None:
+        """Seconds of one drafting pass over num_requests requests (the nearest size measured)."""
+        if not self.draft_pass_s:
+            return None
+        key = _bucket(num_requests)
+        nearest = min(self.draft_pass_s, key=lambda b: (abs(b.bit_length() - key.bit_length()), b))
+        return self.draft_pass_s[nearest]
+
+    def observe_drafting(self, num_requests: int, passes: int, seconds: float) -> None:
+        if passes > 0 and num_requests > 0:
+            key = _bucket(num_requests)
+            old = self.draft_pass_s.get(key)
+            now = seconds / passes
+            self.draft_pass_s[key] = now if old is None else old + EMA * (now - old)
+
+    def observe_overhead(self, seconds: float) -> None:
+        self.overhead_s += EMA * (max(seconds, 0.0) - self.overhead_s)
+
+
 class Speculator:
     def __init__(self, drafter: BatchDrafter, num_tokens: int, schedule: str, sps: SpsTable | None = None) -> None:
-        if schedule == "dspark" and sps is None:
-            raise ValueError("the dspark schedule needs an SPS table")
+        if schedule in SCHEDULED and sps is None:
+            raise ValueError(f"the {schedule} schedule needs an SPS table")
         self.drafter = drafter
         self.num_tokens = num_tokens
         self.schedule = schedule
@@ -91,6 +144,14 @@ class Speculator:
         self._scores: dict[str, tuple[float, ...]] = {}
         """Per request, the raw scores of the draft proposed for the coming step."""
         self._since_fit = 0
+        self.costs = StepCosts()
+        self.depth = num_tokens
+        """Tokens drafted per request in the latest step (scheduled: chosen by choose_depth)."""
+        self._since_probe = 0
+        self._old_survivals: deque[list[list[float]]] = deque(maxlen=2)
+        """The capacity schedule's survivals of the last two steps (K comes from the older)."""
+        self._drafting_s = 0.0
+        self._probing = False
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set spec_token_ids on the running requests that draft this step."""
@@ -102,12 +163,28 @@ class Speculator:
                 self.stats.fallbacks[reason] += 1
             elif _room(request) >= 2:
                 contexts[request.request_id] = request.all_token_ids
-        drafts = self.drafter.propose(contexts, self.num_tokens) if contexts else {}
+        self._probing = False
+        scheduled = self.schedule in SCHEDULED and self.stats.num_verifications >= WARMUP_VERIFICATIONS
+        self.depth = self._choose_depth(len(contexts)) if scheduled and contexts else self.num_tokens
+        if self._probing:
+            scheduled = False  # a probe verifies all it drafted: it is there to learn
+        start = time.perf_counter()
+        drafts = self.drafter.propose(contexts, self.depth) if contexts and self.depth else {}
+        self._drafting_s = time.perf_counter() - start
+        if drafts:
+            self.costs.observe_drafting(len(contexts), max(len(d.tokens) for d in drafts.values()), self._drafting_s)
         confidences = {rid: self._confidences(d) for rid, d in drafts.items()}
-        if self.schedule == "dspark" and self.stats.num_verifications >= WARMUP_VERIFICATIONS:
+        if scheduled and drafts:
             assert self.sps is not None
             survivals = [_survival(confidences.get(r.request_id, ())) for r in decoding]
-            lengths = dict(zip((r.request_id for r in decoding), schedule_greedy(survivals, self.sps)))
+            fixed = self._drafting_s + self.costs.overhead_s
+            if self.schedule == "capacity":
+                self._old_survivals.append(survivals)
+                k = capacity(self._old_survivals[0], self.sps, fixed_seconds=fixed)
+                chosen = schedule_with_capacity(survivals, k)
+            else:
+                chosen = schedule_greedy(survivals, self.sps, fixed)
+            lengths = dict(zip((r.request_id for r in decoding), chosen))
         else:
             lengths = {rid: len(d.tokens) for rid, d in drafts.items()}
         self._scores = {}
@@ -135,12 +212,48 @@ class Speculator:
             if self.drafter.has_scores:
                 self.temperature.fit()
 
+    def step_done(self, num_tokens: int, seconds: float) -> None:
+        """A decode step of num_tokens tokens (drafted ones included) took seconds from
+        drafting to its outputs: what it cost beyond drafting and the profiled forward
+        is the engine's overhead per step, which speculation saves by taking fewer steps."""
+        if self.sps is not None and num_tokens > 0:
+            self.costs.observe_overhead(seconds - self._drafting_s - 1.0 / self.sps(num_tokens))
+
+    def _choose_depth(self, num_requests: int) -> int:
+        """choose_depth from the observed survivals and costs; 0 (no drafting) only until
+        the next probe is due."""
+        assert self.sps is not None
+        draft_pass = self.costs.draft_pass(num_requests)
+        if draft_pass is None:
+            return self.num_tokens
+        depth = choose_depth(num_requests, self.mean_survival(), self.sps, draft_pass, self.costs.overhead_s)
+        self._since_probe = 0 if depth else self._since_probe + 1
+        self._probing = self._since_probe >= PROBE_EVERY
+        if self._probing:
+            self._since_probe = 0
+            return self.num_tokens
+        return depth
+
+    def mean_survival(self) -> list[float]:
+        """ā_j: the observed chance that the first j drafted tokens all pass."""
+        return _survival(self.rates.rates())
+
     def count_fallback(self, reason: str) -> None:
         self.stats.fallbacks[reason] += 1
 
     def forget(self, request_id: str) -> None:
         self._scores.pop(request_id, None)
         self.drafter.forget(request_id)
+
+    @property
+    def reads_hidden(self) -> bool:
+        """Whether the drafter needs the target's hidden states (ModelRunner.keep_hidden)."""
+        return isinstance(self.drafter, ReadsHidden)
+
+    def observe_hidden(self, request_id: str, start_pos: int, hidden: "torch.Tensor") -> None:
+        """The target's final hidden states of the request's positions start_pos on, this step."""
+        if isinstance(self.drafter, ReadsHidden):
+            self.drafter.observe_hidden(request_id, start_pos, hidden)
 
     def _confidences(self, draft: Draft) -> tuple[float, ...]:
         """c_k calibrated from observed acceptance: the draft model's probabilities through
@@ -171,6 +284,11 @@ def _fallback_reason(request: Request) -> str | None:
     if params.logprobs is not None:
         return "logprobs"
     return None
+
+
+def _bucket(num_requests: int) -> int:
+    """The power of two at or above num_requests."""
+    return 1 << max(num_requests - 1, 0).bit_length()
 
 
 def _survival(confidences: Sequence[float]) -> list[float]:
