@@ -89,7 +89,7 @@ def code_metric_series() -> set[str]:
                     series.add(base)
     assert worker_stages >= {"prefill", "decode"} and len(series) > 40, "the metric grep found too little"
     # vLLM's own names, beside them (shared/runtime/vllm_metrics.py says which process exports which).
-    vllm = re.compile(r"\b(counter|gauge|histogram|Counter)\(\s*(?:r,\s*)?\"(vllm:[a-z0-9_]+)\"")
+    vllm = re.compile(r"\b(counter|gauge|histogram|Counter|Gauge)\(\s*(?:r,\s*)?\"(vllm:[a-z0-9_]+)\"")
     found = 0
     for path in (ROOT / "shared" / "runtime" / "vllm_metrics.py", ROOT / "shared" / "stage" / "engine_metrics.py"):
         for kind, name in vllm.findall(path.read_text()):

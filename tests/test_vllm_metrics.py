@@ -24,10 +24,13 @@ BALANCER_SERIES = {
     "vllm:time_per_output_token_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
     "vllm:e2e_request_latency_seconds_bucket", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
     "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket", "vllm:request_success_total",
+    "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+    "vllm:request_inference_time_seconds_bucket",
 }  # fmt: skip
 WORKER_SERIES = {
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    "vllm:iteration_tokens_total_bucket", "vllm:cache_config_info",
 }  # fmt: skip
 
 def wait_for(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
@@ -121,6 +124,65 @@ def test_values_move_with_the_requests_sent(mesh, urls):
         assert value(now, "vllm:num_preemptions_total") == 0
 
 
+def test_request_phases_and_engine_steps(mesh, urls):
+    """The balancer's phases of each request add up (prefill + decode = inference,
+    inside end-to-end latency; prefill inside the time to first token); each
+    worker's steps add up to the tokens its engine computed; the cache's
+    configuration is the one the mesh was started with."""
+    client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    before = {p: scrape(u) for p, u in urls.items()}
+    prompt = "class Stack:\n    def push(self, item):\n        " * 4  # sent by no other test: nothing cached
+    num_requests, max_tokens = 3, 5
+    usages = [
+        client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                  extra_body={"ignore_eos": True}).usage
+        for _ in range(num_requests)
+    ]
+    num_prompt = usages[0].prompt_tokens
+    b0, b1 = before["balancer"], scrape(urls["balancer"])
+
+    def grew(name: str, samples0: Samples = b0, samples1: Samples | None = None) -> float:
+        return value(samples1 or b1, name) - value(samples0, name)
+
+    for phase in ("prefill", "decode", "inference"):
+        assert grew(f"vllm:request_{phase}_time_seconds_count") == num_requests, phase
+        assert grew(f"vllm:request_{phase}_time_seconds_sum") > 0, phase
+    prefill, decode = grew("vllm:request_prefill_time_seconds_sum"), grew("vllm:request_decode_time_seconds_sum")
+    inference = grew("vllm:request_inference_time_seconds_sum")
+    assert prefill + decode == pytest.approx(inference, rel=1e-9, abs=1e-9)
+    assert inference <= grew("vllm:e2e_request_latency_seconds_sum")
+    assert prefill <= grew("vllm:time_to_first_token_seconds_sum")
+
+    # Prefill computes each prompt but the blocks its prefix cache already held
+    # (the 2nd and 3rd prompt hit every full block before the last token).
+    p0 = before["prefill-0"]
+    full_blocks = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+    computed = num_requests * num_prompt - (num_requests - 1) * full_blocks
+    wait_for(lambda: grew("vllm:iteration_tokens_total_sum", p0, scrape(urls["prefill-0"])) == computed)
+    p1 = scrape(urls["prefill-0"])
+    assert grew("vllm:prefix_cache_hits_total", p0, p1) == (num_requests - 1) * full_blocks
+    assert grew("vllm:iteration_tokens_total_count", p0, p1) == num_requests  # a prompt fits one step's budget
+    # Decode computes what it neither hit nor got handed (the prompt's last partial block
+    # and the first token), in the step that samples the 2nd token, then one token per
+    # step for each further one (the last sampled token is never computed).
+    d0 = before["decode-0"]
+    num_steps = num_requests * (max_tokens - 1)
+    wait_for(lambda: grew("vllm:iteration_tokens_total_count", d0, scrape(urls["decode-0"])) == num_steps)
+    d1 = scrape(urls["decode-0"])
+    missed = grew("vllm:prefix_cache_queries_total", d0, d1) - grew("vllm:prefix_cache_hits_total", d0, d1)
+    assert missed == num_requests * (num_prompt + 1 - full_blocks)
+    assert grew("vllm:iteration_tokens_total_sum", d0, d1) == missed + num_requests * (max_tokens - 2)
+    for process in ("prefill-0", "decode-0"):
+        now = scrape(urls[process])
+        stage = process.split("-")[0]
+        (labels,) = [dict(ls) for n, ls in now if n == "vllm:cache_config_info"]
+        assert value(now, "vllm:cache_config_info", **labels) == 1
+        assert labels["block_size"] == str(BLOCK_SIZE) and labels["enable_prefix_caching"] == "True"
+        assert labels["model_name"] == model and labels["cache_dtype"] == "float32"
+        assert int(labels["num_gpu_blocks"]) == value(now, f"infermesh_{stage}_kv_total_blocks") > 0
+
+
 def test_requests_that_end_without_finishing_count_as_abort_or_error():
     """The balancer's clock around a request's generation: the client leaving (the
     generator closed, or its task cancelled) is "abort"; a failure is "error"; a
@@ -167,5 +229,11 @@ def test_requests_that_end_without_finishing_count_as_abort_or_error():
     assert count("vllm:prompt_tokens_total") == 21 and count("vllm:generation_tokens_total") == 9
     assert count("vllm:time_to_first_token_seconds_count") == 3 and count("vllm:inter_token_latency_seconds_count") == 3
     assert count("vllm:request_time_per_output_token_seconds_count") == 3  # three tokens each
+    # Every request reached its first token: each has its three phases, which add up.
+    for phase in ("prefill", "decode", "inference"):
+        assert count(f"vllm:request_{phase}_time_seconds_count") == 3, phase
+    phases = count("vllm:request_prefill_time_seconds_sum") + count("vllm:request_decode_time_seconds_sum")
+    assert phases == pytest.approx(count("vllm:request_inference_time_seconds_sum"), abs=1e-9)
+    assert count("vllm:request_decode_time_seconds_sum") >= 0.05  # the aborted one waited 0.05 s after its tokens
     assert registry.get_sample_value("infermesh_balancer_e2e_request_latency_seconds_count") == 1
     assert registry.get_sample_value("infermesh_balancer_completion_tokens_total") == 3

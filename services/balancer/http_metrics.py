@@ -26,7 +26,8 @@ class HttpMetrics:
         self.vllm = RequestMetrics(metrics.registry, model_name, max_model_len)
 
     def clock(self, arrival: float, num_prompt_tokens: int) -> "RequestClock":
-        """Times one generation request; arrival is its time.monotonic() on arrival."""
+        """Times one generation request from now, when it leaves the balancer's queue
+        for the mesh; arrival is its time.monotonic() on arrival."""
         return RequestClock(self, arrival, num_prompt_tokens)
 
 
@@ -41,6 +42,7 @@ class RequestClock:
         self.arrival = arrival
         self.num_prompt_tokens = num_prompt_tokens
         self.num_tokens = 0
+        self.dispatched_at = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at = arrival
         self.done = False
@@ -71,7 +73,9 @@ class RequestClock:
         self.done = True
         end = self.last_token_at if reason in ("stop", "length") else time.monotonic()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
-        self.stats.vllm.finished(FinishedRequest(reason, end - self.arrival, ttft, self.num_prompt_tokens, self.num_tokens))
+        self.stats.vllm.finished(FinishedRequest(
+            reason, end - self.arrival, ttft, self.num_prompt_tokens, self.num_tokens, self.dispatched_at - self.arrival
+        ))
 
     def __enter__(self) -> "RequestClock":
         return self

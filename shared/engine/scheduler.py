@@ -67,6 +67,10 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
         """Preemptions since start: a figure for metrics and tests."""
+        self.step_tokens: deque[int] = deque(maxlen=1 << 16)
+        """Tokens each non-empty step schedules, newest last: vllm:iteration_tokens_total,
+        drained by a worker's metrics on another thread (deque appends and pops are
+        atomic). Bounded, so an engine nobody drains does not grow."""
         self._window = kv.layout.max_window or 0
         """A sliding floor stops mattering once queries are a window past it."""
         self.connector = connector if kv.layout.persistent_groups else None
@@ -198,6 +202,8 @@ class Scheduler:
             request.spec_token_ids = []  # a draft is verified once; the next step drafts anew
             if chunk.sample:
                 request.num_pending_tokens += 1
+        if out.chunks:
+            self.step_tokens.append(out.num_scheduled_tokens)
         return out
 
     def _num_spec_tokens(self, request: Request, budget: int) -> int:

@@ -11,10 +11,12 @@ a request twice:
   balancer (RequestMetrics)  what a request's client sees: time to first token,
       inter-token latency, time per output token (per request), end-to-end
       latency, prompt and generation tokens (counters and per-request
-      histograms), finished requests by reason;
+      histograms), finished requests by reason, and the phases of a request
+      (prefill, decode, inference time; see FinishedRequest);
   prefill and decode (shared/stage/engine_metrics.py)  what an engine holds: running and waiting
-      requests, KV cache usage, prefix cache queries and hits, preemptions; and
-      prefill the queue time (a request waits in prefill's engine, nowhere else).
+      requests, KV cache usage, prefix cache queries and hits, preemptions,
+      tokens per engine step, the cache's configuration; and prefill the queue
+      time (a request waits in prefill's engine, nowhere else).
 
 Counters are created without the `_total` suffix: prometheus_client adds it, as
 for vLLM (`vllm:prompt_tokens` is scraped as `vllm:prompt_tokens_total`).
@@ -86,6 +88,26 @@ class FinishedRequest:
     """None: it ended before its first token."""
     num_prompt_tokens: int
     num_generation_tokens: int
+    dispatch_s: float = 0.0
+    """From arrival to leaving the balancer's queue for the mesh. vLLM's phases start at
+    the request's first step; the balancer sees the mesh from outside, so its
+    prefill phase starts at the dispatch and holds prefill's engine queue too (which
+    prefill exports apart, as vllm:request_queue_time_seconds)."""
+
+    @property
+    def prefill_s(self) -> float | None:
+        """Dispatch to the first token (vLLM: first step to first token)."""
+        return None if self.ttft_s is None else self.ttft_s - self.dispatch_s
+
+    @property
+    def decode_s(self) -> float | None:
+        """First token to the last (or to the end, for a request that did not finish)."""
+        return None if self.ttft_s is None else self.e2e_s - self.ttft_s
+
+    @property
+    def inference_s(self) -> float:
+        """Dispatch to the end: prefill plus decode."""
+        return self.e2e_s - self.dispatch_s
 
 
 class RequestMetrics:
@@ -110,6 +132,12 @@ class RequestMetrics:
         )  # fmt: skip
         self.e2e = histogram(r, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                               m, REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram(r, "vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", m, REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram(r, "vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", m, REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram(r, "vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", m, REQUEST_LATENCY_BUCKETS)
         self.prompt_tokens = counter(r, "vllm:prompt_tokens", "Number of prefill tokens processed.", m)
         self.generation_tokens = counter(r, "vllm:generation_tokens", "Number of generation tokens processed.", m)
         self.request_prompt_tokens = histogram(
@@ -141,3 +169,7 @@ class RequestMetrics:
         self.request_generation_tokens.observe(request.num_generation_tokens)
         if request.ttft_s is not None and request.num_generation_tokens > 1:
             self.tpot.observe((request.e2e_s - request.ttft_s) / (request.num_generation_tokens - 1))
+        self.inference_time.observe(request.inference_s)
+        if request.prefill_s is not None and request.decode_s is not None:  # it reached its first token
+            self.prefill_time.observe(request.prefill_s)
+            self.decode_time.observe(request.decode_s)

@@ -34,7 +34,7 @@ from shared.runtime.service import ServiceContext
 from shared.engine.host_tier import HostTierConnector
 from shared.engine.kv.connector import KVConnector
 from shared.runtime.vllm_metrics import served_model_name
-from shared.stage.engine_metrics import EngineMetrics
+from shared.stage.engine_metrics import EngineMetrics, cache_config_info
 from shared.stage.kvcache_connector import KVCacheConnector
 from shared.stage.peer_connector import PeerConnector
 
@@ -84,7 +84,10 @@ class Worker:
             ("outcome",),
         )
         settings = ctx.settings
-        self.vllm = EngineMetrics(m.registry, served_model_name(settings.balancer.model_name, settings.engine.model))
+        self.vllm = EngineMetrics(
+            m.registry, served_model_name(settings.balancer.model_name, settings.engine.model),
+            engine.scheduler.step_tokens, cache_config_info(engine),
+        )
         """vLLM's series of this engine (shared/runtime/vllm_metrics.py says who exports what)."""
 
     async def start(self, stack: AsyncExitStack) -> None:
