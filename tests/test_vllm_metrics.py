@@ -3,10 +3,14 @@ prefill, decode and the balancer as processes): the vllm:* series with the
 model_name label each process exports, and values that move by exactly what
 the requests sent did."""
 
+import json
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import openai
+import promql_parser
 import pytest
 
 from shared.runtime.vllm_metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, one_two_five_buckets
@@ -237,3 +241,62 @@ def test_requests_that_end_without_finishing_count_as_abort_or_error():
     assert count("vllm:request_decode_time_seconds_sum") >= 0.05  # the aborted one waited 0.05 s after its tokens
     assert registry.get_sample_value("infermesh_balancer_e2e_request_latency_seconds_count") == 1
     assert registry.get_sample_value("infermesh_balancer_completion_tokens_total") == 3
+
+
+DASHBOARD = Path(__file__).parent.parent / "deploy" / "helm" / "infermesh" / "files" / "grafana-dashboard.json"
+VLLM_PANEL_SERIES = {
+    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_running",
+    "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total", "vllm:num_preemptions_total", "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_bucket", "vllm:request_prefill_time_seconds_bucket",
+    "vllm:request_decode_time_seconds_bucket", "vllm:request_inference_time_seconds_bucket",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:iteration_tokens_total_bucket", "vllm:cache_config_info",
+}  # fmt: skip
+"""What vLLM's own dashboards plot, and the phases, step sizes and cache config beside them."""
+
+
+def promql_names(expr: str) -> set[str]:
+    """The metric names a panel's PromQL selects (Grafana's $__ intervals as a duration)."""
+    names: set[str] = set()
+
+    def visit(node: object) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            assert node.name, f"a selector without a metric name in {expr!r}"
+            names.add(node.name)
+
+    promql_parser.walk(promql_parser.parse(re.sub(r"\$__\w+", "1m", expr)), visit)
+    return names
+
+
+def test_every_dashboard_panel_reads_series_the_mesh_exports(mesh, urls):
+    """The Grafana dashboard, loaded as Grafana would: every panel's every query names
+    only series a scrape of the running mesh (balancer, prefill, decode, kvcache)
+    finds, and the vLLM panels cover vLLM's series."""
+    client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    client.completions.create(model=model, prompt="import os\n", max_tokens=3, temperature=0)
+    targets = {**urls, "kvcache": f"http://127.0.0.1:{mesh.metrics_ports['kvcache']}/metrics"}
+    wait_for(lambda: "infermesh_decode_requests_total" in {n for n, _ in scrape(targets["decode-0"])})
+    exported = {name for url in targets.values() for name, _ in scrape(url)}
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "model_name"} <= variables
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    used: set[str] = set()
+    for panel in panels:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = promql_names(target["expr"])
+            assert names, target["expr"]
+            assert names <= exported, f"panel {panel['title']!r} reads {names - exported}, which the mesh does not export"
+            if any(n.startswith("vllm:") for n in names):
+                assert 'model_name=~"$model_name"' in target["expr"], target["expr"]  # the Model selector applies
+            used |= names
+    assert VLLM_PANEL_SERIES <= used, VLLM_PANEL_SERIES - used
+    # The check is not vacuous: a misspelt series is not exported.
+    assert not promql_names("rate(vllm:time_to_first_token_second_bucket[$__rate_interval])") <= exported
