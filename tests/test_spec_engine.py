@@ -217,6 +217,6 @@ def test_a_drafter_that_costs_more_than_it_yields_drafts_only_its_probes(target,
 
 
 def test_settings_are_checked():
-    for bad in (dict(speculative="mtp"), dict(spec_schedule="best"), dict(spec_tokens=0)):
+    for bad in (dict(speculative="eagle"), dict(spec_schedule="best"), dict(spec_tokens=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad)

@@ -24,7 +24,7 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # the same tuple (it must not import the engine); a test checks they agree.
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
 SWA_REPLAY_CHOICES: tuple[str, ...] = ("bounded", "exact")
-SPECULATIVE_CHOICES: tuple[str, ...] = ("none", "ngram", "draft")
+SPECULATIVE_CHOICES: tuple[str, ...] = ("none", "ngram", "draft", "mtp")
 SPEC_SCHEDULE_CHOICES: tuple[str, ...] = ("fixed", "dspark", "capacity")
 # (max_num_batched_tokens, prefill_chunk_size) when unset. On an H200 with an 8B model
 # (docs/perf/README.md, "whole engine"): an 8k prompt in one step runs at the runner's
@@ -97,9 +97,11 @@ class EngineConfig:
     """Seconds a saved sliding-window state is kept."""
     speculative: str = "none"
     """Speculative decoding: "none", "ngram" (prompt lookup: drafts what followed the
-    context's last tokens earlier in it) or "draft" (a small model with the same
-    tokenizer, spec_draft_model). Drafted tokens are verified losslessly: greedy output
-    is that of plain decoding, sampled output is distributed as the target's."""
+    context's last tokens earlier in it), "draft" (a small model with the same
+    tokenizer, spec_draft_model) or "mtp" (the model's own multi-token-prediction layer
+    in DeepSeek's layout, from its checkpoint: shared/model/mtp.py). Drafted tokens are
+    verified losslessly: greedy output is that of plain decoding, sampled output is
+    distributed as the target's."""
     spec_tokens: int = 4
     """γ: the most tokens drafted per request and step."""
     spec_schedule: str = "fixed"

@@ -52,6 +52,10 @@ class RunnerOutput:
     this step's chunk scored (execute only: the engine steps such requests synchronously)."""
     num_accepted: dict[str, int] = field(default_factory=dict)
     """Per request whose drafted tokens this step verified, how many passed (execute only)."""
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per request, the final hidden states [chunk tokens, hidden] of the positions its
+    chunk computed (chunk.start_pos on), for an MTP drafter; views valid until the next
+    step. Only from execute() with ``ModelRunner.keep_hidden`` set."""
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -59,6 +63,17 @@ def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == hidden.shape[0]:
         return hidden
     return hidden.index_select(0, to_device(rows, torch.long, hidden.device))
+
+
+def _chunk_rows(sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each chunk's rows of the step's hidden states (views, no copy)."""
+    rows: dict[str, torch.Tensor] = {}
+    offset = 0
+    for chunk in sched.chunks:
+        n = len(chunk.token_ids)
+        rows[chunk.request_id] = hidden[offset : offset + n]
+        offset += n
+    return rows
 
 
 class ModelRunner:
@@ -107,6 +122,9 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self._last_tokens = torch.empty(0, dtype=torch.long, device=device)
         self._last_rows: dict[str, int] = {}
+        self.keep_hidden = False
+        """Return each chunk's hidden states from execute() (RunnerOutput.hidden): the MTP
+        drafter reads them. Off, nothing is kept."""
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
@@ -129,10 +147,11 @@ class ModelRunner:
         # Copied before the sampler reads its tokens back: that read waits for this copy too.
         expert_counts = self._copy_expert_counts()
         scored = self._score_prompts(sched, hidden)
+        kept = _chunk_rows(sched, hidden) if self.keep_hidden else {}
         if not sample_rows:
             if expert_counts is not None and self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
-            return RunnerOutput({}, {}, expert_counts, scored)
+            return RunnerOutput({}, {}, expert_counts, scored, hidden=kept)
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
         drafts = {c.request_id: list(c.spec_token_ids) for c in sched.chunks if c.spec_token_ids}
         num_accepted: dict[str, int] = {}
@@ -149,7 +168,7 @@ class ModelRunner:
                 sampled[rid] = [token]
                 if lp is not None:
                     logprobs[rid] = lp
-        return RunnerOutput(sampled, logprobs, expert_counts, scored, num_accepted)
+        return RunnerOutput(sampled, logprobs, expert_counts, scored, num_accepted, kept)
 
     def _verify(
         self, logits: torch.Tensor, sample_ids: list[str], drafts: dict[str, list[int]], num_accepted: dict[str, int]

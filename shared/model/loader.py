@@ -52,7 +52,7 @@ def load_model(
         logger.warning("%s has no lm_head.weight: tying it to model.embed_tokens.weight", folder)
     model = build_model(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels)
     params = model.checkpoint_tensors(set(tensor_files))
-    _check_names(folder, set(params), set(tensor_files), tie)
+    _check_names(folder, set(params), set(tensor_files) - _mtp_names(folder, config, tensor_files), tie)
 
     by_file: dict[str, list[str]] = {}
     for name, file in tensor_files.items():
@@ -129,6 +129,15 @@ def _tensor_files(folder: Path) -> dict[str, str]:
     others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
     hint = f" (found {', '.join(others)}: only safetensors is supported)" if others else ""
     raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+
+
+def _mtp_names(folder: Path, config: ModelConfig, names: Mapping[str, str]) -> set[str]:
+    """The tensors of DeepSeek-layout MTP layers (``model.layers.{L + k}.*`` for k below
+    config.json's ``num_nextn_predict_layers``): the MTP drafter's (shared/model/mtp.py),
+    not the model's, so loading the model leaves them alone."""
+    num_mtp = json.loads((folder / "config.json").read_text()).get("num_nextn_predict_layers") or 0
+    prefixes = tuple(f"model.layers.{config.num_hidden_layers + k}." for k in range(int(num_mtp)))
+    return {name for name in names if name.startswith(prefixes)} if prefixes else set()
 
 
 def _check_names(folder: Path | str, expected: set[str], found: set[str], tied: bool) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.spec.draft_model import DraftModelDrafter
+from shared.engine.spec.mtp_drafter import MtpDrafter
 from shared.engine.spec.schedule import SpsTable
 from shared.engine.spec.speculator import BatchDrafter, NgramDrafter, Speculator
 from shared.model.loader import load_model
@@ -55,6 +56,9 @@ def make_speculator(
         per_block = draft.kv_bytes_per_block(config.block_size, dtype)
         num_blocks = max(min(DRAFT_KV_BYTES // per_block, per_request * config.max_num_seqs), per_request)
         drafter = DraftModelDrafter(draft, config.block_size, num_blocks, dtype, device)
+    elif config.speculative == "mtp":  # the target's own MTP layer, from its checkpoint
+        args = (config.block_size, max_model_len, config.max_num_seqs, dtype, DRAFT_KV_BYTES)
+        drafter = MtpDrafter.load(config.model, target, *args)
     else:
         drafter = NgramDrafter()
     sps = None
