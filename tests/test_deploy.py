@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.engine.config import EngineConfig
 from shared.runtime.settings import Settings, load_settings
 from tests.mesh_procs import ROOT, free_port, start_service, stop_process
-from tools.launch.nats_auth import ROLES, authorization_block, role_users, secrets_env
+from deploy.nats_users import COMPOSE_INSTANCES, ROLE_USERS, compose_secrets, generated
 from tools.launch.up import find_nats_server, grpc_serving, http_ok
 
 DEPLOY = ROOT / "deploy"
@@ -57,9 +57,9 @@ OWN_PORT_KEYS = ("INFERMESH_WORKER__GRPC_PORT", "INFERMESH_WORKER__METRICS_PORT"
 HEALTH_TIMEOUT_S = 120.0
 # Custom resources the chart can render (the Prometheus Operator's PodMonitor).
 CRD_API_VERSIONS = ("monitoring.coreos.com/v1",)
-NATS_AUTH_CONF = CHART / "charts" / "nats" / "files" / "auth.conf"
-# deploy/compose/secrets.env as `python -m tools.launch.nats_auth --env` makes it (compose requires each).
-COMPOSE_SECRETS = secrets_env()
+# deploy/compose/secrets.env as `python -m deploy.nats_users --env` makes it (compose requires each).
+COMPOSE_SECRETS = compose_secrets()
+WORKER_STATEFULSETS = ("mesh-infermesh-prefill", "mesh-infermesh-decode")
 
 
 # -- the metric names the code defines -------------------------------------------------------
@@ -252,9 +252,13 @@ def test_chart_default_values_shape():
     assert kvcache["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "10Gi"
     for name in ("mesh-infermesh-kvcache", "mesh-infermesh-prefill", "mesh-infermesh-decode"):
         main = pods[name]["spec"]["template"]["spec"]["containers"][0]
-        # gRPC health, asked under mutual TLS by the image's check (test_chart_runs_grpc_over_mutual_tls...).
-        assert all(main[p]["exec"]["command"][2] == "grpc" for p in ("startupProbe", "livenessProbe",
-                                                                     "readinessProbe")), name
+        # gRPC health, asked under mutual TLS by the image's check (test_chart_runs_grpc_over_mutual_tls...);
+        # workers are ready by HTTP /ready on the metrics port (loaded, registered, not draining).
+        probes = ("startupProbe", "livenessProbe") + (("readinessProbe",) if name.endswith("kvcache") else ())
+        assert all(main[p]["exec"]["command"][2] == "grpc" for p in probes), name
+        if not name.endswith("kvcache"):
+            assert main["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}, name
+            assert pods[name]["kind"] == "StatefulSet" and pods[name]["spec"]["podManagementPolicy"] == "Parallel"
     balancer = pods["mesh-infermesh-balancer"]["spec"]["template"]["spec"]["containers"][0]
     assert balancer["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert balancer["livenessProbe"]["httpGet"]["path"] == "/health"
@@ -285,7 +289,7 @@ def test_chart_gpu_values_scale_and_request_gpus():
         assert main["image"].endswith(":0.1.0-cuda")
         assert {"name": "INFERMESH_ENGINE__DEVICE", "value": "cuda"} in main["env"]
         assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-        assert "initContainers" not in pod  # the model comes from the volume
+        assert [c["name"] for c in pod["initContainers"]] == ["nats-credentials"]  # the model comes from the volume
         assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
         assert hpas[f"mesh-infermesh-{stage}"]["spec"]["minReplicas"] >= 2
     assert "nvidia.com/gpu" not in str(pods["mesh-infermesh-balancer"]) + str(pods["mesh-infermesh-kvcache"])
@@ -331,14 +335,21 @@ def secret_value(ref: dict, secrets: dict[str, dict]) -> str:
 
 
 def container_env(container: dict, configmaps: dict[str, dict], secrets: dict[str, dict],
-                  base: dict[str, str] | None = None) -> dict[str, str]:
+                  base: dict[str, str] | None = None, pod_name: str = "pod-0") -> dict[str, str]:
     """A container's environment as Kubernetes builds it: image ENV, then the
-    ConfigMaps of envFrom, then env (values, and secretKeyRefs to the rendered Secrets)."""
+    ConfigMaps of envFrom, then env (values with $(VAR) of earlier entries expanded,
+    secretKeyRefs to the rendered Secrets, the pod's name by fieldRef)."""
     env = image_env() if base is None else dict(base)
     for ref in container.get("envFrom", []):
         env.update(configmaps[ref["configMapRef"]["name"]]["data"])
     for e in container.get("env", []):
-        env[e["name"]] = e["value"] if "value" in e else secret_value(e["valueFrom"]["secretKeyRef"], secrets)
+        if "value" in e:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), e["value"])
+        elif "fieldRef" in e["valueFrom"]:
+            assert e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", e
+            env[e["name"]] = pod_name
+        else:
+            env[e["name"]] = secret_value(e["valueFrom"]["secretKeyRef"], secrets)
     return env
 
 
@@ -348,7 +359,8 @@ def containers(pod: dict) -> list[dict]:
 
 def container_envs(docs: list[dict]) -> dict[str, dict[str, str]]:
     configmaps, secrets = kinds(docs, "ConfigMap"), kinds(docs, "Secret")
-    return {f"{name}/{c['name']}": container_env(c, configmaps, secrets) for name, wl in workloads(docs).items()
+    return {f"{name}/{c['name']}": container_env(c, configmaps, secrets, pod_name=f"{name}-0")
+            for name, wl in workloads(docs).items()
             for c in containers(wl["spec"]["template"]["spec"]) if not c["image"].startswith("nats:")}
 
 
@@ -367,33 +379,45 @@ def test_every_container_env_is_valid_settings(source):
         assert settings.engine.model.startswith("/models/"), name
         if name in ("balancer", "mesh-infermesh-balancer/balancer"):  # reachable from outside its container
             assert settings.balancer.host == "0.0.0.0", name
-        if source.endswith("gpu") and name.split("/")[0].endswith(("prefill", "decode", "prefill-gpu", "decode-gpu")):
+        if "nats-credentials" in name:
+            continue  # the one-shot that copies a worker's password: joins no plane
+        if source.endswith("gpu") and name.split("/")[0].endswith(("prefill", "decode", "prefill-gpu-0", "decode-gpu-0")):
             assert settings.engine.device == "cuda", name
-        if "make-model" in name or name == "model-init":
+        if any(one_shot in name for one_shot in ("make-model", "model-init", "nats-credentials", "certs")):
             continue  # a one-shot that joins no plane
-        # Closed by default: the role's NATS user with a password, the gRPC token, and
-        # (containers and pods being reached by others) the non-loopback bind set explicitly.
-        role = next(r for r in ROLES if r in name.split("/")[-1])
-        assert settings.nats.user == role and settings.nats.password, name
+        # Closed by default: the role's NATS user, or the instance's own (its pod or
+        # compose name), with a password, TLS to NATS, the gRPC token, and (containers
+        # and pods being reached by others) the non-loopback bind set explicitly.
+        # (values-gpu.yaml dials an existing NATS: its TLS is the operator's to set.)
+        assert (settings.nats.tls_ca or source == "chart-gpu") and settings.worker.tls_ca, name
+        role = next((r for r in ROLE_USERS if r in name.split("/")[-1]), None)
+        if role is not None:
+            assert settings.nats.user == role and settings.nats.password, name
+        else:  # a worker: its user is its instance id
+            assert settings.nats.user == settings.worker.instance_id, name
+            assert settings.nats.user in COMPOSE_INSTANCES or settings.nats.user == name.split("/")[0] + "-0", name
+            assert settings.nats.password or settings.nats.password_file, name
         assert settings.worker.grpc_token and settings.worker.bind_host == "0.0.0.0", name
         if role == "balancer":
             assert settings.balancer.api_key, name
 
 
-def test_nats_auth_conf_is_the_one_generated_from_the_subjects():
-    """Helm and compose mount charts/nats/files/auth.conf: it must say what
-    `python -m tools.launch.nats_auth --conf` says today (regenerate it when a subject changes)."""
-    out = subprocess.run([sys.executable, "-m", "tools.launch.nats_auth", "--conf"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    assert NATS_AUTH_CONF.read_text() == out
-    assert authorization_block(role_users()) in out
-    assert set(re.findall(r"\$(NATS_\w+_PASSWORD)", out)) == {f"NATS_{r.upper()}_PASSWORD" for r in ROLES}
+def test_nats_auth_files_are_the_ones_generated_from_the_subjects():
+    """Helm's NATS pieces and compose's auth.conf must say what `python -m
+    deploy.nats_users --write` says today (regenerate them when a subject changes)."""
+    files = generated()
+    assert len(files) == 4
+    for path, text in files.items():
+        assert path.read_text() == text, f"{path} is stale: python -m deploy.nats_users --write"
+    compose_conf = files[DEPLOY / "compose" / "nats" / "auth.conf"]
+    assert set(re.findall(r"\$(NATS_\w+_PASSWORD)", compose_conf)) == {
+        "NATS_" + u.upper().replace("-", "_") + "_PASSWORD" for u in (*ROLE_USERS, *COMPOSE_INSTANCES)}
 
 
 def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
     docs = render_chart()
     secret = kinds(docs, "Secret")["mesh-infermesh-auth"]
-    keys = {f"NATS_{r.upper()}_PASSWORD" for r in ROLES} | {"INFERMESH_GRPC_TOKEN", "INFERMESH_API_KEY"}
+    keys = {f"NATS_{r.upper()}_PASSWORD" for r in ROLE_USERS} | {"INFERMESH_GRPC_TOKEN", "INFERMESH_API_KEY"}
     assert set(secret["data"]) == keys
     values = [base64.b64decode(v).decode() for v in secret["data"].values()]
     assert len(set(values)) == len(values) and all(len(v) >= 32 for v in values)
@@ -402,7 +426,7 @@ def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
     for name, wl in workloads(docs).items():
         for c in containers(wl["spec"]["template"]["spec"]):
             for e in c.get("env", []):
-                if re.search(r"PASSWORD|TOKEN|API_KEY", e["name"]):
+                if re.search(r"PASSWORD(?!_FILE)|TOKEN|API_KEY", e["name"]):
                     assert e["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"], (name, e)
     assert not re.search(r"PASSWORD|TOKEN|API_KEY", json.dumps(kinds(docs, "ConfigMap")["mesh-infermesh-settings"]))
     # Only this release's InferMesh pods reach NATS, kvcache and the workers' gRPC.
@@ -424,9 +448,11 @@ def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
                                                               "app.kubernetes.io/part-of": "infermesh"}
     # Your own Secret instead: nothing is generated, everything points at it.
     docs = render_chart({"global": {"authSecret": "my-secret"}})
-    assert set(kinds(docs, "Secret")) == {"mesh-infermesh-tls"}  # the certificates are not credentials of yours
+    # The certificates and the workers' own users are not credentials of yours.
+    assert set(kinds(docs, "Secret")) == {"mesh-infermesh-tls", "mesh-infermesh-instances", "mesh-infermesh-nats"}
     refs = {e["valueFrom"]["secretKeyRef"]["name"] for wl in workloads(docs).values()
-            for c in containers(wl["spec"]["template"]["spec"]) for e in c.get("env", []) if "valueFrom" in e}
+            for c in containers(wl["spec"]["template"]["spec"]) for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
     assert refs == {"my-secret"}
 
 
@@ -441,7 +467,11 @@ def test_chart_runs_grpc_over_mutual_tls_with_certificates_of_its_own_ca(tmp_pat
     speaks no TLS). Off, or with your Secret, as asked."""
     docs = render_chart()
     data = {k: base64.b64decode(v) for k, v in kinds(docs, "Secret")["mesh-infermesh-tls"]["data"].items()}
-    assert set(data) == {"ca.crt"} | {f"{c}.{ext}" for c in TLS_COMPONENTS.values() for ext in ("crt", "key")}
+    assert set(data) == {"ca.crt"} | {f"{c}.{ext}" for c in (*TLS_COMPONENTS.values(), "nats") for ext in ("crt", "key")}
+    (tmp_path / "nats.crt").write_bytes(data["nats.crt"])
+    text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", str(tmp_path / "nats.crt")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "DNS:mesh-nats," in text and "IP Address:127.0.0.1" in text  # the name in nats.url
     (tmp_path / "ca.crt").write_bytes(data["ca.crt"])
     for component in TLS_COMPONENTS.values():
         (tmp_path / f"{component}.crt").write_bytes(data[f"{component}.crt"])
@@ -470,17 +500,20 @@ def test_chart_runs_grpc_over_mutual_tls_with_certificates_of_its_own_ca(tmp_pat
         assert {env[f"INFERMESH_WORKER__TLS_{k}"] for k in ("CERT", "KEY", "CA")} == {
             f"{mount['mountPath']}/{f}" for f in ("tls.crt", "tls.key", "ca.crt")}
         if component != "balancer":
-            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            for probe in ("startupProbe", "livenessProbe") + (("readinessProbe",) if component == "kvcache" else ()):
                 assert c[probe]["exec"]["command"][:4] == ["python", "deploy/docker/healthcheck.py", "grpc",
                                                            c[probe]["exec"]["command"][3]], (name, probe)
     # Off: kubelet's gRPC probes, no certificates anywhere.
     docs = render_chart({"tls": {"enabled": False}})
     assert "mesh-infermesh-tls" not in kinds(docs, "Secret")
     assert "INFERMESH_WORKER__TLS" not in json.dumps(docs)
-    assert all("grpc" in workloads(docs)[n]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert all("grpc" in workloads(docs)[n]["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]
                for n in TLS_COMPONENTS if n != "mesh-infermesh-balancer")
-    # Your own Secret: mounted, nothing generated.
-    docs = render_chart({"tls": {"secret": "my-certs"}})
+    assert "tls {" not in kinds(docs, "Secret")["mesh-infermesh-nats"]["stringData"]["auth.conf"]
+    # Your own Secret: mounted (by the bundled NATS too, named in global.tlsSecret), nothing generated.
+    with pytest.raises(helm.HelmError, match="global.tlsSecret"):
+        render_chart({"tls": {"secret": "my-certs"}})
+    docs = render_chart({"tls": {"secret": "my-certs"}, "global": {"tlsSecret": "my-certs"}})
     assert "mesh-infermesh-tls" not in kinds(docs, "Secret")
     assert {v["secret"]["secretName"] for wl in workloads(docs).values()
             for v in wl["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"} == {"my-certs"}
@@ -531,21 +564,24 @@ def test_compose_file_validates(profile):
     profiles = (profile,) if profile else ()
     compose_config(*profiles, quiet=True)
     services = compose_config(*profiles)["services"]
-    workers = {"prefill", "decode"} if profile is None else {"prefill-gpu", "decode-gpu"}
-    assert set(services) == {"nats", "model-init", "kvcache", "balancer", "jaeger", "prometheus", "grafana"} | workers
+    workers = set(COMPOSE_INSTANCES) if profile is None else {"prefill-gpu-0", "decode-gpu-0"}
+    assert set(services) == {"certs", "nats", "model-init", "kvcache", "balancer", "jaeger", "prometheus",
+                             "grafana"} | workers
     for name in workers:
         svc = services[name]
-        # --scale needs no fixed container name and no published port.
-        assert "container_name" not in svc and not svc.get("ports"), name
+        # One NATS identity per container: a fixed name makes --scale fail instead of sharing it.
+        assert svc["container_name"] == f"infermesh-{name}" and not svc.get("ports"), name
+        assert svc["environment"]["INFERMESH_NATS__USER"] == svc["environment"]["INFERMESH_WORKER__INSTANCE_ID"]
+        assert svc["environment"]["INFERMESH_NATS__USER"] in COMPOSE_INSTANCES, name
         assert {d: c["condition"] for d, c in svc["depends_on"].items()} == {
-            "nats": "service_healthy", "kvcache": "service_healthy",
+            "certs": "service_completed_successfully", "nats": "service_healthy", "kvcache": "service_healthy",
             "model-init": "service_completed_successfully", "jaeger": "service_started"}
         if profile == "gpu":
             assert svc["environment"]["INFERMESH_ENGINE__DEVICE"] == "cuda"
             assert svc["build"]["args"]["VARIANT"] == "cuda"
             assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     for name, svc in services.items():
-        assert svc.get("healthcheck") or name in ("model-init", "jaeger", "grafana"), f"{name} has no healthcheck"
+        assert svc.get("healthcheck") or name in ("certs", "model-init", "jaeger", "grafana"), f"{name} has no healthcheck"
         for volume in svc.get("volumes", []):
             if volume["type"] == "bind":
                 assert Path(volume["source"]).exists(), f"{name} mounts missing {volume['source']}"
@@ -557,7 +593,7 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port():
     targets = {(name, sd["port"]) for job in scrape["scrape_configs"] for sd in job["dns_sd_configs"]
                for name in sd["names"]}
     ours = {n: s for n, s in services.items() if (s.get("command") or [])[:2] == ["python", "-m"]}
-    assert len(ours) == 6
+    assert len(ours) == 7
     for name, svc in ours.items():
         assert (name, int(svc["environment"]["INFERMESH_WORKER__METRICS_PORT"])) in targets, name
 
@@ -692,9 +728,10 @@ class Local:
         out, rest = [], list(args)
         while rest:
             flag, _, value = rest.pop(0).partition("=")
-            if flag in ("--port", "-p", "--http_port", "-m", "--store_dir", "-sd", "--config", "-c"):
+            if flag in ("--port", "-p", "--http_port", "-m", "--store_dir", "-sd", "--config", "-c", "--tlscert",
+                        "--tlskey", "--tlscacert"):
                 value = value or rest.pop(0)
-                is_dir = flag in ("--store_dir", "-sd", "--config", "-c")
+                is_dir = flag in ("--store_dir", "-sd", "--config", "-c", "--tlscert", "--tlskey", "--tlscacert")
                 out += [flag, self.text(value, own, paths) if is_dir else str(self.port(own, int(value)))]
             else:
                 out.append(flag + (f"={value}" if value else ""))
@@ -761,14 +798,17 @@ def wait_healthy(procs: list[Proc], which: list[Proc], logs: Path) -> None:
         time.sleep(0.3 if pending else 0)
 
 
-def nats_refuses_anonymous(url: str) -> bool:
+def nats_refuses_anonymous(url: str, tls_ca: str | None) -> bool:
+    """No user: refused by the server (over TLS with the mesh's CA where the files say so)."""
     import asyncio
+    import ssl
 
     import nats
 
     async def go() -> bool:
+        tls = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
         try:
-            nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+            nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, tls=tls)
         except nats.errors.Error as exc:
             return "Authorization Violation" in str(exc)
         await nc.close()
@@ -791,7 +831,8 @@ def run_mesh(specs: list[Spec], procs: list[Proc], logs: Path, api: str, receive
     wait_healthy(procs, procs, logs)
 
     balancer = next(p.spec for p in procs if p.spec.command[-1:] == ["services.balancer"])
-    assert nats_refuses_anonymous(balancer.env["INFERMESH_NATS__URL"])  # the files' NATS has its users
+    # The files' NATS has its users, and speaks TLS with the mesh's CA.
+    assert nats_refuses_anonymous(balancer.env["INFERMESH_NATS__URL"], balancer.env["INFERMESH_NATS__TLS_CA"])
     key = balancer.env["INFERMESH_BALANCER__API_KEY"]
     assert httpx.get(f"{api}/v1/models", timeout=30).status_code == 401  # closed by default
     auth = {"Authorization": f"Bearer {key}"}
@@ -825,7 +866,7 @@ def compose_specs(services: dict, local: Local, tmp: Path, models_dir: Path, sca
     """The compose services in depends_on order, `scale` containers of a
     service as `--scale` makes them; jaeger is the OTLP receiver, Prometheus
     and Grafana are not ours to start."""
-    order = ["nats", "model-init", "kvcache", "prefill", "decode", "balancer"]
+    order = ["certs", "nats", "model-init", "kvcache", *COMPOSE_INSTANCES, "balancer"]
     assert set(services) - {"jaeger", "prometheus", "grafana"} == set(order)
     started = {"jaeger"}
     specs = []
@@ -840,6 +881,9 @@ def compose_specs(services: dict, local: Local, tmp: Path, models_dir: Path, sca
                      else models_dir if v["source"] == "models" else tmp / "volumes" / v["source"]
                      for v in svc.get("volumes", [])}
             paths.setdefault("/var/lib/infermesh", tmp / own / "state")
+            for folder in paths.values():  # Docker makes a volume's folder when it mounts it
+                if not folder.suffix:
+                    folder.mkdir(parents=True, exist_ok=True)
             env = {k: v.replace("$$", "$") for k, v in svc.get("environment", {}).items()}  # compose's $$ is $
             env = local.env({**image_env(), **env} if "build" in svc else env, own, paths)
             command = [local.text(a.replace("$$", "$"), own, paths) for a in svc["command"]]
@@ -850,7 +894,9 @@ def compose_specs(services: dict, local: Local, tmp: Path, models_dir: Path, sca
             if "healthcheck" in svc:
                 test = svc["healthcheck"]["test"]
                 argv = test[1:] if test[0] == "CMD" else ["sh", "-c", test[1]]
-                checks = [("cmd", [local.text(a, own, paths) for a in argv])]
+                argv = [local.text(a, own, paths) for a in argv]
+                # A health check runs inside the container, with its environment (its certificates).
+                checks = [("cmd", argv) if argv[0] == "wget" else ("exec", (argv, env))]
             conditions = [s["depends_on"][name]["condition"] for s in services.values()
                           if name in s.get("depends_on", {})]
             specs.append(Spec(own, command, env, checks, wait="service_healthy" in conditions))
@@ -883,16 +929,21 @@ def chart_specs(docs: list[dict], local: Local, tmp: Path, models_dir: Path) -> 
                         (folder / key).write_text(text)
                 if "secret" in volume:
                     folder.mkdir(parents=True, exist_ok=True)
-                    data = secrets[volume["secret"]["secretName"]]["data"]
+                    secret = secrets[volume["secret"]["secretName"]]
+                    data = {k: base64.b64decode(v) for k, v in secret.get("data", {}).items()}
+                    # A config names container paths (NATS's certificates): made local like the rest.
+                    data |= {k: local.text(v, own, paths).encode() for k, v in secret.get("stringData", {}).items()}
                     items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
                     for item in items:
-                        (folder / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+                        (folder / item["path"]).write_bytes(data[item["key"]])
+                if "emptyDir" in volume:
+                    folder.mkdir(parents=True, exist_ok=True)
             if c["image"].startswith("nats:"):
                 specs.append(Spec(name, local.nats_command(c["args"], own, paths),
                                   container_env(c, configmaps, secrets, base={}), wait=True))
             else:
                 specs.append(Spec(f"{name}-{c['name']}", [local.text(a, own, paths) for a in c["command"]],
-                                  local.env(container_env(c, configmaps, secrets), own, paths),
+                                  local.env(container_env(c, configmaps, secrets, pod_name=f"{name}-0"), own, paths),
                                   wait=name.endswith("kvcache")))
             if c in pod["containers"]:
                 named = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -929,8 +980,8 @@ def test_compose_stack_starts_healthy_with_its_commands_and_env(tmp_path, procs,
     receiver = OtlpReceiver(local.port("jaeger", 4317))
     (tmp_path / "logs").mkdir()
     try:
-        # `docker compose up --scale decode=2`: the balancer finds the second instance by its heartbeats.
-        specs = compose_specs(services, local, tmp_path, models_dir, scale={"decode": 2})
+        # decode-0 and decode-1: the balancer finds both by their heartbeats, each logged in as itself.
+        specs = compose_specs(services, local, tmp_path, models_dir, scale={})
         api = f"http://127.0.0.1:{local.port('balancer', 8000)}"
         run_mesh(specs, procs, tmp_path / "logs", api, receiver)
         assert httpx.get(f"{api}/ready", timeout=10).json()["instances"] == {"prefill": 1, "decode": 2}

@@ -139,20 +139,27 @@ affinity:
 {{- define "infermesh.modelInit" -}}
 {{- if not .root.Values.model.volume }}
 initContainers:
-  - name: make-model
-    {{- include "infermesh.image" . | nindent 4 }}
-    command:
-      - sh
-      - -c
-      - test -f "$INFERMESH_ENGINE__MODEL/config.json" || exec infermesh make-model "$INFERMESH_ENGINE__MODEL"
-    envFrom:
-      - configMapRef:
-          name: {{ include "infermesh.fullname" .root }}-settings
-    securityContext:
-      {{- toYaml .root.Values.securityContext | nindent 6 }}
-    volumeMounts:
-      - name: models
-        mountPath: {{ .root.Values.model.mountPath }}
+  {{- include "infermesh.modelInitContainer" . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The same container alone (a list item), for pods with other init containers. */}}
+{{- define "infermesh.modelInitContainer" -}}
+{{- if not .root.Values.model.volume -}}
+- name: make-model
+  {{- include "infermesh.image" . | nindent 2 }}
+  command:
+    - sh
+    - -c
+    - test -f "$INFERMESH_ENGINE__MODEL/config.json" || exec infermesh make-model "$INFERMESH_ENGINE__MODEL"
+  envFrom:
+    - configMapRef:
+        name: {{ include "infermesh.fullname" .root }}-settings
+  securityContext:
+    {{- toYaml .root.Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: models
+      mountPath: {{ .root.Values.model.mountPath }}
 {{- end }}
 {{- end -}}
 
@@ -192,7 +199,11 @@ password, and the gRPC token; call with (dict "root" $ "user" "prefill"). */}}
 {{/* The Secret of the gRPC plane's certificates: tls.secret, or the one this
 chart makes (templates/tls-secret.yaml). */}}
 {{- define "infermesh.tlsSecret" -}}
-{{- .Values.tls.secret | default (printf "%s-infermesh-tls" .Release.Name | trunc 63 | trimSuffix "-") -}}
+{{- $global := dig "tlsSecret" "" (.Values.global | default dict) -}}
+{{- if and .Values.tls.secret .Values.nats.enabled (ne .Values.tls.secret $global) -}}
+{{- fail "tls.secret with the bundled NATS: name the same Secret in global.tlsSecret too (NATS mounts its nats.crt and nats.key)" -}}
+{{- end -}}
+{{- .Values.tls.secret | default $global | default (printf "%s-infermesh-tls" .Release.Name | trunc 63 | trimSuffix "-") -}}
 {{- end -}}
 
 {{/* With tls.enabled: the settings that point a component at its certificate,
@@ -205,6 +216,11 @@ its key and the CA (mounted by infermesh.tlsVolume); call with (dict "root" $). 
   value: /etc/infermesh/tls/tls.key
 - name: INFERMESH_WORKER__TLS_CA
   value: /etc/infermesh/tls/ca.crt
+{{- if .root.Values.nats.enabled }}
+# The bundled NATS speaks TLS only, with a certificate of the same CA.
+- name: INFERMESH_NATS__TLS_CA
+  value: /etc/infermesh/tls/ca.crt
+{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -242,4 +258,86 @@ exec:
 {{- else }}
 grpc: {port: {{ .port }}}
 {{- end }}
+{{- end -}}
+
+{{/* The NATS users made for a stage: one per pod ordinal up to this count,
+maxInstances, else autoscaling.maxReplicas when autoscaling, else replicas.
+Asking for more pods than users fails the render: a pod without a user of its
+own would have no way onto NATS. Call with (dict "stage" "decode" "values" $v). */}}
+{{- define "infermesh.maxInstances" -}}
+{{- $v := .values -}}
+{{- $wanted := int $v.replicas -}}
+{{- if (dig "autoscaling" "enabled" false $v) -}}
+{{- $wanted = int $v.autoscaling.maxReplicas -}}
+{{- end -}}
+{{- $max := $v.maxInstances | default $wanted | int -}}
+{{- if gt $wanted $max -}}
+{{- fail (printf "stages.%s: %d pods asked for but NATS users for %d (stages.%s.maxInstances): raise it, e.g. --set stages.%s.maxInstances=%d" .stage $wanted $max .stage .stage $wanted) -}}
+{{- end -}}
+{{- $max -}}
+{{- end -}}
+
+{{/* The Secret of every worker pod's NATS password (one key per pod name) and
+the NATS config with their users (templates/nats-users.yaml); the bundled NATS
+computes the same names. */}}
+{{- define "infermesh.instancesSecret" -}}
+{{- printf "%s-infermesh-instances" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "infermesh.natsConfSecret" -}}
+{{- printf "%s-infermesh-nats" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* A worker pod's identity: its pod name is its instance id and its NATS user,
+whose password the init container (infermesh.instanceCredentials) copied out of
+the instances Secret. Call with (dict "root" $). */}}
+{{- define "infermesh.instanceEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: INFERMESH_WORKER__INSTANCE_ID
+  value: $(POD_NAME)
+- name: INFERMESH_NATS__USER
+  value: $(POD_NAME)
+- name: INFERMESH_NATS__PASSWORD_FILE
+  value: /var/run/infermesh/nats/password
+- name: INFERMESH_WORKER__GRPC_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "infermesh.authSecret" .root }}
+      key: INFERMESH_GRPC_TOKEN
+{{- end -}}
+
+{{/* The init container that hands a worker pod its own NATS password and no
+other: only it mounts the Secret of every instance's password; it copies the
+key named after the pod into a memory volume that the worker mounts. A pod
+ordinal beyond the users made stops here, saying what to raise. Call with
+(dict "root" $ "stage" "decode" "values" $v "max" 4). */}}
+{{- define "infermesh.instanceCredentials" -}}
+- name: nats-credentials
+  {{- include "infermesh.image" . | nindent 2 }}
+  command:
+    - sh
+    - -c
+    - |
+      src="/etc/infermesh/nats-users/$POD_NAME"
+      if [ ! -s "$src" ]; then
+        echo "no NATS user for $POD_NAME: the chart made {{ .max }} for stage {{ .stage }} (ordinals 0..{{ sub (int .max) 1 }}); helm upgrade --set stages.{{ .stage }}.maxInstances=<more>" >&2
+        exit 1
+      fi
+      cp "$src" /var/run/infermesh/nats/password
+  env:
+    - name: POD_NAME
+      valueFrom:
+        fieldRef:
+          fieldPath: metadata.name
+  securityContext:
+    {{- toYaml .root.Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: nats-users
+      mountPath: /etc/infermesh/nats-users
+      readOnly: true
+    - name: nats-credentials
+      mountPath: /var/run/infermesh/nats
 {{- end -}}

@@ -20,3 +20,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "nats.authSecret" -}}
 {{- dig "authSecret" "" (.Values.global | default dict) | default (printf "%s-infermesh-auth" .Release.Name | trunc 63 | trimSuffix "-") -}}
 {{- end -}}
+
+{{/* The parent's NATS config Secret (its templates/nats-users.yaml). */}}
+{{- define "nats.confSecret" -}}
+{{- printf "%s-infermesh-nats" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The parent's certificates (global.tlsSecret, or <release>-infermesh-tls). */}}
+{{- define "nats.tlsSecret" -}}
+{{- dig "tlsSecret" "" (.Values.global | default dict) | default (printf "%s-infermesh-tls" .Release.Name | trunc 63 | trimSuffix "-") -}}
+{{- end -}}
