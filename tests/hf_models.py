@@ -2,6 +2,11 @@
 against. Every parameter (biases and norm weights included) is re-drawn at random, so
 a bias or norm we forgot to apply shows up as a logit mismatch."""
 
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +140,105 @@ def hf_greedy(path: str | Path, prompts: list[list[int]], num_new: int) -> list[
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, do_sample=False)
         outs.append(gen[0, len(p) :].tolist())
     return outs
+
+
+# -- what the parity tests share: a case, its checks, and the CLI run -----------------------
+
+
+@dataclass
+class ParityCase:
+    """A checkpoint, our model loaded from it, seeded prompts, each prompt followed by
+    num_decode more tokens (full), and transformers' logits over each full sequence
+    (causal: one forward gives the reference for every prefill and decode step)."""
+
+    path: Path
+    model: Any
+    prompts: list[list[int]]
+    full: list[list[int]]
+    reference: list[torch.Tensor]
+
+
+def parity_case(path: Path, prompt_lens: Sequence[int], num_decode: int, seed: int, low: int = 0,
+                vocab: int | None = None) -> ParityCase:
+    """Token ids drawn from [low, vocab) (vocab: the model's unless given)."""
+    from shared.model.loader import load_model
+
+    model = load_model(path)
+    high = model.config.vocab_size if vocab is None else vocab
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(low, high, (n,), generator=g).tolist() for n in prompt_lens]
+    full = [p + torch.randint(low, high, (num_decode,), generator=g).tolist() for p in prompts]
+    return ParityCase(path, model, prompts, full, hf_logits(path, full))
+
+
+def check_prefill_then_decode(case: ParityCase, driver: Any, num_decode: int, tolerance: float) -> None:
+    """One varlen prefill of every prompt, then num_decode batched single-token steps,
+    each within tolerance (tests.conftest.rel_err) of transformers' logits."""
+    from tests.conftest import rel_err
+
+    out = driver.step(dict(enumerate(case.prompts)))
+    for s, prompt in enumerate(case.prompts):
+        assert rel_err(out[s], case.reference[s][: len(prompt)]) < tolerance, f"prefill of sequence {s}"
+    for k in range(num_decode):
+        out = driver.step({s: [case.full[s][len(p) + k]] for s, p in enumerate(case.prompts)})
+        for s, prompt in enumerate(case.prompts):
+            pos = len(prompt) + k
+            assert rel_err(out[s], case.reference[s][pos : pos + 1]) < tolerance, f"decode step {k}, sequence {s}"
+
+
+def check_chunked_prefill_beside_decode(
+    case: ParityCase, driver: Any, chunks: Sequence[tuple[int, int]], tolerance: float
+) -> None:
+    """Sequence 2 prefilled in the given chunks; sequence 0 prefilled in the first step
+    and decoding one token beside each later chunk."""
+    from tests.conftest import rel_err
+
+    long, short = case.full[2], case.full[0]
+    for step, (a, b) in enumerate(chunks):
+        short_pos = len(case.prompts[0]) + step - 1
+        short_new = short[: short_pos + 1] if step == 0 else [short[short_pos]]
+        out = driver.step({2: long[a:b], 0: short_new})
+        assert rel_err(out[2], case.reference[2][a:b]) < tolerance, f"chunk {step}"
+        ref_short = case.reference[0][short_pos + 1 - len(short_new) : short_pos + 1]
+        assert rel_err(out[0], ref_short) < tolerance, f"short sequence at step {step}"
+
+
+def check_greedy_then_prefix_hit(llm: Any, path: str | Path, prompts: list[list[int]], hit: list[int],
+                                 num_hit_tokens: int, num_new: int) -> None:
+    """The engine's greedy num_new tokens of prompts (batched), then of hit alone (which
+    shares num_hit_tokens with an earlier prompt: a prefix hit), equal transformers' generate."""
+    from shared.engine.sampling_params import SamplingParams
+
+    expected = hf_greedy(path, prompts + [hit], num_new)
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected[:-1]
+    (again,) = llm.generate([hit], params)
+    assert again.num_cached_tokens == num_hit_tokens
+    assert again.token_ids == expected[-1]
+
+
+def infermesh(*args: str) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True)
+
+
+def make_model_cli(path: Path, arch: str, *extra: str) -> dict[str, Any]:
+    """`infermesh make-model PATH --arch ARCH --seed 2 ...`; returns the config.json it wrote."""
+    made = infermesh("make-model", str(path), "--arch", arch, "--seed", "2", *extra)
+    assert made.returncode == 0, made.stderr
+    return json.loads((path / "config.json").read_text())
+
+
+def check_cli_generate_equals_hf(path: Path, prompts: list[list[int]], max_tokens: int, *extra: str) -> None:
+    """`infermesh generate --json --prompt-ids ...` on path: each record's prompt and
+    tokens equal the prompt and transformers' greedy continuation."""
+    expected = hf_greedy(path, prompts, max_tokens)
+    args = ["generate", "--model", str(path), "--max-tokens", str(max_tokens), "--json", *extra]
+    for p in prompts:
+        args += ["--prompt-ids", " ".join(map(str, p))]
+    out = infermesh(*args)
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt_token_ids"] for r in records] == prompts
+    assert [r["token_ids"] for r in records] == expected

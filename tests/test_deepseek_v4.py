@@ -13,7 +13,6 @@ the window (16) and spanning many compression windows (4 and 16 tokens).
 - only the compressed groups persist; the state (window + compressors' tail) never does.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,12 +25,12 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.spec import CompressedSpec, SlidingWindowSpec
 from shared.model.config import ModelConfig
-from shared.model.loader import load_model, load_weights
+from shared.model.loader import load_weights
 from shared.model.models import DeepseekV4ForCausalLM
 from tests.conftest import PagedDriver, rel_err
 from tests.deepseek_v4_models import V4_VARIANTS, save_tiny_v4
 from tests.engine_helpers import run
-from tests.hf_models import hf_greedy, hf_logits, random_prompts
+from tests.hf_models import ParityCase, check_greedy_then_prefix_hit, check_prefill_then_decode, parity_case, random_prompts
 
 pytest.importorskip("transformers")
 
@@ -43,21 +42,12 @@ NUM_NEW = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
 
-class Case:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.model = load_model(path)
-        g = torch.Generator().manual_seed(2)
-        self.prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
-        self.full = [p + torch.randint(3, 512, (NUM_DECODE,), generator=g).tolist() for p in self.prompts]
-        self.reference = hf_logits(path, self.full)
-
-
 @pytest.fixture(scope="module", params=list(V4_VARIANTS))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ParityCase:
     # "mixed" is saved in shards, so the experts load across files.
     overrides = {"max_shard_size": "200KB"} if request.param == "mixed" else {}
-    return Case(save_tiny_v4(request.param, tmp_path_factory.mktemp(request.param), seed=1, **overrides))
+    path = save_tiny_v4(request.param, tmp_path_factory.mktemp(request.param), seed=1, **overrides)
+    return parity_case(path, PROMPT_LENS, NUM_DECODE, seed=2, low=3, vocab=512)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +55,7 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_tiny_v4("mixed", tmp_path_factory.mktemp("v4_mixed"), seed=3))
 
 
-def test_config_and_kv_groups(case: Case) -> None:
+def test_config_and_kv_groups(case: ParityCase) -> None:
     model = case.model
     assert isinstance(model, DeepseekV4ForCausalLM)
     p = model.config.deepseek_v4
@@ -86,19 +76,12 @@ def test_config_and_kv_groups(case: Case) -> None:
     assert p.state_window == max([16] + [2 * r if r == 4 else r for r in rates])
 
 
-def test_prefill_then_decode_matches_transformers(case: Case) -> None:
+def test_prefill_then_decode_matches_transformers(case: ParityCase) -> None:
     driver = PagedDriver(case.model, num_seqs=3, num_blocks=1024, block_size=BLOCK)
-    out = driver.step(dict(enumerate(case.prompts)))
-    for s, prompt in enumerate(case.prompts):
-        assert rel_err(out[s], case.reference[s][: len(prompt)]) < TOLERANCE, f"prefill of sequence {s}"
-    for k in range(NUM_DECODE):
-        out = driver.step({s: [case.full[s][len(p) + k]] for s, p in enumerate(case.prompts)})
-        for s, prompt in enumerate(case.prompts):
-            pos = len(prompt) + k
-            assert rel_err(out[s], case.reference[s][pos : pos + 1]) < TOLERANCE, f"decode {k}, sequence {s}"
+    check_prefill_then_decode(case, driver, NUM_DECODE, TOLERANCE)
 
 
-def test_chunks_that_split_compression_windows(case: Case) -> None:
+def test_chunks_that_split_compression_windows(case: ParityCase) -> None:
     """Chunks of 37 and 53 tokens (no multiple of 4 or 16) beside a decoding sequence."""
     driver = PagedDriver(case.model, num_seqs=3, num_blocks=1024, block_size=BLOCK, seed=5)
     long, short = case.full[2], case.full[0]
@@ -111,7 +94,7 @@ def test_chunks_that_split_compression_windows(case: Case) -> None:
         assert rel_err(out[0], case.reference[0][pos : pos + 1]) < TOLERANCE, f"decode at {pos}"
 
 
-def test_transformers_in_memory_names_load_too(case: Case) -> None:
+def test_transformers_in_memory_names_load_too(case: ParityCase) -> None:
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(case.path, dtype=torch.float32)
@@ -129,15 +112,10 @@ def test_engine_greedy_equals_transformers_generate(mixed: str) -> None:
     blocks were taken, by a replay: exact here (bounded replay drifts; see below)."""
     prompts = random_prompts([300, 311, 305], vocab=500, seed=1)
     hit = prompts[1][:256] + random_prompts([50], vocab=500, seed=7)[0]
-    expected = hf_greedy(mixed, prompts + [hit], NUM_NEW)
     llm = LLM(mixed, block_size=BLOCK, prefill_chunk_size=37, max_num_batched_tokens=48, num_kv_blocks=180, max_model_len=400,
               swa_replay="exact")  # fmt: skip
-    outs = llm.generate(prompts, GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in outs] == expected[:-1]
-    (again,) = llm.generate([hit], GREEDY)
-    assert again.num_cached_tokens == 256
-    assert again.token_ids == expected[-1]
+    check_greedy_then_prefix_hit(llm, mixed, prompts, hit, num_hit_tokens=256, num_new=NUM_NEW)
+    assert llm.engine.scheduler.num_preemptions > 0  # the three batched requests did not all fit
 
 
 SAVE = KVTransferParams(load=True, save=True)
@@ -226,7 +204,7 @@ def test_legacy_config_spellings_parse_alike() -> None:
     assert modern.compress_rope is not None and modern.compress_rope.rope_theta == 160000.0
 
 
-def test_blocks_smaller_than_a_compression_window(case: Case) -> None:
+def test_blocks_smaller_than_a_compression_window(case: ParityCase) -> None:
     """Blocks of 8 tokens: two CSA entries per block, one HCA entry every other block."""
     driver = PagedDriver(case.model, num_seqs=2, num_blocks=2048, block_size=8, seed=9)
     out = driver.step({0: case.prompts[0][:151], 1: case.prompts[1]})

@@ -9,10 +9,16 @@ import torch
 
 from shared.model.config import ModelConfig, RopeConfig
 from shared.model.layers import rope_inv_freq
-from shared.model.loader import load_model
-from shared.model.transformer import CausalLM
 from tests.conftest import PagedDriver, rel_err
-from tests.hf_models import ARCH_VARIANTS, hf_logits, save_tiny_hf_model
+from tests.hf_models import (
+    ARCH_VARIANTS,
+    ParityCase,
+    check_chunked_prefill_beside_decode,
+    check_prefill_then_decode,
+    hf_logits,
+    parity_case,
+    save_tiny_hf_model,
+)
 
 pytest.importorskip("transformers")
 
@@ -22,56 +28,27 @@ NUM_DECODE = 8
 BLOCK_SIZE = 4
 
 
-class Case:
-    """One variant: its checkpoint, our model, token sequences and transformers' logits."""
-
-    def __init__(self, path: Path, seed: int) -> None:
-        self.path = path
-        self.model: CausalLM = load_model(path)
-        vocab = self.model.config.vocab_size
-        g = torch.Generator().manual_seed(seed)
-        self.prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-        self.full = [p + torch.randint(0, vocab, (NUM_DECODE,), generator=g).tolist() for p in self.prompts]
-        # Causal: one forward over each extended sequence gives the reference for every step.
-        self.reference = hf_logits(path, self.full)
-
-
 @pytest.fixture(scope="module", params=list(ARCH_VARIANTS))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ParityCase:
     arch = request.param
     # Qwen2 is saved in small shards so the loader's index path runs on a real HF layout.
     overrides = {"max_shard_size": "40KB"} if arch == "qwen2" else {}
     path = save_tiny_hf_model(arch, tmp_path_factory.mktemp(arch), seed=1, **overrides)
     if arch == "qwen2":
         assert len(list(path.glob("model-*-of-*.safetensors"))) > 1
-    return Case(path, seed=2)
+    return parity_case(path, PROMPT_LENS, NUM_DECODE, seed=2)
 
 
-def test_prefill_then_decode_matches_transformers(case: Case) -> None:
+def test_prefill_then_decode_matches_transformers(case: ParityCase) -> None:
     driver = PagedDriver(case.model, num_seqs=len(case.prompts), block_size=BLOCK_SIZE)
-    out = driver.step(dict(enumerate(case.prompts)))  # one varlen prefill of all prompts
-    for s, prompt in enumerate(case.prompts):
-        assert rel_err(out[s], case.reference[s][: len(prompt)]) < TOLERANCE, f"prefill of sequence {s}"
-    for k in range(NUM_DECODE):
-        out = driver.step({s: [case.full[s][len(p) + k]] for s, p in enumerate(case.prompts)})
-        for s, prompt in enumerate(case.prompts):
-            pos = len(prompt) + k
-            assert rel_err(out[s], case.reference[s][pos : pos + 1]) < TOLERANCE, f"decode step {k}, sequence {s}"
+    check_prefill_then_decode(case, driver, NUM_DECODE, TOLERANCE)
 
 
-def test_chunked_prefill_mixed_with_decode(case: Case) -> None:
+def test_chunked_prefill_mixed_with_decode(case: ParityCase) -> None:
     """Sequence 2 is prefilled in chunks of 7, 8, 7 tokens; sequence 0 is prefilled in the
     first step and decodes one token alongside each later chunk."""
     driver = PagedDriver(case.model, num_seqs=3, block_size=BLOCK_SIZE, seed=5)
-    long, short = case.full[2], case.full[0]
-    chunks = [(0, 7), (7, 15), (15, 22)]
-    for step, (a, b) in enumerate(chunks):
-        short_pos = len(case.prompts[0]) + step - 1
-        short_new = short[: short_pos + 1] if step == 0 else [short[short_pos]]
-        out = driver.step({2: long[a:b], 0: short_new})
-        assert rel_err(out[2], case.reference[2][a:b]) < TOLERANCE, f"chunk {step}"
-        ref_short = case.reference[0][short_pos + 1 - len(short_new) : short_pos + 1]
-        assert rel_err(out[0], ref_short) < TOLERANCE, f"short sequence at step {step}"
+    check_chunked_prefill_beside_decode(case, driver, [(0, 7), (7, 15), (15, 22)], TOLERANCE)
 
 
 def test_sliding_window_bites(tmp_path: Path) -> None:

@@ -12,13 +12,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
 from shared.model.models import GptOssForCausalLM, Qwen3MoeForCausalLM
-from shared.model.models.llama import CausalLM
 from shared.model.moe import SparseMoE
-from tests.conftest import PagedDriver, rel_err
-from tests.hf_models import MOE_VARIANTS, hf_greedy, hf_logits, random_prompts, save_tiny_hf_model
+from tests.conftest import PagedDriver
+from tests.hf_models import (
+    MOE_VARIANTS,
+    ParityCase,
+    check_chunked_prefill_beside_decode,
+    check_greedy_then_prefix_hit,
+    check_prefill_then_decode,
+    parity_case,
+    random_prompts,
+    save_tiny_hf_model,
+)
 
 pytest.importorskip("transformers")
 
@@ -28,26 +35,15 @@ NUM_DECODE = 8
 NUM_NEW = 32
 
 
-class Case:
-    def __init__(self, path: Path, seed: int) -> None:
-        self.path = path
-        self.model: CausalLM = load_model(path)
-        vocab = self.model.config.vocab_size
-        g = torch.Generator().manual_seed(seed)
-        self.prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-        self.full = [p + torch.randint(0, vocab, (NUM_DECODE,), generator=g).tolist() for p in self.prompts]
-        self.reference = hf_logits(path, self.full)
-
-
 @pytest.fixture(scope="module", params=list(MOE_VARIANTS))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ParityCase:
     # qwen3_moe is saved in shards, so per-expert tensors load across files.
     overrides = {"max_shard_size": "100KB"} if request.param == "qwen3_moe" else {}
     path = save_tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param), seed=1, **overrides)
-    return Case(path, seed=2)
+    return parity_case(path, PROMPT_LENS, NUM_DECODE, seed=2)
 
 
-def test_model_class_follows_the_architecture(case: Case) -> None:
+def test_model_class_follows_the_architecture(case: ParityCase) -> None:
     expected = GptOssForCausalLM if case.model.config.architecture == "GptOssForCausalLM" else Qwen3MoeForCausalLM
     assert type(case.model) is expected
     kinds = [isinstance(layer.mlp, SparseMoE) for layer in case.model.model.layers]
@@ -55,31 +51,17 @@ def test_model_class_follows_the_architecture(case: Case) -> None:
     assert any(kinds)
 
 
-def test_prefill_then_decode_matches_transformers(case: Case) -> None:
+def test_prefill_then_decode_matches_transformers(case: ParityCase) -> None:
     driver = PagedDriver(case.model, num_seqs=len(case.prompts), block_size=4)
-    out = driver.step(dict(enumerate(case.prompts)))
-    for s, prompt in enumerate(case.prompts):
-        assert rel_err(out[s], case.reference[s][: len(prompt)]) < TOLERANCE, f"prefill of sequence {s}"
-    for k in range(NUM_DECODE):
-        out = driver.step({s: [case.full[s][len(p) + k]] for s, p in enumerate(case.prompts)})
-        for s, prompt in enumerate(case.prompts):
-            pos = len(prompt) + k
-            assert rel_err(out[s], case.reference[s][pos : pos + 1]) < TOLERANCE, f"decode {k}, sequence {s}"
+    check_prefill_then_decode(case, driver, NUM_DECODE, TOLERANCE)
 
 
-def test_chunked_prefill_mixed_with_decode(case: Case) -> None:
+def test_chunked_prefill_mixed_with_decode(case: ParityCase) -> None:
     driver = PagedDriver(case.model, num_seqs=3, block_size=4, seed=5)
-    long, short = case.full[2], case.full[0]
-    for step, (a, b) in enumerate([(0, 7), (7, 15), (15, 22)]):
-        short_pos = len(case.prompts[0]) + step - 1
-        short_new = short[: short_pos + 1] if step == 0 else [short[short_pos]]
-        out = driver.step({2: long[a:b], 0: short_new})
-        assert rel_err(out[2], case.reference[2][a:b]) < TOLERANCE, f"chunk {step}"
-        ref_short = case.reference[0][short_pos + 1 - len(short_new) : short_pos + 1]
-        assert rel_err(out[0], ref_short) < TOLERANCE, f"short sequence at step {step}"
+    check_chunked_prefill_beside_decode(case, driver, [(0, 7), (7, 15), (15, 22)], TOLERANCE)
 
 
-def test_expert_counts_are_the_routers_choices(case: Case) -> None:
+def test_expert_counts_are_the_routers_choices(case: ParityCase) -> None:
     """After a forward, each sparse layer's row counts the (token, choice) pairs its
     router sent to each expert: recomputed here from the router on the same input."""
     model = case.model
@@ -99,20 +81,14 @@ def test_expert_counts_are_the_routers_choices(case: Case) -> None:
         assert int(row.sum()) == len(case.prompts[2]) * k
 
 
-def test_engine_greedy_equals_transformers_generate(case: Case) -> None:
+def test_engine_greedy_equals_transformers_generate(case: ParityCase) -> None:
     """Chunked prefill (chunks of 8 across blocks of 4), continuous batching (decodes
     beside chunks), then a prompt that shares a 16-token prefix with an earlier one
     (a prefix hit) alone: all equal transformers' greedy generation."""
     prompts = random_prompts([5, 17, 23, 9], vocab=500, seed=1)
     hit = prompts[1][:16] + random_prompts([6], vocab=500, seed=7)[0]
-    expected = hf_greedy(case.path, prompts + [hit], NUM_NEW)
     llm = LLM(str(case.path), block_size=4, prefill_chunk_size=8, max_num_batched_tokens=24)
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == expected[:-1]
-    (again,) = llm.generate([hit], params)
-    assert again.num_cached_tokens == 16
-    assert again.token_ids == expected[-1]
+    check_greedy_then_prefix_hit(llm, case.path, prompts, hit, num_hit_tokens=16, num_new=NUM_NEW)
 
 
 def test_fused_expert_checkpoint_loads_as_per_expert(tmp_path: Path) -> None:
