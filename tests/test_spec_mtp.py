@@ -188,7 +188,8 @@ def test_greedy_output_equals_decoding_without_speculation_and_drafts_are_recomp
     assert not drafter._held and len(drafter._free) == drafter.kv_cache.shape[1]  # every MTP block back
     # Each draft is what a full recomputation from the context gives (stale KV or hidden
     # states of rejected tokens would change it); checked on a spread of the proposals.
-    assert len(proposals) > 10
+    # (dspark may choose to draft less deep or not at all from the costs it measures.)
+    assert len(proposals) > (10 if schedule == "fixed" else 0)
     for context, tokens in proposals[:: max(len(proposals) // 12, 1)]:
         assert list(tokens) == _recomputed_draft(with_mtp, context, len(tokens))
 

@@ -201,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--mtp-steps", type=int, default=0, help="then train the target's MTP head (tools/train/mtp_head.py)")
     args = p.parse_args(argv)
 
     from shared.model.make_model import make_model
@@ -240,6 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     record["samples"] = {prompt: sample(out / "target", prompt) for prompt in SAMPLE_PROMPTS}
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     write_card(out, record)
+    if args.mtp_steps:  # after the target: it rewrites the checkpoint the head goes into
+        from tools.train.mtp_head import main as train_mtp_head
+
+        train_mtp_head(["--target", str(out / "target"), "--steps", str(args.mtp_steps), "--seed", str(args.seed)])
     print((out / "README.md").read_text())
     return 0
 

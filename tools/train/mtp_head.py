@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tools.train.default_model import Corpus, _windows, build_corpus
+from tools.train.default_model import SAMPLE_PROMPTS, Corpus, _windows, build_corpus
 
 EVAL_WINDOWS = 48
 """Held-out windows in each evaluation along the way."""
@@ -166,6 +166,59 @@ def write(target_path: Path, mtp: MtpTrainer) -> None:
     save_mtp(target_path, {n: t.to(torch.bfloat16) for n, t in mtp.checkpoint_tensors(layer_index).items()})
 
 
+def engine_acceptance(target_path: Path, spec_tokens: int = 3, max_tokens: int = 64) -> dict:
+    """The engine's greedy speculation with the written head on the card's prompts."""
+    from shared.engine.llm import LLM
+    from shared.engine.sampling_params import SamplingParams
+
+    llm = LLM(str(target_path), speculative="mtp", spec_tokens=spec_tokens)
+    llm.generate(list(SAMPLE_PROMPTS), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    load = llm.engine.load()
+    return {"spec_tokens": spec_tokens, "prompts": list(SAMPLE_PROMPTS), "max_tokens": max_tokens,
+            "mean_accepted_length": round(load.mean_accepted_length, 3),
+            "verifications": load.num_spec_verifications, "accepted_by_position": load.spec_accepted_by_position}  # fmt: skip
+
+
+CARD_HEADING = "## The MTP head (`speculative=\"mtp\"`)"
+
+
+def write_card_section(card: Path, record: dict) -> None:
+    """Put the MTP head's section at the end of the pair's README (replacing an older one)."""
+    m, t = record["mtp"], record["train"]
+    pair = card.parent / "training.json"
+    target_loss = ""
+    if pair.is_file():
+        target_loss = f" (the target's on the next token: {json.loads(pair.read_text())['target']['heldout_loss']:.3f})"
+    lines = [
+        CARD_HEADING,
+        "",
+        f"`target/` also carries a multi-token-prediction layer in DeepSeek-V3's layout "
+        f"(`model.layers.{record['layer_index']}.*`, `num_nextn_predict_layers: 1`; transformers' Llama "
+        "ignores it), made by `python -m tools.train.mtp_head` "
+        f"(`{' '.join(record['argv'])}`) on {record['machine']} ({record['threads']} threads), "
+        f"torch {record['torch']}; `mtp_training.json` holds the figures and the loss curve.",
+        "",
+        f"- {m['params']:,} parameters of its own (eh_proj and one decoder layer, started from the "
+        "target's last layer; the embedding and the LM head are the target's), bf16.",
+        f"- The target frozen; {t['steps']} steps of {t['batch_size']} × {t['seq_len']} tokens "
+        f"({m['tokens_seen']:,} tokens, {m['train_seconds']:.0f} s), AdamW, peak lr {t['lr']}, cosine, "
+        f"seed {t['seed']}, on Python {record['python']}'s stdlib sources split by file as above "
+        f"({record['corpus']['train_tokens']:,} training tokens).",
+        f"- Held-out ({m['heldout_tokens']:,} positions of the held-out files): cross-entropy on the "
+        f"token after next {m['heldout_loss']:.3f} nats{target_loss}; top-1 right {m['heldout_top1']:.1%}; "
+        f"top-1 equal to the target's own greedy next prediction {m['heldout_agreement']:.1%} (what greedy "
+        f"verification accepts of a first drafted token). The curve along the way is measured on the "
+        f"first {EVAL_WINDOWS} held-out windows only, a harder subset.",
+    ]
+    a = record["engine"]
+    lines.append(f"- In the engine (greedy, γ = {a['spec_tokens']}, the two sample prompts, {a['max_tokens']} tokens "
+                 f"each): mean accepted length {a['mean_accepted_length']:.2f} tokens per verification; "
+                 f"drafted token k accepted {a['accepted_by_position']} times in {a['verifications']}.")  # fmt: skip
+    text = card.read_text() if card.is_file() else ""
+    text = text.split(CARD_HEADING)[0].rstrip("\n")
+    card.write_text(text + "\n\n" + "\n".join(lines) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="models/trained/target")
@@ -177,10 +230,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=60)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--card-only", action="store_true", help="no training: measure the written head, rewrite the card")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     target_path = Path(args.target)
+    out = Path(args.record) if args.record else target_path.parent / "mtp_training.json"
+    if args.card_only:
+        record = json.loads(out.read_text())
+        record.setdefault("layer_index", json.loads((target_path / "config.json").read_text())["num_hidden_layers"])
+        record["engine"] = engine_acceptance(target_path)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        write_card_section(target_path.parent / "README.md", record)
+        return 0
     config = json.loads((target_path / "config.json").read_text())
     eos = config["eos_token_id"]
     corpus = build_corpus(target_path / "tokenizer.json", eos if isinstance(eos, int) else eos[0])
@@ -196,11 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "train": dataclasses.asdict(cfg),
+        "layer_index": config["num_hidden_layers"],
         "corpus": {"train_tokens": len(corpus.train), "heldout_tokens": len(corpus.heldout), "sha256": corpus.sha256},
         "mtp": trained,
     }
-    out = Path(args.record) if args.record else target_path.parent / "mtp_training.json"
+    record["engine"] = engine_acceptance(target_path)
     out.write_text(json.dumps(record, indent=2) + "\n")
+    write_card_section(target_path.parent / "README.md", record)
     print(f"wrote the MTP layer into {target_path / 'model.safetensors'} and the record into {out}")
     return 0
 

@@ -116,11 +116,13 @@ class MtpDrafter:
         """Up to max_tokens greedy tokens after each context (none for a request whose
         hidden states are not all here, that would pass max_position_embeddings, or
         whose blocks do not fit)."""
+        if max_tokens < 1:  # nothing to run: the catch-up below must not be marked done
+            return {}
         rows: list[_Rows] = []
         for rid, context in contexts.items():
             held = self._held.get(rid)
             end = len(context) - 1  # positions < end were computed by the target
-            if held is None or not self._in_step(rid, held, context) or end - 1 + max_tokens > self.max_len:
+            if held is None or not self._read_context(rid, held, context) or end - 1 + max_tokens > self.max_len:
                 continue
             first = held.base + held.num_valid
             num_new = end - first
@@ -151,7 +153,7 @@ class MtpDrafter:
             ]
         return {rid: Draft(tuple(t), tuple(scores[rid]), tuple(scores[rid])) for rid, t in drafted.items() if t}
 
-    def _in_step(self, rid: str, held: _Held, context: Sequence[int]) -> bool:
+    def _read_context(self, rid: str, held: _Held, context: Sequence[int]) -> bool:
         """Whether the held KV read the context's tokens; if not (not expected: committed
         tokens do not change), the request's MTP state is dropped and restarts later."""
         if list(context[held.base + 1 : held.base + 1 + held.num_valid]) == held.token_ids:
