@@ -3,7 +3,8 @@ tokens each step verifies, and what verification taught (calibration, metrics).
 
 Before each step the engine hands the running requests to `propose`: each one
 that decodes with its last token on the host gets a draft from the drafter (prompt
-lookup or the draft model, behind one interface), its confidences calibrated from
+lookup, the draft model or the target's MTP head, behind one interface; the MTP head
+also reads the target's hidden states, `observe_hidden`), its confidences calibrated from
 the acceptance observed so far, and a verification length: all of it ("fixed"),
 or DSpark's Algorithm 1 over the batch ("dspark", schedule.py, with the SPS
 profile measured at start; all of it too while the first observations come in),
