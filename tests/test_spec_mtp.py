@@ -233,3 +233,24 @@ def test_trained_target_mtp_head_accepts_on_python():
     print(f"trained target, MTP head: mean accepted length {load.mean_accepted_length:.2f}, "
           f"accepted by position {load.spec_accepted_by_position} of {load.num_spec_verifications}")  # fmt: skip
     assert load.mean_accepted_length > 1.0
+
+
+def test_preemption_and_prefix_caching_with_the_mtp_drafter(with_mtp):
+    prompts = random_prompts([30, 12, 25, 7, 19, 40], vocab=500, seed=2)
+    params = _greedy(24)
+    expected = [o.token_ids for o in LLM(str(with_mtp), block_size=4).generate(prompts, params)]
+    tight = dict(block_size=4, num_kv_blocks=24, max_model_len=96, prefill_chunk_size=16)
+    llm = LLM(str(with_mtp), **tight, speculative="mtp")
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.scheduler.num_preemptions > 0  # recomputed positions replace the MTP's consumed ones
+    drafter = llm.engine.speculator.drafter
+    assert not drafter._held and len(drafter._free) == drafter.kv_cache.shape[1]
+    # A prefix hit: the target computes only the new tokens, and the MTP layer starts there.
+    prefix = random_prompts([48], vocab=500, seed=3)[0]
+    warm = LLM(str(with_mtp), block_size=8, speculative="mtp")
+    warm.generate([prefix + [11, 12]], params)
+    before = warm.engine.load().num_spec_verifications
+    second = warm.generate([prefix + [21, 22]], params)[0]
+    cold = LLM(str(with_mtp), block_size=8, enable_prefix_caching=False).generate([prefix + [21, 22]], params)[0]
+    assert second.num_cached_tokens == 48 and second.token_ids == cold.token_ids
+    assert warm.engine.load().num_spec_verifications > before
