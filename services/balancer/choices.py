@@ -123,7 +123,9 @@ def usage_of(call: Call, usages: dict[int, Usage]) -> Usage:
     num_output = 0 if call.echo_only else sum(u.completion_tokens for u in usages.values())
     samples = call.num_samples
     num_cached = sum(u.cached_tokens for i, u in usages.items() if i % samples == 0)
-    return Usage(num_prompt, num_output, num_cached)
+    drafted = sum(u.spec_drafted_tokens for u in usages.values())
+    accepted = sum(u.spec_accepted_tokens for u in usages.values())
+    return Usage(num_prompt, num_output, num_cached, drafted, accepted)
 
 
 def pick_best(call: Call, finished: list[Finished]) -> list[Finished]:

@@ -32,6 +32,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    spec_drafted_tokens: int = 0
+    """Speculative decoding: drafted tokens verified for the request, and accepted."""
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -61,7 +61,8 @@ class LocalGenerator:
             try:
                 async for out in outputs:
                     # Every event carries usage so far: a stop string may end the stream early.
-                    usage = Usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+                    usage = Usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,
+                                  out.num_spec_drafted_tokens, out.num_spec_accepted_tokens)  # fmt: skip
                     yield TokenEvent(out.new_token_ids, out.new_logprobs, out.finish_reason, usage, out.prompt_logprobs)
             except EngineDead as exc:
                 raise GenerationError(f"the engine is not running: {exc}", 503, "service_unavailable") from exc

@@ -162,7 +162,9 @@ class MeshGenerator:
                     generated += event.token_ids
                     if event.usage is not None:
                         cached = event.usage.cached_tokens if cached is None else cached
-                        event.usage = Usage(len(req.prompt_token_ids), len(generated), cached)
+                        u = event.usage
+                        event.usage = Usage(len(req.prompt_token_ids), len(generated), cached,
+                                            u.spec_drafted_tokens, u.spec_accepted_tokens)  # fmt: skip
                     yield event
                 return
             except _InstanceFailed as exc:
@@ -293,9 +295,9 @@ class MeshGenerator:
                     if num_chunks == 1 and req.params.prompt_logprobs is not None:
                         event.prompt_logprobs = [None, *(logprobs_from_proto(lp) for lp in chunk.prompt_logprobs)]
                     if chunk.HasField("usage"):
-                        event.usage = Usage(
-                            chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.cached_tokens
-                        )
+                        u = chunk.usage
+                        event.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
+                                            u.spec_drafted_tokens, u.spec_accepted_tokens)  # fmt: skip
                         root.set_attribute("prompt.cached_tokens", chunk.usage.cached_tokens)
                     if chunk.final:
                         finished = True

@@ -21,19 +21,34 @@ class ErrorResponse(BaseModel):
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's prediction-token counts, which say what speculative decoding did: drafted
+    tokens the model accepted, and those it rejected (present when speculation ran)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
     def of(cls, usage: Usage) -> "UsageInfo":
+        details = None
+        if usage.spec_drafted_tokens:
+            details = CompletionTokensDetails(
+                accepted_prediction_tokens=usage.spec_accepted_tokens,
+                rejected_prediction_tokens=usage.spec_drafted_tokens - usage.spec_accepted_tokens,
+            )
         return cls(
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             total_tokens=usage.prompt_tokens + usage.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+            completion_tokens_details=details,
         )
 
 class ModelCard(BaseModel):

@@ -169,7 +169,7 @@ class OpenAIServer:
 
     async def _generate(self, job: Job) -> AsyncGenerator[Delta, None]:
         detok = job.detokenizer
-        num_tokens, num_cached = 0, 0
+        num_tokens, num_cached, drafted, accepted = 0, 0, 0, 0
         clock = self.stats.clock(job.arrival, len(job.request.prompt_token_ids))
         async with aclosing(self.generator.generate(job.request)) as events, clock:
             async for event in events:
@@ -177,9 +177,10 @@ class OpenAIServer:
                 num_tokens += len(event.token_ids)
                 if event.usage is not None:  # on the last event; one cut by a stop string has none
                     num_cached = event.usage.cached_tokens
+                    drafted, accepted = event.usage.spec_drafted_tokens, event.usage.spec_accepted_tokens
                 text = detok.add_tokens(event.token_ids)
                 finish = "stop" if detok.stop_reason is not None else event.finish_reason
-                usage = Usage(len(job.request.prompt_token_ids), num_tokens, num_cached)
+                usage = Usage(len(job.request.prompt_token_ids), num_tokens, num_cached, drafted, accepted)
                 if finish is None:
                     yield Delta(text, event.logprobs, event.token_ids, None, usage, event.prompt_logprobs)
                     continue

@@ -107,8 +107,15 @@ class DecodeService:
                         chunk.final = True
                         chunk.finish_reason = out.finish_reason or "stop"
                         chunk.usage.CopyFrom(self._usage(h, len(out.token_ids)))
+                        # What speculation did for this request here (after a migration,
+                        # on this instance only: the drafts before it are not carried).
+                        chunk.usage.spec_drafted_tokens = out.num_spec_drafted_tokens
+                        chunk.usage.spec_accepted_tokens = out.num_spec_accepted_tokens
                         span.set_attribute("output.tokens", len(out.token_ids))
                         span.set_attribute("finish_reason", chunk.finish_reason)
+                        if out.num_spec_drafted_tokens:
+                            span.set_attribute("spec.drafted_tokens", out.num_spec_drafted_tokens)
+                            span.set_attribute("spec.accepted_tokens", out.num_spec_accepted_tokens)
                     await pub.send(chunk)
                     now = loop.time()
                     self.m_itl.observe(now - last)

@@ -299,6 +299,11 @@ class LLMEngine:
         for rid, scored in result.prompt_logprobs.items():
             if rid in self._prompt_logprobs:
                 self._prompt_logprobs[rid].update(scored)
+        for chunk in sched.chunks:  # per request: its own drafts verified and accepted
+            request = self.scheduler.requests.get(chunk.request_id)
+            if chunk.spec_token_ids and request is not None and chunk.request_id in result.num_accepted:
+                request.num_spec_drafted_tokens += len(chunk.spec_token_ids)
+                request.num_spec_accepted_tokens += result.num_accepted[chunk.request_id]
         updated = self.scheduler.update_from_output(sched, result.sampled)
         if self.speculator is not None:
             for chunk in sched.chunks:
@@ -340,6 +345,8 @@ class LLMEngine:
                     kv=self._kv_report(request) if finished else None,
                     prompt_logprobs=self._scored_prompt(request),
                     queued_seconds=_queued_seconds(request) if finished else None,
+                    num_spec_drafted_tokens=request.num_spec_drafted_tokens,
+                    num_spec_accepted_tokens=request.num_spec_accepted_tokens,
                 )
             )
         return outputs

@@ -45,6 +45,10 @@ class RequestOutput:
     queued_seconds: float | None = None
     """On a finished request: from its arrival in the engine to the first step that
     took it (vLLM's queue time); None if no step took it."""
+    num_spec_drafted_tokens: int = 0
+    """Speculative decoding: this request's drafted tokens verified so far, and how
+    many of them were accepted (OpenAI's accepted/rejected prediction tokens)."""
+    num_spec_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -87,6 +87,9 @@ class Request:
     """Drafted tokens the engine proposes to verify in the next step (speculative
     decoding); the scheduler may take fewer (budget, length limits). Not part of
     all_token_ids: nothing is hashed or indexed for them until verification accepts."""
+    num_spec_drafted_tokens: int = 0
+    """Drafted tokens of this request verified so far (speculative decoding)."""
+    num_spec_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

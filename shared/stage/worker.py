@@ -35,6 +35,7 @@ from shared.engine.host_tier import HostTierConnector
 from shared.engine.kv.connector import KVConnector
 from shared.runtime.vllm_metrics import served_model_name
 from shared.stage.engine_metrics import EngineMetrics, cache_config_info
+from shared.stage.spec_metrics import SpecMetrics
 from shared.stage.kvcache_connector import KVCacheConnector
 from shared.stage.peer_connector import PeerConnector
 
@@ -89,6 +90,12 @@ class Worker:
             engine.scheduler.step_tokens, cache_config_info(engine),
         )
         """vLLM's series of this engine (shared/runtime/vllm_metrics.py says who exports what)."""
+        speculator = engine.speculator
+        self.spec = (
+            None
+            if speculator is None
+            else SpecMetrics(m, served_model_name(settings.balancer.model_name, settings.engine.model), speculator.num_tokens)
+        )
 
     async def start(self, stack: AsyncExitStack) -> None:
         self.engine.start()
@@ -203,6 +210,8 @@ class Worker:
         self.m_kv_store_failures.set(load.num_kv_save_failures)
         self.m_kv_stores_dropped.set(load.num_kv_saves_dropped)
         self.vllm.update(load)
+        if self.spec is not None:
+            self.spec.update(load)
         return mesh_pb2.Load(
             num_running=load.num_running,
             num_waiting=load.num_waiting,
