@@ -47,9 +47,22 @@ def test_fused_moe_equals_the_pytorch_path(dtype, variant, num_tokens):
     kwargs = dict(activation=v["activation"], swiglu_limit=v["swiglu_limit"])
     out = fused_moe(**inputs, **kwargs)
     ref = fused_moe_ref(**inputs, **kwargs)
-    # bf16: the reference rounds each expert's product once, so do we; sums of 4 differ by ~1 ulp.
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        return
+    # bf16: both round the activation between the GEMMs to bf16, and an activation of ~50
+    # (biased, clamped GPT-OSS experts) has an ulp of 0.25, so a 1-ulp flip from another
+    # summation order moves an output by ~0.02: a fixed tolerance is not the claim. The
+    # claim is that the kernel is as accurate as the PyTorch path: both against the same
+    # experts computed in float32.
+    truth = fused_moe_ref(**{k: v.float() if v is not None and v.is_floating_point() else v
+                             for k, v in inputs.items()}, **kwargs)  # fmt: skip
+    kernel_err = (out.float() - truth).abs()
+    ref_err = (ref.float() - truth).abs()
+    assert kernel_err.max() <= 1.5 * ref_err.max() + 1e-3, (kernel_err.max().item(), ref_err.max().item())
+    assert kernel_err.mean() <= 1.5 * ref_err.mean() + 1e-4, (kernel_err.mean().item(), ref_err.mean().item())
+    close = torch.isclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert close.float().mean() > 0.999  # and nearly every element within 1-2 ulps of the PyTorch path
 
 
 def test_fused_moe_replays_from_a_cuda_graph_on_other_routings():

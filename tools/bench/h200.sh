@@ -6,7 +6,9 @@
 #   bash tools/bench/h200.sh mesh     # bench-mesh: engine / http / mesh, 1k and 8k prompts
 #   bash tools/bench/h200.sh final    # the mesh, the tiers, the batch-64 engine row, then tests/gpu
 #
-# Carried beside the checkout (git-ignored): .whl/ (the mesh's wheels, ../shared/STACK.md)
+# Carried beside the checkout (git-ignored): .whl/ (the mesh's wheels, ../shared/STACK.md,
+# and transformers==5.24.0: the machine's own 5.17 computes GPT-OSS differently, and the
+# parity tests' reference is the version we pin)
 # and .bin/nats-server. The 8B-shaped checkpoint is drawn on the GPU into models/llama3-8b
 # (kept while the machine stays warm). Logs and figures go to $OUT (default ./h200-out).
 set -euo pipefail
