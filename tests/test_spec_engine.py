@@ -130,13 +130,14 @@ def test_fallbacks_are_counted_and_decode_normally(target):
     load = llm.engine.load()
     assert load.num_spec_verifications == 0
     assert load.spec_fallbacks["penalties"] > 0 and load.spec_fallbacks["logprobs"] > 0
-    assert load.spec_fallbacks["async_scheduling"] > 0  # asked for, given up for drafting
+    assert "async_scheduling" not in load.spec_fallbacks  # no step drafted: none gave overlap up
     # prompt_logprobs: scored before the first token, then the request drafts.
     scored = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     a = LLM(target).generate(prompts[:1], scored)[0]
-    spec = LLM(target, speculative="draft", spec_draft_model=target)
+    spec = LLM(target, speculative="draft", spec_draft_model=target, async_scheduling=True)
     b = spec.generate(prompts[:1], scored)[0]
     assert b.token_ids == a.token_ids and spec.engine.load().num_spec_verifications > 0
+    assert spec.engine.load().spec_fallbacks["async_scheduling"] > 0  # asked for, given up for drafting
 
 
 def _chi2_p_value_even_df(stat: float, df: int) -> float:
@@ -202,18 +203,22 @@ def test_a_drafter_that_costs_more_than_it_yields_drafts_only_its_probes(target,
     prompts = random_prompts([6, 11], vocab=50, seed=3)  # a small vocabulary repeats: lookup drafts
     params = _greedy(40)
     expected, _ = _run(target, prompts, params)
-    verifications = {}
+    verifications, overlap_given_up = {}, {}
     for label, pass_seconds in (("dear", 1.0), ("free", 0.0)):
-        llm = LLM(target, speculative="ngram", spec_tokens=3, spec_schedule=schedule)
+        # Overlapped steps asked for: a step that drafts must give them up, one that does not keeps them.
+        llm = LLM(target, speculative="ngram", spec_tokens=3, spec_schedule=schedule, async_scheduling=True)
         costs = llm.engine.speculator.costs
         costs.draft_pass_s = {1: pass_seconds, 2: pass_seconds}
         costs.observe_drafting = lambda *args: None  # keep the cost as told
         got = [o.token_ids for o in llm.generate(prompts, params)]
         assert got == expected
         verifications[label] = llm.engine.load().num_spec_verifications
+        overlap_given_up[label] = llm.engine.load().spec_fallbacks.get("async_scheduling", 0)
     steps = 40
     assert 0 < verifications["dear"] <= 2 * (steps // 6 + 1)  # the probes only
     assert verifications["free"] > 2 * verifications["dear"]
+    assert 0 < overlap_given_up["dear"] <= steps // 6 + 1  # only the probes' steps left the fast path
+    assert overlap_given_up["free"] > 2 * overlap_given_up["dear"]
 
 
 def test_settings_are_checked():

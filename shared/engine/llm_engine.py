@@ -223,19 +223,27 @@ class LLMEngine:
         back, and this returns step N's outputs."""
         released = self.kv_transfer.poll() if self.kv_transfer is not None else []
         speculator = self.speculator
-        if self._overlap and speculator is None and all(_host_free(r) for r in self._unfinished()):
+        # A step that drafts nothing (no speculation, or the schedule's choice this step)
+        # takes the fast path: overlapped with the next step's scheduling, CUDA graphs.
+        drafting = speculator is not None and speculator.plan(self.scheduler.running) > 0
+        if self._overlap and not drafting and all(_host_free(r) for r in self._unfinished()):
+            start = time.perf_counter()
+            if speculator is not None:
+                speculator.skip()
             sched = self.scheduler.schedule()
             self._start_loads()
             handle = self.runner.launch(sched)
             outputs = self._finish_in_flight()
             self._in_flight = None if sched.is_empty else (sched, handle)
+            if speculator is not None and _decodes_only(sched):  # one step's worth, in the steady state
+                speculator.step_done(len(sched.chunks), len(sched.chunks), time.perf_counter() - start)
         else:
             outputs = self._finish_in_flight()
             if not outputs:
                 start = time.perf_counter()
                 if speculator is not None:
                     # Drafting needs each request's last token on the host: no overlapped steps.
-                    if self._overlap:
+                    if self._overlap and drafting:
                         speculator.count_fallback("async_scheduling")
                     speculator.propose(self.scheduler.running)
                 sched = self.scheduler.schedule()
@@ -245,7 +253,7 @@ class LLMEngine:
                 outputs = self._process(sched, self.runner.execute(sched))
                 if speculator is not None and _decodes_only(sched):
                     num_tokens = sum(len(c.token_ids) for c in sched.chunks)
-                    speculator.step_done(num_tokens, time.perf_counter() - start)
+                    speculator.step_done(len(sched.chunks), num_tokens, time.perf_counter() - start)
         self._save_states()
         if self.kv_transfer is not None:
             outputs = self.kv_transfer.finish(outputs)

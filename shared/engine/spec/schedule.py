@@ -104,6 +104,7 @@ def choose_depth(
     sps: SpsTable,
     draft_seconds: float,
     overhead_seconds: float = 0.0,
+    plain_seconds: float | None = None,
 ) -> int:
     """How many tokens to draft for each of num_requests requests this step, before
     drafting, from what past steps taught (the production variant's use of old
@@ -114,12 +115,17 @@ def choose_depth(
 
     where ā_j is the observed survival of position j and draft_seconds the cost of
     one drafting pass over the batch. d = 0 is plain decoding: no drafting at all,
-    which is how speculation never runs slower than none when drafts do not pay."""
+    which is how speculation never runs slower than none when drafts do not pay.
+    plain_seconds, when measured, is what a plain step really costs: the engine runs
+    it on its fast path (CUDA graphs, overlapped with the next step's scheduling),
+    which verification steps cannot take."""
     best_depth, best_theta, tau = 0, 0.0, float(num_requests)
     for d in range(len(mean_survival) + 1):
         if d:
             tau += num_requests * mean_survival[d - 1]
         seconds = d * draft_seconds + overhead_seconds + 1.0 / sps(num_requests * (1 + d))
+        if d == 0 and plain_seconds is not None:
+            seconds = plain_seconds
         theta = tau / seconds
         if theta > best_theta * (1 + 1e-9):
             best_depth, best_theta = d, theta

@@ -111,21 +111,24 @@ class StepCosts:
 
     draft_pass_s: dict[int, float] = field(default_factory=dict)
     overhead_s: float = 0.0
+    plain_step_s: dict[int, float] = field(default_factory=dict)
+    """A whole step that drafts nothing, by R's power of two, on whatever path the
+    engine runs it (on CUDA: graphs and overlap, which drafting steps give up)."""
 
     def draft_pass(self, num_requests: int) -> float | None:
         """Seconds of one drafting pass over num_requests requests (the nearest size measured)."""
-        if not self.draft_pass_s:
-            return None
-        key = _bucket(num_requests)
-        nearest = min(self.draft_pass_s, key=lambda b: (abs(b.bit_length() - key.bit_length()), b))
-        return self.draft_pass_s[nearest]
+        return _nearest(self.draft_pass_s, num_requests)
+
+    def plain_step(self, num_requests: int) -> float | None:
+        return _nearest(self.plain_step_s, num_requests)
 
     def observe_drafting(self, num_requests: int, passes: int, seconds: float) -> None:
         if passes > 0 and num_requests > 0:
-            key = _bucket(num_requests)
-            old = self.draft_pass_s.get(key)
-            now = seconds / passes
-            self.draft_pass_s[key] = now if old is None else old + EMA * (now - old)
+            _average_in(self.draft_pass_s, num_requests, seconds / passes)
+
+    def observe_plain_step(self, num_requests: int, seconds: float) -> None:
+        if num_requests > 0:
+            _average_in(self.plain_step_s, num_requests, seconds)
 
     def observe_overhead(self, seconds: float) -> None:
         self.overhead_s += EMA * (max(seconds, 0.0) - self.overhead_s)
@@ -153,6 +156,24 @@ class Speculator:
         """The capacity schedule's survivals of the last two steps (K comes from the older)."""
         self._drafting_s = 0.0
         self._probing = False
+        self._planned: int | None = None
+        """The coming step's depth, once plan() chose it (propose or skip consume it)."""
+
+    def plan(self, running: Sequence[Request]) -> int:
+        """How deep the coming step drafts (0: not at all, and the engine may take its
+        fast path). Chosen once per step: until propose() or skip() consumes it."""
+        if self._planned is None:
+            num = sum(1 for r in running if _will_draft(r))
+            self._probing = False
+            scheduled = self.schedule in SCHEDULED and self.stats.num_verifications >= WARMUP_VERIFICATIONS
+            self._planned = 0 if not num else self._choose_depth(num) if scheduled else self.num_tokens
+        return self._planned
+
+    def skip(self) -> None:
+        """The coming step runs without drafting (plan() said 0)."""
+        self._planned = None
+        self.depth = 0
+        self._drafting_s = 0.0
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set spec_token_ids on the running requests that draft this step."""
@@ -164,11 +185,10 @@ class Speculator:
                 self.stats.fallbacks[reason] += 1
             elif _room(request) >= 2:
                 contexts[request.request_id] = request.all_token_ids
-        self._probing = False
+        self.depth = self.plan(running)
+        self._planned = None
         scheduled = self.schedule in SCHEDULED and self.stats.num_verifications >= WARMUP_VERIFICATIONS
-        self.depth = self._choose_depth(len(contexts)) if scheduled and contexts else self.num_tokens
-        if self._probing:
-            scheduled = False  # a probe verifies all it drafted: it is there to learn
+        scheduled = scheduled and not self._probing  # a probe verifies all it drafted: it is there to learn
         start = time.perf_counter()
         drafts = self.drafter.propose(contexts, self.depth) if contexts and self.depth else {}
         self._drafting_s = time.perf_counter() - start
@@ -213,11 +233,15 @@ class Speculator:
             if self.drafter.has_scores:
                 self.temperature.fit()
 
-    def step_done(self, num_tokens: int, seconds: float) -> None:
-        """A decode step of num_tokens tokens (drafted ones included) took seconds from
-        drafting to its outputs: what it cost beyond drafting and the profiled forward
-        is the engine's overhead per step, which speculation saves by taking fewer steps."""
-        if self.sps is not None and num_tokens > 0:
+    def step_done(self, num_requests: int, num_tokens: int, seconds: float) -> None:
+        """A decode step of num_requests requests and num_tokens tokens (drafted ones
+        included) took seconds from drafting to its outputs. Without drafts, that is
+        what a plain step costs; with them, what it cost beyond drafting and the profiled
+        forward is the engine's overhead per step, which speculation saves by taking
+        fewer steps."""
+        if num_tokens <= num_requests:
+            self.costs.observe_plain_step(num_requests, seconds)
+        elif self.sps is not None:
             self.costs.observe_overhead(seconds - self._drafting_s - 1.0 / self.sps(num_tokens))
 
     def _choose_depth(self, num_requests: int) -> int:
@@ -227,7 +251,8 @@ class Speculator:
         draft_pass = self.costs.draft_pass(num_requests)
         if draft_pass is None:
             return self.num_tokens
-        depth = choose_depth(num_requests, self.mean_survival(), self.sps, draft_pass, self.costs.overhead_s)
+        depth = choose_depth(num_requests, self.mean_survival(), self.sps, draft_pass, self.costs.overhead_s,
+                             self.costs.plain_step(num_requests))  # fmt: skip
         self._since_probe = 0 if depth else self._since_probe + 1
         self._probing = self._since_probe >= PROBE_EVERY
         if self._probing:
@@ -274,6 +299,17 @@ def _decoding(request: Request) -> bool:
     )
 
 
+def _will_draft(request: Request) -> bool:
+    """A request that will decode next step, once any step in flight is read back (its
+    last token may still be on the device), and may draft."""
+    return (
+        request.num_output_tokens + request.num_pending_tokens > 0
+        and request.num_computed_tokens + request.num_pending_tokens >= request.num_tokens - 1
+        and _fallback_reason(request) is None
+        and _room(request) - request.num_pending_tokens >= 2
+    )
+
+
 def _room(request: Request) -> int:
     return request.sampling_params.max_tokens - request.num_output_tokens
 
@@ -285,6 +321,20 @@ def _fallback_reason(request: Request) -> str | None:
     if params.logprobs is not None:
         return "logprobs"
     return None
+
+
+def _nearest(by_bucket: dict[int, float], num_requests: int) -> float | None:
+    """The figure measured at the power of two nearest num_requests (None before any)."""
+    if not by_bucket:
+        return None
+    key = _bucket(num_requests)
+    return by_bucket[min(by_bucket, key=lambda b: (abs(b.bit_length() - key.bit_length()), b))]
+
+
+def _average_in(by_bucket: dict[int, float], num_requests: int, seconds: float) -> None:
+    key = _bucket(num_requests)
+    old = by_bucket.get(key)
+    by_bucket[key] = seconds if old is None else old + EMA * (seconds - old)
 
 
 def _bucket(num_requests: int) -> int:
