@@ -40,7 +40,10 @@ raw probabilities may be far from its acceptance) would otherwise verify nothing
 and nothing would ever be learnt."""
 PROBE_EVERY = 64
 """When the schedule chose not to draft at all, draft anyway once in this many
-steps, so that acceptance and drafting cost keep being measured as traffic changes."""
+steps, so that acceptance and drafting cost keep being measured as traffic changes.
+Each probe after which drafting still does not pay doubles the interval, up to
+PROBE_EVERY_MAX: where speculation does not pay, its cost tends to nothing."""
+PROBE_EVERY_MAX = 1024
 EMA = 0.1
 """Weight of the newest measurement in the running costs (drafting, step overhead)."""
 SCHEDULED = ("dspark", "capacity")
@@ -152,6 +155,7 @@ class Speculator:
         self.depth = num_tokens
         """Tokens drafted per request in the latest step (scheduled: chosen by choose_depth)."""
         self._since_probe = 0
+        self._probe_every = PROBE_EVERY
         self._old_survivals: deque[list[list[float]]] = deque(maxlen=2)
         """The capacity schedule's survivals of the last two steps (K comes from the older)."""
         self._drafting_s = 0.0
@@ -253,12 +257,16 @@ class Speculator:
             return self.num_tokens
         depth = choose_depth(num_requests, self.mean_survival(), self.sps, draft_pass, self.costs.overhead_s,
                              self.costs.plain_step(num_requests))  # fmt: skip
-        self._since_probe = 0 if depth else self._since_probe + 1
-        self._probing = self._since_probe >= PROBE_EVERY
+        if depth:
+            self._since_probe, self._probe_every = 0, PROBE_EVERY
+            return depth
+        self._since_probe += 1
+        self._probing = self._since_probe >= self._probe_every
         if self._probing:
             self._since_probe = 0
+            self._probe_every = min(2 * self._probe_every, PROBE_EVERY_MAX)
             return self.num_tokens
-        return depth
+        return 0
 
     def mean_survival(self) -> list[float]:
         """ā_j: the observed chance that the first j drafted tokens all pass."""
