@@ -43,6 +43,9 @@ class Row:
     per_request_tokens_per_s: float
     mean_accepted_length: float
     equal_to_none: bool
+    num_verifications: int = 0
+    accepted_by_position: list[int] | None = None
+    """[k]: verifications whose drafted token k + 1 passed (the survival curve's counts)."""
 
 
 def _prompts(llm: LLM, batch: int, seed: int) -> list[str | list[int]]:
@@ -91,7 +94,8 @@ def run_spec_bench(
             n = sum(len(t) for t in tokens)
             load = llm.engine.load()
             rows.append(Row(batch, mode, n, seconds, n / seconds, n / batch / seconds,
-                            load.mean_accepted_length, tokens == reference))  # fmt: skip
+                            load.mean_accepted_length, tokens == reference,
+                            load.num_spec_verifications, load.spec_accepted_by_position))  # fmt: skip
     return rows
 
 
