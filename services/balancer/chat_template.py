@@ -3,14 +3,18 @@ message left open with continue_final_message, encoded with or without special t
 
 from services.balancer import protocol as p
 from services.balancer.errors import APIError
+from services.balancer.tool_prompt import template_inputs
 from shared.recipe import Recipe
 
 
 def encode_chat(recipe: Recipe, body: p.ChatCompletionRequest | p.TokenizeChatRequest) -> list[int]:
     messages = [m.for_template() for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if getattr(body, "tools", None) else None
+    source = recipe.chat_template_source(with_tools=tools is not None)
+    messages, tools = template_inputs(source, messages, tools)  # tools the template cannot take, written in
     kwargs = {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt}
     try:
-        text = recipe.apply_chat_template(messages, **kwargs)
+        text = recipe.apply_chat_template(messages, tools=tools, **kwargs)
     except (ValueError, TypeError) as exc:  # the template refused, or bad template kwargs
         raise APIError(400, str(exc), param="messages") from exc
     if body.continue_final_message:

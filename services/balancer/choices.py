@@ -12,12 +12,14 @@ kvcache's) and compute only the last partial block.
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from services.balancer import protocol as p
 from services.balancer.generation import GenerationRequest, Usage
+from services.balancer.tool_output import ToolPlan, ToolStream, whole_message
 from shared.engine.outputs import TokenLogprobs
 from shared.recipe import IncrementalDetokenizer
 
@@ -51,6 +53,8 @@ class Job:
     started: bool = False
     """Its first delta went out (stream: the echo and prompt token ids ride on it)."""
     text_offset: int = 0
+    tool_stream: ToolStream | None = None
+    """A chat stream with tools: this choice's text read for tool calls."""
     """Completions logprobs: where the next token's text starts in the choice."""
 
 
@@ -76,6 +80,8 @@ class Call:
     continuous_usage: bool = False
     return_token_ids: bool = False
     tokens_as_ids: bool = False
+    tools: ToolPlan | None = None
+    """Chat with tools: how the output becomes tool calls (tool_output.py)."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -159,10 +165,9 @@ class Shaper:
             choices = [
                 p.ChatChoice(
                     index=f.job.index,
-                    message=p.ChatResponseMessage(content=f.text),
                     logprobs=self._chat_logprobs(f.logprobs),
-                    finish_reason=f.finish_reason,
                     token_ids=f.token_ids if call.return_token_ids else None,
+                    **self._message(f),
                 )
                 for f in chosen
             ]
@@ -176,6 +181,13 @@ class Shaper:
             id=call.id, created=call.created, model=call.model, choices=[self._completion_choice(f) for f in chosen],
             usage=usage,
         )
+
+    def _message(self, f: Finished) -> dict[str, Any]:
+        """A chat choice's message and finish_reason (tool calls read out of it with tools)."""
+        if self.call.tools is None:
+            return {"message": p.ChatResponseMessage(content=f.text), "finish_reason": f.finish_reason}
+        message, finish = whole_message(self.call.tools, f.text, f.finish_reason)
+        return {"message": message, "finish_reason": finish}
 
     def _completion_choice(self, f: Finished) -> p.CompletionChoice:
         call, job = self.call, f.job
@@ -207,9 +219,12 @@ class Shaper:
         usage_info = p.UsageInfo.of(usage) if usage is not None and call.continuous_usage else None
         token_ids = delta.token_ids if call.return_token_ids else None
         if call.chat:
+            message, finish = p.DeltaMessage(content=delta.text), delta.finish_reason
+            if job.tool_stream is not None:
+                message, finish = job.tool_stream.delta(delta.text, delta.finish_reason)
             choice = p.ChatStreamChoice(
-                index=job.index, delta=p.DeltaMessage(content=delta.text), logprobs=self._chat_logprobs(delta.logprobs),
-                finish_reason=delta.finish_reason, token_ids=token_ids,
+                index=job.index, delta=message, logprobs=self._chat_logprobs(delta.logprobs),
+                finish_reason=finish, token_ids=token_ids,
             )
             return self.chat_chunk([choice], usage_info)
         text, logprobs = delta.text, delta.logprobs
@@ -233,7 +248,9 @@ class Shaper:
     def role_chunk(self, job: Job) -> p.ChatCompletionChunk:
         """OpenAI's first chat chunk of a choice names the role; vLLM's carries the prompt's token ids."""
         call = self.call
-        choice = p.ChatStreamChoice(index=job.index, delta=p.DeltaMessage(role="assistant", content=""))
+        # With tools the reply may be calls only: its content starts null, as OpenAI's does.
+        content = None if job.tool_stream is not None else ""
+        choice = p.ChatStreamChoice(index=job.index, delta=p.DeltaMessage(role="assistant", content=content))
         chunk = self.chat_chunk([choice], None)
         if call.return_token_ids and job.index == 0:
             chunk.prompt_token_ids = call.prompts[0]

@@ -3,8 +3,9 @@
 Every field is implemented or refused with a 400 that names it, never silently
 ignored: unknown fields are refused (extra="forbid"), and so are declared ones
 whose value we cannot honour (suffix, a response_format other than text, best_of
-with stream). Tools are not implemented: tools, tool_choice, functions, ... are
-unknown fields here, and so is a message's tool_calls. Ranges of sampling values
+with stream). Tools (tools, tool_choice, parallel_tool_calls, tool messages and an
+assistant's tool_calls) are typed in tool_bodies.py; the legacy functions and
+function_call are unknown fields. Ranges of sampling values
 are checked once, by SamplingParams (sampling.py builds them; serving names the
 field in its 400).
 """
@@ -29,6 +30,7 @@ from services.balancer.body_fields import (
     TokenId,
     valid_unicode,
 )
+from services.balancer.tool_bodies import MAX_TOOLS, MessageToolCall, ToolChoice, ToolDefinition
 from shared.engine.sampling_params import MAX_LOGPROBS
 
 
@@ -172,17 +174,40 @@ class TextPart(StrictBody):
 
 
 class ChatMessage(StrictBody):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     """OpenAI's; passed to the chat template, as are the other fields."""
     reasoning_content: Text | None = None
     """vLLM's: an assistant turn's reasoning, for templates that render it."""
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant turn's calls (its content may then be null)."""
+    tool_call_id: Annotated[Text | None, Field(validate_default=True)] = None
+    """A tool message's: the call it answers."""
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _only_assistant_calls(cls, calls: list[MessageToolCall] | None, info: ValidationInfo) -> Any:
+        if calls is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages make tool calls")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_answers_a_call(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role == "tool" and call_id is None:
+            raise ValueError("a tool message must name the call it answers")
+        if role != "tool" and call_id is not None:
+            raise ValueError("only tool messages answer a call")
+        return call_id
 
     def for_template(self) -> dict[str, Any]:
-        message = self.model_dump(exclude_none=True)
+        message = self.model_dump(exclude_none=True, exclude={"tool_calls"})
         if message["role"] == "developer":  # OpenAI's newer name for the system role
             message["role"] = "system"
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         return message
 
 
@@ -207,6 +232,35 @@ class ChatCompletionRequest(GenerationBody):
     """vLLM's: also add the tokenizer's special tokens (the template usually writes BOS itself)."""
     chat_template_kwargs: ChatTemplateKwargs | None = None
     """vLLM's: extra template variables (e.g. enable_thinking)."""
+    tools: list[ToolDefinition] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    """None: "auto" with tools, "none" without (OpenAI's defaults)."""
+    parallel_tool_calls: bool = True
+    """False: at most one call per reply (forced choices are constrained to one; auto
+    replies keep their first call)."""
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        names = [tool.function.name for tool in tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"function names must be distinct, got {names}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools: list[ToolDefinition] | None = info.data.get("tools")
+        if choice is None or choice == "none":
+            return choice
+        if not tools:
+            raise ValueError("needs tools: name the functions the model may call")
+        if isinstance(choice, str):
+            return choice
+        names = [tool.function.name for tool in tools]
+        if choice.function.name not in names:
+            raise ValueError(f"names the function {choice.function.name!r}, which tools does not offer ({names})")
+        return choice
 
     @field_validator("top_logprobs")
     @classmethod

@@ -113,9 +113,34 @@ class ChatLogprobEntry(TopLogprob):
 class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry]
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+    """The arguments' JSON object as text, as the model wrote it."""
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    """In the call's first delta only."""
+    arguments: str | None = None
+    """The next piece of the arguments' text."""
+
+class DeltaToolCall(BaseModel):
+    index: int
+    """The call's position in the message (a client gathers the pieces by it)."""
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """None when the reply is tool calls and nothing else."""
+    tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 class ChatChoice(BaseModel):
     index: int = 0
@@ -137,6 +162,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 class ChatStreamChoice(BaseModel):
     index: int = 0

@@ -30,6 +30,7 @@ from services.balancer.generation import GenerationError, Generator, Usage
 from services.balancer.http_metrics import HttpMetrics
 from services.balancer.jobs import JobPlanner
 from services.balancer.pump import Pump, merge_deltas
+from services.balancer.tool_output import ToolSupport, attach_tools
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings
 from shared.runtime.telemetry import extract_context
@@ -62,6 +63,7 @@ class OpenAIServer:
         that two requests arriving together cannot both take the last place."""
         self.gate = PriorityGate(settings.max_dispatched_requests)
         self.planner = JobPlanner(recipe, model_name, max_model_len)
+        self.tools = ToolSupport(settings.tool_call_parser, recipe)
 
     # -- the two endpoints ---------------------------------------------------------
 
@@ -92,6 +94,7 @@ class OpenAIServer:
 
     async def chat(self, body: p.ChatCompletionRequest, http: Request) -> Response:
         self._check(body)
+        tools = self.tools.plan(body)
         async with AsyncExitStack() as stack:
             self._admit(stack)
             prompt_ids = await asyncio.to_thread(encode_chat, self.recipe, body)
@@ -99,6 +102,8 @@ class OpenAIServer:
                 body, http, [prompt_ids], chat=True, what="messages", max_tokens=body.requested_max_tokens,
                 logprobs=body.num_logprobs, prompt_k=body.prompt_logprobs,
             )
+            if tools is not None:
+                attach_tools(call, tools, bool(body.stream))
             return await self._respond(call, bool(body.stream), http, stack)
 
     def encode_chat(self, body: p.ChatCompletionRequest | p.TokenizeChatRequest) -> list[int]:

@@ -142,6 +142,14 @@ class Recipe:
     def has_chat_template(self) -> bool:
         return bool(self._chat_templates)
 
+    def chat_template_source(self, with_tools: bool = False) -> str | None:
+        """The text of the template a conversation (with tools or without) renders with;
+        None without a usable one. Tool-call parsers are chosen by what it asks the model for."""
+        try:
+            return self._select_template([] if with_tools else None).source
+        except ValueError:
+            return None
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

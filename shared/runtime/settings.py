@@ -150,6 +150,11 @@ class BalancerSettings:
     migration_limit: int = 1
     """How many times a request whose instance fails mid-way is moved to other
     instances (prompt + tokens so far) before the client gets an error."""
+    tool_call_parser: str = "auto"
+    """How chat replies are read for tool calls under tool_choice auto (vLLM's
+    --tool-call-parser): hermes (<tool_call> JSON, Qwen/Hermes), llama3_json (Llama
+    3.x's JSON), or auto: the one the chat template asks for (hermes for templates
+    that take no tools: the balancer then writes the tools into the prompt itself)."""
 
 
 @dataclass(slots=True)
