@@ -24,7 +24,9 @@ def state(
 
 def frequencies(logits_row: torch.Tensor, num: int, **kw: Any) -> torch.Tensor:
     """Empirical token frequencies over `num` unseeded rows sampled in one batch."""
-    states = [state(**kw)] * num  # unseeded and never appended to, so one state can serve every row
+    # One state per row: a state's draws are keyed by (its seed, position), so rows
+    # sharing one state at one position would all draw the same token.
+    states = [state(**kw) for _ in range(num)]
     out = Sampler(seed=1)(logits_row.expand(num, -1).contiguous(), states)
     return torch.bincount(torch.tensor(out.token_ids), minlength=logits_row.numel()).float() / num
 
@@ -211,7 +213,7 @@ def test_mixed_batch_equals_rows_alone() -> None:
     _run(batched, [6, 2, 0, 5, 1, 3, 4], 12, Sampler(seed=5))
     for j, s in enumerate(make()):
         alone = _run([s], [0], 12, Sampler(seed=99))[0]
-        if s.params.greedy or s.generator is not None:
+        if s.params.greedy or s.params.seed is not None:
             assert alone == batched[j].output_token_ids, j
         assert all(0 <= t < VOCAB for t in batched[j].output_token_ids)
     # Same logprobs, too, alone or batched, for one step.
@@ -219,14 +221,14 @@ def test_mixed_batch_equals_rows_alone() -> None:
     together = Sampler()(logits, make())
     for j, s in enumerate(make()):
         single = Sampler()(logits[j : j + 1], [s])
-        if s.params.greedy or s.generator is not None:
+        if s.params.greedy or s.params.seed is not None:
             assert single.token_ids[0] == together.token_ids[j]
             assert single.logprobs[0] == together.logprobs[j]
 
 
 def test_create_argument_order() -> None:
-    s = SamplingState.create(SamplingParams(seed=5), [1, 2], [7], "cpu")
-    assert s.eos_token_ids == frozenset({7}) and s.output_token_ids == [] and s.generator is not None
-    assert SamplingState.create(SamplingParams(), [1]).generator is None
+    s = SamplingState.create(SamplingParams(seed=5), [1, 2], [7])
+    assert s.eos_token_ids == frozenset({7}) and s.output_token_ids == [] and s.seed == 5
+    assert SamplingState.create(SamplingParams(), [1]).seed is None
     with pytest.raises(TypeError):
         SamplingState.create(SamplingParams(), [1], "cpu")  # type: ignore[arg-type]

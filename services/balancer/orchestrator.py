@@ -133,7 +133,8 @@ class MeshGenerator:
         """Run the request; when an instance fails it after accepting it, migrate:
         re-dispatch prompt + tokens generated so far to other instances and go
         on streaming (up to migration_limit times), as Dynamo does. Greedy output
-        is unchanged by a migration; a seeded sample restarts its randomness."""
+        is unchanged by a migration, and so is a seeded sample: its draws are keyed by
+        (seed, position) and the continuation's positions go on where they stopped."""
         # The HTTP layer's request span: TTFT and cache figures belong on the trace's root.
         root = trace.get_current_span()
         started = time.perf_counter()

@@ -94,7 +94,6 @@ class DecodeService:
                     params,
                     cache_salt=h.cache_salt or None,
                     resume_token_ids=list(h.output_token_ids),
-                    sampler_state=h.generator_state or None,
                     kv_transfer=KVTransferParams(load=True, source=self._peer_source(h)),
                     trace_carrier=inject_headers(),
                 )

@@ -105,7 +105,6 @@ class PrefillService:
                     # The prompt's chain, which kvcache holds unless the store failed (decode then recomputes).
                     block_hashes=final.kv.block_hashes if final.kv.save_error is None else [],
                     num_cached_tokens=final.num_cached_tokens,
-                    generator_state=final.generator_state or b"",
                     prefill_instance=self.ctx.instance_id,
                 )
                 if final.new_logprobs:

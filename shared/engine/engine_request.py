@@ -64,8 +64,6 @@ class EngineRequest:
     """Keeps one tenant's cached prefixes apart from another's (it enters the block hashes)."""
     resume_token_ids: list[int] = field(default_factory=list)
     """Tokens already generated elsewhere: the engine continues after them."""
-    sampler_state: bytes | None = None
-    """A seeded sampler's state to resume from (the request handed over mid-generation)."""
     kv_transfer: KVTransferParams | None = None
     trace_carrier: dict[str, str] | None = None
     """W3C trace headers of the request: the connector's calls join its trace."""

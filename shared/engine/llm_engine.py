@@ -171,7 +171,6 @@ class LLMEngine:
             params,
             eos_token_ids=self.eos_token_ids,
             cache_salt=req.cache_salt,
-            generator_state=req.sampler_state,
             kv_transfer=req.kv_transfer,
             trace_carrier=req.trace_carrier,
         )
@@ -349,7 +348,6 @@ class LLMEngine:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
-                    generator_state=self.runner.generator_state(rid) if finished else None,
                     kv=self._kv_report(request) if finished else None,
                     prompt_logprobs=self._scored_prompt(request),
                     queued_seconds=_queued_seconds(request) if finished else None,

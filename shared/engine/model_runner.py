@@ -76,6 +76,15 @@ def _chunk_rows(sched: SchedulerOutput, hidden: torch.Tensor) -> dict[str, torch
     return rows
 
 
+def _first_sample_positions(sched: SchedulerOutput) -> dict[str, int]:
+    """Per sampling chunk, the sequence position of the first token it samples (the
+    key of its noise): the position after its last input token, or with drafted
+    tokens, the position of the first of them (one more per further row)."""
+    return {
+        c.request_id: c.start_pos + len(c.token_ids) - len(c.spec_token_ids) for c in sched.chunks if c.sample
+    }
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -130,10 +139,8 @@ class ModelRunner:
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
         for new in sched.new_requests:
-            state = SamplingState.create(new.sampling_params, new.prompt_token_ids, new.eos_token_ids, self.device)
+            state = SamplingState.create(new.sampling_params, new.prompt_token_ids, new.eos_token_ids)
             state.output_token_ids += new.output_token_ids
-            if new.generator_state is not None and state.generator is not None:
-                state.generator.set_state(torch.frombuffer(bytearray(new.generator_state), dtype=torch.uint8))
             self.states[new.request_id] = state
 
     @torch.inference_mode()
@@ -155,12 +162,13 @@ class ModelRunner:
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
         drafts = {c.request_id: list(c.spec_token_ids) for c in sched.chunks if c.spec_token_ids}
         num_accepted: dict[str, int] = {}
+        first = _first_sample_positions(sched)
         if drafts:
-            logits, sample_ids, sampled = self._verify(logits, sample_ids, drafts, num_accepted)
+            logits, sample_ids, sampled = self._verify(logits, sample_ids, drafts, num_accepted, first)
         else:
             sampled = {}
         states = [self.states[rid] for rid in sample_ids]
-        result = self.sampler(logits, states) if states else None
+        result = self.sampler(logits, states, [first[rid] for rid in sample_ids]) if states else None
         logprobs: dict[str, TokenLogprobs] = {}
         if result is not None:
             for rid, state, token, lp in zip(sample_ids, states, result.token_ids, result.logprobs):
@@ -171,7 +179,12 @@ class ModelRunner:
         return RunnerOutput(sampled, logprobs, expert_counts, scored, num_accepted, kept)
 
     def _verify(
-        self, logits: torch.Tensor, sample_ids: list[str], drafts: dict[str, list[int]], num_accepted: dict[str, int]
+        self,
+        logits: torch.Tensor,
+        sample_ids: list[str],
+        drafts: dict[str, list[int]],
+        num_accepted: dict[str, int],
+        first: dict[str, int],
     ) -> tuple[torch.Tensor, list[str], dict[str, list[int]]]:
         """Verify the drafted tokens of the requests in `drafts` (their rows of logits
         are consecutive, len(draft) + 1 each); returns the rows and ids left for the
@@ -187,7 +200,7 @@ class ModelRunner:
                 row += 1
                 continue
             state = self.states[rid]
-            verified = verify_request(logits[row : row + len(draft) + 1], draft, state, self.sampler)
+            verified = verify_request(logits[row : row + len(draft) + 1], draft, state, self.sampler, first[rid])
             state.output_token_ids += verified.tokens
             sampled[rid] = verified.tokens
             num_accepted[rid] = verified.num_accepted
@@ -247,7 +260,9 @@ class ModelRunner:
             return StepHandle([], None, self._record_done(expert_counts), expert_counts=expert_counts)
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
         states = [self.states[rid] for rid in sample_ids]
-        tokens = self.sampler.sample_tokens(logits, states)
+        # The positions come from the chunks: the states' own lag a step behind here.
+        first = _first_sample_positions(sched)
+        tokens = self.sampler.sample_tokens(logits, states, [first[rid] for rid in sample_ids])
         logprobs = logprob_tensors(logits, states, tokens)
         self._remember(sample_ids, tokens)
         if self.device.type == "cuda":
@@ -309,13 +324,6 @@ class ModelRunner:
             self._last_rows[request_id] if t == PLACEHOLDER else -1 for request_id, tokens in token_lists for t in tokens
         ]
         return sources if any(s >= 0 for s in sources) else None
-
-    def generator_state(self, request_id: str) -> bytes | None:
-        """The seeded generator's state of a request (to hand it over), if any."""
-        state = self.states.get(request_id)
-        if state is None or state.generator is None:
-            return None
-        return state.generator.get_state().numpy().tobytes()
 
     def _load_states(self, sched: SchedulerOutput) -> None:
         """Copy saved sliding-window states into their blocks before the step reads them."""

@@ -35,8 +35,6 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
-    generator_state: bytes | None = None
-    """On a finished seeded request: the sampler's state (to hand the request over)."""
     kv: "KVTransferReport | None" = None
     """On a finished request with KV-transfer parameters: what the connector moved."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None

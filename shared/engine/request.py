@@ -64,8 +64,6 @@ class Request:
     engine schedules the next step before reading them back)."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that finished the request, if any."""
-    generator_state: bytes | None = None
-    """A seeded sampler's state to resume from (a request handed over mid-generation)."""
     kv_transfer: KVTransferParams | None = None
     trace_carrier: dict[str, str] | None = None
     kv_lookup_done: bool = False

@@ -3,13 +3,14 @@ tokens, bad words, logit bias: logit_constraints.py), penalties, greedy or
 temperature / top-k / top-p / min-p sampling, and logprobs.
 
 Pure torch, no model code. Rows are grouped by what they need so the common
-case (all greedy, no penalties, no logprobs) is a single argmax; only seeded
-rows fall back to a per-row loop, and only for drawing their noise.
+case (all greedy, no penalties, no logprobs) is a single argmax.
 
 Sampling uses the exponential race (argmax(p / q), q ~ Exp(1)), equivalent to
-the Gumbel-max trick: every sampled row consumes exactly one [vocab] draw per
-step, so a seeded request's tokens depend on its seed alone, not on the batch
-around it or its row position.
+the Gumbel-max trick, with counter-based noise (keyed_random.py): the noise of
+the token at sequence position P is a pure function of (seed, P), so a seeded
+request's tokens depend on its seed and its logits alone — not on the batch
+around it, its row, the process, a restart or a handoff, and no sampler state
+travels anywhere. Unseeded requests get a seed from the engine's on first draw.
 """
 
 from collections.abc import Iterable
@@ -18,6 +19,7 @@ from itertools import chain
 
 import torch
 
+from shared.engine.keyed_random import Stream, keys_tensor, mix64, race
 from shared.engine.logit_constraints import apply_constraints
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
@@ -32,11 +34,17 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     """Grows as the engine appends sampled tokens; the sampler only reads it."""
-    generator: torch.Generator | None
-    """The request's own randomness when params.seed is set (one [vocab] draw per
-    non-greedy step, nothing on greedy ones); None otherwise."""
+    seed: int | None
+    """The seed of the request's draws: params.seed, or for an unseeded request one
+    the sampler assigns on its first sampled step (None until then)."""
     eos_token_ids: frozenset[int]
     """Masked, with stop_token_ids, while the output is shorter than min_tokens."""
+
+    @property
+    def next_position(self) -> int:
+        """The sequence position of the next token, as this state knows it (an
+        overlapped engine's runner knows better: its appends lag a step)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @classmethod
     def create(
@@ -44,17 +52,11 @@ class SamplingState:
         params: SamplingParams,
         prompt_token_ids: Iterable[int],
         eos_token_ids: Iterable[int] = (),
-        device: torch.device | str = "cpu",
     ) -> "SamplingState":
         if isinstance(eos_token_ids, (str, torch.device)):
-            # Guards create(params, prompt, device): a str would become a set of characters.
-            raise TypeError("eos_token_ids comes before device: create(params, prompt, eos_token_ids, device)")
-        generator = None
-        if params.seed is not None:
-            # On the logits' device: a generator can only fill tensors on its own device.
-            generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed)
-        return cls(params, list(prompt_token_ids), [], generator, frozenset(eos_token_ids))
+            # Guards the old create(params, prompt, device): a str would become a set of characters.
+            raise TypeError("eos_token_ids must be token ids: create(params, prompt, eos_token_ids)")
+        return cls(params, list(prompt_token_ids), [], params.seed, frozenset(eos_token_ids))
 
 
 @dataclass(slots=True)
@@ -67,32 +69,41 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
-        # Engine-wide randomness for requests without a seed, one generator per device the
-        # logits arrive on (made on first use, so the caller need not name the device);
-        # per instance, never global.
-        self._generators: dict[torch.device, torch.Generator] = {}
+        """Where unseeded requests' seeds come from: the n-th such request gets
+        mix64(seed, n), so an engine's unseeded output is reproducible from its seed
+        and its order of requests (the mesh's balancer seeds every request anyway)."""
+        self._num_unseeded = 0
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self.seed)
-            self._generators[device] = generator
-        return generator
+    def _seed_of(self, state: SamplingState) -> int:
+        if state.seed is None:
+            self._num_unseeded += 1
+            state.seed = mix64(mix64(self.seed) + self._num_unseeded) >> 1  # [0, 2**63), as params.seed
+        return state.seed
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
-        """logits: [num_reqs, vocab]; row i belongs to states[i]. The input is not modified."""
-        tokens = self.sample_tokens(logits, states)
+    def __call__(
+        self, logits: torch.Tensor, states: list[SamplingState], positions: list[int] | None = None
+    ) -> SamplerOutput:
+        """logits: [num_reqs, vocab]; row i belongs to states[i] and samples the token at
+        sequence position positions[i] (default: each state's next_position). The input
+        is not modified."""
+        tokens = self.sample_tokens(logits, states, positions)
         token_ids: list[int] = tokens.tolist()
         wanted = logprob_tensors(logits, states, tokens)
         logprobs = wanted.unpack(token_ids) if wanted is not None else [None] * len(states)
         return SamplerOutput(token_ids, logprobs)
 
-    def sample_tokens(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    def sample_tokens(
+        self, logits: torch.Tensor, states: list[SamplingState], positions: list[int] | None = None
+    ) -> torch.Tensor:
         """The sampled token ids [num_reqs], left on the logits' device: an
-        overlapped engine reads them back later without stalling the next launch."""
+        overlapped engine reads them back later without stalling the next launch.
+        positions as in __call__: the key of each row's noise."""
         if logits.dim() != 2 or logits.size(0) != len(states):
             raise ValueError(f"logits must be [{len(states)}, vocab], got {list(logits.shape)}")
+        if positions is None:
+            positions = [s.next_position for s in states]
+        elif len(positions) != len(states):
+            raise ValueError(f"positions must have one entry per row ({len(states)}), got {len(positions)}")
         if logits.dtype != torch.float32:
             logits = logits.float()  # softmax / cumsum in half precision would bias top-p
         num_reqs = len(states)
@@ -104,32 +115,15 @@ class Sampler:
         if greedy_rows:
             rows = _index(greedy_rows, logits.device)
             tokens[rows] = x[rows].argmax(dim=-1)
-        # Unseeded rows first, so their noise is one contiguous batched draw.
-        random_rows = [i for i, s in enumerate(states) if not s.params.greedy and s.generator is None]
-        random_rows += [i for i, s in enumerate(states) if not s.params.greedy and s.generator is not None]
+        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         rows = _index(random_rows, logits.device)
-        tokens[rows] = self._sample(x[rows], [states[i] for i in random_rows])
-        return tokens
-
-    def _sample(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """x: penalised logits of non-greedy rows, unseeded rows first. Returns [rows] token ids."""
-        device = x.device
-        probs = sampling_probs(x, states)
+        sampled = [states[i] for i in random_rows]
         # The race argmax(p / q) is scale-invariant, so probs need no renormalisation
         # after masking; zeroed tokens can never win.
-        q = torch.empty_like(probs)
-        num_unseeded = sum(1 for s in states if s.generator is None)
-        if num_unseeded:
-            q[:num_unseeded].exponential_(generator=self._generator(device))
-        for j in range(num_unseeded, len(states)):
-            q[j].exponential_(generator=states[j].generator)
-        # exponential_ may return exactly 0 (u == 0), and 0 / 0 = nan would win argmax.
-        q.clamp_min_(torch.finfo(q.dtype).tiny)
-        return probs.div_(q).argmax(dim=-1)
-
-    def generator_for(self, state: SamplingState, device: torch.device) -> torch.Generator:
-        """The randomness a row of this request draws from: its own when seeded, else the engine's."""
-        return state.generator if state.generator is not None else self._generator(device)
+        keys = keys_tensor([self._seed_of(s) for s in sampled], [positions[i] for i in random_rows],
+                           Stream.TOKEN, logits.device)  # fmt: skip
+        tokens[rows] = race(sampling_probs(x[rows], sampled), keys)
+        return tokens
 
 
 def sampling_probs(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

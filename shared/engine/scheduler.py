@@ -337,7 +337,6 @@ class Scheduler:
                     request.sampling_params,
                     request.eos_token_ids,
                     list(request.output_token_ids),
-                    request.generator_state,
                 )
             )
         start = request.num_computed_tokens

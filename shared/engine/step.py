@@ -21,7 +21,6 @@ class NewRequestData:
     eos_token_ids: frozenset[int]
     output_token_ids: list[int]
     """Tokens generated before this engine saw the request (a prefill handoff)."""
-    generator_state: bytes | None
 
 
 @dataclass(slots=True)

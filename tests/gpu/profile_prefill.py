@@ -36,7 +36,7 @@ def prefill_step(model: CausalLM, prompt_len: int) -> Callable[[], None]:
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
     def step() -> None:
-        sched = SchedulerOutput(new_requests=[NewRequestData("p", ids, params, frozenset(), [], None)])
+        sched = SchedulerOutput(new_requests=[NewRequestData("p", ids, params, frozenset(), [])])
         sched.chunks = [ScheduledChunk("p", ids, 0, list(range(blocks)), True)]
         runner.execute(sched)
 
@@ -92,7 +92,7 @@ def mlp(model: CausalLM) -> None:
             runner = ModelRunner(model, 80, BLOCK, torch.bfloat16, torch.device("cuda"), cuda_graphs=True,
                                  max_model_len=1280, max_batch=1)  # fmt: skip
             for first in (True, False):
-                sched = SchedulerOutput(new_requests=[NewRequestData("0", [1] * 1024, params, frozenset(), [], None)] if first else [])
+                sched = SchedulerOutput(new_requests=[NewRequestData("0", [1] * 1024, params, frozenset(), [])] if first else [])
                 sched.chunks = [ScheduledChunk("0", [7], 1024, list(range(70)), True)]
                 runner.execute(sched)
             assert runner.graphs is not None

@@ -120,7 +120,7 @@ def bench_decode(model: CausalLM, config: ModelConfig, batch: int, context: int,
         cuda_graphs=graphs, max_model_len=blocks_per_seq * block_size, max_batch=batch,
     )
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    new = [NewRequestData(str(i), [1] * context, params, frozenset(), [], None) for i in range(batch)]
+    new = [NewRequestData(str(i), [1] * context, params, frozenset(), []) for i in range(batch)]
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     pos = [context]
 
@@ -164,7 +164,7 @@ def bench_prefill(model: CausalLM, prompt_len: int, block_size: int = 16) -> flo
     ids = torch.randint(0, 100000, (prompt_len,)).tolist()
 
     def step() -> None:
-        sched = SchedulerOutput(new_requests=[NewRequestData("p", ids, params, frozenset(), [], None)])
+        sched = SchedulerOutput(new_requests=[NewRequestData("p", ids, params, frozenset(), [])])
         sched.chunks = [ScheduledChunk("p", ids, 0, [list(range(blocks))], True)]
         runner.execute(sched)
 

@@ -123,7 +123,7 @@ def profile_step(model: CausalLM, batch: int, context: int, block_size: int = 16
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
 
     def step(runner: ModelRunner, first: bool) -> None:
-        new = [NewRequestData(str(i), [1] * context, params, frozenset(), [], None) for i in range(batch)] if first else []
+        new = [NewRequestData(str(i), [1] * context, params, frozenset(), []) for i in range(batch)] if first else []
         sched = SchedulerOutput(new_requests=new)
         sched.chunks = [ScheduledChunk(str(i), [7], context, [tables[i]], True) for i in range(batch)]
         runner.execute(sched)

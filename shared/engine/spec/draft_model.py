@@ -69,7 +69,7 @@ class DraftModelDrafter:
             held = self._held[rid]
             start = min(_common_prefix(held.token_ids, context), len(context) - 1)
             if rid not in self.runner.states:
-                sched.new_requests.append(NewRequestData(rid, list(context[:1]), _PARAMS, frozenset(), [], None))
+                sched.new_requests.append(NewRequestData(rid, list(context[:1]), _PARAMS, frozenset(), []))
             chunks[rid] = ScheduledChunk(rid, list(context[start:]), start, held.block_ids, sample=True)
             held.token_ids = list(context)
         tokens: dict[str, list[int]] = {rid: [] for rid in chunks}
