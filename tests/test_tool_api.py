@@ -23,6 +23,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from services.balancer.api import create_app
 from services.balancer.generation import GenerationRequest, TokenEvent, Usage
 from services.balancer.tool_prompt import TOOLS_PREAMBLE
+from services.balancer.tool_schema import structured_outputs_available
 from shared.model.make_model import make_model
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings
@@ -325,3 +326,84 @@ def test_langchain_bind_tools_auto(qwen: Served) -> None:
     answer = model.invoke([HumanMessage("Weather in Bern?"), message, ToolMessage("sunny", tool_call_id=message.tool_calls[0]["id"])])
     assert answer.content == "It is sunny in Bern." and answer.tool_calls == []
     assert "<tool_response>\nsunny\n</tool_response>" in qwen.prompt_text()
+
+
+# -- forced choices: constrained by the function's schema (needs structured outputs) ------
+
+needs_structured = pytest.mark.skipif(
+    not structured_outputs_available(), reason="needs structured outputs (issue 14 point 1: SamplingParams.structured)"
+)
+
+
+@pytest.mark.skipif(structured_outputs_available(), reason="the engine has structured outputs")
+def test_forced_choice_refused_without_structured_outputs(qwen: Served) -> None:
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": choice}
+        response = qwen.http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+
+
+@needs_structured
+def test_named_choice_is_constrained_to_the_arguments(qwen: Served) -> None:
+    from shared.engine.structured.spec import StructuredSpec
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    args = '{"city": "Bern", "days": 3}'
+    for got in (chat(qwen, args, tools=TOOLS, tool_choice=named), chat_streamed(qwen, args, tools=TOOLS, tool_choice=named)):
+        assert calls_of(got.choices[0].message) == [("function", "get_weather", args)]
+        assert got.choices[0].message.content is None and got.choices[0].finish_reason == "tool_calls"
+        schema = json.dumps(WEATHER_TOOL["function"]["parameters"])
+        assert qwen.generator.requests[-1].params.structured == StructuredSpec("json", schema, any_whitespace=False)
+    # A function without parameters takes an empty object.
+    chat(qwen, "{}", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert json.loads(qwen.generator.requests[-1].params.structured.source) == {"type": "object", "properties": {}}
+
+
+@needs_structured
+def test_required_is_constrained_to_an_array_of_calls(qwen: Served) -> None:
+    reply = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Bern"}}]'
+    for parallel in (True, False):
+        got = chat(qwen, reply, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+        expected = [("function", "get_time", "{}"), ("function", "get_weather", '{"city": "Bern"}')]
+        assert calls_of(got.choices[0].message) == (expected if parallel else expected[:1])
+        schema = json.loads(qwen.generator.requests[-1].params.structured.source)
+        assert schema["minItems"] == 1 and ("maxItems" not in schema if parallel else schema["maxItems"] == 1)
+        names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
+        assert names == [["get_weather"], ["get_time"]]
+    streamed = chat_streamed(qwen, reply, tools=TOOLS, tool_choice="required")
+    assert calls_of(streamed.choices[0].message) == calls_of(chat(qwen, reply, tools=TOOLS, tool_choice="required").choices[0].message)
+
+
+@needs_structured
+def test_forced_choice_refusals(qwen: Served) -> None:
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    named = {"type": "function", "function": {"name": "f"}}
+    # A schema the grammar cannot enforce: named by its field, before the mesh.
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}
+    response = qwen.http.post("/v1/chat/completions", json={**base, "tools": [bad], "tool_choice": named})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "tools.0.function.parameters"
+    # Two constraints at once.
+    both = {**base, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}
+    response = qwen.http.post("/v1/chat/completions", json=both)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice", response.text
+
+
+@needs_structured
+def test_langchain_forced_tool_and_structured_output(qwen: Served) -> None:
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        """The weather asked for."""
+
+        city: str
+        days: int
+
+    qwen.generator.reply = '{"city": "Bern", "days": 3}'
+    forced = _chat_model(qwen).bind_tools([get_weather], tool_choice="get_weather")
+    message = forced.invoke("Weather in Bern?")
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [("get_weather", {"city": "Bern", "days": 3})]
+    assert qwen.generator.requests[-1].params.structured is not None
+    structured = _chat_model(qwen).with_structured_output(Weather, method="function_calling")
+    assert structured.invoke("Weather in Bern?") == Weather(city="Bern", days=3)
+    assert json.loads(qwen.generator.requests[-1].params.structured.source)["required"] == ["city", "days"]

@@ -94,7 +94,7 @@ class OpenAIServer:
 
     async def chat(self, body: p.ChatCompletionRequest, http: Request) -> Response:
         self._check(body)
-        tools = self.tools.plan(body)
+        tools = await self.tools.plan(body)
         async with AsyncExitStack() as stack:
             self._admit(stack)
             prompt_ids = await asyncio.to_thread(encode_chat, self.recipe, body)

@@ -12,7 +12,7 @@ Without parallel_tool_calls an auto reply keeps its first call only.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from services.balancer import protocol as p
 from services.balancer.errors import APIError
@@ -25,7 +25,7 @@ from services.balancer.tool_parsers import (
     json_array,
     parse_whole,
 )
-from services.balancer.tool_schema import constrain, named_schema, required_schema
+from services.balancer.tool_schema import checked_constraint, constrain, named_schema, required_schema
 from shared.recipe import Recipe
 
 if TYPE_CHECKING:  # choices.py imports this file
@@ -42,8 +42,12 @@ class ToolPlan:
     function: str | None = None
     """named: the function every reply calls."""
     parallel: bool = True
-    schema: dict | None = None
+    schema: dict[str, Any] | None = None
     """required and named: the JSON schema the output is constrained to."""
+    schema_param: str = "tools"
+    """The field a 400 about the schema names."""
+    spec: Any = None
+    """The schema as the engine's structured-output spec (checked_constraint)."""
 
     def new_parser(self) -> StreamingParser:
         if self.mode == "named":
@@ -61,8 +65,15 @@ class ToolSupport:
     def __init__(self, setting: str, recipe: Recipe) -> None:
         self.parser = choose_parser(setting, recipe.chat_template_source(with_tools=True))
 
-    def plan(self, body: p.ChatCompletionRequest) -> ToolPlan | None:
-        """The request's plan; None when its output is plain content. 400s name the field."""
+    async def plan(self, body: p.ChatCompletionRequest) -> ToolPlan | None:
+        """The request's plan, a forced choice's constraint checked; None when its output
+        is plain content. 400s name the field."""
+        plan = self._plan(body)
+        if plan is not None and plan.schema is not None:
+            plan.spec = await checked_constraint(plan.schema, plan.schema_param)
+        return plan
+
+    def _plan(self, body: p.ChatCompletionRequest) -> ToolPlan | None:
         if not body.tools or body.tool_choice == "none":
             return None
         choice = body.tool_choice or "auto"
@@ -82,10 +93,13 @@ class ToolSupport:
                 )
             return ToolPlan("auto", parser=self.parser, parallel=body.parallel_tool_calls)
         if choice == "required":
-            return ToolPlan("required", parallel=body.parallel_tool_calls,
-                            schema=required_schema(body.tools, body.parallel_tool_calls))  # fmt: skip
-        tool = next(t for t in body.tools if t.function.name == choice.function.name)  # checked by the body
-        return ToolPlan("named", function=tool.function.name, schema=named_schema(tool))
+            schema = required_schema(body.tools, body.parallel_tool_calls)
+            return ToolPlan("required", parallel=body.parallel_tool_calls, schema=schema, schema_param="tools")
+        # The body checked that the name is among the tools.
+        i = next(i for i, t in enumerate(body.tools) if t.function.name == choice.function.name)
+        tool = body.tools[i]
+        return ToolPlan("named", function=tool.function.name, schema=named_schema(tool),
+                        schema_param=f"tools.{i}.function.parameters")  # fmt: skip
 
 
 def _delta_calls(deltas: list[ToolCallDelta]) -> list[p.DeltaToolCall] | None:
@@ -136,7 +150,7 @@ def attach_tools(call: "Call", plan: ToolPlan, stream: bool) -> None:
     forced, and read for calls as it streams."""
     call.tools = plan
     for job in call.jobs:
-        if plan.schema is not None:
-            constrain(job.request.params, plan.schema)
+        if plan.spec is not None:
+            constrain(job.request.params, plan.spec)
         if stream:
             job.tool_stream = ToolStream(plan)

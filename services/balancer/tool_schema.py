@@ -12,6 +12,7 @@ These are vLLM's constraints for the two choices ("arguments" where vLLM writes
 the tools through the chat template: the model sees what it is forced to call.
 """
 
+import asyncio
 import json
 from dataclasses import fields
 from typing import Any
@@ -44,21 +45,41 @@ def required_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, An
     return schema
 
 
-def _has_structured_outputs() -> bool:
+def structured_outputs_available() -> bool:
+    """Whether the engine enforces a JSON schema (SamplingParams.structured, shared/engine/structured/)."""
     return any(f.name == "structured" for f in fields(SamplingParams))
 
 
-def constrain(params: SamplingParams, schema: dict[str, Any]) -> None:
-    """Constrain one generation's output to schema: the integration point with
-    structured outputs (shared/engine/structured/, SamplingParams.structured). Until
-    the engine has it, a forced tool_choice is refused, never answered unconstrained."""
-    if not _has_structured_outputs():
+async def checked_constraint(schema: dict[str, Any], param: str) -> Any:
+    """schema as the structured-output spec the engine enforces, its grammar built here
+    (off the event loop) so that a schema xgrammar cannot enforce is a 400 naming param,
+    before the mesh. Until the engine has structured outputs, a forced tool_choice is
+    refused: never answered unconstrained."""
+    if not structured_outputs_available():
         raise APIError(
             400, "tool_choice: 'required' and a named function need constrained decoding, which this "
             "server's engine does not have yet; use 'auto' or 'none'", param="tool_choice",
         )
-    from shared.engine.structured.spec import StructuredSpec  # noqa: PLC0415 (present once the field is)
+    # Imported here: present only with the field checked above.
+    from shared.engine.structured.grammar import build_grammar  # noqa: PLC0415
+    from shared.engine.structured.spec import StructuredSpec  # noqa: PLC0415
 
     # Compact JSON: a call's text is the arguments clients read, and a weak model
     # would otherwise spend tokens on whitespace the grammar allows.
-    params.structured = StructuredSpec("json", json.dumps(schema, ensure_ascii=False), any_whitespace=False)  # type: ignore[attr-defined]
+    spec = StructuredSpec("json", json.dumps(schema, ensure_ascii=False), any_whitespace=False)
+    try:
+        await asyncio.to_thread(build_grammar, spec)
+    except ValueError as exc:
+        raise APIError(400, f"{param}: cannot constrain the output to it: {exc}", param=param) from exc
+    return spec
+
+
+def constrain(params: SamplingParams, spec: Any) -> None:
+    """One generation's output held to a forced tool_choice's spec."""
+    if getattr(params, "structured", None) is not None:
+        raise APIError(
+            400, "tool_choice: a forced tool call already constrains the output; it cannot be combined with "
+            "response_format, structured_outputs or guided_* (use tool_choice 'auto' or drop the other)",
+            param="tool_choice",
+        )
+    params.structured = spec  # type: ignore[attr-defined]
