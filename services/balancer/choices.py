@@ -19,6 +19,7 @@ from opentelemetry.trace import Span
 
 from services.balancer import protocol as p
 from services.balancer.generation import GenerationRequest, Usage
+from services.balancer.seeds import fingerprint
 from services.balancer.tool_output import ToolPlan, ToolStream, whole_message
 from shared.engine.outputs import TokenLogprobs
 from shared.recipe import IncrementalDetokenizer
@@ -83,6 +84,13 @@ class Call:
     tools: ToolPlan | None = None
     """Chat with tools: how the output becomes tool calls (tool_output.py)."""
     created: int = field(default_factory=lambda: int(time.time()))
+    seed: int | None = None
+    """The seed the request ran with (drawn when the body named none; choice i ran
+    with seed + i): named by every response body's system_fingerprint."""
+
+    @property
+    def fingerprint(self) -> str | None:
+        return fingerprint(self.seed) if self.seed is not None else None
 
     @property
     def num_samples(self) -> int:
@@ -174,12 +182,13 @@ class Shaper:
             first = finished[0]
             return p.ChatCompletionResponse(
                 id=call.id, created=call.created, model=call.model, choices=choices, usage=usage,
+                system_fingerprint=call.fingerprint,
                 prompt_logprobs=self._prompt_logprobs(first.prompt_logprobs),
                 prompt_token_ids=call.prompts[0] if call.return_token_ids else None,
             )
         return p.CompletionResponse(
             id=call.id, created=call.created, model=call.model, choices=[self._completion_choice(f) for f in chosen],
-            usage=usage,
+            usage=usage, system_fingerprint=call.fingerprint,
         )
 
     def _message(self, f: Finished) -> dict[str, Any]:
@@ -258,11 +267,13 @@ class Shaper:
 
     def chat_chunk(self, choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None) -> p.ChatCompletionChunk:
         call = self.call
-        return p.ChatCompletionChunk(id=call.id, created=call.created, model=call.model, choices=choices, usage=usage)
+        return p.ChatCompletionChunk(id=call.id, created=call.created, model=call.model, choices=choices, usage=usage,
+                                     system_fingerprint=call.fingerprint)  # fmt: skip
 
     def completion_chunk(self, choices: list[p.CompletionChoice], usage: p.UsageInfo | None) -> p.CompletionResponse:
         call = self.call
-        return p.CompletionResponse(id=call.id, created=call.created, model=call.model, choices=choices, usage=usage)
+        return p.CompletionResponse(id=call.id, created=call.created, model=call.model, choices=choices, usage=usage,
+                                    system_fingerprint=call.fingerprint)  # fmt: skip
 
     def usage_chunk(self, usage: Usage) -> p.CompletionResponse | p.ChatCompletionChunk:
         info = p.UsageInfo.of(usage)

@@ -11,6 +11,7 @@ from services.balancer import protocol as p
 from services.balancer.choices import Call, Job
 from services.balancer.errors import APIError
 from services.balancer.generation import GenerationRequest
+from services.balancer.seeds import draw_seed
 from shared.engine.sampling_params import SamplingParams
 from shared.recipe import Recipe
 
@@ -43,7 +44,8 @@ class JobPlanner:
         prompt_k: int | None,
     ) -> Call:
         """The jobs of one request: per prompt, num_samples generations (seed + i each,
-        the first alone scoring the prompt when prompt logprobs are asked)."""
+        the first alone scoring the prompt when prompt logprobs are asked). A body
+        without a seed gets one drawn (seeds.py), so every output can be reproduced."""
         limit = self.max_model_len
         prompts = [self._truncate(ids, body.truncate_prompt_tokens) for ids in prompts]
         bad_words = self._bad_words(body.bad_words) if body.bad_words else None
@@ -55,6 +57,7 @@ class JobPlanner:
         # The mesh's ids are ours: unique, and safe as NATS subject tokens (a client's id need be neither).
         internal = call_id if named is None and len(prompts) * num_samples == 1 else None
         jobs: list[Job] = []
+        seed = body.seed if body.seed is not None else draw_seed()
         for prompt_index, prompt_ids in enumerate(prompts):
             num_prompt = len(prompt_ids)
             if num_prompt == 0:
@@ -85,8 +88,7 @@ class JobPlanner:
                     params = p.sampling_params(
                         body, limit - num_prompt if max_tokens is None else max_tokens, mesh_logprobs, bad_words
                     )
-                    if params.seed is not None:
-                        params.seed += sample
+                    params.seed = seed + sample
                     if sample:
                         params.prompt_logprobs = None  # the prompt's first sample scores it for all
                     else:
@@ -110,7 +112,7 @@ class JobPlanner:
             call_id, chat, self.model_name, jobs, prompts, body.n or 1, logprobs,
             prompt_logprobs=body.prompt_logprobs is not None,
             include_usage=body.include_usage, continuous_usage=body.continuous_usage,
-            return_token_ids=body.return_token_ids, tokens_as_ids=body.return_tokens_as_token_ids,
+            return_token_ids=body.return_token_ids, tokens_as_ids=body.return_tokens_as_token_ids, seed=seed,
         )
 
     def _truncate(self, prompt_ids: list[int], keep: int | None) -> list[int]:

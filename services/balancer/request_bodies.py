@@ -2,7 +2,7 @@
 
 Every field is implemented or refused with a 400 that names it, never silently
 ignored: unknown fields are refused (extra="forbid"), and so are declared ones
-whose value we cannot honour (suffix, a response_format other than text, best_of
+whose value we cannot honour (suffix, best_of
 with stream). Tools (tools, tool_choice, parallel_tool_calls, tool messages and an
 assistant's tool_calls) are typed in tool_bodies.py; the legacy functions and
 function_call are unknown fields. Ranges of sampling values
@@ -31,6 +31,7 @@ from services.balancer.body_fields import (
     valid_unicode,
 )
 from services.balancer.tool_bodies import MAX_TOOLS, MessageToolCall, ToolChoice, ToolDefinition
+from services.balancer.structured_bodies import ResponseFormat, StructuredOutputs
 from shared.engine.sampling_params import MAX_LOGPROBS
 
 
@@ -84,6 +85,13 @@ class GenerationBody(StrictBody):
     """vLLM's: lower goes first in the balancer's queue (see BalancerSettings.max_dispatched_requests)."""
     request_id: RequestId | None = None
     """vLLM's: names the response (cmpl-<request_id>) and the x-request-id header."""
+    # Structured outputs (structured_outputs.py resolves them; at most one per request).
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_grammar: Text | None = None
+    """vLLM's older names of structured_outputs' json, regex, choice and grammar."""
 
     @field_validator("stream_options")
     @classmethod
@@ -209,11 +217,6 @@ class ChatMessage(StrictBody):
         if self.tool_calls is not None:
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         return message
-
-
-class ResponseFormat(StrictBody):
-    type: Literal["text"]
-    """Only plain text: json_object and json_schema would need constrained decoding."""
 
 
 class ChatCompletionRequest(GenerationBody):

@@ -101,6 +101,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+    """OpenAI's; here the seed the request ran with, "infermesh-seed-<seed>" (seeds.py)."""
 
 class TopLogprob(BaseModel):
     token: str
@@ -156,6 +158,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    system_fingerprint: str | None = None
+    """OpenAI's; here the seed the request ran with, "infermesh-seed-<seed>" (seeds.py)."""
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
 
@@ -183,6 +187,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+    """As on the whole response, on every chunk (OpenAI's chunks carry it too)."""
     prompt_token_ids: list[int] | None = None
     """return_token_ids: on the first chunk."""
 

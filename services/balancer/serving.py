@@ -30,6 +30,8 @@ from services.balancer.generation import GenerationError, Generator, Usage
 from services.balancer.http_metrics import HttpMetrics
 from services.balancer.jobs import JobPlanner
 from services.balancer.pump import Pump, merge_deltas
+from services.balancer.structured_outputs import check_structured
+from services.balancer.seeds import SEED_HEADER
 from services.balancer.tool_output import ToolSupport, attach_tools
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings
@@ -69,6 +71,7 @@ class OpenAIServer:
 
     async def completions(self, body: p.CompletionRequest, http: Request) -> Response:
         self._check(body)
+        await check_structured(body)
         async with AsyncExitStack() as stack:
             self._admit(stack)
             prompts: list[list[int]] = []
@@ -94,6 +97,7 @@ class OpenAIServer:
 
     async def chat(self, body: p.ChatCompletionRequest, http: Request) -> Response:
         self._check(body)
+        await check_structured(body)
         tools = await self.tools.plan(body)
         async with AsyncExitStack() as stack:
             self._admit(stack)
@@ -155,6 +159,8 @@ class OpenAIServer:
         stack.push_async_callback(pump.close)
         first = await unless_disconnected(http, pump.next())
         headers = {"x-request-id": call.id.split("-", 1)[1]}
+        if call.seed is not None:
+            headers[SEED_HEADER] = str(call.seed)
         if not stream:
             return json_response(first, headers)
         return EventStream(first, pump, stack.pop_all(), headers)

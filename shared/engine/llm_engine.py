@@ -24,6 +24,7 @@ from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.spec.setup import make_speculator
 from shared.engine.spec.speculator import Speculator
 from shared.engine.step import SchedulerOutput
+from shared.engine.structured.setup import check_structured, make_grammar_compiler
 from shared.kv.block_hash import BlockHash, kv_fingerprint
 from shared.model.fingerprint import model_fingerprint
 from shared.model.loader import load_model
@@ -40,7 +41,8 @@ def _host_free(request: Request) -> bool:
     steps until its first token: the runner scores it from the step's hidden states."""
     params = request.sampling_params
     scoring = params.prompt_logprobs is not None and request.num_output_tokens == 0
-    return not params.needs_output_history and not scoring
+    # A grammar's matcher reads the last token too (structured outputs).
+    return not params.needs_output_history and not scoring and params.structured is None
 
 
 class LLMEngine:
@@ -112,6 +114,7 @@ class LLMEngine:
             max_batch=config.max_num_seqs,
             share_kv=share_kv,
         )
+        self.runner.structured.compiler = make_grammar_compiler(self.recipe, model_cfg.vocab_size, self.eos_token_ids)
         self.speculator: Speculator | None = None
         if config.speculative != "none":
             self.speculator = make_speculator(config, self.model, self.runner.time_step, max_model_len, dtype, device)
@@ -179,6 +182,7 @@ class LLMEngine:
         if params.stop and self.recipe is None:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none")
         params.check_vocab(vocab)
+        check_structured(params, self.runner.structured.compiler)  # compiles (cached): a bad grammar fails here
         self.scheduler.add_request(request)
         if params.prompt_logprobs is not None and not req.resume_token_ids:
             self._prompt_logprobs[req.request_id] = {}

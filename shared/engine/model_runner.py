@@ -20,6 +20,7 @@ from shared.engine.sampler import LogprobTensors, Sampler, SamplingState, TokenL
 from shared.engine.spec.verify import verify_request
 from shared.engine.step import PLACEHOLDER, ScheduledChunk, SchedulerOutput
 from shared.engine.step_inputs import fill_placeholders, to_device
+from shared.engine.structured.apply import StructuredRows
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.transformer import CausalLM
 
@@ -129,6 +130,8 @@ class ModelRunner:
             )
         self.sampler = Sampler(seed=seed)
         self.states: dict[str, SamplingState] = {}
+        self.structured = StructuredRows()
+        """Structured requests' matchers (the engine sets its grammar compiler)."""
         self._last_tokens = torch.empty(0, dtype=torch.long, device=device)
         self._last_rows: dict[str, int] = {}
         self.keep_hidden = False
@@ -136,6 +139,7 @@ class ModelRunner:
         drafter reads them. Off, nothing is kept."""
 
     def _update_states(self, sched: SchedulerOutput) -> None:
+        self.structured.update(sched)
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
         for new in sched.new_requests:
@@ -168,6 +172,7 @@ class ModelRunner:
         else:
             sampled = {}
         states = [self.states[rid] for rid in sample_ids]
+        logits = self.structured.mask(logits, sample_ids, [s.output_token_ids for s in states])
         result = self.sampler(logits, states, [first[rid] for rid in sample_ids]) if states else None
         logprobs: dict[str, TokenLogprobs] = {}
         if result is not None:
@@ -200,7 +205,8 @@ class ModelRunner:
                 row += 1
                 continue
             state = self.states[rid]
-            verified = verify_request(logits[row : row + len(draft) + 1], draft, state, self.sampler, first[rid])
+            rows = self.structured.mask_draft(logits[row : row + len(draft) + 1], rid, draft, state.output_token_ids)
+            verified = verify_request(rows, draft, state, self.sampler, first[rid])
             state.output_token_ids += verified.tokens
             sampled[rid] = verified.tokens
             num_accepted[rid] = verified.num_accepted
@@ -260,6 +266,8 @@ class ModelRunner:
             return StepHandle([], None, self._record_done(expert_counts), expert_counts=expert_counts)
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
         states = [self.states[rid] for rid in sample_ids]
+        # A grammar needs the output's last token on the host: the engine never overlaps such a step.
+        assert not any(rid in self.structured.matchers for rid in sample_ids), "structured requests run through execute()"
         # The positions come from the chunks: the states' own lag a step behind here.
         first = _first_sample_positions(sched)
         tokens = self.sampler.sample_tokens(logits, states, [first[rid] for rid in sample_ids])
