@@ -155,6 +155,18 @@ def test_capacity_from_old_survivals_then_the_best_current_candidates():
     assert capacity(one, cheap_bucket, buckets=[2]) == 1  # the bucket the greedy already fills
 
 
+def test_the_sps_profile_never_has_a_larger_step_run_faster():
+    from shared.engine.spec.setup import sps_profile
+
+    # Launch-bound timings, nearly flat and noisy (as eager steps of an 8B model on the
+    # H200: 26, 19, 20, 16 ms...): the profile holds the slowest rate seen so far.
+    seconds = {1: 0.026, 2: 0.019, 4: 0.020, 8: 0.016, 16: 0.017, 32: 0.030, 40: 0.029}
+    sps = sps_profile(seconds.__getitem__, 40)
+    assert sps.tokens == (1, 2, 4, 8, 16, 32, 40)
+    expected = [1 / 0.026] * 5 + [1 / 0.030] * 2
+    assert sps.steps_per_s == pytest.approx(expected)
+
+
 def test_a_step_cost_besides_the_forward_makes_verifying_more_worth_it():
     # SPS drops from 100 to 60 steps/s when B goes 1 -> 2: verifying a token of survival
     # 0.5 gives 1.5 tokens per 1/60 s = 90 tok/s < 100. With 10 ms the step costs anyway

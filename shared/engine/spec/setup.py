@@ -26,14 +26,20 @@ PROFILE_TOKENS_CUDA = 1024
 
 
 def sps_profile(time_step: Callable[[int], float], max_tokens: int) -> SpsTable:
-    """SPS(B) at B = 1, 2, 4, ... up to max_tokens (and max_tokens itself)."""
+    """SPS(B) at B = 1, 2, 4, ... up to max_tokens (and max_tokens itself), made
+    non-increasing: a step of more tokens is never faster than one of fewer, and a
+    timing that says so is noise (launch-bound eager steps on a GPU measure nearly
+    flat), which would stop DSpark's greedy at its first false cliff."""
     counts, b = [], 1
     while b < max_tokens:
         counts.append(b)
         b *= 2
     counts.append(max_tokens)
-    rates = tuple(1.0 / max(time_step(n), 1e-9) for n in counts)
-    return SpsTable(tuple(counts), rates)
+    rates: list[float] = []
+    for n in counts:
+        rate = 1.0 / max(time_step(n), 1e-9)
+        rates.append(min(rate, rates[-1]) if rates else rate)
+    return SpsTable(tuple(counts), tuple(rates))
 
 
 def make_speculator(

@@ -255,6 +255,8 @@ class Speculator:
         draft_pass = self.costs.draft_pass(num_requests)
         if draft_pass is None:
             return self.num_tokens
+        if self.costs.plain_step(num_requests) is None:
+            return 0  # one plain step first, to measure what not drafting costs at this size
         depth = choose_depth(num_requests, self.mean_survival(), self.sps, draft_pass, self.costs.overhead_s,
                              self.costs.plain_step(num_requests))  # fmt: skip
         if depth:
