@@ -2,13 +2,15 @@
 Stop strings stay with the HTTP layer (the detokenizer matches them)."""
 
 from services.balancer.request_bodies import GenerationBody
+from services.balancer.structured_outputs import structured_spec
 from shared.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 
 def sampling_params(
     body: GenerationBody, max_tokens: int, logprobs: int | None, bad_words_token_ids: list[list[int]] | None = None
 ) -> SamplingParams:
-    """Raises SamplingParams' ValueError for values out of range (its message starts with the field's name)."""
+    """Raises SamplingParams' ValueError for values out of range (its message starts with the field's name),
+    APIError for conflicting structured-output fields."""
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
@@ -28,4 +30,5 @@ def sampling_params(
         allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
         bad_words_token_ids=bad_words_token_ids or [],
         prompt_logprobs=body.prompt_logprobs,
+        structured=structured_spec(body),
     )

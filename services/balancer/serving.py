@@ -30,8 +30,8 @@ from services.balancer.generation import GenerationError, Generator, Usage
 from services.balancer.http_metrics import HttpMetrics
 from services.balancer.jobs import JobPlanner
 from services.balancer.pump import Pump, merge_deltas
-from services.balancer.structured_outputs import check_structured
 from services.balancer.seeds import SEED_HEADER
+from services.balancer.structured_outputs import check_structured
 from services.balancer.tool_output import ToolSupport, attach_tools
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings

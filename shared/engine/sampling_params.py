@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass, field
 
+from shared.engine.structured.spec import StructuredSpec
+
 # The widths these values have on the wire (mesh.proto's SamplingParams): a value
 # past them would fail deep in the mesh instead of here.
 _TOKEN_ID_LIMIT = 1 << 32
@@ -60,6 +62,9 @@ class SamplingParams:
     """None: none. k >= 0: every prompt token's logprob (the first has none) plus
     the k most likely alternatives at its position. The prompt is then computed
     in full, without prefix-cache hits, as vLLM does."""
+    structured: StructuredSpec | None = None
+    """The grammar every output token must follow (structured outputs: JSON schema,
+    regex, choice, EBNF); None leaves the output free."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -106,6 +111,9 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must be token ids in [0, 2**32)")
         if any(not word or any(not 0 <= t < _TOKEN_ID_LIMIT for t in word) for word in self.bad_words_token_ids):
             raise ValueError("bad_words_token_ids must be non-empty lists of token ids in [0, 2**32)")
+        if self.structured is not None and self.min_tokens:
+            # The grammar decides where the output ends: holding back EOS could leave no token allowed.
+            raise ValueError("min_tokens cannot be used with structured outputs (the grammar decides the length)")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the request names must exist in the model: a ValueError naming the field."""

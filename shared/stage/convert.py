@@ -2,6 +2,7 @@
 
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.structured.spec import StructuredSpec
 from shared.proto import mesh_pb2
 
 
@@ -29,6 +30,9 @@ def params_to_proto(p: SamplingParams) -> mesh_pb2.SamplingParams:
         msg.seed = p.seed
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.structured is not None:
+        s = p.structured
+        msg.structured.CopyFrom(mesh_pb2.StructuredOutput(kind=s.kind, source=s.source, compact=not s.any_whitespace))
     return msg
 
 
@@ -52,7 +56,13 @@ def params_from_proto(msg: mesh_pb2.SamplingParams) -> SamplingParams:
         allowed_token_ids=list(msg.allowed_token_ids) or None,
         bad_words_token_ids=[list(word.token_ids) for word in msg.bad_words],
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        structured=_structured_from_proto(msg.structured) if msg.HasField("structured") else None,
     )
+
+
+def _structured_from_proto(msg: mesh_pb2.StructuredOutput) -> StructuredSpec:
+    """Raises ValueError (from StructuredSpec) for an unknown kind."""
+    return StructuredSpec(msg.kind, msg.source, any_whitespace=not msg.compact)  # type: ignore[arg-type]
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> mesh_pb2.TokenLogprobs:
