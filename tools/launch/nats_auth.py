@@ -17,12 +17,14 @@ the users that answer requests may publish to reply subjects):
 `admin` exists only under `infermesh up`, for its operator (debugging, the
 tests' Mesh.nats_url): its password sits in the same 0600 file as every other
 one, so it grants nobody anything they could not already read there.
-`infermesh up` knows every instance id, so it makes one user per instance
-(X = the instance): an instance can neither read another's prompts nor
-publish into another's streams. Helm and compose scale instances whose ids
-nobody knows beforehand: there X is `*`, one user per stage, and the
-balancer's check that a chunk comes from the instance it handed the request
-to is what keeps instances of one stage apart.
+Every deployment makes one user per instance (X = the instance): an instance
+can neither read another's prompts nor publish into another's streams.
+`infermesh up` knows its instance ids; compose's are fixed services and Helm's
+are StatefulSet pod names up to `stages.<stage>.maxInstances`
+(deploy/nats_users.py writes both from this module). The per-stage form (X =
+`*`, one user per stage) remains for a deployment that cannot name its
+instances beforehand; there the balancer's check that a chunk comes from the
+instance it handed the request to is what keeps instances of one stage apart.
 
 Every user sits in one account (MESH). The system account (SYS) exports
 nats-server's advisory of a client that left; MESH imports it as
@@ -30,10 +32,12 @@ nats-server's advisory of a client that left; MESH imports it as
 feeds: the balancer hears a worker's death within milliseconds
 (services/balancer/departures.py).
 
-    python -m tools.launch.nats_auth --conf > deploy/helm/infermesh/charts/nats/files/auth.conf
-        # the block for Helm and compose, passwords read from $NATS_<ROLE>_PASSWORD
-    python -m tools.launch.nats_auth --env > deploy/compose/secrets.env
+    python -m tools.launch.nats_auth --conf
+        # the per-stage block (X = *), passwords read from $NATS_<ROLE>_PASSWORD
+    python -m tools.launch.nats_auth --env
         # random values for those, the gRPC token, the API key, Grafana's admin password
+
+Helm's and compose's per-instance files come from deploy/nats_users.py, built on this.
 """
 
 import argparse
