@@ -76,7 +76,12 @@ class EngineConfig:
     """Replay decode steps from CUDA graphs (on CUDA with the Triton kernels); False runs them eagerly."""
     kernels: str = "auto"
     """Attention, norm, rotary and activation code: "auto" (Triton kernels on CUDA,
-    PyTorch elsewhere), "triton" (on the CPU only under TRITON_INTERPRET=1) or "torch"."""
+    PyTorch elsewhere), "triton" (on the CPU only under TRITON_INTERPRET=1) or "torch".
+    batch_invariant overrides it."""
+    batch_invariant: bool = False
+    """A request's logits bitwise the same alone or in any batch, however its prompt is
+    chunked (shared/model/batch_invariant.py: fixed-shape products and reduction orders,
+    no Triton kernels, no CUDA graphs); dense Llama-family models only. Slower."""
     kv_direct_transfer: bool = True
     """Let a decode instance on the same host copy a request's KV straight out of this
     engine's cache (CUDA IPC on a GPU, shared memory under /dev/shm on the CPU),

@@ -27,6 +27,7 @@ from shared.engine.step import SchedulerOutput
 from shared.engine.structured.setup import check_structured, make_grammar_compiler
 from shared.kv.block_hash import BlockHash, kv_fingerprint
 from shared.model.fingerprint import model_fingerprint
+from shared.model import batch_invariant
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
 from shared.recipe import IncrementalDetokenizer, Recipe
@@ -76,6 +77,8 @@ class LLMEngine:
         self.model = model or load_model(
             config.model, dtype=dtype, device=device, progress=load_progress, kernels=config.kernels
         )
+        if config.batch_invariant:
+            batch_invariant.apply(self.model)  # the ops table, chosen once for the model's life
         # A checkpoint saved by transformers alone has no tokenizer: the engine
         # then takes token ids only and returns no text.
         has_tokenizer = loaded and (Path(config.model) / "tokenizer.json").is_file()

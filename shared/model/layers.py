@@ -39,8 +39,9 @@ class Linear(nn.Module):
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Callable[..., torch.Tensor] | None
 ) -> torch.Tensor:
-    """``F.linear``, or ``gemv`` (the Triton kernel, when the model uses Triton) for a single row."""
-    if gemv is not None and x.dim() == 2 and x.shape[0] == 1:
+    """``F.linear``, or ``gemv`` (the Triton kernel, when the model uses Triton) for a single row;
+    a row kernel marked ``any_rows`` (batch_invariant.py's) takes every input."""
+    if gemv is not None and (getattr(gemv, "any_rows", False) or (x.dim() == 2 and x.shape[0] == 1)):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -1,0 +1,210 @@
+"""Batch-invariant ops (issue 14, point 3; EngineConfig.batch_invariant): a token's
+logits are bitwise the same alone or in any batch, with any chunking of its prompt.
+
+The normal path's results depend on the batch in the last bits: a matmul's BLAS
+kernel (and its reduction order) depends on the number of rows M, so a row computes
+differently at M = 1 (GEMV) than at M = 37; attention pads every sequence to the
+batch's longest query and key lengths, and SDPA picks its split sizes from them.
+This table replaces them with computations whose shape per unit of work is fixed:
+
+- linear: the rows padded to tiles of TILE_ROWS and multiplied as a batch of fixed
+  [TILE_ROWS, K] x [K, N] products (bmm), never as one [M, K] GEMM;
+- norms: per row, the sum of squares in fixed chunks of CHUNK, then a sequential
+  scan over the chunks (no reduction a thread split could reorder);
+- attention: per sequence (nothing padded to another sequence), queries in tiles of
+  TILE_ROWS, keys in tiles of CHUNK; softmax sums and the value products reduced per
+  key tile, then accumulated over the tiles in order (cumsum): a query sees the same
+  tiles whatever its chunk, and masked keys add exact zeros.
+
+What stays assumed, and is checked by tests/test_batch_invariant.py on the CPU: a
+fixed-shape product gives a row the same bits wherever it sits in its tile and
+whatever the other rows hold (true of BLAS micro-kernels, whose reduction over K
+runs in one order per output element). On CUDA the same code runs through cuBLAS's
+batched GEMM; that cuBLAS picks one algorithm per (shape, batch count) and that it
+has no split-K dependent on the batch count is untested here (tests/gpu).
+
+apply(model) installs the table on a built dense Llama-family model by swapping the
+kernel objects its modules already dispatch to (the Triton path's seams): Linear's
+row kernel, RMSNorm's kernel module, attention's rotary and attention modules, and
+the model's attention planner. Experts (MoE) are refused: their grouped GEMMs are
+not made invariant.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.model.attention import write_kv
+from shared.model.forward_batch import AttentionMetadata
+from shared.model.layers import Linear, RMSNorm, apply_rope
+
+TILE_ROWS = 16
+"""Rows per product tile (queries per attention tile)."""
+CHUNK = 64
+"""Elements per reduction chunk (keys per attention tile, norm chunk)."""
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x with zero rows appended along dim 0 up to a multiple of `multiple`."""
+    pad = -x.shape[0] % multiple
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias) as ceil(M / TILE_ROWS) products of one shape."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    tiles = _pad_rows(x2, TILE_ROWS).view(-1, TILE_ROWS, x2.shape[1])
+    out = torch.bmm(tiles, weight.t().unsqueeze(0).expand(tiles.shape[0], -1, -1))
+    out = out.view(-1, weight.shape[0])[:m]
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, weight.shape[0])
+
+
+invariant_linear.any_rows = True  # type: ignore[attr-defined]
+"""layers.linear hands every input to this row kernel, not only single rows."""
+
+
+def _sum_last(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in a fixed order: chunks of CHUNK, then a sequential scan."""
+    n = x.shape[-1]
+    pad = -n % CHUNK
+    if pad:
+        x = F.pad(x, (0, pad))
+    partial = x.reshape(*x.shape[:-1], -1, CHUNK).sum(-1)
+    return partial.cumsum(-1)[..., -1]
+
+
+class InvariantNorm:
+    """Stands in for the Triton rmsnorm module (same two functions), per row."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(_sum_last(h * h).unsqueeze(-1) / h.shape[-1] + eps)
+        if weight.dtype == torch.float32:
+            return (weight * h).to(input_dtype)
+        return weight * h.to(input_dtype)
+
+    @staticmethod
+    def fused_add_rms_norm(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + residual
+        return InvariantNorm.rms_norm(x, weight, eps), x
+
+
+@dataclass(slots=True)
+class InvariantPlan:
+    """One KV group's batch as host lists: each sequence is attended on its own."""
+
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor
+    block_size: int
+    key_floor: list[int] | None
+
+
+class InvariantAttention:
+    """Stands in for the Triton rotary and attention modules and the model's planner."""
+
+    @staticmethod
+    def plan_triton_attention(
+        meta: AttentionMetadata, num_kv_heads: int, head_dim: int, device: torch.device
+    ) -> InvariantPlan:
+        floor = meta.key_floor if meta.key_floor is not None and any(meta.key_floor) else None
+        return InvariantPlan(list(meta.query_start_loc), list(meta.seq_lens), meta.block_tables.to(device),
+                             meta.block_size, floor)  # fmt: skip
+
+    @staticmethod
+    def rotary_embedding_and_store_kv(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # elementwise: invariant as it is
+        write_kv(kv_cache, k, v, slot_mapping)
+        return q
+
+    @staticmethod
+    def triton_attend(
+        query: torch.Tensor, kv_cache: torch.Tensor, plan: InvariantPlan, sliding_window: int | None, scale: float,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        out = torch.empty_like(query)
+        for s, seq_len in enumerate(plan.seq_lens):
+            start, end = plan.query_start_loc[s], plan.query_start_loc[s + 1]
+            floor = plan.key_floor[s] if plan.key_floor is not None and sliding_window is not None else 0
+            out[start:end] = _attend_one(query[start:end], kv_cache, plan.block_tables[s], plan.block_size, seq_len,
+                                         sliding_window, floor, scale, sinks)  # fmt: skip
+        return out
+
+
+def _attend_one(
+    q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, block_size: int, seq_len: int,
+    window: int | None, floor: int, scale: float, sinks: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """One sequence's queries q [L, H, D] (positions seq_len - L ..) over its cached keys."""
+    num_q, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    num_blocks = -(-seq_len // block_size)
+    k = kv_cache[0][table[:num_blocks]].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    v = kv_cache[1][table[:num_blocks]].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    k, v = _pad_rows(k, CHUNK).to(q.dtype), _pad_rows(v, CHUNK).to(q.dtype)
+    group = num_heads // num_kv_heads
+    # [H, kv tiles, CHUNK, D]: the kv head of each query head, as repeat_kv does.
+    k = k.transpose(0, 1).repeat_interleave(group, 0).reshape(num_heads, -1, CHUNK, head_dim)
+    v = v.transpose(0, 1).repeat_interleave(group, 0).reshape(num_heads, -1, CHUNK, head_dim)
+    num_tiles = k.shape[1]
+    qt = _pad_rows(q, TILE_ROWS).transpose(0, 1).reshape(num_heads, -1, TILE_ROWS, head_dim)  # [H, q tiles, T, D]
+    num_q_tiles = qt.shape[1]
+    # Every (head, q tile, kv tile) product is one [T, D] x [D, CHUNK] matrix: a batch of one shape.
+    a = qt.unsqueeze(2).expand(-1, -1, num_tiles, -1, -1).reshape(-1, TILE_ROWS, head_dim)
+    b = k.unsqueeze(1).expand(-1, num_q_tiles, -1, -1, -1).reshape(-1, CHUNK, head_dim)
+    scores = torch.bmm(a, b.transpose(1, 2)).view(num_heads, num_q_tiles, num_tiles, TILE_ROWS, CHUNK) * scale
+    q_pos = seq_len - num_q + torch.arange(num_q_tiles * TILE_ROWS, device=q.device).view(num_q_tiles, 1, TILE_ROWS, 1)
+    k_pos = torch.arange(num_tiles * CHUNK, device=q.device).view(1, num_tiles, 1, CHUNK)
+    allowed = (k_pos <= q_pos) & (k_pos < seq_len)
+    if window is not None:
+        allowed &= (q_pos - k_pos < window) & (k_pos >= floor)
+    scores = scores.float().masked_fill(~allowed, float("-inf"))
+    # Max over every key (exact in any order); the sink's logit joins it.
+    m = scores.amax(dim=(2, 4), keepdim=True)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.float().view(num_heads, 1, 1, 1, 1))
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # padded query rows: nothing allowed
+    e = torch.exp(scores - m)
+    total = e.sum(-1).cumsum(2)[:, :, -1]  # [H, q tiles, T]: per kv tile, then over tiles in order
+    if sinks is not None:
+        total = total + torch.exp(sinks.float().view(num_heads, 1, 1) - m[:, :, 0, :, 0])
+    pv_a = e.to(v.dtype).reshape(-1, TILE_ROWS, CHUNK)
+    pv_b = v.unsqueeze(1).expand(-1, num_q_tiles, -1, -1, -1).reshape(-1, CHUNK, head_dim)
+    pv = torch.bmm(pv_a, pv_b).view(num_heads, num_q_tiles, num_tiles, TILE_ROWS, head_dim)
+    out = pv.float().cumsum(2)[:, :, -1] / total.unsqueeze(-1)  # [H, q tiles, T, D]
+    return out.reshape(num_heads, -1, head_dim)[:, :num_q].transpose(0, 1).to(q.dtype)
+
+
+def apply(model: torch.nn.Module) -> None:
+    """Install the table on a built model (see the module docstring); the Triton
+    kernels and CUDA graphs are left out for the model's life."""
+    from shared.model.models.llama import Attention, CausalLM
+
+    dense = isinstance(model, CausalLM) and not model._sparse_blocks
+    if not dense or not all(isinstance(layer.self_attn, Attention) for layer in model.model.layers):
+        raise ValueError("batch_invariant supports dense Llama-family models only (experts are not invariant)")
+    model.use_triton = False  # no CUDA graphs: they capture the Triton path
+    model._triton_attention = InvariantAttention()
+    model._gemv = invariant_linear
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module._gemv = invariant_linear
+        elif isinstance(module, RMSNorm):
+            module._triton = InvariantNorm()
+        elif isinstance(module, Attention):
+            module._rotary = InvariantAttention()
+            module._attention = InvariantAttention()
+        if hasattr(module, "_gated_gemv"):
+            module._gated_gemv = None  # the MLP's batch-1 fused GEMV: a second code path

@@ -1,0 +1,88 @@
+"""bench-batch-invariant: the cost of batch-invariant mode (issue 14, point 3).
+
+For each batch size, the same greedy requests (seeded token-id prompts) run on one
+engine in the normal mode and on one with batch_invariant=True, each once untimed
+(warm-up) then timed: output tokens per second of the whole batch, side by side,
+with the slowdown. The two modes' tokens are compared too (they are the same
+function in another reduction order; a differing token is reported, not a failure).
+
+  python -m tools.bench.batch_invariant_bench --model models/trained/target --device cpu --batch 1 8
+  python -m tools.bench.batch_invariant_bench --model /path/to/llama --device cuda --dtype bfloat16 --batch 1 8 64
+"""
+
+import argparse
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Row:
+    batch: int
+    normal_tok_s: float
+    invariant_tok_s: float
+    same_tokens: bool
+
+    @property
+    def slowdown(self) -> float:
+        return self.normal_tok_s / self.invariant_tok_s
+
+
+def _requests(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed + batch)
+    return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+
+
+def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    llm.generate(prompts, params)  # warm-up: allocations, kernels, caches
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outs) / seconds, [o.token_ids for o in outs]
+
+
+def run(model: str, device: str, dtype: str, batches: list[int], prompt_len: int, max_tokens: int) -> list[Row]:
+    knobs = dict(device=device, dtype=dtype, enable_prefix_caching=False)  # the warm-up must not turn into hits
+    normal = LLM(model, **knobs)
+    invariant = LLM(model, batch_invariant=True, **knobs)
+    vocab = normal.engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for batch in batches:
+        prompts = _requests(batch, prompt_len, vocab, seed=0)
+        fast, fast_tokens = _timed(normal, prompts, params)
+        slow, slow_tokens = _timed(invariant, prompts, params)
+        rows.append(Row(batch, fast, slow, fast_tokens == slow_tokens))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint folder (default: the seeded tiny model, made in a temp folder)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from shared.model.make_model import make_model
+
+            make_model(tmp)
+            model = tmp
+        rows = run(model, args.device, args.dtype, args.batch, args.prompt_len, args.max_tokens)
+    print(f"model {args.model or 'tiny (make_model)'} on {args.device} ({args.dtype}), prompt {args.prompt_len}, "
+          f"{args.max_tokens} tokens each, greedy")  # fmt: skip
+    print(f"{'batch':>5} {'normal tok/s':>13} {'invariant tok/s':>16} {'slowdown':>9} {'same tokens':>12}")
+    for r in rows:
+        print(f"{r.batch:>5} {r.normal_tok_s:>13.1f} {r.invariant_tok_s:>16.1f} {r.slowdown:>8.2f}x {str(r.same_tokens):>12}")
+
+
+if __name__ == "__main__":
+    main()
