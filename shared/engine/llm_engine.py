@@ -130,6 +130,9 @@ class LLMEngine:
         self.kv_transfer: KVTransfer | None = None
         if kv_connector is not None:
             kv_connector.register_kv_region(self.runner.kv_region)
+            # What recomputing a prefix costs here, so a slow source can decline a hit.
+            chunk = min(config.step_sizes()[1], max_model_len)
+            kv_connector.register_recompute_rate(chunk / self.runner.time_step(chunk, repeats=1), config.block_size)
             self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, config.kv_lease_timeout_s)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = {}

@@ -120,6 +120,11 @@ class KVCacheSettings:
     probe_interval_s: float = 0.5
     """How often workers and the balancer check kvcache's health; once it is back
     a worker redials at once (no gRPC reconnect backoff) and uses it again."""
+    load_when_faster: bool = True
+    """Load a prefix hit from kvcache only when the load, at the bandwidth this
+    worker's loads achieve, is not much slower than recomputing it at the engine's
+    prefill rate (on a GPU a big model recomputes ~10x faster than kvcache serves);
+    false loads every hit."""
 
 
 @dataclass(slots=True)

@@ -22,7 +22,9 @@ of its own (every probe_interval_s) notices when it is back, replaces the
 client's channel (which gRPC would otherwise leave in reconnect backoff for up to
 two minutes) and marks it up: its use resumes within about one interval. `up`
 is the worker's view for /metrics and gRPC health; `take_outcome(request)` says
-what kvcache did for a request's lookup ("ok", "down", "failed", "slow").
+what kvcache did for a request's lookup ("ok", "down", "failed", "slow", or
+"recompute": it held blocks, but loading them would be slower than recomputing
+them, load_cost.py).
 """
 
 import asyncio
@@ -43,6 +45,7 @@ from shared.kv.block_hash import BlockHash
 from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.telemetry import extract_context
 from shared.stage.kv_writer import KVWriter
+from shared.stage.load_cost import LoadCost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,9 +73,18 @@ class _Save:
 
 class KVCacheConnector(KVConnector):
     def __init__(
-        self, address: str, timeout_s: float = 30.0, lookup_timeout_s: float = 1.0, probe_interval_s: float = 0.5
+        self,
+        address: str,
+        timeout_s: float = 30.0,
+        lookup_timeout_s: float = 1.0,
+        probe_interval_s: float = 0.5,
+        load_when_faster: bool = True,
     ) -> None:
+        """load_when_faster: load a hit only when that is not much slower than
+        recomputing it (load_cost.py); False loads every hit."""
         self.lookup_timeout_s = lookup_timeout_s
+        self.cost = LoadCost() if load_when_faster else None
+        self._block_size = 0
         self.probe_interval_s = probe_interval_s
         self._address, self._timeout_s = address, timeout_s
         self._writer: KVWriter | None = None
@@ -141,7 +153,8 @@ class KVCacheConnector(KVConnector):
 
     def take_outcome(self, request_id: str) -> str | None:
         """What kvcache did for the request's lookup ("ok", "down": not asked, "failed",
-        "slow": no answer in lookup_timeout_s); None when it was not asked (any thread)."""
+        "slow": no answer in lookup_timeout_s, "recompute": a hit not worth loading);
+        None when it was not asked (any thread)."""
         with self._outcomes_lock:
             return self._outcomes.pop(request_id, None)
 
@@ -175,8 +188,16 @@ class KVCacheConnector(KVConnector):
             self._record(request_id, "failed")
             self._mark_down(type(exc).__name__)
             return 0
+        if self.cost is not None and not self.cost.worth_loading(held, self.region.block_bytes, self._block_size):
+            self._record(request_id, "recompute")  # held, but recomputing is faster than loading
+            return 0
         self._record(request_id, "ok")
         return held
+
+    def register_recompute_rate(self, tokens_per_s: float, block_size: int) -> None:
+        if self.cost is not None:
+            self.cost.recompute_tokens_per_s = tokens_per_s
+        self._block_size = block_size
 
     def start_load(
         self,
@@ -194,11 +215,15 @@ class KVCacheConnector(KVConnector):
         connector's thread (torch's copy releases the GIL)."""
         layout = self.region.layout
         payloads: list[bytes] = []
+        started = time.monotonic()
         async for block_hash, block_layout, data in self._client.iter_blocks(hashes):
             if block_hash != hashes[len(payloads)] or block_layout != layout:
                 break  # another chain or another model's layout: the rest is recomputed
             payloads.append(data)
-        return self.region.write_blocks(block_ids, payloads)
+        written = self.region.write_blocks(block_ids, payloads)
+        if self.cost is not None:
+            self.cost.observe_load(sum(len(p) for p in payloads[:written]), time.monotonic() - started)
+        return written
 
     def start_save(
         self,

@@ -7,8 +7,9 @@ it would have loaded (the connector answers misses at once). The worker stays
 SERVING (overall gRPC health) and says where kvcache stands: the gRPC health
 service "kvcache" (SERVING or NOT_SERVING, `grpc_health_probe -service=kvcache`),
 the gauge kvcache_up, the counter kvcache_bypassed_total (requests whose lookup
-kvcache did not answer), and each request's span attribute kv.kvcache ("ok",
-"down", "failed", "slow", or "unused" when kvcache was not asked)."""
+kvcache did not answer, or whose hit was recomputed because loading it would be
+slower: "recompute"), and each request's span attribute kv.kvcache ("ok",
+"down", "failed", "slow", "recompute", or "unused" when kvcache was not asked)."""
 
 import asyncio
 import contextlib
@@ -81,7 +82,8 @@ class Worker:
         )
         self.m_kvcache_up = m.gauge("kvcache_up", "1 while this worker reaches kvcache, 0 while it computes without it")
         self.m_kvcache_bypassed = m.counter(
-            "kvcache_bypassed_total", "Requests computed without kvcache: it was down, failed or was slow to answer",
+            "kvcache_bypassed_total",
+            "Requests computed without kvcache: it was down, failed or slow to answer, or loading was slower (recompute)",
             ("outcome",),
         )
         settings = ctx.settings
@@ -285,7 +287,8 @@ async def serve_engine_stage(
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(publish))
 
     kv = ctx.settings.kvcache
-    kvcache = KVCacheConnector(kv.address, lookup_timeout_s=kv.lookup_timeout_s, probe_interval_s=kv.probe_interval_s)
+    kvcache = KVCacheConnector(kv.address, lookup_timeout_s=kv.lookup_timeout_s, probe_interval_s=kv.probe_interval_s,
+                               load_when_faster=kv.load_when_faster)  # fmt: skip
     store: KVConnector = kvcache
     if ctx.settings.engine.host_kv_cache_bytes:
         store = HostTierConnector(store, ctx.settings.engine.host_kv_cache_bytes)

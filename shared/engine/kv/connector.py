@@ -80,6 +80,11 @@ class KVConnector(ABC):
         """The engine's cache, once, before any load or save."""
         self.region = region
 
+    def register_recompute_rate(self, tokens_per_s: float, block_size: int) -> None:
+        """How fast the engine recomputes a prefix (prefill tokens per second, measured
+        when it starts): a source slower than that may answer a lookup with fewer
+        blocks than it holds. Nothing by default."""
+
     @abstractmethod
     def lookup(
         self, request_id: str, hashes: list[BlockHash], params: KVTransferParams, trace: TraceCarrier | None = None
@@ -154,6 +159,9 @@ class InFrontConnector(KVConnector):
     def register_kv_region(self, region: KVRegion) -> None:
         super().register_kv_region(region)
         self.behind.register_kv_region(region)
+
+    def register_recompute_rate(self, tokens_per_s: float, block_size: int) -> None:
+        self.behind.register_recompute_rate(tokens_per_s, block_size)
 
     def forget(self, request_id: str) -> None:
         self.behind.forget(request_id)
