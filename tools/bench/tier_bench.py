@@ -129,7 +129,9 @@ def kvcache_hits(address: str) -> int:
 def connector_chain(address: str, host_bytes: int) -> tuple[KVConnector, HostTierConnector | None]:
     """The workers' chain (serve_engine_stage): direct peer copies (none here), then the
     host tier when host_bytes > 0, then kvcache. Returns it and its host tier."""
-    store: KVConnector = KVCacheConnector(address)
+    # Every hit loaded: the bench measures the tier itself. A worker's default loads
+    # only hits that beat recomputing them (kvcache.load_when_faster, load_cost.py).
+    store: KVConnector = KVCacheConnector(address, load_when_faster=False)
     host = HostTierConnector(store, host_bytes) if host_bytes else None
     return PeerConnector(host or store, lambda instance_id, request_id: None), host
 
