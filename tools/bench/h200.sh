@@ -5,6 +5,8 @@
 #   bash tools/bench/h200.sh engine   # tests/gpu, bench-gpu's whole-engine rows, the KV tiers
 #   bash tools/bench/h200.sh mesh     # bench-mesh: engine / http / mesh, 1k and 8k prompts
 #   bash tools/bench/h200.sh final    # the mesh, the tiers, the batch-64 engine row, then tests/gpu
+#   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
+#                                     # simulation, batch-invariant mode's cost
 #
 # Carried beside the checkout (git-ignored): .whl/ (the mesh's wheels, ../shared/STACK.md,
 # and transformers==5.24.0: the machine's own 5.17 computes GPT-OSS differently, and the
@@ -53,6 +55,15 @@ mesh | final)
     run python3 -m tools.cli bench-gpu --no-transformers --out "$out" --rows engine-decode:64x1024
     run python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu
   fi
+  ;;
+spec)  # issue 13's figures and issue 14's batch-invariance cost, then tests/gpu
+  run timeout 200 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu || true
+  run timeout 200 python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
+    --batch 1 16 64 --spec-tokens 2 4 --max-tokens 64 --json "$out/spec_draft.json" || true
+  run timeout 90 python3 -m tools.bench.sps_sim --model "$model" --acceptance "$out/spec_draft.json" \
+    --json "$out/sps_8b.json" || true
+  run timeout 120 python3 -m tools.bench.batch_invariant_bench --model "$model" --device cuda --dtype bfloat16 \
+    --batch 1 8 32 --prompt-len 256 --max-tokens 32 || true
   ;;
 *)
   echo "unknown stage $stage" >&2
