@@ -210,7 +210,8 @@ def test_a_drafter_that_costs_more_than_it_yields_drafts_only_its_probes(target,
         llm = LLM(target, speculative="ngram", spec_tokens=3, spec_schedule=schedule, async_scheduling=True)
         costs = llm.engine.speculator.costs
         costs.draft_pass_s = {1: pass_seconds, 2: pass_seconds}
-        costs.observe_drafting = lambda *args: None  # keep the cost as told
+        costs.observe_drafting = lambda *args: None  # keep the cost as told...
+        costs.observe_realized = lambda *args: None  # ... and the model's prior for every depth
         got = [o.token_ids for o in llm.generate(prompts, params)]
         assert got == expected
         verifications[label] = llm.engine.load().num_spec_verifications

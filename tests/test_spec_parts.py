@@ -189,6 +189,10 @@ def test_depth_counts_the_drafting_passes_and_drafts_nothing_when_drafts_do_not_
     assert choose_depth(4, survival, flat, draft_seconds=0.004) == 2
     # The step's own overhead is paid whatever the depth, so it favours drafting deeper.
     assert choose_depth(4, survival, flat, draft_seconds=0.004, overhead_seconds=0.010) == 4
+    # What steps of a depth really gave, once measured, overrides the model's estimate.
+    # (the model alone: d=2 at 697 tokens/s, plain 400)
+    assert choose_depth(4, survival, flat, draft_seconds=0.002, measured={4: 100.0, 3: 350.0, 2: 300.0, 1: 800.0}) == 1
+    assert choose_depth(4, survival, flat, draft_seconds=0.0, plain_seconds=0.010, measured={d: 300.0 for d in (1, 2, 3, 4)}) == 0
     # A verify step that grows dear with B stops depth early even when drafting is free.
     steep = SpsTable((4, 8, 12, 16, 20), (100.0, 50.0, 30.0, 20.0, 10.0))
     assert choose_depth(4, survival, steep, draft_seconds=0.0) == 0

@@ -262,7 +262,8 @@ class LLMEngine:
                 outputs = self._process(sched, self.runner.execute(sched))
                 if speculator is not None and _decodes_only(sched):
                     num_tokens = sum(len(c.token_ids) for c in sched.chunks)
-                    speculator.step_done(len(sched.chunks), num_tokens, time.perf_counter() - start)
+                    emitted = sum(len(o.new_token_ids) for o in outputs)
+                    speculator.step_done(len(sched.chunks), num_tokens, time.perf_counter() - start, emitted)
         self._save_states()
         if self.kv_transfer is not None:
             outputs = self.kv_transfer.finish(outputs)

@@ -40,13 +40,23 @@ def hf_model(path, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_v4_on_cuda_follows_transformers(checkpoint, dtype):
     hf = hf_model(checkpoint, dtype)
+    hf32 = hf if dtype == torch.float32 else hf_model(checkpoint, torch.float32)
     llm = LLM(str(checkpoint), dtype=NAMES[dtype], device="cuda", block_size=16, prefill_chunk_size=32)
     for p in prompts():
         first = llm.generate([p], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))[0]
         with torch.inference_mode():
-            ref = torch.log_softmax(hf(torch.tensor([p], device="cuda")).logits[0, -1].float(), -1)
-        for token, logprob in first.logprobs[0].top:
-            assert abs(logprob - ref[token].item()) < LOGPROB_TOL[dtype], (token, logprob, ref[token].item())
+            ids = torch.tensor([p], device="cuda")
+            ref = torch.log_softmax(hf(ids).logits[0, -1].float(), -1)
+            truth = torch.log_softmax(hf32(ids).logits[0, -1].float(), -1)
+        top = first.logprobs[0].top
+        ours_err = max(abs(lp - truth[t].item()) for t, lp in top)
+        if dtype == torch.float32:
+            assert ours_err < LOGPROB_TOL[dtype], (top, [truth[t].item() for t, _ in top])
+        else:
+            # bf16: as close to float32 as transformers' own bf16 is (V4 rounds in many more
+            # places than Llama: mHC streams, compressors, the indexer), or within the tolerance.
+            hf_err = max(abs(ref[t].item() - truth[t].item()) for t, _ in top)
+            assert ours_err < max(LOGPROB_TOL[dtype], 1.5 * hf_err), (ours_err, hf_err)
     outs = llm.generate(prompts(), SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     for p, out in zip(prompts(), outs):
         seq = torch.tensor([p + out.token_ids], device="cuda")

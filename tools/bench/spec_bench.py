@@ -23,6 +23,7 @@ from pathlib import Path
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.spec.speculator import WARMUP_VERIFICATIONS
 
 PYTHON_PROMPTS = (
     "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"\n",
@@ -82,10 +83,13 @@ def run_spec_bench(
                 knobs = {**knobs, "spec_draft_model": draft} if knobs else knobs
             llm = LLM(model, max_num_seqs=max(batch, 1), **knobs)
             prompts = _prompts(llm, batch, seed)
-            # Warm up on the same work, untimed: the figures are a serving engine's steady
-            # state, after the scheduled modes measured acceptance and costs (which a
-            # deployment does once, not per request).
-            llm.generate(prompts, params)
+            # Warm up on the same work, untimed, until the speculator's own warm-up is over:
+            # the figures are a serving engine's steady state, after the scheduled modes
+            # measured acceptance and costs (which a deployment does once, not per request).
+            for _ in range(4):
+                llm.generate(prompts, params)
+                if llm.engine.speculator is None or llm.engine.speculator.stats.num_verifications >= WARMUP_VERIFICATIONS:
+                    break
             start = time.perf_counter()
             outs = llm.generate(prompts, params)
             seconds = time.perf_counter() - start

@@ -31,7 +31,7 @@ already spent, and the engine's per-step bookkeeping measured as it runs.
 """
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -105,6 +105,7 @@ def choose_depth(
     draft_seconds: float,
     overhead_seconds: float = 0.0,
     plain_seconds: float | None = None,
+    measured: Mapping[int, float] | None = None,
 ) -> int:
     """How many tokens to draft for each of num_requests requests this step, before
     drafting, from what past steps taught (the production variant's use of old
@@ -118,7 +119,11 @@ def choose_depth(
     which is how speculation never runs slower than none when drafts do not pay.
     plain_seconds, when measured, is what a plain step really costs: the engine runs
     it on its fast path (CUDA graphs, overlapped with the next step's scheduling),
-    which verification steps cannot take."""
+    which verification steps cannot take. measured[d], where given, is the output
+    tokens per second steps of depth d really achieved at this batch size: the model
+    above is only the prior of a depth not tried yet (it misjudges what it cannot
+    see: a verify step's cost with many sequences, acceptance biased by the greedy's
+    own choices)."""
     best_depth, best_theta, tau = 0, 0.0, float(num_requests)
     for d in range(len(mean_survival) + 1):
         if d:
@@ -126,7 +131,7 @@ def choose_depth(
         seconds = d * draft_seconds + overhead_seconds + 1.0 / sps(num_requests * (1 + d))
         if d == 0 and plain_seconds is not None:
             seconds = plain_seconds
-        theta = tau / seconds
+        theta = measured[d] if measured and d in measured else tau / seconds
         if theta > best_theta * (1 + 1e-9):
             best_depth, best_theta = d, theta
     return best_depth

@@ -117,6 +117,18 @@ class StepCosts:
     plain_step_s: dict[int, float] = field(default_factory=dict)
     """A whole step that drafts nothing, by R's power of two, on whatever path the
     engine runs it (on CUDA: graphs and overlap, which drafting steps give up)."""
+    realized: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Output tokens per second that drafting steps really gave, by (R's power of two, depth)."""
+
+    def realized_rates(self, num_requests: int) -> dict[int, float]:
+        """Depth -> measured tokens per second of steps at this batch size's power of two."""
+        key = _bucket(num_requests)
+        return {depth: rate for (bucket, depth), rate in self.realized.items() if bucket == key}
+
+    def observe_realized(self, num_requests: int, depth: int, tokens_per_s: float) -> None:
+        key = (_bucket(num_requests), depth)
+        old = self.realized.get(key)
+        self.realized[key] = tokens_per_s if old is None else old + EMA * (tokens_per_s - old)
 
     def draft_pass(self, num_requests: int) -> float | None:
         """Seconds of one drafting pass over num_requests requests (the nearest size measured)."""
@@ -237,15 +249,19 @@ class Speculator:
             if self.drafter.has_scores:
                 self.temperature.fit()
 
-    def step_done(self, num_requests: int, num_tokens: int, seconds: float) -> None:
+    def step_done(self, num_requests: int, num_tokens: int, seconds: float, num_emitted: int | None = None) -> None:
         """A decode step of num_requests requests and num_tokens tokens (drafted ones
-        included) took seconds from drafting to its outputs. Without drafts, that is
-        what a plain step costs; with them, what it cost beyond drafting and the profiled
-        forward is the engine's overhead per step, which speculation saves by taking
-        fewer steps."""
+        included) took seconds from drafting to its outputs and emitted num_emitted
+        tokens. Without drafts, that is what a plain step costs; with them, the tokens
+        per second the depth really gave, and what the step cost beyond drafting and the
+        profiled forward (the engine's overhead per step, which speculation saves by
+        taking fewer steps)."""
         if num_tokens <= num_requests:
             self.costs.observe_plain_step(num_requests, seconds)
-        elif self.sps is not None:
+            return
+        if num_emitted and seconds > 0 and self.depth:
+            self.costs.observe_realized(num_requests, self.depth, num_emitted / seconds)
+        if self.sps is not None:
             self.costs.observe_overhead(seconds - self._drafting_s - 1.0 / self.sps(num_tokens))
 
     def _choose_depth(self, num_requests: int) -> int:
@@ -258,7 +274,7 @@ class Speculator:
         if self.costs.plain_step(num_requests) is None:
             return 0  # one plain step first, to measure what not drafting costs at this size
         depth = choose_depth(num_requests, self.mean_survival(), self.sps, draft_pass, self.costs.overhead_s,
-                             self.costs.plain_step(num_requests))  # fmt: skip
+                             self.costs.plain_step(num_requests), self.costs.realized_rates(num_requests))  # fmt: skip
         if depth:
             self._since_probe, self._probe_every = 0, PROBE_EVERY
             return depth
