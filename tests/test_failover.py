@@ -299,4 +299,5 @@ def test_kvcache_down_is_degraded_not_unavailable_and_its_use_resumes_when_back(
           f"({i - 100} computed without it meanwhile)")
     assert resumed < 2.0  # the probe (every 0.5 s) finds it back and redials at once
     wait_until("/ready saying kvcache is up", lambda: ready(mesh)[1]["kvcache"] == "up", 2.0)
-    assert kvcache_health_of(mesh, "prefill-0")
+    # The worker sets its gRPC health from its own loop (every heartbeat): not at once.
+    wait_until("prefill's kvcache health SERVING", lambda: kvcache_health_of(mesh, "prefill-0"), 2.0)
