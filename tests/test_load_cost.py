@@ -3,9 +3,6 @@ the rule, then a real kvcache process: an engine whose measured loads are far sl
 than its prefill (as an 8B model on an H200 against kvcache's ~0.4 GB/s) recomputes
 the prefix and says so ("recompute"); told to load every hit, it loads."""
 
-import asyncio
-import signal
-
 import pytest
 
 from shared.engine.config import EngineConfig
@@ -15,9 +12,9 @@ from shared.engine.sampling_params import SamplingParams
 from shared.stage.kvcache_connector import KVCacheConnector
 from shared.stage.load_cost import LOAD_SLOWDOWN_LIMIT, LoadCost
 from tests.engine_helpers import run
-from tests.hf_models import random_prompts, save_tiny_hf_model
-from tests.mesh_procs import nats_server, stop_process  # noqa: F401
-from tests.test_kvcache_service import start_kvcache, wait_serving
+from tests.hf_models import random_prompts
+from tests.mesh_procs import nats_server  # noqa: F401
+from tests.test_kvcache_write_behind import kvcache, model_dir  # noqa: F401  (a tiny Llama, a kvcache process)
 
 BLOCK = 8
 SAVE = KVTransferParams(save=True, wait_for_save=True)
@@ -36,21 +33,6 @@ def test_a_hit_is_loaded_unless_the_load_is_much_slower_than_recomputing():
     fast = LoadCost(recompute_tokens_per_s=16_000.0)
     fast.observe_load(10 << 20, 0.01 * LOAD_SLOWDOWN_LIMIT)  # exactly at the limit: still loaded
     assert fast.worth_loading(10, 1 << 20, 16)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("load-cost")
-    save_tiny_hf_model("llama", path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def kvcache(nats_server, tmp_path_factory):  # noqa: F811
-    svc = start_kvcache(nats_server.url, tmp_path_factory.mktemp("kvcache"))
-    asyncio.run(wait_serving(svc))
-    yield svc
-    assert stop_process(svc.proc) == 0, svc.log()
 
 
 @pytest.mark.parametrize("when_faster", [True, False])

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tools.train.default_model import SAMPLE_PROMPTS, Corpus, _windows, build_corpus
+from tools.train.default_model import SAMPLE_PROMPTS, Corpus, TrainConfig, _windows, build_corpus
 
 EVAL_WINDOWS = 48
 """Held-out windows in each evaluation along the way."""
@@ -40,16 +40,8 @@ FINAL_EVAL_WINDOWS = 384
 """Held-out windows of the final evaluation (~49k tokens: a minute on two CPU cores)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class MtpTrainConfig:
-    steps: int
-    batch_size: int
-    seq_len: int
-    lr: float
-    warmup_steps: int
-    weight_decay: float
-    seed: int
-    eval_every: int
+MtpTrainConfig = TrainConfig
+"""The same knobs as the pair's training."""
 
 
 class MtpTrainer(nn.Module):
