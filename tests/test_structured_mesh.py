@@ -62,6 +62,22 @@ async def test_random_schemas_whole_and_streamed(mesh) -> None:
         assert sum(accepted for _, _, accepted in results) > 0, ask.__name__
 
 
+async def test_completions_take_response_format_too(mesh) -> None:
+    """vLLM's completions accept response_format as chat does: the same constraint."""
+    client = openai.AsyncOpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+
+    async def one(i: int) -> tuple[str, str | None]:
+        fmt = {"type": "json_schema", "json_schema": {"name": f"c{i}", "schema": random_schema(i), "strict": True}}
+        r = await client.completions.create(model=model, prompt=random_prompt(i), max_tokens=MAX_TOKENS,
+                                            temperature=1.0, seed=i, extra_body={"response_format": fmt})  # fmt: skip
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    for i, (text, finish) in enumerate(await asyncio.gather(*(one(i) for i in range(4)))):
+        assert finish == "stop", (i, text)
+        jsonschema.validate(json.loads(text), random_schema(i))
+
+
 async def test_regex_choice_and_grammar(mesh) -> None:
     client = openai.AsyncOpenAI(base_url=mesh.api_url, api_key="x", max_retries=0)
     model = (await client.models.list()).data[0].id

@@ -132,6 +132,8 @@ class CompletionRequest(GenerationBody):
     """Draw best_of samples per prompt, return the n with the highest cumulative logprob."""
     add_special_tokens: bool = True
     """vLLM's: encode a text prompt with the tokenizer's special tokens (BOS)."""
+    response_format: ResponseFormat | None = None
+    """As in chat (vLLM takes it on completions too): json_object or json_schema."""
 
     @field_validator("prompt")
     @classmethod
