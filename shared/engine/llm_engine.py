@@ -35,6 +35,9 @@ from shared.recipe import IncrementalDetokenizer, Recipe
 log = logging.getLogger(__name__)
 
 
+MAX_STEP_GAP_S = 1.0
+"""A decode step measured over longer than this was the engine idling (speculation's costs)."""
+
 def _host_free(request: Request) -> bool:
     """Whether a request can be sampled without its latest token on the host
     (penalties, min_tokens and bad words read the output so far; logprobs travel
@@ -141,6 +144,8 @@ class LLMEngine:
         overlap = config.async_scheduling
         self._overlap = device.type == "cuda" if overlap is None else overlap
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._open_step_cost: tuple[float, int, int, int] | None = None
+        """The last decode step for the speculator's costs: (start, requests, tokens, emitted)."""
         counts = self.model.expert_counts
         self._tokens_per_expert: torch.Tensor | None = (
             None if counts is None else torch.zeros(counts.shape, dtype=torch.int64)
@@ -232,6 +237,7 @@ class LLMEngine:
         back, and this returns step N's outputs."""
         released = self.kv_transfer.poll() if self.kv_transfer is not None else []
         speculator = self.speculator
+        self._close_step_cost(time.perf_counter())
         # A step that drafts nothing (no speculation, or the schedule's choice this step)
         # takes the fast path: overlapped with the next step's scheduling, CUDA graphs.
         drafting = speculator is not None and speculator.plan(self.scheduler.running) > 0
@@ -244,8 +250,9 @@ class LLMEngine:
             handle = self.runner.launch(sched)
             outputs = self._finish_in_flight()
             self._in_flight = None if sched.is_empty else (sched, handle)
-            if speculator is not None and _decodes_only(sched):  # one step's worth, in the steady state
-                speculator.step_done(len(sched.chunks), len(sched.chunks), time.perf_counter() - start)
+            if speculator is not None and _decodes_only(sched):
+                n = len(sched.chunks)
+                self._open_step_cost = (start, n, n, n)
         else:
             outputs = self._finish_in_flight()
             if not outputs:
@@ -263,13 +270,26 @@ class LLMEngine:
                 if speculator is not None and _decodes_only(sched):
                     num_tokens = sum(len(c.token_ids) for c in sched.chunks)
                     emitted = sum(len(o.new_token_ids) for o in outputs)
-                    speculator.step_done(len(sched.chunks), num_tokens, time.perf_counter() - start, emitted)
+                    self._open_step_cost = (start, len(sched.chunks), num_tokens, emitted)
         self._save_states()
         if self.kv_transfer is not None:
             outputs = self.kv_transfer.finish(outputs)
         if not outputs and not released and self._idle_on_io():
             time.sleep(0.001)  # only KV on its way: let the connector's thread run
         return released + outputs
+
+    def _close_step_cost(self, now: float) -> None:
+        """Tell the speculator what the last decode step cost: from its start to the
+        start of the next call, so the caller's own work between steps counts too (on
+        the overlapped path it hides under the device's work; a drafting step, run
+        synchronously, pays it in full). A gap of over MAX_STEP_GAP_S is the engine
+        idling, not a step."""
+        opened, self._open_step_cost = self._open_step_cost, None
+        if opened is None or self.speculator is None:
+            return
+        start, num_requests, num_tokens, emitted = opened
+        if now - start < MAX_STEP_GAP_S:
+            self.speculator.step_done(num_requests, num_tokens, now - start, emitted)
 
     # -- the KV connector ------------------------------------------------------
 
