@@ -14,7 +14,7 @@ from shared.model.make_model import make_model
 from shared.model.transformer import CausalLM
 from shared.runtime import rpc
 from tools.launch.nats_auth import new_password
-from tools.launch.up import Mesh, free_port
+from tools.launch.up import Mesh, StartFailed, free_port
 
 
 class PagedDriver:
@@ -101,9 +101,18 @@ def _running_mesh(model_dir: str, state_dir: Path, timeout_s: float = 240.0, **o
     started as `infermesh up` starts them (NATS users and gRPC token on); stopped on
     exit, also when the start fails. options: Mesh's num_prefill, num_decode, extra_env,
     supervise."""
-    mesh = Mesh(model_dir, port=free_port(), state_dir=state_dir, grpc_token=GRPC_TOKEN, **options)
+    for attempt in (1, 2):
+        mesh = Mesh(model_dir, port=free_port(), state_dir=state_dir, grpc_token=GRPC_TOKEN, **options)
+        try:
+            mesh.start(timeout_s=timeout_s)
+            break
+        except StartFailed as exc:
+            mesh.stop()
+            # A free port is picked, then bound by the service: another process on the
+            # machine may take it in between. Once, with fresh ports, then it is a failure.
+            if attempt == 2 or not any(m in str(exc) for m in ("Failed to bind", "ddress already in use")):
+                raise
     try:
-        mesh.start(timeout_s=timeout_s)
         yield mesh
     finally:
         mesh.stop()
