@@ -318,6 +318,13 @@ def test_endpoints(server: Server) -> None:
     messages = [{"role": "user", "content": "hi"}]
     chat = server.post("/tokenize", {"model": MODEL, "messages": messages}).json()
     assert chat["tokens"] == server.recipe.encode_chat(messages)
+    # With tools: the prompt a chat request with them makes (its usage counts the same tokens).
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "The time in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    with_tools = server.post("/tokenize", {"model": MODEL, "messages": messages, "tools": tools}).json()
+    assert with_tools["count"] > chat["count"]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=1)  # type: ignore[arg-type]
+    assert reply.usage is not None and reply.usage.prompt_tokens == with_tools["count"]
     text = server.post("/detokenize", {"model": MODEL, "tokens": tokens["tokens"]}).json()["prompt"]
     assert text == server.recipe.decode(tokens["tokens"], skip_special_tokens=False)
     assert server.post("/detokenize", {"tokens": [10**6]}).json()["error"]["param"] == "tokens"

@@ -6,6 +6,7 @@ from pydantic import BaseModel, Field
 
 from services.balancer.body_fields import ContinueFinalMessage, StrictBody, Text, TokenId
 from services.balancer.request_bodies import ChatMessage
+from services.balancer.tool_bodies import ToolDefinition
 
 
 class TokenizeCompletionRequest(StrictBody):
@@ -23,6 +24,8 @@ class TokenizeChatRequest(StrictBody):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(None, min_length=1)
+    """Rendered as chat renders them: the count is the prompt a chat request with them makes."""
 
 
 class TokenizeResponse(BaseModel):
