@@ -164,8 +164,12 @@ def test_request_phases_and_engine_steps(mesh, urls):
     full_blocks = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
     computed = num_requests * num_prompt - (num_requests - 1) * full_blocks
     wait_for(lambda: grew("vllm:iteration_tokens_total_sum", p0, scrape(urls["prefill-0"])) == computed)
+    # The prefix cache counters come from the engine's last published load, which may
+    # trail the step counts by a heartbeat: wait for them too.
+    hits = (num_requests - 1) * full_blocks
+    wait_for(lambda: grew("vllm:prefix_cache_hits_total", p0, scrape(urls["prefill-0"])) == hits)
     p1 = scrape(urls["prefill-0"])
-    assert grew("vllm:prefix_cache_hits_total", p0, p1) == (num_requests - 1) * full_blocks
+    assert grew("vllm:prefix_cache_hits_total", p0, p1) == hits
     assert grew("vllm:iteration_tokens_total_count", p0, p1) == num_requests  # a prompt fits one step's budget
     # Decode computes what it neither hit nor got handed (the prompt's last partial block
     # and the first token), in the step that samples the 2nd token, then one token per
@@ -173,9 +177,15 @@ def test_request_phases_and_engine_steps(mesh, urls):
     d0 = before["decode-0"]
     num_steps = num_requests * (max_tokens - 1)
     wait_for(lambda: grew("vllm:iteration_tokens_total_count", d0, scrape(urls["decode-0"])) == num_steps)
+
+    def missed_of(d1: Samples) -> float:
+        return grew("vllm:prefix_cache_queries_total", d0, d1) - grew("vllm:prefix_cache_hits_total", d0, d1)
+
+    expected_missed = num_requests * (num_prompt + 1 - full_blocks)
+    wait_for(lambda: missed_of(scrape(urls["decode-0"])) == expected_missed)  # the load may trail a heartbeat
     d1 = scrape(urls["decode-0"])
-    missed = grew("vllm:prefix_cache_queries_total", d0, d1) - grew("vllm:prefix_cache_hits_total", d0, d1)
-    assert missed == num_requests * (num_prompt + 1 - full_blocks)
+    missed = missed_of(d1)
+    assert missed == expected_missed
     assert grew("vllm:iteration_tokens_total_sum", d0, d1) == missed + num_requests * (max_tokens - 2)
     for process in ("prefill-0", "decode-0"):
         now = scrape(urls[process])
