@@ -230,9 +230,11 @@ def make_model_cli(path: Path, arch: str, *extra: str) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
 
 
-def check_cli_generate_equals_hf(path: Path, prompts: list[list[int]], max_tokens: int, *extra: str) -> None:
+def check_cli_generate_equals_hf(
+    path: Path, prompts: list[list[int]], max_tokens: int, *extra: str
+) -> list[dict[str, Any]]:
     """`infermesh generate --json --prompt-ids ...` on path: each record's prompt and
-    tokens equal the prompt and transformers' greedy continuation."""
+    tokens equal the prompt and transformers' greedy continuation. Returns the records."""
     expected = hf_greedy(path, prompts, max_tokens)
     args = ["generate", "--model", str(path), "--max-tokens", str(max_tokens), "--json", *extra]
     for p in prompts:
@@ -242,3 +244,4 @@ def check_cli_generate_equals_hf(path: Path, prompts: list[list[int]], max_token
     records = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["prompt_token_ids"] for r in records] == prompts
     assert [r["token_ids"] for r in records] == expected
+    return records

@@ -6,25 +6,13 @@ import os
 import subprocess
 import sys
 
-from tests.hf_models import hf_greedy, random_prompts, save_tiny_hf_model
-
-
-def infermesh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True)
+from tests.hf_models import check_cli_generate_equals_hf, infermesh, random_prompts, save_tiny_hf_model
 
 
 def test_generate_json_equals_transformers_greedy_on_a_transformers_checkpoint(tmp_path):
     save_tiny_hf_model("qwen2", tmp_path)  # saved by transformers alone: no tokenizer
     prompts = random_prompts([7, 19], vocab=500, seed=11)
-    expected = hf_greedy(tmp_path, prompts, 32)
-    args = ["generate", "--model", str(tmp_path), "--max-tokens", "32", "--json"]
-    for p in prompts:
-        args += ["--prompt-ids", " ".join(map(str, p))]
-    out = infermesh(*args)
-    assert out.returncode == 0, out.stderr
-    records = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["token_ids"] for r in records] == expected
-    assert [r["prompt_token_ids"] for r in records] == prompts
+    records = check_cli_generate_equals_hf(tmp_path, prompts, 32)
     assert all(set(r) == {"text", "token_ids", "prompt_token_ids", "finish_reason"} for r in records)
 
 
