@@ -5,6 +5,7 @@
 #   bash tools/bench/h200.sh engine   # tests/gpu, bench-gpu's whole-engine rows, the KV tiers
 #   bash tools/bench/h200.sh mesh     # bench-mesh: engine / http / mesh, 1k and 8k prompts
 #   bash tools/bench/h200.sh final    # the mesh, the tiers, the batch-64 engine row, then tests/gpu
+#   bash tools/bench/h200.sh check    # tests/gpu and bench-spec on the trained pair only
 #   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
 #                                     # simulation, batch-invariant mode's cost
 #
@@ -25,7 +26,7 @@ model=models/llama3-8b
 run() { echo "\$ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
-if [ ! -f "$model/model.safetensors.index.json" ] && [ ! -f "$model/model.safetensors" ]; then
+if [ "$stage" != check ] && [ ! -f "$model/model.safetensors.index.json" ] && [ ! -f "$model/model.safetensors" ]; then
   start=$(date +%s)
   run python3 -m tools.cli make-model "$model" --preset llama3-8b --dtype bfloat16 --device cuda
   echo "make-model took $(( $(date +%s) - start )) s" | tee -a "$log"
@@ -55,6 +56,11 @@ mesh | final)
     run python3 -m tools.cli bench-gpu --no-transformers --out "$out" --rows engine-decode:64x1024
     run python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu
   fi
+  ;;
+check)  # tests/gpu, then bench-spec on the trained pair (no 8B checkpoint needed)
+  run timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu || true
+  run timeout 240 python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
+    --batch 1 16 64 --spec-tokens 2 4 --max-tokens 64 --json "$out/spec_draft.json" || true
   ;;
 spec)  # issue 13's figures and issue 14's batch-invariance cost, then tests/gpu
   run timeout 200 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu || true

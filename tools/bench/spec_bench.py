@@ -6,8 +6,10 @@ for each γ given, and with DSpark's schedule (γ the largest given): throughput
 (output tokens per second of the whole batch), per-request tokens per second, and
 the mean accepted length (tokens emitted per verification). Every configuration's
 tokens must equal the run without speculation (greedy is lossless), or the bench
-fails. Each configuration first runs the same requests once untimed (steady state:
-the scheduled modes have measured acceptance and costs). Prints a table and writes JSON.
+fails. Each configuration first runs the same requests untimed until it settled (steady
+state: the scheduled modes have measured acceptance and costs, and tried the depths they
+would try; see _warm_up), and the table shows the timed run's steps by drafting depth.
+Prints a table and writes JSON.
 
   python -m tools.bench.spec_bench --model models/trained/target \\
       --draft models/trained/draft --batch 1 8 --spec-tokens 2 4 --json out.json
@@ -18,12 +20,16 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.spec.speculator import WARMUP_VERIFICATIONS
+from shared.engine.spec.speculator import SCHEDULED, WARMUP_VERIFICATIONS
+
+MAX_WARMUP_ROUNDS = 8
+"""Untimed rounds at most before the timed one (a schedule that never settles is timed as it is)."""
 
 PYTHON_PROMPTS = (
     "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"\n",
@@ -47,6 +53,8 @@ class Row:
     num_verifications: int = 0
     accepted_by_position: list[int] | None = None
     """[k]: verifications whose drafted token k + 1 passed (the survival curve's counts)."""
+    steps_by_depth: dict[int, int] | None = None
+    """The timed run's decode steps by drafting depth (0: plain); empty without speculation."""
 
 
 def _prompts(llm: LLM, batch: int, seed: int) -> list[str | list[int]]:
@@ -83,32 +91,55 @@ def run_spec_bench(
                 knobs = {**knobs, "spec_draft_model": draft} if knobs else knobs
             llm = LLM(model, max_num_seqs=max(batch, 1), **knobs)
             prompts = _prompts(llm, batch, seed)
-            # Warm up on the same work, untimed, until the speculator's own warm-up is over:
-            # the figures are a serving engine's steady state, after the scheduled modes
-            # measured acceptance and costs (which a deployment does once, not per request).
-            for _ in range(4):
-                llm.generate(prompts, params)
-                if llm.engine.speculator is None or llm.engine.speculator.stats.num_verifications >= WARMUP_VERIFICATIONS:
-                    break
+            _warm_up(llm, prompts, params)
+            speculator = llm.engine.speculator
+            depths_before = Counter(speculator.stats.steps_by_depth) if speculator is not None else Counter()
             start = time.perf_counter()
             outs = llm.generate(prompts, params)
             seconds = time.perf_counter() - start
+            depths = dict(sorted((Counter(speculator.stats.steps_by_depth) - depths_before).items())) if speculator else {}
             tokens = [o.token_ids for o in outs]
             reference = tokens if reference is None else reference
             n = sum(len(t) for t in tokens)
             load = llm.engine.load()
             rows.append(Row(batch, mode, n, seconds, n / seconds, n / batch / seconds,
                             load.mean_accepted_length, tokens == reference,
-                            load.num_spec_verifications, load.spec_accepted_by_position))  # fmt: skip
+                            load.num_spec_verifications, load.spec_accepted_by_position, depths))  # fmt: skip
     return rows
 
 
+def _warm_up(llm: LLM, prompts: list[str | list[int]], params: SamplingParams) -> None:
+    """Run the same work untimed until the speculator settled: the figures are a serving
+    engine's steady state, which a deployment reaches once, not per request. Two phases:
+    the speculator's own warm-up (WARMUP_VERIFICATIONS verifications, every drafted token
+    verified while the confidences are fitted), then the scheduled modes' trials (each
+    depth whose modelled rate beats what was measured is tried once at this batch size)
+    until two rounds in a row chose the same depth most often."""
+    speculator = llm.engine.speculator
+    last_mode: int | None = None
+    for _ in range(MAX_WARMUP_ROUNDS):
+        before = Counter(speculator.stats.steps_by_depth) if speculator is not None else Counter()
+        llm.generate(prompts, params)
+        if speculator is None or speculator.schedule not in SCHEDULED:
+            if speculator is None or speculator.stats.num_verifications >= WARMUP_VERIFICATIONS:
+                return
+            continue
+        if speculator.stats.num_verifications < WARMUP_VERIFICATIONS:
+            continue
+        steps = Counter(speculator.stats.steps_by_depth) - before
+        mode = steps.most_common(1)[0][0] if steps else None
+        if mode is not None and mode == last_mode:
+            return
+        last_mode = mode
+
+
 def format_table(rows: list[Row]) -> str:
-    head = f"{'batch':>5}  {'mode':<14} {'tok/s':>9} {'tok/s/req':>10} {'accepted':>9}  lossless"
+    head = f"{'batch':>5}  {'mode':<14} {'tok/s':>9} {'tok/s/req':>10} {'accepted':>9}  lossless  steps by depth"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.batch:>5}  {r.mode:<14} {r.tokens_per_s:>9.1f} {r.per_request_tokens_per_s:>10.1f} "
-                     f"{r.mean_accepted_length:>9.2f}  {'yes' if r.equal_to_none else 'NO'}")  # fmt: skip
+                     f"{r.mean_accepted_length:>9.2f}  {'yes' if r.equal_to_none else 'NO':<8}  "
+                     f"{' '.join(f'{d}:{n}' for d, n in (r.steps_by_depth or {}).items())}")  # fmt: skip
     return "\n".join(lines)
 
 

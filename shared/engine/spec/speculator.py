@@ -95,6 +95,9 @@ class SpecStats:
     fallbacks: Counter[str] = field(default_factory=Counter)
     """Requests (or steps, for async_scheduling / cuda_graphs) that decoded without
     speculation, by reason."""
+    steps_by_depth: Counter[int] = field(default_factory=Counter)
+    """Decode steps by the depth they drafted to (0: none, the plain fast path): where
+    the schedule settled, and what its trials and probes cost."""
 
     @property
     def mean_accepted_length(self) -> float:
@@ -190,6 +193,7 @@ class Speculator:
         self._planned = None
         self.depth = 0
         self._drafting_s = 0.0
+        self.stats.steps_by_depth[0] += 1
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set spec_token_ids on the running requests that draft this step."""
@@ -203,6 +207,7 @@ class Speculator:
                 contexts[request.request_id] = request.all_token_ids
         self.depth = self.plan(running)
         self._planned = None
+        self.stats.steps_by_depth[self.depth] += 1
         scheduled = self.schedule in SCHEDULED and self.stats.num_verifications >= WARMUP_VERIFICATIONS
         scheduled = scheduled and not self._probing  # a probe verifies all it drafted: it is there to learn
         start = time.perf_counter()
