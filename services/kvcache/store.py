@@ -15,7 +15,8 @@ The last access time lives in index/lru, not in the block's header: a hit
 must not rewrite megabytes of KV data (LMDB is copy-on-write: a rewritten
 value is a full copy, and the old pages linger while readers may need them).
 
-The value format and its checksum are in block_format.py.
+The value format and its checksum are in block_format.py (version 2, XXH3; version-1
+blocks, CRC-32, are still read).
 
 Durability: ``writemap=True, sync=False``. STACK.md measured LMDB writes at
 0.2 GiB/s with fsync per commit, 0.5 with sync=False and 1.3-3.0 with
@@ -31,16 +32,27 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
 
-from services.kvcache.block_format import FORMAT_VERSION, StoredBlock, decode_block, encode_block
+import numpy as np
+
+from services.kvcache.block_format import (
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    StoredBlock,
+    VerifiedView,
+    encode_block,
+    verify_view,
+)
 from shared.kv.block_hash import HASH_BYTES, BlockHash
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BLOCKS_DB = b"blocks"
 INDEX_DB = b"index"
@@ -83,6 +95,14 @@ class PutOutcome:
 @dataclass(slots=True, frozen=True)
 class ReadOutcome:
     block: StoredBlock | None
+    removed: bool = False
+    """The block was held but expired or corrupt, and has now been deleted."""
+
+
+@dataclass(slots=True, frozen=True)
+class LandedOutcome:
+    layout: str | None
+    """The block's layout when its data was copied into the destination; None: not served."""
     removed: bool = False
     """The block was held but expired or corrupt, and has now been deleted."""
 
@@ -163,9 +183,10 @@ class BlockStore:
 
     # -- the public calls -------------------------------------------------
 
-    def put(self, block_hash: BlockHash, layout: str, data: bytes) -> PutOutcome:
+    def put(self, block_hash: BlockHash, layout: str, data: bytes | memoryview) -> PutOutcome:
         """Store a block, evicting least recently used ones beyond capacity.
-        A block already held is refreshed (same address, same content)."""
+        A block already held is refreshed (same address, same content). data may
+        be a view of a client's shared-memory segment: it is read once."""
         block_hash = check_hash(block_hash)
         if not data:
             raise ValueError("a block has data; got 0 bytes")
@@ -190,6 +211,41 @@ class BlockStore:
     def read(self, block_hash: BlockHash) -> ReadOutcome:
         """The block, verified, without touching its last access (the caller
         batches that: see touch). Expired or corrupt blocks are deleted."""
+        block, removed = self._read(
+            block_hash, lambda view: StoredBlock(view.layout, bytes(view.data), view.stored_at)
+        )
+        return ReadOutcome(block, removed)
+
+    def read_into(self, block_hash: BlockHash, dst: memoryview) -> LandedOutcome:
+        """As read, but the verified data goes straight from LMDB's buffer into dst
+        (a client's shared-memory segment), which must be exactly the block's size
+        (sizes() gives it). The copy releases the GIL, so threads land blocks at once."""
+
+        def land(view: VerifiedView) -> str | None:
+            if len(view.data) != len(dst):
+                return None  # the index and the block disagree: counted and deleted as corrupt
+            np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(view.data, dtype=np.uint8))
+            return view.layout
+
+        layout, removed = self._read(block_hash, land)
+        return LandedOutcome(layout, removed)
+
+    def sizes(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The data bytes of the leading blocks held and not expired (from the small
+        index: no block data is read), up to the first that is not."""
+        out: list[int] = []
+        with self._op(), self._env.begin() as txn:
+            now_us = self._us(self._clock())
+            for block_hash in hashes:
+                raw_index = txn.get(bytes(block_hash), db=self._index)
+                if raw_index is None or self._is_expired(raw_index, now_us):
+                    break
+                out.append(_INDEX.unpack(raw_index)[1])
+        return out
+
+    def _read(self, block_hash: BlockHash, take: Callable[[VerifiedView], T | None]) -> tuple[T | None, bool]:
+        """take(the verified block) inside the read transaction (its views die with it);
+        (what take returned, or None for a miss; whether the block was deleted)."""
         block_hash = check_hash(block_hash)
         with self._op():
             now_us = self._us(self._clock())
@@ -197,13 +253,14 @@ class BlockStore:
                 raw_index = txn.get(block_hash, db=self._index)
                 expired = raw_index is not None and self._is_expired(raw_index, now_us)
                 value = txn.get(block_hash, db=self._blocks) if raw_index is not None and not expired else None
-                block = decode_block(block_hash, value) if value is not None else None
-            if block is not None:
+                view = verify_view(block_hash, value) if value is not None else None
+                taken = take(view) if view is not None else None
+            if taken is not None:
                 self._count(num_hits=1)
-                return ReadOutcome(block)
+                return taken, False
             self._count(num_misses=1)
             if raw_index is None:
-                return ReadOutcome(None)
+                return None, False
             if expired:
                 self._count(num_expired=1)
             else:
@@ -211,7 +268,7 @@ class BlockStore:
                 log.error("corrupt block %s in %s: deleted", block_hash.hex(), self.path)
             with self._env.begin(write=True) as txn:
                 self._add_num_bytes(txn, -self._delete(txn, block_hash))
-            return ReadOutcome(None, removed=True)
+            return None, True
 
     def touch(self, hashes: Sequence[BlockHash]) -> None:
         """Mark blocks as used now, in one write transaction for all of them
@@ -358,13 +415,16 @@ class BlockStore:
         return evicted
 
     def _check_version(self) -> None:
+        """A folder of an older format this code still reads (version 1) is taken
+        over: its meta says the new version from now on, since new puts write it."""
         with self._env.begin(write=True) as txn:
             raw = txn.get(_VERSION_KEY, db=self._meta)
-            if raw is None:
-                txn.put(_VERSION_KEY, _U64.pack(FORMAT_VERSION), db=self._meta)
-            elif _U64.unpack(raw)[0] != FORMAT_VERSION:
+            if raw is None or _U64.unpack(raw)[0] in READABLE_VERSIONS:
+                if raw is None or _U64.unpack(raw)[0] != FORMAT_VERSION:
+                    txn.put(_VERSION_KEY, _U64.pack(FORMAT_VERSION), db=self._meta)
+            else:
                 raise ValueError(f"{self.path} holds kvcache format {_U64.unpack(raw)[0]}, this code reads "
-                                 f"{FORMAT_VERSION}: point kvcache.path at an empty folder")
+                                 f"{READABLE_VERSIONS}: point kvcache.path at an empty folder")
 
     def _read_num_bytes(self, txn: lmdb.Transaction) -> int:
         raw = txn.get(_NUM_BYTES_KEY, db=self._meta)
