@@ -57,6 +57,20 @@ async def sweep_forever(servicer: KVCacheServicer, interval_s: float) -> None:
             log.exception("expiry sweep failed; retrying in %.0fs", interval_s)
 
 
+SEGMENT_PRUNE_INTERVAL_S = 2.0
+"""How often the mappings of clients' shared-memory segments that their clients
+closed (or died with) are dropped, which frees that memory."""
+
+
+async def prune_forever(servicer: KVCacheServicer) -> None:
+    while True:
+        await asyncio.sleep(SEGMENT_PRUNE_INTERVAL_S)
+        try:
+            await asyncio.to_thread(servicer.prune_segments)
+        except Exception:
+            log.exception("pruning shared-memory segments failed")
+
+
 async def cancel_task(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -70,12 +84,15 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     stack.callback(store.close)  # unwinds last: after the server stopped and the sweep ended
     servicer = KVCacheServicer(store, KvEventPublisher(ctx.bus, ctx.instance_id), KVCacheMetrics(ctx.metrics),
                                kv.chunk_bytes)
+    stack.callback(servicer.close)  # unwinds after the server stopped, before the store closes
     server = await start_grpc_server(port, [(kvcache_pb2_grpc.add_KVCacheServicer_to_server, servicer)],
                                      [SERVICE_NAME])
     # Flips NOT_SERVING, then lets in-flight calls finish for up to drain_timeout_s.
     stack.push_async_callback(server.stop, ctx.settings.worker.drain_timeout_s)
     sweeper = asyncio.create_task(sweep_forever(servicer, sweep_interval_s(kv.ttl_s)))
     stack.push_async_callback(cancel_task, sweeper)
+    pruner = asyncio.create_task(prune_forever(servicer))
+    stack.push_async_callback(cancel_task, pruner)
     await servicer.refresh_metrics()
     stats = await asyncio.to_thread(store.stats)
     await server.set_serving(True)

@@ -4,22 +4,35 @@ LMDB calls block, so each one runs in a worker thread (asyncio.to_thread):
 the event loop keeps streaming other calls while one reads or writes disk.
 Each RPC ends by publishing one KvEvent (blocks stored and removed) on NATS
 and bringing the Prometheus figures up to date with the store's.
+
+Shared memory (shared/runtime/kv_shm.py): a Get that names the client's segment
+lands its blocks there. The sizes come from the index, so each block's place is
+known before its data is read, and the blocks are read, verified and copied in
+by a pool of threads at once (LMDB reads, XXH3 and numpy's copy release the
+GIL); the stream carries one small `landed` item per block, in order. No byte
+of KV crosses the event loop. A Get's stream ends only once every copy it
+started has finished, so a client that saw the end may reuse its segment. A
+segment the service cannot use (another host or container, a bad nonce) is
+answered `shm_refused` and the blocks follow as bytes on the same stream.
 """
 
 import asyncio
+import concurrent.futures
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
 
-from services.kvcache.store import BlockStore, PutOutcome, StoreStats
+from services.kvcache.store import BlockStore, LandedOutcome, PutOutcome, StoreStats
 from shared.kv.block_hash import HASH_BYTES, BlockHash
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.block_stream import AssembledBlock, BlockAssembler, check_chunk_bytes, iter_chunks
 from shared.runtime.bus import Bus
+from shared.runtime.kv_shm import MappedSegment, SegmentCache, SegmentRef, ShmUnavailable, place
 from shared.runtime.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -28,6 +41,9 @@ SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"].full_name
 
 # Hashes per KvEvent: 4096 × ~34 bytes stays far below NATS's 1 MiB payload limit.
 MAX_EVENT_HASHES = 4096
+READ_THREADS = min(8, os.cpu_count() or 1)
+"""Threads that read, verify and land blocks of shared-memory Gets and store PutShm
+blocks, shared by all calls (each block is ~1-2 ms of LMDB + hash + copy)."""
 
 
 @dataclass(slots=True)
@@ -39,13 +55,23 @@ class PutTally:
     num_existing: int = 0
     num_bytes: int = 0
 
-    def add(self, block: AssembledBlock, outcome: PutOutcome) -> None:
-        self.num_bytes += len(block.data)
+    def add(self, block_hash: BlockHash, num_bytes: int, outcome: PutOutcome) -> None:
+        self.num_bytes += num_bytes
         self.evicted += outcome.evicted
         if outcome.is_new:
-            self.stored.append(block.block_hash)
+            self.stored.append(block_hash)
         else:
             self.num_existing += 1
+
+
+@dataclass(slots=True)
+class GetTally:
+    """What one Get call served."""
+
+    served: list[BlockHash] = field(default_factory=list)
+    removed: list[BlockHash] = field(default_factory=list)
+    num_bytes: int = 0
+    num_shm_bytes: int = 0
 
 
 class KvEventPublisher:
@@ -87,6 +113,10 @@ class KVCacheMetrics:
         self.corrupt = metrics.counter("corrupt", "Blocks that failed their checksum (deleted, never served).")
         self.put_bytes = metrics.counter("put_bytes", "Data bytes received by Put.")
         self.get_bytes = metrics.counter("get_bytes", "Data bytes sent by Get.")
+        self.shm_bytes = metrics.counter("shm_bytes", "Data bytes of Get and Put that moved through clients' "
+                                         "shared-memory segments (also counted in get_bytes, put_bytes).")
+        self.shm_refused = metrics.counter("shm_refused", "Calls naming a shared-memory segment this service "
+                                           "could not use (another host or container): served as bytes.")
         self._last = StoreStats(0, 0, 0, 0, 0, 0, 0, 0)
 
     def update(self, stats: StoreStats) -> None:
@@ -109,6 +139,26 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         self.events = events
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
+        self.segments = SegmentCache()
+        self._threads = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvcache-shm")
+
+    def close(self) -> None:
+        """After the server stopped: the shared-memory threads end with their last copies."""
+        self._threads.shutdown(wait=True, cancel_futures=True)
+
+    def prune_segments(self) -> int:
+        """Unmap the segments of clients that closed them or died (the service runs it
+        periodically); returns how many."""
+        return self.segments.prune()
+
+    async def _segment(self, shm: kvcache_pb2.ShmSegment) -> MappedSegment:
+        """The request's segment, mapped (ShmUnavailable: why not; counted)."""
+        try:
+            return await asyncio.to_thread(self.segments.get, SegmentRef(shm.path, shm.size, shm.nonce))
+        except ShmUnavailable as exc:
+            self.metrics.shm_refused.inc()
+            log.info("shared memory refused: %s", exc)
+            raise
 
     async def Put(self, request_iterator: AsyncIterator[kvcache_pb2.PutRequest],
                   context: grpc.aio.ServicerContext) -> kvcache_pb2.PutReply:
@@ -118,7 +168,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
         async def write(block: AssembledBlock) -> None:
             outcome = await asyncio.to_thread(self.store.put, block.block_hash, block.layout, block.data)
-            tally.add(block, outcome)
+            tally.add(block.block_hash, len(block.data), outcome)
 
         try:
             async for request in request_iterator:
@@ -146,51 +196,153 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             # Blocks stored before a malformed message stay stored (each block
             # stands alone), so they are announced whatever happens next.
             self.metrics.put_bytes.inc(tally.num_bytes)
-            span = trace.get_current_span()
-            if span.is_recording():
-                span.set_attribute("kvcache.blocks", len(tally.stored) + tally.num_existing)
-                span.set_attribute("kvcache.blocks_new", len(tally.stored))
-                span.set_attribute("kvcache.bytes", tally.num_bytes)
-                span.set_attribute("kvcache.evicted", len(tally.evicted))
+            self._put_span(tally)
             await self._after_rpc(tally.stored, tally.evicted)
         return kvcache_pb2.PutReply(num_stored=len(tally.stored), num_existing=tally.num_existing,
                                     num_bytes=tally.num_bytes)
 
+    async def PutShm(self, request: kvcache_pb2.PutShmRequest,
+                     context: grpc.aio.ServicerContext) -> kvcache_pb2.PutReply:
+        for i, block in enumerate(request.blocks):
+            header = block.header
+            if len(header.block_hash) != HASH_BYTES or not 0 < header.num_bytes <= self.store.capacity_bytes:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"blocks[{i}]: a {HASH_BYTES}-byte hash and 1 to {self.store.capacity_bytes} "
+                                    f"bytes of data; got {len(header.block_hash)} and {header.num_bytes}")
+        try:
+            segment = await self._segment(request.shm)
+        except ShmUnavailable as exc:
+            return kvcache_pb2.PutReply(shm_refused=str(exc))
+        try:
+            views = [segment.window(b.offset, b.header.num_bytes) for b in request.blocks]
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        tally = PutTally()
+        # Each block's copy and checksum run at once on the pool (LMDB then takes the
+        # writes one at a time). Every put finishes before the reply: the client may
+        # reuse its segment once it has the answer.
+        puts = [self._threads.submit(self.store.put, BlockHash(b.header.block_hash), b.header.layout, view)
+                for b, view in zip(request.blocks, views)]
+        try:
+            await asyncio.to_thread(concurrent.futures.wait, puts)  # all of them, even when one fails
+            failed = [put.exception() for put in puts if put.exception() is not None]
+            for block, put in zip(request.blocks, puts):
+                if put.exception() is None:  # stored blocks are announced whatever failed beside them
+                    tally.add(BlockHash(block.header.block_hash), block.header.num_bytes, put.result())
+            if failed:
+                raise failed[0]
+        finally:
+            if not all(p.done() for p in puts):  # cancelled: still wait out the copies from the segment
+                await asyncio.to_thread(concurrent.futures.wait, puts)
+            self.metrics.put_bytes.inc(tally.num_bytes)
+            self.metrics.shm_bytes.inc(tally.num_bytes)
+            self._put_span(tally)
+            await self._after_rpc(tally.stored, tally.evicted)
+        return kvcache_pb2.PutReply(num_stored=len(tally.stored), num_existing=tally.num_existing,
+                                    num_bytes=tally.num_bytes)
+
+    @staticmethod
+    def _put_span(tally: PutTally) -> None:
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attribute("kvcache.blocks", len(tally.stored) + tally.num_existing)
+            span.set_attribute("kvcache.blocks_new", len(tally.stored))
+            span.set_attribute("kvcache.bytes", tally.num_bytes)
+            span.set_attribute("kvcache.evicted", len(tally.evicted))
+
     async def Get(self, request: kvcache_pb2.GetRequest,
                   context: grpc.aio.ServicerContext) -> AsyncIterator[kvcache_pb2.GetReply]:
         await self._check_hashes(request.block_hashes, context)
-        served: list[BlockHash] = []
-        removed: list[BlockHash] = []
-        num_bytes = 0
+        tally = GetTally()
         try:
-            for block_hash in request.block_hashes:
-                if context.cancelled():
-                    break  # the client went away: read no more
-                # One block in memory at a time: the read transaction is closed
-                # before we yield, so a slow client never pins LMDB pages.
-                outcome = await asyncio.to_thread(self.store.read, BlockHash(block_hash))
-                block = outcome.block
-                if block is None:
-                    if outcome.removed:
-                        removed.append(BlockHash(block_hash))
-                    yield kvcache_pb2.GetReply(missing=block_hash)
-                    break
-                header = kvcache_pb2.BlockHeader(block_hash=block_hash, num_bytes=len(block.data), layout=block.layout)
-                yield kvcache_pb2.GetReply(header=header)
-                for chunk in iter_chunks(block.data, self.chunk_bytes):
-                    yield kvcache_pb2.GetReply(data=chunk)
-                served.append(BlockHash(block_hash))
-                num_bytes += len(block.data)
+            if request.HasField("shm"):
+                try:
+                    segment = await self._segment(request.shm)
+                    sizes = await asyncio.to_thread(self.store.sizes, [BlockHash(h) for h in request.block_hashes])
+                    offsets = place(sizes, segment.ref.size)
+                    if sizes and not offsets:
+                        raise ShmUnavailable(f"a block of {sizes[0]} bytes does not fit the segment of "
+                                             f"{segment.ref.size}")
+                except ShmUnavailable as exc:
+                    yield kvcache_pb2.GetReply(shm_refused=str(exc))
+                else:
+                    async for reply in self._get_shm(request.block_hashes, sizes, offsets, segment, context, tally):
+                        yield reply
+                    return
+            async for reply in self._get_bytes(request.block_hashes, context, tally):
+                yield reply
         finally:
-            self.metrics.get_bytes.inc(num_bytes)
+            self.metrics.get_bytes.inc(tally.num_bytes)
+            self.metrics.shm_bytes.inc(tally.num_shm_bytes)
             span = trace.get_current_span()
             if span.is_recording():  # a cancelled Get's cleanup runs after its span ended
                 span.set_attribute("kvcache.blocks", len(request.block_hashes))
-                span.set_attribute("kvcache.hits", len(served))
-                span.set_attribute("kvcache.bytes", num_bytes)
+                span.set_attribute("kvcache.hits", len(tally.served))
+                span.set_attribute("kvcache.bytes", tally.num_bytes)
+                span.set_attribute("kvcache.shm", tally.num_shm_bytes > 0)
             # One write transaction for the whole Get, not one per block.
-            await asyncio.to_thread(self.store.touch, served)
-            await self._after_rpc([], removed)
+            await asyncio.to_thread(self.store.touch, tally.served)
+            await self._after_rpc([], tally.removed)
+
+    async def _get_bytes(self, hashes: Sequence[bytes], context: grpc.aio.ServicerContext,
+                         tally: "GetTally") -> AsyncIterator[kvcache_pb2.GetReply]:
+        """The blocks as header and data chunks on the stream."""
+        for block_hash in hashes:
+            if context.cancelled():
+                break  # the client went away: read no more
+            # One block in memory at a time: the read transaction is closed
+            # before we yield, so a slow client never pins LMDB pages.
+            outcome = await asyncio.to_thread(self.store.read, BlockHash(block_hash))
+            block = outcome.block
+            if block is None:
+                if outcome.removed:
+                    tally.removed.append(BlockHash(block_hash))
+                yield kvcache_pb2.GetReply(missing=block_hash)
+                break
+            header = kvcache_pb2.BlockHeader(block_hash=block_hash, num_bytes=len(block.data), layout=block.layout)
+            yield kvcache_pb2.GetReply(header=header)
+            for chunk in iter_chunks(block.data, self.chunk_bytes):
+                yield kvcache_pb2.GetReply(data=chunk)
+            tally.served.append(BlockHash(block_hash))
+            tally.num_bytes += len(block.data)
+
+    async def _get_shm(self, hashes: Sequence[bytes], sizes: list[int], offsets: list[int], segment: MappedSegment,
+                       context: grpc.aio.ServicerContext, tally: "GetTally") -> AsyncIterator[kvcache_pb2.GetReply]:
+        """The blocks landed in the segment, read and verified by the pool at once,
+        announced in order; ends at the first that is not served, or with
+        segment_full at the first that did not fit."""
+        reads = [self._threads.submit(self.store.read_into, BlockHash(hashes[i]), segment.window(offset, sizes[i]))
+                 for i, offset in enumerate(offsets)]
+        try:
+            for i, read in enumerate(reads):
+                if context.cancelled():
+                    return
+                outcome: LandedOutcome = await asyncio.wrap_future(read)
+                if outcome.layout is None:  # evicted, expired or corrupt since sizes() saw it
+                    if outcome.removed:
+                        tally.removed.append(BlockHash(hashes[i]))
+                    yield kvcache_pb2.GetReply(missing=hashes[i])
+                    return
+                header = kvcache_pb2.BlockHeader(block_hash=hashes[i], num_bytes=sizes[i], layout=outcome.layout)
+                yield kvcache_pb2.GetReply(landed=kvcache_pb2.ShmBlock(header=header, offset=offsets[i]))
+                tally.served.append(BlockHash(hashes[i]))
+                tally.num_bytes += sizes[i]
+                tally.num_shm_bytes += sizes[i]
+            if len(offsets) < len(sizes):
+                yield kvcache_pb2.GetReply(segment_full=hashes[len(offsets)])
+            elif len(sizes) < len(hashes):
+                self.store.count_miss()
+                yield kvcache_pb2.GetReply(missing=hashes[len(sizes)])
+        finally:
+            # No copy into the segment may outlive the stream: the client reuses the
+            # segment once the stream has ended. Copies not started are dropped, the
+            # running ones waited for (the threads' own futures: an asyncio wrapper
+            # would say done at its cancel while its thread still copies).
+            for read in reads:
+                read.cancel()
+            running = [r for r in reads if not r.done()]
+            if running:
+                await asyncio.to_thread(concurrent.futures.wait, running)
 
     async def Lookup(self, request: kvcache_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kvcache_pb2.LookupReply:

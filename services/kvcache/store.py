@@ -243,6 +243,10 @@ class BlockStore:
                 out.append(_INDEX.unpack(raw_index)[1])
         return out
 
+    def count_miss(self) -> None:
+        """A Get that ended at a block sizes() found missing (read() counts its own)."""
+        self._count(num_misses=1)
+
     def _read(self, block_hash: BlockHash, take: Callable[[VerifiedView], T | None]) -> tuple[T | None, bool]:
         """take(the verified block) inside the read transaction (its views die with it);
         (what take returned, or None for a miss; whether the block was deleted)."""

@@ -25,30 +25,66 @@ class PutRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutReply(_message.Message):
-    __slots__ = ("num_stored", "num_existing", "num_bytes")
+    __slots__ = ("num_stored", "num_existing", "num_bytes", "shm_refused")
     NUM_STORED_FIELD_NUMBER: _ClassVar[int]
     NUM_EXISTING_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_REFUSED_FIELD_NUMBER: _ClassVar[int]
     num_stored: int
     num_existing: int
     num_bytes: int
-    def __init__(self, num_stored: _Optional[int] = ..., num_existing: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+    shm_refused: str
+    def __init__(self, num_stored: _Optional[int] = ..., num_existing: _Optional[int] = ..., num_bytes: _Optional[int] = ..., shm_refused: _Optional[str] = ...) -> None: ...
+
+class ShmSegment(_message.Message):
+    __slots__ = ("path", "size", "nonce")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    nonce: bytes
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ShmBlock(_message.Message):
+    __slots__ = ("header", "offset")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    header: BlockHeader
+    offset: int
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class PutShmRequest(_message.Message):
+    __slots__ = ("shm", "blocks")
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    shm: ShmSegment
+    blocks: _containers.RepeatedCompositeFieldContainer[ShmBlock]
+    def __init__(self, shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "shm")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    shm: ShmSegment
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ...) -> None: ...
 
 class GetReply(_message.Message):
-    __slots__ = ("header", "data", "missing")
+    __slots__ = ("header", "data", "missing", "landed", "segment_full", "shm_refused")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FULL_FIELD_NUMBER: _ClassVar[int]
+    SHM_REFUSED_FIELD_NUMBER: _ClassVar[int]
     header: BlockHeader
     data: bytes
     missing: bytes
-    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., missing: _Optional[bytes] = ...) -> None: ...
+    landed: ShmBlock
+    segment_full: bytes
+    shm_refused: str
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., missing: _Optional[bytes] = ..., landed: _Optional[_Union[ShmBlock, _Mapping]] = ..., segment_full: _Optional[bytes] = ..., shm_refused: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("block_hashes",)

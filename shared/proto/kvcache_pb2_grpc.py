@@ -39,6 +39,11 @@ class KVCacheStub:
                 request_serializer=kvcache__pb2.PutRequest.SerializeToString,
                 response_deserializer=kvcache__pb2.PutReply.FromString,
                 _registered_method=True)
+        self.PutShm = channel.unary_unary(
+                '/infermesh.v1.KVCache/PutShm',
+                request_serializer=kvcache__pb2.PutShmRequest.SerializeToString,
+                response_deserializer=kvcache__pb2.PutReply.FromString,
+                _registered_method=True)
         self.Get = channel.unary_stream(
                 '/infermesh.v1.KVCache/Get',
                 request_serializer=kvcache__pb2.GetRequest.SerializeToString,
@@ -66,9 +71,19 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutShm(self, request, context):
+        """Blocks whose data lies in the client's segment. A segment the service cannot
+        use stores nothing and answers `shm_refused`: the client then uses Put.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Get(self, request, context):
         """The blocks asked for, in order, each a header then its data chunks; a
         block that is missing, expired or corrupt ends the stream with `missing`.
+        With `shm` set, each block is `landed` in the segment instead, and a block
+        that does not fit in it ends the stream with `segment_full`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +108,11 @@ def add_KVCacheServicer_to_server(servicer, server):
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
                     request_deserializer=kvcache__pb2.PutRequest.FromString,
+                    response_serializer=kvcache__pb2.PutReply.SerializeToString,
+            ),
+            'PutShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutShm,
+                    request_deserializer=kvcache__pb2.PutShmRequest.FromString,
                     response_serializer=kvcache__pb2.PutReply.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
@@ -137,6 +157,33 @@ class KVCache:
             target,
             '/infermesh.v1.KVCache/Put',
             kvcache__pb2.PutRequest.SerializeToString,
+            kvcache__pb2.PutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infermesh.v1.KVCache/PutShm',
+            kvcache__pb2.PutShmRequest.SerializeToString,
             kvcache__pb2.PutReply.FromString,
             options,
             channel_credentials,

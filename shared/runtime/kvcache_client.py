@@ -3,12 +3,29 @@
     async with KVCacheClient(settings.kvcache.address) as kv:
         n = await kv.lookup(hashes)                  # leading blocks held
         blocks = await kv.get_blocks(hashes[:n])     # [(hash, layout, data)], stops at the first missing
+        async for batch in kv.iter_landed(hashes[:n]):   # the same, without copies: see LandedBatch
+            ...
         await kv.put_blocks([(h, layout, data), ...])
 
-Blocks travel in chunks of chunk_bytes (cut and assembled by block_stream.py,
-as in the service), so a block of any size fits gRPC's message limit. gRPC
-failures surface as grpc.aio.AioRpcError (UNAVAILABLE when the service is down,
-DEADLINE_EXCEEDED past timeout_s): a cache is an optimisation, so callers
+Two data planes, one API. On the service's host the client owns a shared-memory
+segment (shared/runtime/kv_shm.py, shm_bytes of it, made at the first Get or
+Put and reused): a Get names it and the service lands the verified blocks in it
+(a batch is then a view of the segment, which the caller copies into its KV
+cache at once), a Put copies the blocks into it and names them (PutShm). gRPC
+carries only headers and status. Where the service cannot open the segment
+(another host or container) it says so, and the blocks move as before: in
+chunks of chunk_bytes on the gRPC stream (cut and assembled by block_stream.py,
+as in the service). The client then keeps to the stream until reconnect();
+`shm` counts both kinds of calls and the refusals.
+
+One call uses the segment at a time (a lock); a Get of more than the segment
+holds is several Gets, one batch each. A call on the segment that does not end
+cleanly (an error, a timeout, a consumer that stopped early) retires the
+segment: the service may still be copying into or out of it, so it is never
+written again, and the next call makes a fresh one.
+
+gRPC failures surface as grpc.aio.AioRpcError (UNAVAILABLE when the service is
+down, DEADLINE_EXCEEDED past timeout_s): a cache is an optimisation, so callers
 usually log them and recompute.
 
 A channel whose server went away waits out gRPC's reconnect backoff (up to two
@@ -18,8 +35,13 @@ replaces it with a fresh channel that dials at once. A worker calls it when
 finds the service back: see shared/stage/kvcache_connector.py.
 """
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+import grpc
+import numpy as np
 
 from shared.kv.block_hash import HASH_BYTES, BlockHash
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
@@ -30,10 +52,20 @@ from shared.runtime.block_stream import (
     check_chunk_bytes,
     iter_chunks,
 )
+from shared.runtime.kv_shm import DATA_OFFSET, Segment, check_segment_bytes, place
 from shared.runtime.rpc import check_health, open_channel
+
+log = logging.getLogger(__name__)
 
 Block = tuple[BlockHash, str, bytes]
 """(hash, layout, data): layout names the tensor's dtype and shape, checked by the loader."""
+DEFAULT_SHM_BYTES = 256 << 20
+"""The segment's default size: 128 blocks of 2 MiB (an 8B model's 16-token block) per batch."""
+BYTE_BATCH_BYTES = 64 << 20
+"""Blocks received over the stream are handed on in batches of about this many bytes."""
+OnSegment = Callable[[memoryview], Callable[[], None] | None]
+"""Called with a new segment's whole buffer (e.g. to pin it for CUDA copies); may return
+the undo, called before the segment is retired."""
 
 
 class KVCacheProtocolError(RuntimeError):
@@ -60,48 +92,240 @@ class KVCacheStats:
     num_misses: int
 
 
+@dataclass(slots=True, frozen=True)
+class LandedBlock:
+    block_hash: BlockHash
+    layout: str
+    offset: int
+    """Where its data starts in the batch's data."""
+    num_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class LandedBatch:
+    """Blocks of one Get, in order. data is a view of the client's segment (valid
+    until the iterator moves on) or of the bytes received on the stream."""
+
+    blocks: list[LandedBlock]
+    data: memoryview
+    via_shm: bool
+
+    def block_data(self, i: int) -> memoryview:
+        block = self.blocks[i]
+        return self.data[block.offset : block.offset + block.num_bytes]
+
+
+@dataclass(slots=True)
+class ShmCounters:
+    """How this client's calls moved their data."""
+
+    num_shm_calls: int = 0
+    """Get and Put calls whose data went through the segment."""
+    num_byte_calls: int = 0
+    """Get and Put calls whose data went over the gRPC stream."""
+    num_refused: int = 0
+    """Times the service could not use the segment (the calls then went over the stream)."""
+    num_retired: int = 0
+    """Segments given up after a call on them did not end cleanly."""
+    refused_because: str | None = None
+    """The service's reason, while the client keeps to the stream (until reconnect())."""
+
+
 class KVCacheClient:
-    def __init__(self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float | None = 60.0) -> None:
+    def __init__(self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float | None = 60.0,
+                 shm_bytes: int = DEFAULT_SHM_BYTES, on_segment: OnSegment | None = None) -> None:
         """timeout_s: deadline of each call (None waits forever, which a worker
-        should not: a stuck cache must not stall a request)."""
+        should not: a stuck cache must not stall a request). shm_bytes: the
+        shared-memory segment's size (0: always the gRPC stream)."""
         check_chunk_bytes(chunk_bytes)
+        if shm_bytes:
+            check_segment_bytes(shm_bytes)
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
+        self.shm_bytes = shm_bytes
+        self.shm = ShmCounters()
+        self._on_segment = on_segment
+        self._segment: Segment | None = None
+        self._undo_segment: Callable[[], None] | None = None
+        self._shm_lock: asyncio.Lock | None = None  # made on the client's loop, at first use
         self._channel = open_channel(address)
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
 
+    # -- put -------------------------------------------------------------------
+
     async def put_blocks(self, blocks: Sequence[Block]) -> PutSummary:
-        """Store blocks in one streamed call."""
+        """Store blocks: through the segment, a segment's worth per call, where the
+        service can use it; else (and for a block larger than the segment) in one
+        streamed call."""
         if not blocks:
             return PutSummary(0, 0, 0)
         for block_hash, _, data in blocks:
             if len(block_hash) != HASH_BYTES or not data:
                 raise ValueError(f"a block needs a {HASH_BYTES}-byte hash and data; "
                                  f"got {len(block_hash)} and {len(data)} bytes")
-        reply = await self._stub.Put(self._put_requests(blocks), timeout=self.timeout_s)
-        return PutSummary(reply.num_stored, reply.num_existing, reply.num_bytes)
+        total = PutSummary(0, 0, 0)
+        start = 0
+        while start < len(blocks) and self._shm_usable():
+            async with self._lock():
+                done = await self._put_window(blocks[start:])
+            if done is None:
+                break
+            num_blocks, summary = done
+            total = _add(total, summary)
+            start += num_blocks
+        if start < len(blocks):
+            self.shm.num_byte_calls += 1
+            reply = await self._stub.Put(self._put_requests(blocks[start:]), timeout=self.timeout_s)
+            total = _add(total, PutSummary(reply.num_stored, reply.num_existing, reply.num_bytes))
+        return total
 
-    async def iter_blocks(self, hashes: Sequence[BlockHash]) -> AsyncIterator[Block]:
-        """The blocks in order, each as soon as it arrived whole; ends at the
-        first block the service does not hold. Stopping early cancels the call."""
-        if not hashes:
-            return
-        call = self._stub.Get(kvcache_pb2.GetRequest(block_hashes=hashes), timeout=self.timeout_s)
+    async def _put_window(self, blocks: Sequence[Block]) -> tuple[int, PutSummary] | None:
+        """The leading blocks that fit the segment, through it: (how many, the reply);
+        None when the segment cannot be used (nothing was stored)."""
+        segment = self._the_segment()
+        if segment is None:
+            return None
+        offsets = place([len(data) for _, _, data in blocks], segment.size)
+        if not offsets:
+            return None  # a block larger than the segment: the stream takes the rest
+        window = blocks[: len(offsets)]
+        # The copy into the segment off the event loop (numpy releases the GIL).
+        await asyncio.to_thread(_copy_in, segment.buffer, window, offsets)
+        request = kvcache_pb2.PutShmRequest(shm=_segment_pb(segment), blocks=[
+            kvcache_pb2.ShmBlock(header=kvcache_pb2.BlockHeader(block_hash=h, num_bytes=len(data), layout=layout),
+                                 offset=offset)
+            for (h, layout, data), offset in zip(window, offsets)
+        ])
+        try:
+            reply = await self._stub.PutShm(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a service from before PutShm
+                self._refused("the service has no PutShm")
+                return None
+            self._retire()  # it may still be reading the segment
+            raise
+        except BaseException:
+            self._retire()
+            raise
+        if reply.shm_refused:
+            self._refused(reply.shm_refused)
+            return None
+        self.shm.num_shm_calls += 1
+        return len(window), PutSummary(reply.num_stored, reply.num_existing, reply.num_bytes)
+
+    # -- get -------------------------------------------------------------------
+
+    async def iter_landed(self, hashes: Sequence[BlockHash]) -> AsyncIterator[LandedBatch]:
+        """The leading blocks the service holds, in order, in batches (a segment's
+        worth, or BYTE_BATCH_BYTES received on the stream); ends at the first block
+        it does not hold. A batch's data is valid until the iterator moves on.
+        Stopping early cancels the call."""
+        start = 0
+        while start < len(hashes):
+            if not self._shm_usable():
+                async for batch in self._byte_batches(self._stub.Get(
+                        kvcache_pb2.GetRequest(block_hashes=hashes[start:]), timeout=self.timeout_s)):
+                    yield batch
+                return
+            async with self._lock():
+                segment = self._the_segment()
+                if segment is None:
+                    continue  # no segment could be made: _shm_usable() now says no
+                request = kvcache_pb2.GetRequest(block_hashes=hashes[start:], shm=_segment_pb(segment))
+                call = self._stub.Get(request, timeout=self.timeout_s)
+                landed, more = await self._landed(call, segment, hashes[start:])
+                if landed is None:  # refused: the rest of this call's stream is bytes
+                    async for batch in self._byte_batches(call):
+                        yield batch
+                    return
+                if landed:
+                    self.shm.num_shm_calls += 1
+                    # Yielded under the lock: nothing else writes the segment while the caller reads it.
+                    yield LandedBatch(landed, segment.buffer[DATA_OFFSET:], via_shm=True)
+            if not more:
+                return
+            start += len(landed)
+
+    async def _landed(self, call: grpc.aio.UnaryStreamCall, segment: Segment,
+                      hashes: Sequence[BlockHash]) -> tuple[list[LandedBlock] | None, bool]:
+        """Read a shared-memory Get's stream to its end: (the blocks landed, whether
+        the service stopped at segment_full: more to ask for). (None, False): the
+        service refused the segment; the call's stream goes on with bytes.
+
+        The stream is read to its very end (its OK status): the service ends it only
+        once every copy into the segment has finished, including copies of blocks
+        after a missing one, so the segment is free for the next call."""
+        landed: list[LandedBlock] = []
+        more = ended = clean = False
+        try:
+            async for reply in call:
+                kind = reply.WhichOneof("item")
+                if kind == "shm_refused" and not landed and not ended:
+                    self._refused(reply.shm_refused)
+                    clean = True  # the service never touched the segment
+                    return None, False
+                if ended:
+                    raise KVCacheProtocolError(f"a {kind} item after the end of a shared-memory Get")
+                if kind == "landed":
+                    header, offset = reply.landed.header, reply.landed.offset
+                    if (len(landed) >= len(hashes) or header.block_hash != hashes[len(landed)]
+                            or offset < DATA_OFFSET or offset + header.num_bytes > segment.size):
+                        raise KVCacheProtocolError(f"landed block {len(landed)} does not add up "
+                                                   f"(hash, or bytes [{offset}, +{header.num_bytes}))")
+                    landed.append(LandedBlock(BlockHash(header.block_hash), header.layout,
+                                              offset - DATA_OFFSET, header.num_bytes))
+                elif kind in ("segment_full", "missing"):
+                    more, ended = kind == "segment_full", True
+                else:
+                    raise KVCacheProtocolError(f"a {kind} item in a shared-memory Get")
+            clean = True
+            return landed, more
+        finally:
+            if not clean:
+                call.cancel()
+                self._retire()  # the service may still be copying into it
+
+    async def _byte_batches(self, call: grpc.aio.UnaryStreamCall) -> AsyncIterator[LandedBatch]:
+        """The blocks of a Get streamed as header and data chunks, in batches."""
+        self.shm.num_byte_calls += 1
         assembler = BlockAssembler()
+        blocks: list[LandedBlock] = []
+        parts: list[bytes] = []
+        num_bytes = 0
         try:
             async for reply in call:
                 if reply.WhichOneof("item") == "missing":
-                    return
-                if (block := _feed(assembler, reply)) is not None:
-                    yield block.block_hash, block.layout, block.data
-            _feed(assembler, None)
+                    break
+                block = _feed(assembler, reply)
+                if block is None:
+                    continue
+                blocks.append(LandedBlock(block.block_hash, block.layout, num_bytes, len(block.data)))
+                parts.append(block.data)
+                num_bytes += len(block.data)
+                if num_bytes >= BYTE_BATCH_BYTES:
+                    yield LandedBatch(blocks, memoryview(b"".join(parts)), via_shm=False)
+                    blocks, parts, num_bytes = [], [], 0
+            else:
+                _feed(assembler, None)
+            if blocks:
+                data = parts[0] if len(parts) == 1 else b"".join(parts)
+                yield LandedBatch(blocks, memoryview(data), via_shm=False)
         finally:
             call.cancel()  # no-op when the call already finished
+
+    async def iter_blocks(self, hashes: Sequence[BlockHash]) -> AsyncIterator[Block]:
+        """The blocks in order, each as bytes of its own; ends at the first block the
+        service does not hold. Stopping early cancels the call."""
+        async for batch in self.iter_landed(hashes):
+            for i, block in enumerate(batch.blocks):
+                yield block.block_hash, block.layout, bytes(batch.block_data(i))
 
     async def get_blocks(self, hashes: Sequence[BlockHash]) -> list[Block]:
         """The leading blocks the service holds (all of them, or up to the first missing)."""
         return [block async for block in self.iter_blocks(hashes)]
+
+    # -- the rest ----------------------------------------------------------------
 
     async def lookup(self, hashes: Sequence[BlockHash], timeout_s: float | None = None) -> int:
         """How many leading blocks of the chain the service holds (timeout_s: this
@@ -122,20 +346,62 @@ class KVCacheClient:
         return await check_health(self.address, timeout_s=timeout_s)
 
     async def reconnect(self) -> None:
-        """Dial again at once on a fresh channel; calls still on the old one may finish (1 s)."""
+        """Dial again at once on a fresh channel; calls still on the old one may finish
+        (1 s). The service may have moved: shared memory is tried again."""
         old = self._channel
         self._channel = open_channel(self.address)
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
+        self.shm.refused_because = None
         await old.close(grace=1.0)
 
     async def close(self) -> None:
         await self._channel.close()
+        self._retire(counted=False)
 
     async def __aenter__(self) -> "KVCacheClient":
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    # -- the segment ---------------------------------------------------------------
+
+    def _shm_usable(self) -> bool:
+        return self.shm_bytes > 0 and self.shm.refused_because is None
+
+    def _lock(self) -> asyncio.Lock:
+        if self._shm_lock is None:
+            self._shm_lock = asyncio.Lock()
+        return self._shm_lock
+
+    def _the_segment(self) -> Segment | None:
+        """The segment, made at first use; None (and the stream from then on) when
+        this host cannot make one."""
+        if self._segment is None:
+            try:
+                self._segment = Segment(self.shm_bytes)
+            except OSError as exc:
+                self._refused(f"no shared-memory segment here: {exc}")
+                return None
+            if self._on_segment is not None:
+                self._undo_segment = self._on_segment(self._segment.buffer)
+        return self._segment
+
+    def _refused(self, why: str) -> None:
+        self.shm.num_refused += 1
+        self.shm.refused_because = why
+        log.info("kvcache shared memory unavailable (%s): using the gRPC stream", why)
+
+    def _retire(self, counted: bool = True) -> None:
+        segment, self._segment = self._segment, None
+        if segment is None:
+            return
+        if counted:
+            self.shm.num_retired += 1
+        if self._undo_segment is not None:
+            undo, self._undo_segment = self._undo_segment, None
+            undo()
+        segment.close()
 
     def _put_requests(self, blocks: Sequence[Block]) -> Iterator[kvcache_pb2.PutRequest]:
         """A plain iterator: grpc.aio consumes it lazily, one chunk in memory at a time."""
@@ -144,6 +410,20 @@ class KVCacheClient:
             yield kvcache_pb2.PutRequest(header=header)
             for chunk in iter_chunks(data, self.chunk_bytes):
                 yield kvcache_pb2.PutRequest(data=chunk)
+
+
+def _segment_pb(segment: Segment) -> kvcache_pb2.ShmSegment:
+    return kvcache_pb2.ShmSegment(path=segment.ref.path, size=segment.ref.size, nonce=segment.ref.nonce)
+
+
+def _copy_in(buffer: memoryview, blocks: Sequence[Block], offsets: list[int]) -> None:
+    whole = np.frombuffer(buffer, dtype=np.uint8)
+    for (_, _, data), offset in zip(blocks, offsets):
+        np.copyto(whole[offset : offset + len(data)], np.frombuffer(data, dtype=np.uint8))
+
+
+def _add(a: PutSummary, b: PutSummary) -> PutSummary:
+    return PutSummary(a.num_stored + b.num_stored, a.num_existing + b.num_existing, a.num_bytes + b.num_bytes)
 
 
 def _feed(assembler: BlockAssembler, reply: kvcache_pb2.GetReply | None) -> AssembledBlock | None:
