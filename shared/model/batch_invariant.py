@@ -5,7 +5,8 @@ The normal path's results depend on the batch in the last bits: a matmul's BLAS
 kernel (and its reduction order) depends on the number of rows M, so a row computes
 differently at M = 1 (GEMV) than at M = 37; attention pads every sequence to the
 batch's longest query and key lengths, and SDPA picks its split sizes from them.
-This table replaces them with computations whose shape per unit of work is fixed:
+The PyTorch table (the plain CPU's) replaces them with computations whose shape per
+unit of work is fixed:
 
 - linear: the rows padded to tiles of TILE_ROWS and multiplied as a batch of fixed
   [TILE_ROWS, K] x [K, N] products (bmm), never as one [M, K] GEMM;
@@ -19,17 +20,28 @@ This table replaces them with computations whose shape per unit of work is fixed
 What stays assumed, and is checked by tests/test_batch_invariant.py on the CPU: a
 fixed-shape product gives a row the same bits wherever it sits in its tile and
 whatever the other rows hold (true of BLAS micro-kernels, whose reduction over K
-runs in one order per output element). On CUDA the same code runs through cuBLAS's
-batched GEMM; that cuBLAS picks one algorithm per (shape, batch count) and that it
-has no split-K dependent on the batch count is untested here (tests/gpu).
+runs in one order per output element). The same assumption, for a tensor-core tile
+product, underlies the Triton table below (checked on an H200 by
+tests/gpu/test_gpu_batch_invariant.py).
 
-apply(model) installs the table on a built dense Llama-family model by swapping the
-kernel objects its modules already dispatch to (the Triton path's seams): Linear's
-row kernel, RMSNorm's kernel module, attention's rotary and attention modules, and
-the model's attention planner. Experts (MoE) are refused: their grouped GEMMs are
-not made invariant.
+apply(model) installs a table on a built dense Llama-family model by swapping the
+kernel objects its modules already dispatch to: Linear's row kernel, RMSNorm's kernel
+module, attention's rotary and attention modules, and the model's attention planner.
+Experts (MoE) are refused: their grouped GEMMs are not made invariant. Two tables:
+
+- on CUDA (and on the CPU for a model built with kernels="triton" under
+  TRITON_INTERPRET=1, which is how the kernels are tested): Triton kernels whose
+  reduction order per element cannot depend on the batch. ``kernels/invariant_matmul``
+  (one tile configuration per weight, K in one order, no split-K),
+  ``kernels/invariant_attention`` (one kernel and one KV tiling for decode and prefill
+  tokens alike, no split of the keys), and the Triton RMSNorm and rotary kernels as
+  they are: the norm reduces each row inside one program whose shape follows the row
+  size only, and rotary is elementwise. CUDA graphs stay on: they replay the same
+  kernels, and a padded batch row is one more independent row.
+- elsewhere (the plain CPU): the PyTorch table above.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +49,7 @@ import torch.nn.functional as F
 
 from shared.model.attention import write_kv
 from shared.model.forward_batch import AttentionMetadata
+from shared.model.kernels import triton_module
 from shared.model.layers import Linear, RMSNorm, apply_rope
 
 TILE_ROWS = 16
@@ -187,14 +200,23 @@ def _attend_one(
     return out.reshape(num_heads, -1, head_dim)[:, :num_q].transpose(0, 1).to(q.dtype)
 
 
+def uses_triton_table(model: torch.nn.Module) -> bool:
+    """Whether apply() installs the Triton table: on CUDA always; on the CPU only for a
+    model built with Triton kernels (kernels="triton", under TRITON_INTERPRET=1)."""
+    device = next(model.parameters()).device
+    return device.type == "cuda" or (bool(getattr(model, "use_triton", False)) and os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def apply(model: torch.nn.Module) -> None:
-    """Install the table on a built model (see the module docstring); the Triton
-    kernels and CUDA graphs are left out for the model's life."""
+    """Install the table on a built model (see the module docstring), for the model's life."""
     from shared.model.models.llama import Attention, CausalLM
 
     dense = isinstance(model, CausalLM) and not model._sparse_blocks
     if not dense or not all(isinstance(layer.self_attn, Attention) for layer in model.model.layers):
         raise ValueError("batch_invariant supports dense Llama-family models only (experts are not invariant)")
+    if uses_triton_table(model):
+        _apply_triton(model)
+        return
     model.use_triton = False  # no CUDA graphs: they capture the Triton path
     model._triton_attention = InvariantAttention()
     model._gemv = invariant_linear
@@ -208,3 +230,26 @@ def apply(model: torch.nn.Module) -> None:
             module._attention = InvariantAttention()
         if hasattr(module, "_gated_gemv"):
             module._gated_gemv = None  # the MLP's batch-1 fused GEMV: a second code path
+
+
+def _apply_triton(model: torch.nn.Module) -> None:
+    """The Triton table, installed whatever ``kernels`` the model was built with."""
+    from shared.model.models.llama import Attention
+
+    matmul = triton_module("invariant_matmul").invariant_matmul
+    attention = triton_module("invariant_attention")
+    norm, rotary = triton_module("rmsnorm"), triton_module("rotary")
+    # Every kernel of the forward is now invariant, so a captured decode graph is too.
+    model.use_triton = True
+    model._triton_attention = attention
+    model._gemv = matmul  # the logits' product (lm_head or the tied embeddings)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module._gemv = matmul
+        elif isinstance(module, RMSNorm):
+            module._triton = norm
+        elif isinstance(module, Attention):
+            module._rotary = rotary
+            module._attention = attention
+        if hasattr(module, "_gated_gemv"):
+            module._gated_gemv = None  # the MLP's batch-1 fused GEMV (a second code path for one row)
