@@ -304,13 +304,12 @@ class KVCacheClient:
                 parts.append(block.data)
                 num_bytes += len(block.data)
                 if num_bytes >= BYTE_BATCH_BYTES:
-                    yield LandedBatch(blocks, memoryview(b"".join(parts)), via_shm=False)
+                    yield LandedBatch(blocks, memoryview(bytearray().join(parts)), via_shm=False)
                     blocks, parts, num_bytes = [], [], 0
             else:
                 _feed(assembler, None)
-            if blocks:
-                data = parts[0] if len(parts) == 1 else b"".join(parts)
-                yield LandedBatch(blocks, memoryview(data), via_shm=False)
+            if blocks:  # one copy into writable memory (a consumer may view it as a tensor)
+                yield LandedBatch(blocks, memoryview(bytearray().join(parts)), via_shm=False)
         finally:
             call.cancel()  # no-op when the call already finished
 

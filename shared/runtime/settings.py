@@ -114,6 +114,12 @@ class KVCacheSettings:
     """Blocks unused for this long expire."""
     chunk_bytes: int = 8 << 20
     """Size of the data chunks of a streamed block (at most gRPC's message limit less framing)."""
+    shm_bytes: int = 256 << 20
+    """Size of each kvcache client's shared-memory segment (made at its first Get or
+    Put, reused, memory taken as used): on the service's host (same PID namespace, as
+    under `infermesh up`) Get and Put move block data through it and gRPC carries only
+    headers. Separate containers cannot share it: the service refuses it and the
+    data goes over the gRPC stream. 0 always uses the stream."""
     lookup_timeout_s: float = 1.0
     """A worker's lookup that kvcache does not answer within this counts as a miss
     (the request computes instead of waiting for the cache)."""

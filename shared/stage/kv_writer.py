@@ -163,7 +163,8 @@ async def _serve(conn: Connection) -> None:
     settings = load_settings()
     rpc.configure_from(settings.worker)  # the worker's token and TLS files, from its env
     region = _child_region(description, layout, device)
-    client = KVCacheClient(address, timeout_s=timeout_s)
+    # Its own shared-memory segment (the service copies the blocks out of it), as big as the worker's.
+    client = KVCacheClient(address, timeout_s=timeout_s, shm_bytes=settings.kvcache.shm_bytes)
     loop = asyncio.get_running_loop()
     stores: set[asyncio.Task[None]] = set()
 

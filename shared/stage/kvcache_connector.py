@@ -25,6 +25,13 @@ is the worker's view for /metrics and gRPC health; `take_outcome(request)` says
 what kvcache did for a request's lookup ("ok", "down", "failed", "slow", or
 "recompute": it held blocks, but loading them would be slower than recomputing
 them, load_cost.py).
+
+Loads on the service's host come through the client's shared-memory segment
+(kvcache_client.py): each batch the service lands there is written into the
+engine's cache as one copy per cache tensor, off the connector's event loop (a
+thread: torch's copy releases the GIL). On a GPU the segment is pinned
+(cudaHostRegister) when it is made, so that copy runs at PCIe speed. Elsewhere
+the batches come off the gRPC stream and are written the same way.
 """
 
 import asyncio
@@ -33,16 +40,18 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+import torch
 from opentelemetry import context
 
 from shared.engine.engine_request import KVTransferParams
 from shared.engine.kv.connector import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.block_hash import BlockHash
-from shared.runtime.kvcache_client import KVCacheClient
+from shared.runtime.kvcache_client import DEFAULT_SHM_BYTES, KVCacheClient, LandedBatch
 from shared.runtime.telemetry import extract_context
 from shared.stage.kv_writer import KVWriter
 from shared.stage.load_cost import LoadCost
@@ -79,9 +88,12 @@ class KVCacheConnector(KVConnector):
         lookup_timeout_s: float = 1.0,
         probe_interval_s: float = 0.5,
         load_when_faster: bool = True,
+        shm_bytes: int = DEFAULT_SHM_BYTES,
     ) -> None:
         """load_when_faster: load a hit only when that is not much slower than
-        recomputing it (load_cost.py); False loads every hit."""
+        recomputing it (load_cost.py); False loads every hit. shm_bytes: the
+        client's shared-memory segment (kvcache.shm_bytes; 0: the gRPC stream only)."""
+        self.shm_bytes = shm_bytes
         self.lookup_timeout_s = lookup_timeout_s
         self.cost = LoadCost() if load_when_faster else None
         self._block_size = 0
@@ -109,9 +121,16 @@ class KVCacheConnector(KVConnector):
         self._num_dropped = 0
         self._num_failed_behind = 0
 
-    @staticmethod
-    async def _make_client(address: str, timeout_s: float) -> KVCacheClient:
-        return KVCacheClient(address, timeout_s=timeout_s)
+    async def _make_client(self, address: str, timeout_s: float) -> KVCacheClient:
+        return KVCacheClient(address, timeout_s=timeout_s, shm_bytes=self.shm_bytes, on_segment=self._pin)
+
+    def _pin(self, buffer: memoryview) -> "Callable[[], None] | None":
+        """Page-lock a new segment when the engine's cache is on a GPU, so the copies
+        out of it are DMA at PCIe speed; the undo runs before the segment is retired."""
+        region = getattr(self, "region", None)
+        if region is None or region.device.type != "cuda":
+            return None
+        return pin_host_memory(buffer)
 
     def _submit(self, coro: Coroutine[Any, Any, T], trace: TraceCarrier | None) -> "concurrent.futures.Future[T]":
         async def in_context() -> T:
@@ -211,18 +230,27 @@ class KVCacheConnector(KVConnector):
         self._loads[request_id] = self._submit(self._fetch(hashes, block_ids), trace)
 
     async def _fetch(self, hashes: list[BlockHash], block_ids: BlockIds) -> int:
-        """Fetch the blocks and write them into the engine's cache, here on the
-        connector's thread (torch's copy releases the GIL)."""
-        layout = self.region.layout
-        payloads: list[bytes] = []
+        """Fetch the blocks and write them into the engine's cache, a batch at a
+        time, each batch in one copy per cache tensor on a thread (torch's copies
+        release the GIL): no KV byte is touched on the connector's event loop."""
+        region = self.region
+        written = 0
         started = time.monotonic()
-        async for block_hash, block_layout, data in self._client.iter_blocks(hashes):
-            if block_hash != hashes[len(payloads)] or block_layout != layout:
-                break  # another chain or another model's layout: the rest is recomputed
-            payloads.append(data)
-        written = self.region.write_blocks(block_ids, payloads)
+        async for batch in self._client.iter_landed(hashes):
+            good = 0
+            for block in batch.blocks:  # another chain, another model's layout or size: the rest is recomputed
+                if (block.block_hash != hashes[written + good] or block.layout != region.layout
+                        or block.num_bytes != region.block_bytes):
+                    break
+                good += 1
+            if good:
+                ids = {g: b[written : written + good] for g, b in block_ids.items()}
+                await asyncio.to_thread(_write_batch, region, ids, batch, good)
+                written += good
+            if good < len(batch.blocks):
+                break
         if self.cost is not None:
-            self.cost.observe_load(sum(len(p) for p in payloads[:written]), time.monotonic() - started)
+            self.cost.observe_load(written * region.block_bytes, time.monotonic() - started)
         return written
 
     def start_save(
@@ -357,3 +385,29 @@ class KVCacheConnector(KVConnector):
         asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+
+
+def _write_batch(region: Any, block_ids: BlockIds, batch: LandedBatch, num_blocks: int) -> None:
+    """The batch's first num_blocks blocks into the engine's blocks. Blocks back to back
+    (always, in a segment, for same-sized blocks) are one [n, block_bytes] view of the
+    batch's memory, copied from where they lie; otherwise they are gathered first."""
+    block_bytes = region.block_bytes
+    first = batch.blocks[0].offset
+    contiguous = all(b.offset == first + i * block_bytes for i, b in enumerate(batch.blocks[:num_blocks]))
+    if contiguous:
+        payloads = torch.frombuffer(batch.data, dtype=torch.uint8, count=num_blocks * block_bytes, offset=first)
+    else:
+        payloads = torch.stack([torch.frombuffer(batch.block_data(i), dtype=torch.uint8) for i in range(num_blocks)])
+    region.write_payloads(block_ids, payloads.view(num_blocks, block_bytes))
+
+
+def pin_host_memory(buffer: memoryview) -> Callable[[], None] | None:
+    """cudaHostRegister the buffer (page-locks it: copies to the GPU run as DMA);
+    returns the unregister, or None when CUDA refused (copies then stage through
+    pageable memory: slower, still correct)."""
+    address = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(address, len(buffer), 0)) != 0:
+        log.warning("could not pin the kvcache segment (%d bytes): loads copy from pageable memory", len(buffer))
+        return None
+    return lambda: cudart.cudaHostUnregister(address)

@@ -288,7 +288,7 @@ async def serve_engine_stage(
 
     kv = ctx.settings.kvcache
     kvcache = KVCacheConnector(kv.address, lookup_timeout_s=kv.lookup_timeout_s, probe_interval_s=kv.probe_interval_s,
-                               load_when_faster=kv.load_when_faster)  # fmt: skip
+                               load_when_faster=kv.load_when_faster, shm_bytes=kv.shm_bytes)  # fmt: skip
     store: KVConnector = kvcache
     if ctx.settings.engine.host_kv_cache_bytes:
         store = HostTierConnector(store, ctx.settings.engine.host_kv_cache_bytes)
