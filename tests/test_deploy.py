@@ -136,9 +136,42 @@ def compose_config(*profiles: str, quiet: bool = False) -> dict:
     return {} if quiet else json.loads(out.stdout)
 
 
-def render_chart(values: dict | None = None, name: str = "mesh") -> list[dict]:
-    with helm.Chart.load(CHART) as chart:
-        rendered = chart.render(values, name=name, namespace="infermesh", is_install=True)
+LOOKUP_SECRET = re.compile(r'\(lookup "v1" "Secret" \.Release\.Namespace (\$\w+)\)')
+
+
+def chart_with_live_secrets(live: dict[str, dict[str, str]], folder: Path) -> Path:
+    """A copy of the chart whose `lookup`s of Secrets answer from `live` ({name: the
+    Secret's data, base64 values, as the API server returns it}) instead of a cluster:
+    what `helm upgrade` renders against a release whose Secrets are those. Every lookup
+    in the chart must be of this one form, so none is left answering nothing."""
+    import shutil
+
+    copy = folder / "infermesh"
+    shutil.copytree(CHART, copy)
+    (copy / "live-secrets.json").write_text(json.dumps(live))
+    found = 0
+    for template in (copy / "templates").glob("*.yaml"):
+        text = template.read_text()
+        found += text.count('lookup "')
+        text, n = LOOKUP_SECRET.subn(r'(dict "data" (get ($.Files.Get "live-secrets.json" | fromJson) \1 | default dict))',
+                                     text)
+        found -= n
+        template.write_text(text)
+    assert found == 0, "a lookup of another form: teach chart_with_live_secrets it"
+    return copy
+
+
+def render_chart(values: dict | None = None, name: str = "mesh",
+                 live: dict[str, dict[str, str]] | None = None) -> list[dict]:
+    """The chart as `helm install` renders it; with `live`, as `helm upgrade` renders it
+    against a release whose Secrets hold that data (chart_with_live_secrets)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = CHART if live is None else chart_with_live_secrets(live, Path(tmp))
+        with helm.Chart.load(path) as chart:
+            rendered = chart.render(values, name=name, namespace="infermesh", is_install=live is None,
+                                    is_upgrade=live is not None)
     docs = []
     for path, text in sorted(rendered.items()):
         if path.endswith(".yaml"):
@@ -390,6 +423,8 @@ def test_every_container_env_is_valid_settings(source):
         # and pods being reached by others) the non-loopback bind set explicitly.
         # (values-gpu.yaml dials an existing NATS: its TLS is the operator's to set.)
         assert (settings.nats.tls_ca or source == "chart-gpu") and settings.worker.tls_ca, name
+        # ... and a client certificate of the mesh's CA: the files' NATS asks for one.
+        assert (settings.nats.tls_cert and settings.nats.tls_key) or source == "chart-gpu", name
         role = next((r for r in ROLE_USERS if r in name.split("/")[-1]), None)
         if role is not None:
             assert settings.nats.user == role and settings.nats.password, name
@@ -449,7 +484,8 @@ def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
     # Your own Secret instead: nothing is generated, everything points at it.
     docs = render_chart({"global": {"authSecret": "my-secret"}})
     # The certificates and the workers' own users are not credentials of yours.
-    assert set(kinds(docs, "Secret")) == {"mesh-infermesh-tls", "mesh-infermesh-instances", "mesh-infermesh-nats"}
+    assert set(kinds(docs, "Secret")) == {"mesh-infermesh-tls", "mesh-infermesh-ca", "mesh-infermesh-instances",
+                                          "mesh-infermesh-nats"}
     refs = {e["valueFrom"]["secretKeyRef"]["name"] for wl in workloads(docs).values()
             for c in containers(wl["spec"]["template"]["spec"]) for e in c.get("env", [])
             if "secretKeyRef" in e.get("valueFrom", {})}
@@ -505,8 +541,8 @@ def test_chart_runs_grpc_over_mutual_tls_with_certificates_of_its_own_ca(tmp_pat
                                                            c[probe]["exec"]["command"][3]], (name, probe)
     # Off: kubelet's gRPC probes, no certificates anywhere.
     docs = render_chart({"tls": {"enabled": False}})
-    assert "mesh-infermesh-tls" not in kinds(docs, "Secret")
-    assert "INFERMESH_WORKER__TLS" not in json.dumps(docs)
+    assert not {"mesh-infermesh-tls", "mesh-infermesh-ca"} & set(kinds(docs, "Secret"))
+    assert "INFERMESH_WORKER__TLS" not in json.dumps(docs) and "INFERMESH_NATS__TLS" not in json.dumps(docs)
     assert all("grpc" in workloads(docs)[n]["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]
                for n in TLS_COMPONENTS if n != "mesh-infermesh-balancer")
     assert "tls {" not in kinds(docs, "Secret")["mesh-infermesh-nats"]["stringData"]["auth.conf"]
@@ -514,9 +550,71 @@ def test_chart_runs_grpc_over_mutual_tls_with_certificates_of_its_own_ca(tmp_pat
     with pytest.raises(helm.HelmError, match="global.tlsSecret"):
         render_chart({"tls": {"secret": "my-certs"}})
     docs = render_chart({"tls": {"secret": "my-certs"}, "global": {"tlsSecret": "my-certs"}})
-    assert "mesh-infermesh-tls" not in kinds(docs, "Secret")
+    assert not {"mesh-infermesh-tls", "mesh-infermesh-ca"} & set(kinds(docs, "Secret"))
     assert {v["secret"]["secretName"] for wl in workloads(docs).values()
             for v in wl["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"} == {"my-certs"}
+
+
+def live_secrets(docs: list[dict]) -> dict[str, dict[str, str]]:
+    """The rendered Secrets as the API server would hold them once applied (data, base64)."""
+    out = {}
+    for name, secret in kinds(docs, "Secret").items():
+        data = dict(secret.get("data", {}))
+        data |= {k: base64.b64encode(v.encode()).decode() for k, v in secret.get("stringData", {}).items()}
+        out[name] = data
+    return out
+
+
+def openssl_verify(tmp: Path, ca_b64: str, cert_b64: str) -> bool:
+    (tmp / "ca.pem").write_bytes(base64.b64decode(ca_b64))
+    (tmp / "cert.pem").write_bytes(base64.b64decode(cert_b64))
+    return subprocess.run(["openssl", "verify", "-CAfile", str(tmp / "ca.pem"), str(tmp / "cert.pem")],
+                          capture_output=True).returncode == 0
+
+
+def test_chart_keeps_its_ca_certificates_and_passwords_across_upgrades(tmp_path):
+    """`helm upgrade` against the Secrets the install made (lookup answered from them):
+    the CA, every certificate, every password and token come back unchanged, whatever
+    else the upgrade changes (more decode pods: their users are added, the others kept).
+    A certificate missing from the live Secret is signed by the kept CA, the rest kept;
+    only a release without the CA's Secret (an earlier chart kept no CA key) gets a new
+    CA, once: the upgrade after that keeps it."""
+    installed = live_secrets(render_chart())
+    tls, ca = installed["mesh-infermesh-tls"], installed["mesh-infermesh-ca"]
+    assert set(ca) == {"ca.crt", "ca.key"} and ca["ca.crt"] == tls["ca.crt"]
+    assert "ca.key" not in tls  # pods mount the TLS Secret's items; none mounts the CA's
+    assert all(v["secret"]["secretName"] != "mesh-infermesh-ca" for wl in workloads(render_chart()).values()
+               for v in wl["spec"]["template"]["spec"].get("volumes", []) if "secret" in v)
+    upgraded = render_chart({"stages": {"decode": {"replicas": 3}}}, live=installed)
+    after = live_secrets(upgraded)
+    for name in ("mesh-infermesh-tls", "mesh-infermesh-ca", "mesh-infermesh-auth"):
+        assert after[name] == installed[name], name
+    users = after["mesh-infermesh-instances"]
+    assert {k: users[k] for k in installed["mesh-infermesh-instances"]} == installed["mesh-infermesh-instances"]
+    assert set(users) - set(installed["mesh-infermesh-instances"]) == {"mesh-infermesh-decode-1",
+                                                                       "mesh-infermesh-decode-2"}
+    conf = base64.b64decode(after["mesh-infermesh-nats"]["auth.conf"]).decode()
+    for pod, password in users.items():  # the config NATS reloads holds the same passwords
+        assert f'user: "{pod}", password: "{base64.b64decode(password).decode()}"' in conf, pod
+    # Once more from the upgraded state: nothing moves.
+    assert live_secrets(render_chart({"stages": {"decode": {"replicas": 3}}}, live=after)) == after
+    # A certificate the live Secret lacks (a component a newer chart adds): signed by the same CA.
+    partial = {**installed, "mesh-infermesh-tls": {k: v for k, v in tls.items() if not k.startswith("nats.")}}
+    made = live_secrets(render_chart(live=partial))["mesh-infermesh-tls"]
+    assert made["ca.crt"] == tls["ca.crt"] and made["nats.crt"] != tls["nats.crt"]
+    assert {k: v for k, v in made.items() if not k.startswith("nats.")} == partial["mesh-infermesh-tls"]
+    assert openssl_verify(tmp_path, tls["ca.crt"], made["nats.crt"])
+    # Without the CA's Secret: a new CA and certificates, all of it; kept from the next upgrade on.
+    legacy = {k: v for k, v in installed.items() if k != "mesh-infermesh-ca"}
+    renewed = live_secrets(render_chart(live=legacy))
+    assert renewed["mesh-infermesh-tls"]["ca.crt"] != tls["ca.crt"]
+    assert all(renewed["mesh-infermesh-tls"][k] != tls[k] for k in tls)
+    assert openssl_verify(tmp_path, renewed["mesh-infermesh-ca"]["ca.crt"], renewed["mesh-infermesh-tls"]["decode.crt"])
+    assert live_secrets(render_chart(live=renewed))["mesh-infermesh-tls"] == renewed["mesh-infermesh-tls"]
+    # A TLS Secret whose certificates another CA signed (edited by hand) is not kept as it is.
+    foreign = {**installed, "mesh-infermesh-tls": renewed["mesh-infermesh-tls"]}
+    mended = live_secrets(render_chart(live=foreign))["mesh-infermesh-tls"]
+    assert mended["ca.crt"] == ca["ca.crt"] and openssl_verify(tmp_path, ca["ca.crt"], mended["kvcache.crt"])
 
 
 def test_compose_publishes_on_loopback_only_and_needs_its_secrets():
@@ -534,6 +632,77 @@ def test_compose_publishes_on_loopback_only_and_needs_its_secrets():
     out = subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
                          env=env, timeout=60)
     assert out.returncode != 0 and "make secrets.env" in out.stderr  # no secrets, no mesh: never an open one
+
+
+def run_compose_certs(services: dict, tmp: Path) -> dict[str, Path]:
+    """The `certs` one-shot, run here on its two volumes (folders under tmp); returns them."""
+    svc = services["certs"]
+    paths = {v["target"]: tmp / v["source"] for v in svc["volumes"]}
+    for folder in paths.values():
+        folder.mkdir(parents=True, exist_ok=True)
+    command = [Local(set(services)).text(a.replace("$$", "$"), "certs", paths) for a in svc["command"]]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return {v["source"]: paths[v["target"]] for v in svc["volumes"]}
+
+
+def test_compose_gives_each_service_its_own_certificate_and_keeps_them(tmp_path):
+    """Each service that joins the mesh mounts only its own folder of the `tls` volume
+    (a subpath named after it), and `certs` makes that folder: a key of its own and a
+    certificate of the compose CA for its name, for server and client use. Run again it
+    changes nothing; a missing folder is made again under the same CA; a volume of the
+    one-certificate layout keeps its CA and loses the shared certificate."""
+    services = {**compose_config()["services"], **compose_config("gpu")["services"]}
+    mounted = {}
+    for name, svc in services.items():
+        for v in svc.get("volumes", []):
+            if v["source"] == "tls" and name != "certs":
+                assert v.get("read_only") and v.get("volume", {}).get("subpath") == name, (name, v)
+                mounted[name] = v
+    assert set(mounted) == {"nats", "kvcache", "balancer", *COMPOSE_INSTANCES, "prefill-gpu-0", "decode-gpu-0"}
+    volumes = run_compose_certs(services, tmp_path / "first")
+    tls = volumes["tls"]
+    assert sorted(p.name for p in tls.iterdir() if p.is_dir()) == sorted(mounted)
+    assert not any(p.name.endswith(".key") for p in tls.rglob("ca*"))  # the CA's key is not in `tls`
+    keys = set()
+    for name in mounted:
+        folder = tls / name
+        assert (folder / "ca.crt").read_bytes() == (tls / "ca.crt").read_bytes()
+        assert oct((folder / "tls.key").stat().st_mode & 0o777) == "0o600"
+        keys.add((folder / "tls.key").read_bytes())
+        for purpose in ("sslclient", "sslserver"):
+            verify = subprocess.run(["openssl", "verify", "-CAfile", str(tls / "ca.crt"), "-purpose", purpose,
+                                     str(folder / "tls.crt")], capture_output=True, text=True)
+            assert verify.returncode == 0, (name, verify.stderr)
+        text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", str(folder / "tls.crt")],
+                              capture_output=True, text=True, check=True).stdout
+        assert f"DNS:{name}," in text and f"DNS:infermesh-{name}," in text and "IP Address:127.0.0.1" in text, name
+        others = set(mounted) - {name}
+        assert not any(f"DNS:{o}," in text for o in others), (name, text)  # its own name only
+    assert len(keys) == len(mounted)
+    # Again: everything kept. Without one folder: made again, the rest and the CA kept.
+    before = {p: p.read_bytes() for p in tls.rglob("*") if p.is_file()}
+    run_compose_certs(services, tmp_path / "first")
+    assert {p: p.read_bytes() for p in tls.rglob("*") if p.is_file()} == before
+    for f in (tls / "decode-1").iterdir():
+        f.unlink()
+    run_compose_certs(services, tmp_path / "first")
+    after = {p: p.read_bytes() for p in tls.rglob("*") if p.is_file()}
+    assert {p: b for p, b in after.items() if "decode-1" not in p.parts} == {
+        p: b for p, b in before.items() if "decode-1" not in p.parts}
+    assert after[tls / "decode-1" / "tls.key"] != before[tls / "decode-1" / "tls.key"]
+    assert subprocess.run(["openssl", "verify", "-CAfile", str(tls / "ca.crt"), str(tls / "decode-1" / "tls.crt")],
+                          capture_output=True).returncode == 0
+    # A volume from the one-certificate layout (ca.crt and mesh.crt/key, the CA's key in tls-ca).
+    old = tmp_path / "old"
+    (old / "tls").mkdir(parents=True)
+    (old / "tls-ca").mkdir()
+    for name in ("ca.crt", "mesh.crt", "mesh.key"):
+        (old / "tls" / name).write_bytes((tls / ("ca.crt" if name == "ca.crt" else f"kvcache/tls.{name[5:]}")).read_bytes())
+    (old / "tls-ca" / "ca.key").write_bytes((volumes["tls-ca"] / "ca.key").read_bytes())
+    run_compose_certs(services, old)
+    assert (old / "tls" / "ca.crt").read_bytes() == (tls / "ca.crt").read_bytes()
+    assert not (old / "tls" / "mesh.crt").exists() and (old / "tls" / "nats" / "tls.crt").exists()
 
 
 def test_autoscaling_metrics_exist_in_the_code():
@@ -728,10 +897,10 @@ class Local:
         out, rest = [], list(args)
         while rest:
             flag, _, value = rest.pop(0).partition("=")
-            if flag in ("--port", "-p", "--http_port", "-m", "--store_dir", "-sd", "--config", "-c", "--tlscert",
-                        "--tlskey", "--tlscacert"):
+            paths_flags = ("--store_dir", "-sd", "--config", "-c", "--tlscert", "--tlskey", "--tlscacert", "--pid", "-P")
+            if flag in ("--port", "-p", "--http_port", "-m", *paths_flags):
                 value = value or rest.pop(0)
-                is_dir = flag in ("--store_dir", "-sd", "--config", "-c", "--tlscert", "--tlskey", "--tlscacert")
+                is_dir = flag in paths_flags
                 out += [flag, self.text(value, own, paths) if is_dir else str(self.port(own, int(value)))]
             else:
                 out.append(flag + (f"={value}" if value else ""))
@@ -750,6 +919,7 @@ class Spec:
     env: dict[str, str]
     checks: list[tuple[str, object]] = field(default_factory=list)
     wait: bool = False  # healthy before the next container starts (depends_on, or what workers dial)
+    sidecar: bool = False  # runs beside its pod's main container, with no probe of its own
 
 
 @dataclass
@@ -798,30 +968,53 @@ def wait_healthy(procs: list[Proc], which: list[Proc], logs: Path) -> None:
         time.sleep(0.3 if pending else 0)
 
 
-def nats_refuses_anonymous(url: str, tls_ca: str | None) -> bool:
-    """No user: refused by the server (over TLS with the mesh's CA where the files say so)."""
+def nats_refuses_strangers(env: dict[str, str], tmp: Path) -> None:
+    """The files' NATS takes no client without a user (over TLS with the mesh's CA where
+    the files say so) and, where they give services client certificates, none without a
+    certificate of the mesh's CA either: the right CA alone, or a certificate of another
+    CA, is refused in the TLS handshake; the service's own certificate without a user
+    gets as far as NATS's Authorization Violation."""
     import asyncio
     import ssl
 
     import nats
 
-    async def go() -> bool:
-        tls = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
-        try:
-            nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, tls=tls)
-        except nats.errors.Error as exc:
-            return "Authorization Violation" in str(exc)
-        await nc.close()
-        return False
+    from tests.certs import make_ca, make_cert
 
-    return asyncio.run(go())
+    url, tls_ca, tls_cert, tls_key = (env.get(f"INFERMESH_NATS__{k}") for k in ("URL", "TLS_CA", "TLS_CERT", "TLS_KEY"))
+
+    async def refusal(cert: tuple[str, str] | None) -> str:
+        tls = None
+        if tls_ca:
+            tls = ssl.create_default_context(cafile=tls_ca)
+            if cert is not None:
+                tls.load_cert_chain(*cert)
+        try:
+            nc = await asyncio.wait_for(nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0,
+                                                     connect_timeout=3, tls=tls), 15)
+        except Exception as exc:  # noqa: BLE001  (a TLS refusal comes through as the ssl error, or a closed socket)
+            return f"{type(exc).__name__}: {exc}"
+        await nc.close()
+        return ""
+
+    if not tls_cert:
+        assert "Authorization Violation" in asyncio.run(refusal(None))
+        return
+    assert tls_ca and tls_key
+    own = asyncio.run(refusal((tls_cert, tls_key)))
+    assert "Authorization Violation" in own, own
+    other_ca = make_ca(tmp / "stranger", "stranger-ca")
+    other = make_cert(tmp / "stranger", other_ca, "stranger")
+    for cert in (None, (str(other.cert), str(other.key))):
+        refused = asyncio.run(refusal(cert))
+        assert refused and "Authorization Violation" not in refused, (cert, refused)  # refused before any user
 
 
 def run_mesh(specs: list[Spec], procs: list[Proc], logs: Path, api: str, receiver: OtlpReceiver) -> None:
     """Start in order, then: all healthy, one completion, every service's
     metrics its own and defined in the code, spans at the OTLP endpoint."""
     for spec in specs:
-        if not spec.checks:
+        if not spec.checks and not spec.sidecar:
             proc = launch(spec, logs)
             assert proc.wait(120) == 0, (logs / f"{spec.name}.log").read_text()[-3000:]
             continue
@@ -831,8 +1024,8 @@ def run_mesh(specs: list[Spec], procs: list[Proc], logs: Path, api: str, receive
     wait_healthy(procs, procs, logs)
 
     balancer = next(p.spec for p in procs if p.spec.command[-1:] == ["services.balancer"])
-    # The files' NATS has its users, and speaks TLS with the mesh's CA.
-    assert nats_refuses_anonymous(balancer.env["INFERMESH_NATS__URL"], balancer.env["INFERMESH_NATS__TLS_CA"])
+    # The files' NATS has its users, speaks TLS with the mesh's CA and asks for client certificates.
+    nats_refuses_strangers(balancer.env, logs.parent)
     key = balancer.env["INFERMESH_BALANCER__API_KEY"]
     assert httpx.get(f"{api}/v1/models", timeout=30).status_code == 401  # closed by default
     auth = {"Authorization": f"Bearer {key}"}
@@ -876,12 +1069,15 @@ def compose_specs(services: dict, local: Local, tmp: Path, models_dir: Path, sca
         started.add(name)
         for replica in range(1, scale.get(name, 1) + 1):
             own = name if replica == 1 else f"{name}-{replica}"  # its own ports and state
-            # A named volume is one folder, whoever mounts it; the rest of the image's state is the container's.
+            # A named volume is one folder, whoever mounts it (a subpath: that folder of it, which
+            # must exist, as Docker requires); the rest of the image's state is the container's.
             paths = {v["target"]: Path(v["source"]) if v["type"] == "bind"
-                     else models_dir if v["source"] == "models" else tmp / "volumes" / v["source"]
+                     else models_dir if v["source"] == "models"
+                     else tmp / "volumes" / v["source"] / v.get("volume", {}).get("subpath", "")
                      for v in svc.get("volumes", [])}
             paths.setdefault("/var/lib/infermesh", tmp / own / "state")
-            for folder in paths.values():  # Docker makes a volume's folder when it mounts it
+            subpaths = {paths[v["target"]] for v in svc.get("volumes", []) if v.get("volume", {}).get("subpath")}
+            for folder in set(paths.values()) - subpaths:  # Docker makes a volume's folder when it mounts it
                 if not folder.suffix:
                     folder.mkdir(parents=True, exist_ok=True)
             env = {k: v.replace("$$", "$") for k, v in svc.get("environment", {}).items()}  # compose's $$ is $
@@ -938,9 +1134,15 @@ def chart_specs(docs: list[dict], local: Local, tmp: Path, models_dir: Path) -> 
                         (folder / item["path"]).write_bytes(data[item["key"]])
                 if "emptyDir" in volume:
                     folder.mkdir(parents=True, exist_ok=True)
-            if c["image"].startswith("nats:"):
+            if c["image"].startswith("nats:") and c["name"] == "nats":
                 specs.append(Spec(name, local.nats_command(c["args"], own, paths),
                                   container_env(c, configmaps, secrets, base={}), wait=True))
+            elif c["image"].startswith("nats:"):  # the config reloader: its script, with this nats-server
+                assert c["name"] == "config-reloader" and "livenessProbe" not in c, c["name"]
+                path = f"{Path(find_nats_server()).parent}:{os.environ['PATH']}"
+                specs.append(Spec(f"{name}-{c['name']}", [local.text(a, own, paths) for a in c["command"]],
+                                  {"PATH": path}, sidecar=True))
+                continue
             else:
                 specs.append(Spec(f"{name}-{c['name']}", [local.text(a, own, paths) for a in c["command"]],
                                   local.env(container_env(c, configmaps, secrets, pod_name=f"{name}-0"), own, paths),

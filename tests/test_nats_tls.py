@@ -30,7 +30,7 @@ class TlsNats:
     """nats-server on loopback with a user of `up` (its operator's, which may use any
     subject) and TLS from the flags compose passes too (--tls, --tlscert, --tlskey)."""
 
-    def __init__(self, folder: Path, tls: bool = True) -> None:
+    def __init__(self, folder: Path, tls: bool = True, verify: bool = False) -> None:
         self.port = free_port()
         self.creds = MeshCredentials()
         self.user = self.creds.add("admin", "admin")
@@ -41,6 +41,9 @@ class TlsNats:
         args = [find_nats_server(), "-c", str(conf)]
         if tls:
             args += ["--tls", "--tlscert", str(server.cert), "--tlskey", str(server.key)]
+        if verify:  # clients must present a certificate of the CA too (compose's flags)
+            args += ["--tlsverify", "--tlscacert", str(self.ca.cert)]
+        self.client_cert = make_cert(folder / "ca", self.ca, "decode-0", sans="DNS:decode-0")
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(self.port, proc=self.proc)
 
@@ -145,3 +148,28 @@ def test_tls_settings_come_from_env_and_half_a_client_pair_is_refused(tmp_path):
         nats_tls(NatsSettings(tls_ca=str(make_ca(tmp_path, "ca").cert), tls_cert="/x.pem"))
     with pytest.raises(ValueError, match="need nats.tls_ca"):
         nats_tls(NatsSettings(tls_cert="/x.pem", tls_key="/x.key"))
+
+
+@pytest.mark.asyncio
+async def test_with_tlsverify_only_a_client_with_a_certificate_of_the_ca_gets_to_log_in(tmp_path):
+    """compose's NATS (--tlsverify --tlscacert): the bus presents nats.tls_cert and logs
+    in; the right password without a certificate, or with one of another CA, is refused
+    in the handshake, before any login; the certificate without the password is not
+    enough either."""
+    server = TlsNats(tmp_path, verify=True)
+    try:
+        own = {"tls_cert": str(server.client_cert.cert), "tls_key": str(server.client_cert.key)}
+        bus = await asyncio.wait_for(Bus.connect(server.settings(**own), name="admin"), CONNECT_LIMIT_S)
+        assert await round_trip(bus) == b"over tls"
+        await bus.close()
+        other_ca = make_ca(tmp_path / "other", "other-ca")
+        stranger = make_cert(tmp_path / "other", other_ca, "decode-0", sans="DNS:decode-0")
+        for cert in ({}, {"tls_cert": str(stranger.cert), "tls_key": str(stranger.key)}):
+            with pytest.raises(Exception) as refused:  # noqa: PT011  (an ssl error or a closed socket)
+                nc = await connect_once(server.settings(**cert))
+                await nc.close()
+            assert "Authorization Violation" not in str(refused.value), cert
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await connect_once(server.settings(password="wrong", **own))
+    finally:
+        stop_process(server.proc)

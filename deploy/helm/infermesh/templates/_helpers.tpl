@@ -206,6 +206,12 @@ chart makes (templates/tls-secret.yaml). */}}
 {{- .Values.tls.secret | default $global | default (printf "%s-infermesh-tls" .Release.Name | trunc 63 | trimSuffix "-") -}}
 {{- end -}}
 
+{{/* The Secret that keeps the chart's CA (certificate and key) across upgrades;
+no pod mounts it (templates/tls-secret.yaml). */}}
+{{- define "infermesh.tlsCASecret" -}}
+{{- printf "%s-infermesh-ca" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{/* With tls.enabled: the settings that point a component at its certificate,
 its key and the CA (mounted by infermesh.tlsVolume); call with (dict "root" $). */}}
 {{- define "infermesh.tlsEnv" -}}
@@ -217,9 +223,14 @@ its key and the CA (mounted by infermesh.tlsVolume); call with (dict "root" $). 
 - name: INFERMESH_WORKER__TLS_CA
   value: /etc/infermesh/tls/ca.crt
 {{- if .root.Values.nats.enabled }}
-# The bundled NATS speaks TLS only, with a certificate of the same CA.
+# The bundled NATS speaks TLS only, with a certificate of the same CA, and takes
+# only clients that present one of that CA too: the component's own.
 - name: INFERMESH_NATS__TLS_CA
   value: /etc/infermesh/tls/ca.crt
+- name: INFERMESH_NATS__TLS_CERT
+  value: /etc/infermesh/tls/tls.crt
+- name: INFERMESH_NATS__TLS_KEY
+  value: /etc/infermesh/tls/tls.key
 {{- end }}
 {{- end }}
 {{- end -}}
