@@ -178,3 +178,74 @@ def test_threads_share_one_store(tmp_path):
         stats = store.stats()
         assert stats.num_bytes == stats.num_blocks * 1000 <= 64 * 1000
         assert stats.num_blocks + stats.num_evicted == 200
+
+
+def _v1_value(block_hash: bytes, layout: str, payload: bytes, stored_at: float) -> bytes:
+    """A block as format version 1 wrote it (CRC-32), built here byte by byte: a
+    golden copy of the old format, independent of block_format's own reader."""
+    import struct
+    import zlib
+
+    layout_bytes = layout.encode()
+    crc = zlib.crc32(block_hash)
+    crc = zlib.crc32(struct.pack("<dH", stored_at, len(layout_bytes)), crc)
+    crc = zlib.crc32(layout_bytes, crc)
+    crc = zlib.crc32(payload, crc)
+    return struct.pack("<BIdH", 1, crc, stored_at, len(layout_bytes)) + layout_bytes + payload
+
+
+def test_version_1_blocks_are_still_served_and_new_ones_are_version_2(tmp_path, clock):
+    with open_store(tmp_path, clock) as store:
+        store.put(h("old"), "x", data("old"))  # makes the databases and the index entry
+    env = lmdb.open(str(tmp_path), max_dbs=4, writemap=True)
+    with env.begin(write=True) as txn:
+        txn.put(h("old"), _v1_value(h("old"), "x", data("old"), T0), db=env.open_db(BLOCKS_DB, txn=txn))
+        txn.put(b"version", (1).to_bytes(8, "little"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with open_store(tmp_path, clock) as store:  # a version-1 folder opens
+        assert store.get(h("old")) == ("x", data("old"))
+        landing = bytearray(1000)
+        assert store.read_into(h("old"), memoryview(landing)).layout == "x" and bytes(landing) == data("old")
+        store.put(h("new"), "y", data("new"))
+        assert store.stats().num_corrupt == 0
+    env = lmdb.open(str(tmp_path), max_dbs=4, writemap=True)
+    with env.begin() as txn:
+        assert txn.get(h("new"), db=env.open_db(BLOCKS_DB, txn=txn))[0] == 2  # new puts write version 2
+        assert txn.get(b"version", db=env.open_db(b"meta", txn=txn)) == (2).to_bytes(8, "little")
+    env.close()
+
+
+def test_a_folder_of_an_unknown_version_is_refused(tmp_path, clock):
+    open_store(tmp_path, clock).close()
+    env = lmdb.open(str(tmp_path), max_dbs=4, writemap=True)
+    with env.begin(write=True) as txn:
+        txn.put(b"version", (9).to_bytes(8, "little"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(ValueError, match="holds kvcache format 9"):
+        open_store(tmp_path, clock)
+
+
+def test_read_into_lands_verified_data_and_never_a_corrupt_block(tmp_path, clock):
+    with open_store(tmp_path, clock) as store:
+        store.put(h("a"), "la", data("a", 3000))
+        store.put(h("b"), "lb", data("b", 2000))
+        assert store.sizes([h("a"), h("b"), h("c"), h("a")]) == [3000, 2000]  # up to the first not held
+        landing = bytearray(5000)
+        view = memoryview(landing)
+        assert store.read_into(h("a"), view[:3000]).layout == "la"
+        assert store.read_into(h("b"), view[3000:]).layout == "lb"
+        assert bytes(landing) == data("a", 3000) + data("b", 2000)
+        # A destination of the wrong size is the index disagreeing with the block: not served.
+        assert store.read_into(h("a"), view[:10]).layout is None
+    env = lmdb.open(str(tmp_path), max_dbs=4, writemap=True)
+    with env.begin(write=True) as txn:
+        db = env.open_db(BLOCKS_DB, txn=txn)
+        value = bytearray(txn.get(h("b"), db=db))
+        value[-7] ^= 0x10
+        txn.put(h("b"), bytes(value), db=db)
+    env.close()
+    with open_store(tmp_path, clock) as store:
+        landing = bytearray(b"\xaa" * 2000)
+        outcome = store.read_into(h("b"), memoryview(landing))
+        assert outcome.layout is None and outcome.removed
+        assert store.stats().num_corrupt == 1 and store.lookup([h("b")]) == 0

@@ -1,0 +1,261 @@
+"""The shared-memory data plane of kvcache against a real service process (real
+nats-server, LMDB, gRPC): the bytes, the segment's checks, the fallback to the
+byte stream, and faults on both sides."""
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import lmdb
+import pytest
+
+from services.kvcache.store import BLOCKS_DB
+from shared.kv.block_hash import BlockHash
+from shared.proto import kvcache_pb2, kvcache_pb2_grpc
+from shared.runtime.kv_shm import DATA_OFFSET, Segment, SegmentRef
+from shared.runtime.kvcache_client import KVCacheClient
+from shared.runtime.rpc import check_health, open_channel
+from tests.mesh_procs import nats_server, stop_process  # noqa: F401
+from tests.test_kvcache_service import restart, start_kvcache, wait_serving
+
+KIB = 1 << 10
+SMALL_SEGMENT = DATA_OFFSET + 100 * KIB
+"""Holds three blocks of 32 KiB: a Get of more is several Gets, one batch each."""
+
+
+def h(name: str) -> BlockHash:
+    return BlockHash(hashlib.sha256(name.encode()).digest())
+
+
+def blocks_of(prefix: str, n: int, size: int = 32 * KIB) -> list[tuple[BlockHash, str, bytes]]:
+    return [(h(f"{prefix}-{i}"), f"u8[{size}]", os.urandom(size)) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def kvcache(nats_server, tmp_path_factory):  # noqa: F811
+    svc = start_kvcache(nats_server.url, tmp_path_factory.mktemp("kvcache-shm"))
+    asyncio.run(wait_serving(svc))
+    yield svc
+    svc.proc.send_signal(signal.SIGCONT)
+    assert stop_process(svc.proc) == 0, svc.log()
+
+
+@pytest.mark.asyncio
+async def test_get_and_put_through_the_segment_equal_the_byte_stream(kvcache):
+    blocks = blocks_of("eq", 8) + [(h("eq-odd"), "odd", os.urandom(5 * KIB + 3))]
+    hashes = [b[0] for b in blocks]
+    async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as shm, \
+            KVCacheClient(kvcache.address, shm_bytes=0) as stream:
+        summary = await shm.put_blocks(blocks)
+        assert (summary.num_stored, summary.num_bytes) == (9, sum(len(b[2]) for b in blocks))
+        assert shm.shm.num_shm_calls == 3 and shm.shm.num_byte_calls == 0  # 3 + 3 + 3 blocks
+        batches = [[(b.block_hash, b.layout, bytes(batch.block_data(i))) for i, b in enumerate(batch.blocks)]
+                   async for batch in shm.iter_landed(hashes) if batch.via_shm]
+        assert [len(b) for b in batches] == [3, 3, 3]  # segment_full twice, then the rest
+        assert sum(batches, []) == blocks
+        assert await stream.get_blocks(hashes) == blocks  # the same bytes off the stream
+        assert stream.shm.num_shm_calls == 0 and stream.shm.num_byte_calls == 1
+        # Stops at the first block not held, through the segment as on the stream.
+        asked = [hashes[0], h("eq-missing"), hashes[1]]
+        assert await shm.get_blocks(asked) == blocks[:1] == await stream.get_blocks(asked)
+        assert shm.shm.num_refused == 0 and shm.shm.num_retired == 0
+
+
+@pytest.mark.asyncio
+async def test_a_segment_the_service_cannot_use_is_refused_and_the_stream_serves(kvcache, tmp_path):
+    blocks = blocks_of("refuse", 2)
+    hashes = [b[0] for b in blocks]
+    async with KVCacheClient(kvcache.address) as kv:
+        await kv.put_blocks(blocks)
+    segment = Segment(SMALL_SEGMENT)
+    plain = tmp_path / "plain-file"
+    plain.write_bytes(bytes(SMALL_SEGMENT))
+    fd = os.open(plain, os.O_RDWR)
+    try:
+        bad = {
+            "not /proc/<pid>/fd/<fd>": SegmentRef("/dev/shm/../../etc/passwd", SMALL_SEGMENT, segment.nonce),
+            "does not match the request's nonce": SegmentRef(segment.ref.path, SMALL_SEGMENT, os.urandom(16)),
+            "not the 110592 announced": SegmentRef(segment.ref.path, SMALL_SEGMENT + 4096, segment.nonce),
+            "is not a kvcache segment": SegmentRef(f"/proc/{os.getpid()}/fd/{fd}", SMALL_SEGMENT, segment.nonce),
+            "cannot open": SegmentRef(f"/proc/{2**22 + 7}/fd/3", SMALL_SEGMENT, segment.nonce),  # no such process
+        }
+        async with open_channel(kvcache.address) as channel:
+            stub = kvcache_pb2_grpc.KVCacheStub(channel)
+            for why, ref in bad.items():
+                shm = kvcache_pb2.ShmSegment(path=ref.path, size=ref.size, nonce=ref.nonce)
+                replies = [r async for r in stub.Get(kvcache_pb2.GetRequest(block_hashes=hashes, shm=shm))]
+                assert replies[0].WhichOneof("item") == "shm_refused" and why in replies[0].shm_refused, why
+                # ... and the blocks follow on the same stream as bytes.
+                assert [r.WhichOneof("item") for r in replies[1:]] == ["header", "data"] * 2, why
+                assert replies[2].data == blocks[0][2]
+                header = kvcache_pb2.BlockHeader(block_hash=h(f"never-{why}"), num_bytes=10, layout="x")
+                reply = await stub.PutShm(kvcache_pb2.PutShmRequest(
+                    shm=shm, blocks=[kvcache_pb2.ShmBlock(header=header, offset=DATA_OFFSET)]))
+                assert why in reply.shm_refused and reply.num_stored == 0, why
+            # A segment it can use, but a block outside its data area: refused outright.
+            good = kvcache_pb2.ShmSegment(path=segment.ref.path, size=segment.size, nonce=segment.nonce)
+            for offset, size in ((SMALL_SEGMENT - 5, 10), (0, 10), (2**63, 10)):
+                header = kvcache_pb2.BlockHeader(block_hash=h("outside"), num_bytes=size, layout="x")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.PutShm(kvcache_pb2.PutShmRequest(
+                        shm=good, blocks=[kvcache_pb2.ShmBlock(header=header, offset=offset)]))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "outside the segment's data area" in err.value.details()
+            assert (await stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=[h("outside")]))).num_leading == 0
+    finally:
+        os.close(fd)
+        segment.close()
+    assert "blocks[0]" not in plain.read_bytes().decode(errors="replace")
+    assert plain.read_bytes() == bytes(SMALL_SEGMENT)  # the service never wrote the file it was pointed at
+
+    # The client: a service that refuses its segment (as one in another container
+    # would: it sees no such process) gets the bytes over the stream, counted.
+    async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
+        await kv.lookup(hashes)
+        kv._the_segment().ref = SegmentRef(f"/proc/{2**22 + 7}/fd/3", SMALL_SEGMENT, os.urandom(16))
+        assert await kv.get_blocks(hashes) == blocks
+        assert (kv.shm.num_refused, kv.shm.num_shm_calls, kv.shm.num_byte_calls) == (1, 0, 1)
+        assert "cannot open" in kv.shm.refused_because
+        more = blocks_of("refuse-put", 2)
+        assert (await kv.put_blocks(more)).num_stored == 2  # the stream from now on: no second refusal
+        assert (kv.shm.num_refused, kv.shm.num_byte_calls) == (1, 2)
+        await kv.reconnect()  # the service may have moved: shared memory is tried again
+        assert kv.shm.refused_because is None
+    async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
+        assert await kv.get_blocks([b[0] for b in more]) == more
+        assert kv.shm.num_shm_calls == 1
+
+
+@pytest.mark.asyncio
+async def test_a_corrupt_block_is_never_landed(nats_server, tmp_path):  # noqa: F811
+    blocks = blocks_of("corrupt", 3)
+    svc = start_kvcache(nats_server.url, tmp_path)
+    try:
+        await wait_serving(svc)
+        async with KVCacheClient(svc.address, shm_bytes=SMALL_SEGMENT) as kv:
+            await kv.put_blocks(blocks)
+        assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
+        env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=4, writemap=True)
+        with env.begin(write=True) as txn:
+            db = env.open_db(BLOCKS_DB, txn=txn)
+            value = bytearray(txn.get(blocks[1][0], db=db))
+            value[len(value) // 2] ^= 0x01  # one bit in the middle of the block's data
+            txn.put(blocks[1][0], bytes(value), db=db)
+        env.close()
+        svc = restart(svc)
+        await wait_serving(svc)
+        async with KVCacheClient(svc.address, shm_bytes=SMALL_SEGMENT) as kv:
+            assert await kv.get_blocks([b[0] for b in blocks]) == blocks[:1]
+            assert kv.shm.num_shm_calls == 1
+            stats = await kv.stats()
+            assert stats.num_corrupt == 1 and await kv.lookup([blocks[1][0]]) == 0
+    finally:
+        assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
+
+
+@pytest.mark.asyncio
+async def test_concurrent_clients_each_get_their_own_blocks(kvcache):
+    sets = [blocks_of(f"conc{c}", 7, size=(24 + 8 * c) * KIB) for c in range(4)]
+    async with KVCacheClient(kvcache.address) as kv:
+        await kv.put_blocks(sum(sets, []))
+
+    async def client(c: int) -> None:
+        async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
+            for round_ in range(5):
+                mine = sets[c] if round_ % 2 == 0 else sets[(c + 1) % 4]  # others' blocks too
+                assert await kv.get_blocks([b[0] for b in mine]) == mine
+            assert kv.shm.num_byte_calls == 0 and kv.shm.num_shm_calls >= 10
+
+    await asyncio.gather(*(client(c) for c in range(4)))
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_does_not_end_cleanly_retires_the_segment(kvcache):
+    """A Get that times out may leave the service copying into the segment: the
+    client never writes it again and makes a fresh one."""
+    blocks = blocks_of("retire", 3)
+    async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT, timeout_s=1.0) as kv:
+        await kv.put_blocks(blocks)
+        first = kv._segment
+        kvcache.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await kv.get_blocks([b[0] for b in blocks])
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            kvcache.proc.send_signal(signal.SIGCONT)
+        assert kv._segment is None and kv.shm.num_retired == 1
+        assert await kv.get_blocks([b[0] for b in blocks]) == blocks
+        assert kv._segment is not None and kv._segment is not first
+
+
+CLIENT = textwrap.dedent("""
+    import asyncio, hashlib, os, sys
+    from shared.kv.block_hash import BlockHash
+    from shared.runtime.kvcache_client import KVCacheClient
+
+    async def main(address, mode):
+        async with KVCacheClient(address, shm_bytes=8 << 20, timeout_s=30) as kv:
+            blocks = [(BlockHash(hashlib.sha256(f"kill-{i}".encode()).digest()), "x", os.urandom(2 << 20))
+                      for i in range(16)]
+            if mode == "get":
+                await kv.put_blocks(blocks)
+            print("ready", flush=True)
+            while True:  # killed somewhere in here
+                if mode == "get":
+                    await kv.get_blocks([b[0] for b in blocks])
+                else:
+                    await kv.put_blocks([(BlockHash(os.urandom(32)), "x", b[2]) for b in blocks])
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+""")
+
+
+@pytest.mark.parametrize("mode", ["get", "put"])
+def test_a_client_killed_mid_call_leaves_the_service_serving(kvcache, mode):
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", CLIENT, kvcache.address, mode], stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.3 + 0.2 * _)  # in the middle of its calls
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    blocks = blocks_of(f"after-kill-{mode}", 4)
+
+    async def check() -> None:
+        assert await check_health(kvcache.address)
+        async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
+            await kv.put_blocks(blocks)
+            assert await kv.get_blocks([b[0] for b in blocks]) == blocks
+            assert kv.shm.num_shm_calls == 4  # 3 + 1 blocks each way
+
+    asyncio.run(check())
+    assert kvcache.proc.poll() is None, kvcache.log()
+
+
+@pytest.mark.asyncio
+async def test_a_service_killed_mid_get_ends_the_load_in_an_error(nats_server, tmp_path):  # noqa: F811
+    blocks = blocks_of("server-kill", 9)
+    svc = start_kvcache(nats_server.url, tmp_path)
+    try:
+        await wait_serving(svc)
+        async with KVCacheClient(svc.address, shm_bytes=SMALL_SEGMENT, timeout_s=10.0) as kv:
+            await kv.put_blocks(blocks)
+            got = []
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for batch in kv.iter_landed([b[0] for b in blocks]):
+                    got += batch.blocks
+                    svc.proc.kill()  # after the first batch of three: the next Get finds no service
+                    svc.proc.wait()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert len(got) == 3 and time.monotonic() - started < 5.0  # an error, not a wait for the deadline
+    finally:
+        if svc.proc.poll() is None:
+            stop_process(svc.proc)
