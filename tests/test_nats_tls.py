@@ -173,3 +173,72 @@ async def test_with_tlsverify_only_a_client_with_a_certificate_of_the_ca_gets_to
             await connect_once(server.settings(password="wrong", **own))
     finally:
         stop_process(server.proc)
+
+
+class Impostor:
+    """A plaintext 'NATS' on a port: says INFO (auth required, no TLS) as nats-server
+    does and records every byte a client sends it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.received = bytearray()
+        self.clients = 0
+
+    async def __aenter__(self) -> "Impostor":
+        async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.clients += 1
+            writer.write(b'INFO {"server_id":"impostor","version":"2.9.10","auth_required":true,'
+                         b'"max_payload":1048576}\r\n')
+            await writer.drain()
+            try:
+                while data := await reader.read(4096):
+                    self.received += data
+            finally:
+                writer.close()
+
+        self.server = await asyncio.start_server(on_client, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_a_plaintext_impostor_never_gets_the_password(tmp_path):
+    """With nats.tls_ca set, a server whose INFO does not ask for TLS gets nothing at all:
+    not on the first connect (refused with an error at once), and not while the bus
+    reconnects after its real NATS died and an impostor took the port; the bus goes on
+    trying and is back on the real server once it returns. (nats-py alone would send its
+    CONNECT, password included, in the clear.)"""
+    server = TlsNats(tmp_path)
+    port, password = server.port, server.user.password
+    try:
+        async with Impostor(free_port()) as first:
+            settings = server.settings()
+            settings.url = f"nats://127.0.0.1:{first.port}"
+            with pytest.raises(ConnectionError, match="does not speak TLS"):
+                await asyncio.wait_for(Bus.connect(settings, name="admin"), CONNECT_LIMIT_S)
+            assert first.clients == 1 and bytes(first.received) == b"", bytes(first.received)
+        bus = await asyncio.wait_for(Bus.connect(server.settings(), name="admin"), CONNECT_LIMIT_S)
+        try:
+            stop_process(server.proc)
+            async with Impostor(port) as impostor:
+                deadline = asyncio.get_running_loop().time() + 10
+                while impostor.clients < 3:  # the bus reconnects every 0.5 s
+                    assert asyncio.get_running_loop().time() < deadline, "the bus did not try the impostor"
+                    await asyncio.sleep(0.1)
+                assert password.encode() not in impostor.received and b"CONNECT" not in impostor.received
+            server.proc = subprocess.Popen([find_nats_server(), "-c", str(tmp_path / "nats.conf"), "--tls", "--tlscert",
+                                            str(tmp_path / "ca" / "nats.pem"), "--tlskey", str(tmp_path / "ca" / "nats.key")],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_for_port(port, proc=server.proc)
+            deadline = asyncio.get_running_loop().time() + 10
+            while not bus.nc.is_connected:
+                assert asyncio.get_running_loop().time() < deadline, "the bus did not come back to the real NATS"
+                await asyncio.sleep(0.1)
+            assert await round_trip(bus) == b"over tls"
+        finally:
+            await bus.close()
+    finally:
+        stop_process(server.proc)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -62,6 +63,33 @@ def nats_tls(settings: NatsSettings) -> ssl.SSLContext | None:
     return context
 
 
+class PlaintextServer(Exception):
+    """The first server reached does not ask for TLS although nats.tls_ca is set. Not an
+    OSError nor a nats error, so that nats-py's connect loop lets it through at once."""
+
+
+class TlsOnlyClient(NATS):
+    """nats-py's client, which goes TLS only when the server's INFO asks for it and
+    otherwise sends its CONNECT, the password included, in the clear. Given a TLS
+    context, this one refuses a server whose INFO does not ask for TLS as soon as that
+    INFO is read, before anything is sent: an impostor on the bus's address (or a
+    man in the middle who strips tls_required) never gets a password, on the first
+    connect (PlaintextServer) nor on a reconnect (an error: the next try may find
+    the real server). Needs no nats-server >= 2.10 handshake_first; with it on, the
+    server's INFO is itself sent over TLS. (nats-py is pinned: _process_info is its
+    hook for INFO, called before the TLS upgrade and the CONNECT.)"""
+
+    connected_once = False
+    """Set once connect() returned: later connects are reconnects, retried on a refusal."""
+
+    async def _process_info(self, info: dict, initial_connection: bool = False) -> None:  # type: ignore[override]
+        if initial_connection and self.options.get("tls") is not None and not info.get("tls_required"):
+            if self.connected_once:
+                raise nats.errors.Error("nats: the server does not ask for TLS: credentials not sent")
+            raise PlaintextServer()
+        await super()._process_info(info, initial_connection)
+
+
 class StreamTimeout(TimeoutError):
     """A stream fell silent for longer than allowed."""
 
@@ -74,7 +102,7 @@ class Bus:
 
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str) -> "Bus":
-        bus = cls(NATS(), settings.request_timeout_s)
+        bus = cls(TlsOnlyClient(), settings.request_timeout_s)
         password, tls = nats_password(settings), nats_tls(settings)  # bad files fail here, before any retry
 
         async def on_error(exc: Exception) -> None:
@@ -87,7 +115,7 @@ class Bus:
         async def on_reconnect() -> None:
             log.info("nats: reconnected")
 
-        await bus.nc.connect(
+        connecting = bus.nc.connect(
             servers=settings.url.split(","),
             name=name,
             connect_timeout=settings.connect_timeout_s,
@@ -105,12 +133,15 @@ class Bus:
             # let it (and no other user) subscribe to: nobody reads another's Acks.
             inbox_prefix=inbox_prefix(settings.user),
         )
-        if tls is not None and not bus.nc._server_info.get("tls_required"):
-            # nats-py goes TLS only when the server asks: a server that does not (an
-            # impostor, or a NATS left without its certificate) is no bus of ours.
-            # nats-server >= 2.10's handshake_first would keep even the CONNECT off it.
-            await bus.nc.close()
-            raise ConnectionError(f"nats.tls_ca is set but {settings.url} does not speak TLS")
+        try:
+            await connecting
+        except PlaintextServer:
+            # An impostor, or a NATS left without its certificate: no bus of ours, and
+            # it was sent nothing (TlsOnlyClient).
+            with contextlib.suppress(Exception):
+                await bus.nc.close()
+            raise ConnectionError(f"nats.tls_ca is set but {settings.url} does not speak TLS") from None
+        bus.nc.connected_once = True
         return bus
 
     async def close(self) -> None:
