@@ -80,8 +80,9 @@ class EngineConfig:
     batch_invariant overrides it."""
     batch_invariant: bool = False
     """A request's logits bitwise the same alone or in any batch, however its prompt is
-    chunked (shared/model/batch_invariant.py: fixed-shape products and reduction orders,
-    no Triton kernels, no CUDA graphs); dense Llama-family models only. Slower."""
+    chunked (shared/model/batch_invariant.py: fixed tile shapes and reduction orders; on
+    CUDA invariant Triton kernels under CUDA graphs, on the CPU PyTorch ops without
+    them); dense Llama-family models only. Slower."""
     kv_direct_transfer: bool = True
     """Let a decode instance on the same host copy a request's KV straight out of this
     engine's cache (CUDA IPC on a GPU, shared memory under /dev/shm on the CPU),

@@ -6,8 +6,13 @@ engine in the normal mode and on one with batch_invariant=True, each once untime
 with the slowdown. The two modes' tokens are compared too (they are the same
 function in another reduction order; a differing token is reported, not a failure).
 
+On CUDA the invariant engine runs the Triton table (kernels/invariant_matmul.py,
+kernels/invariant_attention.py) under CUDA graphs; on the plain CPU the PyTorch one.
+``--matmul`` adds the op-level cost on CUDA: the invariant matmul against F.linear
+(cuBLAS) for a Llama-3-8B layer's weights and the logits' product, M from 1 to 8192.
+
   python -m tools.bench.batch_invariant_bench --model models/trained/target --device cpu --batch 1 8
-  python -m tools.bench.batch_invariant_bench --model /path/to/llama --device cuda --dtype bfloat16 --batch 1 8 64
+  python -m tools.bench.batch_invariant_bench --model /path/to/llama --device cuda --dtype bfloat16 --batch 1 8 64 --matmul
 """
 
 import argparse
@@ -60,6 +65,39 @@ def run(model: str, device: str, dtype: str, batches: list[int], prompt_len: int
     return rows
 
 
+MATMUL_SHAPES: dict[str, tuple[int, int]] = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+"""Llama-3-8B's weights [N, K] (q, k, v and gate, up stacked, as the model runs them)."""
+MATMUL_ROWS = (1, 8, 32, 128, 512, 2048, 8192)
+
+
+def matmul_table(dtype: str) -> list[tuple[str, int, float, float]]:
+    """(weight, M, F.linear us, invariant us) on the current CUDA device, each the
+    median of triton's do_bench (warm-ups and repeats, L2 flushed between runs)."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from shared.model.kernels.invariant_matmul import invariant_matmul
+
+    torch_dtype = getattr(torch, dtype)
+    rows = []
+    for name, (n, k) in MATMUL_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch_dtype) * 0.02
+        for m in MATMUL_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch_dtype)
+            normal = do_bench(lambda: F.linear(x, w), return_mode="median") * 1000  # noqa: B023
+            invariant = do_bench(lambda: invariant_matmul(x, w), return_mode="median") * 1000  # noqa: B023
+            rows.append((name, m, normal, invariant))
+        del w
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint folder (default: the seeded tiny model, made in a temp folder)")
@@ -68,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--matmul", action="store_true", help="also the op-level matmul table (CUDA)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
@@ -82,6 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'batch':>5} {'normal tok/s':>13} {'invariant tok/s':>16} {'slowdown':>9} {'same tokens':>12}")
     for r in rows:
         print(f"{r.batch:>5} {r.normal_tok_s:>13.1f} {r.invariant_tok_s:>16.1f} {r.slowdown:>8.2f}x {str(r.same_tokens):>12}")
+    if args.matmul:
+        print(f"\nmatmul x[M, K] @ W[N, K]^T ({args.dtype}): F.linear (cuBLAS) vs invariant_matmul, median us")
+        print(f"{'weight':>8} {'N x K':>13} {'M':>5} {'F.linear':>9} {'invariant':>10} {'ratio':>7}")
+        for name, m, normal_us, invariant_us in matmul_table(args.dtype):
+            n, k = MATMUL_SHAPES[name]
+            print(f"{name:>8} {f'{n}x{k}':>13} {m:>5} {normal_us:>9.1f} {invariant_us:>10.1f} {invariant_us / normal_us:>6.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ the tile configuration is a function of (N, K, dtype) only, which are the weight
 never of M; every output element is one program's fp32 accumulator that walks K in
 BLOCK_K steps from 0 upwards (no split-K, no atomics), and each step is one tensor-core
 product of fixed shape in which an element's sum over its BLOCK_K terms does not
-depend on its row's place in the tile. Rows past M are clamped loads of a real row
-(the tutorial's ``% M``), never stored, so they change nothing either.
+depend on its row's place in the tile. Rows past M load zeros and are never stored,
+so they change nothing either.
 
 M is not specialised on (``do_not_specialize``): Triton would otherwise compile a
 separate variant for M == 1 and for M divisible by 16, and the same arithmetic in
@@ -43,16 +43,24 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     """The one tile configuration of a weight [n, k] in ``dtype``: a function of the
     weight alone, so every M (1 to 8192, decode or prefill) runs the same code.
 
-    bf16/fp16: 128x128x64 tiles with 8 warps are the fast H200 shape for large M and
-    still read the weight once per 128 output columns for small M. A narrow output
-    (n <= 8192: a 8B model's o_proj, down_proj, k/v) would leave most of the
-    multiprocessors idle in decode with 128-wide tiles, so it takes 64 columns.
-    float32 runs in IEEE precision (no TF32), like the PyTorch path, in smaller tiles."""
+    bf16/fp16, from a sweep on the H200 over Llama-3-8B's weights at M = 1 .. 8192
+    (each weight's best geometric mean of the time ratio to cuBLAS; ``tools/bench/
+    batch_invariant_bench.py --matmul`` prints the result):
+    - a wide output (n >= 16384: gate_up, the logits) has column tiles for every
+      multiprocessor even at M = 1: 128x128x64 tiles, 8 warps, the large-M shape;
+    - a narrow one (n <= 4096: o_proj, down_proj) has 64 column tiles of 64 at best in
+      decode, so each must keep much of the weight in flight: 64x64x128 tiles, 6 stages
+      (192 KiB of shared memory: Hopper's size);
+    - between (qkv, n = 6144): 64x128x64 tiles, 5 stages.
+    float32 runs in IEEE precision (no TF32), like the PyTorch path, in small tiles."""
     del k  # K sets only the number of steps; kept in the signature: the config is the weight's
     if dtype == torch.float32:
         return MatmulConfig(block_m=32, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
-    block_n = 64 if n <= 8192 else 128
-    return MatmulConfig(block_m=128, block_n=block_n, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    if n >= 16384:
+        return MatmulConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    if n <= 4096:
+        return MatmulConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=6)
+    return MatmulConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=5)
 
 
 # M changes every step: never specialised on (no recompiles, one compiled variant for all M).
@@ -88,21 +96,23 @@ def _matmul_kernel(
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Out-of-range rows and columns load a real row or column (never stored): no load masks.
-    rm_load = (rm % M).to(tl.int64)
+    # Rows past M load zeros and are never stored; masked lanes issue no memory traffic,
+    # which matters in decode (a 128-row tile of one real row). Columns past N (a weight
+    # whose N is no multiple of BLOCK_N) load a real column instead: no mask per element.
+    m_ok = rm < M
     rn_load = (rn % N).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rm_load[:, None] * stride_xm + rk[None, :]
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn_load[None, :] * stride_wn + rk[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # K in one fixed order, BLOCK_K at a time, into one fp32 accumulator per element.
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             w = tl.load(w_ptrs)
         else:
             k_ok = k0 + rk < K
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
