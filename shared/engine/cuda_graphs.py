@@ -61,6 +61,8 @@ class DecodeGraphs:
         self._next_stage = 0
         self._device_stage = torch.zeros(size, dtype=torch.int64, device=device)
         self._pool = None
+        self.captured = False
+        """Whether the latest run captured its graph first (its time is not a step's)."""
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_blocks <= self.width
@@ -122,7 +124,8 @@ class DecodeGraphs:
         list per KV cache group."""
         num = len(input_ids)
         b = self._bucket(num)
-        if b not in self._graphs:
+        self.captured = b not in self._graphs
+        if self.captured:
             self._capture(b)
         pad = b - num
         # Everything goes through a pinned staging buffer in one copy: a copy

@@ -119,6 +119,8 @@ class LLMEngine:
             max_model_len=max_model_len,
             max_batch=config.max_num_seqs,
             share_kv=share_kv,
+            # With speculation a verify step (the last token and up to γ drafts) replays graphs too.
+            max_graph_query=1 + config.spec_tokens if config.speculative != "none" else 1,
         )
         self.runner.structured.compiler = make_grammar_compiler(self.recipe, model_cfg.vocab_size, self.eos_token_ids)
         self.speculator: Speculator | None = None
@@ -250,7 +252,7 @@ class LLMEngine:
             handle = self.runner.launch(sched)
             outputs = self._finish_in_flight()
             self._in_flight = None if sched.is_empty else (sched, handle)
-            if speculator is not None and _decodes_only(sched):
+            if speculator is not None and _decodes_only(sched) and not self.runner.last_step_captured:
                 n = len(sched.chunks)
                 self._open_step_cost = (start, n, n, n)
         else:
@@ -263,11 +265,12 @@ class LLMEngine:
                         speculator.count_fallback("async_scheduling")
                     speculator.propose(self.scheduler.running)
                 sched = self.scheduler.schedule()
-                if speculator is not None and self.runner.graphs is not None and _verifies(sched):
-                    speculator.count_fallback("cuda_graphs")  # verify steps run eagerly
                 self._start_loads()
                 outputs = self._process(sched, self.runner.execute(sched))
-                if speculator is not None and _decodes_only(sched):
+                if speculator is not None and self.runner.graphs is not None and _verifies(sched):
+                    if not self.runner.last_step_graphed:  # too many rows, or too long a table
+                        speculator.count_fallback("cuda_graphs")
+                if speculator is not None and _decodes_only(sched) and not self.runner.last_step_captured:
                     num_tokens = sum(len(c.token_ids) for c in sched.chunks)
                     emitted = sum(len(o.new_token_ids) for o in outputs)
                     self._open_step_cost = (start, len(sched.chunks), num_tokens, emitted)

@@ -99,8 +99,12 @@ class ModelRunner:
         max_model_len: int = 4096,
         max_batch: int = 64,
         share_kv: bool = False,
+        max_graph_query: int = 1,
     ) -> None:
-        """share_kv: make the KV cache mappable by peers on this host (direct transfer)."""
+        """share_kv: make the KV cache mappable by peers on this host (direct transfer).
+        max_graph_query: the longest chunk a CUDA graph step takes (1: decode steps only;
+        1 + γ with speculation, so that verify steps replay graphs too); the graphs hold
+        max_batch * max_graph_query rows."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -124,10 +128,16 @@ class ModelRunner:
         # Positions an SWA replay recomputes already hold these groups' KV (all but sliding ones).
         self._skips_replay = [g.spec.window is None for g in self.kv_layout.groups]
         self.graphs: DecodeGraphs | None = None
+        self.max_graph_query = max_graph_query
         if cuda_graphs and device.type == "cuda" and model.supports_cuda_graphs:
             self.graphs = DecodeGraphs(
-                model, self.kv_caches, block_size, max_model_len, max_batch, self.null_block * block_size, device
-            )
+                model, self.kv_caches, block_size, max_model_len, max_batch * max_graph_query,
+                self.null_block * block_size, device,
+            )  # fmt: skip
+        self.last_step_graphed = False
+        """Whether the latest forward replayed a CUDA graph (else it ran eagerly)."""
+        self.last_step_captured = False
+        """Whether the latest forward captured a graph first: its time is not a step's."""
         self.sampler = Sampler(seed=seed)
         self.states: dict[str, SamplingState] = {}
         self.structured = StructuredRows()
@@ -216,16 +226,30 @@ class ModelRunner:
     @torch.inference_mode()
     def time_step(self, num_tokens: int, repeats: int = 3) -> float:
         """Seconds of one step computing num_tokens tokens and their logits (the fastest
-        of `repeats`), for the speculative scheduler's SPS profile. One sequence whose
+        of `repeats`), for the speculative scheduler's SPS profile: replayed from a CUDA
+        graph where a step of that many tokens would be, else eager. One sequence whose
         KV goes to the null block: nothing the pool hands out is touched."""
         num_blocks = -(-num_tokens // self.block_size)
         tables = [[self.null_block] * num_blocks for _ in self._groups]
         chunk = ScheduledChunk("sps-profile", [0] * num_tokens, 0, tables, sample=True)
         input_ids, positions, meta, _, _ = self._prepare(SchedulerOutput(chunks=[chunk]))
+        graphed = self.graphs is not None and self.graphs.can_run(num_tokens, num_blocks)
+
+        def forward() -> torch.Tensor:
+            if not graphed:
+                return self.model(input_ids, positions, self.kv_caches, meta)
+            # As a decode or verify step of that many tokens runs: one graph row each.
+            assert self.graphs is not None
+            bs, rows = self.block_size, range(num_tokens)
+            return self.graphs.run(
+                [0] * num_tokens, list(rows), [[self.null_block * bs + p % bs for p in rows] for _ in self._groups],
+                [p + 1 for p in rows], [[tables[g]] * num_tokens for g in self._groups],
+            )  # fmt: skip
+
         best = float("inf")
-        for run in range(repeats + 1):  # run 0 warms up
+        for run in range(repeats + 1):  # run 0 warms up (and captures the graph)
             start = time.perf_counter()
-            self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+            self.model.compute_logits(forward())
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             if run:
@@ -339,15 +363,19 @@ class ModelRunner:
             self.kv_region.scatter(load.block_ids, load.state.payload)  # type: ignore[arg-type]
 
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
-        """Hidden states of the step, from a CUDA graph when it is a decode
-        step that fits one, else eagerly."""
+        """Hidden states of the step, from a CUDA graph when its chunks are short
+        enough (decode, verify, a draft model's catch-up) and fit one, else eagerly."""
+        self.last_step_graphed = self.last_step_captured = False
         if self.graphs is not None and all(
-            len(c.token_ids) == 1 and not c.replay_until and not c.sliding_floor for c in sched.chunks
+            len(c.token_ids) <= self.max_graph_query and not c.replay_until and not c.sliding_floor
+            for c in sched.chunks
         ):
             max_blocks = max(len(ids) for c in sched.chunks for ids in c.block_ids)
-            if self.graphs.can_run(len(sched.chunks), max_blocks):
+            if self.graphs.can_run(sum(len(c.token_ids) for c in sched.chunks), max_blocks):
                 try:
-                    return self._forward_graph(sched)
+                    out = self._forward_graph(sched)
+                    self.last_step_graphed, self.last_step_captured = True, self.graphs.captured
+                    return out
                 except RuntimeError:
                     log.exception("CUDA graph replay failed; decoding eagerly from now on")
                     self.graphs = None
@@ -358,24 +386,36 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows, sample_ids
 
     def _forward_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
+        """The step as rows of a decode graph, one row per token: a chunk of n tokens (a
+        verify step's last token and its drafts) becomes n rows that share its block
+        table, row j with the sequence length start + j + 1. Every row's K/V is written
+        before any row attends (paged_attention), so row j sees the chunk's earlier
+        tokens as the causal prefill would; the hidden rows come out in the eager path's
+        order (chunks concatenated), and the same rows sample."""
         assert self.graphs is not None
         bs = self.block_size
         chunks = sched.chunks
-        positions = [c.start_pos for c in chunks]
-        sources = [
-            self._last_rows[c.request_id] if c.token_ids[0] == PLACEHOLDER else -1 for c in chunks
-        ]
+        owners = [c for c in chunks for _ in c.token_ids]
+        positions = [c.start_pos + j for c in chunks for j in range(len(c.token_ids))]
+        sources = [self._last_rows[c.request_id] if t == PLACEHOLDER else -1 for c in chunks for t in c.token_ids]
         hidden = self.graphs.run(
-            input_ids=[max(c.token_ids[0], 0) for c in chunks],
+            input_ids=[max(t, 0) for c in chunks for t in c.token_ids],
             positions=positions,
-            slots=[[c.block_ids[g][p // bs] * bs + p % bs for c, p in zip(chunks, positions)] for g in self._groups],
+            slots=[[c.block_ids[g][p // bs] * bs + p % bs for c, p in zip(owners, positions)] for g in self._groups],
             seq_lens=[p + 1 for p in positions],
-            tables=[[c.block_ids[g] for c in chunks] for g in self._groups],
-            placeholder_sources=sources,
+            tables=[[c.block_ids[g] for c in owners] for g in self._groups],
+            placeholder_sources=sources if any(s >= 0 for s in sources) else None,
             last_tokens=self._last_tokens,
         )
-        rows = [i for i, c in enumerate(chunks) if c.sample]
-        return hidden, rows, [chunks[i].request_id for i in rows]
+        rows: list[int] = []
+        ids: list[str] = []
+        end = 0
+        for chunk in chunks:
+            end += len(chunk.token_ids)
+            if chunk.sample:  # as _prepare: the last token and each drafted one
+                rows += range(end - 1 - len(chunk.spec_token_ids), end)
+                ids += [chunk.request_id] * (1 + len(chunk.spec_token_ids))
+        return hidden, rows, ids
 
     @property
     def _groups(self) -> range:

@@ -38,14 +38,33 @@ class _Held:
 class DraftModelDrafter:
     has_scores = True
     """Its drafts carry raw probabilities (calibrated by temperature scaling)."""
+    captured_graphs = False
+    """Whether the latest propose() captured a CUDA graph (set per proposal)."""
 
     def __init__(
-        self, model: CausalLM, block_size: int, num_blocks: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: CausalLM,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_batch: int = 64,
+        max_tokens: int = 4,
+        cuda_graphs: bool = True,
+        max_model_len: int | None = None,
     ) -> None:
+        """max_batch, max_tokens: the most requests and drafted tokens per request a
+        proposal serves; with cuda_graphs (on CUDA), its single-token passes and short
+        catch-ups (the accepted drafts and the correction: up to max_tokens + 1 tokens)
+        replay CUDA graphs: a small draft model's eager forward is all launch overhead."""
         self.model = model
         self.block_size = block_size
         self.max_len = model.config.max_position_embeddings
-        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, cuda_graphs=False)
+        self.runner = ModelRunner(
+            model, num_blocks, block_size, dtype, device, cuda_graphs=cuda_graphs,
+            max_model_len=min(self.max_len, max_model_len or self.max_len), max_batch=max_batch,
+            max_graph_query=max_tokens + 1,
+        )  # fmt: skip
         self.num_groups = len(model.kv_layout.groups)
         self._free = list(range(num_blocks))
         self._held: dict[str, _Held] = {}
@@ -74,11 +93,13 @@ class DraftModelDrafter:
             held.token_ids = list(context)
         tokens: dict[str, list[int]] = {rid: [] for rid in chunks}
         scores: dict[str, list[float]] = {rid: [] for rid in chunks}
+        self.captured_graphs = False
         for k in range(max_tokens):
             if not chunks:
                 break
             sched.chunks = list(chunks.values())
             out = self.runner.execute(sched)
+            self.captured_graphs |= self.runner.last_step_captured
             sched = self._sched()
             for rid, chunk in chunks.items():
                 token = out.sampled[rid][0]

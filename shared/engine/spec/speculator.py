@@ -52,6 +52,8 @@ SCHEDULED = ("dspark", "capacity")
 class BatchDrafter(Protocol):
     has_scores: bool
     """Whether drafts carry the drafter's own probabilities (draft_probs) to calibrate."""
+    captured_graphs: bool
+    """Whether the latest propose() captured a CUDA graph first (its time is not drafting's)."""
 
     def propose(self, contexts: dict[str, Sequence[int]], max_tokens: int) -> dict[str, Draft]: ...
 
@@ -72,6 +74,7 @@ class NgramDrafter:
 
     lookup: PromptLookupDrafter = field(default_factory=PromptLookupDrafter)
     has_scores = False
+    captured_graphs = False
 
     def propose(self, contexts: dict[str, Sequence[int]], max_tokens: int) -> dict[str, Draft]:
         drafts = {rid: self.lookup.propose(context, max_tokens) for rid, context in contexts.items()}
@@ -213,7 +216,7 @@ class Speculator:
         start = time.perf_counter()
         drafts = self.drafter.propose(contexts, self.depth) if contexts and self.depth else {}
         self._drafting_s = time.perf_counter() - start
-        if drafts:
+        if drafts and not self.drafter.captured_graphs:
             self.costs.observe_drafting(len(contexts), max(len(d.tokens) for d in drafts.values()), self._drafting_s)
         confidences = {rid: self._confidences(d) for rid, d in drafts.items()}
         if scheduled and drafts:
