@@ -421,7 +421,7 @@ async def test_kvcache_refuses_forged_puts_without_the_token_and_stores_nothing(
                 await stub.Put(iter(puts))
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, token
             for call in (stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=[forged])),
-                         stub.Stats(kvcache_pb2.StatsRequest())):
+                         stub.Stats(kvcache_pb2.StatsRequest()), stub.PutShm(kvcache_pb2.PutShmRequest())):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

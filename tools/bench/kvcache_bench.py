@@ -1,7 +1,7 @@
 """The kvcache tier's own speed: the gRPC byte stream against the shared-memory
 segment, side by side in one run, against a real service process.
 
-    .venv/bin/python -m tools.bench.kvcache_bench [--blocks 230] [--block-mib 2] [--rounds 3]
+    .venv/bin/python -m tools.bench.kvcache_bench [--blocks 230] [--block-mib 2] [--rounds 3] [--device cuda]
 
 It starts nats-server and `python -m services.kvcache` (as `infermesh up` does,
 LMDB in a temporary folder), then per round and per path (byte stream:
@@ -11,10 +11,11 @@ machine:
   put      the client stores N fresh blocks (distinct hashes per path and round);
   get      the client Gets them back, each batch handed over as it lands, no copy
            by the caller (the transport alone);
-  load     KVCacheConnector.start_load of the N blocks into a CPU KVRegion shaped as
+  load     KVCacheConnector.start_load of the N blocks into a KVRegion shaped as
            an 8B Llama's (32 layers, 16-token blocks, 8 KV heads of 128, bfloat16:
-           2 MiB a block), polled to its end: the engine's path, landing and the
-           copy into the cache included. The loaded cache is checked byte for byte.
+           2 MiB a block) on --device (cpu; cuda: the connector pins its segment),
+           polled to its end: the engine's path, landing and the copy into the
+           cache included. The loaded cache is checked byte for byte.
 
 It prints GB/s (10^9 bytes/s; medians of the rounds) per path and the ratio
 shared memory / byte stream. The default N = 230 blocks of 2 MiB is the 460 MiB
@@ -54,11 +55,12 @@ class Figures:
     load: list[float]
 
 
-def make_region(num_blocks: int, block_mib: float) -> KVRegion:
-    """A CPU KV cache of num_blocks blocks, 32 layers, block_mib MiB a block (the
-    head count scaled from the 8B shape's 8 to reach it)."""
+def make_region(num_blocks: int, block_mib: float, device: str = "cpu") -> KVRegion:
+    """A KV cache of num_blocks blocks, 32 layers, block_mib MiB a block (the head
+    count scaled from the 8B shape's 8 to reach it)."""
     heads = max(1, round(KV_HEADS * block_mib / 2))
-    stacked = torch.zeros((LAYERS, 2, num_blocks, BLOCK_TOKENS, heads, HEAD_DIM), dtype=torch.bfloat16)
+    stacked = torch.zeros((LAYERS, 2, num_blocks, BLOCK_TOKENS, heads, HEAD_DIM), dtype=torch.bfloat16,
+                          device=device)
     return KVRegion(list(stacked.unbind(0)), kv_cache_layout([None] * LAYERS))
 
 
@@ -86,8 +88,8 @@ def load_into(connector: KVCacheConnector, hashes: list[BlockHash], timeout_s: f
     raise TimeoutError("the load did not finish")
 
 
-def run(num_blocks: int, block_mib: float, rounds: int, shm_mib: int) -> dict[str, Figures]:
-    region = make_region(num_blocks, block_mib)
+def run(num_blocks: int, block_mib: float, rounds: int, shm_mib: int, device: str = "cpu") -> dict[str, Figures]:
+    region = make_region(num_blocks, block_mib, device)
     block_bytes = region.block_bytes
     total = num_blocks * block_bytes
     payload = torch.randint(0, 256, (num_blocks, block_bytes), dtype=torch.uint8)
@@ -125,7 +127,7 @@ def run(num_blocks: int, block_mib: float, rounds: int, shm_mib: int) -> dict[st
                         load_s = timed(lambda: loaded.append(load_into(connectors[path], hashes)))
                         if got != [num_blocks] or loaded != [num_blocks]:
                             raise RuntimeError(f"{path}: got {got}, loaded {loaded} of {num_blocks} blocks")
-                        if not torch.equal(region.read_payloads({0: list(range(num_blocks))}), payload):
+                        if not torch.equal(region.read_payloads({0: list(range(num_blocks))}).cpu(), payload):
                             raise RuntimeError(f"{path}: the loaded cache is not the blocks put")
                         if round_ > 0:
                             figures[path].put.append(total / put_s / 1e9)
@@ -143,9 +145,9 @@ def run(num_blocks: int, block_mib: float, rounds: int, shm_mib: int) -> dict[st
     return figures
 
 
-def table(figures: dict[str, Figures], num_blocks: int, block_bytes: int) -> list[str]:
+def table(figures: dict[str, Figures], num_blocks: int, block_bytes: int, device: str = "cpu") -> list[str]:
     lines = [
-        f"kvcache bench: {num_blocks} blocks of {block_bytes / (1 << 20):.2f} MiB "
+        f"kvcache bench: {num_blocks} blocks of {block_bytes / (1 << 20):.2f} MiB, load into a {device} KVRegion "
         f"({num_blocks * block_bytes / (1 << 20):.0f} MiB), GB/s, median of {len(figures['bytes'].put)} rounds",
         "",
         "| step | byte stream | shared memory | shm / bytes |",
@@ -164,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-mib", type=float, default=2.0, help="MiB per block (2: an 8B model's 16 tokens)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per path, after one warm-up round")
     parser.add_argument("--shm-mib", type=int, default=256, help="the shm client's segment (kvcache.shm_bytes)")
+    parser.add_argument("--device", default="cpu", help="where the loaded KVRegion lives (cpu, cuda)")
     args = parser.parse_args(argv)
     if args.blocks < 1 or args.rounds < 1:
         parser.error("--blocks and --rounds must be at least 1")
-    figures = run(args.blocks, args.block_mib, args.rounds, args.shm_mib)
+    figures = run(args.blocks, args.block_mib, args.rounds, args.shm_mib, args.device)
     block_bytes = make_region(1, args.block_mib).block_bytes
-    print("\n".join(table(figures, args.blocks, block_bytes)))
+    print("\n".join(table(figures, args.blocks, block_bytes, args.device)))
     return 0
 
 
