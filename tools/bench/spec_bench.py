@@ -16,6 +16,7 @@ Prints a table and writes JSON.
 """
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -24,6 +25,8 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
@@ -84,6 +87,10 @@ def run_spec_bench(
     for schedule in ("dspark", "capacity"):
         knobs = dict(speculative=speculative, spec_tokens=max(spec_tokens), spec_schedule=schedule)
         modes.append((f"{schedule} γ={max(spec_tokens)}", knobs))
+    # No speculation once more at the end: the machine drifts within a batch size's rows
+    # (on the H200 the later rows ran slower whatever they did), so each mode can be read
+    # against the baseline measured before and after it.
+    modes.append(("none (again)", {}))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rows: list[Row] = []
     for batch in batches:
@@ -114,6 +121,13 @@ def run_spec_bench(
             rows.append(Row(batch, mode, n, seconds, n / seconds, n / batch / seconds,
                             load.mean_accepted_length, lossless,
                             load.num_spec_verifications, load.spec_accepted_by_position, depths))  # fmt: skip
+            # Free this engine before the next one: its memory, graphs and objects must not
+            # weigh on the rows after it (the collector scans every live object).
+            llm.engine.close()
+            del llm, outs, speculator
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return rows
 
 
