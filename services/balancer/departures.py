@@ -14,7 +14,10 @@ a lost node, a NATS without the advisories (an external server).
 Trust: the advisory comes from the server, but a connection's name is chosen by
 its client. A departure counts only when the connection's user could have been
 that instance: the instance's own user (`infermesh up`: one user per instance)
-or its stage's (Helm and compose: one user per stage). So under `up` no
+or its stage's (Helm and compose: one user per stage). Around the balancer's own
+NATS outage (while its connection is down and a grace after) no advisory counts:
+it may name a connection the instance has since replaced by a new one, and the
+heartbeats, counted again after the grace, tell who is really gone. So under `up` no
 worker can make another one leave; under Helm an insider with a stage's
 password could make instances of that stage fail over (not lose work).
 """
@@ -56,5 +59,7 @@ def instance_departed(registry: Registry, departure: Departure) -> Instance | No
     that named itself after an instance whose user it is not)."""
     inst = registry.get(departure.name)
     if inst is None or departure.user not in (inst.instance_id, inst.stage):
+        return None
+    if not registry.accepts_departures():  # our own outage or its grace: that connection may be an old one
         return None
     return registry.leave(inst.instance_id, f"disconnected from NATS ({departure.reason or 'closed'})")

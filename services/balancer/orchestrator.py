@@ -14,6 +14,19 @@ retryable code, OVERLOADED or SHUTTING_DOWN) to decode; decode's errors to
 decode. Leaving the iteration early publishes a cancel that every worker
 applies. Nothing waits forever.
 
+A NATS outage (the server restarted, the balancer's link dropped) is nobody's
+fault and loses whatever was in flight: chunks the server held when it died,
+and those a worker that reconnected before the balancer sent to nobody. The
+registry does not read the balancer's own outage as every instance's death
+(registry.py); here, a stream that misses a seq while later ones come, or says
+nothing for a while once the bus is back (LOST_AFTER_S, LOST_BEFORE_FIRST_S),
+counts as lost and moves like a failure (cause "lost"), charged to nobody:
+its tokens so far went out, so the continuation resumes after them. Requests
+that arrive while the bus is down, or find no instance that answers while it
+recovers, wait for it and retry (up to OUTAGE_WAIT_S) instead of failing. A move
+while the bus recovers (down, or back for less than OUTAGE_WINDOW_S) does not
+count against migration_limit: up to OUTAGE_MOVES more are allowed.
+
 Stream integrity: each attempt listens only on the stream subjects of the
 instances it was handed to (`im.stream.<instance>.<request>`, see
 bus.StreamReader); a chunk from anyone else is dropped and counted
@@ -39,7 +52,7 @@ from services.balancer.registry import Instance, Registry
 from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
-from shared.runtime.bus import Bus, StreamReader, StreamTimeout
+from shared.runtime.bus import Bus, StreamLost, StreamReader, StreamTimeout
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings
 from shared.stage.convert import logprobs_from_proto, params_to_proto
@@ -47,6 +60,21 @@ from shared.stage.convert import logprobs_from_proto, params_to_proto
 log = logging.getLogger(__name__)
 
 _RETRYABLE = (mesh_pb2.ERROR_CODE_OVERLOADED, mesh_pb2.ERROR_CODE_SHUTTING_DOWN)
+
+LOST_AFTER_S = 2.0
+"""Once the bus is back, a stream that had started must say something within this
+(a decode instance streams every step; its reconnect may trail ours by a reconnect
+wait, 0.5 s), else it is lost: its last chunks, the final one maybe, died with the server."""
+LOST_BEFORE_FIRST_S = 10.0
+"""The same for a request that had no chunk yet: it may be queued in prefill, and
+a handoff lost in the outage is reported by prefill only after its request timeout."""
+OUTAGE_WAIT_S = 10.0
+"""How long a request waits for the bus to come back, or for an instance that
+answers while it recovers, before it fails with 503."""
+OUTAGE_WINDOW_S = 10.0
+"""How long after the bus came back a failure is still counted as the outage's."""
+OUTAGE_MOVES = 2
+"""Moves a request may make, on top of migration_limit, while the bus recovers."""
 
 
 class _InstanceFailed(Exception):
@@ -89,7 +117,10 @@ class MeshGenerator:
         """Per instance id, the streams of the attempts that depend on it."""
         self._leaving: dict[str, set[asyncio.Future[str]]] = {}
         """Per instance id, dispatches waiting for its Ack: told when it leaves."""
+        self._streaming: set[StreamReader] = set()
+        """The streams of dispatched attempts: checked for losses when the bus comes back."""
         registry.on_removed.append(self._on_instance_removed)
+        bus.on_reconnected.append(self._on_bus_reconnected)
         metrics = metrics or Metrics("balancer")
         self.m_rejected = metrics.counter(
             "stream_chunks_rejected_total", "Stream chunks dropped: from an instance the request was not handed to, "
@@ -97,7 +128,8 @@ class MeshGenerator:
         )
         self.m_migrations = metrics.counter(
             "migrations_total", "Requests moved to other instances, by cause (left_mesh: the registry lost the "
-            "instance; error; timeout; handoff: decode did not take prefill's handoff)", ("cause",)
+            "instance; error; timeout; handoff: decode did not take prefill's handoff; lost: chunks lost in a NATS "
+            "outage)", ("cause",)
         )
         self.m_migration_gap = metrics.histogram(
             "migration_gap_seconds", "What a moved request's client waited: from its last token before the failure "
@@ -145,7 +177,9 @@ class MeshGenerator:
         attempt = req
         last_token = started  # when tokens last went out (the start before any)
         moved = False
-        for migration in range(self.settings.migration_limit + 1):
+        migration = 0  # moves so far
+        charged = 0  # those counted against migration_limit (the others: a NATS outage's)
+        while True:
             if migration:
                 attempt = self._continuation(req, generated, migration)
             try:
@@ -169,15 +203,35 @@ class MeshGenerator:
                     yield event
                 return
             except _InstanceFailed as exc:
+                outage = exc.cause == "lost" or self._recovering()
+                over = migration - charged >= OUTAGE_MOVES if outage else charged >= self.settings.migration_limit
+                if over:
+                    raise GenerationError(
+                        "The mesh failed this request, also after moving it to other instances; retry.", status=503
+                    ) from None
+                charged += not outage
+                migration += 1
                 moved = True
                 excluded |= exc.instance_ids
                 self.m_migrations.labels(exc.cause).inc()
-                log.warning("request %s: %s; migrating (%d/%d)", req.request_id, exc, migration + 1,
-                            self.settings.migration_limit)
-                root.set_attribute("migrations", migration + 1)
-                root.add_event("migrate", {"cause": exc.cause, "error": str(exc), "tokens_so_far": len(generated)})
-        raise GenerationError("The mesh failed this request, also after moving it to other instances; retry.",
-                              status=503)
+                log.warning("request %s: %s; migrating (%d, %d of %d counted%s)", req.request_id, exc, migration,
+                            charged, self.settings.migration_limit, ", NATS outage" if outage else "")
+                root.set_attribute("migrations", migration)
+                root.add_event("migrate", {"cause": exc.cause, "error": str(exc), "tokens_so_far": len(generated),
+                                           "outage": outage})
+
+    def _recovering(self) -> bool:
+        """The bus is down, or came back less than OUTAGE_WINDOW_S ago."""
+        bus = self.bus
+        back = bus.reconnected_at
+        return bus.down_since is not None or (back is not None and time.monotonic() - back < OUTAGE_WINDOW_S)
+
+    def _on_bus_reconnected(self) -> None:
+        """The bus is back: whatever was in flight may be gone. Every dispatched stream
+        must now say something soon, or it moves."""
+        now = time.monotonic()
+        for reader in self._streaming:
+            reader.expect_by(now + (LOST_AFTER_S if reader.started else LOST_BEFORE_FIRST_S))
 
     @staticmethod
     def _continuation(req: GenerationRequest, generated: list[int], migration: int) -> GenerationRequest:
@@ -269,6 +323,7 @@ class MeshGenerator:
             )
             self._watch(reader, route.prefill)
             self._watch(reader, route.decode)
+            self._streaming.add(reader)
             num_tokens = 0
             num_chunks = 0
             try:
@@ -306,6 +361,9 @@ class MeshGenerator:
                         span.set_attribute("output.tokens", num_tokens)
                         span.set_attribute("prompt.cached_tokens", chunk.usage.cached_tokens)
                     yield event
+            except StreamLost as exc:
+                span.set_attribute("error", str(exc))
+                raise _InstanceFailed(f"lost in a NATS outage: {exc}", cause="lost") from None
             except StreamTimeout as exc:
                 span.set_attribute("error", str(exc))
                 # Before decode's first chunk the request may as well be stuck in prefill.
@@ -315,6 +373,7 @@ class MeshGenerator:
                 span.set_attribute("error", str(exc))
                 raise
             finally:
+                self._streaming.discard(reader)
                 self._unwatch(reader, route.prefill)
                 self._unwatch(reader, route.decode)
                 span.end()
@@ -352,13 +411,18 @@ class MeshGenerator:
         or draining, or do not answer. Instances that failed this request before
         are chosen again only when no other is live."""
         hashes = hash_block_chain(req.prompt_token_ids, self.block_size, self.kv_fingerprint, req.cache_salt)
+        deadline = time.monotonic() + OUTAGE_WAIT_S
         with self.tracer.start_as_current_span("route") as span:
             span.set_attribute("request.id", req.request_id)
             span.set_attribute("prompt.tokens", len(req.prompt_token_ids))
-            try:
-                decode = choose_decode(self._prefer(self._candidates("decode"), excluded), self.rng)
-            except LookupError as exc:
-                raise GenerationError(str(exc), status=503) from None
+            await self._wait_for_bus(span)
+            while True:
+                try:
+                    decode = choose_decode(self._prefer(self._candidates("decode"), excluded), self.rng)
+                    break
+                except LookupError as exc:
+                    if not await self._outage_retry(deadline, span):
+                        raise GenerationError(str(exc), status=503) from None
             did = decode.instance.instance_id
             span.set_attribute("decode.candidates", list(decode.scores))
             span.set_attribute("decode.choice", did)
@@ -367,6 +431,9 @@ class MeshGenerator:
             last_error = "no live prefill instance"
             while True:
                 live = [i for i in self._candidates("prefill") if i.instance_id not in tried]
+                if not live and await self._outage_retry(deadline, span):
+                    tried.clear()  # while the bus recovers, one that did not answer may now
+                    continue
                 try:
                     prefill = choose_prefill(self._prefer(live, excluded), hashes, self.rng)
                 except LookupError:
@@ -388,6 +455,7 @@ class MeshGenerator:
                     decode_instance=did,
                 )
                 await reader.listen(pid, source=False)  # prefill may only end the stream with an error
+                await self._wait_for_bus(span)
                 try:
                     ack = await self._request_unless_gone(pid, subjects.prefill_run(pid), msg)
                 except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
@@ -400,3 +468,21 @@ class MeshGenerator:
                 if ack.code not in _RETRYABLE:
                     raise GenerationError(ack.message, status=400, error_type="invalid_request_error")
                 last_error = f"prefill instance {pid} refused: {ack.message}"
+
+    async def _wait_for_bus(self, span: Span) -> None:
+        """Wait for the bus, when it is down, up to OUTAGE_WAIT_S; 503 if it is not back."""
+        if self.bus.connected:
+            return
+        span.add_event("wait_for_bus")
+        if not await self.bus.wait_connected(OUTAGE_WAIT_S):
+            raise GenerationError("The mesh's message bus is down; retry later.", status=503)
+
+    async def _outage_retry(self, deadline: float, span: Span) -> bool:
+        """While the bus recovers and before the deadline: wait a moment (and for the bus)
+        and say to try again; else False (no instance: fail as usual)."""
+        if not self._recovering() or time.monotonic() >= deadline:
+            return False
+        span.add_event("outage_retry")
+        await asyncio.sleep(0.2)
+        await self._wait_for_bus(span)
+        return True

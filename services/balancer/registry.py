@@ -27,6 +27,17 @@ A death needs no sweep: when a worker's NATS connection closes, the balancer
 hears nats-server's advisory and the instance leaves at once (`leave`, see
 services/balancer/departures.py), well before its heartbeats are missed.
 
+The balancer's own outage is not its instances' death. While its NATS
+connection is down it hears no heartbeat from anyone, so silence then says
+nothing: `pause()` (called when the connection drops) stops the clock — no
+instance is silent, `sweep` drops none, and a disconnect advisory makes none
+leave (`accepts_departures`). `resume(grace_s)` (when it is back) counts
+silence again from the reconnect plus grace_s, which gives the workers time to
+reconnect themselves and beat again: an instance is dropped only after
+grace_s + misses intervals without a heartbeat from the reconnect on. Departures
+are heard again after the grace too (an advisory for a connection that closed
+during the outage says nothing about the one the instance has now).
+
 Names are checked against subjects: a heartbeat or KV event arrives on a subject
 that names its instance (`im.heartbeat.<stage>.<instance>`, which only that
 instance may publish under `infermesh up`); one whose body names another
@@ -81,6 +92,35 @@ class Registry:
         self.num_refused: dict[str, int] = {}
         """Heartbeats refused, by reason."""
         self.on_removed: list[Removed] = []
+        self._paused = False
+        self._quiet_until = -math.inf
+        """Silence before this (monotonic) does not count: the balancer's own outage and its grace."""
+        self.num_pauses = 0
+        self.num_departures_ignored = 0
+        """Disconnect advisories not acted on: heard while paused or in the grace after."""
+
+    def pause(self) -> None:
+        """The balancer's NATS connection is down: nobody counts as silent, nobody leaves."""
+        if not self._paused:
+            self._paused = True
+            self.num_pauses += 1
+
+    def resume(self, grace_s: float) -> None:
+        """The connection is back: silence counts again from now + grace_s."""
+        self._paused = False
+        self._quiet_until = max(self._quiet_until, self.clock() + grace_s)
+
+    @property
+    def paused(self) -> bool:
+        """Down, or in the grace after: silence and departures say nothing yet."""
+        return self._paused or self.clock() < self._quiet_until
+
+    def accepts_departures(self) -> bool:
+        """Whether a disconnect advisory may make an instance leave now (not while paused)."""
+        if self.paused:
+            self.num_departures_ignored += 1
+            return False
+        return True
 
     def on_heartbeat(
         self, hb: mesh_pb2.Heartbeat, stage: str | None = None, instance_id: str | None = None
@@ -164,7 +204,9 @@ class Registry:
             inst.last_seen = max(inst.last_seen, self.clock())
 
     def _silent(self, inst: Instance, now: float) -> bool:
-        return now - inst.last_seen > self.misses * inst.interval_s
+        if self._paused:
+            return False
+        return now - max(inst.last_seen, self._quiet_until) > self.misses * inst.interval_s
 
     def silent(self) -> list[Instance]:
         """The instances silent for more than `misses` intervals (not removed yet)."""

@@ -6,7 +6,10 @@ one whose body names another stage or instance is refused, as are KV events
 naming another instance than `im.kv.events.<instance>`), swept for silent instances every
 registry.SWEEP_INTERVAL_S (their requests fail over at once), and counted when
 refused. An instance whose NATS connection closes leaves at once
-(services/balancer/departures.py). Chunks on the old stream subject form (`im.stream.<request>`) are
+(services/balancer/departures.py). While the balancer's own NATS connection is
+down, and for two heartbeat intervals after it is back, neither applies: the
+registry is paused (registry.py), and requests wait for the bus
+(orchestrator.py). Chunks on the old stream subject form (`im.stream.<request>`) are
 counted as forged: no worker publishes there.
 
 /ready: 200 with {"ready": true} once at least one prefill and one decode
@@ -114,6 +117,23 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         "stage than their subject's, or an instance id that cannot be a subject token", ("reason",)
     )
     m_left = ctx.metrics.counter("instances_left_total", "Instances dropped from the registry", ("stage", "why"))
+    # Our own NATS outage is not every instance's death: no sweep nor departure while
+    # it lasts, and silence counts again only a grace after it (registry.py).
+    grace_s = 2 * settings.worker.heartbeat_interval_s
+    m_outages = ctx.metrics.counter("nats_outages_total", "Times the balancer's NATS connection dropped")
+
+    def on_bus_down() -> None:
+        registry.pause()
+        m_outages.inc()
+        log.warning("NATS connection lost: the registry holds every instance until %.1f s after it is back", grace_s)
+
+    def on_bus_back() -> None:
+        registry.resume(grace_s)
+        log.info("NATS connection back: instances silent from now on for %.1f s + %d heartbeats leave",
+                 grace_s, registry.misses)
+
+    ctx.bus.on_disconnected.append(on_bus_down)
+    ctx.bus.on_reconnected.append(on_bus_back)
     registry.on_removed.append(lambda inst, why: m_left.labels(inst.stage, why.split(" ")[0]).inc())
 
     m_kv_refused = ctx.metrics.counter(

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -94,11 +95,71 @@ class StreamTimeout(TimeoutError):
     """A stream fell silent for longer than allowed."""
 
 
+class StreamLost(Exception):
+    """Chunks of a stream were lost on the way (not the sender's fault): a seq
+    never came while later ones did, or the stream said nothing after the bus
+    came back from an outage within the time it was given."""
+
+
+GAP_TIMEOUT_S = 0.5
+"""How long a stream may miss a seq while later ones have arrived before it counts
+as lost. NATS keeps one publisher's messages in order to a subscriber, so a gap is
+a loss (a server that died holding them, a reconnect that beat ours, a slow
+consumer cut off); the wait only spares a reordering nobody has seen."""
+
+_WAKE = object()
+"""Put in a reader's queue to make chunks() look at its deadlines again."""
+
+
 class Bus:
+    """One NATS connection. While nats-py reconnects (a NATS restart, a network
+    blip) its publishes are buffered and sent once it is back, and its
+    subscriptions are made again; but what the server held when it died, and what
+    others published to us while we were away, is gone. `down_since` and
+    `reconnected_at` say where the connection stands (monotonic clock), and the
+    callbacks in `on_disconnected` / `on_reconnected` hear each change, so that
+    a service can tell its own outage from its peers' silence."""
+
     def __init__(self, nc: NATS, request_timeout_s: float) -> None:
         self.nc = nc
         self.request_timeout_s = request_timeout_s
         self.closing = False
+        self.down_since: float | None = None
+        """When the connection was lost (monotonic), while it is; None while connected."""
+        self.reconnected_at: float | None = None
+        """When it last came back (monotonic); None if it never dropped."""
+        self.on_disconnected: list[Callable[[], None]] = []
+        self.on_reconnected: list[Callable[[], None]] = []
+
+    @property
+    def connected(self) -> bool:
+        return self.down_since is None and self.nc.is_connected
+
+    def _disconnected(self) -> None:
+        if self.down_since is not None:
+            return
+        self.down_since = time.monotonic()
+        for callback in self.on_disconnected:
+            try:
+                callback()
+            except Exception:
+                log.exception("a disconnect callback failed")
+
+    def _reconnected(self) -> None:
+        self.down_since = None
+        self.reconnected_at = time.monotonic()
+        for callback in self.on_reconnected:
+            try:
+                callback()
+            except Exception:
+                log.exception("a reconnect callback failed")
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        """Wait until the connection is up, at most timeout_s; whether it is."""
+        deadline = time.monotonic() + timeout_s
+        while not self.connected and not self.closing and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self.connected
 
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str) -> "Bus":
@@ -111,9 +172,11 @@ class Bus:
         async def on_disconnect() -> None:
             if not bus.closing:  # our own drain disconnects too: not worth a warning
                 log.warning("nats: disconnected, reconnecting")
+                bus._disconnected()
 
         async def on_reconnect() -> None:
             log.info("nats: reconnected")
+            bus._reconnected()
 
         connecting = bus.nc.connect(
             servers=settings.url.split(","),
@@ -230,7 +293,11 @@ class StreamReader:
     dropped and reported to on_rejected (a forgery, or a bug), as is a duplicate
     seq. The source's chunks come out in seq order (a reordered chunk waits for its
     predecessors) until the final one; `fail(exc)` ends the iteration with exc
-    (the instance left the mesh)."""
+    (the instance left the mesh).
+
+    Loss: a seq missing for GAP_TIMEOUT_S while later ones arrived, or nothing
+    at all by the deadline `expect_by` set (the bus came back from an outage:
+    whatever was in flight then may be gone), ends the iteration with StreamLost."""
 
     def __init__(
         self,
@@ -245,8 +312,12 @@ class StreamReader:
         self.on_rejected = on_rejected
         self.on_accepted = on_accepted
         self.source: str | None = None
-        self._queue: asyncio.Queue[mesh_pb2.TokenChunk | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[mesh_pb2.TokenChunk | BaseException | object] = asyncio.Queue()
         self._subs: dict[str, Subscription] = {}
+        self.started = False
+        """The source's first chunk came."""
+        self._expect_by: float | None = None
+        """A chunk must come by then (monotonic), else the stream is lost; None: no such deadline."""
 
     async def __aenter__(self) -> "StreamReader":
         return self
@@ -278,6 +349,7 @@ class StreamReader:
             elif instance_id != self.source and not chunk.error:
                 self._reject("not_the_source", chunk)
             else:
+                self._expect_by = None
                 self._queue.put_nowait(chunk)
                 if self.on_accepted is not None:
                     self.on_accepted(chunk)
@@ -289,6 +361,12 @@ class StreamReader:
         """End the iteration with exc (from the event loop's thread)."""
         self._queue.put_nowait(exc)
 
+    def expect_by(self, deadline: float) -> None:
+        """Some chunk must arrive by deadline (monotonic) or the stream counts as lost
+        (StreamLost): the bus just came back and what was in flight may be gone."""
+        self._expect_by = deadline
+        self._queue.put_nowait(_WAKE)
+
     def _reject(self, reason: str, chunk: mesh_pb2.TokenChunk) -> None:
         if self.on_rejected is not None:
             self.on_rejected(reason, chunk)
@@ -297,25 +375,49 @@ class StreamReader:
         next_seq = 0
         pending: dict[int, mesh_pb2.TokenChunk] = {}
         timeout = first_timeout_s
+        silent_since = time.monotonic()
+        gap_since: float | None = None  # since when a later seq waits for a missing one
         while True:
+            now = time.monotonic()
+            wait = silent_since + timeout - now
+            if gap_since is not None:
+                wait = min(wait, gap_since + GAP_TIMEOUT_S - now)
+            if self._expect_by is not None:
+                wait = min(wait, self._expect_by - now)
             try:
-                item = await asyncio.wait_for(self._queue.get(), timeout)
+                item = await asyncio.wait_for(self._queue.get(), max(wait, 0.0))
             except TimeoutError:
+                now = time.monotonic()
                 where = f"{self.source}'s stream of {self.request_id}"
-                raise StreamTimeout(f"no chunk {next_seq} on {where} within {timeout:.1f}s") from None
+                if gap_since is not None and now >= gap_since + GAP_TIMEOUT_S:
+                    raise StreamLost(f"chunk {next_seq} of {where} never came, later ones did") from None
+                if self._expect_by is not None and now >= self._expect_by:
+                    raise StreamLost(f"nothing on {where} since NATS came back (chunk {next_seq} next)") from None
+                if now >= silent_since + timeout:
+                    raise StreamTimeout(f"no chunk {next_seq} on {where} within {timeout:.1f}s") from None
+                continue
+            if item is _WAKE:
+                continue
             if isinstance(item, BaseException):
                 raise item
+            assert isinstance(item, mesh_pb2.TokenChunk)
             if item.instance_id != self.source:  # an error from an instance before the source (listen checked)
                 yield item
                 return
             timeout = idle_timeout_s
+            silent_since = time.monotonic()
+            self.started = True
             if item.seq < next_seq or item.seq in pending:
                 self._reject("duplicate_seq", item)
                 continue
             pending[item.seq] = item
+            if next_seq in pending:
+                gap_since = None  # the gap, if any, is filled
             while next_seq in pending:
                 ready = pending.pop(next_seq)
                 next_seq += 1
                 yield ready
                 if ready.final:
                     return
+            if pending and gap_since is None:
+                gap_since = time.monotonic()
