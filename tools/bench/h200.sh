@@ -7,6 +7,7 @@
 #   bash tools/bench/h200.sh final    # the mesh, the tiers, the batch-64 engine row, then tests/gpu
 #   bash tools/bench/h200.sh check    # tests/gpu and bench-spec on the trained pair only
 #   bash tools/bench/h200.sh last     # bench-spec, tests/gpu, then the tiers (8B drawn last)
+#   bash tools/bench/h200.sh bench-spec   # issue 13's full table (batch 1 4 16 64, γ 2 4 6)
 #   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
 #                                     # simulation, batch-invariant mode's cost
 #
@@ -27,7 +28,7 @@ model=models/llama3-8b
 run() { echo "\$ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
-if [ "$stage" != check ] && [ "$stage" != last ] && [ ! -f "$model/model.safetensors.index.json" ] && [ ! -f "$model/model.safetensors" ]; then
+if [ "$stage" != check ] && [ "$stage" != last ] && [ "$stage" != bench-spec ] && [ ! -f "$model/model.safetensors.index.json" ] && [ ! -f "$model/model.safetensors" ]; then
   start=$(date +%s)
   run python3 -m tools.cli make-model "$model" --preset llama3-8b --dtype bfloat16 --device cuda
   echo "make-model took $(( $(date +%s) - start )) s" | tee -a "$log"
@@ -57,6 +58,10 @@ mesh | final)
     run python3 -m tools.cli bench-gpu --no-transformers --out "$out" --rows engine-decode:64x1024
     run python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu
   fi
+  ;;
+bench-spec)  # issue 13's table: batch 1 4 16 64, γ 2 4 6, on the trained pair (no 8B checkpoint needed)
+  run python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
+    --batch 1 4 16 64 --spec-tokens 2 4 6 --max-tokens 64 --json "$out/spec_draft.json"
   ;;
 last)  # the end of a session short of device time, in the order of their worth: bench-spec, tests/gpu, the tiers
   run timeout 150 python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
