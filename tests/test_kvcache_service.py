@@ -258,8 +258,11 @@ async def test_restart_keeps_blocks_and_traces_have_attributes(nats_server, tmp_
         assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
 
     spans = [json.loads(line) for f in (tmp_path / "traces").glob("*.jsonl") for line in f.read_text().splitlines()]
-    # On one host the client's blocks go through its shared-memory segment (PutShm).
-    put = next(s for s in spans if s["name"].endswith("KVCache/PutShm"))
+    # On one host the client's blocks go through its shared-memory segment (PutShm),
+    # after an empty PutShm that asks whether the service can use the segment.
+    puts = [s for s in spans if s["name"].endswith("KVCache/PutShm")]
+    assert [p["attributes"]["kvcache.blocks"] for p in puts] == [0, 3]
+    put = puts[1]
     assert put["attributes"]["kvcache.blocks"] == 3
     assert put["attributes"]["kvcache.bytes"] == 3 * (MIB + 7)
     get = next(s for s in spans if s["name"].endswith("KVCache/Get"))

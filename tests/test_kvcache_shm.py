@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 
 import grpc
 import lmdb
@@ -22,7 +23,7 @@ from shared.runtime.kv_shm import DATA_OFFSET, Segment, SegmentRef
 from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.rpc import check_health, open_channel
 from tests.mesh_procs import nats_server, stop_process  # noqa: F401
-from tests.test_kvcache_service import restart, start_kvcache, wait_serving
+from tests.test_kvcache_service import metric, restart, start_kvcache, wait_serving
 
 KIB = 1 << 10
 SMALL_SEGMENT = DATA_OFFSET + 100 * KIB
@@ -130,6 +131,15 @@ async def test_a_segment_the_service_cannot_use_is_refused_and_the_stream_serves
     async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
         assert await kv.get_blocks([b[0] for b in more]) == more
         assert kv.shm.num_shm_calls == 1
+    # A Put asks first (an empty PutShm), so a refused segment's pages are never written.
+    async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
+        segment = kv._the_segment()
+        segment.ref = SegmentRef(f"/proc/{2**22 + 7}/fd/3", SMALL_SEGMENT, os.urandom(16))
+        third = blocks_of("refuse-put-first", 2)
+        assert (await kv.put_blocks(third)).num_stored == 2
+        assert (kv.shm.num_refused, kv.shm.num_shm_calls, kv.shm.num_byte_calls) == (1, 0, 1)
+        assert bytes(segment.buffer[DATA_OFFSET:]) == bytes(SMALL_SEGMENT - DATA_OFFSET)
+        assert await kv.get_blocks([b[0] for b in third]) == third
 
 
 @pytest.mark.asyncio
@@ -259,3 +269,44 @@ async def test_a_service_killed_mid_get_ends_the_load_in_an_error(nats_server, t
     finally:
         if svc.proc.poll() is None:
             stop_process(svc.proc)
+
+
+def shm_segments(svc) -> float:  # noqa: ANN001
+    url = f"http://127.0.0.1:{svc.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return metric(text, "infermesh_kvcache_shm_segments")
+
+
+async def wait_for_segments(svc, count: int, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while (now := await asyncio.to_thread(shm_segments, svc)) != count:
+        assert time.monotonic() < deadline, f"{now} segments mapped, waited for {count}"
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.asyncio
+async def test_the_service_unmaps_a_segment_once_its_client_closed_it_or_died(nats_server, tmp_path):  # noqa: F811
+    blocks = blocks_of("unmap", 2)
+    svc = start_kvcache(nats_server.url, tmp_path)
+    try:
+        await wait_serving(svc)
+        first = KVCacheClient(svc.address, shm_bytes=SMALL_SEGMENT)
+        second = KVCacheClient(svc.address, shm_bytes=SMALL_SEGMENT)
+        await first.put_blocks(blocks)
+        assert await second.get_blocks([b[0] for b in blocks]) == blocks
+        await wait_for_segments(svc, 2)  # one per client, mapped once for all their calls
+        assert await first.get_blocks([b[0] for b in blocks]) == blocks
+        assert await asyncio.to_thread(shm_segments, svc) == 2
+        await first.close()
+        await wait_for_segments(svc, 1)  # the next prune (every 2 s) dropped it
+        proc = subprocess.Popen([sys.executable, "-c", CLIENT, svc.address, "get"], stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == b"ready"
+        await wait_for_segments(svc, 2)
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        await wait_for_segments(svc, 1)
+        await second.close()
+        await wait_for_segments(svc, 0)
+    finally:
+        assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()

@@ -115,6 +115,7 @@ class KVCacheMetrics:
         self.get_bytes = metrics.counter("get_bytes", "Data bytes sent by Get.")
         self.shm_bytes = metrics.counter("shm_bytes", "Data bytes of Get and Put that moved through clients' "
                                          "shared-memory segments (also counted in get_bytes, put_bytes).")
+        self.shm_segments = metrics.gauge("shm_segments", "Clients' shared-memory segments mapped now.")
         self.shm_refused = metrics.counter("shm_refused", "Calls naming a shared-memory segment this service "
                                            "could not use (another host or container): served as bytes.")
         self._last = StoreStats(0, 0, 0, 0, 0, 0, 0, 0)
@@ -149,12 +150,16 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def prune_segments(self) -> int:
         """Unmap the segments of clients that closed them or died (the service runs it
         periodically); returns how many."""
-        return self.segments.prune()
+        pruned = self.segments.prune()
+        self.metrics.shm_segments.set(len(self.segments))
+        return pruned
 
     async def _segment(self, shm: kvcache_pb2.ShmSegment) -> MappedSegment:
         """The request's segment, mapped (ShmUnavailable: why not; counted)."""
         try:
-            return await asyncio.to_thread(self.segments.get, SegmentRef(shm.path, shm.size, shm.nonce))
+            segment = await asyncio.to_thread(self.segments.get, SegmentRef(shm.path, shm.size, shm.nonce))
+            self.metrics.shm_segments.set(len(self.segments))
+            return segment
         except ShmUnavailable as exc:
             self.metrics.shm_refused.inc()
             log.info("shared memory refused: %s", exc)

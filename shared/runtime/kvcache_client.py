@@ -18,8 +18,9 @@ chunks of chunk_bytes on the gRPC stream (cut and assembled by block_stream.py,
 as in the service). The client then keeps to the stream until reconnect();
 `shm` counts both kinds of calls and the refusals.
 
-One call uses the segment at a time (a lock); a Get of more than the segment
-holds is several Gets, one batch each. A call on the segment that does not end
+One call uses the segment at a time (a lock, held while the caller has a batch:
+so a caller must not Put or Get on the same client while it holds one); a Get
+of more than the segment holds is several Gets, one batch each. A call on the segment that does not end
 cleanly (an error, a timeout, a consumer that stopped early) retires the
 segment: the service may still be copying into or out of it, so it is never
 written again, and the next call makes a fresh one.
@@ -147,6 +148,8 @@ class KVCacheClient:
         self.shm = ShmCounters()
         self._on_segment = on_segment
         self._segment: Segment | None = None
+        self._segment_confirmed = False
+        """The service said it can use the segment (a Get landed in it, or an empty PutShm)."""
         self._undo_segment: Callable[[], None] | None = None
         self._shm_lock: asyncio.Lock | None = None  # made on the client's loop, at first use
         self._channel = open_channel(address)
@@ -184,7 +187,7 @@ class KVCacheClient:
         """The leading blocks that fit the segment, through it: (how many, the reply);
         None when the segment cannot be used (nothing was stored)."""
         segment = self._the_segment()
-        if segment is None:
+        if segment is None or not await self._confirmed(segment):
             return None
         offsets = place([len(data) for _, _, data in blocks], segment.size)
         if not offsets:
@@ -214,6 +217,26 @@ class KVCacheClient:
         self.shm.num_shm_calls += 1
         return len(window), PutSummary(reply.num_stored, reply.num_existing, reply.num_bytes)
 
+    async def _confirmed(self, segment: Segment) -> bool:
+        """Whether the service can use the segment, asked once per segment with an
+        empty PutShm before the first Put copies anything in: where it cannot (another
+        container) the segment's pages are then never touched."""
+        if self._segment_confirmed:
+            return True
+        try:
+            reply = await self._stub.PutShm(kvcache_pb2.PutShmRequest(shm=_segment_pb(segment)),
+                                            timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a service from before PutShm
+                self._refused("the service has no PutShm")
+                return False
+            raise
+        if reply.shm_refused:
+            self._refused(reply.shm_refused)
+            return False
+        self._segment_confirmed = True
+        return True
+
     # -- get -------------------------------------------------------------------
 
     async def iter_landed(self, hashes: Sequence[BlockHash]) -> AsyncIterator[LandedBatch]:
@@ -239,6 +262,7 @@ class KVCacheClient:
                     async for batch in self._byte_batches(call):
                         yield batch
                     return
+                self._segment_confirmed = True
                 if landed:
                     self.shm.num_shm_calls += 1
                     # Yielded under the lock: nothing else writes the segment while the caller reads it.
@@ -393,6 +417,7 @@ class KVCacheClient:
 
     def _retire(self, counted: bool = True) -> None:
         segment, self._segment = self._segment, None
+        self._segment_confirmed = False
         if segment is None:
             return
         if counted:
