@@ -4,6 +4,7 @@ byte stream, and faults on both sides."""
 
 import asyncio
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -310,3 +311,37 @@ async def test_the_service_unmaps_a_segment_once_its_client_closed_it_or_died(na
         await wait_for_segments(svc, 0)
     finally:
         assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
+
+
+OTHER_NAMESPACE_CLIENT = textwrap.dedent("""
+    import asyncio, dataclasses, hashlib, json, os, sys
+    from shared.kv.block_hash import BlockHash
+    from shared.runtime.kvcache_client import KVCacheClient
+
+    async def main(address):
+        blocks = [(BlockHash(hashlib.sha256(f"netns-{i}".encode()).digest()), "x", os.urandom(40000 + i))
+                  for i in range(3)]
+        async with KVCacheClient(address, timeout_s=30) as kv:
+            await kv.put_blocks(blocks)
+            same = await kv.get_blocks([b[0] for b in blocks]) == blocks
+            print(json.dumps({"pid": os.getpid(), "same": same, **dataclasses.asdict(kv.shm)}))
+
+    asyncio.run(main(sys.argv[1]))
+""")
+
+
+def test_a_client_in_another_pid_namespace_gets_the_byte_stream(kvcache):
+    """As a client in another container would: its /proc/<pid>/fd/<fd> names nothing
+    of its own in the service's namespace, so the service refuses the segment."""
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.decode().strip()}")
+    done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                           OTHER_NAMESPACE_CLIENT, kvcache.address],
+                          capture_output=True, timeout=60, cwd=os.getcwd())
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    seen = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert seen["pid"] == 1, seen  # its own namespace
+    assert "cannot open /proc/" in seen["refused_because"] or "not a kvcache segment" in seen["refused_because"]
+    assert seen["same"] and (seen["num_refused"], seen["num_shm_calls"], seen["num_byte_calls"]) == (1, 0, 2)
+    assert kvcache.proc.poll() is None
