@@ -138,7 +138,11 @@ class MappedSegment:
         if len(ref.nonce) != NONCE_BYTES:
             raise ShmUnavailable(f"nonce of {len(ref.nonce)} bytes, not {NONCE_BYTES}")
         try:
-            # NONBLOCK: a fifo behind that fd must not hang the opening thread.
+            # Looked at before opening, so the service never opens a device or a fifo
+            # (an open can have effects); checked again on the fd it got, below.
+            if not _MEMFD_LINK.match(os.readlink(ref.path)) or not stat.S_ISREG(os.stat(ref.path).st_mode):
+                raise ShmUnavailable(f"{ref.path} is not a kvcache segment")
+            # NONBLOCK: should a fifo be swapped in meanwhile, it must not hang the opening thread.
             fd = os.open(ref.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
         except OSError as exc:
             raise ShmUnavailable(f"cannot open {ref.path}: {exc.strerror} (another host or container?)") from None
