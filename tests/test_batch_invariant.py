@@ -1,6 +1,6 @@
 """Batch-invariant mode (issue 14, point 3) on the CPU: one request's logprobs
 (logprobs=5) bitwise equal alone and inside batches of 2, 7, 16 and 64 requests of
-mixed lengths, with chunked prefill and a prefix hit; and the same comparison FAILS
+mixed lengths, with chunked prefill, a prefix hit and speculating neighbours; and the same comparison FAILS
 in the normal mode (so the test can fail), as does the normal linear at op level."""
 
 import pytest
@@ -67,3 +67,22 @@ def test_logprobs_bitwise_equal_alone_and_in_a_batch(model: str, size: int) -> N
 def test_the_normal_mode_is_not_invariant(model: str) -> None:
     alone = _alone(model, invariant=False)
     assert any(_in_batch(model, False, size) != alone for size in (7, 64))
+
+
+def test_logprobs_bitwise_equal_while_the_batch_speculates(model: str) -> None:
+    """Speculation on: the other requests of the batch draft by prompt lookup and are
+    verified in multi-token chunks beside the target (which asks for logprobs, so it
+    decodes plainly: a counted fallback). Its logprobs stay those it has alone, and a
+    greedy request that speculates itself keeps its tokens alone."""
+    alone = _alone(model, invariant=True)
+    spec = dict(speculative="ngram", spec_tokens=3, spec_schedule="fixed")
+    llm = LLM(model, batch_invariant=True, **CHUNKED, **spec)
+    # Repetitive prompts: prompt lookup finds drafts in them.
+    prompts = [[5 + i, 9, 13, 9, 13, 9, 13, 21] * 3 for i in range(7)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True) for _ in prompts]
+    outs = llm.generate([*prompts[:3], TARGET, *prompts[3:]], [*params[:3], PARAMS, *params[3:]])
+    assert (outs[3].token_ids, outs[3].logprobs) == alone
+    load = llm.engine.load()
+    assert load.num_spec_verifications > 0 and (load.spec_fallbacks or {}).get("logprobs", 0) > 0
+    speculated = outs[0].token_ids
+    assert LLM(model, batch_invariant=True).generate([prompts[0]], params[0])[0].token_ids == speculated
