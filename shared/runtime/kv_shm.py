@@ -51,6 +51,9 @@ DATA_OFFSET = 4096
 ALIGN = 64
 """Blocks are placed at multiples of this (a cache line): blocks whose size is a
 multiple of it (every KV block) lie back to back, so a batch is one array."""
+DEFAULT_SHM_BYTES = 256 << 20
+"""A client's segment by default (kvcache.shm_bytes): 128 blocks of 2 MiB (an 8B
+model's 16-token block) per batch."""
 MIN_SEGMENT_BYTES = DATA_OFFSET + 4096
 MAX_SEGMENT_BYTES = 1 << 40
 _PROC_FD = re.compile(r"^/proc/([1-9][0-9]{0,9})/fd/([0-9]{1,9})$")

@@ -53,15 +53,13 @@ from shared.runtime.block_stream import (
     check_chunk_bytes,
     iter_chunks,
 )
-from shared.runtime.kv_shm import DATA_OFFSET, Segment, check_segment_bytes, place
+from shared.runtime.kv_shm import DATA_OFFSET, DEFAULT_SHM_BYTES, Segment, check_segment_bytes, place
 from shared.runtime.rpc import check_health, open_channel
 
 log = logging.getLogger(__name__)
 
 Block = tuple[BlockHash, str, bytes]
 """(hash, layout, data): layout names the tensor's dtype and shape, checked by the loader."""
-DEFAULT_SHM_BYTES = 256 << 20
-"""The segment's default size: 128 blocks of 2 MiB (an 8B model's 16-token block) per batch."""
 BYTE_BATCH_BYTES = 64 << 20
 """Blocks received over the stream are handed on in batches of about this many bytes."""
 OnSegment = Callable[[memoryview], Callable[[], None] | None]

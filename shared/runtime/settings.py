@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from shared.engine.config import EngineConfig
+from shared.runtime.kv_shm import DEFAULT_SHM_BYTES
 
 ENV_PREFIX = "INFERMESH_"
 
@@ -114,7 +115,7 @@ class KVCacheSettings:
     """Blocks unused for this long expire."""
     chunk_bytes: int = 8 << 20
     """Size of the data chunks of a streamed block (at most gRPC's message limit less framing)."""
-    shm_bytes: int = 256 << 20
+    shm_bytes: int = DEFAULT_SHM_BYTES
     """Size of each kvcache client's shared-memory segment (made at its first Get or
     Put, reused, memory taken as used): on the service's host (same PID namespace, as
     under `infermesh up`) Get and Put move block data through it and gRPC carries only
