@@ -7,8 +7,10 @@ next proposal the context has moved on (the accepted drafted tokens, then the
 target's correction or bonus token): the held tokens are compared with it, and
 the draft recomputes from the first that differs (rejected drafts' KV is simply
 overwritten). One batched forward catches every request up and drafts its first
-token; each further drafted token is one batched single-token forward. The raw
-confidence of a drafted token is its probability under the draft model.
+token; each further drafted token is one batched single-token forward, launched
+behind the one before it on the device (its input token stays there), with one
+read-back for all of them. The raw confidence of a drafted token is its
+probability under the draft model.
 """
 
 import math
@@ -20,7 +22,7 @@ import torch
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.spec.drafter import Draft
-from shared.engine.step import NewRequestData, ScheduledChunk, SchedulerOutput
+from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput
 from shared.model.transformer import CausalLM
 
 _PARAMS = SamplingParams(temperature=0.0, max_tokens=1 << 30, logprobs=0, ignore_eos=True)
@@ -91,25 +93,33 @@ class DraftModelDrafter:
                 sched.new_requests.append(NewRequestData(rid, list(context[:1]), _PARAMS, frozenset(), []))
             chunks[rid] = ScheduledChunk(rid, list(context[start:]), start, held.block_ids, sample=True)
             held.token_ids = list(context)
-        tokens: dict[str, list[int]] = {rid: [] for rid in chunks}
-        scores: dict[str, list[float]] = {rid: [] for rid in chunks}
+        # Every pass is launched without waiting for the one before: pass k + 1 reads pass
+        # k's tokens on the device (placeholders, as the engine's overlapped steps do), and
+        # all of them come back to the host once, at the end. Read back pass by pass, a
+        # small draft model spent its time in the host's syncs, not on the device.
         self.captured_graphs = False
+        handles = []
         for k in range(max_tokens):
             if not chunks:
                 break
             sched.chunks = list(chunks.values())
-            out = self.runner.execute(sched)
+            handles.append(self.runner.launch(sched))
             self.captured_graphs |= self.runner.last_step_captured
             sched = self._sched()
-            for rid, chunk in chunks.items():
-                token = out.sampled[rid][0]
-                tokens[rid].append(token)
-                scores[rid].append(math.exp(out.logprobs[rid].logprob))
-                if k + 1 < max_tokens:
+            if k + 1 < max_tokens:
+                for rid in chunks:
                     held = self._held[rid]
-                    position = len(held.token_ids)
-                    held.token_ids.append(token)  # its KV is written by the next forward
-                    chunks[rid] = ScheduledChunk(rid, [token], position, held.block_ids, sample=True)
+                    position = len(held.token_ids) + k  # the token sampled by pass k
+                    chunks[rid] = ScheduledChunk(rid, [PLACEHOLDER], position, held.block_ids, sample=True)
+        tokens: dict[str, list[int]] = {rid: [] for rid in chunks}
+        scores: dict[str, list[float]] = {rid: [] for rid in chunks}
+        for handle in handles:
+            out = self.runner.collect(handle)
+            for rid in tokens:
+                tokens[rid].append(out.sampled[rid][0])
+                scores[rid].append(math.exp(out.logprobs[rid].logprob))
+        for rid, drafted in tokens.items():
+            self._held[rid].token_ids += drafted[:-1]  # the last one's KV is not written yet
         return {
             rid: Draft(tuple(tokens[rid]), tuple(scores[rid]), tuple(scores[rid])) for rid in tokens if tokens[rid]
         }
