@@ -17,7 +17,9 @@ that instance: the instance's own user (`infermesh up`: one user per instance)
 or its stage's (Helm and compose: one user per stage). Around the balancer's own
 NATS outage (while its connection is down and a grace after) no advisory counts:
 it may name a connection the instance has since replaced by a new one, and the
-heartbeats, counted again after the grace, tell who is really gone. So under `up` no
+heartbeats, counted again after the grace, tell who is really gone. Nor does an
+advisory for another connection than the one the instance's heartbeats name (its
+old one, closed by the server after the instance reconnected). So under `up` no
 worker can make another one leave; under Helm an insider with a stage's
 password could make instances of that stage fail over (not lose work).
 """
@@ -36,6 +38,8 @@ class Departure:
     """The connection's name (a worker names it after its instance)."""
     user: str
     reason: str
+    connection: str = ""
+    """`<server id>/<client id>`, as heartbeats name theirs ("" if the advisory lacks one)."""
 
 
 def parse_advisory(data: bytes) -> Departure | None:
@@ -50,7 +54,10 @@ def parse_advisory(data: bytes) -> Departure | None:
     name, user = client.get("name"), client.get("user")
     if not isinstance(name, str) or not isinstance(user, str):
         return None
-    return Departure(name, user, str(body.get("reason", "")))
+    server, cid = body.get("server"), client.get("id")
+    server_id = server.get("id") if isinstance(server, dict) else None
+    connection = f"{server_id}/{cid}" if isinstance(server_id, str) and isinstance(cid, int) else ""
+    return Departure(name, user, str(body.get("reason", "")), connection)
 
 
 def instance_departed(registry: Registry, departure: Departure) -> Instance | None:
@@ -61,5 +68,8 @@ def instance_departed(registry: Registry, departure: Departure) -> Instance | No
     if inst is None or departure.user not in (inst.instance_id, inst.stage):
         return None
     if not registry.accepts_departures():  # our own outage or its grace: that connection may be an old one
+        return None
+    if departure.connection and inst.connection and departure.connection != inst.connection:
+        registry.num_departures_ignored += 1  # an old connection of it: it beats on another now
         return None
     return registry.leave(inst.instance_id, f"disconnected from NATS ({departure.reason or 'closed'})")

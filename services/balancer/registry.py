@@ -35,8 +35,10 @@ leave (`accepts_departures`). `resume(grace_s)` (when it is back) counts
 silence again from the reconnect plus grace_s, which gives the workers time to
 reconnect themselves and beat again: an instance is dropped only after
 grace_s + misses intervals without a heartbeat from the reconnect on. Departures
-are heard again after the grace too (an advisory for a connection that closed
-during the outage says nothing about the one the instance has now).
+are heard again after the grace too. An advisory counts only for the connection
+the instance beats on: each heartbeat names it (a header, see bus.CONNECTION_HEADER),
+so the close of a connection the instance has since replaced (it reconnected, and
+the server noticed the old one only later) makes nobody leave.
 
 Names are checked against subjects: a heartbeat or KV event arrives on a subject
 that names its instance (`im.heartbeat.<stage>.<instance>`, which only that
@@ -73,6 +75,8 @@ class Instance:
     blocks: set[BlockHash] = field(default_factory=set)
     seq: int = 0
     """The last heartbeat's seq (0: unnumbered)."""
+    connection: str = ""
+    """The NATS connection its last heartbeat came on (`<server id>/<client id>`; "": not said)."""
 
 
 Removed = Callable[[Instance, str], None]
@@ -97,7 +101,8 @@ class Registry:
         """Silence before this (monotonic) does not count: the balancer's own outage and its grace."""
         self.num_pauses = 0
         self.num_departures_ignored = 0
-        """Disconnect advisories not acted on: heard while paused or in the grace after."""
+        """Disconnect advisories not acted on: heard while paused or in the grace after,
+        or naming a connection the instance no longer beats on."""
 
     def pause(self) -> None:
         """The balancer's NATS connection is down: nobody counts as silent, nobody leaves."""
@@ -123,9 +128,11 @@ class Registry:
         return True
 
     def on_heartbeat(
-        self, hb: mesh_pb2.Heartbeat, stage: str | None = None, instance_id: str | None = None
+        self, hb: mesh_pb2.Heartbeat, stage: str | None = None, instance_id: str | None = None,
+        connection: str | None = None,
     ) -> str | None:
-        """Take a heartbeat (stage, instance_id: those its subject names); why it was refused, or None."""
+        """Take a heartbeat (stage, instance_id: those its subject names; connection: the
+        NATS connection it names in its header); why it was refused, or None."""
         reason = self._refusal(hb, stage)
         if reason is None and instance_id is not None and hb.instance_id != instance_id:
             reason = "instance_mismatch"
@@ -146,6 +153,8 @@ class Registry:
         inst.interval_s = interval
         inst.draining = hb.draining
         inst.seq = hb.seq or inst.seq
+        if connection:
+            inst.connection = connection
         inst.in_flight = 0  # the heartbeat's figures now include what we sent
         return None
 

@@ -41,7 +41,7 @@ from shared.model.fingerprint import model_fingerprint
 from shared.proto import mesh_pb2
 from shared.recipe import Recipe
 from shared.runtime import subjects
-from shared.runtime.bus import Bus
+from shared.runtime.bus import CONNECTION_HEADER, Bus
 from shared.runtime.rpc import check_health
 from shared.runtime.service import ServiceContext
 
@@ -141,8 +141,8 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     )
 
     def on_heartbeat_of(stage: str):  # noqa: ANN202
-        async def on_heartbeat(hb: mesh_pb2.Heartbeat, subject: str) -> None:
-            reason = registry.on_heartbeat(hb, stage, subjects.last_token(subject))
+        async def on_heartbeat(hb: mesh_pb2.Heartbeat, subject: str, headers: dict[str, str]) -> None:
+            reason = registry.on_heartbeat(hb, stage, subjects.last_token(subject), headers.get(CONNECTION_HEADER))
             if reason is not None:
                 m_refused.labels(reason).inc()
                 log.warning("refused a heartbeat of %r on %s (%s)", hb.instance_id, subject, reason)
@@ -157,8 +157,11 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     async def on_old_stream_subject(chunk: mesh_pb2.TokenChunk, subject: str) -> None:
         generator.reject_chunk("old_subject", chunk)
 
-    routes = [(subjects.heartbeats_of(stage), mesh_pb2.Heartbeat, on_heartbeat_of(stage)) for stage in STAGES]
-    routes += [
+    for stage in STAGES:
+        sub = await ctx.bus.subscribe(subjects.heartbeats_of(stage), mesh_pb2.Heartbeat, on_heartbeat_of(stage),
+                                      with_headers=True)
+        stack.push_async_callback(sub.unsubscribe)
+    routes = [
         (subjects.KV_EVENTS_ALL, mesh_pb2.KvEvent, on_kv_event),
         (subjects.STREAM_OLD_FORM, mesh_pb2.TokenChunk, on_old_stream_subject),
     ]
@@ -166,10 +169,22 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         sub = await ctx.bus.subscribe(subject, msg_type, handler, with_subject=True)
         stack.push_async_callback(sub.unsubscribe)
 
+    m_departures_ignored = ctx.metrics.counter(
+        "departures_ignored_total", "Disconnect advisories naming an instance that did not make it leave: heard "
+        "during the balancer's own NATS outage or its grace, or for a connection the instance no longer uses"
+    )
+
     async def on_disconnect_advisory(msg: Msg) -> None:
         departure = parse_advisory(msg.data)
-        if departure is not None and (inst := instance_departed(registry, departure)) is not None:
+        if departure is None:
+            return
+        ignored = registry.num_departures_ignored
+        if (inst := instance_departed(registry, departure)) is not None:
             log.warning("%s left: its NATS connection closed (%s)", inst.instance_id, departure.reason)
+        elif registry.num_departures_ignored > ignored:
+            m_departures_ignored.inc()
+            log.info("%s's NATS connection %s closed (%s): not its current one, or heard around our own outage; "
+                     "it stays", departure.name, departure.connection or "?", departure.reason)
 
     # Deaths, from nats-server at once (where its config imports the advisories: up, compose, Helm).
     sub = await ctx.bus.nc.subscribe(subjects.CLIENT_DISCONNECTED, cb=on_disconnect_advisory)

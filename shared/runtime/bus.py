@@ -91,6 +91,11 @@ class TlsOnlyClient(NATS):
         await super()._process_info(info, initial_connection)
 
 
+CONNECTION_HEADER = "Im-Connection"
+"""A heartbeat's header: the sender's NATS connection as the server knows it
+(`<server id>/<client id>`, Bus.connection_id), which a disconnect advisory names too."""
+
+
 class StreamTimeout(TimeoutError):
     """A stream fell silent for longer than allowed."""
 
@@ -154,6 +159,13 @@ class Bus:
             except Exception:
                 log.exception("a reconnect callback failed")
 
+    def connection_id(self) -> str:
+        """This connection as the server names it, `<server id>/<client id>` (a new one
+        after each reconnect); "" when unknown."""
+        info = getattr(self.nc, "_server_info", None) or {}
+        server, client = info.get("server_id"), info.get("client_id")
+        return f"{server}/{client}" if server and client is not None else ""
+
     async def wait_connected(self, timeout_s: float) -> bool:
         """Wait until the connection is up, at most timeout_s; whether it is."""
         deadline = time.monotonic() + timeout_s
@@ -212,8 +224,9 @@ class Bus:
         if not self.nc.is_closed:
             await self.nc.drain()
 
-    async def publish(self, subject: str, message: Message) -> None:
-        await self.nc.publish(subject, message.SerializeToString(), headers=inject_headers())
+    async def publish(self, subject: str, message: Message, headers: dict[str, str] | None = None) -> None:
+        """Send message (headers: more headers, beside the trace context)."""
+        await self.nc.publish(subject, message.SerializeToString(), headers={**inject_headers(), **(headers or {})})
 
     async def request(self, subject: str, message: Message, reply_type: type[R], timeout: float | None = None) -> R:
         """Send and wait for the reply; nats.errors.NoRespondersError when nobody
@@ -235,10 +248,12 @@ class Bus:
         handler: Callable[..., Awaitable[Message | None]],
         queue: str = "",
         with_subject: bool = False,
+        with_headers: bool = False,
     ) -> Subscription:
         """Run handler(payload) for each message under the sender's trace context
         (handler(payload, subject) with_subject: where a wildcard subscription
-        needs the subject, which names the sender); a returned message is sent as
+        needs the subject, which names the sender; handler(payload, subject, headers)
+        with_headers); a returned message is sent as
         the reply when the sender asked for one. A handler's exception is logged
         and never kills the subscription."""
 
@@ -247,7 +262,12 @@ class Bus:
             try:
                 payload = message_type()
                 payload.ParseFromString(msg.data)
-                reply = await (handler(payload, msg.subject) if with_subject else handler(payload))
+                if with_headers:
+                    reply = await handler(payload, msg.subject, msg.headers or {})
+                elif with_subject:
+                    reply = await handler(payload, msg.subject)
+                else:
+                    reply = await handler(payload)
                 if reply is not None and msg.reply:
                     await msg.respond(reply.SerializeToString())
             except Exception:

@@ -29,7 +29,7 @@ from shared.engine.outputs import KVTransferReport
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
-from shared.runtime.bus import Bus, StreamPublisher
+from shared.runtime.bus import CONNECTION_HEADER, Bus, StreamPublisher
 from shared.runtime.rpc import NOT_SERVING, SERVING, GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
 from shared.engine.host_tier import HostTierConnector
@@ -61,6 +61,7 @@ class Worker:
         self._inflight: set[asyncio.Task] = set()
         self._by_request: dict[str, asyncio.Task] = {}
         self._hb_seq = 0
+        self._inflight_beats: set[asyncio.Task] = set()
         self._registered = False  # a heartbeat reached NATS: the balancer can know this instance
         self._subscribed = False  # its dispatch subscription is up: work sent to it arrives
         self._kv_seq = 0
@@ -104,6 +105,7 @@ class Worker:
         self.grpc = await start_grpc_server(self.ctx.settings.worker.grpc_port, [], [self.ctx.stage])
         await self._report_kvcache()
         await self._publish_kv_events(cleared=True)
+        self.ctx.bus.on_reconnected.append(self._beat_now)
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._kv_event_loop(), name="kv-events"),
@@ -234,9 +236,19 @@ class Worker:
             interval_s=self.ctx.settings.worker.heartbeat_interval_s,
             draining=self.draining,
         )
+        bus = self.ctx.bus
+        # Which connection this is: a disconnect advisory naming another one (closed before
+        # a reconnect) does not make the balancer drop this instance.
+        headers = {CONNECTION_HEADER: bus.connection_id()}
         with contextlib.suppress(Exception):  # NATS down: the next beat retries
-            await self.ctx.bus.publish(subjects.heartbeat(self.ctx.stage, self.ctx.instance_id), hb)
+            await bus.publish(subjects.heartbeat(self.ctx.stage, self.ctx.instance_id), hb, headers=headers)
             self._registered = True
+
+    def _beat_now(self) -> None:
+        """A heartbeat at once (NATS is back: say which connection is ours now)."""
+        task = asyncio.get_running_loop().create_task(self._send_heartbeat())
+        self._inflight_beats.add(task)
+        task.add_done_callback(self._inflight_beats.discard)
 
     async def _heartbeat_loop(self) -> None:
         while True:
