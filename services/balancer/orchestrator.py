@@ -24,8 +24,9 @@ counts as lost and moves like a failure (cause "lost"), charged to nobody:
 its tokens so far went out, so the continuation resumes after them. Requests
 that arrive while the bus is down, or find no instance that answers while it
 recovers, wait for it and retry (up to OUTAGE_WAIT_S) instead of failing. A move
-while the bus recovers (down, or back for less than OUTAGE_WINDOW_S) does not
-count against migration_limit: up to OUTAGE_MOVES more are allowed.
+for lost chunks, or any move while the bus recovers (down, or back for less than
+OUTAGE_WINDOW_S), does not count against migration_limit: up to OUTAGE_MOVES
+such moves are allowed on top.
 
 Stream integrity: each attempt listens only on the stream subjects of the
 instances it was handed to (`im.stream.<instance>.<request>`, see
@@ -164,7 +165,8 @@ class MeshGenerator:
     async def _generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Run the request; when an instance fails it after accepting it, migrate:
         re-dispatch prompt + tokens generated so far to other instances and go
-        on streaming (up to migration_limit times), as Dynamo does. Greedy output
+        on streaming (up to migration_limit times, plus OUTAGE_MOVES for a NATS
+        outage's losses), as Dynamo does. Greedy output
         is unchanged by a migration, and so is a seeded sample: its draws are keyed by
         (seed, position) and the continuation's positions go on where they stopped."""
         # The HTTP layer's request span: TTFT and cache figures belong on the trace's root.
