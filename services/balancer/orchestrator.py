@@ -68,7 +68,10 @@ LOST_AFTER_S = 2.0
 wait, 0.5 s), else it is lost: its last chunks, the final one maybe, died with the server."""
 LOST_BEFORE_FIRST_S = 10.0
 """The same for a request that had no chunk yet: it may be queued in prefill, and
-a handoff lost in the outage is reported by prefill only after its request timeout."""
+a handoff lost in the outage is reported by prefill only after its request timeout.
+Sooner when its prefill instance says, in a heartbeat after the outage, that it
+has nothing running nor waiting: then the request is past prefill, and decode,
+which streams the first token as soon as it takes a request, gets LOST_AFTER_S."""
 OUTAGE_WAIT_S = 10.0
 """How long a request waits for the bus to come back, or for an instance that
 answers while it recovers, before it fails with 503."""
@@ -118,9 +121,10 @@ class MeshGenerator:
         """Per instance id, the streams of the attempts that depend on it."""
         self._leaving: dict[str, set[asyncio.Future[str]]] = {}
         """Per instance id, dispatches waiting for its Ack: told when it leaves."""
-        self._streaming: set[StreamReader] = set()
+        self._streaming: dict[StreamReader, _Route] = {}
         """The streams of dispatched attempts: checked for losses when the bus comes back."""
         registry.on_removed.append(self._on_instance_removed)
+        registry.on_beat.append(self._on_beat)
         bus.on_reconnected.append(self._on_bus_reconnected)
         metrics = metrics or Metrics("balancer")
         self.m_rejected = metrics.counter(
@@ -235,6 +239,16 @@ class MeshGenerator:
         for reader in self._streaming:
             reader.expect_by(now + (LOST_AFTER_S if reader.started else LOST_BEFORE_FIRST_S))
 
+    def _on_beat(self, inst: Instance) -> None:
+        """An idle prefill instance after an outage: the requests it had that have not
+        started streaming are past it (with decode, or lost): LOST_AFTER_S for them."""
+        if inst.stage != "prefill" or inst.load.num_running or inst.load.num_waiting:
+            return
+        deadline = time.monotonic() + LOST_AFTER_S
+        for reader, route in self._streaming.items():
+            if route.prefill == inst.instance_id and reader.expecting and not reader.started:
+                reader.expect_by(deadline)
+
     @staticmethod
     def _continuation(req: GenerationRequest, generated: list[int], migration: int) -> GenerationRequest:
         p = req.params
@@ -325,7 +339,7 @@ class MeshGenerator:
             )
             self._watch(reader, route.prefill)
             self._watch(reader, route.decode)
-            self._streaming.add(reader)
+            self._streaming[reader] = route
             num_tokens = 0
             num_chunks = 0
             try:
@@ -375,7 +389,7 @@ class MeshGenerator:
                 span.set_attribute("error", str(exc))
                 raise
             finally:
-                self._streaming.discard(reader)
+                self._streaming.pop(reader, None)
                 self._unwatch(reader, route.prefill)
                 self._unwatch(reader, route.decode)
                 span.end()

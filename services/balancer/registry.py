@@ -96,6 +96,8 @@ class Registry:
         self.num_refused: dict[str, int] = {}
         """Heartbeats refused, by reason."""
         self.on_removed: list[Removed] = []
+        self.on_beat: list[Callable[[Instance], None]] = []
+        """Called with the instance after each heartbeat taken."""
         self._paused = False
         self._quiet_until = -math.inf
         """Silence before this (monotonic) does not count: the balancer's own outage and its grace."""
@@ -156,6 +158,8 @@ class Registry:
         if connection:
             inst.connection = connection
         inst.in_flight = 0  # the heartbeat's figures now include what we sent
+        for callback in self.on_beat:
+            callback(inst)
         return None
 
     def _refusal(self, hb: mesh_pb2.Heartbeat, stage: str | None) -> str | None:

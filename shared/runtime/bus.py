@@ -383,9 +383,15 @@ class StreamReader:
 
     def expect_by(self, deadline: float) -> None:
         """Some chunk must arrive by deadline (monotonic) or the stream counts as lost
-        (StreamLost): the bus just came back and what was in flight may be gone."""
-        self._expect_by = deadline
+        (StreamLost): the bus just came back and what was in flight may be gone. An
+        earlier deadline already set stands."""
+        self._expect_by = deadline if self._expect_by is None else min(self._expect_by, deadline)
         self._queue.put_nowait(_WAKE)
+
+    @property
+    def expecting(self) -> bool:
+        """A deadline set by expect_by is pending (no chunk since)."""
+        return self._expect_by is not None
 
     def _reject(self, reason: str, chunk: mesh_pb2.TokenChunk) -> None:
         if self.on_rejected is not None:
