@@ -10,6 +10,7 @@ import time
 import openai
 import pytest
 
+from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from tools.launch.trace_view import load_spans
@@ -80,14 +81,16 @@ def test_a_decode_instance_dying_mid_stream_migrates_the_request(start_mesh, mes
     mesh = start_mesh(num_prefill=1, num_decode=2, extra_env=ENV)
     client = openai_client(mesh)
     name = client.models.list().data[0].id
-    prompt = "count with me: one two three"
+    # Long enough for several full blocks: the resumed prefill must find them stored.
+    prompt = "count with me: one two three four five six seven eight nine ten. " * 4
     expected = LLM(mesh_model_dir).generate([prompt], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))[0]
     stream = client.completions.create(
         model=name, prompt=prompt, max_tokens=120, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )
     chunks = iter(stream)
-    text = next(chunks).choices[0].text
+    first = next(chunks)
+    text = first.choices[0].text
     victim = running_decode(mesh)
     next(p for n, p in mesh.procs if n == victim).send_signal(signal.SIGKILL)  # no chance to drain
     started = time.monotonic()
@@ -100,6 +103,21 @@ def test_a_decode_instance_dying_mid_stream_migrates_the_request(start_mesh, mes
     # Moved to the other decode instance with prompt + tokens so far: greedy output is unchanged.
     assert text == expected.text
     assert usage.completion_tokens == 120 and usage.prompt_tokens == len(expected.prompt_token_ids)
+    # Resumed with the blocks already stored: the second prefill of the request (prompt +
+    # tokens so far) found at least the prompt's full blocks cached, not computed again.
+    block_size = EngineConfig().block_size
+    full = len(expected.prompt_token_ids) // block_size * block_size
+    deadline = time.monotonic() + 30
+    prefills: list[dict] = []
+    while time.monotonic() < deadline and len(prefills) < 2:
+        spans = load_spans(mesh.trace_dir)
+        root = next((x for x in spans if x["attributes"].get("request.id") == first.id and x["parent_id"] is None), None)
+        if root is not None:
+            prefills = sorted((x for x in spans if x["trace_id"] == root["trace_id"] and x["name"] == "prefill"),
+                              key=lambda x: x["start_ns"])  # fmt: skip
+        time.sleep(0.2)
+    assert len(prefills) == 2, f"{len(prefills)} prefill spans"
+    assert prefills[1]["attributes"]["prompt.cached_tokens"] >= full > 0
 
 
 def test_with_no_decode_instance_left_requests_fail_fast_with_503(start_mesh):
