@@ -231,20 +231,14 @@ class ModelRunner:
         KV goes to the null block: nothing the pool hands out is touched."""
         num_blocks = -(-num_tokens // self.block_size)
         tables = [[self.null_block] * num_blocks for _ in self._groups]
-        chunk = ScheduledChunk("sps-profile", [0] * num_tokens, 0, tables, sample=True)
-        input_ids, positions, meta, _, _ = self._prepare(SchedulerOutput(chunks=[chunk]))
+        sched = SchedulerOutput(chunks=[ScheduledChunk("sps-profile", [0] * num_tokens, 0, tables, sample=True)])
+        input_ids, positions, meta, _, _ = self._prepare(sched)
         graphed = self.graphs is not None and self.graphs.can_run(num_tokens, num_blocks)
 
         def forward() -> torch.Tensor:
-            if not graphed:
-                return self.model(input_ids, positions, self.kv_caches, meta)
-            # As a decode or verify step of that many tokens runs: one graph row each.
-            assert self.graphs is not None
-            bs, rows = self.block_size, range(num_tokens)
-            return self.graphs.run(
-                [0] * num_tokens, list(rows), [[self.null_block * bs + p % bs for p in rows] for _ in self._groups],
-                [p + 1 for p in rows], [[tables[g]] * num_tokens for g in self._groups],
-            )  # fmt: skip
+            if graphed:  # as a decode or verify step of that many tokens runs: one graph row each
+                return self._forward_graph(sched)[0]
+            return self.model(input_ids, positions, self.kv_caches, meta)
 
         best = float("inf")
         for run in range(repeats + 1):  # run 0 warms up (and captures the graph)
