@@ -27,6 +27,22 @@ class TritonAttentionPlan:
     key_floor: torch.Tensor | None = None  # [num_seqs] int32: sliding-window layers' first key; None: 0
 
 
+def sequence_tensors(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """query_start_loc, seq_lens and the key floor on the device: the metadata's own
+    tensors where the runner built them, else made from its lists (a floor of zeros
+    only is None: the kernels' path without one)."""
+    query_start_loc = meta.query_start_loc_tensor
+    if query_start_loc is None:
+        query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
+    seq_lens = meta.seq_lens_tensor
+    if seq_lens is None:
+        seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
+    key_floor = meta.key_floor_tensor
+    if key_floor is None and meta.key_floor is not None and any(f > 0 for f in meta.key_floor):
+        key_floor = torch.tensor(meta.key_floor, dtype=torch.int32, device=device)
+    return query_start_loc, seq_lens, key_floor
+
+
 def plan_triton_attention(
     meta: AttentionMetadata, num_kv_heads: int, head_dim: int, device: torch.device
 ) -> TritonAttentionPlan:
@@ -34,12 +50,7 @@ def plan_triton_attention(
     from its lists. Host facts used (max query length, longest sequence) come from the
     lists; for a captured graph they only set static choices (kernel, splits). A key
     floor given only as a list of zeros is left out (the kernels' path without one)."""
-    query_start_loc = meta.query_start_loc_tensor
-    if query_start_loc is None:
-        query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
-    seq_lens = meta.seq_lens_tensor
-    if seq_lens is None:
-        seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
+    query_start_loc, seq_lens, key_floor = sequence_tensors(meta, device)
     max_query_len = max(meta.query_lens)
     is_decode = max_query_len == 1 and meta.query_start_loc[-1] == meta.num_seqs
     num_splits = 1
@@ -47,9 +58,6 @@ def plan_triton_attention(
         block_n = default_block_n(head_dim)
         num_splits = choose_num_splits(meta.num_seqs, num_kv_heads, max(meta.seq_lens), block_n, device)
     block_tables = meta.block_tables.to(device)
-    key_floor = meta.key_floor_tensor
-    if key_floor is None and meta.key_floor is not None and any(f > 0 for f in meta.key_floor):
-        key_floor = torch.tensor(meta.key_floor, dtype=torch.int32, device=device)
     return TritonAttentionPlan(
         query_start_loc, seq_lens, block_tables, max_query_len, is_decode, num_splits, key_floor
     )

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from shared.model.forward_batch import AttentionMetadata
+from shared.model.kernels.attention import sequence_tensors
 from shared.model.kernels.checks import INDEX_DTYPES, check_tensor, next_power_of_2
 from shared.model.kernels.paged_common import (
     LOG2E,
@@ -211,16 +212,8 @@ def plan_triton_attention(
     built them, else from the lists), but with no choice made from the batch, and a key
     floor always (zeros when the metadata has none), for the sliding-window layers."""
     del num_kv_heads, head_dim  # nothing is chosen from them per step
-    query_start_loc = meta.query_start_loc_tensor
-    if query_start_loc is None:
-        query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
-    seq_lens = meta.seq_lens_tensor
-    if seq_lens is None:
-        seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
-    key_floor = meta.key_floor_tensor
-    if key_floor is None and meta.key_floor is not None and any(meta.key_floor):
-        key_floor = torch.tensor(meta.key_floor, dtype=torch.int32, device=device)
-    elif key_floor is None:
+    query_start_loc, seq_lens, key_floor = sequence_tensors(meta, device)
+    if key_floor is None:
         # A fill, not a copy from the host: this also runs while a CUDA graph is captured.
         key_floor = torch.zeros(len(meta.seq_lens), dtype=torch.int32, device=device)
     return InvariantAttentionPlan(query_start_loc, seq_lens, meta.block_tables.to(device), key_floor)
