@@ -1,6 +1,8 @@
 """Batch-invariant mode's Triton table (issue 14, point 3) on the CPU, under Triton's
 interpreter: the invariant matmul gives a row the same bits whatever batch it is in
-(M = 1, 3, 17, 64, 130, at any offset) and stays close to F.linear; the invariant
+(M = 1, 3, 17, 64, 130, at any offset, across its M buckets: the decode tiles up to
+M = 128, the prefill tiles above, one block_k) and stays close to F.linear; a
+weight's family picks other tiles for small and large M with one block_k; the invariant
 attention gives a query token the same bits alone, chunked differently and inside
 mixed decode / prefill batches (plain, sliding window with a key floor, sinks), and
 stays close to the PyTorch reference; the engine on a tiny model with
@@ -36,7 +38,15 @@ from shared.engine.llm import LLM  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
 from shared.model import batch_invariant  # noqa: E402
 from shared.model.kernels import invariant_attention as ia  # noqa: E402
-from shared.model.kernels.invariant_matmul import invariant_matmul  # noqa: E402
+from shared.model.kernels import invariant_matmul as im  # noqa: E402
+from shared.model.kernels.invariant_matmul import (  # noqa: E402
+    DECODE_ROWS,
+    MatmulConfig,
+    MatmulFamily,
+    invariant_matmul,
+    matmul_config,
+    matmul_family,
+)
 from shared.model.kernels.paged_decode import paged_decode_attention  # noqa: E402
 from shared.model.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from shared.model.kernels.reference import paged_attention_ref  # noqa: E402
@@ -64,9 +74,34 @@ def place_free_dot(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 # ---------------------------------------------------------------- matmul
 
 
+class LaunchSpy:
+    """Stands in for the matmul kernel: records each launch's tile settings, then launches."""
+
+    KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+    def __init__(self, kernel) -> None:  # noqa: ANN001
+        self.kernel = kernel
+        self.launches: list[tuple[int, ...]] = []
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.launches.append(tuple(kwargs[k] for k in self.KEYS))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _launched(c: MatmulConfig) -> tuple[int, ...]:
+    return (c.block_m, c.block_n, c.block_k, c.group_m, c.num_warps, c.num_stages)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_matmul_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dtype, with_bias: bool) -> None:
+def test_matmul_gives_a_row_the_same_bits_in_any_batch(
+    dtype: torch.dtype, with_bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = LaunchSpy(im._matmul_kernel)
+    monkeypatch.setattr(im, "_matmul_kernel", spy)
     g = torch.Generator().manual_seed(1)
     # K = 80: not a multiple of the float32 BLOCK_K (32), so the masked K tail runs too.
     w = torch.randn(96, 80, generator=g).to(dtype)
@@ -84,6 +119,31 @@ def test_matmul_gives_a_row_the_same_bits_in_any_batch(dtype: torch.dtype, with_
     strangers = torch.randn(40, 80, generator=g).to(dtype)
     mixed = invariant_matmul(torch.cat([strangers[:7], x[100:101], strangers[7:]]), w, b)
     assert torch.equal(mixed[7], full[100])
+    # M = 130 ran the prefill tiles, the rest the decode tiles (float16), with one block_k.
+    family = matmul_family(96, 80, dtype)
+    assert set(spy.launches) == {_launched(c) for c in family.configs}
+    assert len(family.configs) == (1 if dtype == torch.float32 else 2)
+
+
+def test_matmul_family_picks_tiles_by_m_with_one_block_k() -> None:
+    """Each Llama-3-8B weight in bf16: other tiles for decode and prefill rows, split at
+    DECODE_ROWS, one block_k; float32 one configuration; a family mixing block_k or
+    leaving wgmma's conditions is refused."""
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
+        small, large = matmul_config(n, k, torch.bfloat16, 1), matmul_config(n, k, torch.bfloat16, 8192)
+        assert (small.block_m, small.block_n) != (large.block_m, large.block_n), (n, k)
+        assert small.block_k == large.block_k == matmul_family(n, k, torch.bfloat16).block_k
+        assert matmul_config(n, k, torch.bfloat16, DECODE_ROWS) == small
+        assert matmul_config(n, k, torch.bfloat16, DECODE_ROWS + 1) == large
+        assert matmul_config(n, k, torch.float16, 8192) == large
+        assert matmul_config(n, k, torch.float32, 1) == matmul_config(n, k, torch.float32, 8192)
+    decode = MatmulConfig(64, 64, 128, 8, 4, 6)
+    with pytest.raises(AssertionError):  # prefill tiles of another block_k: another reduction order
+        MatmulFamily(128, (DECODE_ROWS,), (decode, MatmulConfig(128, 128, 64, 8, 8, 3)))
+    with pytest.raises(AssertionError):  # 32-row tiles: mma.sync, not wgmma
+        MatmulFamily(128, (DECODE_ROWS,), (decode, MatmulConfig(32, 128, 128, 8, 4, 3)))
+    with pytest.raises(AssertionError):  # 4 stages of 128x128x128: more shared memory than Hopper has
+        MatmulFamily(128, (DECODE_ROWS,), (decode, MatmulConfig(128, 128, 128, 8, 8, 4)))
 
 
 def test_matmul_keeps_leading_dims_and_checks_its_arguments() -> None:

@@ -6,12 +6,18 @@ in bfloat16 with batch_invariant=True: one request's prompt logprobs (every prom
 position's logits, through log_softmax), its sampled tokens' logprobs (20
 alternatives each) and its greedy tokens are bitwise equal alone, inside a batch of
 8 others whose prompts prefill beside its decodes, with its prompt chunked into
-pieces of 48 tokens, and after a prefix-cache hit; decode steps replay CUDA graphs
-(of different batch buckets) in all of them. With batch_invariant=False the same
-comparisons find differences, so these tests can fail. And the matmul alone, for each
-of its bf16 tile shapes: a row's bits the same at M = 1 .. 2000. (cuBLAS gave a row
-alone and among 2000 the same bits too at K = 1024 on the H200, so the op-level test
-has no failing counterpart; the engine-level one above does.)
+pieces of 48 tokens, and after a prefix-cache hit; in batches of 1 to 64 requests of
+mixed prompt lengths on one engine (steps from one row to thousands: both of the
+matmul's M buckets, and the target's rows in each); and while its neighbours speculate
+(ngram drafts verified in multi-token rows beside its plain decodes, in batches of 8
+and 64), where a greedy speculating neighbour also keeps the tokens it has alone
+without speculation. Decode steps replay CUDA graphs (of different batch buckets) in
+all of them. With batch_invariant=False the same comparisons find differences, so
+these tests can fail. And the matmul alone, for each bf16 family of its small
+weights: a row's bits the same at M = 1 .. 2000 (both buckets;
+test_gpu_invariant_matmul.py checks the Llama-3-8B shapes). (cuBLAS gave a row alone
+and among 2000 the same bits too at K = 1024 on the H200, so the op-level test has no
+failing counterpart; the engine-level one above does.)
 """
 
 from pathlib import Path
@@ -52,11 +58,17 @@ def _engine(model: Path, invariant: bool, **settings: object) -> LLMEngine:
     return engine
 
 
-def _run(engine: LLMEngine, others: int, seed: int, target_params: SamplingParams = TARGET_PARAMS) -> Result:
-    """The target among ``others`` requests of mixed lengths and output lengths, all
-    added at once; -> the target's (token ids, logprobs, prompt logprobs)."""
-    prompts = random_prompts([1 + (37 * i) % 260 for i in range(others)], vocab=VOCAB, seed=seed)
-    at = others // 2
+def _mixed(others: int, seed: int) -> list[list[int]]:
+    """``others`` seeded prompts of mixed lengths (1 to 260 tokens)."""
+    return random_prompts([1 + (37 * i) % 260 for i in range(others)], vocab=VOCAB, seed=seed)
+
+
+def _run_all(
+    engine: LLMEngine, prompts: list[list[int]], target_params: SamplingParams = TARGET_PARAMS
+) -> tuple[Result, dict[str, list[int]]]:
+    """The target among requests for ``prompts`` (mixed output lengths), all added at
+    once; -> the target's (token ids, logprobs, prompt logprobs), every request's tokens."""
+    at = len(prompts) // 2
     for i, prompt in enumerate(prompts):
         if i == at:
             engine.add_request(EngineRequest("target", TARGET, target_params))
@@ -66,18 +78,23 @@ def _run(engine: LLMEngine, others: int, seed: int, target_params: SamplingParam
         engine.add_request(EngineRequest("target", TARGET, target_params))
     logprobs: list[TokenLogprobs] = []
     prompt_logprobs = None
-    tokens: list[int] | None = None
+    tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.token_ids)
             if out.request_id != "target":
                 continue
             logprobs += out.new_logprobs
             if out.prompt_logprobs is not None:
                 prompt_logprobs = out.prompt_logprobs
-            if out.finished:
-                tokens = list(out.token_ids)
-    assert tokens is not None and len(tokens) == target_params.max_tokens
-    return tokens, logprobs, prompt_logprobs
+    assert len(tokens["target"]) == target_params.max_tokens
+    return (tokens["target"], logprobs, prompt_logprobs), tokens
+
+
+def _run(engine: LLMEngine, others: int, seed: int, target_params: SamplingParams = TARGET_PARAMS) -> Result:
+    """The target among ``others`` requests of mixed lengths (``_run_all``)."""
+    return _run_all(engine, _mixed(others, seed), target_params)[0]
 
 
 def _with_prefix_hit(engine: LLMEngine, others: int) -> Result:
@@ -90,7 +107,7 @@ def _with_prefix_hit(engine: LLMEngine, others: int) -> Result:
     return _run(engine, others, seed=9, target_params=params)
 
 
-@pytest.mark.parametrize("n", [4096, 6144, 16384])  # each of matmul_config's bf16 tile shapes
+@pytest.mark.parametrize("n", [4096, 6144, 16384])  # each bf16 family of matmul_family
 def test_matmul_rows_bitwise_equal_for_any_m(n: int) -> None:
     from shared.model.kernels.invariant_matmul import invariant_matmul
 
@@ -122,6 +139,51 @@ def test_invariant_logits_bitwise_equal_alone_in_a_batch_and_chunked(model: Path
 def test_invariant_logits_bitwise_equal_after_a_prefix_hit(model: Path, invariant_alone: Result) -> None:
     tokens, logprobs, _ = _with_prefix_hit(_engine(model, True, **CHUNKED), others=8)
     assert (tokens, logprobs) == invariant_alone[:2]
+
+
+BATCH_SIZES = (1, 2, 3, 8, 16, 31, 32, 33, 64)
+"""Requests per batch, the target included (the engine's max_num_seqs is 64)."""
+
+
+def test_invariant_logits_bitwise_equal_in_batches_of_1_to_64(model: Path, invariant_alone: Result) -> None:
+    """One engine, one batch after another: decode steps of 1 to 64 rows (the matmul's
+    decode tiles), prefill steps of up to thousands (its prefill tiles)."""
+    engine = _engine(model, True)
+    for size in BATCH_SIZES:
+        assert _run(engine, others=size - 1, seed=100 + size) == invariant_alone, size
+
+
+SPEC = dict(speculative="ngram", spec_tokens=3, spec_schedule="fixed")
+
+
+def _repetitive(others: int) -> list[list[int]]:
+    """Prompts in which prompt lookup finds drafts (repeated phrases), of mixed lengths."""
+    return [[5 + i, 9, 13, 9, 13, 9, 13, 21 + i % 7] * (2 + i % 5) for i in range(others)]
+
+
+@pytest.mark.parametrize("size", [8, 64])
+def test_invariant_logits_bitwise_equal_while_the_batch_speculates(
+    model: Path, invariant_alone: Result, size: int
+) -> None:
+    """The neighbours draft by prompt lookup and are verified 1 + 3 rows each beside the
+    target (which asks for logprobs, so it decodes plainly: a counted fallback); at 64
+    a verify step has more rows than the decode tiles serve. The target's logprobs stay
+    those it has alone, and each greedy neighbour's tokens those it has alone without
+    speculation."""
+    engine = _engine(model, True, **SPEC)
+    others = _repetitive(size - 1)
+    target, tokens = _run_all(engine, others)
+    assert target == invariant_alone
+    load = engine.load()
+    assert load.num_spec_verifications > 0 and (load.spec_fallbacks or {}).get("logprobs", 0) > 0
+    plain = _engine(model, True)
+    for i in (0, size // 2, size - 2):
+        params = SamplingParams(max_tokens=3 + (5 * i) % 29, temperature=0.0, ignore_eos=True)
+        plain.add_request(EngineRequest(f"alone{i}", others[i], params))
+        while plain.has_unfinished_requests():
+            for out in plain.step():
+                if out.finished:
+                    assert list(out.token_ids) == tokens[f"other{i}"], (size, i)
 
 
 def test_invariant_mode_stays_close_to_the_normal_mode(model: Path, invariant_alone: Result) -> None:

@@ -9,10 +9,15 @@ function in another reduction order; a differing token is reported, not a failur
 On CUDA the invariant engine runs the Triton table (kernels/invariant_matmul.py,
 kernels/invariant_attention.py) under CUDA graphs; on the plain CPU the PyTorch one.
 ``--matmul`` adds the op-level cost on CUDA: the invariant matmul against F.linear
-(cuBLAS) for a Llama-3-8B layer's weights and the logits' product, M from 1 to 8192.
+(cuBLAS) for a Llama-3-8B layer's weights and the logits' product, M from 1 to 8192,
+with the M bucket (and its tile configuration) each M ran with. ``--matmul-sweep``
+times, per weight, block_k (64, 128) and M, the candidate tiles of SWEEP_TILES (all on
+wgmma, all within Hopper's shared memory) and prints the fastest: the data to choose
+matmul_family's buckets from (a family keeps one block_k for every M).
 
   python -m tools.bench.batch_invariant_bench --model models/trained/target --device cpu --batch 1 8
   python -m tools.bench.batch_invariant_bench --model /path/to/llama --device cuda --dtype bfloat16 --batch 1 8 64 --matmul
+  python -m tools.bench.batch_invariant_bench --device cuda --dtype bfloat16 --batch 1 --max-tokens 4 --matmul-sweep
 """
 
 import argparse
@@ -20,9 +25,13 @@ import random
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.model.kernels.invariant_matmul import MatmulConfig
 
 
 @dataclass(slots=True)
@@ -73,12 +82,55 @@ MATMUL_SHAPES: dict[str, tuple[int, int]] = {
     "lm_head": (128256, 4096),
 }
 """Llama-3-8B's weights [N, K] (q, k, v and gate, up stacked, as the model runs them)."""
-MATMUL_ROWS = (1, 8, 32, 128, 512, 2048, 8192)
+MATMUL_ROWS = (1, 8, 32, 128, 256, 512, 2048, 8192)
 
 
-def matmul_table(dtype: str) -> list[tuple[str, int, float, float]]:
-    """(weight, M, F.linear us, invariant us) on the current CUDA device, each the
-    median of triton's do_bench (warm-ups and repeats, L2 flushed between runs)."""
+def matmul_table(dtype: str) -> list[tuple[str, int, float, float, str]]:
+    """(weight, M, F.linear us, invariant us, bucket) on the current CUDA device, each
+    time the median of triton's do_bench (warm-ups and repeats, L2 flushed between runs);
+    bucket: the index of M's tile configuration in the weight's family, and the tiles."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from shared.model.kernels.invariant_matmul import invariant_matmul, matmul_family
+
+    torch_dtype = getattr(torch, dtype)
+    rows = []
+    for name, (n, k) in MATMUL_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch_dtype) * 0.02
+        family = matmul_family(n, k, torch_dtype)
+        for m in MATMUL_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch_dtype)
+            normal = do_bench(lambda: F.linear(x, w), return_mode="median") * 1000  # noqa: B023
+            invariant = do_bench(lambda: invariant_matmul(x, w), return_mode="median") * 1000  # noqa: B023
+            rows.append((name, m, normal, invariant, f"{family.bucket(m)} {family.config(m)}"))
+        del w
+    return rows
+
+
+SWEEP_TILES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
+    64: ((64, 64, 4, 4), (64, 64, 4, 6), (64, 64, 4, 8), (64, 128, 4, 3), (64, 128, 4, 5), (64, 256, 4, 3),
+         (128, 64, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4)),
+    128: ((64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 6), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4),
+          (128, 128, 4, 3), (128, 128, 8, 3)),
+}  # fmt: skip
+"""(block_m, block_n, num_warps, num_stages) per block_k: tiles on wgmma (BLOCK_M a multiple
+of 64, 4 or 8 warps) within Hopper's shared memory, decode-shaped to prefill-shaped."""
+
+
+def sweep_configs(block_k: int) -> list["MatmulConfig"]:
+    """SWEEP_TILES[block_k] as configurations."""
+    from shared.model.kernels.invariant_matmul import SHARED_MEMORY_BYTES, MatmulConfig
+
+    configs = [MatmulConfig(bm, bn, block_k, 8, w, s) for bm, bn, w, s in SWEEP_TILES[block_k]]
+    assert all(c.shared_memory_bytes <= SHARED_MEMORY_BYTES for c in configs)
+    return configs
+
+
+def matmul_sweep(dtype: str) -> list[tuple[str, int, int, float, float, str]]:
+    """(weight, block_k, M, F.linear us, fastest invariant us, its tiles) per weight,
+    block_k and M (MATMUL_ROWS), over sweep_configs."""
     import torch
     import torch.nn.functional as F
     from triton.testing import do_bench
@@ -92,8 +144,18 @@ def matmul_table(dtype: str) -> list[tuple[str, int, float, float]]:
         for m in MATMUL_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch_dtype)
             normal = do_bench(lambda: F.linear(x, w), return_mode="median") * 1000  # noqa: B023
-            invariant = do_bench(lambda: invariant_matmul(x, w), return_mode="median") * 1000  # noqa: B023
-            rows.append((name, m, normal, invariant))
+            for block_k in (64, 128):
+                timed = []
+                for c in sweep_configs(block_k):
+                    try:
+                        run = lambda: invariant_matmul(x, w, config=c)  # noqa: B023, E731
+                        us = do_bench(run, warmup=5, rep=20, return_mode="median") * 1000
+                    except Exception as error:  # noqa: BLE001 (out of resources: skip that tile)
+                        print(f"  {name} M={m} {c}: {type(error).__name__}")
+                        continue
+                    timed.append((us, str(c)))
+                best_us, best = min(timed)
+                rows.append((name, block_k, m, normal, best_us, best))
         del w
     return rows
 
@@ -107,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--matmul", action="store_true", help="also the op-level matmul table (CUDA)")
+    parser.add_argument("--matmul-sweep", action="store_true", help="also the tile sweep per block_k and M (CUDA)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
@@ -123,10 +186,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r.batch:>5} {r.normal_tok_s:>13.1f} {r.invariant_tok_s:>16.1f} {r.slowdown:>8.2f}x {str(r.same_tokens):>12}")
     if args.matmul:
         print(f"\nmatmul x[M, K] @ W[N, K]^T ({args.dtype}): F.linear (cuBLAS) vs invariant_matmul, median us")
-        print(f"{'weight':>8} {'N x K':>13} {'M':>5} {'F.linear':>9} {'invariant':>10} {'ratio':>7}")
-        for name, m, normal_us, invariant_us in matmul_table(args.dtype):
+        print(f"{'weight':>8} {'N x K':>13} {'M':>5} {'F.linear':>9} {'invariant':>10} {'ratio':>7}  bucket: tiles")
+        for name, m, normal_us, invariant_us, bucket in matmul_table(args.dtype):
             n, k = MATMUL_SHAPES[name]
-            print(f"{name:>8} {f'{n}x{k}':>13} {m:>5} {normal_us:>9.1f} {invariant_us:>10.1f} {invariant_us / normal_us:>6.2f}x")
+            print(f"{name:>8} {f'{n}x{k}':>13} {m:>5} {normal_us:>9.1f} {invariant_us:>10.1f} "
+                  f"{invariant_us / normal_us:>6.2f}x  {bucket}")  # fmt: skip
+    if args.matmul_sweep:
+        print(f"\nmatmul tile sweep ({args.dtype}): the fastest tiles per weight, block_k and M, median us")
+        print(f"{'weight':>8} {'block_k':>7} {'M':>5} {'F.linear':>9} {'fastest':>8} {'ratio':>7}  tiles")
+        for name, block_k, m, normal_us, best_us, best in matmul_sweep(args.dtype):
+            ratio = best_us / normal_us
+            print(f"{name:>8} {block_k:>7} {m:>5} {normal_us:>9.1f} {best_us:>8.1f} {ratio:>6.2f}x  {best}")
 
 
 if __name__ == "__main__":

@@ -3,21 +3,47 @@ GEMM whose result for a row does not depend on M or on the other rows.
 
 Why a row's bits can change with the batch in a library GEMM: the library picks a
 kernel, tile shape and split-K from M (a GEMV for one row, split-K for few rows,
-larger tiles for many), and each choice sums the K products in another order. Here
-the tile configuration is a function of (N, K, dtype) only, which are the weight's,
-never of M; every output element is one program's fp32 accumulator that walks K in
-BLOCK_K steps from 0 upwards (no split-K, no atomics), and each step is one tensor-core
-product of fixed shape in which an element's sum over its BLOCK_K terms does not
-depend on its row's place in the tile. Rows past M load zeros and are never stored,
-so they change nothing either.
+larger tiles for many), and each choice sums the K products in another order.
+
+What decides a row's bits here is only how each output element's sum over K is done:
+one program's fp32 accumulator walks K in BLOCK_K steps from 0 upwards (no split-K, no
+atomics), and each step is one ``tl.dot`` of a [BLOCK_M, BLOCK_K] by [BLOCK_K,
+BLOCK_N] tile, which the compiler issues as BLOCK_K / 16 tensor-core instructions of
+one family chained in K order into that accumulator (bf16/fp16 on Hopper: wgmma
+m64nNk16, N the tile columns one warpgroup covers). What is assumed of the hardware:
+an instruction adds an element's 16 products to its accumulator in a way that
+depends neither on the element's row or column in the tile nor on the instruction's
+N (the single-configuration kernel already assumed the first). Rows past M load
+zeros and are never stored.
+
+So a weight has a *family* of tile configurations (``MatmulFamily``): one BLOCK_K
+(and one dot precision) fixed by (N, K, dtype), and one configuration per bucket of
+M (decode rows: small tiles that spread the weight over every multiprocessor;
+prefill rows: large tiles that reuse it), chosen by M at launch. What differs between
+the buckets only decides which program computes which element and how the loads are
+pipelined, never an element's sum: BLOCK_M and BLOCK_N (where the element sits in
+the tile), GROUP_M (the order of the tiles), num_stages (how far ahead the loads
+run) and num_warps (which warps share the tile). The one thing that could change the
+sum, the instruction family, is held fixed by construction: every 16-bit bucket has
+BLOCK_M a multiple of 64, num_warps a multiple of 4 and BLOCK_N a multiple of 8,
+which is when Triton lowers a dot on sm90 to wgmma (a BLOCK_M of 16 or 32, or 2
+warps, would fall back to mma.sync, another instruction) -- ``MatmulFamily`` refuses
+a bucket that breaks this. float32 keeps one configuration for every M (IEEE
+products, no tensor cores). The GPU test tests/gpu/test_gpu_invariant_matmul.py
+checks the claim on the H200: for each Llama-3-8B weight in bf16, the first rows of
+a large-M call (the prefill bucket) are bitwise those of M = 1 .. 8192 calls across
+every bucket edge, and every bucket is used.
 
 M is not specialised on (``do_not_specialize``): Triton would otherwise compile a
 separate variant for M == 1 and for M divisible by 16, and the same arithmetic in
-another compiled variant is an assumption this module does not need to make.
+another compiled variant is an assumption this module does not need to make. Each
+bucket compiles once.
 
 Reference: ``torch.nn.functional.linear`` (equal up to the order of the sums).
 """
 
+import bisect
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +52,10 @@ import triton.language as tl
 
 from shared.model.kernels.checks import FLOAT_DTYPES, check_device, check_tensor
 
-__all__ = ["MatmulConfig", "invariant_matmul", "matmul_config"]
+__all__ = ["MatmulConfig", "MatmulFamily", "invariant_matmul", "matmul_config", "matmul_family"]
+
+SHARED_MEMORY_BYTES = 227 * 1024
+"""Shared memory one program may use on Hopper (H100/H200): the pipeline's stages must fit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,29 +67,88 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
 
+    @property
+    def shared_memory_bytes(self) -> int:
+        """The x and weight tiles of every pipeline stage, in a 16-bit dtype."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * 2
 
-def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
-    """The one tile configuration of a weight [n, k] in ``dtype``: a function of the
-    weight alone, so every M (1 to 8192, decode or prefill) runs the same code.
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
 
-    bf16/fp16, from a sweep on the H200 over Llama-3-8B's weights at M = 1 .. 8192
-    (each weight's best geometric mean of the time ratio to cuBLAS; ``tools/bench/
-    batch_invariant_bench.py --matmul`` prints the result):
+
+@dataclass(frozen=True, slots=True)
+class MatmulFamily:
+    """A weight's tile configurations: ``configs[i]`` serves M <= ``edges[i]`` (the last
+    one every larger M), all with the weight's one ``block_k`` (see the module docstring)."""
+
+    block_k: int
+    edges: tuple[int, ...]
+    configs: tuple[MatmulConfig, ...]
+    tensor_cores: bool = True
+    """Whether the dot runs on wgmma (16-bit dtypes); False for float32's IEEE products."""
+
+    def __post_init__(self) -> None:
+        assert len(self.configs) == len(self.edges) + 1 and list(self.edges) == sorted(set(self.edges))
+        for c in self.configs:
+            assert c.block_k == self.block_k, (c, self.block_k)  # the reduction order is the weight's
+            if self.tensor_cores:
+                # The wgmma conditions (else Triton falls back to mma.sync: another instruction).
+                assert c.block_m % 64 == 0 and c.num_warps % 4 == 0 and c.block_n % 8 == 0, c
+                assert c.shared_memory_bytes <= SHARED_MEMORY_BYTES, c
+
+    def bucket(self, m: int) -> int:
+        """Index of the configuration that M rows run with."""
+        return bisect.bisect_left(self.edges, m)
+
+    def config(self, m: int) -> MatmulConfig:
+        return self.configs[self.bucket(m)]
+
+
+DECODE_ROWS = 128
+"""The largest M run with the decode tiles: a decode step of up to 128 requests, or of 32
+with 3 drafts each (on the H200 the decode tiles ran at 1.0-1.35x cuBLAS up to M = 128
+and at 1.3-2.3x from M = 512, where the prefill tiles take over)."""
+
+
+def _family(block_k: int, decode: tuple[int, int, int, int], prefill: tuple[int, int, int, int]) -> MatmulFamily:
+    """Two buckets split at DECODE_ROWS; each tile as (block_m, block_n, num_warps, num_stages)."""
+    configs = tuple(MatmulConfig(bm, bn, block_k, 8, w, s) for bm, bn, w, s in (decode, prefill))
+    return MatmulFamily(block_k, (DECODE_ROWS,), configs)
+
+
+@functools.cache
+def matmul_family(n: int, k: int, dtype: torch.dtype) -> MatmulFamily:
+    """The tile configurations of a weight [n, k] in ``dtype``: a function of the weight
+    alone, with one block_k; M only picks among them (``MatmulFamily.config``).
+
+    bf16/fp16 decode tiles (M <= DECODE_ROWS), from a sweep on the H200 over Llama-3-8B's
+    weights (``tools/bench/batch_invariant_bench.py --matmul`` prints the result):
     - a wide output (n >= 16384: gate_up, the logits) has column tiles for every
-      multiprocessor even at M = 1: 128x128x64 tiles, 8 warps, the large-M shape;
+      multiprocessor even at M = 1: 128x128x64 tiles, 8 warps;
     - a narrow one (n <= 4096: o_proj, down_proj) has 64 column tiles of 64 at best in
       decode, so each must keep much of the weight in flight: 64x64x128 tiles, 6 stages
       (192 KiB of shared memory: Hopper's size);
     - between (qkv, n = 6144): 64x128x64 tiles, 5 stages.
-    float32 runs in IEEE precision (no TF32), like the PyTorch path, in small tiles."""
-    del k  # K sets only the number of steps; kept in the signature: the config is the weight's
+    Prefill tiles (M > DECODE_ROWS) reuse each loaded tile over many rows, 8 warps:
+    128x256x64, 3 stages (144 KiB) for the wide weights; 128x128x64, 4 stages (128 KiB)
+    for qkv (half as many columns: twice the tiles, for M of a few hundred); 128x128x128,
+    3 stages (192 KiB) for the narrow weights, whose block_k of 128 their decode tiles
+    need.
+    float32 runs in IEEE precision (no TF32), like the PyTorch path, in small tiles, one
+    configuration for every M."""
+    del k  # K sets only the number of steps; kept in the signature: the family is the weight's
     if dtype == torch.float32:
-        return MatmulConfig(block_m=32, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
+        return MatmulFamily(32, (), (MatmulConfig(32, 64, 32, 8, 4, 2),), tensor_cores=False)
     if n >= 16384:
-        return MatmulConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+        return _family(64, decode=(128, 128, 8, 3), prefill=(128, 256, 8, 3))
     if n <= 4096:
-        return MatmulConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=6)
-    return MatmulConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=5)
+        return _family(128, decode=(64, 64, 4, 6), prefill=(128, 128, 8, 3))
+    return _family(64, decode=(64, 128, 4, 5), prefill=(128, 128, 8, 4))
+
+
+def matmul_config(n: int, k: int, dtype: torch.dtype, m: int) -> MatmulConfig:
+    """The tile configuration M rows of x run with against a weight [n, k] in ``dtype``."""
+    return matmul_family(n, k, dtype).config(m)
 
 
 # M changes every step: never specialised on (no recompiles, one compiled variant for all M).
@@ -126,9 +214,10 @@ def _matmul_kernel(
 def invariant_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: MatmulConfig | None = None
 ) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias [N]) -> [..., N] in x's dtype, as F.linear.
-    ``config`` overrides the weight's tile configuration (tuning sweeps only: a caller
-    that varies it per call gives up invariance)."""
+    """x [..., K] @ weight[N, K]^T (+ bias [N]) -> [..., N] in x's dtype, as F.linear,
+    with the tile configuration of the weight's family for M = x's rows. ``config``
+    overrides it (tuning sweeps only: a caller that changes its block_k between calls
+    gives up invariance)."""
     check_device(x.device)
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension")
@@ -149,7 +238,7 @@ def invariant_matmul(
         return out.view(*lead, n)
     if k == 0:
         return (out.zero_() if bias is None else out.copy_(bias.expand(m, n))).view(*lead, n)
-    c = config or matmul_config(n, k, weight.dtype)
+    c = config or matmul_config(n, k, weight.dtype, m)
     grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
     _matmul_kernel[grid](
         x2, weight, weight if bias is None else bias, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
