@@ -22,7 +22,8 @@ fixed-shape product gives a row the same bits wherever it sits in its tile and
 whatever the other rows hold (true of BLAS micro-kernels, whose reduction over K
 runs in one order per output element). The same assumption, for a tensor-core tile
 product, underlies the Triton table below (checked on an H200 by
-tests/gpu/test_gpu_batch_invariant.py).
+tests/gpu/test_gpu_batch_invariant.py, and by tests/gpu/test_gpu_invariant_matmul.py
+for the matmul's tiles of every M bucket).
 
 apply(model) installs a table on a built dense Llama-family model by swapping the
 kernel objects its modules already dispatch to: Linear's row kernel, RMSNorm's kernel
@@ -32,7 +33,8 @@ Experts (MoE) are refused: their grouped GEMMs are not made invariant. Two table
 - on CUDA (and on the CPU for a model built with kernels="triton" under
   TRITON_INTERPRET=1, which is how the kernels are tested): Triton kernels whose
   reduction order per element cannot depend on the batch. ``kernels/invariant_matmul``
-  (one tile configuration per weight, K in one order, no split-K),
+  (one block_k per weight, tiles chosen by M among the weight's family, K in one
+  order, no split-K),
   ``kernels/invariant_attention`` (one kernel and one KV tiling for decode and prefill
   tokens alike, no split of the keys), and the Triton RMSNorm and rotary kernels as
   they are: the norm reduces each row inside one program whose shape follows the row
