@@ -167,9 +167,9 @@ def test_invariant_logits_bitwise_equal_while_the_batch_speculates(
 ) -> None:
     """The neighbours draft by prompt lookup and are verified 1 + 3 rows each beside the
     target (which asks for logprobs, so it decodes plainly: a counted fallback); at 64
-    a verify step has more rows than the decode tiles serve. The target's logprobs stay
-    those it has alone, and each greedy neighbour's tokens those it has alone without
-    speculation."""
+    a verify step can have more rows than the decode tiles serve (63 x 4). The target's
+    logprobs stay those it has alone, and three greedy neighbours keep the tokens they
+    have alone without speculation."""
     engine = _engine(model, True, **SPEC)
     others = _repetitive(size - 1)
     target, tokens = _run_all(engine, others)
