@@ -198,6 +198,23 @@ def test_list_prompts_stream_every_choice_with_its_index(server: Server) -> None
     assert usages[-1] == whole["usage"]
 
 
+def test_streamed_token_ids_include_tokens_whose_text_is_held_back(server: Server) -> None:
+    """A token whose text is held back (it could begin a stop string) makes an empty
+    text delta; with return_token_ids its id must still reach the client."""
+    base = dict(prompt=PROMPTS[0], max_tokens=12, temperature=0.0, ignore_eos=True, return_token_ids=True)
+    whole = server.complete(**base)["choices"][0]["token_ids"]
+    held = next(t for t in whole[3:] if server.recipe.decode([t]).strip())
+    stop = server.recipe.decode([held]) + "\u2603"  # its text, then a character the output never has
+    streamed: list[int] = []
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, **base, "stop": [stop], "stream": True}) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed += c["token_ids"] or []
+    assert streamed == whole
+
+
 # -- constraints --------------------------------------------------------------------------
 
 

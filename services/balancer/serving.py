@@ -226,7 +226,10 @@ class OpenAIServer:
                         usages[position[id(job)]] = delta.usage
                     if call.chat and not job.started:  # OpenAI's first chat chunk of a choice names the role
                         yield sse(shaper.role_chunk(job))
-                    if delta.text or delta.logprobs or delta.finish_reason or not job.started:
+                    # A token whose text is held back (a partial character, a possible stop
+                    # string) still goes out when the client asked for token ids: else it is lost.
+                    ids = call.return_token_ids and delta.token_ids
+                    if delta.text or delta.logprobs or delta.finish_reason or ids or not job.started:
                         yield sse(shaper.chunk(job, delta, delta.usage))
                     item = await anext(deltas, None)
                 if call.include_usage and usages:
