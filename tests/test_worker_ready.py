@@ -22,7 +22,7 @@ from shared.runtime.bus import Bus
 from shared.runtime.metrics import Metrics
 from shared.runtime.service import ServiceContext
 from shared.runtime.settings import load_settings
-from shared.stage.worker import Worker, serve_engine_stage
+from shared.stage.worker import Dispatch, Worker, serve_engine_stage
 from tests.mesh_procs import NatsServer
 from tools.launch.up import free_port
 
@@ -62,9 +62,9 @@ async def test_ready_is_503_while_loading_200_when_serving_and_503_while_drainin
     ctx = ServiceContext("decode", "decode-0", settings, bus, trace.get_tracer("test"), metrics, stop)
     workers: list[Worker] = []
 
-    def handler(worker: Worker):  # noqa: ANN202
+    def dispatch(worker: Worker) -> list[Dispatch]:
         workers.append(worker)
-        return DecodeService(ctx, worker).on_admit
+        return [Dispatch(subjects.decode_admit("decode-0"), mesh_pb2.DecodeHandoff, DecodeService(ctx, worker).on_admit)]
 
     try:
         # As run_service orders it: /metrics (and /ready) are up before the engine loads.
@@ -77,8 +77,7 @@ async def test_ready_is_503_while_loading_200_when_serving_and_503_while_drainin
 
         await bus.nc.subscribe(subjects.heartbeat("decode", "decode-0"), cb=on_heartbeat)
         async with AsyncExitStack() as stack:
-            loading = asyncio.create_task(serve_engine_stage(
-                ctx, stack, handler, subjects.decode_admit("decode-0"), mesh_pb2.DecodeHandoff))
+            loading = asyncio.create_task(serve_engine_stage(ctx, stack, dispatch))
             num_loading_503 = 0
             while not loading.done():  # the whole load long: never ready before the engine is there
                 engine_loaded = bool(workers)

@@ -48,7 +48,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Tracer
 
 from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
-from services.balancer.policies import choose_decode, choose_prefill
+from services.balancer.policies import choose_decode, choose_prefill, choose_prefill_site, leading_blocks_held
 from services.balancer.registry import Instance, Registry
 from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
@@ -135,6 +135,10 @@ class MeshGenerator:
             "migrations_total", "Requests moved to other instances, by cause (left_mesh: the registry lost the "
             "instance; error; timeout; handoff: decode did not take prefill's handoff; lost: chunks lost in a NATS "
             "outage)", ("cause",)
+        )
+        self.m_prefill_site = metrics.counter(
+            "prefill_site_total", "Requests by where their prompt was computed (remote: on a prefill instance; local: "
+            "on their decode instance, conditional disaggregation) and why", ("site", "reason")
         )
         self.m_migration_gap = metrics.histogram(
             "migration_gap_seconds", "What a moved request's client waited: from its last token before the failure "
@@ -334,8 +338,10 @@ class MeshGenerator:
                 root.set_attribute("migration.dispatched_unix", time.time())
             # Not the current span: this generator yields, and a span made current
             # across a yield would be detached in another context when closed.
+            local = route.prefill == route.decode
             span = self.tracer.start_span(
-                "stream", attributes={"decode.instance": route.decode, "prefill.instance": route.prefill}
+                "stream",
+                attributes={"decode.instance": route.decode, "prefill.instance": route.prefill, "prefill.local": local},
             )
             self._watch(reader, route.prefill)
             self._watch(reader, route.decode)
@@ -354,7 +360,7 @@ class MeshGenerator:
                                                       cause="handoff")
                             raise _InstanceFailed(chunk.error, route.prefill)
                         raise _InstanceFailed(chunk.error, route.decode)
-                    if num_chunks == 0:  # decode has the request: prefill's fate no longer matters
+                    if num_chunks == 0 and not local:  # decode has the request: prefill's fate no longer matters
                         self._unwatch(reader, route.prefill)
                     num_chunks += 1
                     if num_tokens == 0:
@@ -443,6 +449,17 @@ class MeshGenerator:
             span.set_attribute("decode.candidates", list(decode.scores))
             span.set_attribute("decode.choice", did)
             await reader.listen(did)
+            s = self.settings
+            site = choose_prefill_site(
+                self._prefer(self._candidates("prefill"), excluded), hashes, len(req.prompt_token_ids),
+                self.block_size, s.local_prefill_max_tokens, s.local_prefill_queue_tokens,
+            )  # fmt: skip
+            span.set_attribute("prefill.local", site.local)
+            span.set_attribute("prefill.site_reason", site.reason)
+            span.set_attribute("prefill.queued_tokens", site.queued_tokens)
+            if site.local:
+                self.m_prefill_site.labels("local", site.reason).inc()
+                return await self._dispatch_local(req, decode.instance, span)
             tried: set[str] = set()
             last_error = "no live prefill instance"
             while True:
@@ -478,12 +495,40 @@ class MeshGenerator:
                     last_error = f"prefill instance {pid} did not answer ({type(exc).__name__})"
                     continue
                 if ack.accepted:
+                    self.m_prefill_site.labels("remote", site.reason).inc()
                     prefill.instance.in_flight += 1
+                    held = leading_blocks_held(prefill.instance, hashes) * self.block_size
+                    prefill.instance.in_flight_tokens += max(len(req.prompt_token_ids) - held, 0)
                     decode.instance.in_flight += 1
                     return _Route(pid, did)
                 if ack.code not in _RETRYABLE:
                     raise GenerationError(ack.message, status=400, error_type="invalid_request_error")
                 last_error = f"prefill instance {pid} refused: {ack.message}"
+
+    async def _dispatch_local(self, req: GenerationRequest, decode: Instance, span: Span) -> _Route:
+        """Hand the whole request to its decode instance, which prefills it too (the
+        route's two stages are then one instance). A decode instance that refuses or does
+        not answer fails this attempt, charged to it: the request moves."""
+        did = decode.instance_id
+        msg = mesh_pb2.PrefillRequest(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=params_to_proto(req.params),
+            cache_salt=req.cache_salt or "",
+            decode_instance=did,
+        )
+        await self._wait_for_bus(span)
+        try:
+            ack = await self._request_unless_gone(did, subjects.decode_run(did), msg)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            raise _InstanceFailed(f"decode instance {did} did not answer ({type(exc).__name__})", did,
+                                  cause="handoff") from None
+        if not ack.accepted:
+            if ack.code not in _RETRYABLE:
+                raise GenerationError(ack.message, status=400, error_type="invalid_request_error")
+            raise _InstanceFailed(f"decode instance {did} refused: {ack.message}", did, cause="handoff")
+        decode.in_flight += 1
+        return _Route(did, did)
 
     async def _wait_for_bus(self, span: Span) -> None:
         """Wait for the bus, when it is down, up to OUTAGE_WAIT_S; 503 if it is not back."""

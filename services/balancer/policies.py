@@ -6,6 +6,9 @@ figures it chose by, which go on the request's trace span.
   nobody holds any, the least loaded by tokens waiting to be computed.
 - decode: the least loaded by running + waiting requests, then by the most
   free KV blocks; ties broken at random.
+- where the prompt is computed (choose_prefill_site): on a prefill instance, or
+  on the decode instance when the prompt is short or prefill is the bottleneck
+  (conditional disaggregation; off unless its settings are set).
 
 Random tie-breaks matter: a burst of requests between two heartbeats would
 otherwise all go to the first instance in the list.
@@ -62,3 +65,44 @@ def choose_decode(candidates: Sequence[Instance], rng: random.Random) -> Choice:
 
     inst = _pick(candidates, key, rng)
     return Choice(inst, "least_loaded", {c.instance_id: float(key(c)[0]) for c in candidates})
+
+
+@dataclass(slots=True)
+class PrefillSite:
+    """Where a request's prompt is computed: on a prefill instance (disaggregated) or
+    on its decode instance (local), and why."""
+
+    local: bool
+    reason: str
+    queued_tokens: int
+    """The least loaded prefill instance's queue, in prompt tokens (-1: none live)."""
+
+
+def queued_prefill_tokens(inst: Instance) -> int:
+    """Prompt tokens the instance has still to compute: its last heartbeat's, plus what
+    this balancer sent it since."""
+    return inst.load.num_queued_tokens + inst.in_flight_tokens
+
+
+def choose_prefill_site(
+    candidates: Sequence[Instance], hashes: Sequence[BlockHash], prompt_tokens: int, block_size: int,
+    max_local_tokens: int, max_queue_tokens: int,
+) -> PrefillSite:
+    """Dynamo's conditional disaggregation. A prompt is prefilled on its decode instance
+    when what is left to compute (beyond the longest prefix a prefill instance holds)
+    is short (at most max_local_tokens), or when prefill is the bottleneck (the least
+    loaded prefill instance has max_queue_tokens queued): then decode folds the prompt
+    into its own steps, its decoding requests riding along. With either rule on, also
+    when no prefill instance is live. 0 turns a rule off; with both off, always remote."""
+    if max_local_tokens <= 0 and max_queue_tokens <= 0:
+        return PrefillSite(False, "disaggregated", -1)
+    if not candidates:
+        return PrefillSite(True, "no_prefill_instance", -1)
+    held = max(leading_blocks_held(c, hashes) for c in candidates)
+    to_compute = prompt_tokens - held * block_size
+    queued = min(queued_prefill_tokens(c) for c in candidates)
+    if 0 < max_local_tokens and to_compute <= max_local_tokens:
+        return PrefillSite(True, "short_prompt", queued)
+    if 0 < max_queue_tokens <= queued:
+        return PrefillSite(True, "prefill_queue", queued)
+    return PrefillSite(False, "disaggregated", queued)

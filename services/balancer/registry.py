@@ -72,6 +72,8 @@ class Instance:
     interval_s: float
     draining: bool = False
     in_flight: int = 0
+    in_flight_tokens: int = 0
+    """Prompt tokens of the requests in in_flight (a prefill instance's queue grows by them)."""
     blocks: set[BlockHash] = field(default_factory=set)
     seq: int = 0
     """The last heartbeat's seq (0: unnumbered)."""
@@ -158,6 +160,7 @@ class Registry:
         if connection:
             inst.connection = connection
         inst.in_flight = 0  # the heartbeat's figures now include what we sent
+        inst.in_flight_tokens = 0
         for callback in self.on_beat:
             callback(inst)
         return None

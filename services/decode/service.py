@@ -1,4 +1,4 @@
-"""Decode: continue a request handed over by prefill.
+"""Decode: continue a request handed over by prefill, or run one whole.
 
 The first token (sampled by prefill) goes out at once; the engine's connector
 loads the prompt's full blocks from kvcache into the local paged cache (the
@@ -7,14 +7,24 @@ the partial last block and the first token, then generates. Every token goes out
 on the request's stream subject with a sequence number; the last chunk says
 why it ended and carries usage. A cancel message aborts the request, which
 frees its blocks.
+
+A whole request (PrefillRequest on decode_run) comes when the balancer prefers
+this instance to compute the prompt too (conditional disaggregation: the prompt
+is short, or prefill is the bottleneck): the engine loads what kvcache holds of
+the prompt, prefills the rest in its own steps beside the requests it decodes,
+writes the new full blocks behind to kvcache, and streams every token from the
+first, with the prompt's logprobs when asked.
 """
 
 import asyncio
 import logging
 from contextlib import AsyncExitStack
 
+from opentelemetry.trace import Span
+
 from shared.engine.engine_request import EngineRequest, KVTransferParams, PeerSource
 from shared.engine.llm_engine import LLMEngine
+from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
@@ -23,7 +33,7 @@ from shared.runtime.bus import StreamPublisher
 from shared.runtime.service import ServiceContext
 from shared.stage.convert import logprobs_to_proto, params_from_proto
 from shared.runtime.telemetry import inject_headers
-from shared.stage.worker import Worker, serve_engine_stage, validate_prompt
+from shared.stage.worker import Dispatch, Worker, serve_engine_stage, validate_prompt
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +47,9 @@ class DecodeService:
         self.m_requests = m.counter("requests_total", "Decode requests by outcome", ("outcome",))
         self.m_output_tokens = m.counter("output_tokens_total", "Tokens generated")
         self.m_itl = m.histogram("inter_token_latency_seconds", "Time between two tokens of a request")
+        self.m_local = m.counter("local_prefills_total", "Whole requests the balancer sent here, prefilled here too")
+        self.m_prompt_tokens = m.counter("local_prompt_tokens_total", "Prompt tokens of those requests, and how many "
+                                         "a cache served", ("source",))
 
     async def on_admit(self, h: mesh_pb2.DecodeHandoff) -> mesh_pb2.Ack:
         if self.worker.draining:
@@ -53,18 +66,29 @@ class DecodeService:
         self.worker.spawn(h.request_id, self._decode(h, params))
         return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
 
-    def _usage(self, h: mesh_pb2.DecodeHandoff, num_output: int) -> mesh_pb2.Usage:
-        return mesh_pb2.Usage(
-            prompt_tokens=len(h.prompt_token_ids),
-            completion_tokens=num_output,
-            cached_tokens=h.num_cached_tokens,
-        )
+    async def on_run(self, req: mesh_pb2.PrefillRequest) -> mesh_pb2.Ack:
+        """A whole request: prefill it here too (the balancer chose conditional disaggregation)."""
+        if self.worker.draining:
+            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_SHUTTING_DOWN, message="draining")
+        try:
+            params = params_from_proto(req.sampling)
+            validate_prompt(self.engine, list(req.prompt_token_ids), params)
+            params.check_vocab(self.engine.model.config.vocab_size)
+            subjects.check_token(req.request_id)
+        except ValueError as exc:
+            self.m_requests.labels("invalid").inc()
+            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
+        self.worker.spawn(req.request_id, self._run(req, params))
+        return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
+
+    @staticmethod
+    def _usage(prompt_tokens: int, num_output: int, cached_tokens: int) -> mesh_pb2.Usage:
+        return mesh_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=num_output, cached_tokens=cached_tokens)
 
     async def _decode(self, h: mesh_pb2.DecodeHandoff, params: SamplingParams) -> None:
         rid = h.request_id
         prompt = list(h.prompt_token_ids)
         pub = StreamPublisher(self.ctx.bus, self.ctx.instance_id, rid)
-        loop = asyncio.get_running_loop()
         with self.ctx.tracer.start_as_current_span("decode") as span:
             span.set_attribute("request.id", rid)
             span.set_attribute("prompt.tokens", len(prompt))
@@ -76,7 +100,7 @@ class DecodeService:
                     first.logprobs.append(h.first_logprobs)
                 first.prompt_logprobs.extend(h.prompt_logprobs)  # scored by prefill
                 # Usage from the start: a stop string may cut the stream before the last chunk.
-                first.usage.CopyFrom(self._usage(h, 1))
+                first.usage.CopyFrom(self._usage(len(prompt), 1, h.num_cached_tokens))
                 status = self._stops_at_first_token(h, params)
                 if status is not None:
                     first.final = True
@@ -87,7 +111,6 @@ class DecodeService:
                     span.set_attribute("output.tokens", 1)
                     self.m_requests.labels("ok").inc()
                     return
-                last = loop.time()
                 request = EngineRequest(
                     rid,
                     prompt,
@@ -97,43 +120,98 @@ class DecodeService:
                     kv_transfer=KVTransferParams(load=True, source=self._peer_source(h)),
                     trace_carrier=inject_headers(),
                 )
-                async for out in self.worker.engine.generate(request):
-                    chunk = mesh_pb2.TokenChunk(request_id=rid, token_ids=out.new_token_ids, instance_id=self.ctx.instance_id)
-                    chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
-                    if out.finished:
-                        if out.kv is not None:
-                            self.worker.record_kv_transfer(out.kv, span, rid)
-                        chunk.final = True
-                        chunk.finish_reason = out.finish_reason or "stop"
-                        chunk.usage.CopyFrom(self._usage(h, len(out.token_ids)))
-                        # What speculation did for this request here (after a migration,
-                        # on this instance only: the drafts before it are not carried).
-                        chunk.usage.spec_drafted_tokens = out.num_spec_drafted_tokens
-                        chunk.usage.spec_accepted_tokens = out.num_spec_accepted_tokens
-                        span.set_attribute("output.tokens", len(out.token_ids))
-                        span.set_attribute("finish_reason", chunk.finish_reason)
-                        if out.num_spec_drafted_tokens:
-                            span.set_attribute("spec.drafted_tokens", out.num_spec_drafted_tokens)
-                            span.set_attribute("spec.accepted_tokens", out.num_spec_accepted_tokens)
-                    await pub.send(chunk)
-                    now = loop.time()
-                    self.m_itl.observe(now - last)
-                    last = now
-                    self.m_output_tokens.inc(len(out.new_token_ids))
+                await self._stream(request, pub, span, h.num_cached_tokens)
                 self.m_requests.labels("ok").inc()
             except asyncio.CancelledError:
                 self.m_requests.labels("cancelled").inc()
                 span.set_attribute("cancelled", True)
                 raise
             except Exception as exc:
-                log.exception("decode of %s failed", rid)
-                self.m_requests.labels("error").inc()
-                span.record_exception(exc)
-                error = mesh_pb2.TokenChunk(
-                    request_id=rid, final=True, error_code=mesh_pb2.ERROR_CODE_INTERNAL,
-                    error=f"decode failed: {exc}", instance_id=self.ctx.instance_id,
-                )
-                await pub.send(error)
+                await self._fail(rid, pub, span, exc)
+
+    async def _run(self, req: mesh_pb2.PrefillRequest, params: SamplingParams) -> None:
+        rid = req.request_id
+        prompt = list(req.prompt_token_ids)
+        pub = StreamPublisher(self.ctx.bus, self.ctx.instance_id, rid)
+        with self.ctx.tracer.start_as_current_span("decode") as span:
+            span.set_attribute("request.id", rid)
+            span.set_attribute("prompt.tokens", len(prompt))
+            span.set_attribute("prefill.local", True)
+            self.m_local.inc()
+            try:
+                # What prefill does, kvcache read and written behind, then decoding in the same engine.
+                transfer = KVTransferParams(load=True, save=True, wait_for_save=False)
+                request = EngineRequest(rid, prompt, params, req.cache_salt or None, kv_transfer=transfer,
+                                        trace_carrier=inject_headers())  # fmt: skip
+                final = await self._stream(request, pub, span, None)
+                if final.queued_seconds is not None:
+                    self.worker.vllm.queue_time.observe(final.queued_seconds)
+                span.set_attribute("prompt.cached_tokens", final.num_cached_tokens)
+                self.m_prompt_tokens.labels("computed").inc(len(prompt) - final.num_cached_tokens)
+                self.m_prompt_tokens.labels("cached").inc(final.num_cached_tokens)
+                self.m_requests.labels("ok").inc()
+            except asyncio.CancelledError:
+                self.m_requests.labels("cancelled").inc()
+                span.set_attribute("cancelled", True)
+                raise
+            except Exception as exc:
+                await self._fail(rid, pub, span, exc)
+
+    async def _stream(
+        self, request: EngineRequest, pub: StreamPublisher, span: Span, cached_tokens: int | None
+    ) -> RequestOutput:
+        """Run the request in the engine and send its tokens as they come. cached_tokens:
+        the prompt's, counted by prefill; None when this engine computed the prompt
+        (the first chunk then has usage, and the prompt's logprobs when asked)."""
+        rid = request.request_id
+        prompt_tokens = len(request.prompt)
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        out: RequestOutput | None = None
+        first = cached_tokens is None
+        async for out in self.worker.engine.generate(request):
+            chunk = mesh_pb2.TokenChunk(request_id=rid, token_ids=out.new_token_ids, instance_id=self.ctx.instance_id)
+            chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.new_logprobs)
+            cached = out.num_cached_tokens if cached_tokens is None else cached_tokens
+            if first:  # usage from the start: a stop string may cut the stream before the last chunk
+                first = False
+                chunk.usage.CopyFrom(self._usage(prompt_tokens, len(out.token_ids), cached))
+                if out.prompt_logprobs is not None:  # positions 1..: the first token has none
+                    chunk.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in out.prompt_logprobs[1:] if lp)
+            if out.finished:
+                if out.kv is not None:
+                    self.worker.record_kv_transfer(out.kv, span, rid)
+                chunk.final = True
+                chunk.finish_reason = out.finish_reason or "stop"
+                chunk.usage.CopyFrom(self._usage(prompt_tokens, len(out.token_ids), cached))
+                # What speculation did for this request here (after a migration,
+                # on this instance only: the drafts before it are not carried).
+                chunk.usage.spec_drafted_tokens = out.num_spec_drafted_tokens
+                chunk.usage.spec_accepted_tokens = out.num_spec_accepted_tokens
+                span.set_attribute("output.tokens", len(out.token_ids))
+                span.set_attribute("finish_reason", chunk.finish_reason)
+                if out.num_spec_drafted_tokens:
+                    span.set_attribute("spec.drafted_tokens", out.num_spec_drafted_tokens)
+                    span.set_attribute("spec.accepted_tokens", out.num_spec_accepted_tokens)
+            await pub.send(chunk)
+            now = loop.time()
+            if cached_tokens is not None or len(out.token_ids) > len(out.new_token_ids):  # not the first token
+                self.m_itl.observe(now - last)
+            last = now
+            self.m_output_tokens.inc(len(out.new_token_ids))
+        assert out is not None and out.finished
+        return out
+
+    async def _fail(self, rid: str, pub: StreamPublisher, span: Span, exc: Exception) -> None:
+        """End the request's stream with the error: the balancer moves it or answers."""
+        log.exception("decode of %s failed", rid)
+        self.m_requests.labels("error").inc()
+        span.record_exception(exc)
+        error = mesh_pb2.TokenChunk(
+            request_id=rid, final=True, error_code=mesh_pb2.ERROR_CODE_INTERNAL,
+            error=f"decode failed: {exc}", instance_id=self.ctx.instance_id,
+        )
+        await pub.send(error)
 
     def _peer_source(self, h: mesh_pb2.DecodeHandoff) -> PeerSource | None:
         """Where prefill holds the prompt's KV for a direct copy, if it does."""
@@ -157,10 +235,11 @@ class DecodeService:
 
 
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
-    await serve_engine_stage(
-        ctx,
-        stack,
-        lambda worker: DecodeService(ctx, worker).on_admit,
-        subjects.decode_admit(ctx.instance_id),
-        mesh_pb2.DecodeHandoff,
-    )
+    def dispatch(worker: Worker) -> list[Dispatch]:
+        service = DecodeService(ctx, worker)
+        return [
+            Dispatch(subjects.decode_admit(ctx.instance_id), mesh_pb2.DecodeHandoff, service.on_admit),
+            Dispatch(subjects.decode_run(ctx.instance_id), mesh_pb2.PrefillRequest, service.on_run),
+        ]
+
+    await serve_engine_stage(ctx, stack, dispatch)

@@ -29,7 +29,7 @@ from shared.runtime import subjects
 from shared.runtime.service import ServiceContext
 from shared.runtime.telemetry import inject_headers
 from shared.stage.convert import logprobs_to_proto, params_from_proto
-from shared.stage.worker import Worker, fail_stream, serve_engine_stage, validate_prompt
+from shared.stage.worker import Dispatch, Worker, fail_stream, serve_engine_stage, validate_prompt
 
 
 log = logging.getLogger(__name__)
@@ -153,11 +153,7 @@ class PrefillService:
 
 
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
-    await serve_engine_stage(
-        ctx,
-        stack,
-        lambda worker: PrefillService(ctx, worker).on_run,
-        subjects.prefill_run(ctx.instance_id),
-        mesh_pb2.PrefillRequest,
-        share_kv=ctx.settings.engine.kv_direct_transfer,
-    )
+    def dispatch(worker: Worker) -> list[Dispatch]:
+        return [Dispatch(subjects.prefill_run(ctx.instance_id), mesh_pb2.PrefillRequest, PrefillService(ctx, worker).on_run)]
+
+    await serve_engine_stage(ctx, stack, dispatch, share_kv=ctx.settings.engine.kv_direct_transfer)

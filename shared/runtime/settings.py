@@ -162,6 +162,18 @@ class BalancerSettings:
     migration_limit: int = 1
     """How many times a request whose instance fails mid-way is moved to other
     instances (prompt + tokens so far) before the client gets an error."""
+    local_prefill_max_tokens: int = 0
+    """Conditional disaggregation (Dynamo's max_local_prefill_length): a prompt with
+    at most this many tokens left to compute (beyond the longest prefix a prefill
+    instance holds) is prefilled by its decode instance, which then decodes it:
+    moving its KV would cost more than computing it there. 0: never for length."""
+    local_prefill_queue_tokens: int = 0
+    """Conditional disaggregation by load: when the least loaded prefill instance
+    has at least this many prompt tokens queued, the decode instance prefills the
+    request itself (its decode tokens ride in the same steps). 0: never for load.
+    Worth it where prefill and decode share a GPU, which time-slices them. With
+    either setting on, a request also prefills on decode when no prefill
+    instance is live, rather than failing."""
     tool_call_parser: str = "auto"
     """How chat replies are read for tool calls under tool_choice auto (vLLM's
     --tool-call-parser): hermes (<tool_call> JSON, Qwen/Hermes), llama3_json (Llama

@@ -34,6 +34,12 @@ def decode_admit(instance_id: str) -> str:
     return f"{PREFIX}.decode.{instance_id}.admit"
 
 
+def decode_run(instance_id: str) -> str:
+    """Where the balancer sends a decode instance a whole request (PrefillRequest) to
+    prefill as well as decode: conditional disaggregation."""
+    return f"{PREFIX}.decode.{instance_id}.run"
+
+
 def kv_release(instance_id: str) -> str:
     """Where a decode instance tells the prefill instance it copied a request's KV from
     that the blocks may go (KvRelease)."""

@@ -17,7 +17,8 @@ import logging
 import time
 from contextlib import AsyncExitStack
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import Message
@@ -276,18 +277,26 @@ class Worker:
                 log.exception("publishing KV events failed")
 
 
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A subject an engine stage takes work on, its message type and its handler
+    (which answers with an Ack)."""
+
+    subject: str
+    message_type: type[Message]
+    handle: Callable[[Any], Awaitable[Message | None]]
+
+
 async def serve_engine_stage(
     ctx: ServiceContext,
     stack: AsyncExitStack,
-    make_handler: Callable[[Worker], Callable[[Any], Awaitable[Message | None]]],
-    subject: str,
-    message_type: type[Message],
+    make_dispatch: Callable[[Worker], Sequence[Dispatch]],
     *,
     share_kv: bool = False,
 ) -> None:
     """The setup both engine stages share: the engine with its KV connector (direct
     copies from a peer's cache, then the host tier, then kvcache; loaded off the event loop), the
-    worker duties, the dispatch subscription and cancels. share_kv: peers on this
+    worker duties, the dispatch subscriptions and cancels. share_kv: peers on this
     host may copy held blocks straight out of this engine's cache (prefill), which
     then also hears their releases. The exit stack unwinds intake first, then the
     drain, then the rest."""
@@ -316,16 +325,13 @@ async def serve_engine_stage(
         raise
     stack.callback(engine.close)  # after the drain below has stopped the engine thread
     worker = Worker(ctx, engine, kvcache)
-    handle = make_handler(worker)
+    routes = list(make_dispatch(worker))
     await worker.start(stack)
-    routes: list[tuple[str, type[Message], Callable[[Any], Awaitable[Message | None]]]] = [
-        (subject, message_type, handle),
-        (subjects.CANCEL, mesh_pb2.Cancel, worker.on_cancel),
-    ]
+    routes.append(Dispatch(subjects.CANCEL, mesh_pb2.Cancel, worker.on_cancel))
     if share_kv:
-        routes.append((subjects.kv_release(ctx.instance_id), mesh_pb2.KvRelease, worker.on_kv_release))
-    for subj, msg_type, handler in routes:
-        sub = await ctx.bus.subscribe(subj, msg_type, handler)
+        routes.append(Dispatch(subjects.kv_release(ctx.instance_id), mesh_pb2.KvRelease, worker.on_kv_release))
+    for route in routes:
+        sub = await ctx.bus.subscribe(route.subject, route.message_type, route.handle)
         stack.push_async_callback(sub.unsubscribe)
     worker.mark_subscribed()
     ctx.metrics.set_readiness(worker.not_ready)

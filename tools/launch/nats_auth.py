@@ -93,7 +93,7 @@ def permissions(role: str, instance: str = "*") -> Permissions:
         # STREAM_OLD_FORM (im.stream.<request>): the balancer listens there only to
         # count forgeries of the subject form before streams named their instance.
         return Permissions(
-            publish=(_any(subjects.prefill_run), subjects.CANCEL),
+            publish=(_any(subjects.prefill_run), _any(subjects.decode_run), subjects.CANCEL),
             subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS_ALL, stream_subjects("*"),
                        subjects.STREAM_OLD_FORM, subjects.CLIENT_DISCONNECTED),
         )
@@ -109,7 +109,7 @@ def permissions(role: str, instance: str = "*") -> Permissions:
             )
         return Permissions(
             publish=(heartbeat, own(subjects.kv_events), stream_subjects(instance), _any(subjects.kv_release)),
-            subscribe=(own(subjects.decode_admit), subjects.CANCEL),
+            subscribe=(own(subjects.decode_admit), own(subjects.decode_run), subjects.CANCEL),
             allow_responses=True,
         )
     if role == "kvcache":
