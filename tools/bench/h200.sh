@@ -8,6 +8,7 @@
 #   bash tools/bench/h200.sh check    # tests/gpu and bench-spec on the trained pair only
 #   bash tools/bench/h200.sh last     # bench-spec, tests/gpu, then the tiers (8B drawn last)
 #   bash tools/bench/h200.sh bench-spec   # issue 13's full table (batch 1 4 16 64, γ 2 4 6)
+#   bash tools/bench/h200.sh cond     # conditional disaggregation against the engine; the invariant matmul
 #   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
 #                                     # simulation, batch-invariant mode's cost
 #
@@ -58,6 +59,21 @@ mesh | final)
     run python3 -m tools.cli bench-gpu --no-transformers --out "$out" --rows engine-decode:64x1024
     run python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu
   fi
+  ;;
+cond)  # issue 10: conditional disaggregation on the one GPU (QUEUE tokens queued on prefill: decode prefills),
+  # then issue 14's invariant matmul buckets (tests/gpu and the cost)
+  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --rounds 1 --targets engine mesh)
+  export INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=${QUEUE:-8192}
+  echo "INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=$INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS" | tee -a "$log"
+  run timeout 170 python3 -m tools.cli bench-mesh "${common[@]}" --prompt-len 1024 --concurrency 64 \
+    --num-requests 128 --kv-cache-memory-bytes $((10 << 30)) --json "$out/mesh_cond_1k.json" || true
+  run timeout 150 python3 -m tools.cli bench-mesh "${common[@]}" --prompt-len 8192 --concurrency 16 \
+    --num-requests 32 --kv-cache-memory-bytes $((18 << 30)) --json "$out/mesh_cond_8k.json" || true
+  unset INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS
+  run timeout 100 python3 -m pytest -q -s -p no:cacheprovider --noconftest tests/gpu/test_gpu_invariant_matmul.py \
+    tests/gpu/test_gpu_batch_invariant.py || true
+  run timeout 120 python3 -m tools.bench.batch_invariant_bench --model "$model" --device cuda --dtype bfloat16 \
+    --batch 1 8 32 --prompt-len 256 --max-tokens 32 --matmul || true
   ;;
 bench-spec)  # issue 13's table: batch 1 4 16 64, γ 2 4 6, on the trained pair (no 8B checkpoint needed)
   run python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \

@@ -82,7 +82,7 @@ def breakdown(spans: list[dict], windows: list[tuple[int, int]]) -> dict[str, An
     per_request_gb_s: list[float] = []
     load_ms_values: list[float] = []
     bytes_total = ms_total = 0.0
-    num_direct = num_loaded = 0
+    num_direct = num_loaded = num_local = 0
     decode_intervals: list[tuple[int, int]] = []
     prefill_intervals: list[tuple[int, int]] = []
     for parts in by_request.values():
@@ -90,6 +90,7 @@ def breakdown(spans: list[dict], windows: list[tuple[int, int]]) -> dict[str, An
         if root is None or not any(a <= root["start_ns"] <= b for a, b in windows):
             continue
         route, prefill, decode = parts.get("route"), parts.get("prefill"), parts.get("decode")
+        num_local += bool(route is not None and route["attributes"].get("prefill.local"))
         if prefill is not None:
             prefill_intervals.append((prefill["start_ns"], prefill["end_ns"]))
         if decode is not None:
@@ -113,6 +114,7 @@ def breakdown(spans: list[dict], windows: list[tuple[int, int]]) -> dict[str, An
             segments[name].append((b - a) / 1e6)
     return {
         "num_requests": len(ttfts),
+        "num_local_prefills": num_local,
         "ttft_p50_ms": _p50(ttfts),
         "ttft_segments_p50_ms": {name: _p50(values) for name, values in segments.items()},
         "kv_loads": num_loaded,
@@ -140,10 +142,12 @@ def print_breakdowns(levels: list[dict[str, Any]]) -> None:
         return
     print("\nthe mesh's TTFT from its traces (p50 ms per hop; a hop < 0: its two spans overlap, e.g. decode began")
     print("before prefill's span closed),")
-    print("the KV handoff's bandwidth (decode's kv.loaded_bytes over kv.load_ms) and decode's requests in flight")
+    print("the KV handoff's bandwidth (decode's kv.loaded_bytes over kv.load_ms), decode's requests in flight, and")
+    print("the requests conditional disaggregation prefilled on decode (those have no prefill hop: not in the TTFT split)")
     header = (
         f"{'conc':>4} | {'TTFT':>7} = {'route':>6} {'to pf':>6} {'prefill':>8} {'handoff':>8} {'out':>6} | "
-        f"{'loads':>5} {'direct':>6} {'ms p50':>7} {'GB/s p50':>8} {'GB/s all':>8} | {'decode in flight':>16}"
+        f"{'loads':>5} {'direct':>6} {'ms p50':>7} {'GB/s p50':>8} {'GB/s all':>8} | {'decode in flight':>16} | "
+        f"{'prefilled on decode':>19}"
     )
     print(header + "\n" + "-" * len(header))
     for conc, t in rows:
@@ -153,7 +157,7 @@ def print_breakdowns(levels: list[dict[str, Any]]) -> None:
             f"{seg['prefill']:>8.1f} {seg['handoff']:>8.1f} {seg['first_token_out']:>6.1f} | "
             f"{t['kv_loads']:>5} {t['kv_loads_direct']:>6} {t['kv_load_ms_p50']:>7.2f} {t['kv_load_gb_s_p50']:>8.2f} "
             f"{t['kv_load_gb_s_total']:>8.2f} | "
-            f"{t['decode_in_flight_max']:>16}"
+            f"{t['decode_in_flight_max']:>16} | {t.get('num_local_prefills', 0):>19}"
         )
     print("\nprefill's pace (ms per prompt, p50): alone = decode spans covered under half its span; back to back = the")
     print("gap between two prefill ends while the next prompt was queued, with decode idle or stepping meanwhile")
