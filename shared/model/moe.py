@@ -20,10 +20,12 @@ padding are not counted (``counted_tokens``).
 """
 
 from collections.abc import Collection
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.kernels import triton_module
@@ -33,6 +35,13 @@ from shared.model.moe_config import MlpLayerType, MoEConfig
 
 def _parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def profiled(name: str) -> AbstractContextManager[object]:
+    """A profiler range ``name`` while a torch profiler records (tools/bench/v4_bench.py
+    sums the kernels launched under each), else nothing: record_function alone costs
+    several microseconds a call even with no profiler."""
+    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 def route(
@@ -305,14 +314,17 @@ class SparseMoE(nn.Module):
     ) -> torch.Tensor:
         """``counted``: [T] 0/1, the rows to count in ``counts`` (``counted_tokens``); None: all."""
         router: Router = getattr(self, self.router_name)
-        weights, ids = router(x, input_ids)
+        with profiled("moe.router"):
+            weights, ids = router(x, input_ids)
         if self.counts is not None:
             flat = ids.reshape(-1)
             ones = torch.ones_like(flat) if counted is None else counted[:, None].expand(ids.shape).reshape(-1)
             # scatter_add_ rather than bincount: bincount sizes its output on the host (a sync).
             self.counts.zero_()
             self.counts.scatter_add_(0, flat, ones.to(self.counts.dtype))
-        out = self.experts(x, ids, weights)
+        with profiled("moe.experts"):
+            out = self.experts(x, ids, weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            with profiled("moe.shared_experts"):
+                out = out + self.shared_experts(x)
         return out

@@ -37,7 +37,7 @@ from shared.model.forward_batch import AttentionMetadata
 from shared.model.hyper_connections import HyperConnection, HyperHead, merge_streams, unweighted_rms_norm
 from shared.model.layers import Linear, rope_inv_freq
 from shared.model.models.llama import CausalLM
-from shared.model.moe import Experts, SparseMoE
+from shared.model.moe import Experts, SparseMoE, profiled
 
 
 class V4RMSNorm(nn.Module):
@@ -161,18 +161,21 @@ class V4Attention(nn.Module):
         row = self.row
         new0 = [kv]
         new1: list[torch.Tensor] = []
-        for part in [c for c in (self.compressor, self.indexer) if c is not None]:
-            new0.append(part.kv_proj(x))
-            new1.append(part.gate_proj(x))
+        with profiled("v4.compressor"):
+            for part in [c for c in (self.compressor, self.indexer) if c is not None]:
+                new0.append(part.kv_proj(x))
+                new1.append(part.gate_proj(x))
         plane0[meta.slot_mapping, : row.plane0] = torch.cat(new0, dim=-1).to(state.dtype)
         if new1:
             plane1[meta.slot_mapping, : row.plane1] = torch.cat(new1, dim=-1).to(state.dtype)
         if compressed is not None and cmeta is not None:
-            self._emit_entries(positions, plane0, plane1, compressed, meta, cmeta, rotary)
+            with profiled("v4.compressor"):
+                self._emit_entries(positions, plane0, plane1, compressed, meta, cmeta, rotary)
         out = torch.empty_like(q)
         cplane = None if compressed is None else compressed[0].view(-1, compressed.shape[-1])
-        for seq in sequences(meta, cmeta):
-            out[seq.rows] = self._attend_sequence(q, x, q_residual, index_rope, plane0, cplane, seq, meta.block_size)
+        with profiled("v4.attention.core"):
+            for seq in sequences(meta, cmeta):
+                out[seq.rows] = self._attend_sequence(q, x, q_residual, index_rope, plane0, cplane, seq, meta.block_size)
         # K = V carried rope into the output: rotate back by the query's angle.
         out = rope_interleaved(out, cos, -sin)
         grouped = out.reshape(num_tokens, self.o_groups, -1)
@@ -248,10 +251,11 @@ class V4Attention(nn.Module):
             entries = rows[:, : self.head_dim]
             visible = ids[None, :] < ((query_pos + 1) // self.rate)[:, None]
             if self.indexer is not None:
-                keys = rows[:, self.head_dim : self.head_dim + self.indexer.head_dim]
-                cos, sin = index_rope
-                scores = self.indexer.scores(x[seq.rows], q_residual[seq.rows], cos[seq.rows], sin[seq.rows], keys)
-                visible = index_top_k(scores, visible, self.indexer.top_k)
+                with profiled("v4.indexer"):
+                    keys = rows[:, self.head_dim : self.head_dim + self.indexer.head_dim]
+                    cos, sin = index_rope
+                    scores = self.indexer.scores(x[seq.rows], q_residual[seq.rows], cos[seq.rows], sin[seq.rows], keys)
+                    visible = index_top_k(scores, visible, self.indexer.top_k)
         return attend(
             q[seq.rows], window_kv, entries, visible, query_pos, key_pos, self.window, seq.floor,
             self.head_dim**-0.5, self.sinks,
@@ -362,20 +366,35 @@ class DeepseekV4ForCausalLM(CausalLM):
         p = self.config.deepseek_v4
         assert p is not None
         streams = x.unsqueeze(1).expand(-1, p.hc_mult, -1).contiguous()
+        # The profiler ranges (shared/model/moe.py's profiled) are where tools/bench/v4_bench.py
+        # counts a step's time by kind: mHC, norms, attention (and within it the compressors,
+        # the per-sequence core and the indexer), the MoE.
         for i, layer in enumerate(self.model.layers):
             attn: V4Attention = layer.self_attn
             c = self._compressed_cache.get(i)
-            post, comb, collapsed = layer.attn_hc(streams)
-            out = attn(
-                layer.input_layernorm(collapsed), positions, ropes[p.uses_compress_rope(i)], ropes[True],
-                self.compress_rotary, kv_caches[i], None if c is None else kv_caches[c],
-                metas[self._group_of_cache[i]], None if c is None else metas[self._group_of_cache[c]],
-            )  # fmt: skip
-            streams = merge_streams(streams, out, post, comb)
-            post, comb, collapsed = layer.ffn_hc(streams)
-            out = layer.mlp(layer.post_attention_layernorm(collapsed), input_ids)
-            streams = merge_streams(streams, out, post, comb)
-        return self.model.norm(self.model.hc_head(streams))
+            with profiled("v4.mhc"):
+                post, comb, collapsed = layer.attn_hc(streams)
+            with profiled("v4.norm"):
+                h = layer.input_layernorm(collapsed)
+            with profiled("v4.attention"):
+                out = attn(
+                    h, positions, ropes[p.uses_compress_rope(i)], ropes[True],
+                    self.compress_rotary, kv_caches[i], None if c is None else kv_caches[c],
+                    metas[self._group_of_cache[i]], None if c is None else metas[self._group_of_cache[c]],
+                )  # fmt: skip
+            with profiled("v4.mhc"):
+                streams = merge_streams(streams, out, post, comb)
+                post, comb, collapsed = layer.ffn_hc(streams)
+            with profiled("v4.norm"):
+                h = layer.post_attention_layernorm(collapsed)
+            with profiled("v4.moe"):
+                out = layer.mlp(h, input_ids)
+            with profiled("v4.mhc"):
+                streams = merge_streams(streams, out, post, comb)
+        with profiled("v4.mhc"):
+            collapsed = self.model.hc_head(streams)
+        with profiled("v4.norm"):
+            return self.model.norm(collapsed)
 
     def allocate_kv_cache(
         self,
