@@ -4,7 +4,7 @@ kind of work, all in one run on one checkpoint.
 
 On the H200: make-model's ``v4-flash-8l`` (V4-Flash's layout at 8 layers and 64
 experts: 15.1B parameters, 3.4B active, 30 GB in bfloat16) is drawn on the GPU into
---model when that folder has no config.json, then loaded by the engine as a service
+--model when that folder holds no checkpoint, then loaded by the engine as a service
 loads it. One call of the device machine, carrying .whl/ (as tools/bench/h200.sh):
 
     mkdir -p $OUT/v4 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -49,6 +49,7 @@ from shared.engine.engine_request import EngineRequest
 from shared.engine.kv.coordinator import blocks_for_one_request
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import INDEX_FILE, SINGLE_FILE
 from shared.model.moe import Experts
 from tools.bench.engine_bench import _prompts, _sync
 from tools.bench.v4_kv_bytes import logical_bytes
@@ -461,7 +462,7 @@ def _cells(b: Breakdown, key: str, gpu: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a V4 checkpoint folder (drawn there first with --preset)")
-    parser.add_argument("--preset", default=None, help="make-model preset to draw into --model if it has no config.json")
+    parser.add_argument("--preset", default=None, help="make-model preset to draw into --model if it holds no checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
@@ -473,9 +474,11 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=None, help="folder for v4_bench.md and v4_bench.json")
     args = parser.parse_args()
-    if not (Path(args.model) / "config.json").is_file():
+    folder = Path(args.model)
+    # make_model writes config.json first and the shards' index last: a draw cut short has no index.
+    if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in (SINGLE_FILE, INDEX_FILE)):
         if args.preset is None:
-            parser.error(f"{args.model} has no config.json: give --preset to draw one there")
+            parser.error(f"{args.model} holds no checkpoint: give --preset to draw one there")
         from shared.model.make_model import make_model
 
         start = time.perf_counter()
