@@ -9,6 +9,7 @@
 #   bash tools/bench/h200.sh last     # bench-spec, tests/gpu, then the tiers (8B drawn last)
 #   bash tools/bench/h200.sh bench-spec   # issue 13's full table (batch 1 4 16 64, γ 2 4 6)
 #   bash tools/bench/h200.sh cond     # conditional disaggregation against the engine; the invariant matmul
+#   bash tools/bench/h200.sh v4       # the V4-shaped model's figures (v4_bench), the invariant matmul's tile sweep
 #   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
 #                                     # simulation, batch-invariant mode's cost
 #
@@ -29,7 +30,7 @@ model=models/llama3-8b
 run() { echo "\$ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
-if [ "$stage" != check ] && [ "$stage" != last ] && [ "$stage" != bench-spec ] && [ ! -f "$model/model.safetensors.index.json" ] && [ ! -f "$model/model.safetensors" ]; then
+if [ "$stage" != check ] && [ "$stage" != last ] && [ "$stage" != bench-spec ] && [ "$stage" != v4 ] && [ ! -f "$model/model.safetensors.index.json" ] && [ ! -f "$model/model.safetensors" ]; then
   start=$(date +%s)
   run python3 -m tools.cli make-model "$model" --preset llama3-8b --dtype bfloat16 --device cuda
   echo "make-model took $(( $(date +%s) - start )) s" | tee -a "$log"
@@ -74,6 +75,13 @@ cond)  # issue 10: conditional disaggregation on the one GPU (QUEUE tokens queue
     tests/gpu/test_gpu_batch_invariant.py || true
   run timeout 120 python3 -m tools.bench.batch_invariant_bench --model "$model" --device cuda --dtype bfloat16 \
     --batch 1 8 32 --prompt-len 256 --max-tokens 32 --matmul || true
+  ;;
+v4)  # issue 12: the V4-shaped model (15B, 8 layers, 64 experts) in the engine; then issue 14's matmul tile sweep
+  run timeout 330 python3 -m tools.bench.v4_bench --preset v4-flash-8l --model models/v4-flash-8l --device cuda \
+    --out "$out" || true
+  rm -rf models/v4-flash-8l
+  run timeout 220 python3 -m tools.bench.batch_invariant_bench --device cuda --dtype bfloat16 --batch 1 \
+    --max-tokens 4 --matmul-sweep || true
   ;;
 bench-spec)  # issue 13's table: batch 1 4 16 64, γ 2 4 6, on the trained pair (no 8B checkpoint needed)
   run python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
