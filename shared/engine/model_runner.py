@@ -17,7 +17,7 @@ from shared.engine.kv_share import SharedMemoryAllocator
 from shared.engine.prompt_logprobs import chunk_targets, score_prompt
 
 from shared.engine.sampler import LogprobTensors, Sampler, SamplingState, TokenLogprobs, logprob_tensors
-from shared.engine.spec.verify import verify_request
+from shared.engine.spec.verify import verify_batch
 from shared.engine.step import PLACEHOLDER, ScheduledChunk, SchedulerOutput
 from shared.engine.step_inputs import fill_placeholders, to_device
 from shared.engine.structured.apply import StructuredRows
@@ -203,24 +203,37 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[str], dict[str, list[int]]]:
         """Verify the drafted tokens of the requests in `drafts` (their rows of logits
         are consecutive, len(draft) + 1 each); returns the rows and ids left for the
-        plain sampler, and the verified requests' emitted tokens."""
-        sampled: dict[str, list[int]] = {}
+        plain sampler, and the verified requests' emitted tokens. All verified rows are
+        drawn together, with one read-back for the step (verify_batch)."""
         plain: list[int] = []
+        spans: list[tuple[str, int]] = []  # (request, its first row)
         row = 0
         while row < len(sample_ids):
             rid = sample_ids[row]
-            draft = drafts.get(rid)
-            if draft is None:
+            if rid in drafts:
+                spans.append((rid, row))
+                row += len(drafts[rid]) + 1
+            else:
                 plain.append(row)
                 row += 1
-                continue
-            state = self.states[rid]
-            rows = self.structured.mask_draft(logits[row : row + len(draft) + 1], rid, draft, state.output_token_ids)
-            verified = verify_request(rows, draft, state, self.sampler, first[rid])
-            state.output_token_ids += verified.tokens
-            sampled[rid] = verified.tokens
-            num_accepted[rid] = verified.num_accepted
-            row += len(draft) + 1
+        if not spans:
+            return logits, sample_ids, {}
+        states = [self.states[rid] for rid, _ in spans]
+        if any(rid in self.structured.matchers for rid, _ in spans):
+            rows = torch.cat([
+                self.structured.mask_draft(logits[r : r + len(drafts[rid]) + 1], rid, drafts[rid], s.output_token_ids)
+                for (rid, r), s in zip(spans, states)
+            ])  # fmt: skip
+        else:
+            plain_set = set(plain)
+            rows = _rows(logits, [r for r in range(len(sample_ids)) if r not in plain_set])
+        verified = verify_batch(rows, [drafts[rid] for rid, _ in spans], states, self.sampler,
+                                [first[rid] for rid, _ in spans])  # fmt: skip
+        sampled: dict[str, list[int]] = {}
+        for (rid, _), state, v in zip(spans, states, verified):
+            state.output_token_ids += v.tokens
+            sampled[rid] = v.tokens
+            num_accepted[rid] = v.num_accepted
         return _rows(logits, plain), [sample_ids[r] for r in plain], sampled
 
     @torch.inference_mode()
@@ -337,6 +350,23 @@ class ModelRunner:
                 if lp is not None:
                     logprobs[rid] = lp
         return RunnerOutput(sampled, logprobs, handle.expert_counts)
+
+    def collect_passes(self, handles: list[StepHandle]) -> tuple[list[list[int]], list[list[float]] | None]:
+        """The tokens of steps launched back to back over the same requests (a draft
+        model's passes), [step][row], and each row's chosen-token logprob where the
+        requests asked for logprobs (all or none): one wait and one read-back for all
+        of them rather than collect() per step, and no history appended (the caller's
+        requests sample greedily at explicit positions, so nothing reads it)."""
+        handles = [h for h in handles if h.tokens is not None]
+        if not handles:
+            return [], None
+        if handles[-1].done is not None:
+            handles[-1].done.synchronize()  # one stream: the last copy completes after the others
+        tokens: list[list[int]] = torch.stack([h.tokens for h in handles]).tolist()  # type: ignore[misc]
+        if any(h.logprobs is None or len(h.logprobs.rows) != h.logprobs.num_rows for h in handles):
+            return tokens, None
+        chosen = torch.stack([h.logprobs.chosen for h in handles])  # type: ignore[union-attr]
+        return tokens, chosen.tolist()
 
     def _remember(self, request_ids: list[str], tokens: torch.Tensor) -> None:
         """The last step's sampled tokens on the device, for the next step's placeholders."""

@@ -9,8 +9,9 @@ the draft recomputes from the first that differs (rejected drafts' KV is simply
 overwritten). One batched forward catches every request up and drafts its first
 token; each further drafted token is one batched single-token forward, launched
 behind the one before it on the device (its input token stays there), with one
-read-back for all of them. The raw confidence of a drafted token is its
-probability under the draft model.
+read-back for all of them (ModelRunner.collect_passes). The raw confidence of a
+drafted token is its probability under the draft model, computed only where the
+speculator's schedule reads it (not the fixed one).
 """
 
 import math
@@ -27,6 +28,8 @@ from shared.model.transformer import CausalLM
 
 _PARAMS = SamplingParams(temperature=0.0, max_tokens=1 << 30, logprobs=0, ignore_eos=True)
 """Greedy, with the chosen token's logprob (its probability is the raw confidence)."""
+_PARAMS_NO_SCORES = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
+"""Greedy alone, where nobody reads the confidences (the fixed schedule)."""
 
 
 @dataclass(slots=True)
@@ -38,8 +41,8 @@ class _Held:
 
 
 class DraftModelDrafter:
-    has_scores = True
-    """Its drafts carry raw probabilities (calibrated by temperature scaling)."""
+    has_scores: bool
+    """Whether its drafts carry raw probabilities (calibrated by temperature scaling)."""
     captured_graphs = False
     """Whether the latest propose() captured a CUDA graph (set per proposal)."""
 
@@ -54,12 +57,18 @@ class DraftModelDrafter:
         max_tokens: int = 4,
         cuda_graphs: bool = True,
         max_model_len: int | None = None,
+        scores: bool = True,
     ) -> None:
         """max_batch, max_tokens: the most requests and drafted tokens per request a
         proposal serves; with cuda_graphs (on CUDA), its single-token passes and short
         catch-ups (the accepted drafts and the correction: up to max_tokens + 1 tokens)
-        replay CUDA graphs: a small draft model's eager forward is all launch overhead."""
+        replay CUDA graphs: a small draft model's eager forward is all launch overhead.
+        scores: give each drafted token's probability (draft_probs); without, every pass
+        skips its logprobs (a log-softmax over the vocabulary and four copies back) and
+        each confidence is 1, for a schedule that reads none (fixed)."""
         self.model = model
+        self.has_scores = scores
+        self._params = _PARAMS if scores else _PARAMS_NO_SCORES
         self.block_size = block_size
         self.max_len = model.config.max_position_embeddings
         self.runner = ModelRunner(
@@ -90,7 +99,7 @@ class DraftModelDrafter:
             held = self._held[rid]
             start = min(_common_prefix(held.token_ids, context), len(context) - 1)
             if rid not in self.runner.states:
-                sched.new_requests.append(NewRequestData(rid, list(context[:1]), _PARAMS, frozenset(), []))
+                sched.new_requests.append(NewRequestData(rid, list(context[:1]), self._params, frozenset(), []))
             chunks[rid] = ScheduledChunk(rid, list(context[start:]), start, held.block_ids, sample=True)
             held.token_ids = list(context)
         # Every pass is launched without waiting for the one before: pass k + 1 reads pass
@@ -111,18 +120,20 @@ class DraftModelDrafter:
                     held = self._held[rid]
                     position = len(held.token_ids) + k  # the token sampled by pass k
                     chunks[rid] = ScheduledChunk(rid, [PLACEHOLDER], position, held.block_ids, sample=True)
-        tokens: dict[str, list[int]] = {rid: [] for rid in chunks}
-        scores: dict[str, list[float]] = {rid: [] for rid in chunks}
-        for handle in handles:
-            out = self.runner.collect(handle)
-            for rid in tokens:
-                tokens[rid].append(out.sampled[rid][0])
-                scores[rid].append(math.exp(out.logprobs[rid].logprob))
-        for rid, drafted in tokens.items():
+        by_pass, logprobs = self.runner.collect_passes(handles)
+        assert not by_pass or (logprobs is not None) == self.has_scores, "logprobs exactly when scoring"
+        drafts: dict[str, Draft] = {}
+        for row, rid in enumerate(chunks):  # the passes' rows are the chunks, in order
+            drafted = tuple(tokens[row] for tokens in by_pass)
             self._held[rid].token_ids += drafted[:-1]  # the last one's KV is not written yet
-        return {
-            rid: Draft(tuple(tokens[rid]), tuple(scores[rid]), tuple(scores[rid])) for rid in tokens if tokens[rid]
-        }
+            if not drafted:
+                continue
+            if logprobs is None:
+                drafts[rid] = Draft(drafted, (1.0,) * len(drafted))
+            else:
+                scores = tuple(math.exp(lps[row]) for lps in logprobs)
+                drafts[rid] = Draft(drafted, scores, scores)
+        return drafts
 
     def _sched(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished)
@@ -145,7 +156,12 @@ class DraftModelDrafter:
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
-    i = 0
+    # Held tokens and context differ, if at all, within the last step's drafts: compare
+    # all but a tail of 16 at C speed, then walk the tail (from 0 if they differ earlier),
+    # rather than walking the whole context in Python per request per step.
+    i = max(n - 16, 0)
+    if a[:i] != b[:i]:
+        i = 0
     while i < n and a[i] == b[i]:
         i += 1
     return i

@@ -62,7 +62,8 @@ def make_speculator(
         per_block = draft.kv_bytes_per_block(config.block_size, dtype)
         num_blocks = max(min(DRAFT_KV_BYTES // per_block, per_request * config.max_num_seqs), per_request)
         drafter = DraftModelDrafter(draft, config.block_size, num_blocks, dtype, device, config.max_num_seqs,
-                                    config.spec_tokens, config.cuda_graphs, max_model_len)  # fmt: skip
+                                    config.spec_tokens, config.cuda_graphs, max_model_len,
+                                    scores=config.spec_schedule != "fixed")  # fmt: skip
     elif config.speculative == "mtp":  # the target's own MTP layer, from its checkpoint
         args = (config.block_size, max_model_len, config.max_num_seqs, dtype, DRAFT_KV_BYTES)
         drafter = MtpDrafter.load(config.model, target, *args)

@@ -218,9 +218,10 @@ class Speculator:
         self._drafting_s = time.perf_counter() - start
         if drafts and not self.drafter.captured_graphs:
             self.costs.observe_drafting(len(contexts), max(len(d.tokens) for d in drafts.values()), self._drafting_s)
-        confidences = {rid: self._confidences(d) for rid, d in drafts.items()}
         if scheduled and drafts:
             assert self.sps is not None
+            self._refit_if_due()
+            confidences = {rid: self._confidences(d) for rid, d in drafts.items()}
             survivals = [_survival(confidences.get(r.request_id, ())) for r in decoding]
             fixed = self._drafting_s + self.costs.overhead_s
             if self.schedule == "capacity":
@@ -249,9 +250,15 @@ class Speculator:
             self.stats.accepted_by_position[k] += 1
         self.rates.observe(num_verified, num_accepted)
         scores = self._scores.get(request_id)
-        if self.drafter.has_scores and scores is not None:
+        if self.drafter.has_scores and scores is not None and self.schedule in SCHEDULED:
             self.temperature.observe(scores[:num_verified], num_accepted)
         self._since_fit += 1
+
+    def _refit_if_due(self) -> None:
+        """Fit the temperatures again once REFIT_EVERY verifications came in since the
+        last fit: when the schedule is about to read the confidences, so at most once a
+        step (fitted per 32 observations, a batch of 64 paid two fits a step, the first
+        overwritten unread). The fixed schedule reads no confidence and never fits."""
         if self._since_fit >= REFIT_EVERY:
             self._since_fit = 0
             if self.drafter.has_scores:

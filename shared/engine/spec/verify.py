@@ -28,12 +28,35 @@ def verify_request(
 ) -> Verified:
     """logits [len(draft) + 1, vocab]: row i samples the token at sequence position
     first_position + i. Returns the accepted run and the token after it."""
-    if state.params.needs_output_history:
-        raise ValueError("drafted tokens of a request with penalties, min_tokens or bad words cannot be verified")
-    rows = [state] * logits.shape[0]
-    positions = list(range(first_position, first_position + len(rows)))
-    drawn: list[int] = sampler.sample_tokens(logits, rows, positions).tolist()
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == drawn[accepted]:
-        accepted += 1
-    return Verified(accepted, [*draft[:accepted], drawn[accepted]])
+    return verify_batch(logits, [draft], [state], sampler, [first_position])[0]
+
+
+def verify_batch(
+    logits: torch.Tensor,
+    drafts: list[list[int]],
+    states: list[SamplingState],
+    sampler: Sampler,
+    first_positions: list[int],
+) -> list[Verified]:
+    """verify_request for several requests at once: logits holds each request's
+    len(draft) + 1 rows in turn. Every row is drawn by one sampler call and read back
+    once: the sampler treats rows independently (a row's draw depends on its logits,
+    its request's parameters and seed, and its position), so the draws are those of
+    a call per request, which cost a read-back each."""
+    row_states: list[SamplingState] = []
+    positions: list[int] = []
+    for draft, state, first in zip(drafts, states, first_positions, strict=True):
+        if state.params.needs_output_history:
+            raise ValueError("drafted tokens of a request with penalties, min_tokens or bad words cannot be verified")
+        row_states += [state] * (len(draft) + 1)
+        positions += range(first, first + len(draft) + 1)
+    drawn: list[int] = sampler.sample_tokens(logits, row_states, positions).tolist()
+    verified: list[Verified] = []
+    row = 0
+    for draft in drafts:
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == drawn[row + accepted]:
+            accepted += 1
+        verified.append(Verified(accepted, [*draft[:accepted], drawn[row + accepted]]))
+        row += len(draft) + 1
+    return verified
