@@ -106,35 +106,40 @@ def test_matmul_gives_a_row_the_same_bits_in_any_batch(
     # K = 80: not a multiple of the float32 BLOCK_K (32), so the masked K tail runs too.
     w = torch.randn(96, 80, generator=g).to(dtype)
     b = torch.randn(96, generator=g).to(dtype) if with_bias else None
-    x = torch.randn(130, 80, generator=g).to(dtype)
+    x = torch.randn(300, 80, generator=g).to(dtype)
     full = invariant_matmul(x, w, b)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(full.double(), ref, rtol=tol, atol=tol)
-    for m in (1, 3, 17, 64, 130):
-        for start in sorted({0, 1, 31, 130 - m}):
-            if start + m <= 130:
+    for m in (1, 3, 17, 64, 130, 257):
+        for start in sorted({0, 1, 31, 300 - m}):
+            if start + m <= 300:
                 assert torch.equal(invariant_matmul(x[start : start + m], w, b), full[start : start + m]), (m, start)
     # Amid other rows: a row among strangers, at another place in its tile.
     strangers = torch.randn(40, 80, generator=g).to(dtype)
     mixed = invariant_matmul(torch.cat([strangers[:7], x[100:101], strangers[7:]]), w, b)
     assert torch.equal(mixed[7], full[100])
-    # M = 130 ran the prefill tiles, the rest the decode tiles (float16), with one block_k.
+    # M = 257 and 300 ran the largest tiles, 130 the middle ones, the rest the decode tiles
+    # (float16), with one block_k.
     family = matmul_family(96, 80, dtype)
     assert set(spy.launches) == {_launched(c) for c in family.configs}
-    assert len(family.configs) == (1 if dtype == torch.float32 else 2)
+    assert len(family.configs) == (1 if dtype == torch.float32 else 3)
 
 
 def test_matmul_family_picks_tiles_by_m_with_one_block_k() -> None:
-    """Each Llama-3-8B weight in bf16: other tiles for decode and prefill rows, split at
-    DECODE_ROWS, one block_k; float32 one configuration; a family mixing block_k or
+    """Each Llama-3-8B weight in bf16: other tiles for decode and prefill rows, in ranges
+    of M that change tiles at each edge, one block_k; float32 one configuration; a family mixing block_k or
     leaving wgmma's conditions is refused."""
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
+        family = matmul_family(n, k, torch.bfloat16)
         small, large = matmul_config(n, k, torch.bfloat16, 1), matmul_config(n, k, torch.bfloat16, 8192)
         assert (small.block_m, small.block_n) != (large.block_m, large.block_n), (n, k)
-        assert small.block_k == large.block_k == matmul_family(n, k, torch.bfloat16).block_k
-        assert matmul_config(n, k, torch.bfloat16, DECODE_ROWS) == small
-        assert matmul_config(n, k, torch.bfloat16, DECODE_ROWS + 1) == large
+        assert {c.block_k for c in family.configs} == {family.block_k}
+        # Each edge splits two different tiles; a decode step never reaches the largest.
+        for edge, below, above in zip(family.edges, family.configs, family.configs[1:]):
+            assert below != above and matmul_config(n, k, torch.bfloat16, edge) == below
+            assert matmul_config(n, k, torch.bfloat16, edge + 1) == above
+        assert family.edges[-1] >= DECODE_ROWS
         assert matmul_config(n, k, torch.float16, 8192) == large
         assert matmul_config(n, k, torch.float32, 1) == matmul_config(n, k, torch.float32, 8192)
     decode = MatmulConfig(64, 64, 128, 8, 4, 6)

@@ -107,7 +107,7 @@ def _with_prefix_hit(engine: LLMEngine, others: int) -> Result:
     return _run(engine, others, seed=9, target_params=params)
 
 
-@pytest.mark.parametrize("n", [4096, 6144, 16384])  # each bf16 family of matmul_family
+@pytest.mark.parametrize("n", [4096, 6144, 16384, 65536])  # each bf16 family of matmul_family (K 1024)
 def test_matmul_rows_bitwise_equal_for_any_m(n: int) -> None:
     from shared.model.kernels.invariant_matmul import invariant_matmul
 
@@ -118,7 +118,7 @@ def test_matmul_rows_bitwise_equal_for_any_m(n: int) -> None:
     full = invariant_matmul(x, w, b)
     torch.testing.assert_close(full.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
                                rtol=2e-2, atol=2e-2)  # fmt: skip
-    for m in (1, 3, 17, 64, 130, 1000):
+    for m in (1, 3, 17, 33, 64, 65, 130, 257, 513, 1000, 1025):
         for start in (0, 5, 2000 - m):
             assert torch.equal(invariant_matmul(x[start : start + m], w, b), full[start : start + m]), (m, start)
 

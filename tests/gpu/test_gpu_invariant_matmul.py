@@ -31,8 +31,9 @@ SHAPES: dict[str, tuple[int, int]] = {
     "lm_head": (128256, 4096),
 }
 """Llama-3-8B's weights [N, K] as the model runs them (q, k, v and gate, up stacked)."""
-ROWS = (1, 2, 7, 16, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 2048, 8192)
-"""M of each call: every bucket edge (DECODE_ROWS = 128) from both sides, and the tiles' edges."""
+_EDGES = {e for n, k in SHAPES.values() for e in im.matmul_family(n, k, torch.bfloat16).edges}
+ROWS = tuple(sorted({1, 2, 7, 16, 63, 64, 65, 255, 256, 257, 511, 2048, 8192} | _EDGES | {e + 1 for e in _EDGES}))
+"""M of each call: every bucket edge of every weight from both sides, and the tiles' edges."""
 FROM_ROW_5 = (1, 65, 129, 257, 2048)
 WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16")
 

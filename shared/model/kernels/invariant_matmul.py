@@ -19,7 +19,8 @@ zeros and are never stored.
 So a weight has a *family* of tile configurations (``MatmulFamily``): one BLOCK_K
 (and one dot precision) fixed by (N, K, dtype), and one configuration per bucket of
 M (decode rows: small tiles that spread the weight over every multiprocessor;
-prefill rows: large tiles that reuse it), chosen by M at launch. What differs between
+prefill rows: larger tiles that reuse it, in up to four ranges of M per weight),
+chosen by M at launch. What differs between
 the buckets only decides which program computes which element and how the loads are
 pipelined, never an element's sum: BLOCK_M and BLOCK_N (where the element sits in
 the tile), GROUP_M (the order of the tiles), num_stages (how far ahead the loads
@@ -105,15 +106,18 @@ class MatmulFamily:
 
 
 DECODE_ROWS = 128
-"""The largest M run with the decode tiles: a decode step of up to 128 requests, or of 32
-with 3 drafts each (on the H200 the decode tiles ran at 1.0-1.35x cuBLAS up to M = 128
-and at 1.3-2.3x from M = 512, where the prefill tiles take over)."""
+"""Decode steps run at most this many rows (128 requests, or 32 with 3 drafts each) on
+every weight's decode-shaped tiles; the buckets above are prefill's."""
+
+Tile = tuple[int, int, int, int]
+"""(block_m, block_n, num_warps, num_stages)."""
 
 
-def _family(block_k: int, decode: tuple[int, int, int, int], prefill: tuple[int, int, int, int]) -> MatmulFamily:
-    """Two buckets split at DECODE_ROWS; each tile as (block_m, block_n, num_warps, num_stages)."""
-    configs = tuple(MatmulConfig(bm, bn, block_k, 8, w, s) for bm, bn, w, s in (decode, prefill))
-    return MatmulFamily(block_k, (DECODE_ROWS,), configs)
+def _family(block_k: int, *buckets: tuple[int, Tile], largest: Tile) -> MatmulFamily:
+    """Buckets as (the largest M served, tile), then the tile of every larger M."""
+    edges = tuple(edge for edge, _ in buckets)
+    tiles = (*(tile for _, tile in buckets), largest)
+    return MatmulFamily(block_k, edges, tuple(MatmulConfig(bm, bn, block_k, 8, w, s) for bm, bn, w, s in tiles))
 
 
 @functools.cache
@@ -121,29 +125,36 @@ def matmul_family(n: int, k: int, dtype: torch.dtype) -> MatmulFamily:
     """The tile configurations of a weight [n, k] in ``dtype``: a function of the weight
     alone, with one block_k; M only picks among them (``MatmulFamily.config``).
 
-    bf16/fp16 decode tiles (M <= DECODE_ROWS), from a sweep on the H200 over Llama-3-8B's
-    weights (``tools/bench/batch_invariant_bench.py --matmul`` prints the result):
-    - a wide output (n >= 16384: gate_up, the logits) has column tiles for every
-      multiprocessor even at M = 1: 128x128x64 tiles, 8 warps;
-    - a narrow one (n <= 4096: o_proj, down_proj) has 64 column tiles of 64 at best in
-      decode, so each must keep much of the weight in flight: 64x64x128 tiles, 6 stages
-      (192 KiB of shared memory: Hopper's size);
-    - between (qkv, n = 6144): 64x128x64 tiles, 5 stages.
-    Prefill tiles (M > DECODE_ROWS) reuse each loaded tile over many rows, 8 warps:
-    128x256x64, 3 stages (144 KiB) for the wide weights; 128x128x64, 4 stages (128 KiB)
-    for qkv (half as many columns: twice the tiles, for M of a few hundred); 128x128x128,
-    3 stages (192 KiB) for the narrow weights, whose block_k of 128 their decode tiles
-    need.
+    bf16/fp16, from the H200 sweep over Llama-3-8B's weights (``tools/bench/
+    batch_invariant_bench.py --matmul-sweep``, docs/perf/h200/run13_v4_and_sweep.log):
+    per weight the block_k that is best over decode and prefill together, then per M
+    range the fastest tile of that block_k. Times at M = 1 / 2048 / 8192 against cuBLAS:
+    - qkv (n = 6144), block_k 64: 64x128 tiles, 4 warps, 5 stages in decode (1.35x,
+      as before), 64x128, 3 stages to M = 512, 128x128, 8 warps, 3 stages above
+      (1.25x / 1.19x);
+    - o (4096 x 4096), block_k 128 (its decode tiles need it: 1.0x there against 1.1-1.2x
+      with 64): 64x64, 6 stages in decode; 64x128, 4 stages to 256; 128x128, 8 warps,
+      3 stages above (1.36x / 1.30x);
+    - down (4096 x 14336), block_k 128: as o, then 4 warps above M = 2048 (1.16x /
+      1.40x / 1.27x);
+    - gate_up (n = 28672), block_k 64: 64x128, 4 warps, 3 stages to M = 64 (1.0x),
+      128x128, 8 warps, 3 stages to 4096 (1.19x at 2048), 128x256, 4 stages above (1.29x);
+    - the logits (n >= 65536), block_k 64: 64x64, 6 stages to M = 32 (0.97-0.99x),
+      128x128, 8 warps, 3 stages to 1024, 128x256, 4 stages above.
     float32 runs in IEEE precision (no TF32), like the PyTorch path, in small tiles, one
     configuration for every M."""
-    del k  # K sets only the number of steps; kept in the signature: the family is the weight's
     if dtype == torch.float32:
         return MatmulFamily(32, (), (MatmulConfig(32, 64, 32, 8, 4, 2),), tensor_cores=False)
+    if n >= 65536:
+        return _family(64, (32, (64, 64, 4, 6)), (1024, (128, 128, 8, 3)), largest=(128, 256, 8, 4))
     if n >= 16384:
-        return _family(64, decode=(128, 128, 8, 3), prefill=(128, 256, 8, 3))
+        return _family(64, (64, (64, 128, 4, 3)), (4096, (128, 128, 8, 3)), largest=(128, 256, 8, 4))
     if n <= 4096:
-        return _family(128, decode=(64, 64, 4, 6), prefill=(128, 128, 8, 3))
-    return _family(64, decode=(64, 128, 4, 5), prefill=(128, 128, 8, 4))
+        mid = (DECODE_ROWS, (64, 64, 4, 6)), (256, (64, 128, 4, 4))
+        if k > 2 * n:  # down_proj's long K: 4 warps hold up better on the largest M
+            return _family(128, *mid, (2048, (128, 128, 8, 3)), largest=(128, 128, 4, 3))
+        return _family(128, *mid, largest=(128, 128, 8, 3))
+    return _family(64, (DECODE_ROWS, (64, 128, 4, 5)), (512, (64, 128, 4, 3)), largest=(128, 128, 8, 3))
 
 
 def matmul_config(n: int, k: int, dtype: torch.dtype, m: int) -> MatmulConfig:
