@@ -37,6 +37,7 @@ from shared.model.forward_batch import AttentionMetadata
 from shared.model.hyper_connections import HyperConnection, HyperHead, merge_streams, unweighted_rms_norm
 from shared.model.layers import Linear, rope_inv_freq
 from shared.model.models.llama import CausalLM
+from shared.model.kernels import use_triton_kernels
 from shared.model.moe import Experts, SparseMoE, profiled
 
 
@@ -263,7 +264,9 @@ class V4Attention(nn.Module):
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, moe_triton: bool = False
+    ) -> None:
         super().__init__()
         p, moe = config.deepseek_v4, config.moe
         assert p is not None and moe is not None
@@ -271,7 +274,8 @@ class V4DecoderLayer(nn.Module):
         # A hash-routed layer chooses by token id: no selection bias (transformers' DeepseekV4HashRouter).
         layer_moe = dataclasses.replace(moe, selection_bias=False) if kind == "hash_moe" else moe
         self.self_attn = V4Attention(config, layer_idx, dtype, device)
-        self.mlp = SparseMoE(config.hidden_size, layer_moe, kind, config.vocab_size, dtype, device, router_name="gate")
+        self.mlp = SparseMoE(config.hidden_size, layer_moe, kind, config.vocab_size, dtype, device, router_name="gate",
+                             use_triton=moe_triton)  # fmt: skip
         self.input_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.post_attention_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         hc = (config.hidden_size, p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps, config.rms_norm_eps, device)
@@ -280,13 +284,15 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_triton: bool = False) -> None:
         super().__init__()
         p = config.deepseek_v4
         assert p is not None
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(config, i, dtype, device, moe_triton) for i in range(config.num_hidden_layers)
+        )
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.hc_head = HyperHead(config.hidden_size, p.hc_mult, p.hc_eps, config.rms_norm_eps, device)
 
@@ -312,7 +318,8 @@ def entry_width(config: ModelConfig, kind: str) -> int:
 class DeepseekV4ForCausalLM(CausalLM):
     """The engine's CausalLM interface (forward over the paged cache, compute_logits,
     kv_layout, allocate_kv_cache, kv_bytes_per_block, checkpoint_tensors) for V4.
-    PyTorch path only (no Triton kernel for the compressed attention yet)."""
+    The routed experts run the fused Triton MoE on CUDA; the attention, compressors,
+    indexer and mHC run PyTorch (no Triton kernel for them yet, no CUDA graphs)."""
 
     def __init__(
         self,
@@ -331,7 +338,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         # The checkpoint's LM head is "head.weight" (transformers' saved name): the
         # loader's "no lm_head.weight" guess of a tied head does not apply; the config says.
         self.tie_word_embeddings = config.tie_word_embeddings
-        self.model = DeepseekV4Model(config, dtype, device)
+        # The routed experts take the fused Triton MoE where kernels resolve to Triton (CUDA):
+        # no host sync, no loop over experts. The attention is PyTorch's either way.
+        self.model = DeepseekV4Model(config, dtype, device, moe_triton=use_triton_kernels(kernels, device))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self._gemv = None
         self.main_rotary = V4Rotary(config, False, device)
