@@ -10,7 +10,7 @@
 #   bash tools/bench/h200.sh bench-spec   # issue 13's full table (batch 1 4 16 64, γ 2 4 6)
 #   bash tools/bench/h200.sh cond     # conditional disaggregation against the engine; the invariant matmul
 #   bash tools/bench/h200.sh v4       # the V4-shaped model's figures (v4_bench), the invariant matmul's tile sweep
-#   bash tools/bench/h200.sh retune   # the invariant mode's cost, the 8k mesh with QUEUE=1, the V4 figures
+#   bash tools/bench/h200.sh retune   # the invariant mode's cost, the 8k mesh with QUEUE=1
 #   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
 #                                     # simulation, batch-invariant mode's cost
 #
@@ -77,16 +77,13 @@ cond)  # issue 10: conditional disaggregation on the one GPU (QUEUE tokens queue
   run timeout 120 python3 -m tools.bench.batch_invariant_bench --model "$model" --device cuda --dtype bfloat16 \
     --batch 1 8 32 --prompt-len 256 --max-tokens 32 --matmul || true
   ;;
-retune)  # issue 14's cost with the retuned matmul tiles, the 8k mesh with QUEUE (default 1) tokens, V4 again
+retune)  # issue 14's cost with the retuned matmul tiles, the 8k mesh with QUEUE (default 1) tokens
   run timeout 130 python3 -m tools.bench.batch_invariant_bench --model "$model" --device cuda --dtype bfloat16 \
     --batch 1 8 32 --prompt-len 256 --max-tokens 32 --matmul || true
   run env INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS="${QUEUE:-1}" timeout 160 python3 -m tools.cli bench-mesh \
     --model "$model" --dtype bfloat16 --device cuda --output-len 128 --rounds 1 --targets engine mesh \
     --prompt-len 8192 --concurrency 16 --num-requests 32 --kv-cache-memory-bytes $((18 << 30)) \
     --json "$out/mesh_cond_8k.json" || true
-  rm -rf "$model"
-  run timeout 200 python3 -m tools.bench.v4_bench --preset v4-flash-8l --model models/v4-flash-8l --device cuda \
-    --out "$out" || true
   ;;
 v4)  # issue 12: the V4-shaped model (15B, 8 layers, 64 experts) in the engine; then issue 14's matmul tile sweep
   run timeout 330 python3 -m tools.bench.v4_bench --preset v4-flash-8l --model models/v4-flash-8l --device cuda \
