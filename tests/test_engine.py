@@ -182,3 +182,20 @@ def test_placeholders_take_the_previous_steps_samples():
     assert fill_placeholders(ids, sources, last).tolist() == [5, 42, 7, 40]
     # No step before (the first step): nothing to take, the inputs stay.
     assert fill_placeholders(ids, torch.full((4,), -1), torch.empty(0, dtype=torch.long)).tolist() == [5, -1, 7, -1]
+
+
+def test_load_counts_the_tokens_of_the_step_on_the_device(llama):
+    """A prompt scheduled in the step in flight is still work to do: the balancer's
+    least-loaded choice and conditional disaggregation read num_queued_tokens."""
+    from shared.engine.engine_request import EngineRequest
+
+    engine = LLM(llama, async_scheduling=True, max_num_batched_tokens=64).engine
+    engine.add_request(EngineRequest("a", random_prompts([40], vocab=500, seed=3)[0], SamplingParams(max_tokens=4)))
+    engine.add_request(EngineRequest("b", random_prompts([50], vocab=500, seed=4)[0], SamplingParams(max_tokens=4)))
+    assert engine.load().num_queued_tokens == 90
+    engine.step()  # launches 64 of the 90 tokens (the first prompt and a chunk of the second)
+    assert engine._in_flight is not None
+    assert engine.load().num_queued_tokens == 90  # 26 waiting + 64 on the device
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.load().num_queued_tokens == 0
