@@ -76,3 +76,19 @@ def test_verify_steps_as_rows_keep_the_greedy_tokens(drafter: str) -> None:
     assert load.num_spec_verifications > 0 and rows.calls > 0
     assert (load.spec_fallbacks or {}).get("cuda_graphs", 0) == 0
     assert draft_rows is None or draft_rows.calls > 0
+
+
+def test_block_tables_fill_every_row_and_zero_the_rest() -> None:
+    """The graph's staging tables: each row's blocks, then zeros (a stale block id past
+    a row's length would be read by no kernel, but a stale table is a bug waiting)."""
+    import torch
+
+    from shared.engine.cuda_graphs import fill_block_tables
+
+    table = torch.full((2, 5, 4), 99, dtype=torch.int64)
+    groups = [[[3], [4, 5, 6, 7], [], [8, 9]], [[1, 2], [1, 2], [1, 2, 3], [0]]]
+    fill_block_tables(table[:, :4], groups)
+    for g, rows in enumerate(groups):
+        for i, row in enumerate(rows):
+            assert table[g, i].tolist() == row + [0] * (4 - len(row))
+    assert table[:, 4].eq(99).all()  # rows past the step's are not touched
