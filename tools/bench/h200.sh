@@ -11,6 +11,7 @@
 #   bash tools/bench/h200.sh cond     # conditional disaggregation against the engine; the invariant matmul
 #   bash tools/bench/h200.sh v4       # the V4-shaped model's figures (v4_bench), the invariant matmul's tile sweep
 #   bash tools/bench/h200.sh retune   # the invariant mode's cost, the 8k mesh with QUEUE=1
+#   bash tools/bench/h200.sh close    # tests/gpu, then issue 13's full table
 #   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
 #                                     # simulation, batch-invariant mode's cost
 #
@@ -31,7 +32,7 @@ model=models/llama3-8b
 run() { echo "\$ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
-if [ "$stage" != check ] && [ "$stage" != last ] && [ "$stage" != bench-spec ] && [ "$stage" != v4 ] && [ ! -f "$model/model.safetensors.index.json" ] && [ ! -f "$model/model.safetensors" ]; then
+if [ "$stage" != check ] && [ "$stage" != last ] && [ "$stage" != bench-spec ] && [ "$stage" != v4 ] && [ "$stage" != close ] && [ ! -f "$model/model.safetensors.index.json" ] && [ ! -f "$model/model.safetensors" ]; then
   start=$(date +%s)
   run python3 -m tools.cli make-model "$model" --preset llama3-8b --dtype bfloat16 --device cuda
   echo "make-model took $(( $(date +%s) - start )) s" | tee -a "$log"
@@ -91,6 +92,11 @@ v4)  # issue 12: the V4-shaped model (15B, 8 layers, 64 experts) in the engine; 
   rm -rf models/v4-flash-8l
   run timeout 220 python3 -m tools.bench.batch_invariant_bench --device cuda --dtype bfloat16 --batch 1 \
     --max-tokens 4 --matmul-sweep || true
+  ;;
+close)  # a session's last call: tests/gpu at the final commit, then issue 13's full table
+  run timeout 260 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu || true
+  run timeout 200 python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
+    --batch 1 4 16 64 --spec-tokens 2 4 6 --max-tokens 64 --json "$out/spec_draft.json" || true
   ;;
 bench-spec)  # issue 13's table: batch 1 4 16 64, γ 2 4 6, on the trained pair (no 8B checkpoint needed)
   run python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
