@@ -20,28 +20,20 @@ padding are not counted (``counted_tokens``).
 """
 
 from collections.abc import Collection
-from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.kernels import triton_module
 from shared.model.layers import MergedLinear, Linear
 from shared.model.moe_config import MlpLayerType, MoEConfig
+from shared.model.profiling import profiled
 
 
 def _parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def profiled(name: str) -> AbstractContextManager[object]:
-    """A profiler range ``name`` while a torch profiler records (tools/bench/v4_bench.py
-    sums the kernels launched under each), else nothing: record_function alone costs
-    several microseconds a call even with no profiler."""
-    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 def route(

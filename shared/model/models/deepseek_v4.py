@@ -38,7 +38,8 @@ from shared.model.hyper_connections import HyperConnection, HyperHead, merge_str
 from shared.model.layers import Linear, rope_inv_freq
 from shared.model.models.llama import CausalLM
 from shared.model.kernels import use_triton_kernels
-from shared.model.moe import Experts, SparseMoE, profiled
+from shared.model.moe import Experts, SparseMoE
+from shared.model.profiling import profiled
 
 
 class V4RMSNorm(nn.Module):
