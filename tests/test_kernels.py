@@ -20,6 +20,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+import triton.language  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from shared.engine.config import EngineConfig  # noqa: E402
@@ -42,6 +43,9 @@ from tests.conftest import PagedDriver, rel_err  # noqa: E402
 
 if not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction):
     raise RuntimeError("the kernel modules were imported before TRITON_INTERPRET=1 was set: they would not run on the CPU")
+if not isinstance(triton.language.cdiv, InterpretedFunction):  # Triton itself, by any module collected earlier
+    raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set (a module collected earlier, tests/gpu "
+                       "included, imports it at the top): its library functions would not run in the interpreter")
 
 DTYPES = [torch.float32, torch.float16]
 # Attention in float16 rounds the output and the softmax weights: about 2 ulps of 1.
