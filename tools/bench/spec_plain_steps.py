@@ -2,11 +2,12 @@
 
 The scheduled modes choose depth 0 on most steps where drafting does not pay, and should
 then decode as fast as an engine without speculation. This times 128-token greedy runs,
-per step, of three engines side by side (best of 3 rounds, interleaved): a plain engine;
-a dspark engine held at depth 0 (no probes); and that same engine with its speculator
-detached, i.e. its runner as built for speculation (graph buckets, the draft model's
-memory) but no speculator calls. The second against the third is the speculator's
-per-step cost; the third against the first, the runner's.
+per step, side by side (best of 3 rounds, interleaved): a plain engine; a dspark engine
+as it schedules (mostly plain steps, and its probes); the same engine held at depth 0
+(no probes); and that engine with its speculator detached, i.e. its runner as built for
+speculation (graph buckets, the draft model's memory) but no speculator calls. The
+second against the third is what the probes cost; the third against the fourth, the
+speculator's per-step cost; the fourth against the first, the runner's.
 
     python -m tools.bench.spec_plain_steps --device cuda --batch 1 64
 """
@@ -52,19 +53,28 @@ def main(argv: list[str] | None = None) -> None:
                spec_schedule="dspark")  # fmt: skip
     speculator = spec.engine.speculator
     assert speculator is not None
-    speculator._choose_depth = lambda num_requests: 0  # noqa: SLF001 (held at depth 0: plain steps only)
+    schedules = speculator._choose_depth  # noqa: SLF001
+
+    def held(num_requests: int) -> int:  # depth 0: plain steps only
+        return 0
+
     for batch in args.batch:
-        times: dict[str, list[float]] = {"plain engine": [], "dspark at depth 0": [], "its speculator detached": []}
+        times: dict[str, list[float]] = {
+            "plain engine": [], "dspark as it schedules": [], "dspark at depth 0": [], "its speculator detached": [],
+        }  # fmt: skip
         for _ in range(args.rounds):
             times["plain engine"].append(_ms_per_step(plain, batch, args.device))
-            spec.engine.speculator = speculator
+            spec.engine.speculator, speculator._choose_depth = speculator, schedules  # noqa: SLF001
+            times["dspark as it schedules"].append(_ms_per_step(spec, batch, args.device))
+            speculator._choose_depth = held  # noqa: SLF001
             times["dspark at depth 0"].append(_ms_per_step(spec, batch, args.device))
             spec.engine.speculator = None
             times["its speculator detached"].append(_ms_per_step(spec, batch, args.device))
-        spec.engine.speculator = speculator
+        spec.engine.speculator, speculator._choose_depth = speculator, schedules  # noqa: SLF001
         print(f"batch {batch}, ms per step (best of {args.rounds}; all):")
         for name, values in times.items():
             print(f"  {name:<24} {min(values):7.3f}   ({', '.join(f'{v:.3f}' for v in values)})", flush=True)
+        print(f"  the dspark engine's steps by depth so far: {dict(speculator.stats.steps_by_depth)}")
     graphs = plain.engine.runner.graphs, spec.engine.runner.graphs
     print("graph buckets: plain", graphs[0].buckets if graphs[0] else None, "/ speculating",
           graphs[1].buckets if graphs[1] else None)
