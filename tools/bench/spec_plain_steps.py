@@ -62,19 +62,28 @@ def main(argv: list[str] | None = None) -> None:
         times: dict[str, list[float]] = {
             "plain engine": [], "dspark as it schedules": [], "dspark at depth 0": [], "its speculator detached": [],
         }  # fmt: skip
+        drafting = {"dspark as it schedules": 0, "dspark at depth 0": 0}
+
+        def drafted() -> int:
+            return sum(n for depth, n in speculator.stats.steps_by_depth.items() if depth)
+
         for _ in range(args.rounds):
             times["plain engine"].append(_ms_per_step(plain, batch, args.device))
             spec.engine.speculator, speculator._choose_depth = speculator, schedules  # noqa: SLF001
+            before = drafted()
             times["dspark as it schedules"].append(_ms_per_step(spec, batch, args.device))
             speculator._choose_depth = held  # noqa: SLF001
+            drafting["dspark as it schedules"] += drafted() - before
+            before = drafted()
             times["dspark at depth 0"].append(_ms_per_step(spec, batch, args.device))
+            drafting["dspark at depth 0"] += drafted() - before
             spec.engine.speculator = None
             times["its speculator detached"].append(_ms_per_step(spec, batch, args.device))
         spec.engine.speculator, speculator._choose_depth = speculator, schedules  # noqa: SLF001
         print(f"batch {batch}, ms per step (best of {args.rounds}; all):")
         for name, values in times.items():
             print(f"  {name:<24} {min(values):7.3f}   ({', '.join(f'{v:.3f}' for v in values)})", flush=True)
-        print(f"  the dspark engine's steps by depth so far: {dict(speculator.stats.steps_by_depth)}")
+        print("  drafting steps: " + ", ".join(f"{name} {n}" for name, n in drafting.items()))
     graphs = plain.engine.runner.graphs, spec.engine.runner.graphs
     print("graph buckets: plain", graphs[0].buckets if graphs[0] else None, "/ speculating",
           graphs[1].buckets if graphs[1] else None)
