@@ -14,6 +14,7 @@ speculator's per-step cost; the fourth against the first, the runner's.
 
 import argparse
 import time
+from collections import defaultdict
 
 import torch
 
@@ -34,6 +35,31 @@ def _ms_per_step(llm: LLM, batch: int, device: str) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3 / STEPS
+
+
+class StepTimes:
+    """Wraps an engine's step() to time each call by the depth it drafted to (0: plain),
+    so a gap shows whether it lies in a few drafting steps or in every plain one."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.engine
+        self.inner = llm.engine.step
+        self.by_depth: dict[int, list[float]] = defaultdict(list)
+        self.engine.step = self  # type: ignore[method-assign]
+
+    def __call__(self):  # noqa: ANN204
+        start = time.perf_counter()
+        out = self.inner()
+        speculator = self.engine.speculator
+        depth = speculator.depth if speculator is not None else 0
+        self.by_depth[depth].append((time.perf_counter() - start) * 1e3)
+        return out
+
+    def report(self) -> str:
+        return "; ".join(
+            f"depth {d}: {len(v)} steps, {sum(v):.1f} ms, mean {sum(v) / len(v):.3f}, max {max(v):.2f}"
+            for d, v in sorted(self.by_depth.items())
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             "plain engine": [], "dspark as it schedules": [], "dspark at depth 0": [], "its speculator detached": [],
         }  # fmt: skip
         drafting = {"dspark as it schedules": 0, "dspark at depth 0": 0}
+        as_scheduled: list[str] = []
 
         def drafted() -> int:
             return sum(n for depth, n in speculator.stats.steps_by_depth.items() if depth)
@@ -71,7 +98,10 @@ def main(argv: list[str] | None = None) -> None:
             times["plain engine"].append(_ms_per_step(plain, batch, args.device))
             spec.engine.speculator, speculator._choose_depth = speculator, schedules  # noqa: SLF001
             before = drafted()
+            timer = StepTimes(spec)
             times["dspark as it schedules"].append(_ms_per_step(spec, batch, args.device))
+            del spec.engine.step  # the bound method again
+            as_scheduled.append(timer.report())
             speculator._choose_depth = held  # noqa: SLF001
             drafting["dspark as it schedules"] += drafted() - before
             before = drafted()
@@ -84,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, values in times.items():
             print(f"  {name:<24} {min(values):7.3f}   ({', '.join(f'{v:.3f}' for v in values)})", flush=True)
         print("  drafting steps: " + ", ".join(f"{name} {n}" for name, n in drafting.items()))
+        for r, line in enumerate(as_scheduled):
+            print(f"  dspark as it schedules, round {r + 1} (warm-up and timed run), step() times: {line}")
     graphs = plain.engine.runner.graphs, spec.engine.runner.graphs
     print("graph buckets: plain", graphs[0].buckets if graphs[0] else None, "/ speculating",
           graphs[1].buckets if graphs[1] else None)
