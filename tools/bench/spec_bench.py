@@ -31,6 +31,7 @@ import torch
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.spec.speculator import SCHEDULED, WARMUP_VERIFICATIONS
+from tools.bench.step_times import StepTimes
 
 MAX_WARMUP_ROUNDS = 8
 """Untimed rounds at most before the timed one (a schedule that never settles is timed as it is)."""
@@ -59,6 +60,10 @@ class Row:
     """[k]: verifications whose drafted token k + 1 passed (the survival curve's counts)."""
     steps_by_depth: dict[int, int] | None = None
     """The timed run's decode steps by drafting depth (0: plain); empty without speculation."""
+    plain_step_ms: float = 0.0
+    """The timed runs' mean step() without drafting (prefill steps included)."""
+    drafting_ms_per_run: float = 0.0
+    """The timed runs' time in steps that drafted, per run: what the probes and trials cost."""
 
 
 def _prompts(llm: LLM, batch: int, seed: int) -> list[str | list[int]]:
@@ -107,6 +112,7 @@ def run_spec_bench(
             # The median of a few timed runs: one run is 0.1-0.5 s on a GPU, within the
             # machine's noise (two identical plain configurations differed by 19 %).
             timed: list[float] = []
+            steps = StepTimes(llm)
             for _ in range(repeats):
                 start = time.perf_counter()
                 outs = llm.generate(prompts, params)
@@ -115,12 +121,16 @@ def run_spec_bench(
                 reference = tokens if reference is None else reference
                 lossless = lossless and tokens == reference
             seconds = statistics.median(timed)
+            steps.detach()
+            plain = steps.by_depth.get(0, [])
+            plain_ms = sum(plain) / len(plain) if plain else 0.0
             depths = dict(sorted((Counter(speculator.stats.steps_by_depth) - depths_before).items())) if speculator else {}
             n = sum(len(t) for t in tokens)
             load = llm.engine.load()
             rows.append(Row(batch, mode, n, seconds, n / seconds, n / batch / seconds,
                             load.mean_accepted_length, lossless,
-                            load.num_spec_verifications, load.spec_accepted_by_position, depths))  # fmt: skip
+                            load.num_spec_verifications, load.spec_accepted_by_position, depths,
+                            plain_ms, steps.drafting_ms() / repeats))  # fmt: skip
             # Free this engine before the next one: its memory, graphs and objects must not
             # weigh on the rows after it (the collector scans every live object).
             llm.engine.close()
@@ -157,11 +167,13 @@ def _warm_up(llm: LLM, prompts: list[str | list[int]], params: SamplingParams) -
 
 
 def format_table(rows: list[Row]) -> str:
-    head = f"{'batch':>5}  {'mode':<14} {'tok/s':>9} {'tok/s/req':>10} {'accepted':>9}  lossless  steps by depth"
+    head = (f"{'batch':>5}  {'mode':<14} {'tok/s':>9} {'tok/s/req':>10} {'accepted':>9}  lossless  "
+            f"{'plain ms':>8} {'drafting ms/run':>15}  steps by depth")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.batch:>5}  {r.mode:<14} {r.tokens_per_s:>9.1f} {r.per_request_tokens_per_s:>10.1f} "
                      f"{r.mean_accepted_length:>9.2f}  {'yes' if r.equal_to_none else 'NO':<8}  "
+                     f"{r.plain_step_ms:>8.3f} {r.drafting_ms_per_run:>15.1f}  "
                      f"{' '.join(f'{d}:{n}' for d, n in (r.steps_by_depth or {}).items())}")  # fmt: skip
     return "\n".join(lines)
 

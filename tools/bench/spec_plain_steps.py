@@ -14,12 +14,12 @@ speculator's per-step cost; the fourth against the first, the runner's.
 
 import argparse
 import time
-from collections import defaultdict
 
 import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from tools.bench.step_times import StepTimes
 
 STEPS = 128
 
@@ -35,31 +35,6 @@ def _ms_per_step(llm: LLM, batch: int, device: str) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3 / STEPS
-
-
-class StepTimes:
-    """Wraps an engine's step() to time each call by the depth it drafted to (0: plain),
-    so a gap shows whether it lies in a few drafting steps or in every plain one."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.engine = llm.engine
-        self.inner = llm.engine.step
-        self.by_depth: dict[int, list[float]] = defaultdict(list)
-        self.engine.step = self  # type: ignore[method-assign]
-
-    def __call__(self):  # noqa: ANN204
-        start = time.perf_counter()
-        out = self.inner()
-        speculator = self.engine.speculator
-        depth = speculator.depth if speculator is not None else 0
-        self.by_depth[depth].append((time.perf_counter() - start) * 1e3)
-        return out
-
-    def report(self) -> str:
-        return "; ".join(
-            f"depth {d}: {len(v)} steps, {sum(v):.1f} ms, mean {sum(v) / len(v):.3f}, max {max(v):.2f}"
-            for d, v in sorted(self.by_depth.items())
-        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             before = drafted()
             timer = StepTimes(spec)
             times["dspark as it schedules"].append(_ms_per_step(spec, batch, args.device))
-            del spec.engine.step  # the bound method again
+            timer.detach()
             as_scheduled.append(timer.report())
             speculator._choose_depth = held  # noqa: SLF001
             drafting["dspark as it schedules"] += drafted() - before
