@@ -2,7 +2,7 @@
 
 A decode step of a small batch is dozens of short kernel launches per layer;
 launched one by one from Python, the GPU idles between them. Captured once
-per bucket and replayed, the whole forward is one launch. A batch of B
+per bucket when the engine starts and replayed, the whole forward is one launch. A batch of B
 sequences runs in the smallest bucket >= B: the extra rows have length 0 (the
 attention kernels return zeros for them) and write their K/V to a scratch
 slot no sequence owns.
@@ -15,6 +15,7 @@ graph: they touch only the rows that sample.
 
 import itertools
 import logging
+import time
 
 import torch
 
@@ -76,7 +77,20 @@ class DecodeGraphs:
         self._device_stage = torch.zeros(size, dtype=torch.int64, device=device)
         self._pool = None
         self.captured = False
-        """Whether the latest run captured its graph first (its time is not a step's)."""
+        """Whether the latest run captured its graph first (its time is not a step's;
+        after capture_all, never)."""
+
+    def capture_all(self) -> float:
+        """Capture every bucket now, at start (as vLLM does), so that no step of a serving
+        engine pays a capture: one costs 10-150 ms on an H200, and a bucket first reached
+        mid-run (a verify step's rows, a batch that grew) stalled every request in it. The
+        largest first: the smaller graphs then fit in the memory pool it left. Returns the
+        seconds it took."""
+        start = time.perf_counter()
+        for b in sorted(self.buckets, reverse=True):
+            if b not in self._graphs:
+                self._capture(b)
+        return time.perf_counter() - start
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_blocks <= self.width

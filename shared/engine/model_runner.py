@@ -134,6 +134,9 @@ class ModelRunner:
                 model, self.kv_caches, block_size, max_model_len, max_batch * max_graph_query,
                 self.null_block * block_size, device,
             )  # fmt: skip
+            seconds = self.graphs.capture_all()
+            log.info("captured %d CUDA graphs (up to %d rows) in %.1f s", len(self.graphs.buckets),
+                     self.graphs.buckets[-1], seconds)  # fmt: skip
         self.last_step_graphed = False
         """Whether the latest forward replayed a CUDA graph (else it ran eagerly)."""
         self.last_step_captured = False
