@@ -39,11 +39,14 @@ were observed and the confidences fitted once: uncalibrated scores (a draft mode
 raw probabilities may be far from its acceptance) would otherwise verify nothing,
 and nothing would ever be learnt."""
 PROBE_EVERY = 64
-"""When the schedule chose not to draft at all, draft anyway once in this many
-steps, so that acceptance and drafting cost keep being measured as traffic changes.
-Each probe after which drafting still does not pay doubles the interval, up to
-PROBE_EVERY_MAX: where speculation does not pay, its cost tends to nothing."""
-PROBE_EVERY_MAX = 1024
+"""When the schedule chose not to draft at all, draft anyway (a probe: every request
+to full depth, all of it verified) at most once in this many steps, so that
+acceptance and drafting cost keep being measured as traffic changes."""
+PROBE_BUDGET = 0.01
+"""...and only once the plain steps since the last probe took 1 / PROBE_BUDGET times
+what that probe cost: where speculation does not pay, probing costs at most this share
+of the decoding time. (A probe is a whole drafting step: on the H200 7-10 ms against
+0.5-2 ms for a plain step of the trained pair; counted in steps, one probe in 64 cost 4-11 %.)"""
 EMA = 0.1
 """Weight of the newest measurement in the running costs (drafting, step overhead)."""
 SCHEDULED = ("dspark", "capacity")
@@ -173,7 +176,11 @@ class Speculator:
         self.depth = num_tokens
         """Tokens drafted per request in the latest step (scheduled: chosen by choose_depth)."""
         self._since_probe = 0
-        self._probe_every = PROBE_EVERY
+        """Steps since drafting last paid or was probed."""
+        self._plain_s_since_probe = 0.0
+        """What those steps' plain decode steps took (seconds)."""
+        self._probe_cost_s: float | None = None
+        """The last measured probe's whole step (drafting and verification)."""
         self._old_survivals: deque[list[list[float]]] = deque(maxlen=2)
         """The capacity schedule's survivals of the last two steps (K comes from the older)."""
         self._drafting_s = 0.0
@@ -273,7 +280,10 @@ class Speculator:
         taking fewer steps)."""
         if num_tokens <= num_requests:
             self.costs.observe_plain_step(num_requests, seconds)
+            self._plain_s_since_probe += seconds
             return
+        if self._probing:
+            self._probe_cost_s = seconds
         if num_emitted and seconds > 0 and self.depth:
             self.costs.observe_realized(num_requests, self.depth, num_emitted / seconds)
         if self.sps is not None:
@@ -291,15 +301,21 @@ class Speculator:
         depth = choose_depth(num_requests, self.mean_survival(), self.sps, draft_pass, self.costs.overhead_s,
                              self.costs.plain_step(num_requests), self.costs.realized_rates(num_requests))  # fmt: skip
         if depth:
-            self._since_probe, self._probe_every = 0, PROBE_EVERY
+            self._since_probe, self._plain_s_since_probe = 0, 0.0
             return depth
         self._since_probe += 1
-        self._probing = self._since_probe >= self._probe_every
+        self._probing = self._probe_due()
         if self._probing:
-            self._since_probe = 0
-            self._probe_every = min(2 * self._probe_every, PROBE_EVERY_MAX)
+            self._since_probe, self._plain_s_since_probe = 0, 0.0
             return self.num_tokens
         return 0
+
+    def _probe_due(self) -> bool:
+        """PROBE_EVERY steps since the last probe, and the plain steps since then took at
+        least the last probe's cost over PROBE_BUDGET (before the first probe: the steps only)."""
+        if self._since_probe < PROBE_EVERY:
+            return False
+        return self._probe_cost_s is None or self._plain_s_since_probe * PROBE_BUDGET >= self._probe_cost_s
 
     def mean_survival(self) -> list[float]:
         """ā_j: the observed chance that the first j drafted tokens all pass."""
