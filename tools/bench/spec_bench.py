@@ -8,7 +8,9 @@ the mean accepted length (tokens emitted per verification). Every configuration'
 tokens must equal the run without speculation (greedy is lossless), or the bench
 fails. Each configuration first runs the same requests untimed until it settled (steady
 state: the scheduled modes have measured acceptance and costs, and tried the depths they
-would try; see _warm_up), and the table shows the timed run's steps by drafting depth.
+would try; see _warm_up); then the timed runs of all configurations take turns (see
+_bench_batch), "vs none" is each one's throughput over no speculation's, and the table
+shows the timed runs' steps by drafting depth and what the drafting steps cost.
 Prints a table and writes JSON.
 
   python -m tools.bench.spec_bench --model models/trained/target \\
@@ -64,6 +66,8 @@ class Row:
     """The timed runs' mean step() without drafting (prefill steps included)."""
     drafting_ms_per_run: float = 0.0
     """The timed runs' time in steps that drafted, per run: what the probes and trials cost."""
+    vs_none: float = 1.0
+    """Throughput over "none"'s, measured interleaved with it."""
 
 
 def _prompts(llm: LLM, batch: int, seed: int) -> list[str | list[int]]:
@@ -92,53 +96,67 @@ def run_spec_bench(
     for schedule in ("dspark", "capacity"):
         knobs = dict(speculative=speculative, spec_tokens=max(spec_tokens), spec_schedule=schedule)
         modes.append((f"{schedule} γ={max(spec_tokens)}", knobs))
-    # No speculation once more at the end: the machine drifts within a batch size's rows
-    # (on the H200 the later rows ran slower whatever they did), so each mode can be read
-    # against the baseline measured before and after it.
-    modes.append(("none (again)", {}))
+    if draft and speculative == "draft":
+        modes = [(mode, {**knobs, "spec_draft_model": draft} if knobs else knobs) for mode, knobs in modes]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rows: list[Row] = []
     for batch in batches:
-        reference: list[list[int]] | None = None
-        for mode, knobs in modes:
-            if draft and speculative == "draft":
-                knobs = {**knobs, "spec_draft_model": draft} if knobs else knobs
-            llm = LLM(model, max_num_seqs=max(batch, 1), **knobs)
-            lossless = True
-            prompts = _prompts(llm, batch, seed)
-            _warm_up(llm, prompts, params)
-            speculator = llm.engine.speculator
-            depths_before = Counter(speculator.stats.steps_by_depth) if speculator is not None else Counter()
-            # The median of a few timed runs: one run is 0.1-0.5 s on a GPU, within the
-            # machine's noise (two identical plain configurations differed by 19 %).
-            timed: list[float] = []
-            steps = StepTimes(llm)
-            for _ in range(repeats):
-                start = time.perf_counter()
-                outs = llm.generate(prompts, params)
-                timed.append(time.perf_counter() - start)
-                tokens = [o.token_ids for o in outs]
-                reference = tokens if reference is None else reference
-                lossless = lossless and tokens == reference
-            seconds = statistics.median(timed)
-            steps.detach()
-            plain = steps.by_depth.get(0, [])
-            plain_ms = sum(plain) / len(plain) if plain else 0.0
-            depths = dict(sorted((Counter(speculator.stats.steps_by_depth) - depths_before).items())) if speculator else {}
-            n = sum(len(t) for t in tokens)
-            load = llm.engine.load()
-            rows.append(Row(batch, mode, n, seconds, n / seconds, n / batch / seconds,
-                            load.mean_accepted_length, lossless,
-                            load.num_spec_verifications, load.spec_accepted_by_position, depths,
-                            plain_ms, steps.drafting_ms() / repeats))  # fmt: skip
-            # Free this engine before the next one: its memory, graphs and objects must not
-            # weigh on the rows after it (the collector scans every live object).
-            llm.engine.close()
-            del llm, outs, speculator
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        rows += _bench_batch(model, modes, batch, seed, params, repeats)
     return rows
+
+
+def _bench_batch(
+    model: str, modes: list[tuple[str, dict]], batch: int, seed: int, params: SamplingParams, repeats: int
+) -> list[Row]:
+    """Every mode's engine built and warmed first, then the timed runs interleaved: round r
+    runs each mode once, in an order rotated by r. The machine drifts (on the H200 two
+    identical plain runs a minute apart differed by 27 %); interleaved, the drift falls on
+    every mode alike, and each mode's median is read against "none"'s."""
+    engines = {mode: LLM(model, max_num_seqs=max(batch, 1), **knobs) for mode, knobs in modes}
+    names = list(engines)
+    prompts = _prompts(engines["none"], batch, seed)
+    for llm in engines.values():
+        _warm_up(llm, prompts, params)
+    before = {m: _depths(llm) for m, llm in engines.items()}
+    timers = {m: StepTimes(llm) for m, llm in engines.items()}
+    timed: dict[str, list[float]] = {m: [] for m in names}
+    tokens: dict[str, list[list[int]]] = {}
+    lossless = dict.fromkeys(names, True)
+    for r in range(repeats):
+        for mode in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            outs = engines[mode].generate(prompts, params)
+            timed[mode].append(time.perf_counter() - start)
+            tokens.setdefault(mode, [o.token_ids for o in outs])
+            lossless[mode] = lossless[mode] and [o.token_ids for o in outs] == tokens["none"] == tokens[mode]
+    rows: list[Row] = []
+    for mode in names:
+        llm, steps = engines[mode], timers[mode]
+        steps.detach()
+        seconds = statistics.median(timed[mode])
+        plain = steps.by_depth.get(0, [])
+        n = sum(len(t) for t in tokens[mode])
+        load = llm.engine.load()
+        rows.append(Row(batch, mode, n, seconds, n / seconds, n / batch / seconds, load.mean_accepted_length,
+                        lossless[mode], load.num_spec_verifications, load.spec_accepted_by_position,
+                        dict(sorted((_depths(llm) - before[mode]).items())),
+                        sum(plain) / len(plain) if plain else 0.0, steps.drafting_ms() / repeats))  # fmt: skip
+    for row in rows:
+        row.vs_none = row.tokens_per_s / rows[0].tokens_per_s
+    # Free the engines before the next batch size: their memory, graphs and objects must
+    # not weigh on the rows after them (the collector scans every live object).
+    for llm in engines.values():
+        llm.engine.close()
+    del engines, timers
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _depths(llm: LLM) -> Counter[int]:
+    speculator = llm.engine.speculator
+    return Counter(speculator.stats.steps_by_depth) if speculator is not None else Counter()
 
 
 def _warm_up(llm: LLM, prompts: list[str | list[int]], params: SamplingParams) -> None:
@@ -167,11 +185,11 @@ def _warm_up(llm: LLM, prompts: list[str | list[int]], params: SamplingParams) -
 
 
 def format_table(rows: list[Row]) -> str:
-    head = (f"{'batch':>5}  {'mode':<14} {'tok/s':>9} {'tok/s/req':>10} {'accepted':>9}  lossless  "
+    head = (f"{'batch':>5}  {'mode':<14} {'tok/s':>9} {'vs none':>7} {'tok/s/req':>10} {'accepted':>9}  lossless  "
             f"{'plain ms':>8} {'drafting ms/run':>15}  steps by depth")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.batch:>5}  {r.mode:<14} {r.tokens_per_s:>9.1f} {r.per_request_tokens_per_s:>10.1f} "
+        lines.append(f"{r.batch:>5}  {r.mode:<14} {r.tokens_per_s:>9.1f} {r.vs_none:>7.2f} {r.per_request_tokens_per_s:>10.1f} "
                      f"{r.mean_accepted_length:>9.2f}  {'yes' if r.equal_to_none else 'NO':<8}  "
                      f"{r.plain_step_ms:>8.3f} {r.drafting_ms_per_run:>15.1f}  "
                      f"{' '.join(f'{d}:{n}' for d, n in (r.steps_by_depth or {}).items())}")  # fmt: skip
