@@ -35,6 +35,14 @@ checks the claim on the H200: for each Llama-3-8B weight in bf16, the first rows
 a large-M call (the prefill bucket) are bitwise those of M = 1 .. 8192 calls across
 every bucket edge, and every bucket is used.
 
+A prefill bucket may instead run the persistent kernel (``MatmulConfig.persistent``,
+kernels/invariant_matmul_tma.py): TMA loads and stores, one program per multiprocessor
+looping over the output tiles, and each tile's sum done as above (same block_k, K from
+0 up, one fp32 accumulator, wgmma) -- so its rows are bitwise the tile kernel's. Which
+buckets do is ``PERSISTENT_PREFILL`` and ``PERSISTENT_TILES``; a call whose x or output
+TMA cannot address (a row stride not a multiple of 16 bytes) runs the tile kernel with
+the same configuration.
+
 M is not specialised on (``do_not_specialize``): Triton would otherwise compile a
 separate variant for M == 1 and for M divisible by 16, and the same arithmetic in
 another compiled variant is an assumption this module does not need to make. Each
@@ -51,12 +59,18 @@ import torch
 import triton
 import triton.language as tl
 
+from shared.model.kernels import invariant_matmul_tma as tma
 from shared.model.kernels.checks import FLOAT_DTYPES, check_device, check_tensor
 
-__all__ = ["MatmulConfig", "MatmulFamily", "invariant_matmul", "matmul_config", "matmul_family"]
+__all__ = ["MatmulConfig", "MatmulFamily", "invariant_matmul", "matmul_config", "matmul_family", "persistent_prefill"]
 
 SHARED_MEMORY_BYTES = 227 * 1024
 """Shared memory one program may use on Hopper (H100/H200): the pipeline's stages must fit."""
+TMA_BOX = 256
+"""The most elements a TMA copy moves along one dimension: the persistent tiles' bound."""
+DECODE_ROWS = 128
+"""Decode steps run at most this many rows (128 requests, or 32 with 3 drafts each) on
+every weight's decode-shaped tiles; the buckets above are prefill's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +81,26 @@ class MatmulConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    persistent: bool = False
+    """Run by the persistent TMA kernel (invariant_matmul_tma.py) instead of the tile
+    kernel: the same sums, other loads; prefill buckets only."""
+    epilogue_subtile: bool = False
+    """Persistent only: store each output tile as two halves of BLOCK_N / 2 columns (half
+    the epilogue's shared memory, room for another stage)."""
 
     @property
     def shared_memory_bytes(self) -> int:
-        """The x and weight tiles of every pipeline stage, in a 16-bit dtype."""
-        return self.num_stages * (self.block_m + self.block_n) * self.block_k * 2
+        """The x and weight tiles of every pipeline stage, in a 16-bit dtype, and for the
+        persistent kernel its output tile's staging buffer (TMA stores from shared memory,
+        while the next tile's loads are in flight)."""
+        stages = self.num_stages * (self.block_m + self.block_n) * self.block_k * 2
+        if not self.persistent:
+            return stages
+        return stages + self.block_m * self.block_n * 2 // (2 if self.epilogue_subtile else 1)
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+        kernel = (" tma/2" if self.epilogue_subtile else " tma") if self.persistent else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{kernel}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +116,19 @@ class MatmulFamily:
 
     def __post_init__(self) -> None:
         assert len(self.configs) == len(self.edges) + 1 and list(self.edges) == sorted(set(self.edges))
-        for c in self.configs:
+        for i, c in enumerate(self.configs):
             assert c.block_k == self.block_k, (c, self.block_k)  # the reduction order is the weight's
             if self.tensor_cores:
                 # The wgmma conditions (else Triton falls back to mma.sync: another instruction).
                 assert c.block_m % 64 == 0 and c.num_warps % 4 == 0 and c.block_n % 8 == 0, c
                 assert c.shared_memory_bytes <= SHARED_MEMORY_BYTES, c
+            if c.persistent:
+                # 16-bit only (TMA and wgmma), and prefill only: decode's tiles spread the
+                # weight over every multiprocessor, one tile each, with nothing to persist.
+                assert self.tensor_cores and i > 0 and self.edges[i - 1] >= DECODE_ROWS, (i, c)
+                assert c.block_m <= TMA_BOX and c.block_n <= TMA_BOX, c
+            else:
+                assert not c.epilogue_subtile, c
 
     def bucket(self, m: int) -> int:
         """Index of the configuration that M rows run with."""
@@ -105,25 +138,65 @@ class MatmulFamily:
         return self.configs[self.bucket(m)]
 
 
-DECODE_ROWS = 128
-"""Decode steps run at most this many rows (128 requests, or 32 with 3 drafts each) on
-every weight's decode-shaped tiles; the buckets above are prefill's."""
-
 Tile = tuple[int, int, int, int]
 """(block_m, block_n, num_warps, num_stages)."""
+PersistentTile = tuple[int, int, int, int, bool]
+"""(block_m, block_n, num_warps, num_stages, epilogue_subtile) of the persistent kernel."""
+
+PERSISTENT_PREFILL: bool | None = False
+"""Whether each weight's prefill rows from the first edge of its ``PERSISTENT_TILES`` up
+run the persistent TMA kernel: True, False, or None for "where the current CUDA device
+has TMA" (compute capability 9.0 or above). False until the H200 sweep (``tools/bench/
+batch_invariant_bench.py --matmul-sweep``, its persistent table) has chosen the tiles.
+``matmul_family`` caches its answer: whoever changes this calls
+``matmul_family.cache_clear()`` (or asks ``matmul_family(..., persistent=...)``)."""
+
+PERSISTENT_TILES: dict[str, tuple[tuple[int, PersistentTile], ...]] = {
+    "qkv": ((512, (128, 128, 8, 4, False)),),
+    "o": ((256, (128, 128, 8, 3, False)),),
+    "down": ((256, (128, 128, 8, 3, False)),),
+    "gate_up": ((512, (128, 256, 8, 3, False)),),
+    "logits": ((1024, (128, 256, 8, 3, False)),),
+}
+"""Per weight, the persistent kernel's buckets as (the M above which, tile): a tile serves
+M above its edge up to the next one's, the last every larger M; the weight's tiles below
+the first edge stay. Every tile keeps the weight's block_k (matmul_family's), is on
+wgmma (BLOCK_M 128 or 256, 8 warps) and fits Hopper's shared memory with its epilogue
+buffer. Not measured yet: placeholders that fit, to be replaced from the sweep."""
 
 
-def _family(block_k: int, *buckets: tuple[int, Tile], largest: Tile) -> MatmulFamily:
-    """Buckets as (the largest M served, tile), then the tile of every larger M."""
-    edges = tuple(edge for edge, _ in buckets)
-    tiles = (*(tile for _, tile in buckets), largest)
-    return MatmulFamily(block_k, edges, tuple(MatmulConfig(bm, bn, block_k, 8, w, s) for bm, bn, w, s in tiles))
+def persistent_prefill() -> bool:
+    """``PERSISTENT_PREFILL`` resolved for the current device."""
+    if PERSISTENT_PREFILL is not None:
+        return PERSISTENT_PREFILL
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _family(
+    block_k: int, *buckets: tuple[int, Tile], largest: Tile, persistent: tuple[tuple[int, PersistentTile], ...] = ()
+) -> MatmulFamily:
+    """Buckets as (the largest M served, tile), then the tile of every larger M; the
+    persistent buckets (a weight's ``PERSISTENT_TILES``), if any, replace those above the
+    first persistent edge."""
+    edges = [edge for edge, _ in buckets]
+    configs = [MatmulConfig(bm, bn, block_k, 8, w, s) for bm, bn, w, s in (*(t for _, t in buckets), largest)]
+    if persistent:
+        first = persistent[0][0]
+        kept = bisect.bisect_left(edges, first)  # the buckets wholly below the first persistent edge
+        up_to_first = configs[kept]  # what M = first ran with: it still serves up to there
+        edges = [*edges[:kept], *(edge for edge, _ in persistent)]
+        configs = [*configs[:kept], up_to_first]
+        configs += [MatmulConfig(bm, bn, block_k, 8, w, s, True, sub) for _, (bm, bn, w, s, sub) in persistent]
+    return MatmulFamily(block_k, tuple(edges), tuple(configs))
 
 
 @functools.cache
-def matmul_family(n: int, k: int, dtype: torch.dtype) -> MatmulFamily:
+def matmul_family(n: int, k: int, dtype: torch.dtype, persistent: bool | None = None) -> MatmulFamily:
     """The tile configurations of a weight [n, k] in ``dtype``: a function of the weight
     alone, with one block_k; M only picks among them (``MatmulFamily.config``).
+    ``persistent``: whether the weight's ``PERSISTENT_TILES`` take over its largest M (on
+    the persistent TMA kernel, same block_k); None: ``persistent_prefill()``, read on the
+    first call (cached: whoever changes ``PERSISTENT_PREFILL`` calls ``cache_clear()``).
 
     bf16/fp16, from the H200 sweep over Llama-3-8B's weights (``tools/bench/
     batch_invariant_bench.py --matmul-sweep``, docs/perf/h200/run13_v4_and_sweep.log):
@@ -145,16 +218,21 @@ def matmul_family(n: int, k: int, dtype: torch.dtype) -> MatmulFamily:
     configuration for every M."""
     if dtype == torch.float32:
         return MatmulFamily(32, (), (MatmulConfig(32, 64, 32, 8, 4, 2),), tensor_cores=False)
+    tiles = PERSISTENT_TILES if (persistent_prefill() if persistent is None else persistent) else {}
     if n >= 65536:
-        return _family(64, (32, (64, 64, 4, 6)), (1024, (128, 128, 8, 3)), largest=(128, 256, 8, 4))
+        return _family(64, (32, (64, 64, 4, 6)), (1024, (128, 128, 8, 3)), largest=(128, 256, 8, 4),
+                       persistent=tiles.get("logits", ()))  # fmt: skip
     if n >= 16384:
-        return _family(64, (64, (64, 128, 4, 3)), (4096, (128, 128, 8, 3)), largest=(128, 256, 8, 4))
+        return _family(64, (64, (64, 128, 4, 3)), (4096, (128, 128, 8, 3)), largest=(128, 256, 8, 4),
+                       persistent=tiles.get("gate_up", ()))  # fmt: skip
     if n <= 4096:
         mid = (DECODE_ROWS, (64, 64, 4, 6)), (256, (64, 128, 4, 4))
         if k > 2 * n:  # down_proj's long K: 4 warps hold up better on the largest M
-            return _family(128, *mid, (2048, (128, 128, 8, 3)), largest=(128, 128, 4, 3))
-        return _family(128, *mid, largest=(128, 128, 8, 3))
-    return _family(64, (DECODE_ROWS, (64, 128, 4, 5)), (512, (64, 128, 4, 3)), largest=(128, 128, 8, 3))
+            return _family(128, *mid, (2048, (128, 128, 8, 3)), largest=(128, 128, 4, 3),
+                           persistent=tiles.get("down", ()))  # fmt: skip
+        return _family(128, *mid, largest=(128, 128, 8, 3), persistent=tiles.get("o", ()))
+    return _family(64, (DECODE_ROWS, (64, 128, 4, 5)), (512, (64, 128, 4, 3)), largest=(128, 128, 8, 3),
+                   persistent=tiles.get("qkv", ()))  # fmt: skip
 
 
 def matmul_config(n: int, k: int, dtype: torch.dtype, m: int) -> MatmulConfig:
@@ -250,6 +328,11 @@ def invariant_matmul(
     if k == 0:
         return (out.zero_() if bias is None else out.copy_(bias.expand(m, n))).view(*lead, n)
     c = config or matmul_config(n, k, weight.dtype, m)
+    if c.persistent and tma.tma_ready(x2, weight, out):
+        tma.persistent_matmul(x2, weight, bias, out, c)
+        return out.view(*lead, n)
+    # The tile kernel: every other bucket, and a persistent one's call that TMA cannot
+    # address (with the same tiles: the same sums, so the same bits).
     grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
     _matmul_kernel[grid](
         x2, weight, weight if bias is None else bias, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
