@@ -199,3 +199,16 @@ def test_family_refuses_persistent_decode_float32_and_oversized_buckets() -> Non
     MatmulFamily(64, (DECODE_ROWS,), (decode, MatmulConfig(128, 256, 64, 8, 8, 4, True, True)))
     with pytest.raises(AssertionError):  # an epilogue subtile on the tile kernel means nothing
         MatmulFamily(64, (DECODE_ROWS,), (decode, MatmulConfig(128, 128, 64, 8, 8, 3, False, True)))
+
+
+def test_the_sweeps_persistent_candidates_are_buckets_a_family_accepts() -> None:
+    """tools/bench/batch_invariant_bench.py --persistent-sweep times only tiles that
+    PERSISTENT_TILES could take: each weight's block_k, wgmma, TMA's box, 227 KB."""
+    from tools.bench.batch_invariant_bench import persistent_candidates
+
+    for block_k, count in [(64, 7), (128, 1)]:
+        candidates = persistent_candidates(block_k)
+        assert len(candidates) == count and len(set(candidates)) == count, [str(c) for c in candidates]
+        for c in candidates:
+            MatmulFamily(block_k, (DECODE_ROWS,), (_tile(64, 64, block_k), c))
+            assert c.persistent and c.num_warps == 8 and 3 <= c.num_stages <= 5

@@ -13,11 +13,16 @@ kernels/invariant_attention.py) under CUDA graphs; on the plain CPU the PyTorch 
 with the M bucket (and its tile configuration) each M ran with. ``--matmul-sweep``
 times, per weight, block_k (64, 128) and M, the candidate tiles of SWEEP_TILES (all on
 wgmma, all within Hopper's shared memory) and prints the fastest: the data to choose
-matmul_family's buckets from (a family keeps one block_k for every M).
+matmul_family's buckets from (a family keeps one block_k for every M); it then (and
+``--persistent-sweep`` alone) times the persistent TMA kernel's candidate tiles
+(kernels/invariant_matmul_tma.py) at prefill M (2048, 8192) with each weight's own
+block_k, against cuBLAS and the weight's current prefill tile, each candidate checked
+bitwise against that tile: the data to set PERSISTENT_TILES from.
 
   python -m tools.bench.batch_invariant_bench --model models/trained/target --device cpu --batch 1 8
   python -m tools.bench.batch_invariant_bench --model /path/to/llama --device cuda --dtype bfloat16 --batch 1 8 64 --matmul
   python -m tools.bench.batch_invariant_bench --device cuda --dtype bfloat16 --batch 1 --max-tokens 4 --matmul-sweep
+  python -m tools.bench.batch_invariant_bench --device cuda --dtype bfloat16 --batch 1 --max-tokens 4 --persistent-sweep
 """
 
 import argparse
@@ -160,6 +165,105 @@ def matmul_sweep(dtype: str) -> list[tuple[str, int, int, float, float, str]]:
     return rows
 
 
+PREFILL_ROWS = (2048, 8192)
+"""M of the persistent sweep: prefill chunks."""
+
+
+@dataclass(slots=True)
+class PersistentRow:
+    weight: str
+    m: int
+    cublas_us: float
+    current: str
+    """The weight's current tile for M (the tile kernel's, PERSISTENT_PREFILL off)."""
+    current_us: float
+    timed: list[tuple[float, str, bool]]
+    """(us, tile, bitwise equal to the current tile's output) per candidate that ran."""
+    failed: list[str]
+    """'tile: error' per candidate that did not compile or launch."""
+
+    @property
+    def best(self) -> tuple[float, str, bool] | None:
+        """The fastest candidate whose rows are bitwise the current tile's, if any."""
+        same = [t for t in self.timed if t[2]]
+        return min(same) if same else None
+
+
+def persistent_candidates(block_k: int) -> list["MatmulConfig"]:
+    """The persistent kernel's tiles worth timing with a weight's block_k: BLOCK_M and
+    BLOCK_N 128 or 256 (not both: 256x256 does not fit), 8 warps (two warpgroups on
+    wgmma), 3 to 5 stages, within Hopper's shared memory with the output tile's staging
+    buffer, whole where it fits, else in halves (the epilogue subtile)."""
+    from shared.model.kernels.invariant_matmul import SHARED_MEMORY_BYTES, MatmulConfig
+
+    configs = []
+    for bm, bn in ((128, 128), (128, 256), (256, 128)):
+        for stages in (3, 4, 5):
+            for subtile in (False, True):
+                c = MatmulConfig(bm, bn, block_k, 8, 8, stages, persistent=True, epilogue_subtile=subtile)
+                if c.shared_memory_bytes <= SHARED_MEMORY_BYTES:
+                    configs.append(c)
+                    break
+    return configs
+
+
+def persistent_sweep(dtype: str) -> list[PersistentRow]:
+    """Per weight (MATMUL_SHAPES) and M (PREFILL_ROWS): F.linear, the current prefill tile
+    and every persistent candidate with the weight's block_k, each the median of
+    triton's do_bench; a candidate that fails to compile or launch is reported, not fatal."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from shared.model.kernels.invariant_matmul import invariant_matmul, matmul_family
+
+    torch_dtype = getattr(torch, dtype)
+    rows = []
+    for name, (n, k) in MATMUL_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch_dtype) * 0.02
+        family = matmul_family(n, k, torch_dtype, persistent=False)
+        candidates = persistent_candidates(family.block_k)
+        for m in PREFILL_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch_dtype)
+            current = family.config(m)
+            cublas = do_bench(lambda: F.linear(x, w), return_mode="median") * 1000  # noqa: B023
+            reference = invariant_matmul(x, w, config=current)
+            tiled = lambda: invariant_matmul(x, w, config=current)  # noqa: B023, E731
+            current_us = do_bench(tiled, return_mode="median") * 1000
+            row = PersistentRow(name, m, cublas, str(current), current_us, [], [])
+            for c in candidates:
+                try:
+                    same = torch.equal(invariant_matmul(x, w, config=c), reference)
+                    run = lambda: invariant_matmul(x, w, config=c)  # noqa: B023, E731
+                    us = do_bench(run, warmup=5, rep=20, return_mode="median") * 1000
+                except Exception as error:  # noqa: BLE001 (out of resources, a compile error: next tile)
+                    first_line = (str(error).splitlines() or [""])[0][:120]
+                    row.failed.append(f"{c}: {type(error).__name__}: {first_line}")
+                    continue
+                row.timed.append((us, str(c), same))
+            rows.append(row)
+            _print_persistent(row)  # as it goes: a crash later still leaves these lines
+            del x, reference
+        del w
+    return rows
+
+
+def _print_persistent(r: PersistentRow) -> None:
+    head = (f"{r.weight:>8} {r.m:>5} cuBLAS {r.cublas_us:>8.1f} us | current {r.current} {r.current_us:>8.1f} us "
+            f"{r.current_us / r.cublas_us:>5.2f}x")  # fmt: skip
+    best = r.best
+    if best is None:
+        print(f"{head} | no persistent tile ran bitwise equal")
+    else:
+        us, tile, _ = best
+        print(f"{head} | best persistent {tile} {us:>8.1f} us {us / r.cublas_us:>5.2f}x cuBLAS, "
+              f"{us / r.current_us:>5.2f}x current")  # fmt: skip
+    for us, tile, same in sorted(r.timed):
+        print(f"{'':>10}{tile:<26} {us:>8.1f} us {us / r.cublas_us:>5.2f}x{'' if same else '  NOT BITWISE EQUAL'}")
+    for failure in r.failed:
+        print(f"{'':>10}{failure}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint folder (default: the seeded tiny model, made in a temp folder)")
@@ -169,7 +273,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--matmul", action="store_true", help="also the op-level matmul table (CUDA)")
-    parser.add_argument("--matmul-sweep", action="store_true", help="also the tile sweep per block_k and M (CUDA)")
+    parser.add_argument("--matmul-sweep", action="store_true", help="also the tile sweep per block_k and M, then the "
+                        "persistent sweep (CUDA)")  # fmt: skip
+    parser.add_argument("--persistent-sweep", action="store_true", help="also the persistent kernel's tiles at prefill "
+                        "M per weight (CUDA)")  # fmt: skip
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
@@ -197,6 +304,11 @@ def main(argv: list[str] | None = None) -> None:
         for name, block_k, m, normal_us, best_us, best in matmul_sweep(args.dtype):
             ratio = best_us / normal_us
             print(f"{name:>8} {block_k:>7} {m:>5} {normal_us:>9.1f} {best_us:>8.1f} {ratio:>6.2f}x  {best}")
+    if args.matmul_sweep or args.persistent_sweep:
+        print(f"\npersistent TMA matmul sweep ({args.dtype}): per weight and M, cuBLAS, the current prefill tile and "
+              "the fastest persistent tile of the weight's block_k whose output is bitwise the current tile's "
+              "(then every candidate, fastest first), median us")  # fmt: skip
+        persistent_sweep(args.dtype)
 
 
 if __name__ == "__main__":
