@@ -250,3 +250,19 @@ def test_a_draft_equal_to_the_target_is_always_accepted_and_the_bonus_follows_th
     p = torch.softmax(torch.randn(3, 4, generator=gen), dim=-1)
     out = verify_sampled([2, 1], p[:2].clone(), p, torch.rand(2, generator=gen) * 0.999, gen)
     assert out.num_accepted == 2 and out.tokens[:2] == [2, 1] and len(out.tokens) == 3
+
+
+def test_a_stall_in_one_plain_step_does_not_make_drafting_look_cheap():
+    """StepCosts' plain-step estimate takes a step at most PLAIN_STEP_CLIP times the
+    estimate: one 50 ms stall among 2 ms steps moves it by a tenth of 1 ms, not by 5 ms
+    (which made choose_depth try a depth that needs the draft model's catch-up)."""
+    from shared.engine.spec.speculator import EMA, PLAIN_STEP_CLIP, StepCosts
+
+    costs = StepCosts()
+    for _ in range(20):
+        costs.observe_plain_step(64, 0.002)
+    costs.observe_plain_step(64, 0.050)
+    assert costs.plain_step(64) == pytest.approx(0.002 + EMA * (PLAIN_STEP_CLIP - 1) * 0.002)
+    for _ in range(40):  # a lasting change still comes through, a step at a time
+        costs.observe_plain_step(64, 0.004)
+    assert costs.plain_step(64) == pytest.approx(0.004, rel=0.05)

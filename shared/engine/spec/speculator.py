@@ -49,6 +49,8 @@ of the decoding time. (A probe is a whole drafting step: on the H200 7-10 ms aga
 0.5-2 ms for a plain step of the trained pair; counted in steps, one probe in 64 cost 4-11 %.)"""
 EMA = 0.1
 """Weight of the newest measurement in the running costs (drafting, step overhead)."""
+PLAIN_STEP_CLIP = 1.5
+"""A plain step's time counts at most this many times the running estimate (StepCosts)."""
 SCHEDULED = ("dspark", "capacity")
 
 
@@ -151,8 +153,12 @@ class StepCosts:
             _average_in(self.draft_pass_s, num_requests, seconds / passes)
 
     def observe_plain_step(self, num_requests: int, seconds: float) -> None:
+        """A plain step's time, at most PLAIN_STEP_CLIP times the estimate so far: a stall
+        (a collector pass, another process on the device) must not make drafting look
+        cheap for the next dozens of steps and set off a trial that costs a catch-up."""
         if num_requests > 0:
-            _average_in(self.plain_step_s, num_requests, seconds)
+            old = self.plain_step_s.get(_bucket(num_requests))
+            _average_in(self.plain_step_s, num_requests, seconds if old is None else min(seconds, PLAIN_STEP_CLIP * old))
 
     def observe_overhead(self, seconds: float) -> None:
         self.overhead_s += EMA * (max(seconds, 0.0) - self.overhead_s)
