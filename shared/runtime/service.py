@@ -13,6 +13,7 @@ NOT_SERVING, stop intake, drain in-flight work under a timeout), NATS last.
 """
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -71,6 +72,12 @@ async def run_service(stage: str, setup: Setup, settings: Settings | None = None
             stack.callback(metrics.close)
             ctx = ServiceContext(stage, instance_id, settings, bus, provider.get_tracer(stage), metrics, stop)
             await setup(ctx, stack)
+            # What the imports and setup made (the model, the KV block pool, CUDA graphs, the
+            # servers) lives as long as the process: frozen, the collector's full passes no
+            # longer walk it. A pass over the ~175k objects of a decode process took 78 ms on
+            # a 2-core machine, a stall of every request in the batch (vLLM freezes too).
+            gc.collect()
+            gc.freeze()
             if not metrics.has_readiness:
                 # /ready on the metrics port: a service whose setup said nothing more
                 # (kvcache) is ready once set up, until it stops; workers say their own.

@@ -117,6 +117,10 @@ def _bench_batch(
     prompts = _prompts(engines["none"], batch, seed)
     for llm in engines.values():
         _warm_up(llm, prompts, params)
+    # As a service freezes what it built (shared/runtime/service.py): the collector's full
+    # passes would walk every engine's objects, a stall that lands on whichever mode allocates.
+    gc.collect()
+    gc.freeze()
     before = {m: _depths(llm) for m, llm in engines.items()}
     timers = {m: StepTimes(llm) for m, llm in engines.items()}
     timed: dict[str, list[float]] = {m: [] for m in names}
@@ -148,6 +152,7 @@ def _bench_batch(
     for llm in engines.values():
         llm.engine.close()
     del engines, timers
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
