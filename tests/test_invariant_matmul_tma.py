@@ -20,6 +20,7 @@ TRITON_INTERPRET must be set before any kernel module is imported (see test_kern
 """
 
 import os
+import re
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -212,3 +213,53 @@ def test_the_sweeps_persistent_candidates_are_buckets_a_family_accepts() -> None
         for c in candidates:
             MatmulFamily(block_k, (DECODE_ROWS,), (_tile(64, 64, block_k), c))
             assert c.persistent and c.num_warps == 8 and 3 <= c.num_stages <= 5
+
+
+SM90_COMPILE = r"""
+import json, re, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from shared.model.kernels import invariant_matmul as im, invariant_matmul_tma as tma
+from tools.bench.batch_invariant_bench import persistent_candidates
+
+configs = set(persistent_candidates(64) + persistent_candidates(128))
+for n, k in json.loads(sys.argv[1]):
+    configs |= {c for c in im.matmul_family(n, k, torch.bfloat16, persistent=True).configs if c.persistent}
+for c in sorted(configs, key=str):
+    store_n = c.block_n // 2 if c.epilogue_subtile else c.block_n
+    sig = {"x_desc": f"tensordesc<bf16[{c.block_m}, {c.block_k}]>",
+           "w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>",
+           "out_desc": f"tensordesc<bf16[{c.block_m}, {store_n}]>",
+           "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
+    consts = dict(HAS_BIAS=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                  EPILOGUE_SUBTILE=c.epilogue_subtile, NUM_SMS=132)
+    sig |= {name: "constexpr" for name in consts}
+    compiled = triton.compile(ASTSource(tma._persistent_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+    ptx = compiled.asm["ptx"]
+    wgmma = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+\.\w+\.\w+\.\w+)", ptx)))
+    print(json.dumps({"config": str(c), "shared": compiled.metadata.shared, "estimate": c.shared_memory_bytes,
+                      "wgmma": wgmma, "tma": "cp.async.bulk.tensor" in ptx, "mma_sync": "mma.sync" in ptx}))
+"""
+
+
+def test_persistent_tiles_compile_for_hopper_on_wgmma_and_tma() -> None:
+    """No GPU needed: Triton compiles the persistent kernel for sm_90 on the CPU (its
+    wheel carries ptxas). Each sweep candidate and PERSISTENT_TILES tile (with bias)
+    issues only wgmma m64nNk16 bf16 into fp32, loads by TMA, no mma.sync, and uses the
+    shared memory MatmulConfig estimates (Hopper's 227 KB bound), within barriers' bytes."""
+    import json
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(LLAMA_WEIGHTS)], env=env, cwd=os.getcwd(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) >= 8
+    for r in results:
+        assert r["wgmma"] and all(re.fullmatch(r"m64n\d+k16\.f32\.bf16\.bf16", w) for w in r["wgmma"]), r
+        assert r["tma"] and not r["mma_sync"], r
+        assert r["estimate"] <= r["shared"] <= min(r["estimate"] + 1024, im.SHARED_MEMORY_BYTES), r
