@@ -177,16 +177,16 @@ class PersistentRow:
     current: str
     """The weight's current tile for M (the tile kernel's, PERSISTENT_PREFILL off)."""
     current_us: float
-    timed: list[tuple[float, str, bool]]
+    timed: list[tuple[float, "MatmulConfig", bool]]
     """(us, tile, bitwise equal to the current tile's output) per candidate that ran."""
     failed: list[str]
     """'tile: error' per candidate that did not compile or launch."""
 
     @property
-    def best(self) -> tuple[float, str, bool] | None:
+    def best(self) -> tuple[float, "MatmulConfig", bool] | None:
         """The fastest candidate whose rows are bitwise the current tile's, if any."""
         same = [t for t in self.timed if t[2]]
-        return min(same) if same else None
+        return min(same, key=lambda t: t[0]) if same else None
 
 
 def persistent_candidates(block_k: int) -> list["MatmulConfig"]:
@@ -240,7 +240,7 @@ def persistent_sweep(dtype: str) -> list[PersistentRow]:
                     first_line = (str(error).splitlines() or [""])[0][:120]
                     row.failed.append(f"{c}: {type(error).__name__}: {first_line}")
                     continue
-                row.timed.append((us, str(c), same))
+                row.timed.append((us, c, same))
             rows.append(row)
             _print_persistent(row)  # as it goes: a crash later still leaves these lines
             del x, reference
@@ -258,10 +258,38 @@ def _print_persistent(r: PersistentRow) -> None:
         us, tile, _ = best
         print(f"{head} | best persistent {tile} {us:>8.1f} us {us / r.cublas_us:>5.2f}x cuBLAS, "
               f"{us / r.current_us:>5.2f}x current")  # fmt: skip
-    for us, tile, same in sorted(r.timed):
-        print(f"{'':>10}{tile:<26} {us:>8.1f} us {us / r.cublas_us:>5.2f}x{'' if same else '  NOT BITWISE EQUAL'}")
+    for us, tile, same in sorted(r.timed, key=lambda t: t[0]):
+        print(f"{'':>10}{str(tile):<26} {us:>8.1f} us {us / r.cublas_us:>5.2f}x{'' if same else '  NOT BITWISE EQUAL'}")
     for failure in r.failed:
         print(f"{'':>10}{failure}")
+
+
+PERSISTENT_KEYS = {"lm_head": "logits"}
+"""MATMUL_SHAPES' names that PERSISTENT_TILES spells otherwise."""
+
+
+def print_persistent_suggestion(rows: list[PersistentRow]) -> None:
+    """PERSISTENT_TILES as the sweep would set them: per weight the fastest bitwise tile
+    at the largest M, from the weight's current first persistent edge, with what it
+    gains on the current tiles at each M (a weight it does not speed up keeps the tile
+    kernel: drop its entry)."""
+    from shared.model.kernels.invariant_matmul import PERSISTENT_TILES
+
+    print("\nPERSISTENT_TILES from this sweep (then PERSISTENT_PREFILL = None):")
+    for name in MATMUL_SHAPES:
+        mine = [r for r in rows if r.weight == name]
+        if not mine or mine[-1].best is None:
+            print(f"    # {name}: no persistent tile ran bitwise equal")
+            continue
+        _, c, _ = mine[-1].best
+        gains = []
+        for r in mine:
+            same = [us for us, tile, ok in r.timed if tile == c and ok]
+            gains.append(f"M {r.m}: {same[0] / r.current_us:.2f}x current" if same else f"M {r.m}: not timed")
+        key = PERSISTENT_KEYS.get(name, name)
+        edge = PERSISTENT_TILES[key][0][0]
+        tile = (c.block_m, c.block_n, c.num_warps, c.num_stages, c.epilogue_subtile)
+        print(f'    "{key}": (({edge}, {tile}),),  # {", ".join(gains)}')
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -308,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\npersistent TMA matmul sweep ({args.dtype}): per weight and M, cuBLAS, the current prefill tile and "
               "the fastest persistent tile of the weight's block_k whose output is bitwise the current tile's "
               "(then every candidate, fastest first), median us")  # fmt: skip
-        persistent_sweep(args.dtype)
+        print_persistent_suggestion(persistent_sweep(args.dtype))
 
 
 if __name__ == "__main__":
