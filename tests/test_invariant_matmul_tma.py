@@ -164,8 +164,8 @@ def persistent_prefill(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_families_without_the_switch_keep_the_tile_kernel() -> None:
-    assert im.PERSISTENT_PREFILL is not True  # off until the H200 sweep has chosen the tiles
-    assert im.persistent_prefill() is False  # no CUDA here: None resolves to off too
+    assert im.PERSISTENT_PREFILL is None  # on where the device has TMA (the H200 sweep chose the tiles)...
+    assert im.persistent_prefill() is False  # ... so off here, without CUDA
     for n, k in LLAMA_WEIGHTS:
         assert not any(c.persistent for c in im.matmul_family(n, k, torch.bfloat16).configs), (n, k)
 

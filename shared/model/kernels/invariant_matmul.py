@@ -143,26 +143,29 @@ Tile = tuple[int, int, int, int]
 PersistentTile = tuple[int, int, int, int, bool]
 """(block_m, block_n, num_warps, num_stages, epilogue_subtile) of the persistent kernel."""
 
-PERSISTENT_PREFILL: bool | None = False
+PERSISTENT_PREFILL: bool | None = None
 """Whether each weight's prefill rows from the first edge of its ``PERSISTENT_TILES`` up
 run the persistent TMA kernel: True, False, or None for "where the current CUDA device
-has TMA" (compute capability 9.0 or above). False until the H200 sweep (``tools/bench/
-batch_invariant_bench.py --matmul-sweep``, its persistent table) has chosen the tiles.
-``matmul_family`` caches its answer: whoever changes this calls
-``matmul_family.cache_clear()`` (or asks ``matmul_family(..., persistent=...)``)."""
+has TMA" (compute capability 9.0 or above). ``matmul_family`` caches its answer: whoever
+changes this calls ``matmul_family.cache_clear()`` (or asks ``matmul_family(...,
+persistent=...)``)."""
 
 PERSISTENT_TILES: dict[str, tuple[tuple[int, PersistentTile], ...]] = {
-    "qkv": ((512, (128, 128, 8, 4, False)),),
+    "qkv": ((512, (256, 128, 8, 4, True)),),
     "o": ((256, (128, 128, 8, 3, False)),),
     "down": ((256, (128, 128, 8, 3, False)),),
-    "gate_up": ((512, (128, 256, 8, 3, False)),),
+    "gate_up": ((512, (128, 128, 8, 4, False)),),
     "logits": ((1024, (128, 256, 8, 3, False)),),
 }
 """Per weight, the persistent kernel's buckets as (the M above which, tile): a tile serves
 M above its edge up to the next one's, the last every larger M; the weight's tiles below
 the first edge stay. Every tile keeps the weight's block_k (matmul_family's), is on
 wgmma (BLOCK_M 128 or 256, 8 warps) and fits Hopper's shared memory with its epilogue
-buffer. Not measured yet: placeholders that fit, to be replaced from the sweep."""
+buffer. From the H200 sweep (``batch_invariant_bench --persistent-sweep``,
+docs/perf/h200/run19_persistent_sweep.txt): per weight the fastest tile whose rows are
+bitwise the tile kernel's, at M = 2048 / 8192 against cuBLAS (the tile kernel's were
+1.24-1.42x): qkv 0.97x / 1.00x, o 1.10x / 1.07x, down 1.05x / 0.95x, gate_up 1.03x /
+0.92x, logits 1.02x / 0.86x. o and down (block_k 128) have one tile that fits."""
 
 
 def persistent_prefill() -> bool:
