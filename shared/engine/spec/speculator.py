@@ -198,10 +198,18 @@ class Speculator:
         """How deep the coming step drafts (0: not at all, and the engine may take its
         fast path). Chosen once per step: until propose() or skip() consumes it."""
         if self._planned is None:
-            num = sum(1 for r in running if _will_draft(r))
             self._probing = False
             scheduled = self.schedule in SCHEDULED and self.stats.num_verifications >= WARMUP_VERIFICATIONS
-            self._planned = 0 if not num else self._choose_depth(num) if scheduled else self.num_tokens
+            if scheduled:
+                # The batch's size decides first: counting the requests that may draft is a
+                # pass over the batch (a tenth of a plain step's host time at batch 64), paid
+                # only on the steps that would draft, not on every plain one.
+                depth = self._choose_depth(len(running)) if running else 0
+                if depth and not any(_will_draft(r) for r in running):
+                    depth, self._probing = 0, False
+                self._planned = depth
+            else:
+                self._planned = self.num_tokens if any(_will_draft(r) for r in running) else 0
         return self._planned
 
     def skip(self) -> None:
