@@ -94,7 +94,7 @@ v4)  # issue 12: the V4-shaped model (15B, 8 layers, 64 experts) in the engine; 
     --max-tokens 4 --matmul-sweep || true
   ;;
 close)  # a session's last call: tests/gpu at the final commit, then issue 13's full table
-  run timeout 260 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu || true
+  run timeout 360 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu || true
   run timeout 200 python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
     --batch 1 4 16 64 --spec-tokens 2 4 6 --max-tokens 64 --json "$out/spec_draft.json" || true
   ;;
