@@ -68,6 +68,8 @@ class Row:
     """The timed runs' time in steps that drafted, per run: what the probes and trials cost."""
     vs_none: float = 1.0
     """Throughput over "none"'s, measured interleaved with it."""
+    runs_s: list[float] | None = None
+    """Each timed run's seconds, in order."""
 
 
 def _prompts(llm: LLM, batch: int, seed: int) -> list[str | list[int]]:
@@ -96,6 +98,10 @@ def run_spec_bench(
     for schedule in ("dspark", "capacity"):
         knobs = dict(speculative=speculative, spec_tokens=max(spec_tokens), spec_schedule=schedule)
         modes.append((f"{schedule} γ={max(spec_tokens)}", knobs))
+    # A second engine without speculation, timed in turns with the rest: how far two identical
+    # engines read apart in this run (an A/A control; on the H200 a ~1.5 ms step at batch 1
+    # moved by up to 40 % between runs), against which the scheduled modes' "vs none" is read.
+    modes.append(("none (control)", {}))
     if draft and speculative == "draft":
         modes = [(mode, {**knobs, "spec_draft_model": draft} if knobs else knobs) for mode, knobs in modes]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -144,7 +150,8 @@ def _bench_batch(
         rows.append(Row(batch, mode, n, seconds, n / seconds, n / batch / seconds, load.mean_accepted_length,
                         lossless[mode], load.num_spec_verifications, load.spec_accepted_by_position,
                         dict(sorted((_depths(llm) - before[mode]).items())),
-                        sum(plain) / len(plain) if plain else 0.0, steps.drafting_ms() / repeats))  # fmt: skip
+                        sum(plain) / len(plain) if plain else 0.0, steps.drafting_ms() / repeats,
+                        runs_s=timed[mode]))  # fmt: skip
     for row in rows:
         row.vs_none = row.tokens_per_s / rows[0].tokens_per_s
     # Free the engines before the next batch size: their memory, graphs and objects must

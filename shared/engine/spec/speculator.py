@@ -12,7 +12,8 @@ or its production variant ("capacity": how many to verify from survivals two
 steps old, then the best of this step's). The scheduled modes also choose how
 deep to draft before drafting, from the acceptance and the costs measured so far
 (`StepCosts`): a drafter that costs more than it saves drafts nothing, bar a probe
-now and then. Requests whose sampling reads the output history (penalties,
+now and then, and a depth not measured yet is tried, both within a small share of the
+decoding time (PROBE_BUDGET). Requests whose sampling reads the output history (penalties,
 min_tokens, bad words) or that ask for logprobs decode normally that step, and
 each such fallback is counted by reason.
 """
@@ -43,9 +44,10 @@ PROBE_EVERY = 64
 to full depth, all of it verified) at most once in this many steps, so that
 acceptance and drafting cost keep being measured as traffic changes."""
 PROBE_BUDGET = 0.01
-"""...and only once the plain steps since the last probe took 1 / PROBE_BUDGET times
-what that probe cost: where speculation does not pay, probing costs at most this share
-of the decoding time. (A probe is a whole drafting step: on the H200 7-10 ms against
+"""...and only once the plain steps since the last exploring step took 1 / PROBE_BUDGET
+times what that step cost. Exploring: a probe, or a trial (a depth the cost model favours
+but no step has measured at this batch size yet). Where speculation does not pay,
+exploring costs at most this share of the decoding time. (A probe is a whole drafting step: on the H200 7-10 ms against
 0.5-2 ms for a plain step of the trained pair; counted in steps, one probe in 64 cost 4-11 %.)"""
 EMA = 0.1
 """Weight of the newest measurement in the running costs (drafting, step overhead)."""
@@ -185,8 +187,10 @@ class Speculator:
         """Steps since drafting last paid or was probed."""
         self._plain_s_since_probe = 0.0
         """What those steps' plain decode steps took (seconds)."""
-        self._probe_cost_s: float | None = None
-        """The last measured probe's whole step (drafting and verification)."""
+        self._explore_cost_s: float | None = None
+        """The last measured exploring step (a probe or a trial), drafting and verification."""
+        self._exploring = False
+        """Whether the coming (or latest) step explores (PROBE_BUDGET)."""
         self._old_survivals: deque[list[list[float]]] = deque(maxlen=2)
         """The capacity schedule's survivals of the last two steps (K comes from the older)."""
         self._drafting_s = 0.0
@@ -198,7 +202,7 @@ class Speculator:
         """How deep the coming step drafts (0: not at all, and the engine may take its
         fast path). Chosen once per step: until propose() or skip() consumes it."""
         if self._planned is None:
-            self._probing = False
+            self._probing = self._exploring = False
             scheduled = self.schedule in SCHEDULED and self.stats.num_verifications >= WARMUP_VERIFICATIONS
             if scheduled:
                 # The batch's size decides first: counting the requests that may draft is a
@@ -206,7 +210,7 @@ class Speculator:
                 # only on the steps that would draft, not on every plain one.
                 depth = self._choose_depth(len(running)) if running else 0
                 if depth and not any(_will_draft(r) for r in running):
-                    depth, self._probing = 0, False
+                    depth, self._probing, self._exploring = 0, False, False
                 self._planned = depth
             else:
                 self._planned = self.num_tokens if any(_will_draft(r) for r in running) else 0
@@ -296,8 +300,8 @@ class Speculator:
             self.costs.observe_plain_step(num_requests, seconds)
             self._plain_s_since_probe += seconds
             return
-        if self._probing:
-            self._probe_cost_s = seconds
+        if self._exploring:
+            self._explore_cost_s = seconds
         if num_emitted and seconds > 0 and self.depth:
             self.costs.observe_realized(num_requests, self.depth, num_emitted / seconds)
         if self.sps is not None:
@@ -312,24 +316,29 @@ class Speculator:
             return self.num_tokens
         if self.costs.plain_step(num_requests) is None:
             return 0  # one plain step first, to measure what not drafting costs at this size
+        measured = self.costs.realized_rates(num_requests)
         depth = choose_depth(num_requests, self.mean_survival(), self.sps, draft_pass, self.costs.overhead_s,
-                             self.costs.plain_step(num_requests), self.costs.realized_rates(num_requests))  # fmt: skip
-        if depth:
+                             self.costs.plain_step(num_requests), measured)  # fmt: skip
+        if depth and depth in measured:  # measured to pay at this batch size: draft as chosen
             self._since_probe, self._plain_s_since_probe = 0, 0.0
             return depth
+        # Otherwise the step would explore, on PROBE_BUDGET: a depth only the model favours
+        # (a trial; it has a measured rate after) or, where nothing pays, a probe.
         self._since_probe += 1
-        self._probing = self._probe_due()
-        if self._probing:
-            self._since_probe, self._plain_s_since_probe = 0, 0.0
-            return self.num_tokens
-        return 0
+        due = self._within_budget() and (depth > 0 or self._since_probe >= PROBE_EVERY)
+        if not due:
+            return 0
+        self._since_probe, self._plain_s_since_probe = 0, 0.0
+        self._exploring = True
+        if depth:
+            return depth
+        self._probing = True
+        return self.num_tokens
 
-    def _probe_due(self) -> bool:
-        """PROBE_EVERY steps since the last probe, and the plain steps since then took at
-        least the last probe's cost over PROBE_BUDGET (before the first probe: the steps only)."""
-        if self._since_probe < PROBE_EVERY:
-            return False
-        return self._probe_cost_s is None or self._plain_s_since_probe * PROBE_BUDGET >= self._probe_cost_s
+    def _within_budget(self) -> bool:
+        """The plain steps since the last exploring step took at least its cost over
+        PROBE_BUDGET (always, before the first)."""
+        return self._explore_cost_s is None or self._plain_s_since_probe * PROBE_BUDGET >= self._explore_cost_s
 
     def mean_survival(self) -> list[float]:
         """ā_j: the observed chance that the first j drafted tokens all pass."""
