@@ -12,6 +12,7 @@
 #   bash tools/bench/h200.sh v4       # the V4-shaped model's figures (v4_bench), the invariant matmul's tile sweep
 #   bash tools/bench/h200.sh retune   # the invariant mode's cost, the 8k mesh with QUEUE=1
 #   bash tools/bench/h200.sh close    # tests/gpu, then issue 13's full table
+#   bash tools/bench/h200.sh final    # issue 13's table, issue 14's cost, issue 10's 8k-16 and 1k-1
 #   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
 #                                     # simulation, batch-invariant mode's cost
 #
@@ -92,6 +93,21 @@ v4)  # issue 12: the V4-shaped model (15B, 8 layers, 64 experts) in the engine; 
   rm -rf models/v4-flash-8l
   run timeout 220 python3 -m tools.bench.batch_invariant_bench --device cuda --dtype bfloat16 --batch 1 \
     --max-tokens 4 --matmul-sweep || true
+  ;;
+final)  # issue 13's table (interleaved, an A/A control), issue 14's cost with the persistent
+  # matmul, issue 10's 8k-16 (conditional disaggregation, QUEUE=1, two rounds) and 1k-1 (prompts
+  # up to 1024 tokens prefilled on decode)
+  run timeout 170 python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
+    --batch 1 4 16 64 --spec-tokens 2 4 6 --max-tokens 64 --repeats 5 --json "$out/spec_draft.json" || true
+  run timeout 110 python3 -m tools.bench.batch_invariant_bench --model "$model" --device cuda --dtype bfloat16 \
+    --batch 1 8 32 --prompt-len 256 --max-tokens 32 --matmul || true
+  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --targets engine mesh)
+  run env INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=1 timeout 150 python3 -m tools.cli bench-mesh "${common[@]}" \
+    --prompt-len 8192 --concurrency 16 --num-requests 32 --rounds 2 --kv-cache-memory-bytes $((18 << 30)) \
+    --json "$out/mesh_cond_8k.json" || true
+  run env INFERMESH_BALANCER__LOCAL_PREFILL_MAX_TOKENS=1024 timeout 70 python3 -m tools.cli bench-mesh "${common[@]}" \
+    --prompt-len 1024 --concurrency 1 --num-requests 8 --rounds 2 --kv-cache-memory-bytes $((10 << 30)) \
+    --json "$out/mesh_cond_1k1.json" || true
   ;;
 close)  # a session's last call: tests/gpu at the final commit, then issue 13's full table
   run timeout 360 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu || true
