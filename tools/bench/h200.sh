@@ -12,7 +12,7 @@
 #   bash tools/bench/h200.sh v4       # the V4-shaped model's figures (v4_bench), the invariant matmul's tile sweep
 #   bash tools/bench/h200.sh retune   # the invariant mode's cost, the 8k mesh with QUEUE=1
 #   bash tools/bench/h200.sh close    # tests/gpu, then issue 13's full table
-#   bash tools/bench/h200.sh final    # issue 13's table, issue 14's cost, issue 10's 8k-16 and 1k-1
+#   bash tools/bench/h200.sh wrap     # issue 13's table, issue 14's cost, issue 10's 8k-16 and 1k-1
 #   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
 #                                     # simulation, batch-invariant mode's cost
 #
@@ -94,7 +94,7 @@ v4)  # issue 12: the V4-shaped model (15B, 8 layers, 64 experts) in the engine; 
   run timeout 220 python3 -m tools.bench.batch_invariant_bench --device cuda --dtype bfloat16 --batch 1 \
     --max-tokens 4 --matmul-sweep || true
   ;;
-final)  # issue 13's table (interleaved, an A/A control), issue 14's cost with the persistent
+wrap)  # issue 13's table (interleaved, an A/A control), issue 14's cost with the persistent
   # matmul, issue 10's 8k-16 (conditional disaggregation, QUEUE=1, two rounds) and 1k-1 (prompts
   # up to 1024 tokens prefilled on decode)
   run timeout 170 python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
