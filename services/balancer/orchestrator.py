@@ -476,6 +476,12 @@ class MeshGenerator:
                                           status=503) from None
                 pid = prefill.instance.instance_id
                 tried.add(pid)
+                # Reserved now, before the first await: the requests routed while this one
+                # waits for its ack must see these tokens queued (a burst of 16 otherwise all
+                # saw an idle prefill instance, and conditional disaggregation never triggered).
+                held = leading_blocks_held(prefill.instance, hashes) * self.block_size
+                reserved = max(len(req.prompt_token_ids) - held, 0)
+                prefill.instance.in_flight_tokens += reserved
                 span.set_attribute("prefill.candidates", list(prefill.scores))
                 span.set_attribute("prefill.scores", list(prefill.scores.values()))
                 span.set_attribute("prefill.choice", pid)
@@ -487,20 +493,23 @@ class MeshGenerator:
                     cache_salt=req.cache_salt or "",
                     decode_instance=did,
                 )
-                await reader.listen(pid, source=False)  # prefill may only end the stream with an error
-                await self._wait_for_bus(span)
                 try:
+                    await reader.listen(pid, source=False)  # prefill may only end the stream with an error
+                    await self._wait_for_bus(span)
                     ack = await self._request_unless_gone(pid, subjects.prefill_run(pid), msg)
                 except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                     last_error = f"prefill instance {pid} did not answer ({type(exc).__name__})"
+                    _unreserve(prefill.instance, reserved)
                     continue
+                except BaseException:
+                    _unreserve(prefill.instance, reserved)
+                    raise
                 if ack.accepted:
                     self.m_prefill_site.labels("remote", site.reason).inc()
                     prefill.instance.in_flight += 1
-                    held = leading_blocks_held(prefill.instance, hashes) * self.block_size
-                    prefill.instance.in_flight_tokens += max(len(req.prompt_token_ids) - held, 0)
                     decode.instance.in_flight += 1
                     return _Route(pid, did)
+                _unreserve(prefill.instance, reserved)
                 if ack.code not in _RETRYABLE:
                     raise GenerationError(ack.message, status=400, error_type="invalid_request_error")
                 last_error = f"prefill instance {pid} refused: {ack.message}"
@@ -547,3 +556,9 @@ class MeshGenerator:
         await asyncio.sleep(0.2)
         await self._wait_for_bus(span)
         return True
+
+
+def _unreserve(instance: Instance, tokens: int) -> None:
+    """Take back tokens reserved on a prefill instance that did not take the request (a
+    heartbeat since may have zeroed the count: never below 0)."""
+    instance.in_flight_tokens = max(instance.in_flight_tokens - tokens, 0)
