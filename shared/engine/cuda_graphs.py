@@ -156,16 +156,19 @@ class DecodeGraphs:
         if self.captured:
             self._capture(b)
         pad = b - num
-        # Everything goes through a pinned staging buffer in one copy: a copy
-        # from pageable memory would block the host until the device is idle,
-        # which is exactly the gap overlapped scheduling exists to hide. Two
-        # buffers alternate: the one written now was last read two steps ago,
-        # whose completion the engine has already waited for.
+        # Everything goes through a pinned staging buffer in one copy: a copy from pageable
+        # memory would block the host until the device is idle, which is exactly the gap
+        # overlapped scheduling exists to hide. The b rows replayed are laid out densely
+        # ([r, b], then [G, b, w]) for the same reason: a strided view of the buffer (the
+        # first b of its n columns) would be copied through a pageable temporary, and every
+        # step below the largest bucket (a speculating engine's plain steps: always) waited
+        # for the one before. Two buffers alternate: the one written now was last read two
+        # steps ago, whose completion the engine has already waited for.
         stage = self._stages[self._next_stage]
         self._next_stage ^= 1
-        n, w, r, G = self.buckets[-1], self.width, self._rows, self.num_groups
+        w, r, G = self.width, self._rows, self.num_groups
         sources = placeholder_sources or [-1] * num
-        stage[: r * n].view(r, n)[:, :b] = torch.tensor(
+        stage[: r * b].view(r, b)[:] = torch.tensor(
             [
                 input_ids + [0] * pad,
                 positions + [0] * pad,
@@ -175,19 +178,19 @@ class DecodeGraphs:
             ],
             dtype=torch.int64,
         )
-        table = stage[r * n :].view(G, n, w)[:, :b]
-        fill_block_tables(table, tables)
-        device_stage = self._device_stage
-        device_stage[: r * n].view(r, n)[:, :b].copy_(stage[: r * n].view(r, n)[:, :b], non_blocking=True)
-        self.block_tables[:, :b].copy_(table, non_blocking=True)
-        rows = device_stage[: r * n].view(r, n)
-        ids = rows[0, :b]
+        used = r * b + G * b * w
+        fill_block_tables(stage[r * b : used].view(G, b, w), tables)
+        device_stage = self._device_stage[:used]
+        device_stage.copy_(stage[:used], non_blocking=True)
+        self.block_tables[:, :b].copy_(device_stage[r * b :].view(G, b, w))
+        rows = device_stage[: r * b].view(r, b)
+        ids = rows[0]
         if last_tokens is not None:
-            ids = fill_placeholders(ids, rows[3, :b], last_tokens)
+            ids = fill_placeholders(ids, rows[3], last_tokens)
         self.input_ids[:b].copy_(ids)
-        self.positions[:b].copy_(rows[1, :b])
-        self.seq_lens[:b].copy_(rows[2, :b])
-        self.slot_mapping[:, :b].copy_(rows[4:, :b])
+        self.positions[:b].copy_(rows[1])
+        self.seq_lens[:b].copy_(rows[2])
+        self.slot_mapping[:, :b].copy_(rows[4:])
         graph, out = self._graphs[b]
         graph.replay()
         return out[:num]
