@@ -47,8 +47,9 @@ PROBE_BUDGET = 0.01
 """...and only once the plain steps since the last exploring step took 1 / PROBE_BUDGET
 times what that step cost. Exploring: a probe, or a trial (a depth the cost model favours
 but no step has measured at this batch size yet). Where speculation does not pay,
-exploring costs at most this share of the decoding time. (A probe is a whole drafting step: on the H200 7-10 ms against
-0.5-2 ms for a plain step of the trained pair; counted in steps, one probe in 64 cost 4-11 %.)"""
+exploring costs at most this share of the decoding time. (A probe is a whole drafting
+step: on the H200 7-10 ms against 0.5-2 ms for a plain step of the trained pair; one
+probe in every 64 steps cost 4-11 %.)"""
 EMA = 0.1
 """Weight of the newest measurement in the running costs (drafting, step overhead)."""
 PLAIN_STEP_CLIP = 1.5
