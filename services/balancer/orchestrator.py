@@ -496,6 +496,10 @@ class MeshGenerator:
                 try:
                     await reader.listen(pid, source=False)  # prefill may only end the stream with an error
                     await self._wait_for_bus(span)
+                except BaseException:
+                    _unreserve(prefill.instance, reserved)
+                    raise
+                try:
                     ack = await self._request_unless_gone(pid, subjects.prefill_run(pid), msg)
                 except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                     last_error = f"prefill instance {pid} did not answer ({type(exc).__name__})"
