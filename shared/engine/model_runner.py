@@ -1,8 +1,9 @@
 """Executes one scheduled step on the model: SchedulerOutput in, sampled tokens out.
 
 This is the one place where the scheduler's plain lists become device tensors
-(the ForwardBatch boundary). The runner owns the KV cache tensors and each
-request's sampling state; it knows nothing about queues or stopping rules.
+(the ForwardBatch boundary; step_inputs builds them). The runner owns the KV
+cache tensors and each request's sampling state; it knows nothing about queues
+or stopping rules.
 """
 
 import logging
@@ -18,8 +19,8 @@ from shared.engine.prompt_logprobs import chunk_targets, score_prompt
 
 from shared.engine.sampler import LogprobTensors, Sampler, SamplingState, TokenLogprobs, logprob_tensors
 from shared.engine.spec.verify import verify_batch
-from shared.engine.step import PLACEHOLDER, ScheduledChunk, SchedulerOutput
-from shared.engine.step_inputs import fill_placeholders, to_device
+from shared.engine.step import ScheduledChunk, SchedulerOutput
+from shared.engine.step_inputs import eager_inputs, fill_placeholders, graph_rows, placeholder_sources, to_device
 from shared.engine.structured.apply import StructuredRows
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.transformer import CausalLM
@@ -376,14 +377,6 @@ class ModelRunner:
         self._last_tokens = tokens
         self._last_rows = {rid: i for i, rid in enumerate(request_ids)}
 
-    def _placeholder_sources(self, token_lists: list[tuple[str, list[int]]]) -> list[int] | None:
-        """Per input token: the row of last step's samples that replaces it (a
-        PLACEHOLDER), else -1; None when the step has no placeholder."""
-        sources = [
-            self._last_rows[request_id] if t == PLACEHOLDER else -1 for request_id, tokens in token_lists for t in tokens
-        ]
-        return sources if any(s >= 0 for s in sources) else None
-
     def _load_states(self, sched: SchedulerOutput) -> None:
         """Copy saved sliding-window states into their blocks before the step reads them."""
         for load in sched.state_loads:
@@ -407,42 +400,25 @@ class ModelRunner:
                     log.exception("CUDA graph replay failed; decoding eagerly from now on")
                     self.graphs = None
         input_ids, positions, meta, sample_rows, sample_ids = self._prepare(sched)
-        sources = self._placeholder_sources([(c.request_id, c.token_ids) for c in sched.chunks])
+        sources = placeholder_sources([(c.request_id, c.token_ids) for c in sched.chunks], self._last_rows)
         if sources is not None:
             input_ids = fill_placeholders(input_ids, to_device(sources, torch.long, self.device), self._last_tokens)
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows, sample_ids
 
     def _forward_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
-        """The step as rows of a decode graph, one row per token: a chunk of n tokens (a
-        verify step's last token and its drafts) becomes n rows that share its block
-        table, row j with the sequence length start + j + 1. Every row's K/V is written
-        before any row attends (paged_attention), so row j sees the chunk's earlier
-        tokens as the causal prefill would; the hidden rows come out in the eager path's
-        order (chunks concatenated), and the same rows sample."""
+        """The step replayed from the decode graphs, one row per token (graph_rows)."""
         assert self.graphs is not None
-        bs = self.block_size
-        chunks = sched.chunks
-        owners = [c for c in chunks for _ in c.token_ids]
-        positions = [c.start_pos + j for c in chunks for j in range(len(c.token_ids))]
-        sources = [self._last_rows[c.request_id] if t == PLACEHOLDER else -1 for c in chunks for t in c.token_ids]
+        rows = graph_rows(sched, self.block_size, len(self._groups), self._last_rows)
         hidden = self.graphs.run(
-            input_ids=[max(t, 0) for c in chunks for t in c.token_ids],
-            positions=positions,
-            slots=[[c.block_ids[g][p // bs] * bs + p % bs for c, p in zip(owners, positions)] for g in self._groups],
-            seq_lens=[p + 1 for p in positions],
-            tables=[[c.block_ids[g] for c in owners] for g in self._groups],
-            placeholder_sources=sources if any(s >= 0 for s in sources) else None,
+            input_ids=rows.input_ids,
+            positions=rows.positions,
+            slots=rows.slots,
+            seq_lens=rows.seq_lens,
+            tables=rows.tables,
+            placeholder_sources=rows.placeholder_sources,
             last_tokens=self._last_tokens,
         )
-        rows: list[int] = []
-        ids: list[str] = []
-        end = 0
-        for chunk in chunks:
-            end += len(chunk.token_ids)
-            if chunk.sample:  # as _prepare: the last token and each drafted one
-                rows += range(end - 1 - len(chunk.spec_token_ids), end)
-                ids += [chunk.request_id] * (1 + len(chunk.spec_token_ids))
-        return hidden, rows, ids
+        return hidden, rows.sample_rows, rows.sample_ids
 
     @property
     def _groups(self) -> range:
@@ -451,60 +427,5 @@ class ModelRunner:
     def _prepare(
         self, sched: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int], list[str]]:
-        bs = self.block_size
-        null_slot = self.null_block * bs
-        groups = self._groups
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in groups]
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        floors: list[int] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        widths = [max(len(c.block_ids[g]) for c in sched.chunks) for g in groups]
-        tables: list[list[list[int]]] = [[] for _ in groups]
-        for chunk in sched.chunks:
-            n = len(chunk.token_ids)
-            input_ids += chunk.token_ids
-            pos = range(chunk.start_pos, chunk.start_pos + n)
-            positions += pos
-            for g in groups:
-                ids = chunk.block_ids[g]
-                if self._skips_replay[g] and chunk.replay_until > chunk.start_pos:
-                    # Cached persistent KV is never overwritten: replayed positions write to the null block.
-                    slots[g] += [null_slot if p < chunk.replay_until else ids[p // bs] * bs + p % bs for p in pos]
-                else:
-                    slots[g] += [ids[p // bs] * bs + p % bs for p in pos]
-                tables[g].append(ids + [self.null_block] * (widths[g] - len(ids)))
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(chunk.start_pos + n)
-            floors.append(chunk.sliding_floor)
-            if chunk.sample:
-                # A chunk with drafted tokens samples at each of them and at the token before.
-                end = query_start_loc[-1]
-                for row in range(end - 1 - len(chunk.spec_token_ids), end):
-                    sample_rows.append(row)
-                    sample_ids.append(chunk.request_id)
-        dev = self.device
-        # One pinned copy for the token-level lists, one for the sequence-level ones
-        # (see step_inputs: a plain torch.tensor(..., device=cuda) would stall the host).
-        num_tokens, num_seqs = len(input_ids), len(seq_lens)
-        per_token = to_device(input_ids + positions + [s for group in slots for s in group], torch.int64, dev)
-        per_seq = to_device(query_start_loc + seq_lens + floors, torch.int32, dev)
-        has_floor = any(floors)
-        metas = [
-            AttentionMetadata(
-                slot_mapping=per_token[(2 + g) * num_tokens : (3 + g) * num_tokens],
-                block_tables=to_device(tables[g], torch.int64, dev),
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-                block_size=bs,
-                query_start_loc_tensor=per_seq[: num_seqs + 1],
-                seq_lens_tensor=per_seq[num_seqs + 1 : 2 * num_seqs + 1],
-                key_floor=floors if has_floor else None,
-                key_floor_tensor=per_seq[2 * num_seqs + 1 :] if has_floor else None,
-            )
-            for g in groups
-        ]
-        return per_token[:num_tokens], per_token[num_tokens : 2 * num_tokens], metas, sample_rows, sample_ids
+        """The eager forward's inputs (eager_inputs); placeholders still in the ids."""
+        return eager_inputs(sched, self.block_size, self.null_block, self._skips_replay, self.device)

@@ -1,4 +1,9 @@
-"""A step's inputs onto the device without waiting for the device.
+"""A step's inputs: the scheduler's plain lists as the forward's inputs, and onto
+the device without waiting for the device.
+
+``eager_inputs`` builds the eager forward's tensors (input ids, positions, one
+AttentionMetadata per KV cache group) and ``graph_rows`` the rows a decode graph
+replays; each also says which rows of the hidden states sample, for which request.
 
 ``torch.tensor(values, device="cuda")`` copies from pageable memory, and such a
 copy is ordered after every kernel already queued: the host blocks until the
@@ -10,8 +15,12 @@ asynchronous copy.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from shared.engine.step import PLACEHOLDER, SchedulerOutput
+from shared.model.forward_batch import AttentionMetadata
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -31,3 +40,134 @@ def fill_placeholders(input_ids: torch.Tensor, sources: torch.Tensor, last_token
         return input_ids
     picked = last_tokens[sources.clamp(min=0, max=last_tokens.numel() - 1)]
     return torch.where(sources >= 0, picked, input_ids)
+
+
+def placeholder_sources(token_lists: list[tuple[str, list[int]]], last_rows: dict[str, int]) -> list[int] | None:
+    """Per input token: the row of last step's samples that replaces it (a
+    PLACEHOLDER; ``last_rows``: each request's row in the last step's samples),
+    else -1; None when the step has no placeholder."""
+    sources = [
+        last_rows[request_id] if t == PLACEHOLDER else -1 for request_id, tokens in token_lists for t in tokens
+    ]
+    return sources if any(s >= 0 for s in sources) else None
+
+
+def eager_inputs(
+    sched: SchedulerOutput,
+    block_size: int,
+    null_block: int,
+    skips_replay: Sequence[bool],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int], list[str]]:
+    """The eager forward's inputs for the step: input ids, positions, one
+    AttentionMetadata per KV cache group, and the rows that sample with their
+    requests. skips_replay: one entry per KV cache group, whether positions an SWA
+    replay recomputes already hold its KV (all but sliding groups): those write to
+    the null block (id null_block). Placeholders are left in the input ids."""
+    bs = block_size
+    null_slot = null_block * bs
+    groups = range(len(skips_replay))
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[list[int]] = [[] for _ in groups]
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    floors: list[int] = []
+    sample_rows: list[int] = []
+    sample_ids: list[str] = []
+    widths = [max(len(c.block_ids[g]) for c in sched.chunks) for g in groups]
+    tables: list[list[list[int]]] = [[] for _ in groups]
+    for chunk in sched.chunks:
+        n = len(chunk.token_ids)
+        input_ids += chunk.token_ids
+        pos = range(chunk.start_pos, chunk.start_pos + n)
+        positions += pos
+        for g in groups:
+            ids = chunk.block_ids[g]
+            if skips_replay[g] and chunk.replay_until > chunk.start_pos:
+                # Cached persistent KV is never overwritten: replayed positions write to the null block.
+                slots[g] += [null_slot if p < chunk.replay_until else ids[p // bs] * bs + p % bs for p in pos]
+            else:
+                slots[g] += [ids[p // bs] * bs + p % bs for p in pos]
+            tables[g].append(ids + [null_block] * (widths[g] - len(ids)))
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(chunk.start_pos + n)
+        floors.append(chunk.sliding_floor)
+        if chunk.sample:
+            # A chunk with drafted tokens samples at each of them and at the token before.
+            end = query_start_loc[-1]
+            for row in range(end - 1 - len(chunk.spec_token_ids), end):
+                sample_rows.append(row)
+                sample_ids.append(chunk.request_id)
+    # One pinned copy for the token-level lists, one for the sequence-level ones
+    # (see to_device: a plain torch.tensor(..., device=cuda) would stall the host).
+    num_tokens, num_seqs = len(input_ids), len(seq_lens)
+    per_token = to_device(input_ids + positions + [s for group in slots for s in group], torch.int64, device)
+    per_seq = to_device(query_start_loc + seq_lens + floors, torch.int32, device)
+    has_floor = any(floors)
+    metas = [
+        AttentionMetadata(
+            slot_mapping=per_token[(2 + g) * num_tokens : (3 + g) * num_tokens],
+            block_tables=to_device(tables[g], torch.int64, device),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_size=bs,
+            query_start_loc_tensor=per_seq[: num_seqs + 1],
+            seq_lens_tensor=per_seq[num_seqs + 1 : 2 * num_seqs + 1],
+            key_floor=floors if has_floor else None,
+            key_floor_tensor=per_seq[2 * num_seqs + 1 :] if has_floor else None,
+        )
+        for g in groups
+    ]
+    return per_token[:num_tokens], per_token[num_tokens : 2 * num_tokens], metas, sample_rows, sample_ids
+
+
+@dataclass(frozen=True, slots=True)
+class GraphRows:
+    """A step as rows of a decode graph: the arguments of DecodeGraphs.run (but
+    last_tokens, which the runner holds), then the rows of its hidden states that
+    sample and their requests."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[list[int]]
+    """One list per KV cache group."""
+    seq_lens: list[int]
+    tables: list[list[list[int]]]
+    """Per KV cache group, each row's block table."""
+    placeholder_sources: list[int] | None
+    sample_rows: list[int]
+    sample_ids: list[str]
+
+
+def graph_rows(sched: SchedulerOutput, block_size: int, num_groups: int, last_rows: dict[str, int]) -> GraphRows:
+    """The step as rows of a decode graph, one row per token: a chunk of n tokens (a
+    verify step's last token and its drafts) becomes n rows that share its block
+    table, row j with the sequence length start + j + 1. Every row's K/V is written
+    before any row attends (paged_attention), so row j sees the chunk's earlier
+    tokens as the causal prefill would; the hidden rows come out in the eager path's
+    order (chunks concatenated), and the same rows sample. last_rows: each request's
+    row in the last step's samples, for the placeholders."""
+    bs = block_size
+    chunks = sched.chunks
+    groups = range(num_groups)
+    owners = [c for c in chunks for _ in c.token_ids]
+    positions = [c.start_pos + j for c in chunks for j in range(len(c.token_ids))]
+    rows: list[int] = []
+    ids: list[str] = []
+    end = 0
+    for chunk in chunks:
+        end += len(chunk.token_ids)
+        if chunk.sample:  # as eager_inputs: the last token and each drafted one
+            rows += range(end - 1 - len(chunk.spec_token_ids), end)
+            ids += [chunk.request_id] * (1 + len(chunk.spec_token_ids))
+    return GraphRows(
+        input_ids=[max(t, 0) for c in chunks for t in c.token_ids],
+        positions=positions,
+        slots=[[c.block_ids[g][p // bs] * bs + p % bs for c, p in zip(owners, positions)] for g in groups],
+        seq_lens=[p + 1 for p in positions],
+        tables=[[c.block_ids[g] for c in owners] for g in groups],
+        placeholder_sources=placeholder_sources([(c.request_id, c.token_ids) for c in chunks], last_rows),
+        sample_rows=rows,
+        sample_ids=ids,
+    )
