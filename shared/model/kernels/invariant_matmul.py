@@ -264,15 +264,8 @@ def _matmul_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Grouped order of the output tiles (consecutive programs share weight columns in L2).
-    pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = tma.tile_coords(tl.program_id(0), num_m, GROUP_M * tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -47,7 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 if TYPE_CHECKING:
     from shared.model.kernels.invariant_matmul import MatmulConfig
 
-__all__ = ["persistent_matmul", "tma_ready"]
+__all__ = ["persistent_matmul", "tile_coords", "tma_ready"]
 
 TMA_DTYPES = (torch.bfloat16, torch.float16)
 TMA_ALIGN_BYTES = 16
@@ -74,8 +74,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _tile_coords(tile_id, num_m, per_group, GROUP_M: tl.constexpr):
-    """The grouped order of the output tiles, as the tile kernel's."""
+def tile_coords(tile_id, num_m, per_group, GROUP_M: tl.constexpr):
+    """Output tile tile_id's (row, column) of tiles in the grouped order both invariant
+    matmul kernels use: GROUP_M rows of tiles at a time, so that consecutive tiles share
+    weight columns in L2."""
     first_m = (tile_id // per_group) * GROUP_M
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (tile_id % per_group) % group_rows
@@ -112,7 +114,7 @@ def _persistent_kernel(
     # the next tile's K steps during this tile's store (as Triton's persistent tutorial).
     tile_id_c = start - NUM_SMS
     for tile_id in tl.range(start, num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile_id, num_m, per_group, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_m, per_group, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -124,7 +126,7 @@ def _persistent_kernel(
             acc = tl.dot(x, w.T, acc)
 
         tile_id_c += NUM_SMS
-        pid_m, pid_n = _tile_coords(tile_id_c, num_m, per_group, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id_c, num_m, per_group, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         if HAS_BIAS:
