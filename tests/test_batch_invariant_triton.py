@@ -15,7 +15,7 @@ matrix differently: a row moved from place 31 to place 0 of a 32-row product cha
 in the last bit). A tensor-core tile product has no such dependence: every element's
 sum runs through the same MMA instructions. So this module swaps the interpreter's
 dot for a product whose per-element sum does not depend on the row's place
-(``_place_free_dot``): what these tests check is the kernels' own logic (one tile
+(tests/interpreter_dot.py): what these tests check is the kernels' own logic (one tile
 configuration for every M, K and KV tiles in one order, no batch-chosen splits, one
 code path per key); tests/gpu/test_gpu_batch_invariant.py checks the hardware's part.
 
@@ -26,13 +26,10 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-from collections.abc import Iterator  # noqa: E402
-
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder, TensorHandle  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from shared.engine.llm import LLM  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
@@ -52,23 +49,10 @@ from shared.model.kernels.paged_prefill import paged_prefill_attention  # noqa: 
 from shared.model.kernels.reference import paged_attention_ref  # noqa: E402
 from shared.model.loader import load_model  # noqa: E402
 from tests.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
+from tests.interpreter_dot import place_free_dot  # noqa: E402, F401 (autouse: the place-free dot)
 
 if not isinstance(ia._invariant_attention_kernel, InterpretedFunction):
     raise RuntimeError("the kernel modules were imported before TRITON_INTERPRET=1 was set: they would not run on the CPU")
-
-
-def _place_free_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
-    """a @ b + d with each element's products summed over K in an order that does not
-    depend on its row or column (numpy reduces a middle axis slice by slice)."""
-    acc = d.data.dtype
-    products = a.data.astype(acc)[..., :, :, None] * b.data.astype(acc)[..., None, :, :]
-    return TensorHandle(np.sum(products, axis=-2) + d.data, d.dtype.scalar)
-
-
-@pytest.fixture(autouse=True)
-def place_free_dot(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(InterpreterBuilder, "create_dot", _place_free_dot)
-    yield
 
 
 # ---------------------------------------------------------------- matmul

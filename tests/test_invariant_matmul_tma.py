@@ -14,7 +14,8 @@ float16 only: the interpreter gets bf16 wrong silently (see test_kernels); the H
 
 As in test_batch_invariant_triton, the interpreter's dot is swapped for one whose
 per-element sum over K does not depend on the element's place in the tile (numpy's
-matmul does), so that what is compared is the kernels' own reduction order.
+matmul does; tests/interpreter_dot.py), so that what is compared is the kernels' own
+reduction order.
 
 TRITON_INTERPRET must be set before any kernel module is imported (see test_kernels).
 """
@@ -26,36 +27,20 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 from collections.abc import Iterator  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder, TensorHandle  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from shared.model.kernels import invariant_matmul as im  # noqa: E402
 from shared.model.kernels import invariant_matmul_tma as tma  # noqa: E402
 from shared.model.kernels.invariant_matmul import DECODE_ROWS, MatmulConfig, MatmulFamily  # noqa: E402
+from tests.interpreter_dot import place_free_dot  # noqa: E402, F401 (autouse: the place-free dot)
 
 if not isinstance(tma._persistent_kernel, InterpretedFunction):
     raise RuntimeError("the kernel modules were imported before TRITON_INTERPRET=1 was set: they would not run on the CPU")
 
 LLAMA_WEIGHTS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-
-
-def _place_free_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
-    """a @ b + d with each element's products summed over K in order (numpy reduces a
-    middle axis of a C-ordered array slice by slice), whatever the operands' layouts (the
-    persistent kernel's weight tile arrives transposed)."""
-    acc = d.data.dtype
-    a_, b_ = np.ascontiguousarray(a.data, dtype=acc), np.ascontiguousarray(b.data, dtype=acc)
-    products = a_[..., :, :, None] * b_[..., None, :, :]
-    return TensorHandle(np.sum(products, axis=-2) + d.data, d.dtype.scalar)
-
-
-@pytest.fixture(autouse=True)
-def place_free_dot(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(InterpreterBuilder, "create_dot", _place_free_dot)
-    yield
 
 
 class Launches:
