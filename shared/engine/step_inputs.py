@@ -73,8 +73,6 @@ def eager_inputs(
     query_start_loc = [0]
     seq_lens: list[int] = []
     floors: list[int] = []
-    sample_rows: list[int] = []
-    sample_ids: list[str] = []
     widths = [max(len(c.block_ids[g]) for c in sched.chunks) for g in groups]
     tables: list[list[list[int]]] = [[] for _ in groups]
     for chunk in sched.chunks:
@@ -93,12 +91,6 @@ def eager_inputs(
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(chunk.start_pos + n)
         floors.append(chunk.sliding_floor)
-        if chunk.sample:
-            # A chunk with drafted tokens samples at each of them and at the token before.
-            end = query_start_loc[-1]
-            for row in range(end - 1 - len(chunk.spec_token_ids), end):
-                sample_rows.append(row)
-                sample_ids.append(chunk.request_id)
     # One pinned copy for the token-level lists, one for the sequence-level ones
     # (see to_device: a plain torch.tensor(..., device=cuda) would stall the host).
     num_tokens, num_seqs = len(input_ids), len(seq_lens)
@@ -119,7 +111,23 @@ def eager_inputs(
         )
         for g in groups
     ]
+    sample_rows, sample_ids = _sample_rows(sched)
     return per_token[:num_tokens], per_token[num_tokens : 2 * num_tokens], metas, sample_rows, sample_ids
+
+
+def _sample_rows(sched: SchedulerOutput) -> tuple[list[int], list[str]]:
+    """The rows of the step's tokens (chunks concatenated) that sample, and their
+    requests: a sampling chunk samples at its last token, and one with drafted tokens
+    at each of them and at the token before."""
+    rows: list[int] = []
+    ids: list[str] = []
+    end = 0
+    for chunk in sched.chunks:
+        end += len(chunk.token_ids)
+        if chunk.sample:
+            rows += range(end - 1 - len(chunk.spec_token_ids), end)
+            ids += [chunk.request_id] * (1 + len(chunk.spec_token_ids))
+    return rows, ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,14 +161,7 @@ def graph_rows(sched: SchedulerOutput, block_size: int, num_groups: int, last_ro
     groups = range(num_groups)
     owners = [c for c in chunks for _ in c.token_ids]
     positions = [c.start_pos + j for c in chunks for j in range(len(c.token_ids))]
-    rows: list[int] = []
-    ids: list[str] = []
-    end = 0
-    for chunk in chunks:
-        end += len(chunk.token_ids)
-        if chunk.sample:  # as eager_inputs: the last token and each drafted one
-            rows += range(end - 1 - len(chunk.spec_token_ids), end)
-            ids += [chunk.request_id] * (1 + len(chunk.spec_token_ids))
+    rows, ids = _sample_rows(sched)
     return GraphRows(
         input_ids=[max(t, 0) for c in chunks for t in c.token_ids],
         positions=positions,
