@@ -28,9 +28,6 @@ class StepTimes:
         self.by_depth[depth].append((time.perf_counter() - start) * 1e3)
         return out
 
-    def reset(self) -> None:
-        self.by_depth.clear()
-
     def detach(self) -> None:
         del self.engine.step  # the class's bound method again
 
