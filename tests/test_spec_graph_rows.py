@@ -31,7 +31,6 @@ class RowsAsSequences:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.calls = 0
-        self.captured = False
 
     def can_run(self, num_rows: int, max_blocks: int) -> bool:
         return True

@@ -76,9 +76,6 @@ class DecodeGraphs:
         self._next_stage = 0
         self._device_stage = torch.zeros(size, dtype=torch.int64, device=device)
         self._pool = None
-        self.captured = False
-        """Whether the latest run captured its graph first (its time is not a step's;
-        after capture_all, never)."""
 
     def capture_all(self) -> float:
         """Capture every bucket now, at start (as vLLM does), so that no step of a serving
@@ -88,8 +85,7 @@ class DecodeGraphs:
         seconds it took."""
         start = time.perf_counter()
         for b in sorted(self.buckets, reverse=True):
-            if b not in self._graphs:
-                self._capture(b)
+            self._capture(b)
         return time.perf_counter() - start
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
@@ -144,7 +140,8 @@ class DecodeGraphs:
         placeholder_sources: list[int] | None = None,
         last_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [len(input_ids), hidden] of one decode step.
+        """Hidden states [len(input_ids), hidden] of one decode step, replayed from the
+        smallest bucket that holds it (capture_all captured them all before the first run).
 
         placeholder_sources[i] >= 0 means row i's input token is
         last_tokens[placeholder_sources[i]] (sampled by the step before, still
@@ -152,9 +149,6 @@ class DecodeGraphs:
         list per KV cache group."""
         num = len(input_ids)
         b = self._bucket(num)
-        self.captured = b not in self._graphs
-        if self.captured:
-            self._capture(b)
         pad = b - num
         # Everything goes through a pinned staging buffer in one copy: a copy from pageable
         # memory would block the host until the device is idle, which is exactly the gap

@@ -252,7 +252,7 @@ class LLMEngine:
             handle = self.runner.launch(sched)
             outputs = self._finish_in_flight()
             self._in_flight = None if sched.is_empty else (sched, handle)
-            if speculator is not None and _decodes_only(sched) and not self.runner.last_step_captured:
+            if speculator is not None and _decodes_only(sched):
                 n = len(sched.chunks)
                 self._open_step_cost = (start, n, n, n)
         else:
@@ -270,7 +270,7 @@ class LLMEngine:
                 if speculator is not None and self.runner.graphs is not None and _verifies(sched):
                     if not self.runner.last_step_graphed:  # too many rows, or too long a table
                         speculator.count_fallback("cuda_graphs")
-                if speculator is not None and _decodes_only(sched) and not self.runner.last_step_captured:
+                if speculator is not None and _decodes_only(sched):
                     num_tokens = sum(len(c.token_ids) for c in sched.chunks)
                     emitted = sum(len(o.new_token_ids) for o in outputs)
                     self._open_step_cost = (start, len(sched.chunks), num_tokens, emitted)

@@ -131,17 +131,20 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.max_graph_query = max_graph_query
         if cuda_graphs and device.type == "cuda" and model.supports_cuda_graphs:
-            self.graphs = DecodeGraphs(
+            graphs = DecodeGraphs(
                 model, self.kv_caches, block_size, max_model_len, max_batch * max_graph_query,
                 self.null_block * block_size, device,
             )  # fmt: skip
-            seconds = self.graphs.capture_all()
-            log.info("captured %d CUDA graphs (up to %d rows) in %.1f s", len(self.graphs.buckets),
-                     self.graphs.buckets[-1], seconds)  # fmt: skip
+            try:
+                seconds = graphs.capture_all()
+            except RuntimeError:
+                log.exception("capturing the CUDA graphs failed; decoding eagerly")
+            else:
+                self.graphs = graphs
+                log.info("captured %d CUDA graphs (up to %d rows) in %.1f s", len(graphs.buckets),
+                         graphs.buckets[-1], seconds)  # fmt: skip
         self.last_step_graphed = False
         """Whether the latest forward replayed a CUDA graph (else it ran eagerly)."""
-        self.last_step_captured = False
-        """Whether the latest forward captured a graph first: its time is not a step's."""
         self.sampler = Sampler(seed=seed)
         self.states: dict[str, SamplingState] = {}
         self.structured = StructuredRows()
@@ -258,7 +261,7 @@ class ModelRunner:
             return self.model(input_ids, positions, self.kv_caches, meta)
 
         best = float("inf")
-        for run in range(repeats + 1):  # run 0 warms up (and captures the graph)
+        for run in range(repeats + 1):  # run 0 warms up
             start = time.perf_counter()
             self.model.compute_logits(forward())
             if self.device.type == "cuda":
@@ -385,7 +388,7 @@ class ModelRunner:
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
         """Hidden states of the step, from a CUDA graph when its chunks are short
         enough (decode, verify, a draft model's catch-up) and fit one, else eagerly."""
-        self.last_step_graphed = self.last_step_captured = False
+        self.last_step_graphed = False
         if self.graphs is not None and all(
             len(c.token_ids) <= self.max_graph_query and not c.replay_until and not c.sliding_floor
             for c in sched.chunks
@@ -394,7 +397,7 @@ class ModelRunner:
             if self.graphs.can_run(sum(len(c.token_ids) for c in sched.chunks), max_blocks):
                 try:
                     out = self._forward_graph(sched)
-                    self.last_step_graphed, self.last_step_captured = True, self.graphs.captured
+                    self.last_step_graphed = True
                     return out
                 except RuntimeError:
                     log.exception("CUDA graph replay failed; decoding eagerly from now on")

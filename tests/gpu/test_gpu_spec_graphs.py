@@ -3,8 +3,8 @@
 drafts) replays the decode graphs with one row per token, and so do the draft model's
 single-token passes and short catch-ups. Checked on the trained default pair in
 float32: the graphed run's greedy tokens equal the eager run's and the run without
-speculation, every verify step was graphed (no "cuda_graphs" fallback), and the draft
-model captured graphs."""
+speculation, every verify step was graphed (no "cuda_graphs" fallback), verify steps
+replayed more rows than requests, and the draft model replayed graphs."""
 
 from pathlib import Path
 
@@ -37,6 +37,11 @@ def test_verify_steps_replay_graphs_and_keep_greedy_tokens():
     reference = [o.token_ids for o in plain.generate(ps, PARAMS)]
     eager = engine(cuda_graphs=False, speculative=True)
     graphed = engine(cuda_graphs=True, speculative=True)
+    # Every bucket is captured at start: count the rows each replay was handed instead.
+    target_rows = _record_replays(graphed.engine.runner.graphs)
+    drafter = graphed.engine.speculator.drafter
+    assert drafter.runner.graphs is not None
+    draft_rows = _record_replays(drafter.runner.graphs)
     eager_tokens = [o.token_ids for o in eager.generate(ps, PARAMS)]
     graphed_tokens = [o.token_ids for o in graphed.generate(ps, PARAMS)]
     assert eager_tokens == reference
@@ -44,11 +49,22 @@ def test_verify_steps_replay_graphs_and_keep_greedy_tokens():
     load = graphed.engine.load()
     assert load.num_spec_verifications > 0
     assert (load.spec_fallbacks or {}).get("cuda_graphs", 0) == 0, load.spec_fallbacks
-    # Rows of more than one token per request were replayed: buckets above the batch were captured.
-    captured = set(graphed.engine.runner.graphs._graphs)
-    assert max(captured) > len(ps), captured
-    drafter = graphed.engine.speculator.drafter
-    assert drafter.runner.graphs is not None and drafter.runner.graphs._graphs
+    # Rows of more than one token per request were replayed, and the draft model replayed too.
+    assert max(target_rows) > len(ps), target_rows
+    assert draft_rows
+
+
+def _record_replays(graphs) -> list[int]:  # noqa: ANN001
+    """Wraps graphs.run on the instance: the list fills with each replay's row count."""
+    rows: list[int] = []
+    replay = graphs.run
+
+    def run(**kwargs):  # noqa: ANN003, ANN202
+        rows.append(len(kwargs["input_ids"]))
+        return replay(**kwargs)
+
+    graphs.run = run
+    return rows
 
 
 def test_verify_graph_hidden_states_equal_eager_rows():

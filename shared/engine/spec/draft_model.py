@@ -43,8 +43,6 @@ class _Held:
 class DraftModelDrafter:
     has_scores: bool
     """Whether its drafts carry raw probabilities (calibrated by temperature scaling)."""
-    captured_graphs = False
-    """Whether the latest propose() captured a CUDA graph (set per proposal)."""
 
     def __init__(
         self,
@@ -106,14 +104,12 @@ class DraftModelDrafter:
         # k's tokens on the device (placeholders, as the engine's overlapped steps do), and
         # all of them come back to the host once, at the end. Read back pass by pass, a
         # small draft model spent its time in the host's syncs, not on the device.
-        self.captured_graphs = False
         handles = []
         for k in range(max_tokens):
             if not chunks:
                 break
             sched.chunks = list(chunks.values())
             handles.append(self.runner.launch(sched))
-            self.captured_graphs |= self.runner.last_step_captured
             sched = self._sched()
             if k + 1 < max_tokens:
                 for rid in chunks:

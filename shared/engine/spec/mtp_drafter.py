@@ -63,7 +63,6 @@ class _Rows:
 
 class MtpDrafter:
     has_scores = True
-    captured_graphs = False  # its layer runs eagerly
     """Its drafts carry the layer's probabilities (calibrated by temperature scaling)."""
 
     def __init__(self, layer: MtpLayer, block_size: int, num_blocks: int, dtype: torch.dtype) -> None:

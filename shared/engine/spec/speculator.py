@@ -60,8 +60,6 @@ SCHEDULED = ("dspark", "capacity")
 class BatchDrafter(Protocol):
     has_scores: bool
     """Whether drafts carry the drafter's own probabilities (draft_probs) to calibrate."""
-    captured_graphs: bool
-    """Whether the latest propose() captured a CUDA graph first (its time is not drafting's)."""
 
     def propose(self, contexts: dict[str, Sequence[int]], max_tokens: int) -> dict[str, Draft]: ...
 
@@ -82,7 +80,6 @@ class NgramDrafter:
 
     lookup: PromptLookupDrafter = field(default_factory=PromptLookupDrafter)
     has_scores = False
-    captured_graphs = False
 
     def propose(self, contexts: dict[str, Sequence[int]], max_tokens: int) -> dict[str, Draft]:
         drafts = {rid: self.lookup.propose(context, max_tokens) for rid, context in contexts.items()}
@@ -242,7 +239,7 @@ class Speculator:
         start = time.perf_counter()
         drafts = self.drafter.propose(contexts, self.depth) if contexts and self.depth else {}
         self._drafting_s = time.perf_counter() - start
-        if drafts and not self.drafter.captured_graphs:
+        if drafts:
             self.costs.observe_drafting(len(contexts), max(len(d.tokens) for d in drafts.values()), self._drafting_s)
         if scheduled and drafts:
             assert self.sps is not None
