@@ -137,8 +137,9 @@ def _bench_batch(
             start = time.perf_counter()
             outs = engines[mode].generate(prompts, params)
             timed[mode].append(time.perf_counter() - start)
-            tokens.setdefault(mode, [o.token_ids for o in outs])
-            lossless[mode] = lossless[mode] and [o.token_ids for o in outs] == tokens["none"] == tokens[mode]
+            got = [o.token_ids for o in outs]
+            tokens.setdefault(mode, got)
+            lossless[mode] = lossless[mode] and got == tokens["none"] == tokens[mode]
     rows: list[Row] = []
     for mode in names:
         llm, steps = engines[mode], timers[mode]
