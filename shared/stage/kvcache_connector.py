@@ -154,7 +154,9 @@ class KVCacheConnector(KVConnector):
         while True:
             await asyncio.sleep(self.probe_interval_s)
             try:
-                ok = await self._client.probe(timeout_s=min(self.probe_interval_s, 1.0))
+                # As slow as a lookup may be: a probe stricter than lookups would mark
+                # down a cache whose lookups still answer in time (a loaded host).
+                ok = await self._client.probe(timeout_s=self.lookup_timeout_s)
             except Exception:
                 ok = False
             if not ok:
