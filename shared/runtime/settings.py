@@ -123,7 +123,8 @@ class KVCacheSettings:
     data goes over the gRPC stream. 0 always uses the stream."""
     lookup_timeout_s: float = 1.0
     """A worker's lookup that kvcache does not answer within this counts as a miss
-    (the request computes instead of waiting for the cache)."""
+    (the request computes instead of waiting for the cache); a health probe
+    unanswered within it marks kvcache down."""
     probe_interval_s: float = 0.5
     """How often workers and the balancer check kvcache's health; once it is back
     a worker redials at once (no gRPC reconnect backoff) and uses it again."""
