@@ -13,6 +13,7 @@
 #   bash tools/bench/h200.sh retune   # the invariant mode's cost, the 8k mesh with QUEUE=1
 #   bash tools/bench/h200.sh close    # tests/gpu, then issue 13's full table
 #   bash tools/bench/h200.sh wrap     # issue 13's table, issue 14's cost, issue 10's 8k-16 and 1k-1
+#   bash tools/bench/h200.sh mps      # issue 10's 1k-64 and 8k-16, the card time-sliced and then under MPS
 #   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
 #                                     # simulation, batch-invariant mode's cost
 #
@@ -108,6 +109,31 @@ wrap)  # issue 13's table (interleaved, an A/A control), issue 14's cost with th
   run env INFERMESH_BALANCER__LOCAL_PREFILL_MAX_TOKENS=1024 timeout 70 python3 -m tools.cli bench-mesh "${common[@]}" \
     --prompt-len 1024 --concurrency 1 --num-requests 8 --rounds 2 --kv-cache-memory-bytes $((10 << 30)) \
     --json "$out/mesh_cond_1k1.json" || true
+  ;;
+mps)  # issue 10: the mesh's two processes time-slice the one card (each step of one waits out the
+  # other's). Under MPS their kernels run on it at once, as a single engine's would. 1k-64 and 8k-16
+  # (the levels below 0.95), conditional disaggregation on (QUEUE=1), without MPS then with it,
+  # engine and mesh side by side in each. A machine without nvidia-cuda-mps-control runs the first half.
+  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --targets engine mesh --rounds 1)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  for sharing in timeslice mps; do
+    if [ "$sharing" = mps ]; then
+      command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control: MPS not run" | tee -a "$log"; break; }
+      run nvidia-cuda-mps-control -d || break
+    fi
+    run env INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=1 timeout 125 python3 -m tools.cli bench-mesh "${common[@]}" \
+      --prompt-len 1024 --concurrency 64 --num-requests 128 --kv-cache-memory-bytes $((10 << 30)) \
+      --json "$out/mesh_1k64_$sharing.json" || true
+    run env INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=1 timeout 135 python3 -m tools.cli bench-mesh "${common[@]}" \
+      --prompt-len 8192 --concurrency 16 --num-requests 32 --kv-cache-memory-bytes $((18 << 30)) \
+      --json "$out/mesh_8k16_$sharing.json" || true
+    if [ "$sharing" = mps ]; then
+      # Whether the processes ran under it: the daemon logs each client that connected.
+      echo "MPS clients connected: $(grep -ci 'new client' "$CUDA_MPS_LOG_DIRECTORY/control.log" || true)" | tee -a "$log"
+      echo quit | nvidia-cuda-mps-control || true
+    fi
+  done
   ;;
 close)  # a session's last call: tests/gpu at the final commit, then issue 13's full table
   run timeout 360 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu || true
