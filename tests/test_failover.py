@@ -307,6 +307,38 @@ def test_kvcache_down_is_degraded_not_unavailable_and_its_use_resumes_when_back(
     wait_until("prefill's kvcache health SERVING", lambda: kvcache_health_of(mesh, "prefill-0"), 2.0)
 
 
+def test_a_restarted_balancer_routes_by_the_workers_caches_again_from_their_snapshots(start_mesh):
+    mesh = start_mesh(extra_env={**ENV, "INFERMESH_ENGINE__BLOCK_SIZE": "16",
+                                 "INFERMESH_WORKER__KV_SNAPSHOT_INTERVAL_S": "1"})  # fmt: skip
+    client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=60)
+    name = client.models.list().data[0].id
+    prompt = list(range(40, 120))  # 5 full blocks
+
+    def route_of_next() -> dict:
+        out = client.completions.create(model=name, prompt=prompt, max_tokens=1, temperature=0)
+        return span_attributes(mesh.trace_dir, out.id, "route")
+
+    assert route_of_next()["prefill.reason"] == "least_loaded"  # computed: prefill-0 holds it from now on
+    wait_until("the balancer seeing prefill-0's blocks", lambda: route_of_next()["prefill.reason"] == "prefix", 5)
+    balancer = dict(mesh.procs)["balancer"]
+    balancer.send_signal(signal.SIGTERM)
+    balancer.wait(timeout=15)
+    mesh.restart("balancer")
+    wait_until("the new balancer ready", lambda: _ready_or_none(mesh) == {"prefill": 1, "decode": 1}, 30)
+    # A repeat stores nothing, so no change event tells the new balancer what prefill-0
+    # holds: only its snapshot (every second here) can. Nothing is sent meanwhile.
+    time.sleep(3.0)
+    route = route_of_next()
+    assert route["prefill.reason"] == "prefix" and route["prefill.scores"] == [5.0]
+
+
+def _ready_or_none(mesh) -> dict | None:  # noqa: ANN001
+    try:
+        return ready(mesh)[1]["instances"]
+    except OSError:  # not listening yet
+        return None
+
+
 def outage_under_load(start_mesh, mesh_model_dir: str, kind: str, prompts: list[str], max_tokens: int,
                       started: int, outage) -> tuple[list[Stream], object]:  # noqa: ANN001
     """Stream every prompt at once (2 prefill + 2 decode); once `started` streams have

@@ -236,3 +236,19 @@ def test_state_cache_is_bounded_by_bytes_and_expires():
     assert cache.get(bytes([2]) * 32).payload == 2
     now[0] = 61.0
     assert cache.get(bytes([2]) * 32) is None and cache.num_bytes == 0
+
+
+def test_a_snapshot_lists_the_persistent_group_now_cached_and_drops_pending_events():
+    kv = KVCacheCoordinator(HYBRID, num_blocks=12, block_size=4, model_fingerprint="fp", record_events=True)
+    a = make_request("a", list(range(13)))  # 3 full blocks per group
+    admit(kv, a)
+    kv.free(a)
+    assert kv.pool.drain_events() == (kv.hash_chain(list(range(12))), [])  # group 0's only
+    # Unrelated tokens take the free blocks, evicting a's oldest-freed cached ones.
+    c = make_request("c", [500 + i for i in range(20)])
+    admit(kv, c)
+    stored, removed = kv.pool.stored_events[:], kv.pool.removed_events[:]
+    assert stored and removed  # pending: c's blocks in, some of a's out
+    held = [h for h in kv.hash_chain(list(range(12))) + kv.hash_chain(c.prompt_token_ids) if h not in removed]
+    assert sorted(kv.pool.snapshot_events()) == sorted(held)
+    assert kv.pool.drain_events() == ([], [])  # the snapshot said it all

@@ -9,6 +9,7 @@ from services.balancer.policies import choose_decode, choose_prefill
 from services.balancer.registry import MIN_INTERVAL_S, Registry
 from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
+from shared.runtime.kv_events import MAX_EVENT_HASHES, kv_event_messages
 
 
 class Clock:
@@ -63,6 +64,39 @@ def test_prefill_goes_to_the_instance_holding_most_leading_blocks():
     assert choose_prefill(reg.live("prefill"), HASHES, random.Random(0)).instance.instance_id == "p0"
     reg.on_kv_event(mesh_pb2.KvEvent(instance_id="p0", cleared=True))
     assert choose_prefill(reg.live("prefill"), HASHES, random.Random(0)).scores["p0"] == 0.0
+
+
+def test_a_snapshot_replaces_the_view_and_lost_events_are_counted_as_gaps():
+    reg = Registry()
+    beat(reg, "prefill", "p0", num_queued_tokens=0)
+    for event in kv_event_messages("p0", 1, HASHES[:2], []) + kv_event_messages("p0", 2, HASHES[2:3], []):
+        reg.on_kv_event(event)
+    assert reg.num_kv_event_gaps == 0
+    # seq 3 (removing block 0) is lost: seq 4 comes next and the view wrongly keeps block 0.
+    reg.on_kv_event(kv_event_messages("p0", 4, HASHES[3:], [])[0])
+    assert reg.num_kv_event_gaps == 1
+    assert choose_prefill(reg.live("prefill"), HASHES, random.Random(0)).scores["p0"] == 4.0
+    # The worker's snapshot says all it holds: the view is exactly that, and a snapshot
+    # (cleared) never counts as a gap, whatever its number (a restarted worker starts at 1).
+    snapshot = kv_event_messages("p0", 1, HASHES[1:], [], cleared=True)
+    assert [e.cleared for e in snapshot] == [True]
+    reg.on_kv_event(snapshot[0])
+    assert reg.num_kv_event_gaps == 1
+    assert choose_prefill(reg.live("prefill"), HASHES, random.Random(0)).scores["p0"] == 0.0
+    assert choose_prefill(reg.live("prefill"), HASHES[1:], random.Random(0)).scores["p0"] == 3.0
+    reg.on_kv_event(kv_event_messages("p0", 2, [], HASHES[1:2])[0])
+    assert reg.num_kv_event_gaps == 1
+    assert choose_prefill(reg.live("prefill"), HASHES[1:], random.Random(0)).scores["p0"] == 0.0
+
+
+def test_a_large_snapshot_goes_out_in_numbered_messages_the_first_one_cleared():
+    stored = hash_block_chain(list(range(16 * (MAX_EVENT_HASHES + 5))), 16, "fp")
+    events = kv_event_messages("p0", 7, stored, [], cleared=True)
+    assert [(e.seq, e.cleared, len(e.stored)) for e in events] == [(7, True, MAX_EVENT_HASHES), (8, False, 5)]
+    assert [h for e in events for h in e.stored] == stored
+    assert all(e.ByteSize() < 1 << 20 for e in events)  # NATS's default max payload
+    assert kv_event_messages("p0", 1, [], []) == []  # nothing to say, nothing sent
+    assert [e.cleared for e in kv_event_messages("p0", 1, [], [], cleared=True)] == [True]  # an empty cache
 
 
 def test_prefill_misses_go_to_the_least_queued_and_ties_are_random():

@@ -94,6 +94,10 @@ class Registry:
         self.max_interval_s = max_interval_s
         self._instances: dict[str, Instance] = {}
         self._kv_seq: dict[str, int] = {}
+        """Per instance, the sequence number of its last KV event taken."""
+        self.num_kv_event_gaps = 0
+        """KV events that did not follow their instance's last one (some were lost):
+        its block view may be off until its next snapshot (shared/runtime/kv_events.py)."""
         self.num_dropped = 0
         self.num_refused: dict[str, int] = {}
         """Heartbeats refused, by reason."""
@@ -189,10 +193,12 @@ class Registry:
 
     def _apply_kv_event(self, ev: mesh_pb2.KvEvent) -> None:
         inst = self._instances.get(ev.instance_id)
-        if ev.cleared:
-            self._kv_seq[ev.instance_id] = ev.seq
-            if inst is not None:
-                inst.blocks.clear()
+        last = self._kv_seq.get(ev.instance_id)
+        if not ev.cleared and last is not None and ev.seq != last + 1:
+            self.num_kv_event_gaps += 1
+        self._kv_seq[ev.instance_id] = ev.seq
+        if ev.cleared and inst is not None:  # a snapshot follows: it replaces the view
+            inst.blocks.clear()
         if inst is None:
             return  # events of an instance we have not heard from yet: its heartbeat comes first
         inst.blocks.difference_update(BlockHash(h) for h in ev.removed)
@@ -202,6 +208,7 @@ class Registry:
         if self._instances.get(inst.instance_id) is not inst:
             return
         del self._instances[inst.instance_id]
+        self._kv_seq.pop(inst.instance_id, None)
         self.num_dropped += 1
         for callback in self.on_removed:
             callback(inst, why)

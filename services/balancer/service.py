@@ -149,10 +149,18 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
 
         return on_heartbeat
 
+    m_kv_gaps = ctx.metrics.counter(
+        "kv_event_gaps_total", "Worker KV events that did not follow the last one taken (some were lost); "
+        "the worker's next snapshot mends the block view"
+    )
+
     async def on_kv_event(ev: mesh_pb2.KvEvent, subject: str) -> None:
+        gaps = registry.num_kv_event_gaps
         if registry.on_kv_event(ev, subjects.last_token(subject)) is not None:
             m_kv_refused.inc()
             log.warning("refused KV events naming %r on %s", ev.instance_id, subject)
+        elif registry.num_kv_event_gaps > gaps:
+            m_kv_gaps.inc()
 
     async def on_old_stream_subject(chunk: mesh_pb2.TokenChunk, subject: str) -> None:
         generator.reject_chunk("old_subject", chunk)

@@ -28,10 +28,11 @@ from opentelemetry import trace
 
 from services.kvcache.store import BlockStore, LandedOutcome, PutOutcome, StoreStats
 from shared.kv.block_hash import HASH_BYTES, BlockHash
-from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
+from shared.proto import kvcache_pb2, kvcache_pb2_grpc
 from shared.runtime import subjects
 from shared.runtime.block_stream import AssembledBlock, BlockAssembler, check_chunk_bytes, iter_chunks
 from shared.runtime.bus import Bus
+from shared.runtime.kv_events import kv_event_messages
 from shared.runtime.kv_shm import MappedSegment, SegmentCache, SegmentRef, ShmUnavailable, place
 from shared.runtime.metrics import Metrics
 
@@ -39,8 +40,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"].full_name
 
-# Hashes per KvEvent: 4096 × ~34 bytes stays far below NATS's 1 MiB payload limit.
-MAX_EVENT_HASHES = 4096
 READ_THREADS = min(8, os.cpu_count() or 1)
 """Threads that read, verify and land blocks of shared-memory Gets and store PutShm
 blocks, shared by all calls (each block is ~1-2 ms of LMDB + hash + copy)."""
@@ -86,10 +85,7 @@ class KvEventPublisher:
         self.next_seq = 0
 
     async def publish(self, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
-        for start in range(0, max(len(stored), len(removed)), MAX_EVENT_HASHES):
-            end = start + MAX_EVENT_HASHES
-            event = mesh_pb2.KvEvent(instance_id=self.instance_id, seq=self.next_seq,
-                                     stored=stored[start:end], removed=removed[start:end])
+        for event in kv_event_messages(self.instance_id, self.next_seq, stored, removed):
             self.next_seq += 1
             try:
                 await self.bus.publish(subjects.KV_EVENTS, event)

@@ -434,6 +434,10 @@ class LLMEngine:
     def drain_kv_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
         return self.kv.pool.drain_events()
 
+    def kv_snapshot(self) -> list[BlockHash]:
+        """All the prefix cache holds (of the group whose events are recorded); drains the events."""
+        return self.kv.pool.snapshot_events()
+
     def load(self) -> EngineLoad:
         sched = self.scheduler
         return EngineLoad(

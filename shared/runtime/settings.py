@@ -78,6 +78,10 @@ class WorkerSettings:
     """How often a worker says it is alive (with its load); the balancer drops one
     silent for balancer.heartbeat_misses intervals (a frozen process: 1.5 s). A
     worker that dies is noticed sooner, when NATS closes its connection."""
+    kv_snapshot_interval_s: float = 10.0
+    """How often a worker publishes all its prefix cache holds, beside the changes it
+    publishes as they happen: a balancer restarted, or one that missed an event,
+    routes by the cache again within this (shared/runtime/kv_events.py)."""
     metrics_port: int = 0
     """Port of the Prometheus /metrics endpoint; 0 picks a free one."""
     grpc_port: int = 0

@@ -31,6 +31,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import CONNECTION_HEADER, Bus, StreamPublisher
+from shared.runtime.kv_events import kv_event_messages
 from shared.runtime.rpc import NOT_SERVING, SERVING, GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
 from shared.engine.host_tier import HostTierConnector
@@ -105,7 +106,7 @@ class Worker:
         self.engine.start()
         self.grpc = await start_grpc_server(self.ctx.settings.worker.grpc_port, [], [self.ctx.stage])
         await self._report_kvcache()
-        await self._publish_kv_events(cleared=True)
+        await self._publish_kv_events(snapshot=True)
         self.ctx.bus.on_reconnected.append(self._beat_now)
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
@@ -258,21 +259,28 @@ class Worker:
                 await self._report_kvcache()
             await asyncio.sleep(self.ctx.settings.worker.heartbeat_interval_s)
 
-    async def _publish_kv_events(self, cleared: bool = False) -> None:
-        stored, removed = await self.engine.call(lambda e: e.drain_kv_events())
-        if not (stored or removed or cleared):
-            return
-        self._kv_seq += 1
-        event = mesh_pb2.KvEvent(
-            instance_id=self.ctx.instance_id, seq=self._kv_seq, stored=stored, removed=removed, cleared=cleared
-        )
-        await self.ctx.bus.publish(subjects.kv_events(self.ctx.instance_id), event)
+    async def _publish_kv_events(self, snapshot: bool = False) -> None:
+        """What the prefix cache took in and let go since the last call or, with
+        snapshot, all it holds (shared/runtime/kv_events.py says why both)."""
+        if snapshot:
+            stored, removed = await self.engine.call(lambda e: e.kv_snapshot()), []
+        else:
+            stored, removed = await self.engine.call(lambda e: e.drain_kv_events())
+        for event in kv_event_messages(self.ctx.instance_id, self._kv_seq + 1, stored, removed, cleared=snapshot):
+            self._kv_seq = event.seq
+            await self.ctx.bus.publish(subjects.kv_events(self.ctx.instance_id), event)
 
     async def _kv_event_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.ctx.settings.worker.kv_snapshot_interval_s
+        next_snapshot = loop.time() + interval
         while True:
             await asyncio.sleep(0.05)
+            snapshot = loop.time() >= next_snapshot
+            if snapshot:
+                next_snapshot = loop.time() + interval
             try:
-                await self._publish_kv_events()
+                await self._publish_kv_events(snapshot)
             except Exception:  # never let routing hints kill the worker
                 log.exception("publishing KV events failed")
 

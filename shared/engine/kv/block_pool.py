@@ -123,6 +123,12 @@ class BlockPool:
         self.stored_events, self.removed_events = [], []
         return stored, removed
 
+    def snapshot_events(self) -> list[BlockHash]:
+        """Every hash of the event group in the prefix index now. The pending events are
+        dropped: the snapshot already says all they would."""
+        self.stored_events, self.removed_events = [], []
+        return [block_hash for block_hash, group in self._cached if self._records(group)]
+
     def _evict(self, block: KVBlock) -> None:
         key = (block.block_hash, block.group)
         if block.block_hash is not None and self._cached.get(key) is block:  # type: ignore[arg-type]
