@@ -18,7 +18,7 @@ import time
 import openai
 import pytest
 
-from services.balancer.policies import choose_prefill_site
+from services.balancer.policies import choose_decode_by_cache, choose_prefill_site
 from services.balancer.registry import Instance
 from shared.engine.engine_request import EngineRequest
 from shared.engine.llm import LLM
@@ -26,6 +26,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
+from tests.mesh_procs import span_attributes
 from tests.test_failover import Listener, metric
 from tests.test_mesh import kv_blocks_settled, kv_stats
 
@@ -81,6 +82,34 @@ def test_policy_rules() -> None:
     # No prefill instance: on decode with a rule on, else the balancer's usual 503.
     assert choose_prefill_site([], hashes, 100, BLOCK, 1, 0).reason == "no_prefill_instance"
     assert not choose_prefill_site([], hashes, 100, BLOCK, 0, 0).local
+
+
+def _decode(iid: str, used: int = 0, waiting: int = 0, blocks=()) -> Instance:  # noqa: ANN001
+    load = mesh_pb2.Load(num_total_kv_blocks=1000, num_free_kv_blocks=1000 - used, num_waiting=waiting)
+    inst = Instance("decode", iid, load, last_seen=0.0, interval_s=0.5)
+    inst.blocks = set(blocks)
+    return inst
+
+
+def test_decode_by_cache_weighs_the_blocks_held_against_the_blocks_in_use() -> None:
+    prompt = list(range(100))  # 7 blocks, 6 full
+    hashes = hash_block_chain(prompt, BLOCK, "fp", None)
+    rng = random.Random(0)
+    holder, idle = _decode("d0", used=3, blocks=hashes[:6]), _decode("d1")
+    choice = choose_decode_by_cache([idle, holder], hashes, 100, BLOCK, rng)
+    # d0: 7 - 6 held + 3 in use = 4; d1: 7 to compute.
+    assert choice.instance is holder and choice.scores == {"d1": 7.0, "d0": 4.0}
+    holder.load.num_free_kv_blocks -= 4  # 7 in use: 8 against 7
+    assert choose_decode_by_cache([idle, holder], hashes, 100, BLOCK, rng).instance is idle
+    holder.load.num_free_kv_blocks += 4
+    holder.in_flight = 1  # a request sent since its heartbeat: this prompt's 7 more
+    assert choose_decode_by_cache([idle, holder], hashes, 100, BLOCK, rng).instance is idle
+    with pytest.raises(LookupError):
+        choose_decode_by_cache([], hashes, 100, BLOCK, rng)
+    # What the chosen decode instance holds counts as computed for the site: 4 left, local.
+    site = choose_prefill_site([_prefill("p0", 0)], hashes, 100, BLOCK, 40, 0, decode=holder)
+    assert site.local and site.reason == "short_prompt"
+    assert not choose_prefill_site([_prefill("p0", 0)], hashes, 100, BLOCK, 40, 0, decode=idle).local
 
 
 # -- through a mesh ------------------------------------------------------------------------
@@ -158,6 +187,39 @@ def test_an_extension_of_a_computed_prompt_prefills_on_decode_from_the_cache(mes
     # instance's own cache if it decoded the base.
     bypassed = {iid: _decode_metric_lines(mesh, iid, "kvcache_bypassed_total") for iid in ("decode-0", "decode-1")}
     assert out.usage.prompt_tokens_details.cached_tokens >= 64, f"kvcache not used on decode: {bypassed}"
+
+
+def test_a_conversation_goes_back_to_the_decode_instance_holding_it_and_is_prefilled_there(
+    mesh, client, offline
+) -> None:
+    seen: dict[str, set[str]] = {}  # instance -> the block hashes its KV events stored
+
+    def on_kv_event(msg) -> None:  # noqa: ANN001
+        ev = mesh_pb2.KvEvent()
+        ev.ParseFromString(msg.data)
+        seen.setdefault(ev.instance_id, set()).update(ev.stored)
+
+    Listener(subjects.KV_EVENTS_ALL, on_kv_event).start(mesh.nats_url)
+    turn1 = [(17 * i + 3) % 400 + 5 for i in range(20)]  # short: computed on a decode instance
+    first = _complete(client, turn1, max_tokens=60)
+    holder = span_attributes(mesh.trace_dir, first.id, "route")["decode.choice"]
+    history = turn1 + first.choices[0].token_ids  # 80 tokens; KV of 79: 4 full blocks on the holder
+    hashes = [bytes(h) for h in offline.engine.kv.hash_chain(history)]
+    deadline = time.monotonic() + 10
+    while not set(hashes[:4]) <= seen.get(holder, set()):  # its events reach the balancer too
+        assert time.monotonic() < deadline, "the holder's KV events did not come"
+        time.sleep(0.05)
+    # The next turn: 88 tokens, 24 beyond the holder's 4 blocks (at most SHORT = 40 are
+    # computed on decode; no prefill instance holds any of it, so only the holder's own
+    # cache makes it short), and back to the holder, which computes only those.
+    turn2 = history + [9, 8, 7, 6, 5, 4, 3, 2]
+    out = _complete(client, turn2, max_tokens=6)
+    route = span_attributes(mesh.trace_dir, out.id, "route")
+    assert route["decode.choice"] == holder and route["decode.reason"] == "kv_cost"
+    assert route["prefill.local"] and route["prefill.site_reason"] == "short_prompt"
+    assert out.usage.prompt_tokens_details.cached_tokens >= 64
+    expected = offline.generate([turn2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert out.choices[0].token_ids == expected.token_ids
 
 
 def _decode_metric_lines(mesh, iid: str, name: str) -> list[str]:  # noqa: ANN001

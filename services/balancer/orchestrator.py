@@ -48,7 +48,14 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Tracer
 
 from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
-from services.balancer.policies import choose_decode, choose_prefill, choose_prefill_site, leading_blocks_held
+from services.balancer.policies import (
+    choose_decode,
+    choose_decode_by_cache,
+    choose_prefill,
+    choose_prefill_site,
+    conditional_disaggregation,
+    leading_blocks_held,
+)
 from services.balancer.registry import Instance, Registry
 from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
@@ -438,21 +445,30 @@ class MeshGenerator:
             span.set_attribute("request.id", req.request_id)
             span.set_attribute("prompt.tokens", len(req.prompt_token_ids))
             await self._wait_for_bus(span)
+            s = self.settings
+            by_cache = conditional_disaggregation(s.local_prefill_max_tokens, s.local_prefill_queue_tokens)
             while True:
                 try:
-                    decode = choose_decode(self._prefer(self._candidates("decode"), excluded), self.rng)
+                    candidates = self._prefer(self._candidates("decode"), excluded)
+                    if by_cache:  # the prompt may be computed there: its own cache counts
+                        decode = choose_decode_by_cache(
+                            candidates, hashes, len(req.prompt_token_ids), self.block_size, self.rng
+                        )
+                    else:
+                        decode = choose_decode(candidates, self.rng)
                     break
                 except LookupError as exc:
                     if not await self._outage_retry(deadline, span):
                         raise GenerationError(str(exc), status=503) from None
             did = decode.instance.instance_id
             span.set_attribute("decode.candidates", list(decode.scores))
+            span.set_attribute("decode.scores", list(decode.scores.values()))
+            span.set_attribute("decode.reason", decode.reason)
             span.set_attribute("decode.choice", did)
             await reader.listen(did)
-            s = self.settings
             site = choose_prefill_site(
                 self._prefer(self._candidates("prefill"), excluded), hashes, len(req.prompt_token_ids),
-                self.block_size, s.local_prefill_max_tokens, s.local_prefill_queue_tokens,
+                self.block_size, s.local_prefill_max_tokens, s.local_prefill_queue_tokens, decode.instance,
             )  # fmt: skip
             span.set_attribute("prefill.local", site.local)
             span.set_attribute("prefill.site_reason", site.reason)

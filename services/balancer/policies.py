@@ -5,7 +5,10 @@ figures it chose by, which go on the request's trace span.
   own memory (recomputing nothing it already has); ties broken at random; when
   nobody holds any, the least loaded by tokens waiting to be computed.
 - decode: the least loaded by running + waiting requests, then by the most
-  free KV blocks; ties broken at random.
+  free KV blocks; ties broken at random. With conditional disaggregation on,
+  where a prompt may be computed on its decode instance, the one with the least
+  work for this request in KV blocks instead (choose_decode_by_cache): a turn of
+  a conversation goes back to the instance that holds the conversation.
 - where the prompt is computed (choose_prefill_site): on a prefill instance, or
   on the decode instance when the prompt is short or prefill is the bottleneck
   (conditional disaggregation; off unless its settings are set).
@@ -67,6 +70,29 @@ def choose_decode(candidates: Sequence[Instance], rng: random.Random) -> Choice:
     return Choice(inst, "least_loaded", {c.instance_id: float(key(c)[0]) for c in candidates})
 
 
+def choose_decode_by_cache(
+    candidates: Sequence[Instance], hashes: Sequence[BlockHash], prompt_tokens: int, block_size: int,
+    rng: random.Random,
+) -> Choice:
+    """The decode instance with the least work for this request, in KV blocks (Dynamo's
+    KV-router cost, at overlap weight 1): the prompt's blocks it does not hold (it
+    computes or loads them if the prompt is computed there), plus the blocks its
+    requests hold (each decode step reads them all), plus this prompt's blocks for each
+    request waiting there or sent to it since its last heartbeat (not yet in its blocks)."""
+    if not candidates:
+        raise LookupError("no live decode instance")
+    prompt_blocks = -(-prompt_tokens // block_size)
+
+    def cost(c: Instance) -> float:
+        used = c.load.num_total_kv_blocks - c.load.num_free_kv_blocks
+        queued = c.load.num_waiting + c.in_flight
+        return float(prompt_blocks - leading_blocks_held(c, hashes) + used + queued * prompt_blocks)
+
+    costs = {c.instance_id: cost(c) for c in candidates}
+    inst = _pick(candidates, lambda c: costs[c.instance_id], rng)
+    return Choice(inst, "kv_cost", costs)
+
+
 @dataclass(slots=True)
 class PrefillSite:
     """Where a request's prompt is computed: on a prefill instance (disaggregated) or
@@ -84,21 +110,27 @@ def queued_prefill_tokens(inst: Instance) -> int:
     return inst.load.num_queued_tokens + inst.in_flight_tokens
 
 
+def conditional_disaggregation(max_local_tokens: int, max_queue_tokens: int) -> bool:
+    """Whether a prompt may be computed on its decode instance (either rule on)."""
+    return max_local_tokens > 0 or max_queue_tokens > 0
+
+
 def choose_prefill_site(
     candidates: Sequence[Instance], hashes: Sequence[BlockHash], prompt_tokens: int, block_size: int,
-    max_local_tokens: int, max_queue_tokens: int,
+    max_local_tokens: int, max_queue_tokens: int, decode: Instance | None = None,
 ) -> PrefillSite:
     """Dynamo's conditional disaggregation. A prompt is prefilled on its decode instance
-    when what is left to compute (beyond the longest prefix a prefill instance holds)
-    is short (at most max_local_tokens), or when prefill is the bottleneck (the least
-    loaded prefill instance has max_queue_tokens queued): then decode folds the prompt
-    into its own steps, its decoding requests riding along. With either rule on, also
-    when no prefill instance is live. 0 turns a rule off; with both off, always remote."""
-    if max_local_tokens <= 0 and max_queue_tokens <= 0:
+    when what is left to compute (beyond the longest prefix a prefill instance, whose
+    blocks kvcache holds too, or the decode instance itself holds) is short (at most
+    max_local_tokens), or when prefill is the bottleneck (the least loaded prefill
+    instance has max_queue_tokens queued): then decode folds the prompt into its own
+    steps, its decoding requests riding along. With either rule on, also when no
+    prefill instance is live. 0 turns a rule off; with both off, always remote."""
+    if not conditional_disaggregation(max_local_tokens, max_queue_tokens):
         return PrefillSite(False, "disaggregated", -1)
     if not candidates:
         return PrefillSite(True, "no_prefill_instance", -1)
-    held = max(leading_blocks_held(c, hashes) for c in candidates)
+    held = max(leading_blocks_held(c, hashes) for c in [*candidates, *([decode] if decode else [])])
     to_compute = prompt_tokens - held * block_size
     queued = min(queued_prefill_tokens(c) for c in candidates)
     if 0 < max_local_tokens and to_compute <= max_local_tokens:

@@ -170,8 +170,10 @@ class BalancerSettings:
     local_prefill_max_tokens: int = 0
     """Conditional disaggregation (Dynamo's max_local_prefill_length): a prompt with
     at most this many tokens left to compute (beyond the longest prefix a prefill
-    instance holds) is prefilled by its decode instance, which then decodes it:
-    moving its KV would cost more than computing it there. 0: never for length."""
+    instance or the decode instance holds) is prefilled by its decode instance,
+    which then decodes it: moving its KV would cost more than computing it there.
+    With this or local_prefill_queue_tokens on, the decode instance is chosen by
+    its cache as well as its load (services/balancer/policies.py). 0: never for length."""
     local_prefill_queue_tokens: int = 0
     """Conditional disaggregation by load: when the least loaded prefill instance
     has at least this many prompt tokens queued, the decode instance prefills the
