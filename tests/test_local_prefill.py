@@ -220,6 +220,27 @@ def test_a_conversation_goes_back_to_the_decode_instance_holding_it_and_is_prefi
     assert out.usage.prompt_tokens_details.cached_tokens >= 64
     expected = offline.generate([turn2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
     assert out.choices[0].token_ids == expected.token_ids
+    # A burst of six turns continuing it at once: each one routed counts on its instance
+    # at once (before prefill's or decode's ack), so the holder's edge (its 5 blocks of
+    # 6) is worth one request's blocks, and the burst alternates between the two instances
+    # (before the reservation, all six saw an idle holder and went there).
+    turns = [history + [i + 5] * 8 for i in range(6)]
+    go = threading.Barrier(len(turns))
+    outs: dict[int, object] = {}
+
+    def one(i: int) -> None:
+        go.wait()
+        outs[i] = _complete(client, turns[i], max_tokens=4)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(turns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    choices = [span_attributes(mesh.trace_dir, outs[i].id, "route")["decode.choice"] for i in range(len(turns))]
+    assert min(choices.count(holder), len(turns) - choices.count(holder)) >= 2, choices
+    expected = offline.generate(turns, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [outs[i].choices[0].token_ids for i in range(len(turns))] == [e.token_ids for e in expected]
 
 
 def _decode_metric_lines(mesh, iid: str, name: str) -> list[str]:  # noqa: ANN001

@@ -49,6 +49,7 @@ from opentelemetry.trace import Span, Tracer
 
 from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
 from services.balancer.policies import (
+    Choice,
     choose_decode,
     choose_decode_by_cache,
     choose_prefill,
@@ -57,7 +58,7 @@ from services.balancer.policies import (
     leading_blocks_held,
 )
 from services.balancer.registry import Instance, Registry
-from shared.kv.block_hash import hash_block_chain
+from shared.kv.block_hash import BlockHash, hash_block_chain
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamLost, StreamReader, StreamTimeout
@@ -460,79 +461,95 @@ class MeshGenerator:
                 except LookupError as exc:
                     if not await self._outage_retry(deadline, span):
                         raise GenerationError(str(exc), status=503) from None
-            did = decode.instance.instance_id
-            span.set_attribute("decode.candidates", list(decode.scores))
-            span.set_attribute("decode.scores", list(decode.scores.values()))
-            span.set_attribute("decode.reason", decode.reason)
-            span.set_attribute("decode.choice", did)
-            await reader.listen(did)
-            site = choose_prefill_site(
-                self._prefer(self._candidates("prefill"), excluded), hashes, len(req.prompt_token_ids),
-                self.block_size, s.local_prefill_max_tokens, s.local_prefill_queue_tokens, decode.instance,
-            )  # fmt: skip
-            span.set_attribute("prefill.local", site.local)
-            span.set_attribute("prefill.site_reason", site.reason)
-            span.set_attribute("prefill.queued_tokens", site.queued_tokens)
-            if site.local:
-                self.m_prefill_site.labels("local", site.reason).inc()
-                return await self._dispatch_local(req, decode.instance, span)
-            tried: set[str] = set()
-            last_error = "no live prefill instance"
-            while True:
-                live = [i for i in self._candidates("prefill") if i.instance_id not in tried]
-                if not live and await self._outage_retry(deadline, span):
-                    tried.clear()  # while the bus recovers, one that did not answer may now
-                    continue
-                try:
-                    prefill = choose_prefill(self._prefer(live, excluded), hashes, self.rng)
-                except LookupError:
-                    log.warning("request %s: no prefill instance took it: %s", req.request_id, last_error)
-                    span.set_attribute("error", last_error)
-                    raise GenerationError("No prefill instance could take the request; retry later.",
-                                          status=503) from None
-                pid = prefill.instance.instance_id
-                tried.add(pid)
-                # Reserved now, before the first await: the requests routed while this one
-                # waits for its ack must see these tokens queued (a burst of 16 otherwise all
-                # saw an idle prefill instance, and conditional disaggregation never triggered).
-                held = leading_blocks_held(prefill.instance, hashes) * self.block_size
-                reserved = max(len(req.prompt_token_ids) - held, 0)
-                prefill.instance.in_flight_tokens += reserved
-                span.set_attribute("prefill.candidates", list(prefill.scores))
-                span.set_attribute("prefill.scores", list(prefill.scores.values()))
-                span.set_attribute("prefill.choice", pid)
-                span.set_attribute("prefill.reason", prefill.reason)
-                msg = mesh_pb2.PrefillRequest(
-                    request_id=req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    sampling=params_to_proto(req.params),
-                    cache_salt=req.cache_salt or "",
-                    decode_instance=did,
-                )
-                try:
-                    await reader.listen(pid, source=False)  # prefill may only end the stream with an error
-                    await self._wait_for_bus(span)
-                except BaseException:
-                    _unreserve(prefill.instance, reserved)
-                    raise
-                try:
-                    ack = await self._request_unless_gone(pid, subjects.prefill_run(pid), msg)
-                except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-                    last_error = f"prefill instance {pid} did not answer ({type(exc).__name__})"
-                    _unreserve(prefill.instance, reserved)
-                    continue
-                except BaseException:
-                    _unreserve(prefill.instance, reserved)
-                    raise
-                if ack.accepted:
-                    self.m_prefill_site.labels("remote", site.reason).inc()
-                    prefill.instance.in_flight += 1
-                    decode.instance.in_flight += 1
-                    return _Route(pid, did)
+            # Reserved now, before the first await, as prefill's tokens are below: a burst
+            # routed meanwhile must see it (choose_decode_by_cache would send a whole burst
+            # sharing a prefix to the one instance holding it); given back if this fails.
+            decode.instance.in_flight += 1
+            try:
+                return await self._dispatch_to(req, hashes, decode, excluded, reader, span, deadline)
+            except BaseException:
+                decode.instance.in_flight = max(decode.instance.in_flight - 1, 0)
+                raise
+
+    async def _dispatch_to(
+        self, req: GenerationRequest, hashes: list[BlockHash], decode: Choice, excluded: set[str],
+        reader: StreamReader, span: Span, deadline: float,
+    ) -> _Route:
+        """_dispatch once its decode instance is chosen: where the prompt is computed, then
+        to that decode instance or to a prefill instance that takes it."""
+        s = self.settings
+        did = decode.instance.instance_id
+        span.set_attribute("decode.candidates", list(decode.scores))
+        span.set_attribute("decode.scores", list(decode.scores.values()))
+        span.set_attribute("decode.reason", decode.reason)
+        span.set_attribute("decode.choice", did)
+        await reader.listen(did)
+        site = choose_prefill_site(
+            self._prefer(self._candidates("prefill"), excluded), hashes, len(req.prompt_token_ids),
+            self.block_size, s.local_prefill_max_tokens, s.local_prefill_queue_tokens, decode.instance,
+        )  # fmt: skip
+        span.set_attribute("prefill.local", site.local)
+        span.set_attribute("prefill.site_reason", site.reason)
+        span.set_attribute("prefill.queued_tokens", site.queued_tokens)
+        if site.local:
+            self.m_prefill_site.labels("local", site.reason).inc()
+            return await self._dispatch_local(req, decode.instance, span)
+        tried: set[str] = set()
+        last_error = "no live prefill instance"
+        while True:
+            live = [i for i in self._candidates("prefill") if i.instance_id not in tried]
+            if not live and await self._outage_retry(deadline, span):
+                tried.clear()  # while the bus recovers, one that did not answer may now
+                continue
+            try:
+                prefill = choose_prefill(self._prefer(live, excluded), hashes, self.rng)
+            except LookupError:
+                log.warning("request %s: no prefill instance took it: %s", req.request_id, last_error)
+                span.set_attribute("error", last_error)
+                raise GenerationError("No prefill instance could take the request; retry later.",
+                                      status=503) from None
+            pid = prefill.instance.instance_id
+            tried.add(pid)
+            # Reserved now, before the first await: the requests routed while this one
+            # waits for its ack must see these tokens queued (a burst of 16 otherwise all
+            # saw an idle prefill instance, and conditional disaggregation never triggered).
+            held = leading_blocks_held(prefill.instance, hashes) * self.block_size
+            reserved = max(len(req.prompt_token_ids) - held, 0)
+            prefill.instance.in_flight_tokens += reserved
+            span.set_attribute("prefill.candidates", list(prefill.scores))
+            span.set_attribute("prefill.scores", list(prefill.scores.values()))
+            span.set_attribute("prefill.choice", pid)
+            span.set_attribute("prefill.reason", prefill.reason)
+            msg = mesh_pb2.PrefillRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=params_to_proto(req.params),
+                cache_salt=req.cache_salt or "",
+                decode_instance=did,
+            )
+            try:
+                await reader.listen(pid, source=False)  # prefill may only end the stream with an error
+                await self._wait_for_bus(span)
+            except BaseException:
                 _unreserve(prefill.instance, reserved)
-                if ack.code not in _RETRYABLE:
-                    raise GenerationError(ack.message, status=400, error_type="invalid_request_error")
-                last_error = f"prefill instance {pid} refused: {ack.message}"
+                raise
+            try:
+                ack = await self._request_unless_gone(pid, subjects.prefill_run(pid), msg)
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+                last_error = f"prefill instance {pid} did not answer ({type(exc).__name__})"
+                _unreserve(prefill.instance, reserved)
+                continue
+            except BaseException:
+                _unreserve(prefill.instance, reserved)
+                raise
+            if ack.accepted:
+                self.m_prefill_site.labels("remote", site.reason).inc()
+                prefill.instance.in_flight += 1
+                return _Route(pid, did)
+            _unreserve(prefill.instance, reserved)
+            if ack.code not in _RETRYABLE:
+                raise GenerationError(ack.message, status=400, error_type="invalid_request_error")
+            last_error = f"prefill instance {pid} refused: {ack.message}"
 
     async def _dispatch_local(self, req: GenerationRequest, decode: Instance, span: Span) -> _Route:
         """Hand the whole request to its decode instance, which prefills it too (the
@@ -556,7 +573,6 @@ class MeshGenerator:
             if ack.code not in _RETRYABLE:
                 raise GenerationError(ack.message, status=400, error_type="invalid_request_error")
             raise _InstanceFailed(f"decode instance {did} refused: {ack.message}", did, cause="handoff")
-        decode.in_flight += 1
         return _Route(did, did)
 
     async def _wait_for_bus(self, span: Span) -> None:
