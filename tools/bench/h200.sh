@@ -14,6 +14,7 @@
 #   bash tools/bench/h200.sh close    # tests/gpu, then issue 13's full table
 #   bash tools/bench/h200.sh wrap     # issue 13's table, issue 14's cost, issue 10's 8k-16 and 1k-1
 #   bash tools/bench/h200.sh mps      # issue 10's 1k-64 and 8k-16, the card time-sliced and then under MPS
+#   bash tools/bench/h200.sh routing  # multi-turn chats: always vs conditionally disaggregated (routing_bench)
 #   bash tools/bench/h200.sh spec     # tests/gpu, bench-spec on the trained pair, the 8B SPS and its
 #                                     # simulation, batch-invariant mode's cost
 #
@@ -134,6 +135,12 @@ mps)  # issue 10: the mesh's two processes time-slice the one card (each step of
       echo quit | nvidia-cuda-mps-control || true
     fi
   done
+  ;;
+routing)  # issue 10: conversations through two meshes at once (1 prefill + 2 decode each: six 8B
+  # engines, 6 GiB of KV each), always disaggregated against conditional disaggregation
+  run timeout 500 python3 -m tools.bench.routing_bench --model "$model" --device cuda --dtype bfloat16 \
+    --kv-cache-memory-bytes $((6 << 30)) --conversations 32 --turns 4 --concurrency 8 --input-len 256 \
+    --output-len 256 --max-local-tokens 1024 --json "$out/routing.json" || true
   ;;
 close)  # a session's last call: tests/gpu at the final commit, then issue 13's full table
   run timeout 360 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu || true

@@ -193,10 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="the two meshes take turns this many times")
     p.add_argument("--device", default=None, help="engine device (default: the settings')")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the settings')")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache of each engine (default: the settings'); six engines share the device")
     p.add_argument("--state-dir", default=None, help="keep the meshes' logs and traces here")
     p.add_argument("--json", default=None, help="write the figures here")
     a = p.parse_args(argv)
-    flags = {k: v for k, v in (("device", a.device), ("dtype", a.dtype)) if v is not None}
+    given = (("device", a.device), ("dtype", a.dtype), ("kv_cache_memory_bytes", a.kv_cache_memory_bytes))
+    flags = {k: v for k, v in given if v is not None}
     run_routing_bench(a.model, a.decode, a.conversations, a.turns, a.concurrency, a.input_len, a.output_len,
                       a.max_local_tokens, a.rounds, flags, a.state_dir, a.json)  # fmt: skip
 
