@@ -136,11 +136,11 @@ mps)  # issue 10: the mesh's two processes time-slice the one card (each step of
     fi
   done
   ;;
-routing)  # issue 10: conversations through two meshes at once (1 prefill + 2 decode each: six 8B
-  # engines, 6 GiB of KV each), always disaggregated against conditional disaggregation
+routing)  # issue 10: conversations through two meshes at once, always disaggregated against conditional
+  # disaggregation; 1 prefill + 1 decode each (four 8B engines, 8 GiB of KV each: six would not fit)
   run timeout 500 python3 -m tools.bench.routing_bench --model "$model" --device cuda --dtype bfloat16 \
-    --kv-cache-memory-bytes $((6 << 30)) --conversations 32 --turns 4 --concurrency 8 --input-len 256 \
-    --output-len 256 --max-local-tokens 1024 --json "$out/routing.json" || true
+    --decode 1 --kv-cache-memory-bytes $((8 << 30)) --conversations 16 --turns 4 --concurrency 8 \
+    --input-len 256 --output-len 256 --max-local-tokens 1024 --json "$out/routing.json" || true
   ;;
 close)  # a session's last call: tests/gpu at the final commit, then issue 13's full table
   run timeout 360 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu || true
