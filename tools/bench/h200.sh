@@ -122,6 +122,11 @@ mps)  # issue 10: the mesh's two processes time-slice the one card (each step of
     if [ "$sharing" = mps ]; then
       command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control: MPS not run" | tee -a "$log"; break; }
       run nvidia-cuda-mps-control -d || break
+      if ! python3 -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"; then
+        echo "CUDA does not start under MPS here: MPS not run" | tee -a "$log"
+        echo quit | nvidia-cuda-mps-control || true
+        break
+      fi
     fi
     run env INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=1 timeout 125 python3 -m tools.cli bench-mesh "${common[@]}" \
       --prompt-len 1024 --concurrency 64 --num-requests 128 --kv-cache-memory-bytes $((10 << 30)) \
