@@ -3,6 +3,7 @@ nats-server, LMDB, gRPC): the bytes, the segment's checks, the fallback to the
 byte stream, and faults on both sides."""
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 
 import grpc
 import lmdb
@@ -24,7 +26,7 @@ from shared.runtime.kv_shm import DATA_OFFSET, Segment, SegmentRef
 from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.rpc import check_health, open_channel
 from tests.mesh_procs import nats_server, stop_process  # noqa: F401
-from tests.test_kvcache_service import metric, restart, start_kvcache, wait_serving
+from tests.test_kvcache_service import KVCacheProc, metric, restart, start_kvcache, wait_serving
 
 KIB = 1 << 10
 SMALL_SEGMENT = DATA_OFFSET + 100 * KIB
@@ -39,6 +41,40 @@ def blocks_of(prefix: str, n: int, size: int = 32 * KIB) -> list[tuple[BlockHash
     return [(h(f"{prefix}-{i}"), f"u8[{size}]", os.urandom(size)) for i in range(n)]
 
 
+def hashes_of(blocks: list[tuple[BlockHash, str, bytes]]) -> list[BlockHash]:
+    return [b[0] for b in blocks]
+
+
+def shm_client(address: str, **kwargs: float) -> KVCacheClient:
+    """A client with a segment of SMALL_SEGMENT (three blocks of 32 KiB)."""
+    return KVCacheClient(address, shm_bytes=SMALL_SEGMENT, **kwargs)
+
+
+async def put(address: str, blocks: list[tuple[BlockHash, str, bytes]], **kwargs: int) -> None:
+    """Store blocks through a client of their own (the byte stream, unless kwargs give a segment)."""
+    async with KVCacheClient(address, **kwargs) as kv:
+        await kv.put_blocks(blocks)
+
+
+def unopenable(nonce: bytes) -> SegmentRef:
+    """A segment in no process the service can see (as one in another container is)."""
+    return SegmentRef(f"/proc/{2**22 + 7}/fd/3", SMALL_SEGMENT, nonce)
+
+
+@contextlib.asynccontextmanager
+async def serving(svc: KVCacheProc, killed: bool = False) -> AsyncIterator[KVCacheProc]:
+    """A service of the test's own, once it serves. At the end it is stopped and must
+    exit 0, unless the test kills it (killed): then it is stopped only if still running."""
+    try:
+        await wait_serving(svc)
+        yield svc
+    finally:
+        if not killed:
+            assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
+        elif svc.proc.poll() is None:
+            stop_process(svc.proc)
+
+
 @pytest.fixture(scope="module")
 def kvcache(nats_server, tmp_path_factory):  # noqa: F811
     svc = start_kvcache(nats_server.url, tmp_path_factory.mktemp("kvcache-shm"))
@@ -51,9 +87,8 @@ def kvcache(nats_server, tmp_path_factory):  # noqa: F811
 @pytest.mark.asyncio
 async def test_get_and_put_through_the_segment_equal_the_byte_stream(kvcache):
     blocks = blocks_of("eq", 8) + [(h("eq-odd"), "odd", os.urandom(5 * KIB + 3))]
-    hashes = [b[0] for b in blocks]
-    async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as shm, \
-            KVCacheClient(kvcache.address, shm_bytes=0) as stream:
+    hashes = hashes_of(blocks)
+    async with shm_client(kvcache.address) as shm, KVCacheClient(kvcache.address, shm_bytes=0) as stream:
         summary = await shm.put_blocks(blocks)
         assert (summary.num_stored, summary.num_bytes) == (9, sum(len(b[2]) for b in blocks))
         assert shm.shm.num_shm_calls == 3 and shm.shm.num_byte_calls == 0  # 3 + 3 + 3 blocks
@@ -72,9 +107,8 @@ async def test_get_and_put_through_the_segment_equal_the_byte_stream(kvcache):
 @pytest.mark.asyncio
 async def test_a_segment_the_service_cannot_use_is_refused_and_the_stream_serves(kvcache, tmp_path):
     blocks = blocks_of("refuse", 2)
-    hashes = [b[0] for b in blocks]
-    async with KVCacheClient(kvcache.address) as kv:
-        await kv.put_blocks(blocks)
+    hashes = hashes_of(blocks)
+    await put(kvcache.address, blocks)
     segment = Segment(SMALL_SEGMENT)
     plain = tmp_path / "plain-file"
     plain.write_bytes(bytes(SMALL_SEGMENT))
@@ -85,7 +119,7 @@ async def test_a_segment_the_service_cannot_use_is_refused_and_the_stream_serves
             "does not match the request's nonce": SegmentRef(segment.ref.path, SMALL_SEGMENT, os.urandom(16)),
             "not the 110592 announced": SegmentRef(segment.ref.path, SMALL_SEGMENT + 4096, segment.nonce),
             "is not a kvcache segment": SegmentRef(f"/proc/{os.getpid()}/fd/{fd}", SMALL_SEGMENT, segment.nonce),
-            "cannot open": SegmentRef(f"/proc/{2**22 + 7}/fd/3", SMALL_SEGMENT, segment.nonce),  # no such process
+            "cannot open": unopenable(segment.nonce),  # no such process
         }
         async with open_channel(kvcache.address) as channel:
             stub = kvcache_pb2_grpc.KVCacheStub(channel)
@@ -118,9 +152,9 @@ async def test_a_segment_the_service_cannot_use_is_refused_and_the_stream_serves
 
     # The client: a service that refuses its segment (as one in another container
     # would: it sees no such process) gets the bytes over the stream, counted.
-    async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
+    async with shm_client(kvcache.address) as kv:
         await kv.lookup(hashes)
-        kv._the_segment().ref = SegmentRef(f"/proc/{2**22 + 7}/fd/3", SMALL_SEGMENT, os.urandom(16))
+        kv._the_segment().ref = unopenable(os.urandom(16))
         assert await kv.get_blocks(hashes) == blocks
         assert (kv.shm.num_refused, kv.shm.num_shm_calls, kv.shm.num_byte_calls) == (1, 0, 1)
         assert "cannot open" in kv.shm.refused_because
@@ -129,58 +163,49 @@ async def test_a_segment_the_service_cannot_use_is_refused_and_the_stream_serves
         assert (kv.shm.num_refused, kv.shm.num_byte_calls) == (1, 2)
         await kv.reconnect()  # the service may have moved: shared memory is tried again
         assert kv.shm.refused_because is None
-    async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
-        assert await kv.get_blocks([b[0] for b in more]) == more
+    async with shm_client(kvcache.address) as kv:
+        assert await kv.get_blocks(hashes_of(more)) == more
         assert kv.shm.num_shm_calls == 1
     # A Put asks first (an empty PutShm), so a refused segment's pages are never written.
-    async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
+    async with shm_client(kvcache.address) as kv:
         segment = kv._the_segment()
-        segment.ref = SegmentRef(f"/proc/{2**22 + 7}/fd/3", SMALL_SEGMENT, os.urandom(16))
+        segment.ref = unopenable(os.urandom(16))
         third = blocks_of("refuse-put-first", 2)
         assert (await kv.put_blocks(third)).num_stored == 2
         assert (kv.shm.num_refused, kv.shm.num_shm_calls, kv.shm.num_byte_calls) == (1, 0, 1)
         assert bytes(segment.buffer[DATA_OFFSET:]) == bytes(SMALL_SEGMENT - DATA_OFFSET)
-        assert await kv.get_blocks([b[0] for b in third]) == third
+        assert await kv.get_blocks(hashes_of(third)) == third
 
 
 @pytest.mark.asyncio
 async def test_a_corrupt_block_is_never_landed(nats_server, tmp_path):  # noqa: F811
     blocks = blocks_of("corrupt", 3)
-    svc = start_kvcache(nats_server.url, tmp_path)
-    try:
-        await wait_serving(svc)
-        async with KVCacheClient(svc.address, shm_bytes=SMALL_SEGMENT) as kv:
-            await kv.put_blocks(blocks)
-        assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
-        env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=4, writemap=True)
-        with env.begin(write=True) as txn:
-            db = env.open_db(BLOCKS_DB, txn=txn)
-            value = bytearray(txn.get(blocks[1][0], db=db))
-            value[len(value) // 2] ^= 0x01  # one bit in the middle of the block's data
-            txn.put(blocks[1][0], bytes(value), db=db)
-        env.close()
-        svc = restart(svc)
-        await wait_serving(svc)
-        async with KVCacheClient(svc.address, shm_bytes=SMALL_SEGMENT) as kv:
-            assert await kv.get_blocks([b[0] for b in blocks]) == blocks[:1]
-            assert kv.shm.num_shm_calls == 1
-            stats = await kv.stats()
-            assert stats.num_corrupt == 1 and await kv.lookup([blocks[1][0]]) == 0
-    finally:
-        assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
+    async with serving(start_kvcache(nats_server.url, tmp_path)) as svc:
+        await put(svc.address, blocks, shm_bytes=SMALL_SEGMENT)
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=4, writemap=True)
+    with env.begin(write=True) as txn:
+        db = env.open_db(BLOCKS_DB, txn=txn)
+        value = bytearray(txn.get(blocks[1][0], db=db))
+        value[len(value) // 2] ^= 0x01  # one bit in the middle of the block's data
+        txn.put(blocks[1][0], bytes(value), db=db)
+    env.close()
+    async with serving(restart(svc)) as svc, shm_client(svc.address) as kv:
+        assert await kv.get_blocks(hashes_of(blocks)) == blocks[:1]
+        assert kv.shm.num_shm_calls == 1
+        stats = await kv.stats()
+        assert stats.num_corrupt == 1 and await kv.lookup([blocks[1][0]]) == 0
 
 
 @pytest.mark.asyncio
 async def test_concurrent_clients_each_get_their_own_blocks(kvcache):
     sets = [blocks_of(f"conc{c}", 7, size=(24 + 8 * c) * KIB) for c in range(4)]
-    async with KVCacheClient(kvcache.address) as kv:
-        await kv.put_blocks(sum(sets, []))
+    await put(kvcache.address, sum(sets, []))
 
     async def client(c: int) -> None:
-        async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
+        async with shm_client(kvcache.address) as kv:
             for round_ in range(5):
                 mine = sets[c] if round_ % 2 == 0 else sets[(c + 1) % 4]  # others' blocks too
-                assert await kv.get_blocks([b[0] for b in mine]) == mine
+                assert await kv.get_blocks(hashes_of(mine)) == mine
             assert kv.shm.num_byte_calls == 0 and kv.shm.num_shm_calls >= 10
 
     await asyncio.gather(*(client(c) for c in range(4)))
@@ -191,18 +216,18 @@ async def test_a_call_that_does_not_end_cleanly_retires_the_segment(kvcache):
     """A Get that times out may leave the service copying into the segment: the
     client never writes it again and makes a fresh one."""
     blocks = blocks_of("retire", 3)
-    async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT, timeout_s=1.0) as kv:
+    async with shm_client(kvcache.address, timeout_s=1.0) as kv:
         await kv.put_blocks(blocks)
         first = kv._segment
         kvcache.proc.send_signal(signal.SIGSTOP)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await kv.get_blocks([b[0] for b in blocks])
+                await kv.get_blocks(hashes_of(blocks))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         finally:
             kvcache.proc.send_signal(signal.SIGCONT)
         assert kv._segment is None and kv.shm.num_retired == 1
-        assert await kv.get_blocks([b[0] for b in blocks]) == blocks
+        assert await kv.get_blocks(hashes_of(blocks)) == blocks
         assert kv._segment is not None and kv._segment is not first
 
 
@@ -228,22 +253,32 @@ CLIENT = textwrap.dedent("""
 """)
 
 
+def start_client(address: str, mode: str) -> subprocess.Popen:
+    """CLIENT in a process of its own, once it is ready: from then on in its calls."""
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, address, mode], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ready"
+    return proc
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+
+
 @pytest.mark.parametrize("mode", ["get", "put"])
 def test_a_client_killed_mid_call_leaves_the_service_serving(kvcache, mode):
-    for _ in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", CLIENT, kvcache.address, mode], stdout=subprocess.PIPE)
-        assert proc.stdout.readline().strip() == b"ready"
-        time.sleep(0.3 + 0.2 * _)  # in the middle of its calls
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()
+    for i in range(3):
+        proc = start_client(kvcache.address, mode)
+        time.sleep(0.3 + 0.2 * i)  # in the middle of its calls
+        kill(proc)
     blocks = blocks_of(f"after-kill-{mode}", 4)
 
     async def check() -> None:
         assert await check_health(kvcache.address)
-        async with KVCacheClient(kvcache.address, shm_bytes=SMALL_SEGMENT) as kv:
+        async with shm_client(kvcache.address) as kv:
             await kv.put_blocks(blocks)
-            assert await kv.get_blocks([b[0] for b in blocks]) == blocks
+            assert await kv.get_blocks(hashes_of(blocks)) == blocks
             assert kv.shm.num_shm_calls == 4  # 3 + 1 blocks each way
 
     asyncio.run(check())
@@ -253,23 +288,18 @@ def test_a_client_killed_mid_call_leaves_the_service_serving(kvcache, mode):
 @pytest.mark.asyncio
 async def test_a_service_killed_mid_get_ends_the_load_in_an_error(nats_server, tmp_path):  # noqa: F811
     blocks = blocks_of("server-kill", 9)
-    svc = start_kvcache(nats_server.url, tmp_path)
-    try:
-        await wait_serving(svc)
-        async with KVCacheClient(svc.address, shm_bytes=SMALL_SEGMENT, timeout_s=10.0) as kv:
-            await kv.put_blocks(blocks)
-            got = []
-            started = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for batch in kv.iter_landed([b[0] for b in blocks]):
-                    got += batch.blocks
-                    svc.proc.kill()  # after the first batch of three: the next Get finds no service
-                    svc.proc.wait()
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert len(got) == 3 and time.monotonic() - started < 5.0  # an error, not a wait for the deadline
-    finally:
-        if svc.proc.poll() is None:
-            stop_process(svc.proc)
+    async with serving(start_kvcache(nats_server.url, tmp_path), killed=True) as svc, \
+            shm_client(svc.address, timeout_s=10.0) as kv:
+        await kv.put_blocks(blocks)
+        got = []
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for batch in kv.iter_landed(hashes_of(blocks)):
+                got += batch.blocks
+                svc.proc.kill()  # after the first batch of three: the next Get finds no service
+                svc.proc.wait()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert len(got) == 3 and time.monotonic() - started < 5.0  # an error, not a wait for the deadline
 
 
 def shm_segments(svc) -> float:  # noqa: ANN001
@@ -288,29 +318,21 @@ async def wait_for_segments(svc, count: int, timeout_s: float = 10.0) -> None:  
 @pytest.mark.asyncio
 async def test_the_service_unmaps_a_segment_once_its_client_closed_it_or_died(nats_server, tmp_path):  # noqa: F811
     blocks = blocks_of("unmap", 2)
-    svc = start_kvcache(nats_server.url, tmp_path)
-    try:
-        await wait_serving(svc)
-        first = KVCacheClient(svc.address, shm_bytes=SMALL_SEGMENT)
-        second = KVCacheClient(svc.address, shm_bytes=SMALL_SEGMENT)
+    async with serving(start_kvcache(nats_server.url, tmp_path)) as svc:
+        first, second = shm_client(svc.address), shm_client(svc.address)
         await first.put_blocks(blocks)
-        assert await second.get_blocks([b[0] for b in blocks]) == blocks
+        assert await second.get_blocks(hashes_of(blocks)) == blocks
         await wait_for_segments(svc, 2)  # one per client, mapped once for all their calls
-        assert await first.get_blocks([b[0] for b in blocks]) == blocks
+        assert await first.get_blocks(hashes_of(blocks)) == blocks
         assert await asyncio.to_thread(shm_segments, svc) == 2
         await first.close()
         await wait_for_segments(svc, 1)  # the next prune (every 2 s) dropped it
-        proc = subprocess.Popen([sys.executable, "-c", CLIENT, svc.address, "get"], stdout=subprocess.PIPE)
-        assert proc.stdout.readline().strip() == b"ready"
+        proc = start_client(svc.address, "get")
         await wait_for_segments(svc, 2)
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()
+        kill(proc)
         await wait_for_segments(svc, 1)
         await second.close()
         await wait_for_segments(svc, 0)
-    finally:
-        assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
 
 
 OTHER_NAMESPACE_CLIENT = textwrap.dedent("""
