@@ -23,7 +23,8 @@ helm = pytest.importorskip("helm_python")  # noqa: F841  (render_chart uses it)
 
 from shared.runtime import subjects  # noqa: E402
 from tests.mesh_procs import stop_process, wait_for_port  # noqa: E402
-from tests.test_deploy import containers, kinds, render_chart, workloads  # noqa: E402
+from tests.deploy_harness import containers, kinds, workloads  # noqa: E402
+from tests.test_deploy import render_chart  # noqa: E402
 from tests.test_trust import Client, connected, settle, violations  # noqa: E402
 from tools.launch.nats_auth import permissions  # noqa: E402
 from tools.launch.up import find_nats_server, free_port  # noqa: E402
