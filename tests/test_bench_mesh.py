@@ -100,6 +100,7 @@ def test_tiny_run_measures_every_target(tmp_path, capsys):
         t = level["mesh_trace"]
         assert t["num_requests"] == num and t["kv_loads"] == t["kv_loads_direct"] == num
         assert t["kv_load_gb_s_p50"] > 0 and t["kv_load_gb_s_total"] > 0
+        assert t["kv_copy_gb_s_p50"] >= t["kv_load_gb_s_p50"]  # the copy is part of the load's time
         assert 1 <= t["decode_in_flight_max"] <= level["concurrency"]
         assert sum(t["ttft_segments_p50_ms"].values()) > 0
     printed = capsys.readouterr().out
@@ -120,7 +121,7 @@ def test_trace_breakdown_is_exact():
             _span("route", rid, t0 + 1, t0 + 3),
             _span("prefill", rid, t0 + 5, t0 + 30),
             _span("decode", rid, t0 + 29, t0 + 90, **{"kv.loaded_bytes": 2_000_000, "kv.load_ms": 0.5 * (i + 1),
-                                                       "kv.loaded_direct": True}),
+                                                       "kv.copy_ms": 0.1 * (i + 1), "kv.loaded_direct": True}),
         ]
     spans.append(_span("POST /v1/completions", "late", 5000, 5100, parent=None, ttft_ms=1.0))  # another level
     t = breakdown(spans, [(0, int(2000 * 1e6))])
@@ -131,6 +132,7 @@ def test_trace_breakdown_is_exact():
     assert t["kv_loads"] == t["kv_loads_direct"] == 2
     assert t["kv_load_gb_s_p50"] == pytest.approx((4.0 + 2.0) / 2)  # 2 MB in 0.5 ms and in 1 ms
     assert t["kv_load_gb_s_total"] == pytest.approx(4e6 / 1.5e-3 / 1e9)
+    assert t["kv_copy_gb_s_p50"] == pytest.approx((20.0 + 10.0) / 2)  # 2 MB copied in 0.1 ms and in 0.2 ms
     assert t["decode_in_flight_max"] == 1
     overlapping = spans + [_span("decode", "c", 50, 60), _span("decode", "d", 55, 58)]
     overlapping.append(_span("POST /v1/completions", "c", 40, 70, parent=None))

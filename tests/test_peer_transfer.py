@@ -66,6 +66,8 @@ def test_decode_copies_the_held_blocks_directly_and_releases_the_lease(model_dir
     )  # fmt: skip
     assert out.kv.num_loaded_blocks == 5 and out.kv.loaded_direct and not out.kv.load_failed
     assert pair.connector.num_direct_blocks == 5
+    # The copy's own time is reported, as the connector counted it, within the load's.
+    assert 0 < out.kv.copy_seconds == pair.connector.copy_seconds <= out.kv.load_seconds
     assert pair.released == [("prefill-0", "r")]
     cold = run(LLMEngine(EngineConfig(model=model_dir, enable_prefix_caching=False)), "c", prompt, GREEDY)
     assert out.token_ids == cold.token_ids

@@ -182,7 +182,8 @@ class HostTierConnector(InFrontConnector):
             # Short here (slots taken since the lookup): what behind wrote does not follow on.
             return LoadResult(request_id, here)
         # This tier wrote the leading blocks; what behind wrote follows them.
-        return LoadResult(request_id, here + load.behind.num_blocks, load.behind.error, load.behind.direct)
+        behind = load.behind
+        return LoadResult(request_id, here + behind.num_blocks, behind.error, behind.direct, behind.copy_seconds)
 
     @property
     def num_pending(self) -> int:

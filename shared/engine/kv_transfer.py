@@ -97,6 +97,7 @@ class KVTransfer:
                 continue
             request, first, num, asked = entry
             request.kv_load_seconds += time.perf_counter() - asked
+            request.kv_copy_seconds += result.copy_seconds
             if result.request_id not in self.scheduler.loading:
                 self.kv.release_reserved(result.request_id)  # aborted meanwhile: only now are its blocks free
                 continue

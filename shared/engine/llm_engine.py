@@ -427,6 +427,7 @@ class LLMEngine:
             num_replayed_tokens=request.num_replayed_tokens,
             loaded_direct=request.kv_loaded_direct,
             load_seconds=request.kv_load_seconds,
+            copy_seconds=request.kv_copy_seconds,
         )
 
     # -- KV blocks in and out (the mesh's kvcache service) -------------------

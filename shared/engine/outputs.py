@@ -65,6 +65,9 @@ class KVTransferReport:
     load_seconds: float = 0.0
     """From asking the connector for the blocks to their arrival (with num_loaded_blocks,
     the load's effective bandwidth)."""
+    copy_seconds: float = 0.0
+    """Of load_seconds, a direct copy's own time: the rest waited for the copy thread
+    and for the engine's next step, which is when a request can join the batch."""
     held: HeldBlocks | None = None
     """The prompt's blocks held for a peer to copy (KVTransferParams.hold)."""
 

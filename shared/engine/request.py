@@ -79,6 +79,8 @@ class Request:
     """A load the connector promised did not (fully) arrive: those tokens were recomputed."""
     kv_load_seconds: float = 0.0
     """From asking the connector for the blocks to their arrival in the cache."""
+    kv_copy_seconds: float = 0.0
+    """Of that, the direct copy's own time (LoadResult.copy_seconds)."""
     first_scheduled_time: float | None = None
     """time.monotonic() when a step first took the request (its queue time ends there)."""
     spec_token_ids: list[int] = field(default_factory=list)

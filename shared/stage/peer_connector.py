@@ -40,7 +40,7 @@ class PeerConnector(InFrontConnector):
         self._release = release
         self._peers: dict[bytes, list[torch.Tensor]] = {}
         self._routes: dict[str, PeerSource] = {}
-        self._copies: dict[str, concurrent.futures.Future[int]] = {}
+        self._copies: dict[str, concurrent.futures.Future[tuple[int, float]]] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-peer-copy")
         self.num_direct_blocks = 0
         self.num_failures = 0
@@ -95,7 +95,8 @@ class PeerConnector(InFrontConnector):
         num = min(len(hashes), source.num_blocks - first_block)
         self._copies[request_id] = self._executor.submit(self._copy, request_id, source, first_block, block_ids, num)
 
-    def _copy(self, request_id: str, source: PeerSource, first: int, block_ids: BlockIds, num: int) -> int:
+    def _copy(self, request_id: str, source: PeerSource, first: int, block_ids: BlockIds, num: int) -> tuple[int, float]:
+        """(blocks copied, the copy's seconds)."""
         if time.time() > source.lease_deadline - LEASE_MARGIN_S:
             raise TimeoutError("the peer's lease ran out before the copy could start")
         assert isinstance(self.region, PagedKVRegion)
@@ -105,11 +106,12 @@ class PeerConnector(InFrontConnector):
         peer = self._open(source)
         started = time.perf_counter()
         self.region.copy_from_peer(peer, src, dst)
-        self.copy_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.copy_seconds += seconds
         if time.time() > source.lease_deadline:
             raise TimeoutError("the peer's lease ran out during the copy: its blocks may have been reused")
         self._release(source.instance_id, request_id)
-        return num
+        return num, seconds
 
     def start_save(
         self,
@@ -126,9 +128,9 @@ class PeerConnector(InFrontConnector):
         for request_id, future in [(r, f) for r, f in self._copies.items() if f.done()]:
             del self._copies[request_id]
             try:
-                num = future.result()
+                num, seconds = future.result()
                 self.num_direct_blocks += num
-                loads.append(LoadResult(request_id, num, direct=True))
+                loads.append(LoadResult(request_id, num, direct=True, copy_seconds=seconds))
             except Exception as exc:
                 self.num_failures += 1
                 log.warning("direct KV copy for %s failed: %s", request_id, exc)

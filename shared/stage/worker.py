@@ -197,6 +197,8 @@ class Worker:
         span.set_attribute("kv.load_failed", report.load_failed)
         span.set_attribute("kv.loaded_direct", report.loaded_direct)
         span.set_attribute("kv.load_ms", round(report.load_seconds * 1e3, 3))
+        if report.loaded_direct:
+            span.set_attribute("kv.copy_ms", round(report.copy_seconds * 1e3, 3))
         if report.load_failed:
             self.m_kv_load_failures.inc()
         span.set_attribute("kv.replayed_tokens", report.num_replayed_tokens)

@@ -11,7 +11,10 @@ Per request (the spans that carry its `request.id`), on one host's clock:
 the handoff's publish. A hop can be negative where two spans overlap: decode can
 start before prefill's span has closed, prefill before route's. The KV load is not on this path: decode streams
 the first token at once and loads the KV meanwhile; `kv.load_ms` (from asking
-the connector to the blocks' arrival) over `kv.loaded_bytes` is its bandwidth.
+the connector to the blocks' arrival) over `kv.loaded_bytes` is its bandwidth, and
+`kv.copy_ms` over the same bytes the bandwidth of a direct copy itself (load_ms
+also waits for the copy thread and for decode's next step, where a request joins
+the batch).
 """
 
 from collections import defaultdict
@@ -80,6 +83,7 @@ def breakdown(spans: list[dict], windows: list[tuple[int, int]]) -> dict[str, An
     segments: dict[str, list[float]] = {s: [] for s in SEGMENTS}
     ttfts: list[float] = []
     per_request_gb_s: list[float] = []
+    copy_gb_s: list[float] = []
     load_ms_values: list[float] = []
     bytes_total = ms_total = 0.0
     num_direct = num_loaded = num_local = 0
@@ -101,6 +105,8 @@ def breakdown(spans: list[dict], windows: list[tuple[int, int]]) -> dict[str, An
                 num_loaded += 1
                 num_direct += bool(attrs.get("kv.loaded_direct"))
                 per_request_gb_s.append(loaded / (load_ms * 1e-3) / 1e9)
+                if attrs.get("kv.copy_ms", 0.0) > 0:
+                    copy_gb_s.append(loaded / (attrs["kv.copy_ms"] * 1e-3) / 1e9)
                 load_ms_values.append(load_ms)
                 bytes_total += loaded
                 ms_total += load_ms
@@ -122,6 +128,7 @@ def breakdown(spans: list[dict], windows: list[tuple[int, int]]) -> dict[str, An
         "kv_load_gb_s_p50": _p50(per_request_gb_s),
         "kv_load_gb_s_total": bytes_total / (ms_total * 1e-3) / 1e9 if ms_total else float("nan"),
         "kv_load_ms_p50": _p50(load_ms_values),
+        "kv_copy_gb_s_p50": _p50(copy_gb_s),
         "decode_in_flight_max": _max_overlap(decode_intervals),
         **prefill_pace(prefill_intervals, decode_intervals),
     }
@@ -142,11 +149,13 @@ def print_breakdowns(levels: list[dict[str, Any]]) -> None:
         return
     print("\nthe mesh's TTFT from its traces (p50 ms per hop; a hop < 0: its two spans overlap, e.g. decode began")
     print("before prefill's span closed),")
-    print("the KV handoff's bandwidth (decode's kv.loaded_bytes over kv.load_ms), decode's requests in flight, and")
+    print("the KV handoff's bandwidth (decode's kv.loaded_bytes over kv.load_ms; copy: over a direct copy's own kv.copy_ms),")
+    print("decode's requests in flight, and")
     print("the requests conditional disaggregation prefilled on decode (those have no prefill hop: not in the TTFT split)")
     header = (
         f"{'conc':>4} | {'TTFT':>7} = {'route':>6} {'to pf':>6} {'prefill':>8} {'handoff':>8} {'out':>6} | "
-        f"{'loads':>5} {'direct':>6} {'ms p50':>7} {'GB/s p50':>8} {'GB/s all':>8} | {'decode in flight':>16} | "
+        f"{'loads':>5} {'direct':>6} {'ms p50':>7} {'GB/s p50':>8} {'GB/s all':>8} {'copy GB/s':>9} | "
+        f"{'decode in flight':>16} | "
         f"{'prefilled on decode':>19}"
     )
     print(header + "\n" + "-" * len(header))
@@ -156,7 +165,7 @@ def print_breakdowns(levels: list[dict[str, Any]]) -> None:
             f"{conc:>4} | {t['ttft_p50_ms']:>7.1f} = {seg['route']:>6.1f} {seg['to_prefill']:>6.1f} "
             f"{seg['prefill']:>8.1f} {seg['handoff']:>8.1f} {seg['first_token_out']:>6.1f} | "
             f"{t['kv_loads']:>5} {t['kv_loads_direct']:>6} {t['kv_load_ms_p50']:>7.2f} {t['kv_load_gb_s_p50']:>8.2f} "
-            f"{t['kv_load_gb_s_total']:>8.2f} | "
+            f"{t['kv_load_gb_s_total']:>8.2f} {t.get('kv_copy_gb_s_p50', float('nan')):>9.2f} | "
             f"{t['decode_in_flight_max']:>16} | {t.get('num_local_prefills', 0):>19}"
         )
     print("\nprefill's pace (ms per prompt, p50): alone = decode spans covered under half its span; back to back = the")

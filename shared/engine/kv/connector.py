@@ -64,6 +64,10 @@ class LoadResult:
     error: str | None = None
     direct: bool = False
     """Copied straight from a peer's cache (rather than from a store)."""
+    copy_seconds: float = 0.0
+    """A direct copy's own time, from its start to its end on the copy thread: without
+    the wait for that thread or for the engine's next step (with num_blocks, the copy's
+    bandwidth). 0 for other loads."""
 
 
 @dataclass(slots=True)
