@@ -520,13 +520,7 @@ class MeshGenerator:
             span.set_attribute("prefill.scores", list(prefill.scores.values()))
             span.set_attribute("prefill.choice", pid)
             span.set_attribute("prefill.reason", prefill.reason)
-            msg = mesh_pb2.PrefillRequest(
-                request_id=req.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                sampling=params_to_proto(req.params),
-                cache_salt=req.cache_salt or "",
-                decode_instance=did,
-            )
+            msg = _prefill_request(req, did)
             try:
                 await reader.listen(pid, source=False)  # prefill may only end the stream with an error
                 await self._wait_for_bus(span)
@@ -556,13 +550,7 @@ class MeshGenerator:
         route's two stages are then one instance). A decode instance that refuses or does
         not answer fails this attempt, charged to it: the request moves."""
         did = decode.instance_id
-        msg = mesh_pb2.PrefillRequest(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=params_to_proto(req.params),
-            cache_salt=req.cache_salt or "",
-            decode_instance=did,
-        )
+        msg = _prefill_request(req, did)
         await self._wait_for_bus(span)
         try:
             ack = await self._request_unless_gone(did, subjects.decode_run(did), msg)
@@ -592,6 +580,17 @@ class MeshGenerator:
         await asyncio.sleep(0.2)
         await self._wait_for_bus(span)
         return True
+
+
+def _prefill_request(req: GenerationRequest, decode_instance: str) -> mesh_pb2.PrefillRequest:
+    """The request as a prefill instance, or its decode instance prefilling it, takes it."""
+    return mesh_pb2.PrefillRequest(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        sampling=params_to_proto(req.params),
+        cache_salt=req.cache_salt or "",
+        decode_instance=decode_instance,
+    )
 
 
 def _unreserve(instance: Instance, tokens: int) -> None:
