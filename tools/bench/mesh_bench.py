@@ -25,8 +25,8 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
-from contextlib import ExitStack
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -208,6 +208,33 @@ def _print_comparisons(levels: list[dict[str, Any]]) -> None:
 # -- the run -----------------------------------------------------------------------------
 
 
+@contextmanager
+def bench_state(state_dir: str | None, prefix: str, what: str) -> Iterator[Path]:
+    """The folder of a bench's logs, traces and made model: state_dir, kept, or a
+    temporary one, removed once the bench has run. On a failure it is kept and its
+    place printed (what: whose logs it holds)."""
+    state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix=prefix))
+    state.mkdir(parents=True, exist_ok=True)
+    try:
+        yield state
+    except BaseException:
+        print(f"infermesh: {what} are kept in {state}", file=sys.stderr)
+        raise
+    if state_dir is None:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def model_or_made(model: str | None, state: Path) -> str:
+    """The checkpoint to bench: model, or a tiny one made in the state folder."""
+    if model is not None:
+        return model
+    from shared.model.make_model import make_model
+
+    made = str(state / "model")
+    make_model(made)
+    return made
+
+
 def engine_setup(
     model: str, engine_flags: Mapping[str, Any], env: Mapping[str, str] | None = None
 ) -> tuple[EngineConfig, dict[str, str]]:
@@ -308,23 +335,16 @@ def run_mesh_bench(
         raise ValueError(f"targets must be among {', '.join(TARGETS)}, got {targets}")
     from shared.model.config import ModelConfig
 
-    keep_state = state_dir is not None
-    state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="infermesh-bench-"))
-    state.mkdir(parents=True, exist_ok=True)
-    made = model is None
-    if model is None:
-        from shared.model.make_model import make_model
-
-        model = str(state / "model")
-        make_model(model)
-    config, mesh_env = engine_setup(model, engine_flags or {})
-    run = {
-        "model": None if made else model, "device": config.device, "dtype": config.dtype, "prompt_len": prompt_len,
-        "output_len": output_len, "num_requests": counts if len(set(counts)) > 1 else counts[0], "num_rounds": num_rounds,
-        "num_prefill": num_prefill, "num_decode": num_decode, "targets": list(targets),
-    }
-    vocab = ModelConfig.from_pretrained(model).vocab_size
-    try:
+    with bench_state(state_dir, "infermesh-bench-", "logs of the mesh and the local server") as state:
+        made = model is None
+        model = model_or_made(model, state)
+        config, mesh_env = engine_setup(model, engine_flags or {})
+        run = {
+            "model": None if made else model, "device": config.device, "dtype": config.dtype, "prompt_len": prompt_len,
+            "output_len": output_len, "num_requests": counts if len(set(counts)) > 1 else counts[0],
+            "num_rounds": num_rounds, "num_prefill": num_prefill, "num_decode": num_decode, "targets": list(targets),
+        }
+        vocab = ModelConfig.from_pretrained(model).vocab_size
         with ExitStack() as stack:  # stops the mesh and the local server whatever happens
             apis: dict[str, str] = {}
             local = LocalServer(config, state / "local.log") if "http" in targets else None
@@ -354,11 +374,6 @@ def run_mesh_bench(
             )
         # The mesh has stopped: its services flushed their spans.
         level_breakdowns(state / "mesh" / "traces", levels)
-    except BaseException:
-        print(f"infermesh: logs of the mesh and the local server are kept in {state}", file=sys.stderr)
-        raise
-    if not keep_state:
-        shutil.rmtree(state, ignore_errors=True)
     _print_comparisons(levels)
     print_breakdowns(levels)
     figures = {"config": {**run, "engine": asdict(config)}, "levels": levels}

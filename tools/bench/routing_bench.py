@@ -20,9 +20,6 @@ ratios, conditional over disaggregated.
 import argparse
 import asyncio
 import json
-import shutil
-import sys
-import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -31,7 +28,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.runtime.settings import env_name
-from tools.bench.mesh_bench import engine_setup
+from tools.bench.mesh_bench import bench_state, engine_setup, model_or_made
 from tools.bench.openai_stream import RequestResult
 from tools.bench.serve_bench import LoadLevel, run_level, summarize
 from tools.bench.workloads import WorkloadConfig, make_sessions
@@ -115,39 +112,29 @@ def run_routing_bench(
         raise ValueError("every count and length must be at least 1")
     if rounds > conversations:
         raise ValueError(f"rounds must be at most conversations={conversations}, got {rounds}")
-    keep_state = state_dir is not None
-    state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="infermesh-routing-"))
-    state.mkdir(parents=True, exist_ok=True)
-    if model is None:
-        from shared.model.make_model import make_model
-
-        model = str(state / "model")
-        make_model(model)
-    config, mesh_env = engine_setup(model, engine_flags or {})
     extra = {
         "disaggregated": {},
         "conditional": {env_name("balancer", "local_prefill_max_tokens"): str(max_local_tokens)},
     }
     workload = WorkloadConfig(name="multi-turn", input_len=input_len, output_len=output_len, turns=turns)
-    run = {"model": model, "device": config.device, "dtype": config.dtype, "num_decode": num_decode,
-           "conversations": conversations, "turns": turns, "concurrency": concurrency, "input_len": input_len,
-           "output_len": output_len, "max_local_tokens": max_local_tokens, "rounds": rounds}  # fmt: skip
-    try:
+    with bench_state(state_dir, "infermesh-routing-", "the meshes' logs") as state:
+        made = model is None
+        model = model_or_made(model, state)
+        config, mesh_env = engine_setup(model, engine_flags or {})
+        run = {"model": None if made else model, "device": config.device, "dtype": config.dtype,
+               "num_decode": num_decode, "conversations": conversations, "turns": turns, "concurrency": concurrency,
+               "input_len": input_len, "output_len": output_len, "max_local_tokens": max_local_tokens,
+               "rounds": rounds}  # fmt: skip
         with ExitStack() as stack:  # both meshes stop whatever happens
             meshes = {}
             for c in CONFIGS:
                 meshes[c] = Mesh(model, 1, num_decode, free_port(), state / c, extra_env={**mesh_env, **extra[c]})
                 stack.callback(meshes[c].stop)
                 meshes[c].start()
-            print(" ".join(f"{k}={v}" for k, v in run.items()), flush=True)
+            print(" ".join(f"{k}={v if v is not None else 'tiny (made)'}" for k, v in run.items()), flush=True)
             rows = asyncio.run(
                 _measure({c: m.api_url for c, m in meshes.items()}, workload, conversations, concurrency, rounds)
             )
-    except BaseException:
-        print(f"routing_bench: the meshes' logs are kept in {state}", file=sys.stderr)
-        raise
-    if not keep_state:
-        shutil.rmtree(state, ignore_errors=True)
     print_table(rows)
     report = {"config": run, "rows": rows, "compare": compare(rows)}
     if json_path:
