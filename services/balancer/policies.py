@@ -130,7 +130,8 @@ def choose_prefill_site(
         return PrefillSite(False, "disaggregated", -1)
     if not candidates:
         return PrefillSite(True, "no_prefill_instance", -1)
-    held = max(leading_blocks_held(c, hashes) for c in [*candidates, *([decode] if decode else [])])
+    holders = [*candidates, decode] if decode is not None else candidates
+    held = max(leading_blocks_held(c, hashes) for c in holders)
     to_compute = prompt_tokens - held * block_size
     queued = min(queued_prefill_tokens(c) for c in candidates)
     if 0 < max_local_tokens and to_compute <= max_local_tokens:
