@@ -10,7 +10,8 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+"""The repository root, wherever in tests/ this file sits."""
 README = ROOT / "README.md"
 PACKAGE_ROOTS = ("shared", "services", "tools")
 LAYOUT_HEADING = "## Layout"
