@@ -22,7 +22,8 @@ from contextlib import AsyncExitStack
 
 from opentelemetry.trace import Span
 
-from shared.engine.engine_request import EngineRequest, KVTransferParams, PeerSource
+from shared.engine.engine_request import EngineRequest
+from shared.kv.transfer import KVTransferParams, PeerSource
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request

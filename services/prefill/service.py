@@ -20,7 +20,8 @@ from contextlib import AsyncExitStack
 
 import nats.errors
 
-from shared.engine.engine_request import EngineRequest, KVTransferParams
+from shared.engine.engine_request import EngineRequest
+from shared.kv.transfer import KVTransferParams
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams

@@ -28,19 +28,17 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import KVTransferReport
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.connectors.chain import connector_chain
+from shared.kv.connectors.kvcache import KVCacheConnector
+from shared.kv.events import kv_event_messages
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import CONNECTION_HEADER, Bus, StreamPublisher
-from shared.runtime.kv_events import kv_event_messages
 from shared.runtime.rpc import NOT_SERVING, SERVING, GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
-from shared.engine.host_tier import HostTierConnector
-from shared.engine.kv.connector import KVConnector
 from shared.runtime.vllm_metrics import served_model_name
 from shared.stage.engine_metrics import EngineMetrics, cache_config_info
 from shared.stage.spec_metrics import SpecMetrics
-from shared.stage.kvcache_connector import KVCacheConnector
-from shared.stage.peer_connector import PeerConnector
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +261,7 @@ class Worker:
 
     async def _publish_kv_events(self, snapshot: bool = False) -> None:
         """What the prefix cache took in and let go since the last call or, with
-        snapshot, all it holds (shared/runtime/kv_events.py says why both)."""
+        snapshot, all it holds (shared/kv/events.py says why both)."""
         if snapshot:
             stored, removed = await self.engine.call(lambda e: e.kv_snapshot()), []
         else:
@@ -304,11 +302,11 @@ async def serve_engine_stage(
     *,
     share_kv: bool = False,
 ) -> None:
-    """The setup both engine stages share: the engine with its KV connector (direct
-    copies from a peer's cache, then the host tier, then kvcache; loaded off the event loop), the
-    worker duties, the dispatch subscriptions and cancels. share_kv: peers on this
-    host may copy held blocks straight out of this engine's cache (prefill), which
-    then also hears their releases. The exit stack unwinds intake first, then the
+    """The setup both engine stages share: the engine with its KV connector chain
+    (shared/kv/connectors/chain.py; loaded off the event loop), the worker duties,
+    the dispatch subscriptions and cancels. share_kv: peers on this host may copy
+    held blocks straight out of this engine's cache (prefill), which then also
+    hears their releases. The exit stack unwinds intake first, then the
     drain, then the rest."""
     loop = asyncio.get_running_loop()
 
@@ -317,24 +315,18 @@ async def serve_engine_stage(
         publish = ctx.bus.publish(subjects.kv_release(instance_id), message)
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(publish))
 
-    kv = ctx.settings.kvcache
-    kvcache = KVCacheConnector(kv.address, lookup_timeout_s=kv.lookup_timeout_s, probe_interval_s=kv.probe_interval_s,
-                               load_when_faster=kv.load_when_faster, shm_bytes=kv.shm_bytes)  # fmt: skip
-    store: KVConnector = kvcache
-    if ctx.settings.engine.host_kv_cache_bytes:
-        store = HostTierConnector(store, ctx.settings.engine.host_kv_cache_bytes)
-    connector = PeerConnector(store, release)
+    chain = connector_chain(ctx.settings.kvcache, ctx.settings.engine.host_kv_cache_bytes, release)
     try:
         # Token ids only (text is the balancer's job), and block events for its routing.
         engine = await asyncio.to_thread(
-            LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True, kv_connector=connector,
+            LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True, kv_connector=chain.head,
             share_kv=share_kv, load_progress=True,  # in the log: `infermesh up` shows it as a progress bar
         )  # fmt: skip
     except BaseException:
-        connector.close()
+        chain.head.close()
         raise
     stack.callback(engine.close)  # after the drain below has stopped the engine thread
-    worker = Worker(ctx, engine, kvcache)
+    worker = Worker(ctx, engine, chain.kvcache)
     routes = list(make_dispatch(worker))
     await worker.start(stack)
     routes.append(Dispatch(subjects.CANCEL, mesh_pb2.Cancel, worker.on_cancel))

@@ -12,7 +12,7 @@ host memory, so the engine's blocks are not held while the store runs; what is
 on its way to the store is bounded (MAX_BYTES_BEHIND), and a save beyond that
 is dropped, counted like one that fails. Where the engine's cache can be mapped
 by another process (a prefill worker's), saves run in a writer process of their
-own (kv_writer.py), so their byte work never takes the GIL from the engine.
+own (kvcache_writer.py), so their byte work never takes the GIL from the engine.
 
 kvcache is a cache, so a worker computes without it rather than waits for it.
 A lookup that does not answer within lookup_timeout_s counts as a miss; a call
@@ -27,7 +27,7 @@ what kvcache did for a request's lookup ("ok", "down", "failed", "slow", or
 them, load_cost.py).
 
 Loads on the service's host come through the client's shared-memory segment
-(kvcache_client.py): each batch the service lands there is written into the
+(shared/kv/wire/client.py): each batch the service lands there is written into the
 engine's cache as one copy per cache tensor, off the connector's event loop (a
 thread: torch's copy releases the GIL). On a GPU the segment is pinned
 (cudaHostRegister) when it is made, so that copy runs at PCIe speed. Elsewhere
@@ -48,13 +48,14 @@ import numpy as np
 import torch
 from opentelemetry import context
 
-from shared.engine.engine_request import KVTransferParams
-from shared.engine.kv.connector import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.block_hash import BlockHash
-from shared.runtime.kvcache_client import DEFAULT_SHM_BYTES, KVCacheClient, LandedBatch
+from shared.kv.connectors.base import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.connectors.kvcache_writer import KVWriter
+from shared.kv.connectors.load_cost import LoadCost
+from shared.kv.memory.region import KVRegion
+from shared.kv.transfer import KVTransferParams
+from shared.kv.wire.client import DEFAULT_SHM_BYTES, KVCacheClient, LandedBatch
 from shared.runtime.telemetry import extract_context
-from shared.stage.kv_writer import KVWriter
-from shared.stage.load_cost import LoadCost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -287,12 +288,12 @@ class KVCacheConnector(KVConnector):
         if not self._writer_tried:
             self._writer_tried = True
             try:
-                description = self.region.share()  # type: ignore[attr-defined]
-            except (AttributeError, ValueError):
+                description = self.region.share()
+            except ValueError:
                 return None  # a cache only this process sees: saves run here
             region = self.region
             self._writer = KVWriter(
-                description, region.kv_layout, str(region.device), self._address, self._timeout_s  # type: ignore[attr-defined]
+                description, region.kv_layout, str(region.device), self._address, self._timeout_s
             )
         return self._writer if self._writer is not None and self._writer.alive else None
 
@@ -389,7 +390,7 @@ class KVCacheConnector(KVConnector):
         self._thread.join(timeout=5)
 
 
-def _write_batch(region: Any, block_ids: BlockIds, batch: LandedBatch, num_blocks: int) -> None:
+def _write_batch(region: KVRegion, block_ids: BlockIds, batch: LandedBatch, num_blocks: int) -> None:
     """The batch's first num_blocks blocks into the engine's blocks. Blocks back to back
     (always, in a segment, for same-sized blocks) are one [n, block_bytes] view of the
     batch's memory, copied from where they lie; otherwise they are gathered first."""
