@@ -23,7 +23,6 @@ from contextlib import AsyncExitStack
 from opentelemetry.trace import Span
 
 from shared.engine.engine_request import EngineRequest
-from shared.kv.transfer import KVTransferParams, PeerSource
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request
@@ -32,8 +31,9 @@ from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import StreamPublisher
 from shared.runtime.service import ServiceContext
-from shared.stage.convert import logprobs_to_proto, params_from_proto
 from shared.runtime.telemetry import inject_headers
+from shared.stage.convert import logprobs_to_proto, params_from_proto
+from shared.stage.kv_handoff import handoff_transfer, whole_request_transfer
 from shared.stage.worker import Dispatch, Worker, serve_engine_stage, validate_prompt
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class DecodeService:
                     params,
                     cache_salt=h.cache_salt or None,
                     resume_token_ids=list(h.output_token_ids),
-                    kv_transfer=KVTransferParams(load=True, source=self._peer_source(h)),
+                    kv_transfer=handoff_transfer(self.engine, h),
                     trace_carrier=inject_headers(),
                 )
                 await self._stream(request, pub, span, h.num_cached_tokens)
@@ -141,7 +141,7 @@ class DecodeService:
             self.m_local.inc()
             try:
                 # What prefill does, kvcache read and written behind, then decoding in the same engine.
-                transfer = KVTransferParams(load=True, save=True, wait_for_save=False)
+                transfer = whole_request_transfer()
                 request = EngineRequest(rid, prompt, params, req.cache_salt or None, kv_transfer=transfer,
                                         trace_carrier=inject_headers())  # fmt: skip
                 final = await self._stream(request, pub, span, None)
@@ -213,19 +213,6 @@ class DecodeService:
             error=f"decode failed: {exc}", instance_id=self.ctx.instance_id,
         )
         await pub.send(error)
-
-    def _peer_source(self, h: mesh_pb2.DecodeHandoff) -> PeerSource | None:
-        """Where prefill holds the prompt's KV for a direct copy, if it does."""
-        if not h.HasField("kv_source") or h.kv_source.num_blocks == 0:
-            return None
-        src = h.kv_source
-        groups = self.engine.kv.layout.persistent_groups
-        n = src.num_blocks
-        if len(src.block_ids) != n * len(groups):
-            return None  # another model's layout: kvcache serves it
-        ids = list(src.block_ids)
-        block_ids = {g: ids[i * n : (i + 1) * n] for i, g in enumerate(groups)}
-        return PeerSource(src.instance_id, src.region, block_ids, n, src.lease_deadline_unix, src.layout)
 
     def _stops_at_first_token(self, h: mesh_pb2.DecodeHandoff, params: SamplingParams) -> str | None:
         """The engine's own stop rules, applied to the token prefill sampled."""
