@@ -32,9 +32,9 @@ from shared.runtime import subjects
 from shared.runtime.bus import StreamPublisher
 from shared.runtime.service import ServiceContext
 from shared.runtime.telemetry import inject_headers
-from shared.stage.convert import logprobs_to_proto, params_from_proto
+from shared.stage.convert import logprobs_to_proto
 from shared.stage.kv_handoff import handoff_transfer, whole_request_transfer
-from shared.stage.worker import Dispatch, Worker, serve_engine_stage, validate_prompt
+from shared.stage.worker import Dispatch, Worker, serve_engine_stage
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class DecodeService:
     def __init__(self, ctx: ServiceContext, worker: Worker) -> None:
         self.ctx = ctx
         self.worker = worker
-        self.engine: LLMEngine = worker.engine.engine
+        self.engine: LLMEngine = worker.llm_engine
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Decode requests by outcome", ("outcome",))
         self.m_output_tokens = m.counter("output_tokens_total", "Tokens generated")
@@ -53,34 +53,22 @@ class DecodeService:
                                          "a cache served", ("source",))
 
     async def on_admit(self, h: mesh_pb2.DecodeHandoff) -> mesh_pb2.Ack:
-        if self.worker.draining:
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_SHUTTING_DOWN, message="draining")
-        try:
-            params = params_from_proto(h.sampling)
-            validate_prompt(self.engine, list(h.prompt_token_ids), params)
-            subjects.check_token(h.request_id)
+        def one_token() -> None:
             if len(h.output_token_ids) != 1:
                 raise ValueError("a handoff carries exactly the first token")
-        except ValueError as exc:
-            self.m_requests.labels("invalid").inc()
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
-        self.worker.spawn(h.request_id, self._decode(h, params))
-        return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
+
+        # The vocabulary was checked by prefill, which admitted the request first.
+        return self.worker.admit(
+            h.request_id, h.prompt_token_ids, h.sampling, lambda params: self._decode(h, params),
+            lambda: self.m_requests.labels("invalid").inc(), check_vocab=False, check=one_token,
+        )  # fmt: skip
 
     async def on_run(self, req: mesh_pb2.PrefillRequest) -> mesh_pb2.Ack:
         """A whole request: prefill it here too (the balancer chose conditional disaggregation)."""
-        if self.worker.draining:
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_SHUTTING_DOWN, message="draining")
-        try:
-            params = params_from_proto(req.sampling)
-            validate_prompt(self.engine, list(req.prompt_token_ids), params)
-            params.check_vocab(self.engine.model.config.vocab_size)
-            subjects.check_token(req.request_id)
-        except ValueError as exc:
-            self.m_requests.labels("invalid").inc()
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
-        self.worker.spawn(req.request_id, self._run(req, params))
-        return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
+        return self.worker.admit(
+            req.request_id, req.prompt_token_ids, req.sampling, lambda params: self._run(req, params),
+            lambda: self.m_requests.labels("invalid").inc(),
+        )  # fmt: skip
 
     @staticmethod
     def _usage(prompt_tokens: int, num_output: int, cached_tokens: int) -> mesh_pb2.Usage:

@@ -28,9 +28,9 @@ from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.service import ServiceContext
 from shared.runtime.telemetry import inject_headers
-from shared.stage.convert import logprobs_to_proto, params_from_proto
+from shared.stage.convert import logprobs_to_proto
 from shared.stage.kv_handoff import held_kv_source, prefill_transfer
-from shared.stage.worker import Dispatch, Worker, fail_stream, serve_engine_stage, validate_prompt
+from shared.stage.worker import Dispatch, Worker, fail_stream, serve_engine_stage
 
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class PrefillService:
     def __init__(self, ctx: ServiceContext, worker: Worker) -> None:
         self.ctx = ctx
         self.worker = worker
-        self.engine: LLMEngine = worker.engine.engine
+        self.engine: LLMEngine = worker.llm_engine
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Prefill requests by outcome", ("outcome",))
         self.m_prompt_tokens = m.counter("prompt_tokens_total", "Prompt tokens received")
@@ -52,19 +52,10 @@ class PrefillService:
         self.m_latency = m.histogram("latency_seconds", "From dispatch to handoff")
 
     async def on_run(self, req: mesh_pb2.PrefillRequest) -> mesh_pb2.Ack:
-        if self.worker.draining:
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_SHUTTING_DOWN, message="draining")
-        try:
-            params = params_from_proto(req.sampling)
-            validate_prompt(self.engine, list(req.prompt_token_ids), params)
-            params.check_vocab(self.engine.model.config.vocab_size)
-            subjects.check_token(req.request_id)
-            subjects.check_token(req.decode_instance)
-        except ValueError as exc:
-            self.m_requests.labels("invalid").inc()
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
-        self.worker.spawn(req.request_id, self._prefill(req, params))
-        return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
+        return self.worker.admit(
+            req.request_id, req.prompt_token_ids, req.sampling, lambda params: self._prefill(req, params),
+            lambda: self.m_requests.labels("invalid").inc(), check=lambda: subjects.check_token(req.decode_instance),
+        )  # fmt: skip
 
     async def _prefill(self, req: mesh_pb2.PrefillRequest, params: SamplingParams) -> None:
         rid = req.request_id

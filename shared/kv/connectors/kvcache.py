@@ -36,6 +36,7 @@ the batches come off the gRPC stream and are written the same way.
 
 import asyncio
 import concurrent.futures
+import enum
 import logging
 import threading
 import time
@@ -66,6 +67,20 @@ beyond is dropped before anything is read (the store is slower than prefill: on 
 H200 an 8B model prefills ~4.5 GB of KV a second, kvcache stores ~0.3)."""
 MAX_OUTCOMES = 4096
 """Lookup outcomes kept for take_outcome (those of requests nobody asked about go first)."""
+
+
+class LookupOutcome(enum.StrEnum):
+    """What kvcache did for a request's lookup (the span's kv.kvcache, the label of
+    kvcache_bypassed_total)."""
+
+    OK = "ok"
+    DOWN = "down"
+    """Known down: not asked."""
+    FAILED = "failed"
+    SLOW = "slow"
+    """No answer within lookup_timeout_s."""
+    RECOMPUTE = "recompute"
+    """A hit not worth loading: recomputing it is faster (load_cost.py)."""
 
 
 class KVCacheDown(ConnectionError):
@@ -112,7 +127,7 @@ class KVCacheConnector(KVConnector):
         self._probe = self._submit(self._probe_loop(), None)
         self._lookups: dict[str, tuple[concurrent.futures.Future[int], float]] = {}
         """Lookups in flight: the answer to come, and when it was asked (monotonic)."""
-        self._outcomes: OrderedDict[str, str] = OrderedDict()
+        self._outcomes: OrderedDict[str, LookupOutcome] = OrderedDict()
         self._outcomes_lock = threading.Lock()
         self._loads: dict[str, concurrent.futures.Future[int]] = {}
         self._saves: dict[str, _Save] = {}
@@ -167,16 +182,14 @@ class KVCacheConnector(KVConnector):
                 self.up = True
                 log.info("kvcache is back: using it again")
 
-    def _record(self, request_id: str, outcome: str) -> None:
+    def _record(self, request_id: str, outcome: LookupOutcome) -> None:
         with self._outcomes_lock:
             self._outcomes[request_id] = outcome
             while len(self._outcomes) > MAX_OUTCOMES:
                 self._outcomes.popitem(last=False)
 
-    def take_outcome(self, request_id: str) -> str | None:
-        """What kvcache did for the request's lookup ("ok", "down": not asked, "failed",
-        "slow": no answer in lookup_timeout_s, "recompute": a hit not worth loading);
-        None when it was not asked (any thread)."""
+    def take_outcome(self, request_id: str) -> LookupOutcome | None:
+        """What kvcache did for the request's lookup; None when it was not asked (any thread)."""
         with self._outcomes_lock:
             return self._outcomes.pop(request_id, None)
 
@@ -188,7 +201,7 @@ class KVCacheConnector(KVConnector):
         pending = self._lookups.get(request_id)
         if pending is None:
             if not self.up:  # known down: a miss at once, the request computes
-                self._record(request_id, "down")
+                self._record(request_id, LookupOutcome.DOWN)
                 return 0
             lookup = self._client.lookup(hashes, timeout_s=self.lookup_timeout_s)
             self._lookups[request_id] = (self._submit(lookup, trace), time.monotonic())
@@ -199,7 +212,7 @@ class KVCacheConnector(KVConnector):
                 return None
             del self._lookups[request_id]  # too slow: a miss; the request does not wait for the cache
             future.cancel()
-            self._record(request_id, "slow")
+            self._record(request_id, LookupOutcome.SLOW)
             self._mark_down(f"a lookup took over {self.lookup_timeout_s} s")
             return 0
         del self._lookups[request_id]
@@ -207,13 +220,13 @@ class KVCacheConnector(KVConnector):
             held = future.result()
         except Exception as exc:  # the cache is down or slow: nothing to load, compute
             log.info("kvcache lookup for %s failed: %s", request_id, exc)
-            self._record(request_id, "failed")
+            self._record(request_id, LookupOutcome.FAILED)
             self._mark_down(type(exc).__name__)
             return 0
         if self.cost is not None and not self.cost.worth_loading(held, self.region.block_bytes, self._block_size):
-            self._record(request_id, "recompute")  # held, but recomputing is faster than loading
+            self._record(request_id, LookupOutcome.RECOMPUTE)  # held, but recomputing is faster than loading
             return 0
-        self._record(request_id, "ok")
+        self._record(request_id, LookupOutcome.OK)
         return held
 
     def register_recompute_rate(self, tokens_per_s: float, block_size: int) -> None:
