@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import KVTransferParams
-from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm import LLM
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
 from shared.kv.spec import CompressedSpec, SlidingWindowSpec
+from shared.kv.transfer import KVTransferParams
 from shared.model.config import ModelConfig
 from shared.model.loader import load_weights
 from shared.model.models import DeepseekV4ForCausalLM

@@ -6,14 +6,15 @@ import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.dtypes import torch_dtype
-from shared.engine.engine_request import EngineRequest, KVTransferParams
-from shared.engine.kv.connector import LoadResult, SaveResult
-from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
+from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import RequestStatus
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import random_prompts, save_tiny_hf_model
+from shared.kv.connectors.base import LoadResult, SaveResult
+from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
+from shared.kv.transfer import KVTransferParams
 from tests.engine_helpers import run
+from tests.hf_models import random_prompts, save_tiny_hf_model
 
 SAVE = KVTransferParams(load=True, save=True)
 LOAD = KVTransferParams(load=True)

@@ -4,13 +4,13 @@ the device cache evicted them, the rest from the store behind; bounded by bytes.
 import pytest
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import KVTransferParams
-from shared.engine.host_tier import HostTierConnector
-from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import random_prompts, save_tiny_hf_model
+from shared.kv.connectors.host_tier import HostTierConnector
+from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
+from shared.kv.transfer import KVTransferParams
 from tests.engine_helpers import run
+from tests.hf_models import random_prompts, save_tiny_hf_model
 
 SAVE = KVTransferParams(load=True, save=True)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -1,10 +1,10 @@
 """Exact block ids per KV cache group and eviction order of the KV cache
 coordinator (no model), in the style of vLLM's tests/v1/core/test_prefix_caching.py."""
 
-from shared.engine.kv.coordinator import KVCacheCoordinator
-from shared.engine.kv.state_cache import SlidingState, SlidingStateCache
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.memory.coordinator import KVCacheCoordinator
+from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.kv.spec import kv_cache_layout
 
 FULL = kv_cache_layout([None])

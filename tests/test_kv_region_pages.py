@@ -7,7 +7,7 @@ bytes per token with 128-token blocks (DeepSeek's classical blocks)."""
 import pytest
 import torch
 
-from shared.engine.kv_region import KVRegion
+from shared.kv.memory.region import KVRegion
 from shared.kv.spec import CompressedSpec, SlidingWindowSpec, kv_cache_layout, kv_cache_layout_of_specs
 from shared.model.deepseek_v4_config import CSA
 from shared.model.make_model import make_model

@@ -17,9 +17,9 @@ import pytest
 
 from services.kvcache.__main__ import bind_port
 from shared.kv.block_hash import BlockHash
+from shared.kv.wire.block_stream import MAX_CHUNK_BYTES, BlockAssembler, check_chunk_bytes, iter_chunks
+from shared.kv.wire.client import KVCacheClient, KVCacheProtocolError, PutSummary, _feed
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
-from shared.runtime.block_stream import MAX_CHUNK_BYTES, BlockAssembler, check_chunk_bytes, iter_chunks
-from shared.runtime.kvcache_client import KVCacheClient, KVCacheProtocolError, PutSummary, _feed
 from shared.runtime.rpc import check_health, open_channel
 from shared.runtime.settings import load_settings
 from shared.runtime.subjects import KV_EVENTS

@@ -21,9 +21,9 @@ import pytest
 
 from services.kvcache.store import BLOCKS_DB
 from shared.kv.block_hash import BlockHash
+from shared.kv.wire.client import KVCacheClient
+from shared.kv.wire.shm import DATA_OFFSET, Segment, SegmentRef
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
-from shared.runtime.kv_shm import DATA_OFFSET, Segment, SegmentRef
-from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.rpc import check_health, open_channel
 from tests.mesh_procs import nats_server, stop_process  # noqa: F401
 from tests.test_kvcache_service import KVCacheProc, metric, restart, start_kvcache, wait_serving
@@ -234,7 +234,7 @@ async def test_a_call_that_does_not_end_cleanly_retires_the_segment(kvcache):
 CLIENT = textwrap.dedent("""
     import asyncio, hashlib, os, sys
     from shared.kv.block_hash import BlockHash
-    from shared.runtime.kvcache_client import KVCacheClient
+    from shared.kv.wire.client import KVCacheClient
 
     async def main(address, mode):
         async with KVCacheClient(address, shm_bytes=8 << 20, timeout_s=30) as kv:
@@ -338,7 +338,7 @@ async def test_the_service_unmaps_a_segment_once_its_client_closed_it_or_died(na
 OTHER_NAMESPACE_CLIENT = textwrap.dedent("""
     import asyncio, dataclasses, hashlib, json, os, sys
     from shared.kv.block_hash import BlockHash
-    from shared.runtime.kvcache_client import KVCacheClient
+    from shared.kv.wire.client import KVCacheClient
 
     async def main(address):
         blocks = [(BlockHash(hashlib.sha256(f"netns-{i}".encode()).digest()), "x", os.urandom(40000 + i))

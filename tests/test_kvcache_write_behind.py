@@ -10,13 +10,12 @@ import time
 import pytest
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import KVTransferParams
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import BlockHash
-from shared.runtime.kvcache_client import KVCacheClient
-from shared.stage import kvcache_connector
-from shared.stage.kvcache_connector import KVCacheConnector
+from shared.kv.connectors.kvcache import KVCacheConnector
+from shared.kv.transfer import KVTransferParams
+from shared.kv.wire.client import KVCacheClient
 from tests.engine_helpers import run
 from tests.hf_models import random_prompts, save_tiny_hf_model
 from tests.mesh_procs import nats_server, stop_process  # noqa: F401
@@ -82,7 +81,7 @@ def test_a_save_written_behind_gives_the_blocks_back_while_the_store_is_stalled(
 
 
 def test_a_save_beyond_the_bytes_on_their_way_is_dropped_and_counted(model_dir, kvcache, monkeypatch):
-    monkeypatch.setattr(kvcache_connector, "MAX_BYTES_BEHIND", 1)  # no room for any block
+    monkeypatch.setattr("shared.kv.connectors.kvcache.MAX_BYTES_BEHIND", 1)  # no room for any block
     engine = LLMEngine(EngineConfig(model=model_dir, block_size=BLOCK), kv_connector=KVCacheConnector(kvcache.address))
     prompt = random_prompts([40], vocab=500, seed=32)[0]
     out = run(engine, "b", prompt, SamplingParams(max_tokens=1), kv_transfer=WRITE_BEHIND)

@@ -2,9 +2,16 @@
 
 tools sit on top (nothing imports them); services use shared, never each
 other; in shared, the engine-stage skeleton (stage) uses the engine and the
-plumbing (runtime); the engine uses the model; kv (the block hash) is below
-them all. runtime's settings nest the engine's torch-free EngineConfig, which
-is the one engine module the plumbing reads.
+plumbing (runtime); the engine uses the model; kv's vocabulary (block hash,
+specs, transfer descriptors, events) is below them all. runtime's settings nest
+the engine's torch-free EngineConfig, which is the one engine module the
+plumbing reads.
+
+The KV system (shared/kv) in layers: the vocabulary; the engine's KV memory,
+which reads of the engine only its request state and config; the connectors,
+over the memory, the wire and the plumbing; the kvcache wire, torch-free and
+engine-free. The engine drives the connector interface and never a concrete
+connector (those that need the network are the stage skeleton's to choose).
 
 Imports are read off the source (every import statement, those inside
 functions too), so an import that only runs on some path still counts."""
@@ -22,12 +29,22 @@ ROOT = Path(__file__).resolve().parent.parent
 # Folder (as a module prefix) -> module prefixes it must not import.
 FORBIDDEN = {
     "shared": ("tools", "services"),
-    "shared.kv": ("shared.runtime", "shared.stage"),
-    "shared.model": ("shared.engine", "shared.runtime", "shared.stage"),
-    "shared.engine": ("shared.runtime", "shared.stage"),
-    "shared.runtime": ("shared.stage",),
+    "shared.kv": ("shared.stage",),
+    "shared.kv.memory": ("shared.runtime", "shared.kv.connectors", "shared.kv.wire", "shared.model"),
+    "shared.kv.connectors": ("shared.engine",),
+    "shared.kv.wire": ("shared.engine", "shared.kv.memory", "shared.kv.connectors", "shared.model"),
+    "shared.model": ("shared.engine", "shared.runtime", "shared.stage", "shared.kv.memory", "shared.kv.connectors",
+                     "shared.kv.wire"),
+    "shared.engine": ("shared.runtime", "shared.stage", "shared.kv.wire"),
+    "shared.runtime": ("shared.stage", "shared.kv.memory", "shared.kv.connectors"),
     "services": ("tools",),
 }
+KV_VOCABULARY = ("shared.kv.block_hash", "shared.kv.spec", "shared.kv.transfer", "shared.kv.events")
+"""Import nothing of the project but each other and the generated protobuf code."""
+KV_MEMORY_READS_OF_THE_ENGINE = ("shared.engine.request", "shared.engine.config")
+"""The request state the managers update and the config's choices: torch-free, and
+themselves importing no KV memory."""
+ENGINE_SEES_OF_THE_CONNECTORS = ("shared.kv.connectors.base",)
 TORCH_FREE = (
     "shared.engine.config",
     "shared.engine.outputs",
@@ -35,6 +52,11 @@ TORCH_FREE = (
     "shared.runtime.settings",
     "shared.stage.convert",
     "shared.model.config",
+    *KV_VOCABULARY,
+    "shared.kv.connectors.base",
+    "shared.kv.wire.client",
+    "shared.kv.wire.shm",
+    "shared.kv.wire.block_stream",
 )
 
 
@@ -72,6 +94,76 @@ def test_no_import_runs_against_the_layering():
                 if within(name, folder) and any(within(imported, b) for b in banned):
                     wrong.append(f"{name} imports {imported}")
     assert not wrong, "\n".join(wrong)
+
+
+def _project_imports(folder: str) -> list[tuple[str, str]]:
+    """(module, imported project module) for every module of the folder."""
+    return [
+        (module_name(path), imported)
+        for path in sources(folder.replace(".", "/"))
+        for imported in sorted(imported_modules(path))
+        if imported.split(".")[0] in ("shared", "services", "tools")
+    ]
+
+
+def test_the_kv_vocabulary_imports_nothing_above_it():
+    wrong = [
+        f"{name} imports {imported}"
+        for name, imported in _project_imports("shared.kv")
+        if name in KV_VOCABULARY
+        and not any(within(imported, allowed) for allowed in (*KV_VOCABULARY, "shared.proto"))
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_kv_memory_reads_only_the_engines_request_state_and_config():
+    wrong = [
+        f"{name} imports {imported}"
+        for name, imported in _project_imports("shared.kv.memory")
+        if within(imported, "shared.engine") and imported not in KV_MEMORY_READS_OF_THE_ENGINE
+    ]
+    assert not wrong, "\n".join(wrong)
+    for module in KV_MEMORY_READS_OF_THE_ENGINE:  # or the memory and the engine would import each other
+        path = ROOT / (module.replace(".", "/") + ".py")
+        assert not any(within(imported, "shared.kv.memory") for imported in imported_modules(path)), module
+
+
+def test_the_engine_drives_connectors_through_their_interface_only():
+    """A concrete connector (the network, the host tier, a peer's cache) is the stage
+    skeleton's choice (shared/kv/connectors/chain.py); the engine sees the interface."""
+    wrong = [
+        f"{name} imports {imported}"
+        for name, imported in _project_imports("shared.engine")
+        if within(imported, "shared.kv.connectors") and imported not in ENGINE_SEES_OF_THE_CONNECTORS
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circle_in_shared():
+    """Module by module (a package's __init__ counts as a module): no import leads back to itself."""
+    graph: dict[str, set[str]] = {}
+    for path in sources("shared"):
+        name = module_name(path)
+        graph[name] = {imported for imported in imported_modules(path) if within(imported, "shared")}
+    modules = set(graph)
+    for name in graph:  # "from shared.x import y" names module shared.x.y when there is one
+        graph[name] = {m for m in graph[name] if m in modules}
+    circles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for nxt in sorted(graph[name]):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(path[path.index(nxt) :] + [name, nxt]) if nxt in path else f"{name} -> {nxt}")
+            elif nxt not in state:
+                visit(nxt, path + [name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert not circles, "\n".join(circles)
 
 
 def test_services_never_import_each_other():

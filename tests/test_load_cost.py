@@ -1,4 +1,4 @@
-"""Loading a kvcache hit only when it beats recomputing it (shared/stage/load_cost.py):
+"""Loading a kvcache hit only when it beats recomputing it (shared/kv/connectors/load_cost.py):
 the rule, then a real kvcache process: an engine whose measured loads are far slower
 than its prefill (as an 8B model on an H200 against kvcache's ~0.4 GB/s) recomputes
 the prefix and says so ("recompute"); told to load every hit, it loads."""
@@ -6,11 +6,11 @@ the prefix and says so ("recompute"); told to load every hit, it loads."""
 import pytest
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import KVTransferParams
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from shared.stage.kvcache_connector import KVCacheConnector
-from shared.stage.load_cost import LOAD_SLOWDOWN_LIMIT, LoadCost
+from shared.kv.connectors.kvcache import KVCacheConnector
+from shared.kv.connectors.load_cost import LOAD_SLOWDOWN_LIMIT, LoadCost
+from shared.kv.transfer import KVTransferParams
 from tests.engine_helpers import run
 from tests.hf_models import random_prompts
 from tests.mesh_procs import nats_server  # noqa: F401

@@ -14,7 +14,7 @@ import pytest
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.runtime.kvcache_client import KVCacheClient
+from shared.kv.wire.client import KVCacheClient
 from tools.launch.trace_view import load_spans
 from tools.launch.up import grpc_serving
 from tests.mesh_procs import span_attributes

@@ -16,8 +16,8 @@ import pytest
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.wire.client import KVCacheClient
 from shared.model.make_model import make_model
-from shared.runtime.kvcache_client import KVCacheClient
 from tests.mesh_procs import span_attributes
 
 BLOCK = 16

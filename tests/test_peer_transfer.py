@@ -10,14 +10,14 @@ import time
 import pytest
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import KVTransferParams, PeerSource
-from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
-from shared.engine.kv_share import open_peer
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from shared.stage.peer_connector import LEASE_MARGIN_S, PeerConnector
-from tests.hf_models import random_prompts, save_tiny_hf_model
+from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
+from shared.kv.connectors.peer import LEASE_MARGIN_S, PeerConnector
+from shared.kv.memory.share import open_peer
+from shared.kv.transfer import KVTransferParams, PeerSource
 from tests.engine_helpers import run
+from tests.hf_models import random_prompts, save_tiny_hf_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 HOLD = KVTransferParams(load=True, save=True, wait_for_save=False, hold=True)
@@ -142,7 +142,7 @@ def test_a_lease_that_runs_out_during_the_copy_is_a_visible_recompute(model_dir)
 
 PEER = """
 import sys, time, torch
-from shared.engine.kv_share import SharedMemoryAllocator, describe
+from shared.kv.memory.share import SharedMemoryAllocator, describe
 alloc = SharedMemoryAllocator()
 t = alloc((2, 4, 8), torch.float32)
 t.fill_(7.0)

@@ -3,10 +3,10 @@ here: these tests check the scheduler, the model is checked elsewhere."""
 
 import pytest
 
-from shared.engine.kv.coordinator import KVCacheCoordinator
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.kv.memory.coordinator import KVCacheCoordinator
 from shared.kv.spec import kv_cache_layout
 
 

@@ -15,13 +15,13 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton variant runs in the interpreter on the CPU
 
 from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine_request import KVTransferParams
-from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.request import Request  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
-from tests.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
+from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
+from shared.kv.transfer import KVTransferParams
 from tests.engine_helpers import run  # noqa: E402
+from tests.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

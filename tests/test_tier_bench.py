@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from shared.engine.host_tier import HostTierConnector
+from shared.kv.connectors.host_tier import HostTierConnector
 from shared.model.make_model import make_model
 from tools.bench.tier_bench import TIERS, TierBenchError, main, run_tier_bench
 

@@ -97,7 +97,7 @@ class Registry:
         """Per instance, the sequence number of its last KV event taken."""
         self.num_kv_event_gaps = 0
         """KV events that did not follow their instance's last one (some were lost):
-        its block view may be off until its next snapshot (shared/runtime/kv_events.py)."""
+        its block view may be off until its next snapshot (shared/kv/events.py)."""
         self.num_dropped = 0
         self.num_refused: dict[str, int] = {}
         """Heartbeats refused, by reason."""

@@ -22,7 +22,7 @@ from contextlib import AsyncExitStack
 
 from opentelemetry.trace import Span
 
-from shared.engine.engine_request import EngineRequest, KVTransferParams, PeerSource
+from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request
@@ -31,9 +31,10 @@ from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import StreamPublisher
 from shared.runtime.service import ServiceContext
-from shared.stage.convert import logprobs_to_proto, params_from_proto
 from shared.runtime.telemetry import inject_headers
-from shared.stage.worker import Dispatch, Worker, serve_engine_stage, validate_prompt
+from shared.stage.convert import logprobs_to_proto
+from shared.stage.kv_handoff import handoff_transfer, whole_request_transfer
+from shared.stage.worker import Dispatch, Worker, serve_engine_stage
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class DecodeService:
     def __init__(self, ctx: ServiceContext, worker: Worker) -> None:
         self.ctx = ctx
         self.worker = worker
-        self.engine: LLMEngine = worker.engine.engine
+        self.engine: LLMEngine = worker.llm_engine
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Decode requests by outcome", ("outcome",))
         self.m_output_tokens = m.counter("output_tokens_total", "Tokens generated")
@@ -52,34 +53,22 @@ class DecodeService:
                                          "a cache served", ("source",))
 
     async def on_admit(self, h: mesh_pb2.DecodeHandoff) -> mesh_pb2.Ack:
-        if self.worker.draining:
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_SHUTTING_DOWN, message="draining")
-        try:
-            params = params_from_proto(h.sampling)
-            validate_prompt(self.engine, list(h.prompt_token_ids), params)
-            subjects.check_token(h.request_id)
+        def one_token() -> None:
             if len(h.output_token_ids) != 1:
                 raise ValueError("a handoff carries exactly the first token")
-        except ValueError as exc:
-            self.m_requests.labels("invalid").inc()
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
-        self.worker.spawn(h.request_id, self._decode(h, params))
-        return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
+
+        # The vocabulary was checked by prefill, which admitted the request first.
+        return self.worker.admit(
+            h.request_id, h.prompt_token_ids, h.sampling, lambda params: self._decode(h, params),
+            lambda: self.m_requests.labels("invalid").inc(), check_vocab=False, check=one_token,
+        )  # fmt: skip
 
     async def on_run(self, req: mesh_pb2.PrefillRequest) -> mesh_pb2.Ack:
         """A whole request: prefill it here too (the balancer chose conditional disaggregation)."""
-        if self.worker.draining:
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_SHUTTING_DOWN, message="draining")
-        try:
-            params = params_from_proto(req.sampling)
-            validate_prompt(self.engine, list(req.prompt_token_ids), params)
-            params.check_vocab(self.engine.model.config.vocab_size)
-            subjects.check_token(req.request_id)
-        except ValueError as exc:
-            self.m_requests.labels("invalid").inc()
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
-        self.worker.spawn(req.request_id, self._run(req, params))
-        return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
+        return self.worker.admit(
+            req.request_id, req.prompt_token_ids, req.sampling, lambda params: self._run(req, params),
+            lambda: self.m_requests.labels("invalid").inc(),
+        )  # fmt: skip
 
     @staticmethod
     def _usage(prompt_tokens: int, num_output: int, cached_tokens: int) -> mesh_pb2.Usage:
@@ -117,7 +106,7 @@ class DecodeService:
                     params,
                     cache_salt=h.cache_salt or None,
                     resume_token_ids=list(h.output_token_ids),
-                    kv_transfer=KVTransferParams(load=True, source=self._peer_source(h)),
+                    kv_transfer=handoff_transfer(self.engine, h),
                     trace_carrier=inject_headers(),
                 )
                 await self._stream(request, pub, span, h.num_cached_tokens)
@@ -140,7 +129,7 @@ class DecodeService:
             self.m_local.inc()
             try:
                 # What prefill does, kvcache read and written behind, then decoding in the same engine.
-                transfer = KVTransferParams(load=True, save=True, wait_for_save=False)
+                transfer = whole_request_transfer()
                 request = EngineRequest(rid, prompt, params, req.cache_salt or None, kv_transfer=transfer,
                                         trace_carrier=inject_headers())  # fmt: skip
                 final = await self._stream(request, pub, span, None)
@@ -212,19 +201,6 @@ class DecodeService:
             error=f"decode failed: {exc}", instance_id=self.ctx.instance_id,
         )
         await pub.send(error)
-
-    def _peer_source(self, h: mesh_pb2.DecodeHandoff) -> PeerSource | None:
-        """Where prefill holds the prompt's KV for a direct copy, if it does."""
-        if not h.HasField("kv_source") or h.kv_source.num_blocks == 0:
-            return None
-        src = h.kv_source
-        groups = self.engine.kv.layout.persistent_groups
-        n = src.num_blocks
-        if len(src.block_ids) != n * len(groups):
-            return None  # another model's layout: kvcache serves it
-        ids = list(src.block_ids)
-        block_ids = {g: ids[i * n : (i + 1) * n] for i, g in enumerate(groups)}
-        return PeerSource(src.instance_id, src.region, block_ids, n, src.lease_deadline_unix, src.layout)
 
     def _stops_at_first_token(self, h: mesh_pb2.DecodeHandoff, params: SamplingParams) -> str | None:
         """The engine's own stop rules, applied to the token prefill sampled."""

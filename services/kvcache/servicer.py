@@ -5,7 +5,7 @@ the event loop keeps streaming other calls while one reads or writes disk.
 Each RPC ends by publishing one KvEvent (blocks stored and removed) on NATS
 and bringing the Prometheus figures up to date with the store's.
 
-Shared memory (shared/runtime/kv_shm.py): a Get that names the client's segment
+Shared memory (shared/kv/wire/shm.py): a Get that names the client's segment
 lands its blocks there. The sizes come from the index, so each block's place is
 known before its data is read, and the blocks are read, verified and copied in
 by a pool of threads at once (LMDB reads, XXH3 and numpy's copy release the
@@ -28,12 +28,12 @@ from opentelemetry import trace
 
 from services.kvcache.store import BlockStore, LandedOutcome, PutOutcome, StoreStats
 from shared.kv.block_hash import HASH_BYTES, BlockHash
+from shared.kv.events import kv_event_messages
+from shared.kv.wire.block_stream import AssembledBlock, BlockAssembler, check_chunk_bytes, iter_chunks
+from shared.kv.wire.shm import MappedSegment, SegmentCache, SegmentRef, ShmUnavailable, place
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
 from shared.runtime import subjects
-from shared.runtime.block_stream import AssembledBlock, BlockAssembler, check_chunk_bytes, iter_chunks
 from shared.runtime.bus import Bus
-from shared.runtime.kv_events import kv_event_messages
-from shared.runtime.kv_shm import MappedSegment, SegmentCache, SegmentRef, ShmUnavailable, place
 from shared.runtime.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from contextlib import AsyncExitStack
 
 import nats.errors
 
-from shared.engine.engine_request import EngineRequest, KVTransferParams
+from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
@@ -28,8 +28,9 @@ from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.service import ServiceContext
 from shared.runtime.telemetry import inject_headers
-from shared.stage.convert import logprobs_to_proto, params_from_proto
-from shared.stage.worker import Dispatch, Worker, fail_stream, serve_engine_stage, validate_prompt
+from shared.stage.convert import logprobs_to_proto
+from shared.stage.kv_handoff import held_kv_source, prefill_transfer
+from shared.stage.worker import Dispatch, Worker, fail_stream, serve_engine_stage
 
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class PrefillService:
     def __init__(self, ctx: ServiceContext, worker: Worker) -> None:
         self.ctx = ctx
         self.worker = worker
-        self.engine: LLMEngine = worker.engine.engine
+        self.engine: LLMEngine = worker.llm_engine
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Prefill requests by outcome", ("outcome",))
         self.m_prompt_tokens = m.counter("prompt_tokens_total", "Prompt tokens received")
@@ -51,19 +52,10 @@ class PrefillService:
         self.m_latency = m.histogram("latency_seconds", "From dispatch to handoff")
 
     async def on_run(self, req: mesh_pb2.PrefillRequest) -> mesh_pb2.Ack:
-        if self.worker.draining:
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_SHUTTING_DOWN, message="draining")
-        try:
-            params = params_from_proto(req.sampling)
-            validate_prompt(self.engine, list(req.prompt_token_ids), params)
-            params.check_vocab(self.engine.model.config.vocab_size)
-            subjects.check_token(req.request_id)
-            subjects.check_token(req.decode_instance)
-        except ValueError as exc:
-            self.m_requests.labels("invalid").inc()
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
-        self.worker.spawn(req.request_id, self._prefill(req, params))
-        return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
+        return self.worker.admit(
+            req.request_id, req.prompt_token_ids, req.sampling, lambda params: self._prefill(req, params),
+            lambda: self.m_requests.labels("invalid").inc(), check=lambda: subjects.check_token(req.decode_instance),
+        )  # fmt: skip
 
     async def _prefill(self, req: mesh_pb2.PrefillRequest, params: SamplingParams) -> None:
         rid = req.request_id
@@ -77,8 +69,7 @@ class PrefillService:
             try:
                 # The first token only: decode generates the rest.
                 first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-                direct = self.engine.runner.shares_kv
-                transfer = KVTransferParams(load=True, save=True, wait_for_save=not direct, hold=direct)
+                transfer = prefill_transfer(self.engine)
                 request = EngineRequest(rid, prompt, first, salt, kv_transfer=transfer, trace_carrier=inject_headers())
                 final: RequestOutput | None = None
                 async for out in self.worker.engine.generate(request):
@@ -111,20 +102,10 @@ class PrefillService:
                     handoff.first_logprobs.CopyFrom(logprobs_to_proto(final.new_logprobs[0]))
                 if final.prompt_logprobs is not None:  # positions 1..: the first token has none
                     handoff.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in final.prompt_logprobs[1:] if lp)
-                held = final.kv.held
-                if held is not None and held.num_blocks:
-                    region = self.engine.runner.kv_region
-                    handoff.kv_source.CopyFrom(
-                        mesh_pb2.KvSource(
-                            instance_id=self.ctx.instance_id,
-                            region=region.share(),
-                            block_ids=[b for g in sorted(held.block_ids) for b in held.block_ids[g]],
-                            num_blocks=held.num_blocks,
-                            lease_deadline_unix=held.deadline,
-                            layout=region.layout,
-                        )
-                    )
-                    span.set_attribute("kv.held_blocks", held.num_blocks)
+                kv_source = held_kv_source(self.engine, self.ctx.instance_id, final.kv.held)
+                if kv_source is not None:
+                    handoff.kv_source.CopyFrom(kv_source)
+                    span.set_attribute("kv.held_blocks", kv_source.num_blocks)
                 await self._hand_over(req.decode_instance, handoff)
                 self.m_requests.labels("ok").inc()
                 self.m_latency.observe(loop.time() - started)

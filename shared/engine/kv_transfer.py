@@ -22,13 +22,13 @@ import time
 
 import logging
 
-from shared.engine.engine_request import HeldBlocks
-from shared.engine.kv.block_pool import KVBlock
-from shared.engine.kv.connector import KVConnector
-from shared.engine.kv.coordinator import KVCacheCoordinator
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request
 from shared.engine.scheduler import Scheduler
+from shared.kv.connectors.base import KVConnector
+from shared.kv.memory.block_pool import KVBlock
+from shared.kv.memory.coordinator import KVCacheCoordinator
+from shared.kv.transfer import HeldBlocks
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,8 @@ from typing import Any
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest
 from shared.engine.dtypes import torch_dtype
-from shared.engine.kv.connector import KVConnector
-from shared.engine.kv.coordinator import KVCacheCoordinator, blocks_for_one_request
-from shared.engine.kv.state_cache import SlidingState, SlidingStateCache
+from shared.engine.engine_request import EngineRequest
 from shared.engine.kv_transfer import KVTransfer
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
 from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput, TokenLogprobs
@@ -26,6 +23,9 @@ from shared.engine.spec.speculator import Speculator
 from shared.engine.step import SchedulerOutput
 from shared.engine.structured.setup import check_structured, make_grammar_compiler
 from shared.kv.block_hash import BlockHash, kv_fingerprint
+from shared.kv.connectors.base import KVConnector
+from shared.kv.memory.coordinator import KVCacheCoordinator, blocks_for_one_request
+from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.model.fingerprint import model_fingerprint
 from shared.model import batch_invariant
 from shared.model.loader import load_model

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
-from shared.engine.kv_region import KVRegion
-from shared.engine.kv_share import SharedMemoryAllocator
 from shared.engine.prompt_logprobs import chunk_targets, score_prompt
+from shared.kv.memory.region import KVRegion
+from shared.kv.memory.share import SharedMemoryAllocator
 
 from shared.engine.sampler import LogprobTensors, Sampler, SamplingState, TokenLogprobs, logprob_tensors
 from shared.engine.spec.verify import verify_batch

@@ -4,8 +4,8 @@ torch: the balancer and the services import these without loading the engine."""
 
 from dataclasses import dataclass
 
-from shared.engine.engine_request import HeldBlocks
 from shared.kv.block_hash import BlockHash
+from shared.kv.transfer import HeldBlocks
 
 
 @dataclass(slots=True)

@@ -5,9 +5,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shared.engine.engine_request import KVTransferParams
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import BlockHash
+from shared.kv.transfer import KVTransferParams
 
 
 class RequestStatus(enum.Enum):

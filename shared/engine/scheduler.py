@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.engine.config import EngineConfig
-from shared.engine.kv.connector import KVConnector
-from shared.engine.kv.coordinator import KVCacheCoordinator, PrefixHit, StateSave
 from shared.engine.request import Request, RequestStatus
 from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput, StateLoad
+from shared.kv.connectors.base import KVConnector
+from shared.kv.memory.coordinator import KVCacheCoordinator, PrefixHit, StateSave
 
 
 @dataclass(slots=True)

@@ -3,8 +3,8 @@ whole contract between them, as vLLM's SchedulerOutput). Plain lists, no tensors
 
 from dataclasses import dataclass, field
 
-from shared.engine.kv.state_cache import SlidingState
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.memory.state_cache import SlidingState
 
 PLACEHOLDER = -1
 """An input token not known on the host yet: the runner takes it from the

@@ -11,8 +11,8 @@ page across those tensors whichever group holds it.
 Groups are marked persistent or not. Full-attention KV is persisted (the
 kvcache service stores it by chain hash); sliding-window KV never is: it stays
 in the worker and is rebuilt by replay when it is gone (SWA bounded replay, see
-shared/engine/kv/replay.py). DeepSeek-V4's compressed entries are a third kind
-(``CompressedSpec``), persistent like full attention. No torch here.
+shared/kv/memory/coordinator.py). DeepSeek-V4's compressed entries are a third
+kind (``CompressedSpec``), persistent like full attention. No torch here.
 """
 
 from collections.abc import Sequence

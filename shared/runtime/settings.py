@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from shared.engine.config import EngineConfig
-from shared.runtime.kv_shm import DEFAULT_SHM_BYTES
+from shared.kv.wire.shm import DEFAULT_SHM_BYTES
 
 ENV_PREFIX = "INFERMESH_"
 
@@ -81,7 +81,7 @@ class WorkerSettings:
     kv_snapshot_interval_s: float = 10.0
     """How often a worker publishes all its prefix cache holds, beside the changes it
     publishes as they happen: a balancer restarted, or one that missed an event,
-    routes by the cache again within this (shared/runtime/kv_events.py)."""
+    routes by the cache again within this (shared/kv/events.py)."""
     metrics_port: int = 0
     """Port of the Prometheus /metrics endpoint; 0 picks a free one."""
     grpc_port: int = 0

@@ -17,7 +17,7 @@ import logging
 import time
 from contextlib import AsyncExitStack
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,19 +28,18 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import KVTransferReport
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.connectors.chain import connector_chain
+from shared.kv.connectors.kvcache import KVCacheConnector, LookupOutcome
+from shared.kv.events import kv_event_messages
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import CONNECTION_HEADER, Bus, StreamPublisher
-from shared.runtime.kv_events import kv_event_messages
 from shared.runtime.rpc import NOT_SERVING, SERVING, GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
-from shared.engine.host_tier import HostTierConnector
-from shared.engine.kv.connector import KVConnector
 from shared.runtime.vllm_metrics import served_model_name
+from shared.stage.convert import params_from_proto
 from shared.stage.engine_metrics import EngineMetrics, cache_config_info
 from shared.stage.spec_metrics import SpecMetrics
-from shared.stage.kvcache_connector import KVCacheConnector
-from shared.stage.peer_connector import PeerConnector
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +130,45 @@ class Worker:
     def mark_subscribed(self) -> None:
         self._subscribed = True
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine itself, for what it says of its model and cache (calls into it go
+        through `engine`, the engine's thread)."""
+        return self.engine.engine
+
+    def admit(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        sampling: mesh_pb2.SamplingParams,
+        run: Callable[[SamplingParams], Coroutine[Any, Any, None]],
+        on_invalid: Callable[[], None],
+        *,
+        check_vocab: bool = True,
+        check: Callable[[], None] | None = None,
+    ) -> mesh_pb2.Ack:
+        """Take a request or refuse it in the Ack: SHUTTING_DOWN while draining;
+        INVALID_REQUEST (counted by on_invalid) when its sampling parameters, its prompt,
+        the token ids the parameters name (check_vocab) or its id are what the engine
+        would refuse later, or when `check` raises ValueError; else run(params) as the
+        request's task."""
+        if self.draining:
+            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_SHUTTING_DOWN, message="draining")
+        engine = self.llm_engine
+        try:
+            params = params_from_proto(sampling)
+            validate_prompt(engine, list(prompt), params)
+            if check_vocab:
+                params.check_vocab(engine.model.config.vocab_size)
+            subjects.check_token(request_id)
+            if check is not None:
+                check()
+        except ValueError as exc:
+            on_invalid()
+            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
+        self.spawn(request_id, run(params))
+        return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
+
     def spawn(self, request_id: str, coro) -> asyncio.Task:  # noqa: ANN001
         """Run a request's handler as a task: counted for the drain, and
         cancelled by a Cancel message naming the request."""
@@ -184,11 +222,11 @@ class Worker:
     def record_kv_transfer(self, report: KVTransferReport, span: Span, request_id: str | None = None) -> None:
         """What the engine's connector moved for a request: metrics and span attributes."""
         if request_id is not None and self.kvcache is not None:
-            outcome = self.kvcache.take_outcome(request_id) or "unused"
-            span.set_attribute("kv.kvcache", outcome)
-            if outcome not in ("ok", "unused"):
-                self.m_kvcache_bypassed.labels(outcome).inc()
-        block_bytes = self.engine.engine.runner.kv_region.block_bytes
+            outcome = self.kvcache.take_outcome(request_id)
+            span.set_attribute("kv.kvcache", "unused" if outcome is None else outcome.value)
+            if outcome is not None and outcome is not LookupOutcome.OK:
+                self.m_kvcache_bypassed.labels(outcome.value).inc()
+        block_bytes = self.llm_engine.runner.kv_region.block_bytes
         loaded, stored = report.num_loaded_blocks * block_bytes, report.num_saved_blocks * block_bytes
         self.m_kv_loaded_bytes.inc(loaded)
         self.m_kv_stored_bytes.inc(stored)
@@ -263,7 +301,7 @@ class Worker:
 
     async def _publish_kv_events(self, snapshot: bool = False) -> None:
         """What the prefix cache took in and let go since the last call or, with
-        snapshot, all it holds (shared/runtime/kv_events.py says why both)."""
+        snapshot, all it holds (shared/kv/events.py says why both)."""
         if snapshot:
             stored, removed = await self.engine.call(lambda e: e.kv_snapshot()), []
         else:
@@ -304,11 +342,11 @@ async def serve_engine_stage(
     *,
     share_kv: bool = False,
 ) -> None:
-    """The setup both engine stages share: the engine with its KV connector (direct
-    copies from a peer's cache, then the host tier, then kvcache; loaded off the event loop), the
-    worker duties, the dispatch subscriptions and cancels. share_kv: peers on this
-    host may copy held blocks straight out of this engine's cache (prefill), which
-    then also hears their releases. The exit stack unwinds intake first, then the
+    """The setup both engine stages share: the engine with its KV connector chain
+    (shared/kv/connectors/chain.py; loaded off the event loop), the worker duties,
+    the dispatch subscriptions and cancels. share_kv: peers on this host may copy
+    held blocks straight out of this engine's cache (prefill), which then also
+    hears their releases. The exit stack unwinds intake first, then the
     drain, then the rest."""
     loop = asyncio.get_running_loop()
 
@@ -317,24 +355,18 @@ async def serve_engine_stage(
         publish = ctx.bus.publish(subjects.kv_release(instance_id), message)
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(publish))
 
-    kv = ctx.settings.kvcache
-    kvcache = KVCacheConnector(kv.address, lookup_timeout_s=kv.lookup_timeout_s, probe_interval_s=kv.probe_interval_s,
-                               load_when_faster=kv.load_when_faster, shm_bytes=kv.shm_bytes)  # fmt: skip
-    store: KVConnector = kvcache
-    if ctx.settings.engine.host_kv_cache_bytes:
-        store = HostTierConnector(store, ctx.settings.engine.host_kv_cache_bytes)
-    connector = PeerConnector(store, release)
+    chain = connector_chain(ctx.settings.kvcache, ctx.settings.engine.host_kv_cache_bytes, release)
     try:
         # Token ids only (text is the balancer's job), and block events for its routing.
         engine = await asyncio.to_thread(
-            LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True, kv_connector=connector,
+            LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True, kv_connector=chain.head,
             share_kv=share_kv, load_progress=True,  # in the log: `infermesh up` shows it as a progress bar
         )  # fmt: skip
     except BaseException:
-        connector.close()
+        chain.head.close()
         raise
     stack.callback(engine.close)  # after the drain below has stopped the engine thread
-    worker = Worker(ctx, engine, kvcache)
+    worker = Worker(ctx, engine, chain.kvcache)
     routes = list(make_dispatch(worker))
     await worker.start(stack)
     routes.append(Dispatch(subjects.CANCEL, mesh_pb2.Cancel, worker.on_cancel))

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import KVTransferParams
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from shared.runtime.kvcache_client import KVCacheClient
-from shared.stage.kvcache_connector import KVCacheConnector
+from shared.kv.connectors.kvcache import KVCacheConnector
+from shared.kv.transfer import KVTransferParams
+from shared.kv.wire.client import KVCacheClient
 from tests.engine_helpers import run
 from tests.hf_models import random_prompts, save_tiny_hf_model
 from tests.mesh_procs import nats_server, stop_process  # noqa: F401

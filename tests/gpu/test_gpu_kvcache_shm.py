@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from shared.engine.kv_region import KVRegion
+from shared.kv.connectors.kvcache import pin_host_memory
+from shared.kv.memory.region import KVRegion
 from shared.kv.spec import kv_cache_layout
-from shared.runtime.kv_shm import DATA_OFFSET, Segment
-from shared.stage.kvcache_connector import pin_host_memory
+from shared.kv.wire.shm import DATA_OFFSET, Segment
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

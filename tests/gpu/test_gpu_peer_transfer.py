@@ -13,23 +13,24 @@ import pytest
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import KVTransferParams, PeerSource
-from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from shared.stage.peer_connector import PeerConnector
-from tests.hf_models import save_tiny_hf_model
+from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
+from shared.kv.connectors.peer import PeerConnector
+from shared.kv.transfer import KVTransferParams, PeerSource
 from tests.engine_helpers import run
+from tests.hf_models import save_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 PREFILL = """
 import json, sys, time
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest, KVTransferParams
-from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
+from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
+from shared.kv.transfer import KVTransferParams
 
 model, prompt = sys.argv[1], json.loads(sys.argv[2])
 engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="float32", block_size=16, kv_lease_timeout_s=60),

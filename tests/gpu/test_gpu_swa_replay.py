@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import KVTransferParams
-from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import save_tiny_hf_model
+from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
+from shared.kv.transfer import KVTransferParams
 from tests.engine_helpers import run
+from tests.hf_models import save_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from shared.engine.engine_request import KVTransferParams
-from shared.engine.kv_region import KVRegion
 from shared.kv.block_hash import BlockHash
+from shared.kv.connectors.kvcache import KVCacheConnector
+from shared.kv.memory.region import KVRegion
 from shared.kv.spec import kv_cache_layout
-from shared.runtime.kvcache_client import KVCacheClient
-from shared.stage.kvcache_connector import KVCacheConnector
+from shared.kv.transfer import KVTransferParams
+from shared.kv.wire.client import KVCacheClient
 from tools.bench.tier_bench import kvcache_service
 
 PATHS = ("bytes", "shm")

@@ -17,14 +17,14 @@ import time
 
 import torch
 
-from shared.engine.kv_region import KVRegion
-from shared.engine.kv_share import SharedMemoryAllocator, open_peer
+from shared.kv.memory.region import KVRegion
+from shared.kv.memory.share import SharedMemoryAllocator, open_peer
 from shared.kv.spec import kv_cache_layout
 
 CHILD = """
 import json, sys, torch
-from shared.engine.kv_region import KVRegion
-from shared.engine.kv_share import SharedMemoryAllocator
+from shared.kv.memory.region import KVRegion
+from shared.kv.memory.share import SharedMemoryAllocator
 from shared.kv.spec import kv_cache_layout
 layers, blocks, device, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], getattr(torch, sys.argv[4])
 layout = kv_cache_layout([None] * layers)

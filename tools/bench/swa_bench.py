@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest, KVTransferParams
-from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
+from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
+from shared.kv.transfer import KVTransferParams
 from shared.model.make_model import make_model
 
 WINDOW = 128

@@ -61,19 +61,20 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.dtypes import torch_dtype
-from shared.engine.engine_request import EngineRequest, KVTransferParams
-from shared.engine.host_tier import HostTierConnector
-from shared.engine.kv.connector import KVConnector
-from shared.engine.kv.coordinator import blocks_for_one_request
+from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.connectors.base import KVConnector
+from shared.kv.connectors.host_tier import HostTierConnector
+from shared.kv.connectors.kvcache import KVCacheConnector
+from shared.kv.connectors.peer import PeerConnector
+from shared.kv.memory.coordinator import blocks_for_one_request
+from shared.kv.transfer import KVTransferParams
+from shared.kv.wire.client import KVCacheClient
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
-from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.settings import env_name
-from shared.stage.kvcache_connector import KVCacheConnector
-from shared.stage.peer_connector import PeerConnector
 from tools.launch.up import Mesh
 
 TIERS = ("cold", "device", "host", "kvcache")

@@ -46,9 +46,9 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine_request import EngineRequest
-from shared.engine.kv.coordinator import blocks_for_one_request
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
+from shared.kv.memory.coordinator import blocks_for_one_request
 from shared.model.loader import INDEX_FILE, SINGLE_FILE
 from shared.model.moe import Experts
 from tools.bench.engine_bench import _prompts, _sync

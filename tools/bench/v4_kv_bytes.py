@@ -49,14 +49,15 @@ def v4_flash() -> DeepseekV4Params:
 
 def measured_bytes(model: str, num_tokens: int = 256, block_size: int = 128) -> float:
     """Bytes the engine stored per raw token for a prompt of num_tokens on the checkpoint
-    folder `model`: each block's payload (shared/engine/kv_region.py: the compressed groups'
+    folder `model`: each block's payload (shared/kv/memory/region.py: the compressed groups'
     pages, their entries and indexer keys only), over the block's raw tokens. With blocks
     smaller than the HCA rate a block still carries one HCA row (empty in most blocks)."""
     from shared.engine.config import EngineConfig
-    from shared.engine.engine_request import EngineRequest, KVTransferParams
-    from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
+    from shared.engine.engine_request import EngineRequest
     from shared.engine.llm_engine import LLMEngine
     from shared.engine.sampling_params import SamplingParams
+    from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
+    from shared.kv.transfer import KVTransferParams
 
     store = MemoryKVStore()
     engine = LLMEngine(EngineConfig(model=model, block_size=block_size), kv_connector=MemoryConnector(store))

@@ -21,11 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from shared.engine.engine_request import KVTransferParams, PeerSource
-from shared.engine.kv.connector import BlockIds, InFrontConnector, KVConnector, LoadResult, SaveResult, TraceCarrier
-from shared.engine.kv_region import KVRegion as PagedKVRegion
-from shared.engine.kv_share import open_peer
 from shared.kv.block_hash import BlockHash
+from shared.kv.connectors.base import BlockIds, InFrontConnector, KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.memory.share import open_peer
+from shared.kv.transfer import KVTransferParams, PeerSource
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,6 @@ class PeerConnector(InFrontConnector):
     def _open(self, source: PeerSource) -> list[torch.Tensor]:
         tensors = self._peers.get(source.region)
         if tensors is None:
-            assert isinstance(self.region, PagedKVRegion)
             layout, tensors = open_peer(source.region, self.region.device)
             if layout != self.region.layout:
                 raise ValueError(f"the peer's layout {layout} is not ours ({self.region.layout})")
@@ -99,7 +97,6 @@ class PeerConnector(InFrontConnector):
         """(blocks copied, the copy's seconds)."""
         if time.time() > source.lease_deadline - LEASE_MARGIN_S:
             raise TimeoutError("the peer's lease ran out before the copy could start")
-        assert isinstance(self.region, PagedKVRegion)
         # The peer holds the prompt's blocks from 0; we lack them from `first` on.
         src = {g: ids[first : first + num] for g, ids in source.block_ids.items()}
         dst = {g: ids[:num] for g, ids in block_ids.items()}

@@ -8,9 +8,9 @@ pool's prefix index under (chain hash, group), so a later request can take
 them back. No tensors here.
 """
 
-from shared.engine.kv.block_pool import BlockPool, KVBlock
 from shared.engine.request import Request
 from shared.kv.block_hash import BlockHash
+from shared.kv.memory.block_pool import BlockPool, KVBlock
 from shared.kv.spec import CompressedSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 

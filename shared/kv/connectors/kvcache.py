@@ -12,7 +12,7 @@ host memory, so the engine's blocks are not held while the store runs; what is
 on its way to the store is bounded (MAX_BYTES_BEHIND), and a save beyond that
 is dropped, counted like one that fails. Where the engine's cache can be mapped
 by another process (a prefill worker's), saves run in a writer process of their
-own (kv_writer.py), so their byte work never takes the GIL from the engine.
+own (kvcache_writer.py), so their byte work never takes the GIL from the engine.
 
 kvcache is a cache, so a worker computes without it rather than waits for it.
 A lookup that does not answer within lookup_timeout_s counts as a miss; a call
@@ -27,7 +27,7 @@ what kvcache did for a request's lookup ("ok", "down", "failed", "slow", or
 them, load_cost.py).
 
 Loads on the service's host come through the client's shared-memory segment
-(kvcache_client.py): each batch the service lands there is written into the
+(shared/kv/wire/client.py): each batch the service lands there is written into the
 engine's cache as one copy per cache tensor, off the connector's event loop (a
 thread: torch's copy releases the GIL). On a GPU the segment is pinned
 (cudaHostRegister) when it is made, so that copy runs at PCIe speed. Elsewhere
@@ -36,6 +36,7 @@ the batches come off the gRPC stream and are written the same way.
 
 import asyncio
 import concurrent.futures
+import enum
 import logging
 import threading
 import time
@@ -48,13 +49,14 @@ import numpy as np
 import torch
 from opentelemetry import context
 
-from shared.engine.engine_request import KVTransferParams
-from shared.engine.kv.connector import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.block_hash import BlockHash
-from shared.runtime.kvcache_client import DEFAULT_SHM_BYTES, KVCacheClient, LandedBatch
+from shared.kv.connectors.base import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.connectors.kvcache_writer import KVWriter
+from shared.kv.connectors.load_cost import LoadCost
+from shared.kv.memory.region import KVRegion
+from shared.kv.transfer import KVTransferParams
+from shared.kv.wire.client import DEFAULT_SHM_BYTES, KVCacheClient, LandedBatch
 from shared.runtime.telemetry import extract_context
-from shared.stage.kv_writer import KVWriter
-from shared.stage.load_cost import LoadCost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +67,20 @@ beyond is dropped before anything is read (the store is slower than prefill: on 
 H200 an 8B model prefills ~4.5 GB of KV a second, kvcache stores ~0.3)."""
 MAX_OUTCOMES = 4096
 """Lookup outcomes kept for take_outcome (those of requests nobody asked about go first)."""
+
+
+class LookupOutcome(enum.StrEnum):
+    """What kvcache did for a request's lookup (the span's kv.kvcache, the label of
+    kvcache_bypassed_total)."""
+
+    OK = "ok"
+    DOWN = "down"
+    """Known down: not asked."""
+    FAILED = "failed"
+    SLOW = "slow"
+    """No answer within lookup_timeout_s."""
+    RECOMPUTE = "recompute"
+    """A hit not worth loading: recomputing it is faster (load_cost.py)."""
 
 
 class KVCacheDown(ConnectionError):
@@ -111,7 +127,7 @@ class KVCacheConnector(KVConnector):
         self._probe = self._submit(self._probe_loop(), None)
         self._lookups: dict[str, tuple[concurrent.futures.Future[int], float]] = {}
         """Lookups in flight: the answer to come, and when it was asked (monotonic)."""
-        self._outcomes: OrderedDict[str, str] = OrderedDict()
+        self._outcomes: OrderedDict[str, LookupOutcome] = OrderedDict()
         self._outcomes_lock = threading.Lock()
         self._loads: dict[str, concurrent.futures.Future[int]] = {}
         self._saves: dict[str, _Save] = {}
@@ -166,16 +182,14 @@ class KVCacheConnector(KVConnector):
                 self.up = True
                 log.info("kvcache is back: using it again")
 
-    def _record(self, request_id: str, outcome: str) -> None:
+    def _record(self, request_id: str, outcome: LookupOutcome) -> None:
         with self._outcomes_lock:
             self._outcomes[request_id] = outcome
             while len(self._outcomes) > MAX_OUTCOMES:
                 self._outcomes.popitem(last=False)
 
-    def take_outcome(self, request_id: str) -> str | None:
-        """What kvcache did for the request's lookup ("ok", "down": not asked, "failed",
-        "slow": no answer in lookup_timeout_s, "recompute": a hit not worth loading);
-        None when it was not asked (any thread)."""
+    def take_outcome(self, request_id: str) -> LookupOutcome | None:
+        """What kvcache did for the request's lookup; None when it was not asked (any thread)."""
         with self._outcomes_lock:
             return self._outcomes.pop(request_id, None)
 
@@ -187,7 +201,7 @@ class KVCacheConnector(KVConnector):
         pending = self._lookups.get(request_id)
         if pending is None:
             if not self.up:  # known down: a miss at once, the request computes
-                self._record(request_id, "down")
+                self._record(request_id, LookupOutcome.DOWN)
                 return 0
             lookup = self._client.lookup(hashes, timeout_s=self.lookup_timeout_s)
             self._lookups[request_id] = (self._submit(lookup, trace), time.monotonic())
@@ -198,7 +212,7 @@ class KVCacheConnector(KVConnector):
                 return None
             del self._lookups[request_id]  # too slow: a miss; the request does not wait for the cache
             future.cancel()
-            self._record(request_id, "slow")
+            self._record(request_id, LookupOutcome.SLOW)
             self._mark_down(f"a lookup took over {self.lookup_timeout_s} s")
             return 0
         del self._lookups[request_id]
@@ -206,13 +220,13 @@ class KVCacheConnector(KVConnector):
             held = future.result()
         except Exception as exc:  # the cache is down or slow: nothing to load, compute
             log.info("kvcache lookup for %s failed: %s", request_id, exc)
-            self._record(request_id, "failed")
+            self._record(request_id, LookupOutcome.FAILED)
             self._mark_down(type(exc).__name__)
             return 0
         if self.cost is not None and not self.cost.worth_loading(held, self.region.block_bytes, self._block_size):
-            self._record(request_id, "recompute")  # held, but recomputing is faster than loading
+            self._record(request_id, LookupOutcome.RECOMPUTE)  # held, but recomputing is faster than loading
             return 0
-        self._record(request_id, "ok")
+        self._record(request_id, LookupOutcome.OK)
         return held
 
     def register_recompute_rate(self, tokens_per_s: float, block_size: int) -> None:
@@ -287,12 +301,12 @@ class KVCacheConnector(KVConnector):
         if not self._writer_tried:
             self._writer_tried = True
             try:
-                description = self.region.share()  # type: ignore[attr-defined]
-            except (AttributeError, ValueError):
+                description = self.region.share()
+            except ValueError:
                 return None  # a cache only this process sees: saves run here
             region = self.region
             self._writer = KVWriter(
-                description, region.kv_layout, str(region.device), self._address, self._timeout_s  # type: ignore[attr-defined]
+                description, region.kv_layout, str(region.device), self._address, self._timeout_s
             )
         return self._writer if self._writer is not None and self._writer.alive else None
 
@@ -389,7 +403,7 @@ class KVCacheConnector(KVConnector):
         self._thread.join(timeout=5)
 
 
-def _write_batch(region: Any, block_ids: BlockIds, batch: LandedBatch, num_blocks: int) -> None:
+def _write_batch(region: KVRegion, block_ids: BlockIds, batch: LandedBatch, num_blocks: int) -> None:
     """The batch's first num_blocks blocks into the engine's blocks. Blocks back to back
     (always, in a segment, for same-sized blocks) are one [n, block_bytes] view of the
     batch's memory, copied from where they lie; otherwise they are gathered first."""

@@ -20,18 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.engine_request import KVTransferParams
-from shared.engine.kv.connector import (
-    BlockIds,
-    InFrontConnector,
-    KVConnector,
-    KVRegion,
-    LoadResult,
-    SaveResult,
-    TraceCarrier,
-)
-from shared.engine.kv_region import KVRegion as PagedKVRegion
 from shared.kv.block_hash import BlockHash
+from shared.kv.connectors.base import BlockIds, InFrontConnector, KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.memory.region import KVRegion
+from shared.kv.transfer import KVTransferParams
 
 
 @dataclass(slots=True)
@@ -64,7 +56,6 @@ class HostTierConnector(InFrontConnector):
 
     def register_kv_region(self, region: KVRegion) -> None:
         super().register_kv_region(region)
-        assert isinstance(region, PagedKVRegion)
         num_slots = self.capacity_bytes // max(region.block_bytes, 1)
         # Pinned where the cache is on a GPU: copies to and from it run asynchronously at PCIe speed.
         pin = region.device.type == "cuda"
@@ -116,7 +107,6 @@ class HostTierConnector(InFrontConnector):
             for h in hashes[: len(rows)]:
                 self._slots.move_to_end(h)
         if rows:
-            assert isinstance(self.region, PagedKVRegion)
             self.region.copy_in({g: ids[: len(rows)] for g, ids in block_ids.items()}, self._pool, rows)
         return len(rows)
 
@@ -148,7 +138,6 @@ class HostTierConnector(InFrontConnector):
                     rows.append(self._slots.popitem(last=False)[1])
         if not rows:
             return
-        assert isinstance(self.region, PagedKVRegion)
         self.region.copy_out({g: [ids[i] for i in new] for g, ids in block_ids.items()}, self._pool, rows)
         with self._lock:  # indexed only once the copy is done: a lookup never finds a half-copied block
             for i, row in zip(new, rows):

@@ -8,7 +8,7 @@
         await kv.put_blocks([(h, layout, data), ...])
 
 Two data planes, one API. On the service's host the client owns a shared-memory
-segment (shared/runtime/kv_shm.py, shm_bytes of it, made at the first Get or
+segment (shared/kv/wire/shm.py, shm_bytes of it, made at the first Get or
 Put and reused): a Get names it and the service lands the verified blocks in it
 (a batch is then a view of the segment, which the caller copies into its KV
 cache at once), a Put copies the blocks into it and names them (PutShm). gRPC
@@ -33,7 +33,7 @@ A channel whose server went away waits out gRPC's reconnect backoff (up to two
 minutes) before it tries again, and fails every call meanwhile; `reconnect()`
 replaces it with a fresh channel that dials at once. A worker calls it when
 `probe()` (a health check on a channel of its own, so never stuck in backoff)
-finds the service back: see shared/stage/kvcache_connector.py.
+finds the service back: see shared/kv/connectors/kvcache.py.
 """
 
 import asyncio
@@ -46,14 +46,14 @@ import numpy as np
 
 from shared.kv.block_hash import HASH_BYTES, BlockHash
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
-from shared.runtime.block_stream import (
+from shared.kv.wire.block_stream import (
     DEFAULT_CHUNK_BYTES,
     AssembledBlock,
     BlockAssembler,
     check_chunk_bytes,
     iter_chunks,
 )
-from shared.runtime.kv_shm import DATA_OFFSET, DEFAULT_SHM_BYTES, Segment, check_segment_bytes, place
+from shared.kv.wire.shm import DATA_OFFSET, DEFAULT_SHM_BYTES, Segment, check_segment_bytes, place
 from shared.runtime.rpc import check_health, open_channel
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-from shared.engine.kv.connector import BlockIds
 from shared.kv.block_hash import BlockHash
+from shared.kv.connectors.base import BlockIds
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class KVWriter:
         """region_description: KVRegion.share(); layout: the engine's KVCacheLayout."""
         parent, child = socket.socketpair()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.stage.kv_writer", str(child.fileno())],
+            [sys.executable, "-m", "shared.kv.connectors.kvcache_writer", str(child.fileno())],
             pass_fds=[child.fileno()],
             env=os.environ.copy(),
         )
@@ -144,8 +144,8 @@ def _child_region(description: bytes, layout, device: str):  # noqa: ANN001, ANN
     """The engine's cache, mapped here, as a KVRegion (its read_blocks gives the payloads)."""
     import torch
 
-    from shared.engine.kv_region import KVRegion
-    from shared.engine.kv_share import open_peer
+    from shared.kv.memory.region import KVRegion
+    from shared.kv.memory.share import open_peer
 
     _, tensors = open_peer(description, torch.device(device))
     # One stacked tensor [T, 2, blocks, ...] or T tensors: tensor k serves layer k of every group.
@@ -155,8 +155,8 @@ def _child_region(description: bytes, layout, device: str):  # noqa: ANN001, ANN
 
 
 async def _serve(conn: Connection) -> None:
+    from shared.kv.wire.client import KVCacheClient
     from shared.runtime import rpc
-    from shared.runtime.kvcache_client import KVCacheClient
     from shared.runtime.settings import load_settings
 
     description, layout, device, address, timeout_s = conn.recv()

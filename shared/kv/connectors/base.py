@@ -1,10 +1,11 @@
 """One interface for every outside source and sink of KV, owned by the engine.
 
-The kvcache service (gRPC + LMDB) is one implementation
-(shared/stage/kvcache_connector.py) and a store in this process's memory
-another (memory_connector.py); a host-memory tier or a peer's GPU memory
-(direct prefill -> decode transfer) will be more, each a new file behind this
-interface. The engine drives it, never a service:
+Every implementation is one file beside this one: a store in this process's
+memory (memory.py), the kvcache service over gRPC + LMDB (kvcache.py), a
+host-memory tier in front of it (host_tier.py) and a direct copy out of a
+peer's GPU memory in front of both (peer.py); chain.py puts them in order. A
+new tier or transport is a new file behind this interface. The engine drives
+it, never a service (its side is shared/engine/kv_transfer.py):
 
 - at admission the scheduler asks how many leading blocks of a request's chain
   the source holds (`lookup`: answered without blocking, None while the answer
@@ -26,16 +27,20 @@ interface. The engine drives it, never a service:
 
 A block's payload is the persistent KV groups' bytes of one block
 (KVRegion.layout); sliding-window KV never goes through a connector.
-No torch here.
+No torch here: the region (shared/kv/memory/region.py, which holds the
+tensors) is named for the type checker only.
 """
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from shared.engine.engine_request import KVTransferParams
 from shared.kv.block_hash import BlockHash
+from shared.kv.transfer import KVTransferParams
+
+if TYPE_CHECKING:  # the engine's paged cache; importing it here would load torch
+    from shared.kv.memory.region import KVRegion
 
 TraceCarrier = Mapping[str, str]
 """W3C trace headers of the request a call is for, so its spans join the request's trace."""
@@ -43,17 +48,6 @@ TraceCarrier = Mapping[str, str]
 
 BlockIds = dict[int, list[int]]
 """Per persistent KV group, block ids of the engine's cache (the same count in each)."""
-
-
-class KVRegion(Protocol):
-    """The engine's paged cache as seen by a connector (shared/engine/kv_region.py)."""
-
-    layout: str
-    block_bytes: int
-
-    def read_blocks(self, block_ids: BlockIds) -> list[bytes]: ...
-
-    def write_blocks(self, block_ids: BlockIds, payloads: list[bytes]) -> int: ...
 
 
 @dataclass(slots=True)
@@ -78,9 +72,9 @@ class SaveResult:
 
 
 class KVConnector(ABC):
-    region: KVRegion
+    region: "KVRegion"
 
-    def register_kv_region(self, region: KVRegion) -> None:
+    def register_kv_region(self, region: "KVRegion") -> None:
         """The engine's cache, once, before any load or save."""
         self.region = region
 
@@ -160,7 +154,7 @@ class InFrontConnector(KVConnector):
     def __init__(self, behind: KVConnector) -> None:
         self.behind = behind
 
-    def register_kv_region(self, region: KVRegion) -> None:
+    def register_kv_region(self, region: "KVRegion") -> None:
         super().register_kv_region(region)
         self.behind.register_kv_region(region)
 

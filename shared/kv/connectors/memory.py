@@ -3,9 +3,9 @@ share blocks through it (offline tools, tests). It answers at the next `poll`,
 as a remote store would, so the engine's waiting-for-KV path is the same.
 No torch here."""
 
-from shared.engine.engine_request import KVTransferParams
-from shared.engine.kv.connector import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.block_hash import BlockHash
+from shared.kv.connectors.base import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.transfer import KVTransferParams
 
 
 class MemoryKVStore:

@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from shared.engine.kv_share import SharedMemoryAllocator, describe
+from shared.kv.memory.share import SharedMemoryAllocator, describe
 from shared.kv.spec import KVCacheLayout
 
 

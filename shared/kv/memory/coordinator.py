@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shared.engine.config import SWA_REPLAY_CHOICES
-from shared.engine.kv.block_pool import BlockPool, KVBlock
-from shared.engine.kv.single_type import FullAttentionManager, SlidingWindowManager, make_manager
-from shared.engine.kv.state_cache import SlidingState, SlidingStateCache
 from shared.engine.request import Request
 from shared.kv.block_hash import BlockHash, hash_block_chain
+from shared.kv.memory.block_pool import BlockPool, KVBlock
+from shared.kv.memory.single_type import FullAttentionManager, SlidingWindowManager, make_manager
+from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.kv.spec import KVCacheLayout
 
 SwaReplay = Literal["bounded", "exact"]

@@ -1,0 +1,64 @@
+"""What prefill and decode ask of the engine's KV connector, and what a handoff
+between them says about KV, in one place: the services dispatch, hand off and
+stream, and build no KV descriptor themselves.
+
+- Prefill loads what the chain holds and saves the prompt's new full blocks.
+  With direct transfer (this engine's cache can be mapped by a peer) it holds
+  them under a lease for decode and writes kvcache behind, off the time to first
+  token; without, its last output waits for the store and decode reads kvcache.
+- The handoff's KvSource says which blocks prefill holds (per persistent group,
+  group after group), how to map its cache (KVRegion.share()) and the payload's
+  layout; decode turns it back into a PeerSource and loads from there, or from
+  the chain when it cannot use it.
+- A whole request on decode loads what the chain holds and writes behind.
+"""
+
+from shared.engine.llm_engine import LLMEngine
+from shared.kv.transfer import HeldBlocks, KVTransferParams, PeerSource
+from shared.proto import mesh_pb2
+
+
+def prefill_transfer(engine: LLMEngine) -> KVTransferParams:
+    """Prefill's request: load, save, and hold for decode where the cache can be shared."""
+    direct = engine.runner.shares_kv
+    return KVTransferParams(load=True, save=True, wait_for_save=not direct, hold=direct)
+
+
+def handoff_transfer(engine: LLMEngine, handoff: mesh_pb2.DecodeHandoff) -> KVTransferParams:
+    """Decode's request after a handoff: load, from prefill's cache when it holds the blocks."""
+    return KVTransferParams(load=True, source=peer_source(engine, handoff))
+
+
+def whole_request_transfer() -> KVTransferParams:
+    """A whole request on decode (conditional disaggregation): load, and save written behind."""
+    return KVTransferParams(load=True, save=True, wait_for_save=False)
+
+
+def held_kv_source(engine: LLMEngine, instance_id: str, held: HeldBlocks | None) -> mesh_pb2.KvSource | None:
+    """The handoff's description of the prompt blocks this engine holds for decode;
+    None when it holds none."""
+    if held is None or not held.num_blocks:
+        return None
+    region = engine.runner.kv_region
+    return mesh_pb2.KvSource(
+        instance_id=instance_id,
+        region=region.share(),
+        block_ids=[b for g in sorted(held.block_ids) for b in held.block_ids[g]],
+        num_blocks=held.num_blocks,
+        lease_deadline_unix=held.deadline,
+        layout=region.layout,
+    )
+
+
+def peer_source(engine: LLMEngine, handoff: mesh_pb2.DecodeHandoff) -> PeerSource | None:
+    """Where prefill holds the prompt's KV for a direct copy, if it does."""
+    if not handoff.HasField("kv_source") or handoff.kv_source.num_blocks == 0:
+        return None
+    src = handoff.kv_source
+    groups = engine.kv.layout.persistent_groups
+    n = src.num_blocks
+    if len(src.block_ids) != n * len(groups):
+        return None  # another model's layout: kvcache serves it
+    ids = list(src.block_ids)
+    block_ids = {g: ids[i * n : (i + 1) * n] for i, g in enumerate(groups)}
+    return PeerSource(src.instance_id, src.region, block_ids, n, src.lease_deadline_unix, src.layout)
