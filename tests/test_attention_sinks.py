@@ -17,7 +17,8 @@ from shared.model.kernels.paged_prefill import paged_prefill_attention  # noqa: 
 from shared.model.kernels.reference import paged_attention_ref  # noqa: E402
 from shared.model.loader import load_weights  # noqa: E402
 from shared.model.models import build_model  # noqa: E402
-from tests.conftest import PagedDriver, rel_err  # noqa: E402
+from tests.helpers.paged_driver import PagedDriver  # noqa: E402
+from tests.helpers.numerics import rel_err  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

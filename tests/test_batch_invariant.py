@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.batch_invariant import InvariantNorm, invariant_linear
-from tests.hf_models import random_prompts, save_tiny_hf_model
+from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
 
 TARGET = random_prompts([37], vocab=500, seed=77)[0]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5, ignore_eos=True)

@@ -48,11 +48,12 @@ from shared.model.kernels.paged_decode import paged_decode_attention  # noqa: E4
 from shared.model.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from shared.model.kernels.reference import paged_attention_ref  # noqa: E402
 from shared.model.loader import load_model  # noqa: E402
-from tests.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
-from tests.interpreter_dot import place_free_dot  # noqa: E402, F401 (autouse: the place-free dot)
+from tests.helpers.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
 
 if not isinstance(ia._invariant_attention_kernel, InterpretedFunction):
     raise RuntimeError("the kernel modules were imported before TRITON_INTERPRET=1 was set: they would not run on the CPU")
+
+pytestmark = pytest.mark.usefixtures("place_free_dot")  # the root conftest's place-free dot, for every test here
 
 
 # ---------------------------------------------------------------- matmul

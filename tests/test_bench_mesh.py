@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.hf_models import save_tiny_hf_model
+from tests.helpers.hf_models import save_tiny_hf_model
 from tools.bench.mesh_traces import breakdown, prefill_pace
 from tools.bench.mesh_bench import TARGETS, Timing, compare, engine_setup, run_mesh_bench, summarize
 from tools.cli import main

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests.hf_models import check_cli_generate_equals_hf, infermesh, random_prompts, save_tiny_hf_model
+from tests.helpers.hf_models import check_cli_generate_equals_hf, infermesh, random_prompts, save_tiny_hf_model
 
 
 def test_generate_json_equals_transformers_greedy_on_a_transformers_checkpoint(tmp_path):

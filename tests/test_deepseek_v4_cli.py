@@ -5,7 +5,7 @@ on prompts longer than the window equal to transformers' on the same folder."""
 
 import pytest
 
-from tests.hf_models import check_cli_generate_equals_hf, make_model_cli, random_prompts
+from tests.helpers.hf_models import check_cli_generate_equals_hf, make_model_cli, random_prompts
 
 pytest.importorskip("transformers")
 

@@ -33,7 +33,7 @@ import yaml
 
 from shared.engine.config import EngineConfig
 from shared.runtime.settings import Settings, load_settings
-from tests.deploy_harness import (
+from tests.helpers.deploy_harness import (
     DOCKERFILE,
     Local,
     OtlpReceiver,
@@ -49,11 +49,11 @@ from tests.deploy_harness import (
     run_mesh,
     workloads,
 )
-from tests.mesh_procs import ROOT, stop_process
+from tests.helpers.helm_chart import CHART, live_secrets, render_chart
+from tests.helpers.mesh_procs import ROOT, stop_process
 from deploy.nats_users import COMPOSE_INSTANCES, ROLE_USERS, compose_secrets, generated
 
 DEPLOY = ROOT / "deploy"
-CHART = DEPLOY / "helm" / "infermesh"
 GPU_VALUES = CHART / "values-gpu.yaml"
 COMPOSE_FILE = DEPLOY / "compose" / "compose.yaml"
 DASHBOARD = CHART / "files" / "grafana-dashboard.json"
@@ -99,49 +99,6 @@ def compose_config(*profiles: str, quiet: bool = False) -> dict:
     out = subprocess.run(args, capture_output=True, text=True, env={**env, **COMPOSE_SECRETS}, timeout=60)
     assert out.returncode == 0, out.stderr
     return {} if quiet else json.loads(out.stdout)
-
-
-LOOKUP_SECRET = re.compile(r'\(lookup "v1" "Secret" \.Release\.Namespace (\$\w+)\)')
-
-
-def chart_with_live_secrets(live: dict[str, dict[str, str]], folder: Path) -> Path:
-    """A copy of the chart whose `lookup`s of Secrets answer from `live` ({name: the
-    Secret's data, base64 values, as the API server returns it}) instead of a cluster:
-    what `helm upgrade` renders against a release whose Secrets are those. Every lookup
-    in the chart must be of this one form, so none is left answering nothing."""
-    import shutil
-
-    copy = folder / "infermesh"
-    shutil.copytree(CHART, copy)
-    (copy / "live-secrets.json").write_text(json.dumps(live))
-    found = 0
-    for template in (copy / "templates").glob("*.yaml"):
-        text = template.read_text()
-        found += text.count('lookup "')
-        text, n = LOOKUP_SECRET.subn(r'(dict "data" (get ($.Files.Get "live-secrets.json" | fromJson) \1 | default dict))',
-                                     text)
-        found -= n
-        template.write_text(text)
-    assert found == 0, "a lookup of another form: teach chart_with_live_secrets it"
-    return copy
-
-
-def render_chart(values: dict | None = None, name: str = "mesh",
-                 live: dict[str, dict[str, str]] | None = None) -> list[dict]:
-    """The chart as `helm install` renders it; with `live`, as `helm upgrade` renders it
-    against a release whose Secrets hold that data (chart_with_live_secrets)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = CHART if live is None else chart_with_live_secrets(live, Path(tmp))
-        with helm.Chart.load(path) as chart:
-            rendered = chart.render(values, name=name, namespace="infermesh", is_install=live is None,
-                                    is_upgrade=live is not None)
-    docs = []
-    for path, text in sorted(rendered.items()):
-        if path.endswith(".yaml"):
-            docs += [d for d in yaml.safe_load_all(text) if d]
-    return docs
 
 
 def gpu_values() -> dict:
@@ -464,16 +421,6 @@ def test_chart_runs_grpc_over_mutual_tls_with_certificates_of_its_own_ca(tmp_pat
     assert not {"mesh-infermesh-tls", "mesh-infermesh-ca"} & set(kinds(docs, "Secret"))
     assert {v["secret"]["secretName"] for wl in workloads(docs).values()
             for v in wl["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"} == {"my-certs"}
-
-
-def live_secrets(docs: list[dict]) -> dict[str, dict[str, str]]:
-    """The rendered Secrets as the API server would hold them once applied (data, base64)."""
-    out = {}
-    for name, secret in kinds(docs, "Secret").items():
-        data = dict(secret.get("data", {}))
-        data |= {k: base64.b64encode(v.encode()).decode() for k, v in secret.get("stringData", {}).items()}
-        out[name] = data
-    return out
 
 
 def openssl_verify(tmp: Path, ca_b64: str, cert_b64: str) -> bool:

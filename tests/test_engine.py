@@ -7,7 +7,7 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import hf_greedy, random_prompts, save_tiny_hf_model
+from tests.helpers.hf_models import hf_greedy, random_prompts, save_tiny_hf_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 NUM_NEW = 32

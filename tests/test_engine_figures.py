@@ -10,7 +10,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.model.make_model import make_model
 from shared.stage.engine_metrics import EngineMetrics
-from tests.engine_helpers import run
+from tests.helpers.engine_helpers import run
 
 
 def _value(registry: CollectorRegistry, name: str) -> float:

@@ -12,19 +12,16 @@ from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.request import RequestStatus
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import random_prompts, save_tiny_hf_model
-from tests.engine_helpers import run
+from tests.helpers.hf_models import random_prompts
+from tests.helpers.engine_helpers import run
 
 SAVE = KVTransferParams(load=True, save=True)
 LOAD = KVTransferParams(load=True)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kv-transfer")
-    save_tiny_hf_model("qwen3", path)
-    return str(path)
+TINY_MODEL = "qwen3"
+"""The model of model_dir (the root conftest's fixture)."""
 
 
 

@@ -12,7 +12,7 @@ import torch
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.moe import Router, SparseMoE
-from tests.hf_models import random_prompts, save_tiny_hf_model
+from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
 
 pytest.importorskip("transformers")
 

@@ -12,8 +12,6 @@ And kvcache as a soft dependency: killed, requests are computed and /ready says
 And NATS restarted under the same load: no request is lost or fails, none waits
 more than OUTAGE_MAX_STALL_S, and the balancer takes no instance for dead."""
 
-import asyncio
-import re
 import signal
 import threading
 import time
@@ -21,7 +19,6 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
-import nats
 import openai
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -29,7 +26,9 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
-from tests.mesh_procs import span_attributes
+from tests.helpers.mesh_procs import span_attributes
+from tests.helpers.metrics import balancer_metric as metric
+from tests.helpers.nats_listener import Listener
 from tools.launch.trace_view import load_spans
 from tools.launch.up import grpc_serving
 
@@ -75,14 +74,6 @@ def stream_one(client: openai.OpenAI, name: str, s: Stream, max_tokens: int) -> 
         s.error = f"{type(exc).__name__}: {exc}"
 
 
-def metric(mesh, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(mesh.api_url.removesuffix("/v1") + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    want = "".join(f'(?=[^}}]*{k}="{re.escape(v)}")' for k, v in labels.items())
-    return sum(float(m.group(1)) for m in re.finditer(
-        rf"^infermesh_balancer_{name}(?:\{{{want}[^}}]*\}})? ([0-9.e+]+)$", text, re.M))
-
-
 def causes(mesh) -> dict[str, int]:
     return {c: int(metric(mesh, "migrations_total", cause=c))
             for c in ("left_mesh", "handoff", "error", "timeout", "lost")
@@ -103,33 +94,6 @@ def migration_gaps(mesh, streams: list[Stream], attribute: str = "migration.gap_
         time.sleep(0.2)
     scale = 1e-3 if attribute.endswith("_ms") else 1.0
     return [a[attribute] * scale for a in roots.values() if attribute in a]
-
-
-class Listener:
-    """A NATS subscription on a thread of its own, started once the mesh's address is known."""
-
-    def __init__(self, subject: str, on_msg) -> None:  # noqa: ANN001
-        self.subject = subject
-        self.on_msg = on_msg
-        self.nats_url: str | None = None
-
-    def start(self, nats_url: str) -> None:
-        self.nats_url = nats_url
-        ready = threading.Event()
-
-        async def run() -> None:
-            nc = await nats.connect(nats_url, allow_reconnect=False)
-
-            async def cb(msg) -> None:  # noqa: ANN001
-                self.on_msg(msg)
-
-            await nc.subscribe(self.subject, cb=cb)
-            await nc.flush()
-            ready.set()
-            await asyncio.sleep(3600)  # a daemon thread: ends with the test process
-
-        threading.Thread(target=lambda: asyncio.run(run()), daemon=True).start()
-        assert ready.wait(10)
 
 
 def kill_under_load(start_mesh, mesh_model_dir: str, victim: str | None, prompts: list[str], max_tokens: int,

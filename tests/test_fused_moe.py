@@ -30,8 +30,9 @@ from shared.model.loader import load_model  # noqa: E402
 from shared.model.models.llama import CausalLM  # noqa: E402
 from shared.model.moe import SparseMoE, counted_tokens  # noqa: E402
 from shared.model.moe_config import MoEConfig  # noqa: E402
-from tests.conftest import PagedDriver, rel_err  # noqa: E402
-from tests.hf_models import save_tiny_hf_model  # noqa: E402
+from tests.helpers.paged_driver import PagedDriver  # noqa: E402
+from tests.helpers.numerics import rel_err  # noqa: E402
+from tests.helpers.hf_models import save_tiny_hf_model  # noqa: E402
 
 if not isinstance(fm._gate_up_kernel, InterpretedFunction):
     raise RuntimeError("the kernel modules were imported before TRITON_INTERPRET=1 was set: they would not run on the CPU")

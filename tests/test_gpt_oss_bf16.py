@@ -14,8 +14,8 @@ import torch
 from shared.model.layers import RMSNorm
 from shared.model.loader import load_model
 from shared.model.models import GptOssForCausalLM
-from tests.conftest import PagedDriver
-from tests.hf_models import random_prompts, save_tiny_hf_model
+from tests.helpers.paged_driver import PagedDriver
+from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
 

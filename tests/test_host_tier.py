@@ -1,7 +1,6 @@
 """The host tier in front of a store: saved blocks come back from host memory after
 the device cache evicted them, the rest from the store behind; bounded by bytes."""
 
-import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine_request import KVTransferParams
@@ -9,18 +8,15 @@ from shared.engine.host_tier import HostTierConnector
 from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import random_prompts, save_tiny_hf_model
-from tests.engine_helpers import run
+from tests.helpers.hf_models import random_prompts
+from tests.helpers.engine_helpers import run
 
 SAVE = KVTransferParams(load=True, save=True)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("host-tier")
-    save_tiny_hf_model("llama", path)
-    return str(path)
+TINY_MODEL = "llama"
+"""The model of model_dir (the root conftest's fixture)."""
 
 
 class CountingStore(MemoryConnector):

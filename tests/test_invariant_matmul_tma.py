@@ -35,10 +35,11 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from shared.model.kernels import invariant_matmul as im  # noqa: E402
 from shared.model.kernels import invariant_matmul_tma as tma  # noqa: E402
 from shared.model.kernels.invariant_matmul import DECODE_ROWS, MatmulConfig, MatmulFamily  # noqa: E402
-from tests.interpreter_dot import place_free_dot  # noqa: E402, F401 (autouse: the place-free dot)
 
 if not isinstance(tma._persistent_kernel, InterpretedFunction):
     raise RuntimeError("the kernel modules were imported before TRITON_INTERPRET=1 was set: they would not run on the CPU")
+
+pytestmark = pytest.mark.usefixtures("place_free_dot")  # the root conftest's place-free dot, for every test here
 
 LLAMA_WEIGHTS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 

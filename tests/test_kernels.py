@@ -39,7 +39,8 @@ from shared.model.layers import RotaryEmbedding  # noqa: E402
 from shared.model.loader import load_weights  # noqa: E402
 from shared.model.make_model import hf_config_dict  # noqa: E402
 from shared.model.transformer import CausalLM  # noqa: E402
-from tests.conftest import PagedDriver, rel_err  # noqa: E402
+from tests.helpers.paged_driver import PagedDriver  # noqa: E402
+from tests.helpers.numerics import rel_err  # noqa: E402
 
 if not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction):
     raise RuntimeError("the kernel modules were imported before TRITON_INTERPRET=1 was set: they would not run on the CPU")

@@ -6,7 +6,6 @@ step loop, and with speculation on (its tokens equal those without speculation).
 The distribution is checked with a chi-square test, and shown to fail for two
 broken variants (a wrong noise transform, noise not keyed by position)."""
 
-import math
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ from shared.engine.keyed_random import Stream, keys_tensor, mix64, random_bits, 
 from shared.engine.llm import LLM
 from shared.engine.sampler import Sampler, SamplingState
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import random_prompts, save_tiny_hf_model
+from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
+from tests.helpers.numerics import chi2_p_value_even_df
 
 CPU = torch.device("cpu")
 
@@ -50,12 +50,6 @@ def test_keys_separate_seeds_positions_and_streams() -> None:
     assert abs(u.mean().item() - 0.5) < 0.002  # 262,144 draws: sd 0.00056
 
 
-def _chi2_p_value_even_df(stat: float, df: int) -> float:
-    """P(X > stat) for a chi-square variable with even df (closed form)."""
-    m, x = df // 2, stat / 2
-    return math.exp(-x) * sum(x**i / math.factorial(i) for i in range(m))
-
-
 LOGITS = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0, -3.0])  # 7 tokens: 6 degrees of freedom
 TEMPERATURE = 0.8
 
@@ -75,7 +69,7 @@ def _one_request_counts(num: int) -> torch.Tensor:
 
 def _p_value(counts: torch.Tensor) -> float:
     expected = (LOGITS / TEMPERATURE).softmax(-1) * counts.sum()
-    return _chi2_p_value_even_df(float(((counts - expected) ** 2 / expected).sum()), LOGITS.numel() - 1)
+    return chi2_p_value_even_df(float(((counts - expected) ** 2 / expected).sum()), LOGITS.numel() - 1)
 
 
 def test_sampled_tokens_follow_the_softmax_and_broken_noise_fails(monkeypatch: pytest.MonkeyPatch) -> None:

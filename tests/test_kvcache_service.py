@@ -5,11 +5,7 @@ import asyncio
 import hashlib
 import json
 import os
-import subprocess
-import time
 import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import nats
@@ -23,7 +19,9 @@ from shared.runtime.kvcache_client import KVCacheClient, KVCacheProtocolError, P
 from shared.runtime.rpc import check_health, open_channel
 from shared.runtime.settings import load_settings
 from shared.runtime.subjects import KV_EVENTS
-from tests.mesh_procs import free_port, nats_server, start_service, stop_process  # noqa: F401
+from tests.helpers.kvcache_proc import restart, start_kvcache, wait_serving
+from tests.helpers.mesh_procs import stop_process
+from tests.helpers.metrics import exposition_value as metric
 
 MIB = 1 << 20
 
@@ -59,51 +57,6 @@ def test_block_stream_cuts_and_assembles_and_says_what_is_wrong():
         _feed(cut, None)
 
 
-@dataclass
-class KVCacheProc:
-    proc: subprocess.Popen
-    address: str
-    metrics_port: int
-    env: dict[str, str]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-
-def start_kvcache(nats_url: str, workdir: Path, port: int | None = None, **kvcache: str) -> KVCacheProc:
-    """One service process; kvcache holds extra INFERMESH_KVCACHE__* settings."""
-    port = port or free_port()
-    metrics_port = free_port()
-    env = {
-        "INFERMESH_NATS__URL": nats_url,
-        "INFERMESH_KVCACHE__PATH": str(workdir / "lmdb"),
-        "INFERMESH_KVCACHE__ADDRESS": f"127.0.0.1:{port}",
-        "INFERMESH_WORKER__METRICS_PORT": str(metrics_port),
-        "INFERMESH_WORKER__DRAIN_TIMEOUT_S": "5",
-        "INFERMESH_TELEMETRY__TRACE_DIR": str(workdir / "traces"),
-        **{f"INFERMESH_KVCACHE__{k.upper()}": v for k, v in kvcache.items()},
-    }
-    log_path = workdir / "kvcache.log"
-    return KVCacheProc(start_service("kvcache", env, log_path), f"127.0.0.1:{port}", metrics_port, env, log_path)
-
-
-def restart(old: KVCacheProc) -> KVCacheProc:
-    return KVCacheProc(start_service("kvcache", old.env, old.log_path), old.address, old.metrics_port,
-                       old.env, old.log_path)
-
-
-async def wait_serving(svc: KVCacheProc, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if svc.proc.poll() is not None:
-            pytest.fail(f"kvcache exited with {svc.proc.returncode}:\n{svc.log()}")
-        if await check_health(svc.address, timeout_s=0.5):
-            return
-        await asyncio.sleep(0.1)
-    pytest.fail(f"kvcache not SERVING after {timeout_s}s:\n{svc.log()}")
-
-
 def test_port_rule():
     def port(**env: str) -> int:
         return bind_port(load_settings(env={f"INFERMESH_{k.upper()}": v for k, v in env.items()}))
@@ -114,26 +67,11 @@ def test_port_rule():
         port(kvcache__address="kvcache.mesh")
 
 
-@pytest.fixture(scope="module")
-def kvcache(nats_server, tmp_path_factory):  # noqa: F811
-    svc = start_kvcache(nats_server.url, tmp_path_factory.mktemp("kvcache"))
-    asyncio.run(wait_serving(svc))
-    yield svc
-    assert stop_process(svc.proc) == 0, svc.log()
-
-
 async def next_event(sub, timeout_s: float = 5.0) -> mesh_pb2.KvEvent:
     msg = await sub.next_msg(timeout=timeout_s)
     event = mesh_pb2.KvEvent()
     event.ParseFromString(msg.data)
     return event
-
-
-def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 @pytest.mark.asyncio

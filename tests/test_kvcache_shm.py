@@ -25,8 +25,9 @@ from shared.proto import kvcache_pb2, kvcache_pb2_grpc
 from shared.runtime.kv_shm import DATA_OFFSET, Segment, SegmentRef
 from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.rpc import check_health, open_channel
-from tests.mesh_procs import nats_server, stop_process  # noqa: F401
-from tests.test_kvcache_service import KVCacheProc, metric, restart, start_kvcache, wait_serving
+from tests.helpers.mesh_procs import stop_process
+from tests.helpers.kvcache_proc import KVCacheProc, restart, start_kvcache, wait_serving
+from tests.helpers.metrics import exposition_value as metric
 
 KIB = 1 << 10
 SMALL_SEGMENT = DATA_OFFSET + 100 * KIB
@@ -73,15 +74,6 @@ async def serving(svc: KVCacheProc, killed: bool = False) -> AsyncIterator[KVCac
             assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
         elif svc.proc.poll() is None:
             stop_process(svc.proc)
-
-
-@pytest.fixture(scope="module")
-def kvcache(nats_server, tmp_path_factory):  # noqa: F811
-    svc = start_kvcache(nats_server.url, tmp_path_factory.mktemp("kvcache-shm"))
-    asyncio.run(wait_serving(svc))
-    yield svc
-    svc.proc.send_signal(signal.SIGCONT)
-    assert stop_process(svc.proc) == 0, svc.log()
 
 
 @pytest.mark.asyncio

@@ -8,16 +8,9 @@ import pytest
 
 from services.kvcache.store import BLOCKS_DB, BlockStore, StoreClosed
 from shared.kv.block_hash import BlockHash
+from tests.helpers.clock import Clock
 
 T0 = 1_800_000_000.0  # unix seconds; the tests move this clock by hand
-
-
-class Clock:
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def h(name: str) -> BlockHash:
@@ -30,7 +23,7 @@ def data(name: str, size: int = 1000) -> bytes:
 
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(T0)
 
 
 def open_store(path, clock: Clock, capacity: int = 1 << 20, ttl_s: float = 3600.0) -> BlockStore:

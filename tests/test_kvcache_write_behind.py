@@ -7,7 +7,6 @@ import os
 import signal
 import time
 
-import pytest
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine_request import KVTransferParams
@@ -17,29 +16,15 @@ from shared.kv.block_hash import BlockHash
 from shared.runtime.kvcache_client import KVCacheClient
 from shared.stage import kvcache_connector
 from shared.stage.kvcache_connector import KVCacheConnector
-from tests.engine_helpers import run
-from tests.hf_models import random_prompts, save_tiny_hf_model
-from tests.mesh_procs import nats_server, stop_process  # noqa: F401
-from tests.test_kvcache_service import start_kvcache, wait_serving
+from tests.helpers.engine_helpers import run
+from tests.helpers.hf_models import random_prompts
 
 WRITE_BEHIND = KVTransferParams(save=True, wait_for_save=False)
 BLOCK = 8
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("write-behind")
-    save_tiny_hf_model("llama", path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def kvcache(nats_server, tmp_path_factory):  # noqa: F811
-    svc = start_kvcache(nats_server.url, tmp_path_factory.mktemp("kvcache"))
-    asyncio.run(wait_serving(svc))
-    yield svc
-    svc.proc.send_signal(signal.SIGCONT)
-    assert stop_process(svc.proc) == 0, svc.log()
+TINY_MODEL = "llama"
+"""The model of model_dir (the root conftest's fixture)."""
 
 
 def stored_blocks(address: str, hashes: list[BlockHash]) -> int:

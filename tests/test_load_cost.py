@@ -11,11 +11,11 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.stage.kvcache_connector import KVCacheConnector
 from shared.stage.load_cost import LOAD_SLOWDOWN_LIMIT, LoadCost
-from tests.engine_helpers import run
-from tests.hf_models import random_prompts
-from tests.mesh_procs import nats_server  # noqa: F401
-from tests.test_kvcache_write_behind import kvcache, model_dir  # noqa: F401  (a tiny Llama, a kvcache process)
+from tests.helpers.engine_helpers import run
+from tests.helpers.hf_models import random_prompts
 
+TINY_MODEL = "llama"
+"""The model of model_dir (the root conftest's fixture); kvcache is the root conftest's too."""
 BLOCK = 8
 SAVE = KVTransferParams(save=True, wait_for_save=True)
 LOAD = KVTransferParams(load=True)

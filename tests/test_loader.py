@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from shared.model.config import ModelConfig
 from shared.model.loader import CheckpointError, load_model
 from shared.model.make_model import ARCHITECTURES, make_model
-from tests.conftest import PagedDriver, rel_err
+from tests.helpers.paged_driver import PagedDriver
+from tests.helpers.numerics import rel_err
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +256,7 @@ def test_make_model_with_a_padded_vocab_in_shards_matches_transformers(
     from shared.engine.sampling_params import SamplingParams
     from shared.model import make_model as make_model_module
     from shared.recipe.tokenizer import Recipe
-    from tests.hf_models import hf_greedy
+    from tests.helpers.hf_models import hf_greedy
 
     single = tmp_path / "single"
     make_model(single, seed=3, dtype=torch.bfloat16, tokenizer=False)

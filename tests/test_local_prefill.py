@@ -26,9 +26,10 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
-from tests.mesh_procs import span_attributes
-from tests.test_failover import Listener, metric
-from tests.test_mesh import kv_blocks_settled, kv_stats
+from tests.helpers.mesh_procs import span_attributes
+from tests.helpers.mesh import kv_blocks_settled, kv_stats
+from tests.helpers.metrics import balancer_metric as metric
+from tests.helpers.nats_listener import Listener
 
 BLOCK = 16
 SHORT = 40

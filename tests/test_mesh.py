@@ -17,7 +17,8 @@ from shared.engine.sampling_params import SamplingParams
 from shared.runtime.kvcache_client import KVCacheClient
 from tools.launch.trace_view import load_spans
 from tools.launch.up import grpc_serving
-from tests.mesh_procs import span_attributes
+from tests.helpers.mesh import kv_blocks_settled
+from tests.helpers.mesh_procs import span_attributes
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -69,31 +70,6 @@ def test_chat_stream_equals_offline_chat(mesh, client, offline):
         usage = chunk.usage or usage
     assert text == expected.text
     assert usage.completion_tokens == len(expected.token_ids)
-
-
-def kv_stats(mesh):
-    async def go():
-        client = KVCacheClient(mesh.kv_address)
-        try:
-            return await client.stats()
-        finally:
-            await client.close()
-
-    return asyncio.run(go())
-
-
-def kv_blocks_settled(mesh, at_least: int, timeout_s: float = 15.0) -> int:
-    """kvcache's block count once it reaches at_least and stops moving: prefill writes
-    behind (off the time to first token), so a store may land after the response."""
-    deadline = time.monotonic() + timeout_s
-    last = kv_stats(mesh).num_blocks
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
-        now = kv_stats(mesh).num_blocks
-        if now >= at_least and now == last:
-            return now
-        last = now
-    return last
 
 
 def test_decode_copies_prefills_kv_directly_not_through_kvcache(mesh, client, offline):

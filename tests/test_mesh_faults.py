@@ -15,7 +15,7 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from tools.launch.trace_view import load_spans
 from tools.launch.up import Mesh
-from tests.mesh_procs import span_attributes
+from tests.helpers.mesh_procs import span_attributes
 
 ENV = {
     "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2",

@@ -18,7 +18,7 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.make_model import make_model
 from shared.runtime.kvcache_client import KVCacheClient
-from tests.mesh_procs import span_attributes
+from tests.helpers.mesh_procs import span_attributes
 
 BLOCK = 16
 NUM_NEW = 12
@@ -54,7 +54,7 @@ def complete(api_url: str, prompt: str):  # noqa: ANN201
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v4"])
 def test_prefix_hit_through_kvcache_equals_offline_greedy(arch: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    from tests.conftest import _running_mesh
+    from tests.helpers.mesh import running_mesh as _running_mesh
 
     model = str(tmp_path_factory.mktemp(f"{arch}-model"))
     make_model(model, arch=arch, seed=0)

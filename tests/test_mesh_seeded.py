@@ -18,7 +18,8 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
-from tests.test_failover import Listener, metric
+from tests.helpers.metrics import balancer_metric as metric
+from tests.helpers.nats_listener import Listener
 
 PROMPT = "def parse_config(path):\n    "
 SEED = 31337

@@ -11,7 +11,8 @@ import openai
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from tests.mesh_procs import sample, scrape, span_attributes
+from tests.helpers.mesh_procs import span_attributes
+from tests.helpers.metrics import sample, scrape
 
 SPEC_TOKENS = 3
 MESH = dict(

@@ -10,7 +10,7 @@ import pytest
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.make_model import make_model
-from tests.mesh_procs import span_attributes
+from tests.helpers.mesh_procs import span_attributes
 
 WINDOW = 12
 BLOCK = 16
@@ -26,7 +26,7 @@ def hybrid_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def hybrid_mesh(hybrid_model_dir, tmp_path_factory):
-    from tests.conftest import _running_mesh
+    from tests.helpers.mesh import running_mesh as _running_mesh
 
     env = {"INFERMESH_ENGINE__BLOCK_SIZE": str(BLOCK), "INFERMESH_ENGINE__SWA_REPLAY": "exact"}
     with _running_mesh(hybrid_model_dir, tmp_path_factory.mktemp("hybrid-mesh"), extra_env=env) as mesh:

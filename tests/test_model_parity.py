@@ -9,8 +9,9 @@ import torch
 
 from shared.model.config import ModelConfig, RopeConfig
 from shared.model.layers import rope_inv_freq
-from tests.conftest import PagedDriver, rel_err
-from tests.hf_models import (
+from tests.helpers.paged_driver import PagedDriver
+from tests.helpers.numerics import rel_err
+from tests.helpers.hf_models import (
     ARCH_VARIANTS,
     ParityCase,
     check_chunked_prefill_beside_decode,

@@ -3,7 +3,7 @@ user runs them: the output equals transformers' greedy generation on the same fo
 
 import pytest
 
-from tests.hf_models import check_cli_generate_equals_hf, make_model_cli, random_prompts
+from tests.helpers.hf_models import check_cli_generate_equals_hf, make_model_cli, random_prompts
 
 pytest.importorskip("transformers")
 

@@ -15,8 +15,8 @@ from shared.engine.llm import LLM
 from shared.model.loader import load_model
 from shared.model.models import GptOssForCausalLM, Qwen3MoeForCausalLM
 from shared.model.moe import SparseMoE
-from tests.conftest import PagedDriver
-from tests.hf_models import (
+from tests.helpers.paged_driver import PagedDriver
+from tests.helpers.hf_models import (
     MOE_VARIANTS,
     ParityCase,
     check_chunked_prefill_beside_decode,

@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
 from shared.runtime.rpc import TlsFiles, check_health, open_channel
 from shared.runtime.settings import WorkerSettings
-from tests.certs import Cert, make_ca, make_cert
-from tests.conftest import GRPC_TOKEN
-from tests.mesh_procs import nats_server, span_attributes, start_service, stop_process  # noqa: F401  (fixture)
+from tests.helpers.certs import Cert, make_ca, make_cert
+from tests.helpers.mesh import GRPC_TOKEN
+from tests.helpers.mesh_procs import span_attributes, start_service, stop_process
 from tools.launch.up import free_port, grpc_serving
 
 

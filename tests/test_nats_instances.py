@@ -22,10 +22,10 @@ import pytest
 helm = pytest.importorskip("helm_python")  # noqa: F841  (render_chart uses it)
 
 from shared.runtime import subjects  # noqa: E402
-from tests.mesh_procs import stop_process, wait_for_port  # noqa: E402
-from tests.deploy_harness import containers, kinds, workloads  # noqa: E402
-from tests.test_deploy import render_chart  # noqa: E402
-from tests.test_trust import Client, connected, settle, violations  # noqa: E402
+from tests.helpers.mesh_procs import stop_process, wait_for_port  # noqa: E402
+from tests.helpers.deploy_harness import containers, kinds, workloads  # noqa: E402
+from tests.helpers.helm_chart import render_chart  # noqa: E402
+from tests.helpers.nats_clients import Client, connected, settle, violations  # noqa: E402
 from tools.launch.nats_auth import permissions  # noqa: E402
 from tools.launch.up import find_nats_server, free_port  # noqa: E402
 
@@ -222,7 +222,7 @@ async def test_a_password_without_a_certificate_of_the_chart_ca_is_refused(chart
     of another CA, never reach NATS's login: the handshake fails first."""
     import nats
 
-    from tests.certs import make_ca, make_cert
+    from tests.helpers.certs import make_ca, make_cert
 
     stranger = make_cert(tmp_path, make_ca(tmp_path, "stranger-ca"), "decode")
     for name in ("crt", "key"):
@@ -250,7 +250,7 @@ async def test_users_added_on_upgrade_log_in_without_restarting_nats(tmp_path):
 
     import nats
 
-    from tests.test_deploy import live_secrets
+    from tests.helpers.helm_chart import live_secrets
 
     values = {"nats": {"reloader": {"intervalSeconds": 1}}}
     installed = render_chart(values)

@@ -26,16 +26,10 @@ from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import GAP_TIMEOUT_S, Bus, StreamLost, StreamReader
 from shared.runtime.settings import NatsSettings
-from tests.mesh_procs import nats_server, stop_process, wait_for_port  # noqa: F401  (fixture)
-from tests.test_failover import metric
+from tests.helpers.clock import Clock
+from tests.helpers.mesh_procs import stop_process, wait_for_port
+from tests.helpers.metrics import balancer_metric as metric
 from tools.launch.up import find_nats_server, free_port
-
-
-class Clock:
-    now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def beat(reg: Registry, iid: str, seq: int, connection: str = "") -> None:

@@ -18,8 +18,8 @@ import pytest
 
 from shared.runtime.bus import Bus, nats_password, nats_tls
 from shared.runtime.settings import NatsSettings, load_settings
-from tests.certs import make_ca, make_cert
-from tests.mesh_procs import stop_process, wait_for_port
+from tests.helpers.certs import make_ca, make_cert
+from tests.helpers.mesh_procs import stop_process, wait_for_port
 from tools.launch.nats_auth import MeshCredentials
 from tools.launch.up import find_nats_server, free_port
 

@@ -22,16 +22,9 @@ from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus
 from shared.runtime.settings import BalancerSettings, NatsSettings
-from tests.mesh_procs import nats_server  # noqa: F401  (fixture)
+from tests.helpers.clock import Clock
 
 PROMPT = [1, 2, 3, 4, 5]
-
-
-class Clock:
-    now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Mesh:

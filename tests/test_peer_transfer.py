@@ -16,18 +16,15 @@ from shared.engine.kv_share import open_peer
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.stage.peer_connector import LEASE_MARGIN_S, PeerConnector
-from tests.hf_models import random_prompts, save_tiny_hf_model
-from tests.engine_helpers import run
+from tests.helpers.hf_models import random_prompts
+from tests.helpers.engine_helpers import run
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 HOLD = KVTransferParams(load=True, save=True, wait_for_save=False, hold=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("peer")
-    save_tiny_hf_model("qwen2", path)  # layer 0 full, layers 1-2 sliding: one persistent group
-    return str(path)
+TINY_MODEL = "qwen2"  # layer 0 full, layers 1-2 sliding: one persistent group
+"""The model of model_dir (the root conftest's fixture)."""
 
 
 

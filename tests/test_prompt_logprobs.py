@@ -12,16 +12,12 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.config import EngineConfig
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
-from shared.model.make_model import make_model
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\nprint([fibonacci(i) for i in range(10)])\n"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("prompt-logprobs-model")
-    make_model(path)
-    return str(path)
+TINY_MODEL = "made"
+"""The model of model_dir (the root conftest's fixture)."""
 
 
 def run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from shared.recipe import ChatTemplateError, IncrementalDetokenizer, Recipe, train_tokenizer
+from tests.helpers.chat_templates import QWEN25_TEMPLATE
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,63 +55,6 @@ TOOL_CONVERSATION: list[dict[str, Any]] = [
     {"role": "user", "content": "Thanks"},
 ]
 
-# Qwen2.5's template (tools, tojson, loop lookbehind and lookahead over tool messages).
-QWEN25_TEMPLATE = """{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\\n<tool_call>\\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- message.content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
-
 # Everything else transformers' environment offers: namespace, dict(), loop controls,
 # tojson options, strftime_now, raise_exception, the {% generation %} tag, kwargs.
 KITCHEN_SINK_TEMPLATE = """{{ bos_token }}{% set ns = namespace(system=none, turns=0) %}
@@ -137,25 +81,25 @@ KITCHEN_SINK_TEMPLATE = """{{ bos_token }}{% set ns = namespace(system=none, tur
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("recipe_tokenizer")
     train_tokenizer(folder, 2048, max_corpus_bytes=1_000_000)
     return folder
 
 
 @pytest.fixture(scope="module")
-def recipe(model_dir: Path) -> Recipe:
-    return Recipe.from_pretrained(model_dir)
+def recipe(tokenizer_dir: Path) -> Recipe:
+    return Recipe.from_pretrained(tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> Any:
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
+def reference(tokenizer_dir: Path) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-def _with_template(model_dir: Path, destination: Path, template: str) -> Path:
-    shutil.copy(model_dir / "tokenizer.json", destination / "tokenizer.json")
-    config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+def _with_template(tokenizer_dir: Path, destination: Path, template: str) -> Path:
+    shutil.copy(tokenizer_dir / "tokenizer.json", destination / "tokenizer.json")
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     config["chat_template"] = template
     (destination / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     return destination
@@ -186,9 +130,9 @@ def test_default_template_rejects_unknown_roles(recipe: Recipe) -> None:
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("with_tools", [True, False])
 def test_qwen_template_with_tools_matches_transformers(
-    model_dir: Path, tmp_path: Path, with_tools: bool, add_generation_prompt: bool
+    tokenizer_dir: Path, tmp_path: Path, with_tools: bool, add_generation_prompt: bool
 ) -> None:
-    folder = _with_template(model_dir, tmp_path, QWEN25_TEMPLATE)
+    folder = _with_template(tokenizer_dir, tmp_path, QWEN25_TEMPLATE)
     tools = TOOLS if with_tools else None
     expected = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
         TOOL_CONVERSATION, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -209,17 +153,17 @@ def test_qwen_template_with_tools_matches_transformers(
     ],
 )
 def test_kitchen_sink_template_matches_transformers(
-    model_dir: Path, tmp_path: Path, conversation: list[dict[str, Any]], kwargs: dict[str, Any]
+    tokenizer_dir: Path, tmp_path: Path, conversation: list[dict[str, Any]], kwargs: dict[str, Any]
 ) -> None:
-    folder = _with_template(model_dir, tmp_path, KITCHEN_SINK_TEMPLATE)
+    folder = _with_template(tokenizer_dir, tmp_path, KITCHEN_SINK_TEMPLATE)
     expected = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
         conversation, tools=TOOLS, tokenize=False, add_generation_prompt=True, **kwargs
     )
     assert Recipe.from_pretrained(folder).apply_chat_template(conversation, tools=TOOLS, **kwargs) == expected
 
 
-def test_raise_exception_becomes_chat_template_error(model_dir: Path, tmp_path: Path) -> None:
-    folder = _with_template(model_dir, tmp_path, KITCHEN_SINK_TEMPLATE)
+def test_raise_exception_becomes_chat_template_error(tokenizer_dir: Path, tmp_path: Path) -> None:
+    folder = _with_template(tokenizer_dir, tmp_path, KITCHEN_SINK_TEMPLATE)
     bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(Exception, match="must alternate"):
         transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(bad, tokenize=False)
@@ -227,8 +171,8 @@ def test_raise_exception_becomes_chat_template_error(model_dir: Path, tmp_path: 
         Recipe.from_pretrained(folder).apply_chat_template(bad)
 
 
-def test_reads_chat_template_jinja_written_by_transformers(model_dir: Path, tmp_path: Path) -> None:
-    saver = transformers.AutoTokenizer.from_pretrained(model_dir)
+def test_reads_chat_template_jinja_written_by_transformers(tokenizer_dir: Path, tmp_path: Path) -> None:
+    saver = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     saver.chat_template = QWEN25_TEMPLATE
     saver.save_pretrained(tmp_path)
     # transformers 5.24 moves the template out of tokenizer_config.json into its own file.
@@ -240,8 +184,8 @@ def test_reads_chat_template_jinja_written_by_transformers(model_dir: Path, tmp_
     )
 
 
-def test_model_without_chat_template(model_dir: Path, tmp_path: Path) -> None:
-    shutil.copy(model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+def test_model_without_chat_template(tokenizer_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     recipe = Recipe.from_pretrained(tmp_path)
     assert not recipe.has_chat_template
     assert recipe.encode("x") == recipe.encode("x", add_special_tokens=True)
@@ -254,9 +198,9 @@ def test_missing_tokenizer_json(tmp_path: Path) -> None:
         Recipe.from_pretrained(tmp_path)
 
 
-def test_generation_config_eos_joins_the_eos_set(model_dir: Path, tmp_path: Path) -> None:
+def test_generation_config_eos_joins_the_eos_set(tokenizer_dir: Path, tmp_path: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, tmp_path / name)
+        shutil.copy(tokenizer_dir / name, tmp_path / name)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3], "bos_token_id": 0}))
     assert Recipe.from_pretrained(tmp_path).eos_token_ids == frozenset({1, 3})
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))

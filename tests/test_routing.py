@@ -10,14 +10,7 @@ from services.balancer.registry import MIN_INTERVAL_S, Registry
 from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
 from shared.runtime.kv_events import MAX_EVENT_HASHES, kv_event_messages
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers.clock import Clock
 
 
 def beat(reg: Registry, stage: str, iid: str, draining: bool = False, **load) -> None:

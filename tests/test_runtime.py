@@ -10,7 +10,6 @@ from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamReader, StreamTimeout
 from shared.runtime.settings import NatsSettings, describe, field_docs, load_settings
-from tests.mesh_procs import nats_server  # noqa: F401
 
 
 def test_settings_defaults_then_yaml_then_env(tmp_path):

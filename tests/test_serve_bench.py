@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from tests.mesh_procs import sample, scrape
+from tests.helpers.metrics import sample, scrape
 from tools.bench.openai_stream import RequestResult
 from tools.bench.serve_bench import LoadLevel, Slo, api_base, arrival_gaps, summarize
 from tools.bench.workloads import WorkloadConfig, make_sessions

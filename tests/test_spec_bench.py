@@ -3,7 +3,7 @@ without speculation, the figures are consistent, the JSON and the table are writ
 
 import json
 
-from tests.hf_models import save_tiny_hf_model
+from tests.helpers.hf_models import save_tiny_hf_model
 from tools.bench.spec_bench import main
 
 

@@ -4,7 +4,6 @@ distributed as the target's), rejected slots rolled back in every KV group, with
 chunked prefill, continuous batching, preemption and prefix caching; fallbacks
 counted; the trained pair's draft model accepted on Python."""
 
-import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,8 @@ import shared.engine.spec.speculator as speculator_module
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import random_prompts, save_tiny_hf_model
+from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
+from tests.helpers.numerics import chi2_p_value_even_df
 
 TRAINED = Path(__file__).resolve().parents[1] / "models" / "trained"
 SMALL = dict(block_size=4, prefill_chunk_size=8, max_num_batched_tokens=24)
@@ -140,11 +140,6 @@ def test_fallbacks_are_counted_and_decode_normally(target):
     assert spec.engine.load().spec_fallbacks["async_scheduling"] > 0  # asked for, given up for drafting
 
 
-def _chi2_p_value_even_df(stat: float, df: int) -> float:
-    m, x = df // 2, stat / 2
-    return math.exp(-x) * sum(x**i / math.factorial(i) for i in range(m))
-
-
 def test_sampled_speculation_emits_the_targets_distribution(tmp_path):
     import transformers
 
@@ -172,7 +167,7 @@ def test_sampled_speculation_emits_the_targets_distribution(tmp_path):
     assert load.num_spec_verifications >= n  # every second token came out of verification
     assert 0 < load.num_spec_accepted_tokens < load.num_spec_drafted_tokens
     stat = float(((counts - n * expected_t2) ** 2 / (n * expected_t2)).sum())
-    assert _chi2_p_value_even_df(stat, vocab - 1) > 1e-4
+    assert chi2_p_value_even_df(stat, vocab - 1) > 1e-4
 
 
 @pytest.mark.skipif(not (TRAINED / "draft" / "model.safetensors").is_file(), reason="the trained pair is not here")

@@ -19,7 +19,7 @@ from shared.engine.spec.mtp_drafter import MtpDrafter
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.loader import load_model
 from shared.model.mtp import MtpLayer, load_mtp, save_mtp
-from tests.hf_models import hf_logits, random_prompts, save_tiny_hf_model
+from tests.helpers.hf_models import hf_logits, random_prompts, save_tiny_hf_model
 
 TRAINED = Path(__file__).resolve().parents[1] / "models" / "trained" / "target"
 SMALL = dict(block_size=4, prefill_chunk_size=8, max_num_batched_tokens=24)

@@ -24,6 +24,7 @@ from shared.engine.spec.schedule import (
     schedule_greedy,
     schedule_with_capacity,
 )
+from tests.helpers.numerics import chi2_p_value_even_df
 
 # -- drafting ---------------------------------------------------------------------------
 
@@ -211,12 +212,6 @@ def test_greedy_verification_emits_the_targets_argmax_sequence():
     assert out.num_accepted == 1 and out.tokens == [3, 1]  # the second is corrected
 
 
-def _chi2_p_value_even_df(stat: float, df: int) -> float:
-    """P(X > stat) for a chi-square variable with even df (closed form)."""
-    m, x = df // 2, stat / 2
-    return math.exp(-x) * sum(x**i / math.factorial(i) for i in range(m))
-
-
 def _first_token_counts(verifier, p, q, n, seed) -> torch.Tensor:  # noqa: ANN001
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(p.shape[1])
@@ -235,7 +230,7 @@ def test_rejection_sampling_emits_the_targets_distribution_and_a_broken_verifier
 
     def chi2(counts: torch.Tensor) -> float:
         expected = p[0] * n
-        return _chi2_p_value_even_df(float(((counts - expected) ** 2 / expected).sum()), vocab - 1)
+        return chi2_p_value_even_df(float(((counts - expected) ** 2 / expected).sum()), vocab - 1)
 
     assert chi2(_first_token_counts(verify_sampled, p, q, n, seed=1)) > 1e-4
 

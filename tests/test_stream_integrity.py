@@ -8,7 +8,6 @@ or work for an instance that does not exist)."""
 
 import asyncio
 import concurrent.futures
-import re
 import threading
 import time
 import urllib.request
@@ -23,7 +22,7 @@ from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamReader
 from shared.runtime.settings import NatsSettings
-from tests.mesh_procs import nats_server  # noqa: F401  (fixture)
+from tests.helpers.metrics import balancer_metric as metric
 from tools.launch.trace_view import load_spans
 
 ENV = {"INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2"}
@@ -71,17 +70,6 @@ async def test_the_reader_takes_tokens_only_from_its_source_and_errors_from_pref
 
 
 # -- against a mesh ------------------------------------------------------------------------
-
-
-def metric(mesh, name: str, **labels: str) -> float:
-    """A counter of the balancer's /metrics (0 when it has no such series yet)."""
-    with urllib.request.urlopen(mesh.api_url.removesuffix("/v1") + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    want = "".join(f'(?=[^}}]*{k}="{re.escape(v)}")' for k, v in labels.items())
-    total = 0.0
-    for m in re.finditer(rf"^infermesh_balancer_{name}(?:\{{{want}[^}}]*\}})? ([0-9.e+]+)$", text, re.M):
-        total += float(m.group(1))
-    return total
 
 
 def ready(mesh) -> dict:

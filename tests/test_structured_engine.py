@@ -7,8 +7,6 @@ cache; invalid grammars refused with a message; the matcher's per-draft masks.""
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -21,8 +19,7 @@ from shared.engine.structured.grammar import build_grammar
 from shared.engine.structured.matcher import GrammarState, bitmask_words
 from shared.engine.structured.spec import StructuredSpec
 
-sys.path.insert(0, str(Path(__file__).parent))
-from structured_schemas import MAX_TOKENS, NUM_SCHEMAS, random_prompt, random_schema  # noqa: E402
+from tests.helpers.structured_schemas import MAX_TOKENS, NUM_SCHEMAS, random_prompt, random_schema
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,13 @@ bad constraints get 400s naming the field."""
 import asyncio
 import json
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from structured_schemas import MAX_TOKENS, NUM_SCHEMAS, random_prompt, random_schema  # noqa: E402
+from tests.helpers.structured_schemas import MAX_TOKENS, NUM_SCHEMAS, random_prompt, random_schema
 
 MESH = dict(num_prefill=1, num_decode=1, extra_env={"INFERMESH_ENGINE__SPECULATIVE": "ngram"})
 

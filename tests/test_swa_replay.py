@@ -20,8 +20,8 @@ from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.request import Request  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
-from tests.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
-from tests.engine_helpers import run  # noqa: E402
+from tests.helpers.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
+from tests.helpers.engine_helpers import run  # noqa: E402
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

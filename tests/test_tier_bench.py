@@ -8,7 +8,6 @@ import json
 import pytest
 
 from shared.engine.host_tier import HostTierConnector
-from shared.model.make_model import make_model
 from tools.bench.tier_bench import TIERS, TierBenchError, main, run_tier_bench
 
 PROMPT_LEN, BLOCK = 512, 16
@@ -16,11 +15,8 @@ CACHED = int(PROMPT_LEN * 0.9) // BLOCK * BLOCK  # 448: the prefix an earlier re
 BLOCKS = CACHED // BLOCK
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("tier-model")
-    make_model(path, tokenizer=False)  # token-id prompts
-    return str(path)
+TINY_MODEL = "made-token-ids"  # token-id prompts
+"""The model of model_dir (the root conftest's fixture)."""
 
 
 def test_each_row_hits_its_own_tier_and_matches_cold(model_dir, tmp_path, capsys):

@@ -27,7 +27,7 @@ from services.balancer.tool_schema import structured_outputs_available
 from shared.model.make_model import make_model
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings
-from tests.test_recipe import QWEN25_TEMPLATE
+from tests.helpers.chat_templates import QWEN25_TEMPLATE
 
 transformers = pytest.importorskip("transformers")
 

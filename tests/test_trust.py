@@ -7,7 +7,6 @@ it: forged kvcache writes without the token, what listens where, a worker
 killed with SIGKILL (restarted, the mesh serves again) and `up` killed with
 SIGKILL (no child survives it)."""
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -28,11 +27,11 @@ from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import inbox_prefix
 from shared.runtime.rpc import open_channel
-from tests.mesh_procs import ROOT, stop_process, wait_for_port
+from tests.helpers.mesh_procs import ROOT, stop_process, wait_for_port
+from tests.helpers.nats_clients import Client, connected, settle, violations
 from tools.launch.nats_auth import MeshCredentials, stream_subjects
 from tools.launch.up import find_nats_server, free_port
 
-QUIET_S = 0.5  # how long "nothing arrives" is watched, after a flush of both sides
 STREAMS_NAME_THE_INSTANCE = stream_subjects("decode-0") != stream_subjects("*")
 
 
@@ -66,66 +65,8 @@ def auth_nats(tmp_path_factory):
     stop_process(server.proc)
 
 
-class Client:
-    """A NATS connection that records the server's permission errors."""
-
-    def __init__(self) -> None:
-        self.nc: nats.NATS | None = None
-        self.errors: list[str] = []
-
-    async def connect(self, url: str, user: str | None, password: str | None) -> "Client":
-        async def on_error(exc: Exception) -> None:
-            self.errors.append(str(exc))
-
-        self.nc = await asyncio.wait_for(nats.connect(
-            url, user=user, password=password, inbox_prefix=inbox_prefix(user), allow_reconnect=False,
-            max_reconnect_attempts=0, connect_timeout=2, error_cb=on_error,
-        ), 5)
-        return self
-
-    async def received(self, subject: str) -> list[nats.aio.msg.Msg]:
-        """Subscribe; the list fills as messages arrive."""
-        got: list = []
-
-        async def on_msg(msg) -> None:  # noqa: ANN001
-            got.append(msg)
-
-        await self.nc.subscribe(subject, cb=on_msg)
-        await self.nc.flush()
-        return got
-
-
 async def as_user(server: AuthNats, user: str) -> Client:
     return await Client().connect(server.url, user, server.creds.users[user].password)
-
-
-async def settle(*clients: Client, until=None) -> None:  # noqa: ANN001
-    """Flush every client, wait (up to 10 s) for until() where something must arrive,
-    then watch QUIET_S more for what must not."""
-    for c in clients:
-        await c.nc.flush()
-    deadline = asyncio.get_running_loop().time() + 10
-    while until is not None and not until() and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(QUIET_S)
-
-
-async def connected(sender: Client, subject: str, got: list, *receivers: Client) -> None:
-    """Publish on subject until got holds it (up to 10 s), then empty got: a freshly
-    made pair of connections sometimes loses its first messages (nats-server 2.9, seen
-    in 1 of 8 tries with or without accounts), which would pass for a refusal."""
-    deadline = asyncio.get_running_loop().time() + 10
-    while not got:
-        assert asyncio.get_running_loop().time() < deadline, f"nothing on {subject} arrives"
-        await sender.nc.publish(subject, b"hello")
-        for c in (sender, *receivers):
-            await c.nc.flush()
-        await asyncio.sleep(0.1)
-    got.clear()
-
-
-def violations(client: Client, kind: str) -> list[str]:
-    return [e for e in client.errors if "permissions violation" in e.lower() and kind.lower() in e.lower()]
 
 
 @pytest.mark.asyncio

@@ -14,7 +14,7 @@ import promql_parser
 import pytest
 
 from shared.runtime.vllm_metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, one_two_five_buckets
-from tests.mesh_procs import Samples, sample as value, scrape
+from tests.helpers.metrics import Samples, sample as value, scrape
 
 MESH = dict(
     num_prefill=1,

@@ -23,7 +23,7 @@ from shared.runtime.metrics import Metrics
 from shared.runtime.service import ServiceContext
 from shared.runtime.settings import load_settings
 from shared.stage.worker import Dispatch, Worker, serve_engine_stage
-from tests.mesh_procs import NatsServer
+from tests.helpers.mesh_procs import NatsServer
 from tools.launch.up import free_port
 
 

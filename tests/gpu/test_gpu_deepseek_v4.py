@@ -11,7 +11,7 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from tests.deepseek_v4_models import save_tiny_v4
+from tests.helpers.deepseek_v4_models import save_tiny_v4
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

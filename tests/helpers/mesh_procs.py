@@ -9,12 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from tools.launch.trace_view import load_spans
 from tools.launch.up import find_nats_server, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root."""
 
 
 def wait_for_port(port: int, timeout_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
@@ -65,13 +64,6 @@ def start_service(stage: str, env: dict[str, str], log_path: Path) -> subprocess
     )
 
 
-@pytest.fixture(scope="session")
-def nats_server(tmp_path_factory):
-    server = NatsServer(tmp_path_factory.mktemp("nats"))
-    yield server
-    server.stop()
-
-
 def span_attributes(trace_dir: Path, request_id: str, name: str, timeout_s: float = 30.0) -> dict:
     """The attributes of the span `name` in a request's trace, once it has reached the
     trace files (spans are written when they end, in batches)."""
@@ -85,27 +77,3 @@ def span_attributes(trace_dir: Path, request_id: str, name: str, timeout_s: floa
                 return found[0]["attributes"]
         time.sleep(0.2)
     raise AssertionError(f"no {name} span of {request_id} within {timeout_s} s")
-
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-"""A Prometheus scrape: (series name, labels) -> value."""
-
-
-def scrape(url: str) -> Samples:
-    """Every sample a /metrics endpoint serves."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url, timeout=10).raise_for_status().text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def sample(samples: Samples, name: str, **labels: str) -> float:
-    """The one sample of `name` whose labels include `labels`."""
-    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
-    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
-    return found[0]

@@ -28,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.nats_users import COMPOSE_INSTANCES
-from tests.mesh_procs import ROOT, free_port, start_service
+from tests.helpers.mesh_procs import ROOT, free_port, start_service
 from tools.launch.up import find_nats_server, grpc_serving, http_ok
 
 DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
@@ -267,7 +267,7 @@ def nats_refuses_strangers(env: dict[str, str], tmp: Path) -> None:
 
     import nats
 
-    from tests.certs import make_ca, make_cert
+    from tests.helpers.certs import make_ca, make_cert
 
     url, tls_ca, tls_cert, tls_key = (env.get(f"INFERMESH_NATS__{k}") for k in ("URL", "TLS_CA", "TLS_CERT", "TLS_KEY"))
 

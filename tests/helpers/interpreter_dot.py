@@ -7,10 +7,9 @@ differently). A tensor-core tile product has no such dependence, so these tests 
 product that sums each element's K products in order (numpy reduces a middle axis of a
 C-ordered array slice by slice), whatever the operands' layouts (the persistent kernel's
 weight tile arrives transposed): what is compared is then the kernels' own reduction
-order. A test module uses it by importing the autouse fixture ``place_free_dot``, after
-setting TRITON_INTERPRET (see test_kernels)."""
-
-from collections.abc import Iterator
+order. A test module uses it through the root conftest's fixture ``place_free_dot``
+(pytestmark = pytest.mark.usefixtures("place_free_dot")), after setting
+TRITON_INTERPRET (see test_kernels)."""
 
 import numpy as np
 import pytest
@@ -25,7 +24,6 @@ def _place_free_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # n
     return TensorHandle(np.sum(products, axis=-2) + d.data, d.dtype.scalar)
 
 
-@pytest.fixture(autouse=True)
-def place_free_dot(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def use_place_free_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The place-free dot in the interpreter until the test ends (monkeypatch undoes it)."""
     monkeypatch.setattr(InterpreterBuilder, "create_dot", _place_free_dot)
-    yield

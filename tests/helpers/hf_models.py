@@ -173,8 +173,8 @@ def parity_case(path: Path, prompt_lens: Sequence[int], num_decode: int, seed: i
 
 def check_prefill_then_decode(case: ParityCase, driver: Any, num_decode: int, tolerance: float) -> None:
     """One varlen prefill of every prompt, then num_decode batched single-token steps,
-    each within tolerance (tests.conftest.rel_err) of transformers' logits."""
-    from tests.conftest import rel_err
+    each within tolerance (tests.helpers.numerics.rel_err) of transformers' logits."""
+    from tests.helpers.numerics import rel_err
 
     out = driver.step(dict(enumerate(case.prompts)))
     for s, prompt in enumerate(case.prompts):
@@ -191,7 +191,7 @@ def check_chunked_prefill_beside_decode(
 ) -> None:
     """Sequence 2 prefilled in the given chunks; sequence 0 prefilled in the first step
     and decoding one token beside each later chunk."""
-    from tests.conftest import rel_err
+    from tests.helpers.numerics import rel_err
 
     long, short = case.full[2], case.full[0]
     for step, (a, b) in enumerate(chunks):
