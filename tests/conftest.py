@@ -1,6 +1,7 @@
 """The fixtures every tier shares: real processes (a nats-server, a kvcache
 process, the mesh), the tiny models tests run on, and the interpreter's place-free
-dot. Plain helpers live in tests/helpers/; this file is never imported as a module.
+dot; and the hook that marks each test with its tier (its folder). Plain helpers
+live in tests/helpers/; this file is never imported as a module.
 
 At import, this process's gRPC clients get the session's token (the meshes'
 GRPC_TOKEN)."""
@@ -9,6 +10,7 @@ import asyncio
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,19 @@ from tests.helpers.mesh_procs import NatsServer, stop_process
 from tools.launch.up import Mesh
 
 rpc.configure(GRPC_TOKEN, "127.0.0.1")
+
+TIERS = ("unit", "parity", "mesh", "deploy", "gpu")
+"""The tier folders under tests/, each the name of its registered marker (pyproject.toml)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test with its tier, the folder it lies in: `pytest -m unit` runs the unit tier."""
+    tests = Path(__file__).parent
+    for item in items:
+        tier = item.path.relative_to(tests).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lies in a tier folder ({', '.join(TIERS)}), not in {tier}")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 # -- processes ------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from shared.model.loader import load_model
 from shared.model.mtp import MtpLayer, load_mtp, save_mtp
 from tests.helpers.hf_models import hf_logits, random_prompts, save_tiny_hf_model
 
-TRAINED = Path(__file__).resolve().parents[1] / "models" / "trained" / "target"
+TRAINED = Path(__file__).resolve().parents[2] / "models" / "trained" / "target"
 SMALL = dict(block_size=4, prefill_chunk_size=8, max_num_batched_tokens=24)
 """Prompts span blocks, prefill is chunked, decode steps mix with prefill chunks."""
 

@@ -253,7 +253,7 @@ def test_requests_that_end_without_finishing_count_as_abort_or_error():
     assert registry.get_sample_value("infermesh_balancer_completion_tokens_total") == 3
 
 
-DASHBOARD = Path(__file__).parent.parent / "deploy" / "helm" / "infermesh" / "files" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).parents[2] / "deploy" / "helm" / "infermesh" / "files" / "grafana-dashboard.json"
 VLLM_PANEL_SERIES = {
     "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
     "vllm:e2e_request_latency_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",

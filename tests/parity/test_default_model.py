@@ -11,7 +11,7 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.recipe import Recipe
 
-ROOT = Path(__file__).resolve().parent.parent / "models" / "trained"
+ROOT = Path(__file__).resolve().parents[2] / "models" / "trained"
 
 
 def test_the_pair_fits_the_repository_and_shares_one_tokenizer():

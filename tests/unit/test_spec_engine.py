@@ -16,7 +16,7 @@ from shared.engine.sampling_params import SamplingParams
 from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
 from tests.helpers.numerics import chi2_p_value_even_df
 
-TRAINED = Path(__file__).resolve().parents[1] / "models" / "trained"
+TRAINED = Path(__file__).resolve().parents[2] / "models" / "trained"
 SMALL = dict(block_size=4, prefill_chunk_size=8, max_num_batched_tokens=24)
 """Prompts span blocks, prefill is chunked, decode steps mix with prefill chunks."""
 

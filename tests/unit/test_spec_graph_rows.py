@@ -19,7 +19,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.step_inputs import fill_placeholders
 from shared.model.forward_batch import AttentionMetadata
 
-TRAINED_DIR = Path(__file__).resolve().parents[1] / "models" / "trained"
+TRAINED_DIR = Path(__file__).resolve().parents[2] / "models" / "trained"
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 13, 9, 13, 9, 13, 21] * 3, [7, 8, 7, 8, 7, 8, 11], [100, 200, 300, 400] * 2]
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "models" / "trained" / "target"
 TASKS_DIR = ROOT / "tests" / "data" / "lm_eval"
 CLOZE, PERPLEXITY = "infermesh_pycloze", "infermesh_pycode_perplexity"

@@ -13,7 +13,7 @@ import torch
 from shared.engine.spec.draft_model import DraftModelDrafter
 from shared.model.loader import load_model
 
-DRAFT = Path(__file__).resolve().parents[1] / "models" / "trained" / "draft"
+DRAFT = Path(__file__).resolve().parents[2] / "models" / "trained" / "draft"
 transformers = pytest.importorskip("transformers")
 
 

@@ -20,7 +20,7 @@ from shared.engine.spec.draft_model import DraftModelDrafter, _common_prefix
 from shared.engine.spec.verify import verify_batch, verify_request
 from shared.model.loader import load_model
 
-TRAINED = Path(__file__).resolve().parents[1] / "models" / "trained"
+TRAINED = Path(__file__).resolve().parents[2] / "models" / "trained"
 
 
 def _fit_by_definition(observations: list[tuple[list[float], int]], max_positions: int) -> list[float]:
