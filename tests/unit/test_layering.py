@@ -135,3 +135,33 @@ def test_engine_dtypes_all_have_a_torch_dtype():
     assert [torch_dtype(d) for d in DTYPES] == [torch.float32, torch.bfloat16, torch.float16]
     with pytest.raises(ValueError, match="dtype must be one of"):
         torch_dtype("float64")
+
+
+def test_tests_share_code_through_tests_helpers_only():
+    """No module under tests/ imports a test module or a conftest (fixtures reach tests
+    through the conftest.py files, which pytest loads; a conftest is never imported):
+    what tests share is in tests.helpers. Also refused: a relative import, and a bare
+    import of a file under tests/ (through a sys.path entry), which would dodge the rule."""
+    tests = ROOT / "tests"
+    files = sorted(tests.rglob("*.py"))
+    assert len(files) > 90, "the walk found too few files"
+    local = {p.stem for p in files} - {"__init__"}
+    wrong = []
+    for path in files:
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                wrong.append(f"{where}:{node.lineno} imports relatively (from {'.' * node.level}{node.module or ''})")
+                continue
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module] if node.module != "tests" else [f"tests.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if within(name, "tests.helpers") or name == "tests":
+                    continue
+                if within(name, "tests") or name.split(".")[0] in local:
+                    wrong.append(f"{where}:{node.lineno} imports {name}")
+    assert not wrong, "import from tests.helpers instead:\n" + "\n".join(wrong)
