@@ -11,6 +11,7 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from shared.model.make_model import make_model
 from shared.runtime import rpc
 from tests.helpers.hf_models import save_tiny_hf_model
 from tests.helpers.kvcache_proc import KVCacheProc, start_kvcache, wait_serving
-from tests.helpers.mesh import GRPC_TOKEN, running_mesh
+from tests.helpers.mesh import GRPC_TOKEN, mesh_key, running_mesh
 from tests.helpers.mesh_procs import NatsServer, stop_process
 from tools.launch.up import Mesh
 
@@ -68,11 +69,36 @@ def mesh_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def shared_meshes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, dict[str, Any]], Mesh]]:
+    """The meshes that modules with MESH_SHARED = True share: one per (model folder,
+    MESH), started on first use and stopped when the session ends."""
+    started: dict[str, Mesh] = {}
+    with ExitStack() as stack:
+
+        def get(model_dir: str, options: dict[str, Any]) -> Mesh:
+            key = mesh_key(model_dir, options)
+            if key not in started:
+                started[key] = stack.enter_context(
+                    running_mesh(model_dir, tmp_path_factory.mktemp("shared-mesh-state"), **options)
+                )
+            return started[key]
+
+        yield get
+
+
 @pytest.fixture(scope="module")
 def mesh(mesh_model_dir: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Mesh]:
-    """One mesh shared by the tests of a module, shaped by the module's MESH dict
-    (num_prefill, num_decode, extra_env). Its tests must leave it as they found it."""
-    with running_mesh(mesh_model_dir, tmp_path_factory.mktemp("mesh-state"), **getattr(request.module, "MESH", {})) as m:
+    """The mesh of a module's tests, shaped by the module's MESH dict (num_prefill,
+    num_decode, extra_env). Its tests must leave it as they found it. A module with
+    MESH_SHARED = True gets the session's mesh of that model and MESH, shared with other
+    such modules: only for modules whose assertions hold on a mesh that served others
+    before (deltas, not counters from zero; prompts of their own)."""
+    options = getattr(request.module, "MESH", {})
+    if getattr(request.module, "MESH_SHARED", False):
+        yield request.getfixturevalue("shared_meshes")(mesh_model_dir, options)
+        return
+    with running_mesh(mesh_model_dir, tmp_path_factory.mktemp("mesh-state"), **options) as m:
         yield m
 
 

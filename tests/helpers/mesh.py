@@ -8,6 +8,7 @@ a test). A mesh makes its NATS users itself: tests reach its NATS as
 mesh.nats_url's operator (admin)."""
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,12 @@ from tools.launch.up import Mesh, StartFailed, free_port
 
 GRPC_TOKEN = new_password()
 """The gRPC token of every mesh of the session (and of this process's clients)."""
+
+
+def mesh_key(model_dir: str, options: dict[str, Any]) -> str:
+    """What makes two meshes the same: the model folder and Mesh's options (a module's
+    MESH), as one string. Modules whose meshes have the same key may share one."""
+    return json.dumps([model_dir, options], sort_keys=True)
 
 
 @contextmanager

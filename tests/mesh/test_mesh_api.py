@@ -22,6 +22,7 @@ MESH = dict(
     num_decode=1,
     extra_env={"INFERMESH_ENGINE__BLOCK_SIZE": "16", "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2"},
 )
+MESH_SHARED = True  # shares the session's mesh of this MESH (conftest.py's `mesh`): its assertions hold on a used one
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return", "Once upon a time, there", "1, 2, 3, 4,"]
 
 

@@ -27,6 +27,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa
 from langchain_core.utils.function_calling import convert_to_openai_tool  # noqa: E402
 
 MESH = dict(num_prefill=1, num_decode=1, extra_env={"INFERMESH_ENGINE__BLOCK_SIZE": "16"})
+MESH_SHARED = True  # shares the session's mesh of this MESH (conftest.py's `mesh`): its assertions hold on a used one
 needs_structured = pytest.mark.skipif(
     not structured_outputs_available(), reason="needs structured outputs (issue 14 point 1: SamplingParams.structured)"
 )

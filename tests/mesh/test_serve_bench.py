@@ -173,6 +173,7 @@ def test_a_server_that_refuses_counts_failures_and_exits_1(local_api, tmp_path):
 
 
 MESH = dict(num_prefill=1, num_decode=1, extra_env={"INFERMESH_ENGINE__BLOCK_SIZE": "16"})
+MESH_SHARED = True  # shares the session's mesh of this MESH (conftest.py's `mesh`): its assertions hold on a used one
 
 
 def test_against_a_mesh_started_separately(mesh, tmp_path):
