@@ -12,7 +12,7 @@
   host names pointed at 127.0.0.1 and container ports and paths at free local
   ones; every service becomes healthy by the health checks and probes of the
   files themselves, serves a completion, and exports traces over OTLP
-  (tests/deploy_harness.py starts it).
+  (tests/helpers/deploy_harness.py starts it).
 """
 
 import base64
@@ -703,7 +703,7 @@ def test_grafana_provisioning_matches_the_compose_mounts():
     assert prometheus["url"] == "http://prometheus:9090" and "prometheus" in compose_config()["services"]
 
 
-# -- starting the mesh as compose and the chart do (tests/deploy_harness.py) ----------------------
+# -- starting the mesh as compose and the chart do (tests/helpers/deploy_harness.py) ----------------------
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ ARCH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-# The MoE families (tests/test_moe_parity.py): several sparse/dense layer mixes, windows.
+# The MoE families (tests/parity/test_moe_parity.py): several sparse/dense layer mixes, windows.
 MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Layers 0 and 2 sparse, layer 1 dense (mlp_only_layers), renormalised top-2 of 8.
     "qwen3_moe": (

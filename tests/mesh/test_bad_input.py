@@ -1,7 +1,7 @@
 """Bad input through the whole mesh (real processes, conftest.py's `mesh`): values
 that would not fit their protobuf field, or a NATS message, are a 400 naming the
 field at the balancer's edge, never a 5xx from deep in the mesh; the largest
-values that fit cross every hop. tests/test_openai_api.py has the full table of
+values that fit cross every hop. tests/unit/test_openai_api.py has the full table of
 bad inputs against the HTTP layer over a local engine."""
 
 import json

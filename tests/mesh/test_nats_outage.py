@@ -1,5 +1,5 @@
 """A NATS outage as the balancer lives it (issue 11), piece by piece; the whole of
-it under load, 32 streams through a NATS restart, is tests/test_failover.py's.
+it under load, 32 streams through a NATS restart, is tests/mesh/test_failover.py's.
 
 - The registry does not read the balancer's own outage as every instance's death:
   paused while the connection is down, silence counts again only a grace after it

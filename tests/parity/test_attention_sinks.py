@@ -1,7 +1,7 @@
 """Attention sinks (GPT-OSS): the PyTorch reference against a direct per-sequence
 softmax with the sink column, then both Triton paged kernels against the reference
 under Triton's interpreter, then a tiny GPT-OSS model with kernels="triton" against
-kernels="torch". As in tests/test_kernels.py, TRITON_INTERPRET is set before any
+kernels="torch". As in tests/parity/test_kernels.py, TRITON_INTERPRET is set before any
 kernel module is imported."""
 
 import os

@@ -15,7 +15,7 @@ matrix differently: a row moved from place 31 to place 0 of a 32-row product cha
 in the last bit). A tensor-core tile product has no such dependence: every element's
 sum runs through the same MMA instructions. So this module swaps the interpreter's
 dot for a product whose per-element sum does not depend on the row's place
-(tests/interpreter_dot.py): what these tests check is the kernels' own logic (one tile
+(tests/helpers/interpreter_dot.py): what these tests check is the kernels' own logic (one tile
 configuration for every M, K and KV tiles in one order, no batch-chosen splits, one
 code path per key); tests/gpu/test_gpu_batch_invariant.py checks the hardware's part.
 

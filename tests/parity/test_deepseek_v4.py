@@ -1,5 +1,5 @@
 """DeepSeek-V4 against transformers 5.24, float32, on tiny seeded checkpoints saved by
-transformers (tests/deepseek_v4_models.py: sliding, CSA and HCA layer mixes, hash and
+transformers (tests/helpers/deepseek_v4_models.py: sliding, CSA and HCA layer mixes, hash and
 learned routing, YaRN, 2 and 3 mHC streams), with prompts of 300+ tokens: longer than
 the window (16) and spanning many compression windows (4 and 16 tokens).
 

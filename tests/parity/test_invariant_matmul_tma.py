@@ -14,7 +14,7 @@ float16 only: the interpreter gets bf16 wrong silently (see test_kernels); the H
 
 As in test_batch_invariant_triton, the interpreter's dot is swapped for one whose
 per-element sum over K does not depend on the element's place in the tile (numpy's
-matmul does; tests/interpreter_dot.py), so that what is compared is the kernels' own
+matmul does; tests/helpers/interpreter_dot.py), so that what is compared is the kernels' own
 reduction order.
 
 TRITON_INTERPRET must be set before any kernel module is imported (see test_kernels).

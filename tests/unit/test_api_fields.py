@@ -1,7 +1,7 @@
 """vLLM's OpenAI fields and endpoints on the balancer's HTTP layer over a real
 in-process engine (LocalGenerator, uvicorn on a free port): each field has the
 effect vLLM gives it, checked against the engine or transformers, or is refused
-with a 400 naming it. tests/test_mesh_api.py runs the same requests through the mesh."""
+with a 400 naming it. tests/mesh/test_mesh_api.py runs the same requests through the mesh."""
 
 import asyncio
 import json

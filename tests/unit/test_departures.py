@@ -2,7 +2,7 @@
 body names another instance than its subject is refused and counted; a closed
 NATS connection makes its instance leave at once, but only when the
 connection's user could have been that instance. (Real advisories from a real
-nats-server: tests/test_trust.py; a real kill under load: tests/test_failover.py.)"""
+nats-server: tests/mesh/test_trust.py; a real kill under load: tests/mesh/test_failover.py.)"""
 
 import json
 

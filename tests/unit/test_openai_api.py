@@ -407,7 +407,7 @@ BAD_INPUTS = [
      "messages.1.tool_calls.0.function.arguments"),
     (_CHAT, {"messages": [{"role": "tool", "content": "1"}]}, "messages.0.tool_call_id"),
     (_CHAT, {"messages": [{"role": "user", "content": "1", "tool_call_id": "call_1"}]}, "messages.0.tool_call_id"),
-    # Structured outputs (structured_outputs.py; tests/test_structured_mesh.py has the rest).
+    # Structured outputs (structured_outputs.py; tests/mesh/test_structured_mesh.py has the rest).
     (_CHAT, {"response_format": {"type": "yaml"}}, "response_format.type"),
     (_CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format.json_schema.schema"),

@@ -1,7 +1,7 @@
 """Structured outputs in the offline engine, on the seeded random default model: the
 grammar alone must make every output valid (the model knows nothing of JSON).
 
-50 random JSON schemas (tests/structured_schemas.py) greedy and sampled, with and
+50 random JSON schemas (tests/helpers/structured_schemas.py) greedy and sampled, with and
 without speculation; regex, choice and EBNF; the first token; the compiled-grammar
 cache; invalid grammars refused with a message; the matcher's per-draft masks."""
 

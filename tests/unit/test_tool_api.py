@@ -6,7 +6,7 @@ The prompt is checked against transformers' apply_chat_template(..., tools=) on
 Qwen 2.5's template (the reference), and against the balancer's own tool prompt
 on the project's template (which takes no tools); replies are checked whole,
 streamed (gathered by the openai client's own ChatCompletionStreamState) and
-through langchain's bind_tools. The mesh itself: tests/test_mesh_tools.py.
+through langchain's bind_tools. The mesh itself: tests/mesh/test_mesh_tools.py.
 """
 
 import json
