@@ -29,6 +29,7 @@ TIERS = ("unit", "parity", "mesh", "deploy", "gpu")
 """The tier folders under tests/, each the name of its registered marker (pyproject.toml)."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks each test with its tier, the folder it lies in: `pytest -m unit` runs the unit tier."""
     tests = Path(__file__).parent

@@ -2,8 +2,8 @@
 # The test tiers in order, as `make test` runs them (PYTHON: the venv's python).
 # 1. the unit tier, stopping at its first failure (and then stopping here);
 # 2. parity, deploy and gpu (the gpu tests skip themselves without a CUDA device);
-# 3. the mesh tier in 2 parallel workers, one module (or one shared mesh) per worker
-#    at a time, leaving out the modules tests/mesh/conftest.py keeps serial;
+# 3. the mesh tier in 2 parallel workers, a module's tests in one worker, leaving out
+#    the modules tests/mesh/conftest.py keeps serial;
 # 4. those serial mesh modules, alone.
 # Each run prints its 15 slowest tests; pytest's exit code 5 (nothing selected) passes.
 # The last line adds up every run: "N passed, N failed, N skipped, N errors".
@@ -23,7 +23,7 @@ run() {
 run -x -m unit tests/unit
 if [ "$status" -eq 0 ]; then
     run -m "parity or deploy or gpu" tests/parity tests/deploy tests/gpu
-    run -m "mesh and not serial" -n 2 --dist loadgroup tests/mesh
+    run -m "mesh and not serial" -n 2 --dist loadfile tests/mesh
     run -m "mesh and serial" tests/mesh
 fi
 

@@ -1,16 +1,15 @@
 """How the mesh tier runs beside itself. `make test` runs it in two parts: the
 modules in SERIAL one after another, alone on the machine, and the rest in parallel
-workers (pytest-xdist, --dist loadgroup). In the parallel part each module is one
-group, so its module-scoped mesh starts in one worker only; modules that share a mesh
-(MESH_SHARED = True and the same model and MESH) are one group, so they share it in
-one worker."""
+workers (pytest-xdist, --dist loadfile: a module's tests, and so its module-scoped
+mesh, stay in one worker). Modules that share a mesh (MESH_SHARED) share it when they
+run in the same process: always in a serial run, in the parallel run when their files
+land on the same worker. (--dist loadgroup would keep them together, but
+pytest-xdist 3.8.0 marks a group by assigning item._nodeid, which pytest 9.2 no longer
+reads: it would spread a module's tests over both workers.)"""
 
-import hashlib
 from pathlib import Path
 
 import pytest
-
-from tests.helpers.mesh import mesh_key
 
 SERIAL = {
     "test_failover.py": "moves requests within 2 s of a kill; no stream waits more than 5 s",
@@ -31,19 +30,10 @@ SERIAL = {
 could break)."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks the SERIAL modules' tests `serial`; groups the others' (xdist_group) by
-    their module, or by their shared mesh."""
+    """Marks the tests of the SERIAL modules `serial`."""
     here = Path(__file__).parent
     for item in items:
-        if item.path.parent != here:
-            continue
-        if item.path.name in SERIAL:
+        if item.path.parent == here and item.path.name in SERIAL:
             item.add_marker(pytest.mark.serial)
-        elif getattr(item.module, "MESH_SHARED", False):
-            # The model folder's path differs per worker: its fixture's name stands for it.
-            own_model = "mesh_model_dir" in vars(item.module)
-            key = mesh_key("own" if own_model else "made", getattr(item.module, "MESH", {}))
-            item.add_marker(pytest.mark.xdist_group("shared-mesh-" + hashlib.sha1(key.encode()).hexdigest()[:8]))
-        else:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
