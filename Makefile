@@ -30,8 +30,10 @@ up: venv nats-server
 	test -f $(MODEL)/config.json || $(BIN)/infermesh make-model $(MODEL)
 	$(BIN)/infermesh up --model $(MODEL)
 
+# The tests tier by tier (tests/run_tiers.sh): unit first, failing fast; then parity,
+# deploy and gpu; then the mesh tier, in parallel where it is safe.
 test: venv nats-server
-	$(BIN)/python -m pytest -q
+	PYTHON=$(BIN)/python bash tests/run_tiers.sh
 
 clean:
 	rm -rf $(VENV) models

@@ -1,121 +1,65 @@
-"""Shared test helpers: a minimal paged-KV driver for ``CausalLM`` (no scheduler),
-and the mesh of real processes the integration tests run against."""
+"""The fixtures every tier shares: real processes (a nats-server, a kvcache
+process, the mesh), the tiny models tests run on, and the interpreter's place-free
+dot; and the hook that marks each test with its tier (its folder). Plain helpers
+live in tests/helpers/; this file is never imported as a module.
 
+At import, this process's gRPC clients get the session's token (the meshes'
+GRPC_TOKEN)."""
+
+import asyncio
+import signal
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from shared.model.forward_batch import AttentionMetadata
 from shared.model.make_model import make_model
-from shared.model.transformer import CausalLM
 from shared.runtime import rpc
-from tools.launch.nats_auth import new_password
-from tools.launch.up import Mesh, StartFailed, free_port
+from tests.helpers.hf_models import save_tiny_hf_model
+from tests.helpers.kvcache_proc import KVCacheProc, start_kvcache, wait_serving
+from tests.helpers.mesh import GRPC_TOKEN, mesh_key, running_mesh
+from tests.helpers.mesh_procs import NatsServer, stop_process
+from tools.launch.up import Mesh
 
-
-class PagedDriver:
-    """Runs varlen steps of a model over a paged cache. Blocks are handed out in a
-    shuffled order, so a sequence's blocks are scattered and block 0 (the padding
-    value of block tables) holds real data of some sequence. Every KV cache group
-    of the model gets its own blocks (groups share the cache tensors)."""
-
-    def __init__(
-        self,
-        model: CausalLM,
-        num_seqs: int,
-        num_blocks: int = 128,
-        block_size: int = 4,
-        seed: int = 0,
-        kv_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        self.model = model
-        self.block_size = block_size
-        self.num_groups = len(model.kv_layout.groups)
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, kv_dtype, "cpu")
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.blocks: list[list[list[int]]] = [[[] for _ in range(num_seqs)] for _ in range(self.num_groups)]
-        self.lens = [0] * num_seqs
-
-    def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Feed ``new_tokens[s]`` to sequence s (all in one forward); logits [n, vocab] per sequence."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
-        starts = [0]
-        seq_lens: list[int] = []
-        order = list(new_tokens)
-        for s in order:
-            for token in new_tokens[s]:
-                pos = self.lens[s]
-                ids.append(token)
-                positions.append(pos)
-                for g, blocks in enumerate(self.blocks):
-                    if pos % self.block_size == 0:
-                        blocks[s].append(self.free.pop())
-                    slots[g].append(blocks[s][pos // self.block_size] * self.block_size + pos % self.block_size)
-                self.lens[s] += 1
-            starts.append(len(ids))
-            seq_lens.append(self.lens[s])
-        metas = []
-        for g, blocks in enumerate(self.blocks):
-            width = max(len(blocks[s]) for s in order)
-            tables = torch.zeros(len(order), width, dtype=torch.int64)
-            for row, s in enumerate(order):
-                tables[row, : len(blocks[s])] = torch.tensor(blocks[s])
-            metas.append(
-                AttentionMetadata(
-                    slot_mapping=torch.tensor(slots[g], dtype=torch.int64),
-                    block_tables=tables,
-                    query_start_loc=starts,
-                    seq_lens=seq_lens,
-                    block_size=self.block_size,
-                )
-            )
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, metas)
-        logits = self.model.compute_logits(hidden)
-        return {s: logits[starts[row] : starts[row + 1]] for row, s in enumerate(order)}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a - b| / max|b|: our tolerance metric against the reference b."""
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-# -- the mesh ------------------------------------------------------------------------------
-
-
-# The meshes of a test session share one gRPC token, which this process's own
-# clients (KVCacheClient(mesh.kv_address) in a test) send too. A mesh makes its
-# NATS users itself: tests reach its NATS as mesh.nats_url's operator (admin).
-GRPC_TOKEN = new_password()
 rpc.configure(GRPC_TOKEN, "127.0.0.1")
 
+TIERS = ("unit", "parity", "mesh", "deploy", "gpu")
+"""The tier folders under tests/, each the name of its registered marker (pyproject.toml)."""
 
-@contextmanager
-def _running_mesh(model_dir: str, state_dir: Path, timeout_s: float = 240.0, **options: Any) -> Iterator[Mesh]:
-    """nats-server, kvcache, prefill, decode and the balancer as real processes,
-    started as `infermesh up` starts them (NATS users and gRPC token on); stopped on
-    exit, also when the start fails. options: Mesh's num_prefill, num_decode, extra_env,
-    supervise."""
-    for attempt in (1, 2):
-        mesh = Mesh(model_dir, port=free_port(), state_dir=state_dir, grpc_token=GRPC_TOKEN, **options)
-        try:
-            mesh.start(timeout_s=timeout_s)
-            break
-        except StartFailed as exc:
-            mesh.stop()
-            # A free port is picked, then bound by the service: another process on the
-            # machine may take it in between. Once, with fresh ports, then it is a failure.
-            if attempt == 2 or not any(m in str(exc) for m in ("Failed to bind", "ddress already in use")):
-                raise
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test with its tier, the folder it lies in: `pytest -m unit` runs the unit tier."""
+    tests = Path(__file__).parent
+    for item in items:
+        tier = item.path.relative_to(tests).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lies in a tier folder ({', '.join(TIERS)}), not in {tier}")
+        item.add_marker(getattr(pytest.mark, tier))
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A plain nats-server (JetStream on, no users) of the module's own."""
+    server = NatsServer(tmp_path_factory.mktemp("nats"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def kvcache(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVCacheProc]:
+    """A kvcache process of the module's own, serving; at the end it must exit 0
+    (continued first: a test may leave it stopped with SIGSTOP)."""
+    svc = start_kvcache(nats_server.url, tmp_path_factory.mktemp("kvcache"))
+    asyncio.run(wait_serving(svc))
+    yield svc
+    svc.proc.send_signal(signal.SIGCONT)
+    assert stop_process(svc.proc) == 0, svc.log()
 
 
 @pytest.fixture(scope="session")
@@ -126,11 +70,36 @@ def mesh_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def shared_meshes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, dict[str, Any]], Mesh]]:
+    """The meshes that modules with MESH_SHARED = True share: one per (model folder,
+    MESH), started on first use and stopped when the session ends."""
+    started: dict[str, Mesh] = {}
+    with ExitStack() as stack:
+
+        def get(model_dir: str, options: dict[str, Any]) -> Mesh:
+            key = mesh_key(model_dir, options)
+            if key not in started:
+                started[key] = stack.enter_context(
+                    running_mesh(model_dir, tmp_path_factory.mktemp("shared-mesh-state"), **options)
+                )
+            return started[key]
+
+        yield get
+
+
 @pytest.fixture(scope="module")
 def mesh(mesh_model_dir: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Mesh]:
-    """One mesh shared by the tests of a module, shaped by the module's MESH dict
-    (num_prefill, num_decode, extra_env). Its tests must leave it as they found it."""
-    with _running_mesh(mesh_model_dir, tmp_path_factory.mktemp("mesh-state"), **getattr(request.module, "MESH", {})) as m:
+    """The mesh of a module's tests, shaped by the module's MESH dict (num_prefill,
+    num_decode, extra_env). Its tests must leave it as they found it. A module with
+    MESH_SHARED = True gets the session's mesh of that model and MESH, shared with other
+    such modules: only for modules whose assertions hold on a mesh that served others
+    before (deltas, not counters from zero; prompts of their own)."""
+    options = getattr(request.module, "MESH", {})
+    if getattr(request.module, "MESH_SHARED", False):
+        yield request.getfixturevalue("shared_meshes")(mesh_model_dir, options)
+        return
+    with running_mesh(mesh_model_dir, tmp_path_factory.mktemp("mesh-state"), **options) as m:
         yield m
 
 
@@ -140,5 +109,38 @@ def start_mesh(mesh_model_dir: str, tmp_path_factory: pytest.TempPathFactory) ->
     (Mesh's options). Stopped when the test ends."""
     with ExitStack() as stack:
         yield lambda **options: stack.enter_context(
-            _running_mesh(mesh_model_dir, tmp_path_factory.mktemp("mesh-state"), **options)
+            running_mesh(mesh_model_dir, tmp_path_factory.mktemp("mesh-state"), **options)
         )
+
+
+# -- models ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The module's tiny model, chosen by its TINY_MODEL: an architecture that
+    save_tiny_hf_model saves with transformers ("llama", "qwen2", "qwen3", ...), or
+    "made" (make_model's seeded default model) or "made-token-ids" (the same without
+    its tokenizer: prompts are token ids)."""
+    kind: str = request.module.TINY_MODEL
+    path = tmp_path_factory.mktemp(f"model-{kind}")
+    if kind == "made":
+        make_model(path)
+    elif kind == "made-token-ids":
+        make_model(path, tokenizer=False)
+    else:
+        save_tiny_hf_model(kind, path)
+    return str(path)
+
+
+# -- the Triton interpreter -----------------------------------------------------------------
+
+
+@pytest.fixture
+def place_free_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter's tl.dot swapped for one whose sums do not depend on an element's
+    place in the tile (tests/helpers/interpreter_dot.py says why). A module asks for it with
+    pytestmark = pytest.mark.usefixtures("place_free_dot"), after setting TRITON_INTERPRET."""
+    from tests.helpers.interpreter_dot import use_place_free_dot
+
+    use_place_free_dot(monkeypatch)

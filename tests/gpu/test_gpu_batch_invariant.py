@@ -30,7 +30,7 @@ from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sampler import TokenLogprobs
-from tests.hf_models import random_prompts, save_tiny_hf_model
+from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

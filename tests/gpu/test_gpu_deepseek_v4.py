@@ -1,5 +1,5 @@
 """DeepSeek-V4 on a GPU (issue 12, point 7; run on the device machine:
-`python -m pytest -q tests/gpu`): the tiny seeded V4 checkpoints (tests/deepseek_v4_models.py:
+`python -m pytest -q tests/gpu`): the tiny seeded V4 checkpoints (tests/helpers/deepseek_v4_models.py:
 sliding, CSA and HCA layers, hash routing, mHC) through the whole engine on CUDA, in
 float32 and bfloat16, teacher-forced against transformers on the same GPU: at every
 step our greedy token must be transformers' top token or within a rounding margin
@@ -11,7 +11,7 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from tests.deepseek_v4_models import save_tiny_v4
+from tests.helpers.deepseek_v4_models import save_tiny_v4
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

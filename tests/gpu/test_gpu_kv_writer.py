@@ -6,7 +6,6 @@ holds must be, byte for byte, the blocks in the engine's cache."""
 
 import asyncio
 import os
-import signal
 import time
 
 import pytest
@@ -18,25 +17,13 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv.connectors.kvcache import KVCacheConnector
 from shared.kv.transfer import KVTransferParams
 from shared.kv.wire.client import KVCacheClient
-from tests.engine_helpers import run
-from tests.hf_models import random_prompts, save_tiny_hf_model
-from tests.mesh_procs import nats_server, stop_process  # noqa: F401
-from tests.test_kvcache_service import start_kvcache, wait_serving
+from tests.helpers.engine_helpers import run
+from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
 from tools.bench.tier_bench import prefix_kv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 BLOCK = 16
-
-
-@pytest.fixture()
-def kvcache(nats_server, tmp_path):  # noqa: F811
-    (tmp_path / "kvcache").mkdir()
-    svc = start_kvcache(nats_server.url, tmp_path / "kvcache")
-    asyncio.run(wait_serving(svc))
-    yield svc
-    svc.proc.send_signal(signal.SIGCONT)
-    assert stop_process(svc.proc) == 0, svc.log()
 
 
 def test_the_writer_process_stores_the_cards_blocks_byte_for_byte(tmp_path, kvcache):

@@ -12,7 +12,7 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from tests.hf_models import save_tiny_hf_model
+from tests.helpers.hf_models import save_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

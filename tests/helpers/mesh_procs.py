@@ -1,0 +1,79 @@
+"""Real processes for integration tests: a nats-server and InferMesh services,
+each on free ports, stopped (SIGTERM, then SIGKILL) when the test ends."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tools.launch.trace_view import load_spans
+from tools.launch.up import find_nats_server, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root."""
+
+
+def wait_for_port(port: int, timeout_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout_s}s")
+
+
+class NatsServer:
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(workdir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port, proc=self.proc)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def start_service(stage: str, env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """`python -m services.<stage>` with the given INFERMESH_* environment."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    log = log_path.open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", f"services.{stage}"], cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def span_attributes(trace_dir: Path, request_id: str, name: str, timeout_s: float = 30.0) -> dict:
+    """The attributes of the span `name` in a request's trace, once it has reached the
+    trace files (spans are written when they end, in batches)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        spans = load_spans(trace_dir)
+        root = next((s for s in spans if s["attributes"].get("request.id") == request_id and s["parent_id"] is None), None)
+        if root is not None:
+            found = [s for s in spans if s["trace_id"] == root["trace_id"] and s["name"] == name]
+            if found:
+                return found[0]["attributes"]
+        time.sleep(0.2)
+    raise AssertionError(f"no {name} span of {request_id} within {timeout_s} s")

@@ -1,0 +1,70 @@
+"""A minimal paged-KV driver for ``CausalLM`` (no scheduler, no engine): the
+parity tests run a model's varlen steps over a paged cache with it."""
+
+import torch
+
+from shared.model.forward_batch import AttentionMetadata
+from shared.model.transformer import CausalLM
+
+
+class PagedDriver:
+    """Runs varlen steps of a model over a paged cache. Blocks are handed out in a
+    shuffled order, so a sequence's blocks are scattered and block 0 (the padding
+    value of block tables) holds real data of some sequence. Every KV cache group
+    of the model gets its own blocks (groups share the cache tensors)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        num_seqs: int,
+        num_blocks: int = 128,
+        block_size: int = 4,
+        seed: int = 0,
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_groups = len(model.kv_layout.groups)
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, kv_dtype, "cpu")
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.blocks: list[list[list[int]]] = [[[] for _ in range(num_seqs)] for _ in range(self.num_groups)]
+        self.lens = [0] * num_seqs
+
+    def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Feed ``new_tokens[s]`` to sequence s (all in one forward); logits [n, vocab] per sequence."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
+        starts = [0]
+        seq_lens: list[int] = []
+        order = list(new_tokens)
+        for s in order:
+            for token in new_tokens[s]:
+                pos = self.lens[s]
+                ids.append(token)
+                positions.append(pos)
+                for g, blocks in enumerate(self.blocks):
+                    if pos % self.block_size == 0:
+                        blocks[s].append(self.free.pop())
+                    slots[g].append(blocks[s][pos // self.block_size] * self.block_size + pos % self.block_size)
+                self.lens[s] += 1
+            starts.append(len(ids))
+            seq_lens.append(self.lens[s])
+        metas = []
+        for g, blocks in enumerate(self.blocks):
+            width = max(len(blocks[s]) for s in order)
+            tables = torch.zeros(len(order), width, dtype=torch.int64)
+            for row, s in enumerate(order):
+                tables[row, : len(blocks[s])] = torch.tensor(blocks[s])
+            metas.append(
+                AttentionMetadata(
+                    slot_mapping=torch.tensor(slots[g], dtype=torch.int64),
+                    block_tables=tables,
+                    query_start_loc=starts,
+                    seq_lens=seq_lens,
+                    block_size=self.block_size,
+                )
+            )
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, metas)
+        logits = self.model.compute_logits(hidden)
+        return {s: logits[starts[row] : starts[row + 1]] for row, s in enumerate(order)}
