@@ -6,7 +6,7 @@
 #    the modules tests/mesh/conftest.py keeps serial;
 # 4. those serial mesh modules, alone.
 # Each run prints its 15 slowest tests; pytest's exit code 5 (nothing selected) passes.
-# The last line adds up every run: "N passed, N failed, N skipped, N errors".
+# The last line adds up every run: "N passed, N failed, N skipped" (errors count as failed).
 set -uo pipefail
 PYTHON=${PYTHON:-.venv/bin/python}
 log=$(mktemp)
@@ -30,5 +30,5 @@ fi
 # Every run's final summary line ("3 passed, 1 skipped in 2.0s"), added up.
 summaries=$(grep -E '^(=+ )?[0-9]+ [a-z]+.* in [0-9.]+s' "$log")
 total() { echo "$summaries" | grep -oE "[0-9]+ $1" | awk '{n += $1} END {print n + 0}'; }
-echo "$(total passed) passed, $(total failed) failed, $(total skipped) skipped, $(total 'errors?') errors"
+echo "$(total passed) passed, $(( $(total failed) + $(total 'errors?') )) failed, $(total skipped) skipped"
 exit "$status"
