@@ -6,8 +6,8 @@ nats-server: tests/test_trust.py; a real kill under load: tests/test_failover.py
 
 import json
 
-from services.balancer.departures import Departure, instance_departed, parse_advisory
-from services.balancer.registry import Registry
+from services.balancer.router.departures import Departure, instance_departed, parse_advisory
+from services.balancer.router.registry import Registry
 from shared.proto import mesh_pb2
 
 

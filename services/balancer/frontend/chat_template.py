@@ -1,9 +1,9 @@
 """A conversation as the model's tokens: rendered by the chat template, the last
 message left open with continue_final_message, encoded with or without special tokens."""
 
-from services.balancer import protocol as p
-from services.balancer.errors import APIError
-from services.balancer.tool_prompt import template_inputs
+from services.balancer.frontend import protocol as p
+from services.balancer.frontend.errors import APIError
+from services.balancer.frontend.tool_prompt import template_inputs
 from shared.recipe import Recipe
 
 

@@ -48,7 +48,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Tracer
 
 from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
-from services.balancer.policies import (
+from services.balancer.router.policies import (
     Choice,
     choose_decode,
     choose_decode_by_cache,
@@ -57,7 +57,7 @@ from services.balancer.policies import (
     conditional_disaggregation,
     leading_blocks_held,
 )
-from services.balancer.registry import Instance, Registry
+from services.balancer.router.registry import Instance, Registry
 from shared.kv.block_hash import BlockHash, hash_block_chain
 from shared.proto import mesh_pb2
 from shared.runtime import subjects

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
-from services.balancer.body_fields import StrictBody, Text
+from services.balancer.frontend.body_fields import StrictBody, Text
 
 MAX_TOOLS = 128
 """OpenAI's own cap on the functions of one request."""

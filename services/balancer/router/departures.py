@@ -27,7 +27,7 @@ password could make instances of that stage fail over (not lose work).
 import json
 from dataclasses import dataclass
 
-from services.balancer.registry import Instance, Registry
+from services.balancer.router.registry import Instance, Registry
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,9 +14,9 @@ Without parallel_tool_calls an auto reply keeps its first call only.
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from services.balancer import protocol as p
-from services.balancer.errors import APIError
-from services.balancer.tool_parsers import (
+from services.balancer.frontend import protocol as p
+from services.balancer.frontend.errors import APIError
+from services.balancer.frontend.tool_parsers import (
     PARSERS,
     NamedCallParser,
     StreamingParser,
@@ -25,11 +25,11 @@ from services.balancer.tool_parsers import (
     json_array,
     parse_whole,
 )
-from services.balancer.tool_schema import checked_constraint, constrain, named_schema, required_schema
+from services.balancer.frontend.tool_schema import checked_constraint, constrain, named_schema, required_schema
 from shared.recipe import Recipe
 
 if TYPE_CHECKING:  # choices.py imports this file
-    from services.balancer.choices import Call
+    from services.balancer.frontend.choices import Call
 
 
 @dataclass(slots=True)

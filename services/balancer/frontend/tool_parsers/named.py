@@ -2,7 +2,7 @@
 JSON schema, tool_schema.py), so the whole output, ends stripped, is one call's
 arguments. The call's name and id go out before its first piece."""
 
-from services.balancer.tool_parsers.base import CallStream, StreamingParser, StreamPiece, ToolCallDelta
+from services.balancer.frontend.tool_parsers.base import CallStream, StreamingParser, StreamPiece, ToolCallDelta
 
 
 class NamedCallParser(StreamingParser):

@@ -13,7 +13,7 @@ never came (the model stopped right after its JSON) still counts when its JSON i
 whole; a block whose JSON is not a call is given back as content, tags and all.
 """
 
-from services.balancer.tool_parsers.base import CallStream, StreamingParser, StreamPiece, partial_suffix
+from services.balancer.frontend.tool_parsers.base import CallStream, StreamingParser, StreamPiece, partial_suffix
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

@@ -13,7 +13,7 @@ calls end at the first text that is not a call, which is content from there on.
 
 import json
 
-from services.balancer.tool_parsers.base import CallStream, StreamingParser, StreamPiece
+from services.balancer.frontend.tool_parsers.base import CallStream, StreamingParser, StreamPiece
 
 _DECODER = json.JSONDecoder()
 PYTHON_TAG = "<|python_tag|>"

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
-from services.balancer.body_fields import (
+from services.balancer.frontend.body_fields import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_CACHE_SALT_CHARS,
@@ -30,8 +30,8 @@ from services.balancer.body_fields import (
     TokenId,
     valid_unicode,
 )
-from services.balancer.tool_bodies import MAX_TOOLS, MessageToolCall, ToolChoice, ToolDefinition
-from services.balancer.structured_bodies import ResponseFormat, StructuredOutputs
+from services.balancer.frontend.tool_bodies import MAX_TOOLS, MessageToolCall, ToolChoice, ToolDefinition
+from services.balancer.frontend.structured_bodies import ResponseFormat, StructuredOutputs
 from shared.engine.sampling_params import MAX_LOGPROBS
 
 

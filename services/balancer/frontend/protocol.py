@@ -1,5 +1,5 @@
 """The OpenAI API's bodies, in the shapes vLLM's OpenAI server uses, under one name
-(`from services.balancer import protocol as p`). Each part lives in a file of its own:
+(`from services.balancer.frontend import protocol as p`). Each part lives in a file of its own:
 
   body_fields.py      the field types, limits and checks the request bodies share;
   request_bodies.py   completions and chat requests (every field implemented or
@@ -10,7 +10,7 @@
   tokenize_bodies.py  /tokenize and /detokenize.
 """
 
-from services.balancer.body_fields import (
+from services.balancer.frontend.body_fields import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_CACHE_SALT_CHARS,
@@ -24,8 +24,8 @@ from services.balancer.body_fields import (
     TokenId,
     check_request_id,
 )
-from services.balancer.logprob_format import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
-from services.balancer.request_bodies import (
+from services.balancer.frontend.logprob_format import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
+from services.balancer.frontend.request_bodies import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -35,7 +35,7 @@ from services.balancer.request_bodies import (
     StreamOptions,
     TextPart,
 )
-from services.balancer.response_bodies import (
+from services.balancer.frontend.response_bodies import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -61,8 +61,8 @@ from services.balancer.response_bodies import (
     TopLogprob,
     UsageInfo,
 )
-from services.balancer.sampling import sampling_params
-from services.balancer.tokenize_bodies import (
+from services.balancer.frontend.sampling import sampling_params
+from services.balancer.frontend.tokenize_bodies import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,

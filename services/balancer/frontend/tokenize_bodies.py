@@ -4,9 +4,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from services.balancer.body_fields import ContinueFinalMessage, StrictBody, Text, TokenId
-from services.balancer.request_bodies import ChatMessage
-from services.balancer.tool_bodies import ToolDefinition
+from services.balancer.frontend.body_fields import ContinueFinalMessage, StrictBody, Text, TokenId
+from services.balancer.frontend.request_bodies import ChatMessage
+from services.balancer.frontend.tool_bodies import ToolDefinition
 
 
 class TokenizeCompletionRequest(StrictBody):

@@ -34,7 +34,7 @@ the conversation itself, in Hermes' format (which the hermes parser reads back):
 import json
 from typing import Any
 
-from services.balancer.tool_parsers import template_takes_tools
+from services.balancer.frontend.tool_parsers import template_takes_tools
 
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

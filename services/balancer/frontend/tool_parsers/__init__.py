@@ -12,7 +12,7 @@ reads it off the chat template's text, as vLLM's --tool-call-parser is chosen by
 import re
 from collections.abc import Callable
 
-from services.balancer.tool_parsers.base import (
+from services.balancer.frontend.tool_parsers.base import (
     ParsedOutput,
     StreamingParser,
     StreamPiece,
@@ -20,9 +20,9 @@ from services.balancer.tool_parsers.base import (
     ToolCallDelta,
     parse_whole,
 )
-from services.balancer.tool_parsers.hermes import HermesParser
-from services.balancer.tool_parsers.json_calls import json_array, llama3_json
-from services.balancer.tool_parsers.named import NamedCallParser
+from services.balancer.frontend.tool_parsers.hermes import HermesParser
+from services.balancer.frontend.tool_parsers.json_calls import json_array, llama3_json
+from services.balancer.frontend.tool_parsers.named import NamedCallParser
 
 PARSERS: dict[str, Callable[[], StreamingParser]] = {"hermes": HermesParser, "llama3_json": llama3_json}
 """The auto tool-call parsers by the names balancer.tool_call_parser takes (vLLM's names)."""

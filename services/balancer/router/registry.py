@@ -25,7 +25,7 @@ busy streaming is not dropped because its heartbeat came late.
 
 A death needs no sweep: when a worker's NATS connection closes, the balancer
 hears nats-server's advisory and the instance leaves at once (`leave`, see
-services/balancer/departures.py), well before its heartbeats are missed.
+services/balancer/router/departures.py), well before its heartbeats are missed.
 
 The balancer's own outage is not its instances' death. While its NATS
 connection is down it hears no heartbeat from anyone, so silence then says

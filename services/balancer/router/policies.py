@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.kv.block_hash import BlockHash
-from services.balancer.registry import Instance
+from services.balancer.router.registry import Instance
 
 
 @dataclass(slots=True)

@@ -17,10 +17,10 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from services.balancer import protocol as p
+from services.balancer.frontend import protocol as p
 from services.balancer.generation import GenerationRequest, Usage
-from services.balancer.seeds import fingerprint
-from services.balancer.tool_output import ToolPlan, ToolStream, whole_message
+from services.balancer.frontend.seeds import fingerprint
+from services.balancer.frontend.tool_output import ToolPlan, ToolStream, whole_message
 from shared.engine.outputs import TokenLogprobs
 from shared.recipe import IncrementalDetokenizer
 

@@ -7,11 +7,11 @@ from dataclasses import fields
 
 from fastapi import Request
 
-from services.balancer import protocol as p
-from services.balancer.choices import Call, Job
-from services.balancer.errors import APIError
+from services.balancer.frontend import protocol as p
+from services.balancer.frontend.choices import Call, Job
+from services.balancer.frontend.errors import APIError
 from services.balancer.generation import GenerationRequest
-from services.balancer.seeds import draw_seed
+from services.balancer.frontend.seeds import draw_seed
 from shared.engine.sampling_params import SamplingParams
 from shared.recipe import Recipe
 

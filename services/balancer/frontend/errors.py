@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.balancer import protocol as p
+from services.balancer.frontend import protocol as p
 from services.balancer.generation import GenerationError
 
 log = logging.getLogger(__name__)

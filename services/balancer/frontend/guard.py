@@ -4,8 +4,8 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.balancer.errors import APIError
-from services.balancer.http_metrics import HttpMetrics
+from services.balancer.frontend.errors import APIError
+from services.balancer.frontend.http_metrics import HttpMetrics
 
 _ENDPOINTS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",

@@ -1,8 +1,8 @@
 """A completions or chat body's token-level settings as the engine's SamplingParams.
 Stop strings stay with the HTTP layer (the detokenizer matches them)."""
 
-from services.balancer.request_bodies import GenerationBody
-from services.balancer.structured_outputs import structured_spec
+from services.balancer.frontend.request_bodies import GenerationBody
+from services.balancer.frontend.structured_outputs import structured_spec
 from shared.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 

@@ -11,8 +11,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from services.balancer.errors import APIError, ClientGone
-from services.balancer.pump import Pump
+from services.balancer.frontend.errors import APIError, ClientGone
+from services.balancer.frontend.pump import Pump
 
 T = TypeVar("T")
 

@@ -17,8 +17,8 @@ import json
 from dataclasses import fields
 from typing import Any
 
-from services.balancer.errors import APIError
-from services.balancer.tool_bodies import ToolDefinition
+from services.balancer.frontend.errors import APIError
+from services.balancer.frontend.tool_bodies import ToolDefinition
 from shared.engine.sampling_params import SamplingParams
 
 

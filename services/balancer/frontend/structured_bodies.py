@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from services.balancer.body_fields import StrictBody, Text
+from services.balancer.frontend.body_fields import StrictBody, Text
 
 
 class JsonSchemaFormat(StrictBody):

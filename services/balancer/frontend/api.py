@@ -36,12 +36,12 @@ from opentelemetry import trace
 from opentelemetry.trace import Tracer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.balancer import protocol as p
-from services.balancer.errors import APIError, add_error_handlers
+from services.balancer.frontend import protocol as p
+from services.balancer.frontend.errors import APIError, add_error_handlers
 from services.balancer.generation import Generator
-from services.balancer.guard import Guard
-from services.balancer.http_metrics import HttpMetrics
-from services.balancer.serving import OpenAIServer, json_response
+from services.balancer.frontend.guard import Guard
+from services.balancer.frontend.http_metrics import HttpMetrics
+from services.balancer.frontend.serving import OpenAIServer, json_response
 from shared.recipe import Recipe
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings

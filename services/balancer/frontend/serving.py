@@ -20,19 +20,19 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Tracer
 from pydantic import BaseModel
 
-from services.balancer import protocol as p
-from services.balancer.admission import PriorityGate
-from services.balancer.chat_template import encode_chat
-from services.balancer.choices import Call, Delta, Finished, Job, Shaper, usage_of
-from services.balancer.errors import APIError
-from services.balancer.event_stream import DONE, EventStream, json_response, sse, sse_error, unless_disconnected
+from services.balancer.frontend import protocol as p
+from services.balancer.frontend.admission import PriorityGate
+from services.balancer.frontend.chat_template import encode_chat
+from services.balancer.frontend.choices import Call, Delta, Finished, Job, Shaper, usage_of
+from services.balancer.frontend.errors import APIError
+from services.balancer.frontend.event_stream import DONE, EventStream, json_response, sse, sse_error, unless_disconnected
 from services.balancer.generation import GenerationError, Generator, Usage
-from services.balancer.http_metrics import HttpMetrics
-from services.balancer.jobs import JobPlanner
-from services.balancer.pump import Pump, merge_deltas
-from services.balancer.seeds import SEED_HEADER
-from services.balancer.structured_outputs import check_structured
-from services.balancer.tool_output import ToolSupport, attach_tools
+from services.balancer.frontend.http_metrics import HttpMetrics
+from services.balancer.frontend.jobs import JobPlanner
+from services.balancer.frontend.pump import Pump, merge_deltas
+from services.balancer.frontend.seeds import SEED_HEADER
+from services.balancer.frontend.structured_outputs import check_structured
+from services.balancer.frontend.tool_output import ToolSupport, attach_tools
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings
 from shared.runtime.telemetry import extract_context

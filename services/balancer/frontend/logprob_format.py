@@ -4,7 +4,7 @@ choke on it."""
 
 from collections.abc import Callable, Sequence
 
-from services.balancer.response_bodies import (
+from services.balancer.frontend.response_bodies import (
     ChatLogprobEntry,
     ChatLogprobs,
     CompletionLogprobs,

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing, suppress
 from typing import Generic, TypeVar
 
-from services.balancer.choices import Delta, Job
+from services.balancer.frontend.choices import Delta, Job
 
 T = TypeVar("T")
 
