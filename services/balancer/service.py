@@ -9,7 +9,7 @@ refused. An instance whose NATS connection closes leaves at once
 (services/balancer/router/departures.py). While the balancer's own NATS connection is
 down, and for two heartbeat intervals after it is back, neither applies: the
 registry is paused (router/registry.py), and requests wait for the bus
-(router/orchestrator.py). Chunks on the old stream subject form (`im.stream.<request>`) are
+(router/outage.py). Chunks on the old stream subject form (`im.stream.<request>`) are
 counted as forged: no worker publishes there.
 
 /ready: 200 with {"ready": true} once at least one prefill and one decode
