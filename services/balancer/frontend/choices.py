@@ -21,6 +21,7 @@ from services.balancer.frontend import protocol as p
 from services.balancer.generation import GenerationRequest, Usage
 from services.balancer.frontend.seeds import fingerprint
 from services.balancer.frontend.tool_output import ToolPlan, ToolStream, whole_message
+from services.balancer.frontend.tool_schema import constrain
 from shared.engine.outputs import TokenLogprobs
 from shared.recipe import IncrementalDetokenizer
 
@@ -95,6 +96,17 @@ class Call:
     @property
     def num_samples(self) -> int:
         return len(self.jobs) // len(self.prompts)
+
+
+def attach_tools(call: Call, plan: ToolPlan, stream: bool) -> None:
+    """Give a planned chat call its tools: each job constrained where the choice is
+    forced, and read for calls as it streams."""
+    call.tools = plan
+    for job in call.jobs:
+        if plan.spec is not None:
+            constrain(job.request.params, plan.spec)
+        if stream:
+            job.tool_stream = ToolStream(plan)
 
 
 def token_text_of(call: Call, decode_one: "p.TokenText") -> "p.TokenText":

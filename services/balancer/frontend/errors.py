@@ -11,7 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.balancer.frontend import protocol as p
+# The bodies from their own file, not through protocol: protocol imports the request
+# checks (sampling, structured_outputs), which raise APIError.
+from services.balancer.frontend.response_bodies import ErrorInfo, ErrorResponse
 from services.balancer.generation import GenerationError
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,8 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> str:
-        info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return p.ErrorResponse(error=info).model_dump_json()
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump_json()
 
     def response(self) -> Response:
         return Response(self.body(), status_code=self.status, media_type="application/json")

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from services.balancer.frontend import protocol as p
 from services.balancer.frontend.admission import PriorityGate
 from services.balancer.frontend.chat_template import encode_chat
-from services.balancer.frontend.choices import Call, Delta, Finished, Job, Shaper, usage_of
+from services.balancer.frontend.choices import Call, Delta, Finished, Job, Shaper, attach_tools, usage_of
 from services.balancer.frontend.errors import APIError
 from services.balancer.frontend.event_stream import DONE, EventStream, json_response, sse, sse_error, unless_disconnected
 from services.balancer.generation import GenerationError, Generator, Usage
@@ -32,7 +32,7 @@ from services.balancer.frontend.jobs import JobPlanner
 from services.balancer.frontend.pump import Pump, merge_deltas
 from services.balancer.frontend.seeds import SEED_HEADER
 from services.balancer.frontend.structured_outputs import check_structured
-from services.balancer.frontend.tool_output import ToolSupport, attach_tools
+from services.balancer.frontend.tool_output import ToolSupport
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings
 from shared.runtime.telemetry import extract_context

@@ -7,6 +7,7 @@ import asyncio
 import json
 from typing import Any, NoReturn
 
+from services.balancer.frontend.errors import APIError
 from services.balancer.frontend.structured_bodies import ResponseFormat, StructuredOutputs
 from shared.engine.structured.grammar import build_grammar
 from shared.engine.structured.spec import StructuredSpec
@@ -90,7 +91,4 @@ def _spec(param: str, kind: str, value: Any, any_whitespace: bool) -> Structured
 
 
 def _refuse(param: str, message: str) -> NoReturn:
-    # Imported here: errors.py imports protocol, which imports sampling.py, which imports this.
-    from services.balancer.frontend.errors import APIError
-
     raise APIError(400, f"{param}: {message}", param=param)

@@ -12,7 +12,7 @@ Without parallel_tool_calls an auto reply keeps its first call only.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from services.balancer.frontend import protocol as p
 from services.balancer.frontend.errors import APIError
@@ -25,11 +25,8 @@ from services.balancer.frontend.tool_parsers import (
     json_array,
     parse_whole,
 )
-from services.balancer.frontend.tool_schema import checked_constraint, constrain, named_schema, required_schema
+from services.balancer.frontend.tool_schema import checked_constraint, named_schema, required_schema
 from shared.recipe import Recipe
-
-if TYPE_CHECKING:  # choices.py imports this file
-    from services.balancer.frontend.choices import Call
 
 
 @dataclass(slots=True)
@@ -143,14 +140,3 @@ class ToolStream:
         return p.DeltaMessage(content=piece.content or None, tool_calls=_delta_calls(deltas)), _finish(
             finish, self.any_call
         )
-
-
-def attach_tools(call: "Call", plan: ToolPlan, stream: bool) -> None:
-    """Give a planned chat call its tools: each job constrained where the choice is
-    forced, and read for calls as it streams."""
-    call.tools = plan
-    for job in call.jobs:
-        if plan.spec is not None:
-            constrain(job.request.params, plan.spec)
-        if stream:
-            job.tool_stream = ToolStream(plan)
