@@ -3,7 +3,6 @@ against the context length and the mesh's message size), num_samples generations
 each with its SamplingParams, detokenizer and request id."""
 
 import uuid
-from dataclasses import fields
 
 from fastapi import Request
 
@@ -12,10 +11,8 @@ from services.balancer.frontend.choices import Call, Job
 from services.balancer.frontend.errors import APIError
 from services.balancer.generation import GenerationRequest
 from services.balancer.frontend.seeds import draw_seed
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import InvalidParam
 from shared.recipe import Recipe
-
-_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) | {"bad_words"}
 
 MAX_PROMPT_LOGPROB_BYTES = 512 << 10
 """Prompt logprobs cross NATS in prefill's handoff and decode's first chunk, beside the prompt."""
@@ -100,9 +97,10 @@ class JobPlanner:
                         stop=body.stop_strings,
                         include_stop_str_in_output=body.include_stop_str_in_output,
                     )
-                except ValueError as exc:
-                    name = str(exc).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
-                    raise APIError(400, str(exc), param=name if name in _SAMPLING_FIELDS else None) from exc
+                except InvalidParam as exc:
+                    raise APIError(400, exc.message, param=exc.param) from exc
+                except ValueError as exc:  # the detokenizer's (stop strings): no one field
+                    raise APIError(400, str(exc)) from exc
                 rid = internal or f"{call_id.split('-', 1)[0]}-{uuid.uuid4().hex}"
                 request = GenerationRequest(rid, prompt_ids, params, cache_salt=body.cache_salt, priority=body.priority)
                 job = Job(request, detokenizer, prompt_index, sample, prompt_index * (body.n or 1) + sample, after=first)

@@ -9,7 +9,7 @@ from shared.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 def sampling_params(
     body: GenerationBody, max_tokens: int, logprobs: int | None, bad_words_token_ids: list[list[int]] | None = None
 ) -> SamplingParams:
-    """Raises SamplingParams' ValueError for values out of range (its message starts with the field's name),
+    """Raises SamplingParams' InvalidParam (param, message) for values out of range,
     APIError for conflicting structured-output fields."""
     return SamplingParams(
         max_tokens=max_tokens,
