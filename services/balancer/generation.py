@@ -1,8 +1,8 @@
 """The contract between the HTTP layer and whatever generates tokens.
 
-The HTTP layer (api.py) turns an OpenAI request into a GenerationRequest, then
+The HTTP layer (frontend/api.py) turns an OpenAI request into a GenerationRequest, then
 iterates a Generator's events; it owns text: detokenization and stop strings.
-Two generators exist: the mesh (orchestrator.py: prefill and decode instances
+Two generators exist: the mesh (router/orchestrator.py: prefill and decode instances
 over NATS) and a local engine (local.py: an in-process engine thread, for one
 machine or tests of the HTTP layer). Closing the iteration early (a stop string
 matched, the client went away) cancels the request everywhere.

@@ -6,10 +6,10 @@ one whose body names another stage or instance is refused, as are KV events
 naming another instance than `im.kv.events.<instance>`), swept for silent instances every
 registry.SWEEP_INTERVAL_S (their requests fail over at once), and counted when
 refused. An instance whose NATS connection closes leaves at once
-(services/balancer/departures.py). While the balancer's own NATS connection is
+(services/balancer/router/departures.py). While the balancer's own NATS connection is
 down, and for two heartbeat intervals after it is back, neither applies: the
-registry is paused (registry.py), and requests wait for the bus
-(orchestrator.py). Chunks on the old stream subject form (`im.stream.<request>`) are
+registry is paused (router/registry.py), and requests wait for the bus
+(router/outage.py). Chunks on the old stream subject form (`im.stream.<request>`) are
 counted as forged: no worker publishes there.
 
 /ready: 200 with {"ready": true} once at least one prefill and one decode
@@ -31,10 +31,10 @@ from nats.aio.msg import Msg
 from prometheus_client import Gauge
 from fastapi.responses import JSONResponse
 
-from services.balancer.api import create_app
-from services.balancer.departures import instance_departed, parse_advisory
-from services.balancer.orchestrator import MeshGenerator
-from services.balancer.registry import STAGES, SWEEP_INTERVAL_S, Registry
+from services.balancer.frontend.api import create_app
+from services.balancer.router.departures import instance_departed, parse_advisory
+from services.balancer.router.orchestrator import MeshGenerator
+from services.balancer.router.registry import STAGES, SWEEP_INTERVAL_S, Registry
 from shared.kv.block_hash import kv_fingerprint
 from shared.model.config import ModelConfig
 from shared.model.fingerprint import model_fingerprint
@@ -118,7 +118,7 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     )
     m_left = ctx.metrics.counter("instances_left_total", "Instances dropped from the registry", ("stage", "why"))
     # Our own NATS outage is not every instance's death: no sweep nor departure while
-    # it lasts, and silence counts again only a grace after it (registry.py).
+    # it lasts, and silence counts again only a grace after it (router/registry.py).
     grace_s = 2 * settings.worker.heartbeat_interval_s
     m_outages = ctx.metrics.counter("nats_outages_total", "Times the balancer's NATS connection dropped")
 

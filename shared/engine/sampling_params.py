@@ -18,6 +18,16 @@ MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a logit_bias value (the HTTP layer clamps to it, as vLLM does)."""
 
 
+class InvalidParam(ValueError):
+    """A request parameter the engine refuses: which one (param) and why (message, a
+    sentence that starts with its name). A ValueError, for callers that need only that."""
+
+    def __init__(self, param: str, why: str) -> None:
+        self.param = param
+        self.message = f"{param} {why}"
+        super().__init__(self.message)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -68,55 +78,55 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidParam("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise InvalidParam("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         for name in _FLOAT_FIELDS:  # NaN passes every comparison below
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+                raise InvalidParam(name, f"must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidParam("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParam("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and not 1 <= self.top_k < _TOKEN_ID_LIMIT:
-            raise ValueError(f"top_k must be None or in [1, 2**32), got {self.top_k}")
+            raise InvalidParam("top_k", f"must be None or in [1, 2**32), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidParam("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidParam("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise InvalidParam("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise InvalidParam("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise InvalidParam("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         bad_ids = [t for t in self.stop_token_ids if not 0 <= t < _TOKEN_ID_LIMIT]
         if bad_ids:
-            raise ValueError(f"stop_token_ids must be token ids in [0, 2**32), got {bad_ids[0]}")
+            raise InvalidParam("stop_token_ids", f"must be token ids in [0, 2**32), got {bad_ids[0]}")
         if self.seed is not None and not 0 <= self.seed < _SEED_LIMIT:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise InvalidParam("seed", f"must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidParam("stop", "strings must be non-empty")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+            raise InvalidParam("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         for token, bias in self.logit_bias.items():
             if not 0 <= token < _TOKEN_ID_LIMIT:
-                raise ValueError(f"logit_bias keys must be token ids in [0, 2**32), got {token}")
+                raise InvalidParam("logit_bias", f"keys must be token ids in [0, 2**32), got {token}")
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+                raise InvalidParam("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+                raise InvalidParam("allowed_token_ids", "must not be empty (leave it out to allow every token)")
             if any(not 0 <= t < _TOKEN_ID_LIMIT for t in self.allowed_token_ids):
-                raise ValueError("allowed_token_ids must be token ids in [0, 2**32)")
+                raise InvalidParam("allowed_token_ids", "must be token ids in [0, 2**32)")
         if any(not word or any(not 0 <= t < _TOKEN_ID_LIMIT for t in word) for word in self.bad_words_token_ids):
-            raise ValueError("bad_words_token_ids must be non-empty lists of token ids in [0, 2**32)")
+            raise InvalidParam("bad_words_token_ids", "must be non-empty lists of token ids in [0, 2**32)")
         if self.structured is not None and self.min_tokens:
             # The grammar decides where the output ends: holding back EOS could leave no token allowed.
-            raise ValueError("min_tokens cannot be used with structured outputs (the grammar decides the length)")
+            raise InvalidParam("min_tokens", "cannot be used with structured outputs (the grammar decides the length)")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Token ids the request names must exist in the model: a ValueError naming the field."""
+        """Token ids the request names must exist in the model: InvalidParam naming the field."""
         named = (
             ("logit_bias", self.logit_bias),
             ("allowed_token_ids", self.allowed_token_ids or ()),
@@ -125,7 +135,7 @@ class SamplingParams:
         for name, ids in named:
             past = [t for t in ids if t >= vocab_size]
             if past:
-                raise ValueError(f"{name} names token ids past the vocabulary ({vocab_size} tokens): {past[:5]}")
+                raise InvalidParam(name, f"names token ids past the vocabulary ({vocab_size} tokens): {past[:5]}")
 
     @property
     def needs_output_history(self) -> bool:

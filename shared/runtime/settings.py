@@ -173,7 +173,7 @@ class BalancerSettings:
     instance or the decode instance holds) is prefilled by its decode instance,
     which then decodes it: moving its KV would cost more than computing it there.
     With this or local_prefill_queue_tokens on, the decode instance is chosen by
-    its cache as well as its load (services/balancer/policies.py). 0: never for length."""
+    its cache as well as its load (services/balancer/router/policies.py). 0: never for length."""
     local_prefill_queue_tokens: int = 0
     """Conditional disaggregation by load: when the least loaded prefill instance
     has at least this many prompt tokens queued, the decode instance prefills the

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from services.balancer.api import MAX_CONTEXT_TOKENS
-from services.balancer.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_TOKEN_IDS
+from services.balancer.frontend.api import MAX_CONTEXT_TOKENS
+from services.balancer.frontend.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_TOKEN_IDS
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.block_hash import HASH_BYTES
 from shared.proto import mesh_pb2

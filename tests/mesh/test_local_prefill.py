@@ -18,8 +18,8 @@ import time
 import openai
 import pytest
 
-from services.balancer.policies import choose_decode_by_cache, choose_prefill_site
-from services.balancer.registry import Instance
+from services.balancer.router.policies import choose_decode_by_cache, choose_prefill_site
+from services.balancer.router.registry import Instance
 from shared.engine.engine_request import EngineRequest
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 
-from services.balancer.seeds import SEED_HEADER, seed_of_fingerprint
+from services.balancer.frontend.seeds import SEED_HEADER, seed_of_fingerprint
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from services.balancer.tool_prompt import inline_tools
-from services.balancer.tool_schema import structured_outputs_available
+from services.balancer.frontend.tool_prompt import inline_tools
+from services.balancer.frontend.tool_schema import structured_outputs_available
 from shared.recipe import Recipe
 
 langchain_openai = pytest.importorskip("langchain_openai")

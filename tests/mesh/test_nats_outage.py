@@ -20,8 +20,8 @@ import urllib.parse
 import nats
 import pytest
 
-from services.balancer.departures import Departure, instance_departed
-from services.balancer.registry import Registry
+from services.balancer.router.departures import Departure, instance_departed
+from services.balancer.router.registry import Registry
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import GAP_TIMEOUT_S, Bus, StreamLost, StreamReader

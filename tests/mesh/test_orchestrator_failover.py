@@ -15,8 +15,8 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.balancer.generation import GenerationError, GenerationRequest
-from services.balancer.orchestrator import MeshGenerator
-from services.balancer.registry import Registry
+from services.balancer.router.orchestrator import MeshGenerator
+from services.balancer.router.registry import Registry
 from shared.engine.sampling_params import SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects

@@ -206,7 +206,7 @@ def test_requests_that_end_without_finishing_count_as_abort_or_error():
     from prometheus_client import CollectorRegistry
 
     from services.balancer.generation import Usage
-    from services.balancer.http_metrics import HttpMetrics
+    from services.balancer.frontend.http_metrics import HttpMetrics
     from shared.runtime.metrics import Metrics
 
     metrics = Metrics("balancer")

@@ -20,7 +20,7 @@ import torch
 import transformers
 import uvicorn
 
-from services.balancer.api import create_app
+from services.balancer.frontend.api import create_app
 from services.balancer.generation import GenerationRequest, Generator, TokenEvent
 from services.balancer.local import LocalGenerator
 from shared.engine.config import EngineConfig

@@ -6,8 +6,8 @@ nats-server: tests/mesh/test_trust.py; a real kill under load: tests/mesh/test_f
 
 import json
 
-from services.balancer.departures import Departure, instance_departed, parse_advisory
-from services.balancer.registry import Registry
+from services.balancer.router.departures import Departure, instance_departed, parse_advisory
+from services.balancer.router.registry import Registry
 from shared.proto import mesh_pb2
 
 

@@ -12,8 +12,8 @@ from contextlib import AsyncExitStack
 import pytest
 from starlette.types import Message
 
-from services.balancer.event_stream import EventStream
-from services.balancer.pump import Pump
+from services.balancer.frontend.event_stream import EventStream
+from services.balancer.frontend.pump import Pump
 
 
 class Producer:

@@ -13,6 +13,12 @@ over the memory, the wire and the plumbing; the kvcache wire, torch-free and
 engine-free. The engine drives the connector interface and never a concrete
 connector (those that need the network are the stage skeleton's to choose).
 
+Inside the balancer, the OpenAI front door (frontend) and the mesh router
+(router) are two services that meet only through the seam,
+services.balancer.generation (the Generator contract and its request and event
+types): neither imports the other, nor the wiring above them (service.py,
+local.py, __main__), which imports both.
+
 Imports are read off the source (every import statement, those inside
 functions too), so an import that only runs on some path still counts."""
 
@@ -45,6 +51,9 @@ KV_MEMORY_READS_OF_THE_ENGINE = ("shared.engine.request", "shared.engine.config"
 """The request state the managers update and the config's choices: torch-free, and
 themselves importing no KV memory."""
 ENGINE_SEES_OF_THE_CONNECTORS = ("shared.kv.connectors.base",)
+BALANCER_PARTS = ("services.balancer.frontend", "services.balancer.router")
+"""Each may import, of the balancer, only itself and the seam."""
+BALANCER_SEAM = "services.balancer.generation"
 TORCH_FREE = (
     "shared.engine.config",
     "shared.engine.outputs",
@@ -176,6 +185,24 @@ def test_services_never_import_each_other():
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_balancers_front_door_and_router_meet_only_at_the_seam():
+    wrong = []
+    parts_seen = set()
+    for path in sources("services/balancer"):
+        name = module_name(path)
+        part = next((p for p in BALANCER_PARTS if within(name, p)), None)
+        if part is None:
+            continue
+        parts_seen.add(part)
+        for imported in imported_modules(path):
+            if within(imported, "services.balancer") and not (
+                within(imported, part) or imported == BALANCER_SEAM
+            ):
+                wrong.append(f"{name} imports {imported}")
+    assert parts_seen == set(BALANCER_PARTS), "the walk missed a part"
+    assert not wrong, "\n".join(wrong)
+
+
 def _torch_after_importing(modules: list[str]) -> list[str]:
     """Import the modules in a fresh interpreter; the torch modules it then holds."""
     code = (
@@ -199,7 +226,10 @@ def test_every_balancer_module_imports_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     modules = [m for m in out.stdout.split() if not m.endswith(".__main__")]
-    assert {"services.balancer.service", "services.balancer.local", "services.balancer.serving"} <= set(modules)
+    assert {
+        "services.balancer.service", "services.balancer.local", "services.balancer.frontend.serving",
+        "services.balancer.frontend.tool_parsers.hermes", "services.balancer.router.orchestrator",
+    } <= set(modules)
     assert _torch_after_importing(modules) == []
 
 

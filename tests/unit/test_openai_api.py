@@ -24,10 +24,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
 
-from services.balancer.api import MAX_CONTEXT_TOKENS, create_app
+from services.balancer.frontend.api import MAX_CONTEXT_TOKENS, create_app
 from services.balancer.generation import GenerationError, GenerationRequest, Generator, TokenEvent
 from services.balancer.local import LocalGenerator
-from services.balancer.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_TOKEN_IDS
+from services.balancer.frontend.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_TOKEN_IDS
 from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.outputs import EngineLoad

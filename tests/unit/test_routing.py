@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from services.balancer.policies import choose_decode, choose_prefill
-from services.balancer.registry import MIN_INTERVAL_S, Registry
+from services.balancer.router.policies import choose_decode, choose_prefill
+from services.balancer.router.registry import MIN_INTERVAL_S, Registry
 from shared.kv.block_hash import hash_block_chain
 from shared.kv.events import MAX_EVENT_HASHES, kv_event_messages
 from shared.proto import mesh_pb2

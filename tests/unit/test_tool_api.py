@@ -20,10 +20,10 @@ import pytest
 from fastapi.testclient import TestClient
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from services.balancer.api import create_app
+from services.balancer.frontend.api import create_app
 from services.balancer.generation import GenerationRequest, TokenEvent, Usage
-from services.balancer.tool_prompt import TOOLS_PREAMBLE
-from services.balancer.tool_schema import structured_outputs_available
+from services.balancer.frontend.tool_prompt import TOOLS_PREAMBLE
+from services.balancer.frontend.tool_schema import structured_outputs_available
 from shared.model.make_model import make_model
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings

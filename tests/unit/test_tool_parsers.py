@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.balancer.tool_parsers import (
+from services.balancer.frontend.tool_parsers import (
     NamedCallParser,
     StreamingParser,
     choose_parser,
@@ -15,7 +15,7 @@ from services.balancer.tool_parsers import (
     llama3_json,
     parse_whole,
 )
-from services.balancer.tool_parsers.hermes import HermesParser
+from services.balancer.frontend.tool_parsers.hermes import HermesParser
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2], "unit": "c"}}'
 TIME = '{"name": "get_time", "arguments": {}}'

@@ -55,7 +55,7 @@ def _serve_local(spec: dict[str, Any]) -> None:
     """The child process of LocalServer."""
     import uvicorn
 
-    from services.balancer.api import create_app
+    from services.balancer.frontend.api import create_app
     from services.balancer.local import LocalGenerator
     from shared.recipe import Recipe
     from shared.runtime.settings import BalancerSettings

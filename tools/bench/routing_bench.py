@@ -6,7 +6,7 @@ Two meshes of the same shape (1 prefill, --decode decode instances) run at once:
   conditional    a prompt with at most --max-local-tokens left to compute beyond
                  what an instance holds is computed on its decode instance, and the
                  decode instance is chosen by its own cache as well as its load
-                 (services/balancer/policies.py), so a conversation's next turn goes
+                 (services/balancer/router/policies.py), so a conversation's next turn goes
                  back to the instance that decoded the last one.
 Each is fed the same seeded conversations (tools/bench/workloads.py, multi-turn:
 every turn sends the whole history, the server's answers included) by --concurrency

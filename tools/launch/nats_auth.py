@@ -30,7 +30,7 @@ Every user sits in one account (MESH). The system account (SYS) exports
 nats-server's advisory of a client that left; MESH imports it as
 `im.nats.disconnected` (subjects.CLIENT_DISCONNECTED), which only the server
 feeds: the balancer hears a worker's death within milliseconds
-(services/balancer/departures.py).
+(services/balancer/router/departures.py).
 
     python -m tools.launch.nats_auth --conf
         # the per-stage block (X = *), passwords read from $NATS_<ROLE>_PASSWORD

@@ -1,0 +1,141 @@
+"""One routing policy per stage. Each returns the chosen instance and the
+figures it chose by, which go on the request's trace span.
+
+- prefill: the instance holding the most leading blocks of the prompt in its
+  own memory (recomputing nothing it already has); ties broken at random; when
+  nobody holds any, the least loaded by tokens waiting to be computed.
+- decode: the least loaded by running + waiting requests, then by the most
+  free KV blocks; ties broken at random. With conditional disaggregation on,
+  where a prompt may be computed on its decode instance, the one with the least
+  work for this request in KV blocks instead (choose_decode_by_cache): a turn of
+  a conversation goes back to the instance that holds the conversation.
+- where the prompt is computed (choose_prefill_site): on a prefill instance, or
+  on the decode instance when the prompt is short or prefill is the bottleneck
+  (conditional disaggregation; off unless its settings are set).
+
+Random tie-breaks matter: a burst of requests between two heartbeats would
+otherwise all go to the first instance in the list.
+"""
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.kv.block_hash import BlockHash
+from services.balancer.router.registry import Instance
+
+
+@dataclass(slots=True)
+class Choice:
+    instance: Instance
+    reason: str
+    scores: dict[str, float]
+    """Per candidate instance id: the figure it was ranked by."""
+
+
+def _pick(candidates: Sequence[Instance], key, rng: random.Random) -> Instance:  # noqa: ANN001
+    best = min(key(c) for c in candidates)
+    return rng.choice([c for c in candidates if key(c) == best])
+
+
+def leading_blocks_held(inst: Instance, hashes: Sequence[BlockHash]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in inst.blocks:
+            break
+        n += 1
+    return n
+
+
+def choose_prefill(candidates: Sequence[Instance], hashes: Sequence[BlockHash], rng: random.Random) -> Choice:
+    if not candidates:
+        raise LookupError("no live prefill instance")
+    held = {c.instance_id: leading_blocks_held(c, hashes) for c in candidates}
+    if max(held.values()) > 0:
+        inst = _pick(candidates, lambda c: -held[c.instance_id], rng)
+        return Choice(inst, "prefix", {k: float(v) for k, v in held.items()})
+    load = {c.instance_id: float(c.load.num_queued_tokens + c.in_flight) for c in candidates}
+    inst = _pick(candidates, lambda c: load[c.instance_id], rng)
+    return Choice(inst, "least_loaded", load)
+
+
+def choose_decode(candidates: Sequence[Instance], rng: random.Random) -> Choice:
+    if not candidates:
+        raise LookupError("no live decode instance")
+
+    def key(c: Instance) -> tuple[int, int]:
+        return (c.load.num_running + c.load.num_waiting + c.in_flight, -c.load.num_free_kv_blocks)
+
+    inst = _pick(candidates, key, rng)
+    return Choice(inst, "least_loaded", {c.instance_id: float(key(c)[0]) for c in candidates})
+
+
+def choose_decode_by_cache(
+    candidates: Sequence[Instance], hashes: Sequence[BlockHash], prompt_tokens: int, block_size: int,
+    rng: random.Random,
+) -> Choice:
+    """The decode instance with the least work for this request, in KV blocks (Dynamo's
+    KV-router cost, at overlap weight 1): the prompt's blocks it does not hold (it
+    computes or loads them if the prompt is computed there), plus the blocks its
+    requests hold (each decode step reads them all), plus this prompt's blocks for each
+    request waiting there or sent to it since its last heartbeat (not yet in its blocks)."""
+    if not candidates:
+        raise LookupError("no live decode instance")
+    prompt_blocks = -(-prompt_tokens // block_size)
+
+    def cost(c: Instance) -> float:
+        used = c.load.num_total_kv_blocks - c.load.num_free_kv_blocks
+        queued = c.load.num_waiting + c.in_flight
+        return float(prompt_blocks - leading_blocks_held(c, hashes) + used + queued * prompt_blocks)
+
+    costs = {c.instance_id: cost(c) for c in candidates}
+    inst = _pick(candidates, lambda c: costs[c.instance_id], rng)
+    return Choice(inst, "kv_cost", costs)
+
+
+@dataclass(slots=True)
+class PrefillSite:
+    """Where a request's prompt is computed: on a prefill instance (disaggregated) or
+    on its decode instance (local), and why."""
+
+    local: bool
+    reason: str
+    queued_tokens: int
+    """The least loaded prefill instance's queue, in prompt tokens (-1: none live)."""
+
+
+def queued_prefill_tokens(inst: Instance) -> int:
+    """Prompt tokens the instance has still to compute: its last heartbeat's, plus what
+    this balancer sent it since."""
+    return inst.load.num_queued_tokens + inst.in_flight_tokens
+
+
+def conditional_disaggregation(max_local_tokens: int, max_queue_tokens: int) -> bool:
+    """Whether a prompt may be computed on its decode instance (either rule on)."""
+    return max_local_tokens > 0 or max_queue_tokens > 0
+
+
+def choose_prefill_site(
+    candidates: Sequence[Instance], hashes: Sequence[BlockHash], prompt_tokens: int, block_size: int,
+    max_local_tokens: int, max_queue_tokens: int, decode: Instance | None = None,
+) -> PrefillSite:
+    """Dynamo's conditional disaggregation. A prompt is prefilled on its decode instance
+    when what is left to compute (beyond the longest prefix a prefill instance, whose
+    blocks kvcache holds too, or the decode instance itself holds) is short (at most
+    max_local_tokens), or when prefill is the bottleneck (the least loaded prefill
+    instance has max_queue_tokens queued): then decode folds the prompt into its own
+    steps, its decoding requests riding along. With either rule on, also when no
+    prefill instance is live. 0 turns a rule off; with both off, always remote."""
+    if not conditional_disaggregation(max_local_tokens, max_queue_tokens):
+        return PrefillSite(False, "disaggregated", -1)
+    if not candidates:
+        return PrefillSite(True, "no_prefill_instance", -1)
+    holders = [*candidates, decode] if decode is not None else candidates
+    held = max(leading_blocks_held(c, hashes) for c in holders)
+    to_compute = prompt_tokens - held * block_size
+    queued = min(queued_prefill_tokens(c) for c in candidates)
+    if 0 < max_local_tokens and to_compute <= max_local_tokens:
+        return PrefillSite(True, "short_prompt", queued)
+    if 0 < max_queue_tokens <= queued:
+        return PrefillSite(True, "prefill_queue", queued)
+    return PrefillSite(False, "disaggregated", queued)
