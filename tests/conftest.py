@@ -11,7 +11,7 @@ import torch
 
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.make_model import make_model
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 from shared.runtime import rpc
 from tools.launch.nats_auth import new_password
 from tools.launch.up import Mesh, StartFailed, free_port

@@ -27,7 +27,7 @@ from shared.model.forward_batch import AttentionMetadata  # noqa: E402
 from shared.model.kernels import fused_moe as fm  # noqa: E402
 from shared.model.kernels.fused_moe import align_by_expert, fused_moe, fused_moe_ref  # noqa: E402
 from shared.model.loader import load_model  # noqa: E402
-from shared.model.models.llama import CausalLM  # noqa: E402
+from shared.model.interface import CausalLM  # noqa: E402
 from shared.model.moe import SparseMoE, counted_tokens  # noqa: E402
 from shared.model.moe_config import MoEConfig  # noqa: E402
 from tests.conftest import PagedDriver, rel_err  # noqa: E402

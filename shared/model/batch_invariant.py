@@ -211,9 +211,9 @@ def uses_triton_table(model: torch.nn.Module) -> bool:
 
 def apply(model: torch.nn.Module) -> None:
     """Install the table on a built model (see the module docstring), for the model's life."""
-    from shared.model.models.llama import Attention, CausalLM
+    from shared.model.models.llama import Attention, LlamaForCausalLM
 
-    dense = isinstance(model, CausalLM) and not model._sparse_blocks
+    dense = isinstance(model, LlamaForCausalLM) and not model._sparse_blocks
     if not dense or not all(isinstance(layer.self_attn, Attention) for layer in model.model.layers):
         raise ValueError("batch_invariant supports dense Llama-family models only (experts are not invariant)")
     if uses_triton_table(model):

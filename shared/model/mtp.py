@@ -36,7 +36,7 @@ from shared.model.forward_batch import AttentionMetadata
 from shared.model.kernels import triton_module
 from shared.model.layers import Linear, MergedLinear, RMSNorm
 from shared.model.loader import INDEX_FILE, SINGLE_FILE
-from shared.model.models.llama import CausalLM, DecoderLayer
+from shared.model.models.llama import DecoderLayer, LlamaForCausalLM
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 SHARED_NAMES = ("embed_tokens.weight", "shared_head.head.weight")
@@ -54,10 +54,10 @@ class SharedHead(nn.Module):
 class MtpLayer(nn.Module):
     """The MTP layer over a target (not a submodule: its embedding and head are shared, not copied)."""
 
-    def __init__(self, target: CausalLM) -> None:
+    def __init__(self, target: LlamaForCausalLM) -> None:
         super().__init__()
         config = target.config
-        if config.architecture not in LLAMA_FAMILY or type(target) is not CausalLM:
+        if config.architecture not in LLAMA_FAMILY or type(target) is not LlamaForCausalLM:
             raise ValueError(
                 f"an MTP head is implemented for the Llama family ({', '.join(LLAMA_FAMILY)}), "
                 f"not {config.architecture}: use speculative='draft' or 'ngram'"
@@ -136,7 +136,7 @@ def num_mtp_layers(folder: str | Path) -> int:
 
 
 @torch.no_grad()
-def load_mtp(folder: str | Path, target: CausalLM) -> MtpLayer:
+def load_mtp(folder: str | Path, target: LlamaForCausalLM) -> MtpLayer:
     """The first MTP layer of the checkpoint in ``folder`` over ``target`` (loaded from it).
     ValueError when the checkpoint carries none or carries it incompletely."""
     folder = Path(folder)
@@ -185,7 +185,7 @@ def save_mtp(folder: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _shared_tensors(target: CausalLM) -> dict[str, torch.Tensor]:
+def _shared_tensors(target: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     embed = target.model.embed_tokens.weight
     head = embed if target.lm_head is None else target.lm_head.weight
     return dict(zip(SHARED_NAMES, (embed, head)))

@@ -69,7 +69,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import load_model
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 from shared.runtime.kvcache_client import KVCacheClient
 from shared.runtime.settings import env_name
 from shared.stage.kvcache_connector import KVCacheConnector

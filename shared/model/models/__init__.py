@@ -15,17 +15,18 @@ from types import MappingProxyType
 import torch
 
 from shared.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from shared.model.interface import CausalLM
 from shared.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from shared.model.models.gpt_oss import GptOssForCausalLM
-from shared.model.models.llama import CausalLM
+from shared.model.models.llama import LlamaForCausalLM
 from shared.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: Mapping[str, type[CausalLM]] = MappingProxyType(
     {
-        "LlamaForCausalLM": CausalLM,
-        "Qwen2ForCausalLM": CausalLM,
-        "Qwen3ForCausalLM": CausalLM,
-        "MistralForCausalLM": CausalLM,
+        "LlamaForCausalLM": LlamaForCausalLM,
+        "Qwen2ForCausalLM": LlamaForCausalLM,
+        "Qwen3ForCausalLM": LlamaForCausalLM,
+        "MistralForCausalLM": LlamaForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
         "GptOssForCausalLM": GptOssForCausalLM,
         "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,

@@ -20,7 +20,7 @@ names transformers saves (DeepSeek's own: ``attn.wq_a``, ``ffn.experts.0.w1``...
 
 import dataclasses
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,8 @@ from shared.model.config import ModelConfig
 from shared.model.deepseek_v4_config import CSA, SLIDING, DeepseekV4Params
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.hyper_connections import HyperConnection, HyperHead, merge_streams, unweighted_rms_norm
+from shared.model.interface import CausalLM, TensorMaker
 from shared.model.layers import Linear, rope_inv_freq
-from shared.model.models.llama import CausalLM
 from shared.model.kernels import use_triton_kernels
 from shared.model.moe import Experts, SparseMoE
 from shared.model.profiling import profiled
@@ -316,9 +316,13 @@ def entry_width(config: ModelConfig, kind: str) -> int:
     return config.head_dim + (p.index_head_dim if kind == CSA else 0)
 
 
+def v4_kv_layout(config: ModelConfig) -> KVCacheLayout:
+    """The state caches' sliding-window group and the compressed caches' persistent ones."""
+    return kv_cache_layout_of_specs(v4_kv_specs(config))
+
+
 class DeepseekV4ForCausalLM(CausalLM):
-    """The engine's CausalLM interface (forward over the paged cache, compute_logits,
-    kv_layout, allocate_kv_cache, kv_bytes_per_block, checkpoint_tensors) for V4.
+    """The engine's CausalLM interface (shared/model/interface.py) for V4.
     The routed experts run the fused Triton MoE on CUDA; the attention, compressors,
     indexer and mHC run PyTorch (no Triton kernel for them yet, no CUDA graphs)."""
 
@@ -330,26 +334,24 @@ class DeepseekV4ForCausalLM(CausalLM):
         tie_word_embeddings: bool | None = None,
         kernels: str = "auto",
     ) -> None:
-        nn.Module.__init__(self)
         p = config.deepseek_v4
         if p is None or config.moe is None:
             raise ValueError("DeepseekV4ForCausalLM needs a DeepSeek-V4 config")
-        device = torch.device(device)
-        self.config, self.dtype, self.use_triton = config, dtype, False
         # The checkpoint's LM head is "head.weight" (transformers' saved name): the
         # loader's "no lm_head.weight" guess of a tied head does not apply; the config says.
-        self.tie_word_embeddings = config.tie_word_embeddings
+        super().__init__(config, dtype, config.tie_word_embeddings)
+        device = torch.device(device)
+        self.use_triton = False
         # The routed experts take the fused Triton MoE where kernels resolve to Triton (CUDA):
         # no host sync, no loop over experts. The attention is PyTorch's either way.
         self.model = DeepseekV4Model(config, dtype, device, moe_triton=use_triton_kernels(kernels, device))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self._gemv = None
         self.main_rotary = V4Rotary(config, False, device)
         self.compress_rotary = V4Rotary(config, True, device)
         self.expert_counts = torch.zeros(config.num_hidden_layers, config.moe.num_experts, dtype=torch.int64, device=device)
         for row, layer in zip(self.expert_counts, self.model.layers):
             layer.mlp.counts = row
-        self.kv_layout: KVCacheLayout = kv_cache_layout_of_specs(v4_kv_specs(config))
+        self.kv_layout = v4_kv_layout(config)
         num_layers = config.num_hidden_layers
         compressed_layers = [i for i, t in enumerate(p.layer_types) if t != SLIDING]
         self._compressed_cache = {layer: num_layers + j for j, layer in enumerate(compressed_layers)}
@@ -406,29 +408,25 @@ class DeepseekV4ForCausalLM(CausalLM):
         with profiled("v4.norm"):
             return self.model.norm(collapsed)
 
+    @property
+    def kv_row_shape(self) -> tuple[int, int]:
+        return 1, self.cache_width
+
     def allocate_kv_cache(
         self,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        make: "Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None" = None,
+        make: TensorMaker | None = None,
     ) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, 1, cache_width] tensor per cache (state caches,
-        then compressed caches), as CausalLM lays them out: views of one allocation,
+        then compressed caches), laid out as every CausalLM's: views of one allocation,
         cache k of every group in tensor k."""
         for rate in {r for r in self.config.deepseek_v4.compress_rates if r}:  # type: ignore[union-attr]
             if block_size % rate and rate % block_size:
                 raise ValueError(f"block_size {block_size} and the compression rate {rate} must divide one another")
-        layout = self.kv_layout
-        shape = (layout.group_size, 2, num_blocks, block_size, 1, self.cache_width)
-        stacked = torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
-        tensors = list(stacked.unbind(0))
-        return [tensors[layout.tensor_of_layer(i)] for i in range(layout.num_layers)]
-
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * block_size * self.cache_width * element_size * self.kv_layout.group_size
+        return super().allocate_kv_cache(num_blocks, block_size, dtype, device, make)
 
     def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """Checkpoint name -> tensor. Names as transformers saves V4 (DeepSeek's:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.models.llama import CausalLM
+from shared.model.models.llama import LlamaForCausalLM
 from shared.model.moe import SparseMoE
 
 
@@ -27,7 +27,7 @@ def gpt_oss_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device:
     )
 
 
-class GptOssForCausalLM(CausalLM):
+class GptOssForCausalLM(LlamaForCausalLM):
     make_mlp = staticmethod(gpt_oss_mlp)
     # GptOssRMSNorm scales in float32 and casts once (bf16 logits drift otherwise).
     norm_scale_in_float32 = True

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.models.llama import CausalLM, dense_mlp
+from shared.model.models.llama import LlamaForCausalLM, dense_mlp
 from shared.model.moe import SparseMoE
 
 
@@ -21,5 +21,5 @@ def qwen3_moe_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, devic
     )
 
 
-class Qwen3MoeForCausalLM(CausalLM):
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
     make_mlp = staticmethod(qwen3_moe_mlp)
