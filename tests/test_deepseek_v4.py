@@ -26,7 +26,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv.spec import CompressedSpec, SlidingWindowSpec
 from shared.model.config import ModelConfig
 from shared.model.loader import load_weights
-from shared.model.models import DeepseekV4ForCausalLM
+from shared.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from tests.conftest import PagedDriver, rel_err
 from tests.deepseek_v4_models import V4_VARIANTS, save_tiny_v4
 from tests.engine_helpers import run

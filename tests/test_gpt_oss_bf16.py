@@ -13,7 +13,7 @@ import torch
 
 from shared.model.layers import RMSNorm
 from shared.model.loader import load_model
-from shared.model.models import GptOssForCausalLM
+from shared.model.models.gpt_oss import GptOssForCausalLM
 from tests.conftest import PagedDriver
 from tests.hf_models import random_prompts, save_tiny_hf_model
 

@@ -35,6 +35,8 @@ TORCH_FREE = (
     "shared.runtime.settings",
     "shared.stage.convert",
     "shared.model.config",
+    # The model registry, which imports every family's config parser (models/<name>_config.py).
+    "shared.model.models",
 )
 
 
@@ -114,6 +116,20 @@ def test_every_balancer_module_imports_without_torch():
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_types_that_cross_a_process_boundary_are_torch_free(module):
     assert _torch_after_importing([module]) == []
+
+
+def test_every_model_file_has_its_config_and_entry():
+    """The registry's one list names, for each family, a torch-free config module
+    (checked above through shared.model.models) and a model file exporting ENTRY."""
+    from shared.model.interface import ModelEntry
+    from shared.model.models import ARCH_CONFIGS, FAMILIES, model_entry
+
+    for family in FAMILIES:
+        assert (ROOT / "shared/model/models" / f"{family}.py").is_file()
+        assert (ROOT / "shared/model/models" / f"{family}_config.py").is_file()
+    for architecture, config in ARCH_CONFIGS.items():
+        entry = model_entry(architecture)
+        assert isinstance(entry, ModelEntry) and entry.config is config
 
 
 def test_kernel_choices_are_one_tuple():

@@ -11,6 +11,7 @@ from typing import Any
 
 from shared.engine.config import DTYPES, KERNEL_CHOICES, SPEC_SCHEDULE_CHOICES, SPECULATIVE_CHOICES, EngineConfig
 from shared.engine.sampling_params import SamplingParams
+from shared.model.models import ARCHITECTURE_OF_MODEL_TYPE
 from shared.runtime.settings import field_docs
 
 # Engine knobs whose flag would collide with a subcommand's own (generate's --seed is the sampling seed).
@@ -250,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a small seeded checkpoint in the HF format")
     p.add_argument("path")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v4"])
+    p.add_argument("--arch", default="llama", choices=list(ARCHITECTURE_OF_MODEL_TYPE))  # the model registry's
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny")
     p.add_argument(

@@ -17,13 +17,14 @@ collects them; nothing else keeps a list of architectures.
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from shared.kv.spec import KVCacheLayout
-from shared.model.config import ModelConfig
+from shared.model.config import ArchConfig, ModelConfig
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.layers import Linear, linear
 
@@ -119,3 +120,22 @@ class CausalLM(nn.Module, ABC):
         heads, channels = self.kv_row_shape
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * block_size * heads * channels * element_size * self.kv_layout.group_size
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """What a model file exports as ``ENTRY``; the registry (shared/model/models) reads nothing else."""
+
+    config: ArchConfig
+    """The torch-free part (``models/<name>_config.py``): architectures, parser, test configs."""
+    model_classes: Mapping[str, type[CausalLM]]
+    """HF architecture name -> the class that serves it, for every name of ``config``. A
+    class is built as ``cls(config, dtype, device, tie_word_embeddings, kernels)``."""
+    kv_layout: Callable[[ModelConfig], KVCacheLayout]
+    """The model's KV cache groups, from its config alone (no model built)."""
+
+    def __post_init__(self) -> None:
+        if set(self.model_classes) != set(self.config.architectures):
+            raise ValueError(
+                f"model classes for {sorted(self.model_classes)}, configs for {sorted(self.config.architectures)}"
+            )

@@ -16,7 +16,7 @@ import argparse
 import tempfile
 from dataclasses import dataclass
 
-from shared.model.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Params
+from shared.model.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Params
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ names transformers saves (DeepSeek's own: ``attn.wq_a``, ``ffn.experts.0.w1``...
 import dataclasses
 import re
 from collections.abc import Collection
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +33,12 @@ from shared.model.compressed_attention import (
     sequences, slots_of,
 )  # fmt: skip
 from shared.model.config import ModelConfig
-from shared.model.deepseek_v4_config import CSA, SLIDING, DeepseekV4Params
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.hyper_connections import HyperConnection, HyperHead, merge_streams, unweighted_rms_norm
-from shared.model.interface import CausalLM, TensorMaker
+from shared.model.interface import CausalLM, ModelEntry, TensorMaker
 from shared.model.layers import Linear, rope_inv_freq
 from shared.model.kernels import use_triton_kernels
+from shared.model.models.deepseek_v4_config import CONFIG, CSA, SLIDING, DeepseekV4Params
 from shared.model.moe import Experts, SparseMoE
 from shared.model.profiling import profiled
 
@@ -449,6 +450,11 @@ class DeepseekV4ForCausalLM(CausalLM):
         if in_memory:
             return targets
         return {saved_name(name): tensor for name, tensor in targets.items()}
+
+ENTRY = ModelEntry(
+    config=CONFIG, model_classes=MappingProxyType({"DeepseekV4ForCausalLM": DeepseekV4ForCausalLM}), kv_layout=v4_kv_layout
+)
+
 
 # transformers' in-memory names -> the names it saves (the reverse of its deepseek_v4
 # conversion mapping), applied in order to a name.

@@ -10,11 +10,15 @@ The attention sinks and the rope are data the shared attention reads
 Quantised (MXFP4 ``*_blocks``/``*_scales``) checkpoints are not read: the loader
 names those tensors as unexpected."""
 
+from types import MappingProxyType
+
 import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.models.llama import LlamaForCausalLM
+from shared.model.interface import ModelEntry
+from shared.model.models.gpt_oss_config import CONFIG
+from shared.model.models.llama import LlamaForCausalLM, llama_kv_layout
 from shared.model.moe import SparseMoE
 
 
@@ -31,3 +35,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
     make_mlp = staticmethod(gpt_oss_mlp)
     # GptOssRMSNorm scales in float32 and casts once (bf16 logits drift otherwise).
     norm_scale_in_float32 = True
+
+
+ENTRY = ModelEntry(
+    config=CONFIG, model_classes=MappingProxyType({"GptOssForCausalLM": GptOssForCausalLM}), kv_layout=llama_kv_layout
+)

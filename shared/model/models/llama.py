@@ -12,6 +12,7 @@ layer, tied embeddings.
 """
 
 from collections.abc import Callable, Collection
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -20,9 +21,10 @@ from torch import nn
 from shared.model.attention import AttentionPlan, paged_attention, plan_attention
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
-from shared.model.interface import CausalLM
+from shared.model.interface import CausalLM, ModelEntry
 from shared.model.kernels import triton_module, use_triton_kernels
 from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
+from shared.model.models.llama_config import CONFIG
 from shared.model.moe import Experts, SparseMoE, counted_tokens
 from shared.kv.spec import KVCacheLayout, kv_cache_layout
 
@@ -260,3 +262,10 @@ class LlamaForCausalLM(CausalLM):
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm.fused_add(x, residual)[0]
+
+
+ENTRY = ModelEntry(
+    config=CONFIG,
+    model_classes=MappingProxyType(dict.fromkeys(CONFIG.architectures, LlamaForCausalLM)),
+    kv_layout=llama_kv_layout,
+)

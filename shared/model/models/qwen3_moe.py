@@ -4,11 +4,15 @@ softmax router over all experts (``mlp.gate``), top-k, optionally renormalised, 
 SiLU-gated experts (``mlp.experts.<e>.gate_proj``... or transformers' fused
 ``mlp.experts.gate_up_proj``/``down_proj``). The other layers keep a dense MLP."""
 
+from types import MappingProxyType
+
 import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.models.llama import LlamaForCausalLM, dense_mlp
+from shared.model.interface import ModelEntry
+from shared.model.models.llama import LlamaForCausalLM, dense_mlp, llama_kv_layout
+from shared.model.models.qwen3_moe_config import CONFIG
 from shared.model.moe import SparseMoE
 
 
@@ -23,3 +27,8 @@ def qwen3_moe_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, devic
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     make_mlp = staticmethod(qwen3_moe_mlp)
+
+
+ENTRY = ModelEntry(
+    config=CONFIG, model_classes=MappingProxyType({"Qwen3MoeForCausalLM": Qwen3MoeForCausalLM}), kv_layout=llama_kv_layout
+)
