@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shared.model.forward_batch import AttentionMetadata
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 from shared.model.interface import CausalLM
 from shared.runtime import rpc
 from tools.launch.nats_auth import new_password

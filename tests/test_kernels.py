@@ -37,7 +37,7 @@ from shared.model.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_
 from shared.model.kernels.rotary import rotary_embedding_, rotary_embedding_and_store_kv, rotary_ref  # noqa: E402
 from shared.model.layers import RotaryEmbedding  # noqa: E402
 from shared.model.loader import load_weights  # noqa: E402
-from shared.model.make_model import hf_config_dict  # noqa: E402
+from tools.make_model import hf_config_dict  # noqa: E402
 from shared.model.interface import CausalLM  # noqa: E402
 from shared.model.models import build_model  # noqa: E402
 from tests.conftest import PagedDriver, rel_err  # noqa: E402

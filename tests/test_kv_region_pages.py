@@ -10,7 +10,7 @@ import torch
 from shared.engine.kv_region import KVRegion
 from shared.kv.spec import CompressedSpec, SlidingWindowSpec, kv_cache_layout, kv_cache_layout_of_specs
 from shared.model.models.deepseek_v4_config import CSA
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 from tools.bench.v4_kv_bytes import logical_bytes, measured_bytes
 
 NUM_BLOCKS, BLOCK, WIDTH = 6, 8, 24

@@ -76,6 +76,18 @@ def test_no_import_runs_against_the_layering():
     assert not wrong, "\n".join(wrong)
 
 
+def test_only_tools_and_tests_draw_checkpoints():
+    """make_model (seeded random checkpoints) is a tool: no service or shared module
+    imports it (FORBIDDEN covers it too; this names it)."""
+    wrong = [
+        f"{module_name(path)} imports {imported}"
+        for path in sources("shared", "services")
+        for imported in imported_modules(path)
+        if within(imported, "tools.make_model")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_services_never_import_each_other():
     wrong = []
     for path in sources("services"):

@@ -12,7 +12,7 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.config import EngineConfig
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\nprint([fibonacci(i) for i in range(10)])\n"
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from shared.engine.host_tier import HostTierConnector
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 from tools.bench.tier_bench import TIERS, TierBenchError, main, run_tier_bench
 
 PROMPT_LEN, BLOCK = 512, 16

@@ -56,7 +56,7 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     import torch
 
-    from shared.model.make_model import make_model
+    from tools.make_model import make_model
 
     num_params = make_model(
         args.path, arch=args.arch, seed=args.seed, preset=args.preset, sliding_window=args.sliding_window,
@@ -217,7 +217,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = "models/default"
         if not (Path(args.model) / "config.json").exists():
-            from shared.model.make_model import make_model
+            from tools.make_model import make_model
 
             print(f"making the default model in {args.model}", file=sys.stderr)
             make_model(args.model)

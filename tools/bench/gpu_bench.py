@@ -26,7 +26,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput
 from shared.model.config import ModelConfig
 from shared.model.loader import load_weights
-from shared.model.make_model import PRESETS, hf_config_dict
+from tools.make_model import PRESETS, hf_config_dict
 from shared.model.interface import CausalLM
 from shared.model.models import build_model
 

@@ -26,7 +26,7 @@ from shared.engine.kv.memory_connector import MemoryConnector, MemoryKVStore
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 
 WINDOW = 128
 BLOCK = 16

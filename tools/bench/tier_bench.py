@@ -432,7 +432,7 @@ def run_tier_bench(
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="infermesh-tiers-")))
         made = model is None
         if model is None:
-            from shared.model.make_model import make_model
+            from tools.make_model import make_model
 
             model = str(tmp / "model")
             make_model(model, tokenizer=False)  # token-id prompts

@@ -79,7 +79,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from shared.model.make_model import make_model
+            from tools.make_model import make_model
 
             make_model(tmp, arch="deepseek_v4", seed=0, tokenizer=False)
             model = tmp
