@@ -37,9 +37,9 @@ from shared.model.forward_batch import AttentionMetadata
 from shared.model.hyper_connections import HyperConnection, HyperHead, merge_streams, unweighted_rms_norm
 from shared.model.interface import CausalLM, ModelEntry, TensorMaker
 from shared.model.layers import Linear, rope_inv_freq
-from shared.model.kernels import use_triton_kernels
 from shared.model.models.deepseek_v4_config import CONFIG, CSA, SLIDING, DeepseekV4Params
 from shared.model.moe import Experts, SparseMoE
+from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.model.profiling import profiled
 
 
@@ -267,7 +267,7 @@ class V4Attention(nn.Module):
 
 class V4DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, moe_triton: bool = False
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, moe_ops: Ops = TORCH_OPS
     ) -> None:
         super().__init__()
         p, moe = config.deepseek_v4, config.moe
@@ -277,7 +277,7 @@ class V4DecoderLayer(nn.Module):
         layer_moe = dataclasses.replace(moe, selection_bias=False) if kind == "hash_moe" else moe
         self.self_attn = V4Attention(config, layer_idx, dtype, device)
         self.mlp = SparseMoE(config.hidden_size, layer_moe, kind, config.vocab_size, dtype, device, router_name="gate",
-                             use_triton=moe_triton)  # fmt: skip
+                             ops=moe_ops)  # fmt: skip
         self.input_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.post_attention_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         hc = (config.hidden_size, p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps, config.rms_norm_eps, device)
@@ -286,14 +286,14 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_triton: bool = False) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_ops: Ops = TORCH_OPS) -> None:
         super().__init__()
         p = config.deepseek_v4
         assert p is not None
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(
-            V4DecoderLayer(config, i, dtype, device, moe_triton) for i in range(config.num_hidden_layers)
+            V4DecoderLayer(config, i, dtype, device, moe_ops) for i in range(config.num_hidden_layers)
         )
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.hc_head = HyperHead(config.hidden_size, p.hc_mult, p.hc_eps, config.rms_norm_eps, device)
@@ -342,10 +342,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         # loader's "no lm_head.weight" guess of a tied head does not apply; the config says.
         super().__init__(config, dtype, config.tie_word_embeddings)
         device = torch.device(device)
-        self.use_triton = False
         # The routed experts take the fused Triton MoE where kernels resolve to Triton (CUDA):
         # no host sync, no loop over experts. The attention is PyTorch's either way.
-        self.model = DeepseekV4Model(config, dtype, device, moe_triton=use_triton_kernels(kernels, device))
+        self.model = DeepseekV4Model(config, dtype, device, moe_ops=resolve_ops(kernels, device))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self.main_rotary = V4Rotary(config, False, device)
         self.compress_rotary = V4Rotary(config, True, device)

@@ -20,14 +20,15 @@ from shared.model.interface import ModelEntry
 from shared.model.models.gpt_oss_config import CONFIG
 from shared.model.models.llama import LlamaForCausalLM, llama_kv_layout
 from shared.model.moe import SparseMoE
+from shared.model.ops import Ops
 
 
-def gpt_oss_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool) -> nn.Module:
+def gpt_oss_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops) -> nn.Module:
     if config.moe is None:
         raise ValueError("a GPT-OSS config without experts")
     kind = config.mlp_layer_type(layer_idx)
     return SparseMoE(
-        config.hidden_size, config.moe, kind, config.vocab_size, dtype, device, router_name="router", use_triton=use_triton
+        config.hidden_size, config.moe, kind, config.vocab_size, dtype, device, router_name="router", ops=ops
     )
 
 

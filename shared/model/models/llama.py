@@ -22,10 +22,10 @@ from shared.model.attention import AttentionPlan, paged_attention, plan_attentio
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.interface import CausalLM, ModelEntry
-from shared.model.kernels import triton_module, use_triton_kernels
 from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
 from shared.model.models.llama_config import CONFIG
 from shared.model.moe import Experts, SparseMoE, counted_tokens
+from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.kv.spec import KVCacheLayout, kv_cache_layout
 
 if TYPE_CHECKING:  # the kernel modules are imported only when a model selects them
@@ -39,7 +39,7 @@ def llama_kv_layout(config: ModelConfig) -> KVCacheLayout:
 
 class Attention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool = False
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -49,19 +49,19 @@ class Attention(nn.Module):
         self.sliding_window = config.sliding_windows[layer_idx]
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shards = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
-        self.qkv_proj = MergedLinear(hidden, shards, config.qkv_bias, dtype, device, use_triton)
-        self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device, use_triton)
+        self.qkv_proj = MergedLinear(hidden, shards, config.qkv_bias, dtype, device, ops)
+        self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device, ops)
         # Qwen3 normalises each head of q and k before rope.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops) if config.qk_norm else None
         # GPT-OSS: a learned logit per head that joins every softmax (no value).
         self.sinks = (
             nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False)
             if config.attention_sinks
             else None
         )
-        self._rotary = triton_module("rotary") if use_triton else None
-        self._attention = triton_module("attention") if use_triton else None
+        self._rotary = ops.rotary
+        self._attention = ops.attention
 
     def forward(
         self,
@@ -89,25 +89,25 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
-MlpFactory = Callable[[ModelConfig, int, torch.dtype, torch.device, bool], nn.Module]
-"""(config, layer index, dtype, device, use_triton) -> the layer's MLP module."""
+MlpFactory = Callable[[ModelConfig, int, torch.dtype, torch.device, Ops], nn.Module]
+"""(config, layer index, dtype, device, ops table) -> the layer's MLP module."""
 
 
-def dense_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool) -> nn.Module:
-    return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, use_triton)
+def dense_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops) -> nn.Module:
+    return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, ops)
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool = False,
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
         make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, dtype, device, use_triton)
-        self.mlp = make_mlp(config, layer_idx, dtype, device, use_triton)
+        self.self_attn = Attention(config, layer_idx, dtype, device, ops)
+        self.mlp = make_mlp(config, layer_idx, dtype, device, ops)
         # Hash-routed experts are chosen by token id: a sparse MLP gets the input ids.
         self._mlp_takes_ids = isinstance(self.mlp, SparseMoE)
-        norm = (config.hidden_size, config.rms_norm_eps, dtype, device, use_triton, norm_scale_in_float32)
+        norm = (config.hidden_size, config.rms_norm_eps, dtype, device, ops, norm_scale_in_float32)
         self.input_layernorm = RMSNorm(*norm)
         self.post_attention_layernorm = RMSNorm(*norm)
 
@@ -141,7 +141,7 @@ class DecoderModel(nn.Module):
     """transformers' ``model.`` prefix: embeddings, layers, final norm."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, use_triton: bool = False,
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
         make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
@@ -149,10 +149,10 @@ class DecoderModel(nn.Module):
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, use_triton, make_mlp, norm_scale_in_float32)
+            DecoderLayer(config, i, dtype, device, ops, make_mlp, norm_scale_in_float32)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton, norm_scale_in_float32)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops, norm_scale_in_float32)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -180,19 +180,21 @@ class LlamaForCausalLM(CausalLM):
             config, dtype, config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         )
         device = torch.device(device)
-        self.use_triton = use_triton_kernels(kernels, device)
-        self.model = DecoderModel(config, dtype, device, self.use_triton, type(self).make_mlp, self.norm_scale_in_float32)
+        ops = resolve_ops(kernels, device)
+        self.use_triton = ops.triton
+        """Whether the forward runs Triton kernels (batch_invariant.apply may swap the table after)."""
+        self.model = DecoderModel(config, dtype, device, ops, type(self).make_mlp, self.norm_scale_in_float32)
         sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
         self._sparse_blocks: list[SparseMoE] = sparse
         if sparse and config.moe is not None:
             self.expert_counts = torch.zeros(len(sparse), config.moe.num_experts, dtype=torch.int64, device=device)
             for row, block in zip(self.expert_counts, sparse):
                 block.counts = row
-        self._triton_attention = triton_module("attention") if self.use_triton else None
+        self._triton_attention = ops.attention
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
         # Tied: no lm_head parameter at all, so the checkpoint's name list has no entry to fill.
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self._gemv = triton_module("gemv").gemv if self.use_triton else None
+        self._gemv = ops.gemv
         self.kv_layout = llama_kv_layout(config)
         self._group_of_layer = [self.kv_layout.group_of_layer(i) for i in range(config.num_hidden_layers)]
         self._group_windows = [frozenset([g.spec.window]) for g in self.kv_layout.groups]
