@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 from shared.runtime import rpc
 from tests.helpers.hf_models import save_tiny_hf_model
 from tests.helpers.kvcache_proc import KVCacheProc, start_kvcache, wait_serving

@@ -11,6 +11,7 @@ from typing import Any
 
 from shared.engine.config import DTYPES, KERNEL_CHOICES, SPEC_SCHEDULE_CHOICES, SPECULATIVE_CHOICES, EngineConfig
 from shared.engine.sampling_params import SamplingParams
+from shared.model.models import ARCHITECTURE_OF_MODEL_TYPE
 from shared.runtime.settings import field_docs
 
 # Engine knobs whose flag would collide with a subcommand's own (generate's --seed is the sampling seed).
@@ -55,7 +56,7 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     import torch
 
-    from shared.model.make_model import make_model
+    from tools.make_model import make_model
 
     num_params = make_model(
         args.path, arch=args.arch, seed=args.seed, preset=args.preset, sliding_window=args.sliding_window,
@@ -216,7 +217,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = "models/default"
         if not (Path(args.model) / "config.json").exists():
-            from shared.model.make_model import make_model
+            from tools.make_model import make_model
 
             print(f"making the default model in {args.model}", file=sys.stderr)
             make_model(args.model)
@@ -250,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a small seeded checkpoint in the HF format")
     p.add_argument("path")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v4"])
+    p.add_argument("--arch", default="llama", choices=list(ARCHITECTURE_OF_MODEL_TYPE))  # the model registry's
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny")
     p.add_argument(

@@ -21,7 +21,7 @@ import torch
 
 from shared.engine.step_inputs import fill_placeholders
 from shared.model.forward_batch import AttentionMetadata
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.model.fingerprint import model_fingerprint
 from shared.model import batch_invariant
 from shared.model.loader import load_model
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 from shared.recipe import IncrementalDetokenizer, Recipe
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from shared.engine.step import ScheduledChunk, SchedulerOutput
 from shared.engine.step_inputs import eager_inputs, fill_placeholders, graph_rows, placeholder_sources, to_device
 from shared.engine.structured.apply import StructuredRows
 from shared.model.forward_batch import AttentionMetadata
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 
 
 log = logging.getLogger(__name__)

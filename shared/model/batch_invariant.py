@@ -53,6 +53,7 @@ from shared.model.attention import write_kv
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.kernels import triton_module
 from shared.model.layers import Linear, RMSNorm, apply_rope
+from shared.model.ops import Ops
 
 TILE_ROWS = 16
 """Rows per product tile (queries per attention tile)."""
@@ -209,49 +210,45 @@ def uses_triton_table(model: torch.nn.Module) -> bool:
     return device.type == "cuda" or (bool(getattr(model, "use_triton", False)) and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def apply(model: torch.nn.Module) -> None:
-    """Install the table on a built model (see the module docstring), for the model's life."""
-    from shared.model.models.llama import Attention, CausalLM
+def invariant_ops(triton: bool) -> Ops:
+    """A batch-invariant table (see the module docstring): the Triton one, or the PyTorch one.
+    No batch-1 fused GEMV (a second code path for one row); the activation is left as the
+    model was built (elementwise, hence invariant already); experts are refused by apply."""
+    if triton:
+        matmul = triton_module("invariant_matmul").invariant_matmul
+        attention = triton_module("invariant_attention")
+        return Ops(
+            "batch_invariant_triton", triton=True, gemv=matmul, rmsnorm=triton_module("rmsnorm"),
+            rotary=triton_module("rotary"), attention=attention,
+        )  # fmt: skip
+    invariant = InvariantAttention()
+    return Ops(
+        "batch_invariant_torch", triton=False, gemv=invariant_linear, rmsnorm=InvariantNorm(),
+        rotary=invariant, attention=invariant,
+    )  # fmt: skip
 
-    dense = isinstance(model, CausalLM) and not model._sparse_blocks
+
+def apply(model: torch.nn.Module) -> None:
+    """Install the table on a built model (see the module docstring), for the model's life:
+    its kernels, taken from ``invariant_ops``, in the slots its modules already dispatch to."""
+    from shared.model.models.llama import Attention, LlamaForCausalLM
+
+    dense = isinstance(model, LlamaForCausalLM) and not model._sparse_blocks
     if not dense or not all(isinstance(layer.self_attn, Attention) for layer in model.model.layers):
         raise ValueError("batch_invariant supports dense Llama-family models only (experts are not invariant)")
-    if uses_triton_table(model):
-        _apply_triton(model)
-        return
-    model.use_triton = False  # no CUDA graphs: they capture the Triton path
-    model._triton_attention = InvariantAttention()
-    model._gemv = invariant_linear
+    ops = invariant_ops(uses_triton_table(model))
+    # The Triton table: every kernel of the forward is invariant, so a captured decode graph
+    # is too. The PyTorch one: no CUDA graphs (they capture the Triton path).
+    model.use_triton = ops.triton
+    model._triton_attention = ops.attention
+    model._gemv = ops.gemv  # the logits' product (lm_head or the tied embeddings)
     for module in model.modules():
         if isinstance(module, Linear):
-            module._gemv = invariant_linear
+            module._gemv = ops.gemv
         elif isinstance(module, RMSNorm):
-            module._triton = InvariantNorm()
+            module._triton = ops.rmsnorm
         elif isinstance(module, Attention):
-            module._rotary = InvariantAttention()
-            module._attention = InvariantAttention()
+            module._rotary = ops.rotary
+            module._attention = ops.attention
         if hasattr(module, "_gated_gemv"):
-            module._gated_gemv = None  # the MLP's batch-1 fused GEMV: a second code path
-
-
-def _apply_triton(model: torch.nn.Module) -> None:
-    """The Triton table, installed whatever ``kernels`` the model was built with."""
-    from shared.model.models.llama import Attention
-
-    matmul = triton_module("invariant_matmul").invariant_matmul
-    attention = triton_module("invariant_attention")
-    norm, rotary = triton_module("rmsnorm"), triton_module("rotary")
-    # Every kernel of the forward is now invariant, so a captured decode graph is too.
-    model.use_triton = True
-    model._triton_attention = attention
-    model._gemv = matmul  # the logits' product (lm_head or the tied embeddings)
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module._gemv = matmul
-        elif isinstance(module, RMSNorm):
-            module._triton = norm
-        elif isinstance(module, Attention):
-            module._rotary = rotary
-            module._attention = attention
-        if hasattr(module, "_gated_gemv"):
-            module._gated_gemv = None  # the MLP's batch-1 fused GEMV (a second code path for one row)
+            module._gated_gemv = ops.gated_gemv  # None: the MLP's batch-1 fused GEMV is a second code path

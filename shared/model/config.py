@@ -1,39 +1,43 @@
-"""The model's shape and math, parsed from a Hugging Face ``config.json``.
+"""The model's shape and math, parsed from a Hugging Face ``config.json``: the fields
+every architecture shares (``ModelConfig``), the readers they share (rope, sliding
+windows, token ids), and ``ArchConfig``, what an architecture family declares about its
+config (torch-free: the balancer reads configs without torch).
 
-The four dense architectures are one transformer; what tells them apart is
-data in ``_ARCH_TRAITS`` (which projections carry biases, per-head q/k norms,
-how the sliding window is read, the default head size), never a copy of the
-model class. The MoE families (Qwen3-MoE, GPT-OSS) add a ``MoEConfig``
-(shared/model/moe_config.py), which layers are sparse, GPT-OSS's attention sinks
-and YaRN rope; their structure lives in ``shared/model/models/``. Both config spellings are accepted: transformers v4 (``rope_theta``
-and ``rope_scaling`` at the top level) and v5 (one ``rope_parameters`` dict,
-which is what transformers 5.24's ``save_pretrained`` writes, besides ``dtype``
-instead of ``torch_dtype`` and, for Qwen2/Qwen3, ``layer_types``).
+Each family's own reading lives beside its model, in
+``shared/model/models/<name>_config.py``, which exports an ``ArchConfig``: the
+architectures it serves with their traits (which projections carry biases, per-head
+q/k norms, how the sliding window is read, the default head size), the fields it
+parses itself (experts, DeepSeek-V4's parameters and ropes) and the tiny config.json
+make-model writes for it. The registry (shared/model/models) collects them. Both config
+spellings are accepted: transformers v4 (``rope_theta`` and ``rope_scaling`` at the top
+level) and v5 (one ``rope_parameters`` dict, which is what transformers 5.24's
+``save_pretrained`` writes, besides ``dtype`` instead of ``torch_dtype`` and, for
+Qwen2/Qwen3, ``layer_types``).
 """
 
 import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
-from shared.model import moe_config
-from shared.model.deepseek_v4_config import DeepseekV4Params, deepseek_v4_moe, parse_deepseek_v4
 from shared.model.moe_config import MlpLayerType, MoEConfig
 
 if TYPE_CHECKING:  # torch only where a dtype is asked for: the balancer reads configs without it
     import torch
+
+    from shared.model.models.deepseek_v4_config import DeepseekV4Params
 
 RopeType = Literal["default", "linear", "llama3", "yarn"]
 SlidingRule = Literal["none", "qwen", "all", "all_if_enabled", "layer_types"]
 
 
 @dataclass(frozen=True, slots=True)
-class _ArchTraits:
+class ArchTraits:
     """What one architecture changes in the shared transformer."""
 
     model_type: str
@@ -46,26 +50,33 @@ class _ArchTraits:
     attention_bias_default: bool = False  # ``attention_bias`` when config.json lacks it
 
 
-# Read-only: the table is configuration of the code, not state.
-_ARCH_TRAITS: Mapping[str, _ArchTraits] = MappingProxyType(
-    {
-        "LlamaForCausalLM": _ArchTraits("llama", None, None, True, False, "none", None),
-        # Qwen2 hard-codes q/k/v biases and an unbiased o_proj (modeling_qwen2.py).
-        "Qwen2ForCausalLM": _ArchTraits("qwen2", True, False, False, False, "qwen", None),
-        # Qwen3Config's head_dim defaults to 128, not hidden/heads.
-        "Qwen3ForCausalLM": _ArchTraits("qwen3", None, None, False, True, "qwen", 128),
-        "MistralForCausalLM": _ArchTraits("mistral", False, False, False, False, "all", None),
-        # Qwen3-MoE: Qwen3's attention; a window (when enabled) on every layer.
-        "Qwen3MoeForCausalLM": _ArchTraits("qwen3_moe", None, None, False, True, "all_if_enabled", None),
-        # GPT-OSS: biased q/k/v/o by default, sliding and full layers from layer_types.
-        "GptOssForCausalLM": _ArchTraits("gpt_oss", None, None, False, False, "layer_types", 64, True),
-        # DeepSeek-V4: one shared K=V head of 512, a window in every layer (besides the
-        # compressed entries of CSA/HCA layers; see DeepseekV4Params).
-        "DeepseekV4ForCausalLM": _ArchTraits("deepseek_v4", False, False, False, False, "all", 512),
-    }
-)
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_TRAITS)
-_ARCH_BY_MODEL_TYPE: Mapping[str, str] = MappingProxyType({t.model_type: a for a, t in _ARCH_TRAITS.items()})
+FieldParser = Callable[[Mapping[str, Any], int, int, int], Mapping[str, Any]]
+"""(config.json, num_hidden_layers, head_dim, max_position_embeddings) -> the
+``ModelConfig`` fields a family reads itself; they replace the shared reading of the
+same field (``rope``, ``intermediate_size``) or add theirs (``moe``...)."""
+HfTestConfig = Callable[[str, dict[str, Any], Mapping[str, Any], "int | None"], dict[str, Any]]
+"""(model_type, the keys every architecture's config.json has, a preset's dimensions,
+sliding_window) -> config.json as transformers 5.24 writes it for that architecture."""
+
+
+def no_fields(d: Mapping[str, Any], num_layers: int, head_dim: int, max_pos: int) -> Mapping[str, Any]:
+    """The dense families' parser: every field is the shared reading."""
+    return {}
+
+
+@dataclass(frozen=True, slots=True)
+class ArchConfig:
+    """An architecture family's config: what ``models/<name>_config.py`` exports as ``CONFIG``."""
+
+    architectures: Mapping[str, ArchTraits]
+    """HF architecture name (``config.json``'s ``architectures``) -> its traits."""
+    test_config: HfTestConfig
+    """The family's tiny seeded test configs (make-model; see HfTestConfig)."""
+    parse: FieldParser = no_fields
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
+    """make-model presets only this family can draw (each names its ``arch``)."""
+
+
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -122,7 +133,7 @@ class ModelConfig:
     token id); empty: every layer dense."""
     attention_sinks: bool = False
     """A learned per-head logit that joins every softmax and takes weight (GPT-OSS)."""
-    deepseek_v4: DeepseekV4Params | None = None
+    deepseek_v4: "DeepseekV4Params | None" = None
     """DeepSeek-V4's compressed attention, indexer and hyper-connections; None: not V4."""
     compress_rope: RopeConfig | None = None
     """DeepSeek-V4: the rotary of compressed layers, their compressors and indexer
@@ -174,8 +185,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None) -> "ModelConfig":
-        architecture = _architecture(d)
-        traits = _ARCH_TRAITS[architecture]
+        # The registry imports this module (its families' configs build on it): looked up here.
+        from shared.model.models import ARCH_CONFIGS, ARCHITECTURE_OF_MODEL_TYPE
+
+        architecture = _architecture(d, ARCH_CONFIGS, ARCHITECTURE_OF_MODEL_TYPE)
+        family = ARCH_CONFIGS[architecture]
+        traits = family.architectures[architecture]
         hidden_act = d.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
@@ -188,24 +203,25 @@ class ModelConfig:
         max_pos = int(d.get("max_position_embeddings", 2048))
         attention_bias = bool(d.get("attention_bias", traits.attention_bias_default))
         layers = int(d["num_hidden_layers"])
-        moe, mlp_layer_types = _moe(architecture, d, layers)
-        v4 = parse_deepseek_v4(d, layers, int(head_dim)) if architecture == "DeepseekV4ForCausalLM" else None
+        own = dict(family.parse(d, layers, int(head_dim), max_pos))
         eos = _token_ids(d.get("eos_token_id"))
         if generation_config is not None:
             eos += tuple(t for t in _token_ids(generation_config.get("eos_token_id")) if t not in eos)
+        if "intermediate_size" not in own:
+            own["intermediate_size"] = int(d["intermediate_size"])
+        if "rope" not in own:
+            own["rope"] = parse_rope(d, max_pos)
         return cls(
             architecture=architecture,
             model_type=traits.model_type,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(d["moe_intermediate_size"] if v4 is not None else d["intermediate_size"]),
             num_hidden_layers=layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
-            rope=_rope(d, max_pos) if v4 is None else _v4_ropes(d, max_pos)[0],
             qkv_bias=attention_bias if traits.qkv_bias is None else traits.qkv_bias,
             o_bias=attention_bias if traits.o_bias is None else traits.o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if traits.has_mlp_bias_key else False,
@@ -216,11 +232,7 @@ class ModelConfig:
             eos_token_ids=eos,
             pad_token_id=d.get("pad_token_id"),
             dtype=d.get("dtype") or d.get("torch_dtype"),
-            moe=moe,
-            mlp_layer_types=mlp_layer_types,
-            attention_sinks=architecture in ("GptOssForCausalLM", "DeepseekV4ForCausalLM"),
-            deepseek_v4=v4,
-            compress_rope=None if v4 is None else _v4_ropes(d, max_pos)[1],
+            **own,
         )
 
 
@@ -231,46 +243,15 @@ _ADDED_DEFAULTS: Mapping[str, Any] = MappingProxyType(
 _ADDED_ROPE_FIELDS = ("beta_fast", "beta_slow", "truncate", "attention_factor")
 
 
-def _moe(architecture: str, d: Mapping[str, Any], num_layers: int) -> tuple[MoEConfig | None, tuple[MlpLayerType, ...]]:
-    if architecture == "Qwen3MoeForCausalLM":
-        moe, kinds = moe_config.qwen3_moe(d, num_layers)
-        return moe, (() if moe is None else kinds)
-    if architecture == "GptOssForCausalLM":
-        return moe_config.gpt_oss(d, num_layers)
-    if architecture == "DeepseekV4ForCausalLM":
-        return deepseek_v4_moe(d, num_layers)
-    return None, ()
-
-
-def _v4_ropes(d: Mapping[str, Any], max_pos: int) -> tuple[RopeConfig, RopeConfig]:
-    """DeepSeek-V4's (main, compress) rotaries, as DeepseekV4Config nests them under
-    ``rope_parameters``; a flat (older) spelling is nested as transformers does: main
-    is plain rope at ``rope_theta``, compress the flat parameters (YaRN, where given)
-    at ``compress_rope_theta`` with an attention factor of 1 (V4 does not scale cos/sin)."""
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
-        main, compress = dict(params["main"]), dict(params["compress"])
-    else:
-        flat = {k: v for k, v in params.items() if k not in ("main", "compress")}
-        main = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
-        compress = {"rope_type": "default", **flat, "rope_theta": d.get("compress_rope_theta", 160000.0)}
-        if compress["rope_type"] == "yarn":
-            compress.setdefault("attention_factor", 1.0)
-    # The rope covers partial_rotary_factor of the head: DeepseekV4Params.rope_head_dim.
-    main.pop("partial_rotary_factor", None)
-    compress.pop("partial_rotary_factor", None)
-    return _rope({"rope_parameters": main}, max_pos), _rope({"rope_parameters": compress}, max_pos)
-
-
-def _architecture(d: Mapping[str, Any]) -> str:
+def _architecture(d: Mapping[str, Any], supported: Mapping[str, ArchConfig], by_model_type: Mapping[str, str]) -> str:
     architectures = d.get("architectures") or []
-    if not architectures and d.get("model_type") in _ARCH_BY_MODEL_TYPE:
-        return _ARCH_BY_MODEL_TYPE[d["model_type"]]
+    if not architectures and d.get("model_type") in by_model_type:
+        return by_model_type[d["model_type"]]
     for name in architectures:
-        if name in _ARCH_TRAITS:
+        if name in supported:
             return name
     shown = ", ".join(architectures) or f"model_type={d.get('model_type')!r}"
-    raise ValueError(f"unsupported architecture {shown}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    raise ValueError(f"unsupported architecture {shown}; supported: {', '.join(supported)}")
 
 
 def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
@@ -279,7 +260,7 @@ def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def _rope(d: Mapping[str, Any], max_position_embeddings: int) -> RopeConfig:
+def parse_rope(d: Mapping[str, Any], max_position_embeddings: int) -> RopeConfig:
     # transformers: an old ``rope_scaling`` wins over ``rope_parameters``; the
     # top-level ``rope_theta`` fills in a dict that lacks one.
     params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import RopeConfig
-from shared.model.kernels import triton_module
+from shared.model.ops import TORCH_OPS, Ops
 
 
 class Linear(nn.Module):
@@ -17,20 +17,20 @@ class Linear(nn.Module):
     dtype and device: the weights always come from a checkpoint, so a random init
     would only cost time (minutes for a large model).
 
-    ``use_triton``: a single row (batch-1 decode) goes through the Triton GEMV
-    (shared/model/kernels/gemv.py), which streams the weight faster than cuBLAS
-    does for one row; more rows are cuBLAS's."""
+    ``ops.gemv``: a single row (batch-1 decode) goes through it (the Triton GEMV,
+    shared/model/kernels/gemv.py, streams the weight faster than cuBLAS does for one
+    row); more rows are cuBLAS's."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
-        use_triton: bool = False,
+        ops: Ops = TORCH_OPS,
     ) -> None:  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
-        self._gemv = triton_module("gemv").gemv if use_triton else None
+        self._gemv = ops.gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self._gemv)
@@ -57,9 +57,9 @@ class MergedLinear(Linear):
 
     def __init__(
         self, in_features: int, shards: dict[str, int], bias: bool, dtype: torch.dtype, device: torch.device,
-        use_triton: bool = False,
+        ops: Ops = TORCH_OPS,
     ) -> None:  # fmt: skip
-        super().__init__(in_features, sum(shards.values()), bias, dtype, device, use_triton)
+        super().__init__(in_features, sum(shards.values()), bias, dtype, device, ops)
         self.shards = dict(shards)
 
     def shard_views(self) -> dict[str, torch.Tensor]:
@@ -95,19 +95,19 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """``use_triton`` runs the Triton kernel (shared/model/kernels/rmsnorm.py) instead.
+    """``ops.rmsnorm`` runs instead where the table has one (shared/model/kernels/rmsnorm.py).
     ``scale_in_float32``: the weight kept in float32 and applied before the one cast
     back (GPT-OSS: transformers' GptOssRMSNorm), not after it (Llama)."""
 
     def __init__(
-        self, size: int, eps: float, dtype: torch.dtype, device: torch.device, use_triton: bool = False,
+        self, size: int, eps: float, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
         scale_in_float32: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         weight_dtype = torch.float32 if scale_in_float32 else dtype
         self.weight = nn.Parameter(torch.ones(size, dtype=weight_dtype, device=device), requires_grad=False)
         self.eps = eps
-        self._triton = triton_module("rmsnorm") if use_triton else None
+        self._triton = ops.rmsnorm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._triton is not None:
@@ -126,15 +126,15 @@ class MLP(nn.Module):
     """SiLU-gated feed-forward: down(silu(gate(x)) * up(x)), gate and up as one matmul."""
 
     def __init__(
-        self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device, use_triton: bool = False
+        self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS
     ) -> None:
         super().__init__()
         shards = {"gate_proj": intermediate, "up_proj": intermediate}
-        self.gate_up_proj = MergedLinear(hidden, shards, bias, dtype, device, use_triton)
-        self.down_proj = Linear(intermediate, hidden, bias, dtype, device, use_triton)
-        self._act = triton_module("activation").silu_and_mul if use_triton else silu_and_mul
+        self.gate_up_proj = MergedLinear(hidden, shards, bias, dtype, device, ops)
+        self.down_proj = Linear(intermediate, hidden, bias, dtype, device, ops)
+        self._act = ops.activation or silu_and_mul
         # Batch-1 decode on the Triton path: the activation computed inside the down GEMV.
-        self._gated_gemv = triton_module("gemv").gemv if use_triton else None
+        self._gated_gemv = ops.gated_gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from shared.model.config import ModelConfig
 from shared.model.models import build_model
-from shared.model.models.llama import CausalLM
+from shared.model.interface import CausalLM
 
 logger = logging.getLogger(__name__)
 

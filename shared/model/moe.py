@@ -3,7 +3,7 @@ stored stacked ``[num_experts, ...]``, shared experts, and the block that joins 
 under the checkpoint's names. ``MoEConfig`` (shared/model/moe_config.py) says which
 variant each family uses.
 
-The experts run one of two ways, chosen when the model is built (``use_triton``):
+The experts run one of two ways, chosen when the model is built (its ops table, shared/model/ops.py):
 
 - the PyTorch path (``experts_reference``, the CPU path and the reference) sorts the
   (token, choice) pairs by expert and runs one matmul per projection per active
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.forward_batch import AttentionMetadata
-from shared.model.kernels import triton_module
+from shared.model.ops import TORCH_OPS, Ops
 from shared.model.layers import MergedLinear, Linear
 from shared.model.moe_config import MlpLayerType, MoEConfig
 from shared.model.profiling import profiled
@@ -178,11 +178,11 @@ class Experts(nn.Module):
     checkpoint's columns, so that its fused tensors load as transposed views."""
 
     def __init__(
-        self, hidden: int, moe: MoEConfig, dtype: torch.dtype, device: torch.device, use_triton: bool = False
+        self, hidden: int, moe: MoEConfig, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS
     ) -> None:
         super().__init__()
         self.moe = moe
-        self._fused_moe = triton_module("fused_moe").fused_moe if use_triton else None
+        self._fused_moe = ops.fused_moe
         e, i = moe.num_experts, moe.intermediate_size
         self.gate_up_proj = _parameter((e, 2 * i, hidden), dtype, device)
         self.down_proj = _parameter((e, hidden, i), dtype, device)
@@ -270,7 +270,7 @@ def counted_tokens(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor | N
 class SparseMoE(nn.Module):
     """One sparse MLP: the router (under ``router_name``: Qwen's ``gate``, GPT-OSS's
     ``router``), the routed ``experts`` and, where configured, ``shared_experts``.
-    ``use_triton``: the experts take the fused Triton path (no host sync).
+    ``ops.fused_moe``: the experts take the fused path (no host sync).
 
     ``counts`` (set by the model: a row of its ``expert_counts``) receives the
     number of (token, choice) pairs each expert got in the last forward."""
@@ -284,14 +284,14 @@ class SparseMoE(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         router_name: str = "gate",
-        use_triton: bool = False,
+        ops: Ops = TORCH_OPS,
     ) -> None:
         super().__init__()
         if layer_type == "dense":
             raise ValueError("a dense layer has no experts")
         self.router_name = router_name
         self.add_module(router_name, Router(hidden, moe, vocab_size, layer_type == "hash_moe", dtype, device))
-        self.experts = Experts(hidden, moe, dtype, device, use_triton)
+        self.experts = Experts(hidden, moe, dtype, device, ops)
         self.shared_experts = SharedExperts(hidden, moe, dtype, device) if moe.num_shared_experts else None
         self.counts: torch.Tensor | None = None
 

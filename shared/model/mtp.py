@@ -33,10 +33,10 @@ from torch import nn
 
 from shared.model.attention import plan_attention
 from shared.model.forward_batch import AttentionMetadata
-from shared.model.kernels import triton_module
 from shared.model.layers import Linear, MergedLinear, RMSNorm
 from shared.model.loader import INDEX_FILE, SINGLE_FILE
-from shared.model.models.llama import CausalLM, DecoderLayer
+from shared.model.models.llama import DecoderLayer, LlamaForCausalLM
+from shared.model.ops import Ops, kernel_ops
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 SHARED_NAMES = ("embed_tokens.weight", "shared_head.head.weight")
@@ -46,35 +46,36 @@ SHARED_NAMES = ("embed_tokens.weight", "shared_head.head.weight")
 class SharedHead(nn.Module):
     """DeepSeek's ``shared_head``: its own norm before the target's LM head."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, use_triton: bool) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, ops: Ops) -> None:
         super().__init__()
-        self.norm = RMSNorm(size, eps, dtype, device, use_triton)
+        self.norm = RMSNorm(size, eps, dtype, device, ops)
 
 
 class MtpLayer(nn.Module):
     """The MTP layer over a target (not a submodule: its embedding and head are shared, not copied)."""
 
-    def __init__(self, target: CausalLM) -> None:
+    def __init__(self, target: LlamaForCausalLM) -> None:
         super().__init__()
         config = target.config
-        if config.architecture not in LLAMA_FAMILY or type(target) is not CausalLM:
+        if config.architecture not in LLAMA_FAMILY or type(target) is not LlamaForCausalLM:
             raise ValueError(
                 f"an MTP head is implemented for the Llama family ({', '.join(LLAMA_FAMILY)}), "
                 f"not {config.architecture}: use speculative='draft' or 'ngram'"
             )
         param = target.model.embed_tokens.weight
-        dtype, device, triton = param.dtype, param.device, target.use_triton
+        # The target's kernels, plain (a batch-invariant target's table is not the MTP layer's).
+        dtype, device, ops = param.dtype, param.device, kernel_ops(target.use_triton)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.target = (target,)  # a tuple: nn.Module would register it as a submodule
         self.layer_index = config.num_hidden_layers
-        self.enorm = RMSNorm(hidden, eps, dtype, device, triton)
-        self.hnorm = RMSNorm(hidden, eps, dtype, device, triton)
-        self.eh_proj = Linear(2 * hidden, hidden, False, dtype, device, triton)
+        self.enorm = RMSNorm(hidden, eps, dtype, device, ops)
+        self.hnorm = RMSNorm(hidden, eps, dtype, device, ops)
+        self.eh_proj = Linear(2 * hidden, hidden, False, dtype, device, ops)
         # The block attends over all its keys (a sliding target's MTP still gets layer 0's config).
         block_config = dataclasses.replace(config, num_hidden_layers=1, sliding_windows=(None,))
-        self.block = DecoderLayer(block_config, 0, dtype, device, triton)
-        self.shared_head = SharedHead(hidden, eps, dtype, device, triton)
-        self._triton_attention = triton_module("attention") if triton else None
+        self.block = DecoderLayer(block_config, 0, dtype, device, ops)
+        self.shared_head = SharedHead(hidden, eps, dtype, device, ops)
+        self._triton_attention = ops.attention
         self._windows = frozenset([None])
 
     @torch.inference_mode()
@@ -136,7 +137,7 @@ def num_mtp_layers(folder: str | Path) -> int:
 
 
 @torch.no_grad()
-def load_mtp(folder: str | Path, target: CausalLM) -> MtpLayer:
+def load_mtp(folder: str | Path, target: LlamaForCausalLM) -> MtpLayer:
     """The first MTP layer of the checkpoint in ``folder`` over ``target`` (loaded from it).
     ValueError when the checkpoint carries none or carries it incompletely."""
     folder = Path(folder)
@@ -185,7 +186,7 @@ def save_mtp(folder: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _shared_tensors(target: CausalLM) -> dict[str, torch.Tensor]:
+def _shared_tensors(target: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     embed = target.model.embed_tokens.weight
     head = embed if target.lm_head is None else target.lm_head.weight
     return dict(zip(SHARED_NAMES, (embed, head)))

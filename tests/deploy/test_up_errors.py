@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 from tests.helpers.hf_models import save_tiny_hf_model
 from tools.launch.up import free_port
 

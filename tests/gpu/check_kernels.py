@@ -511,7 +511,7 @@ def check_model(ck: Checker, sz: Sizes) -> None:
     varlen prefill then greedy decode steps; then one decode step timed."""
     from shared.model.config import ModelConfig
     from shared.model.forward_batch import AttentionMetadata
-    from shared.model.transformer import CausalLM
+    from shared.model.models import build_model
 
     config = ModelConfig.from_dict(dict(
         architectures=["LlamaForCausalLM"], hidden_size=sz.hidden, intermediate_size=sz.intermediate,
@@ -522,7 +522,7 @@ def check_model(ck: Checker, sz: Sizes) -> None:
     ))  # fmt: skip
     bs = sz.block_size
     for name, dtype in ck.dtypes.items():
-        models = {k: CausalLM(config, dtype=dtype, device=ck.device, kernels=k) for k in ("torch", "triton")}
+        models = {k: build_model(config, dtype=dtype, device=ck.device, kernels=k) for k in ("torch", "triton")}
         g = torch.Generator(device=ck.device).manual_seed(0)
         for p in models["torch"].parameters():
             p.copy_(torch.randn(p.shape, generator=g, device=ck.device) * (0.1 if p.dim() == 1 else 0.02) + (p.dim() == 1))

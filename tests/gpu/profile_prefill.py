@@ -23,7 +23,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from shared.model import layers
 from shared.model.kernels import paged_prefill
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 
 BLOCK = 16
 

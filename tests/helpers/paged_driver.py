@@ -4,7 +4,7 @@ parity tests run a model's varlen steps over a paged cache with it."""
 import torch
 
 from shared.model.forward_batch import AttentionMetadata
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 
 
 class PagedDriver:

@@ -9,7 +9,7 @@ import pytest
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 from tests.helpers.mesh_procs import span_attributes
 
 WINDOW = 12

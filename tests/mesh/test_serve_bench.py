@@ -108,7 +108,7 @@ def test_the_command_line_refuses_bad_load_flags_in_one_line():
 @pytest.fixture(scope="module")
 def local_api(tmp_path_factory):
     from shared.engine.config import EngineConfig
-    from shared.model.make_model import make_model
+    from tools.make_model import make_model
     from tools.bench.local_server import LocalServer
 
     path = tmp_path_factory.mktemp("bench-local")

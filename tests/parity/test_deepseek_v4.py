@@ -26,12 +26,12 @@ from shared.kv.spec import CompressedSpec, SlidingWindowSpec
 from shared.kv.transfer import KVTransferParams
 from shared.model.config import ModelConfig
 from shared.model.loader import load_weights
-from shared.model.models import DeepseekV4ForCausalLM
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.numerics import rel_err
 from tests.helpers.deepseek_v4_models import V4_VARIANTS, save_tiny_v4
 from tests.helpers.engine_helpers import run
 from tests.helpers.hf_models import ParityCase, check_greedy_then_prefix_hit, check_prefill_then_decode, parity_case, random_prompts
+from shared.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 
 pytest.importorskip("transformers")
 

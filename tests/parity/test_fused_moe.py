@@ -27,12 +27,13 @@ from shared.model.forward_batch import AttentionMetadata  # noqa: E402
 from shared.model.kernels import fused_moe as fm  # noqa: E402
 from shared.model.kernels.fused_moe import align_by_expert, fused_moe, fused_moe_ref  # noqa: E402
 from shared.model.loader import load_model  # noqa: E402
-from shared.model.models.llama import CausalLM  # noqa: E402
+from shared.model.interface import CausalLM  # noqa: E402
 from shared.model.moe import SparseMoE, counted_tokens  # noqa: E402
 from shared.model.moe_config import MoEConfig  # noqa: E402
 from tests.helpers.paged_driver import PagedDriver  # noqa: E402
 from tests.helpers.numerics import rel_err  # noqa: E402
 from tests.helpers.hf_models import save_tiny_hf_model  # noqa: E402
+from shared.model.ops import triton_ops  # noqa: E402
 
 if not isinstance(fm._gate_up_kernel, InterpretedFunction):
     raise RuntimeError("the kernel modules were imported before TRITON_INTERPRET=1 was set: they would not run on the CPU")
@@ -286,6 +287,6 @@ def test_counted_tokens_is_none_for_eager_batches() -> None:
     meta = AttentionMetadata(torch.zeros(5, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64), [0, 3, 5], [3, 2], 4,
                              seq_lens_tensor=torch.tensor([3, 2], dtype=torch.int32))  # fmt: skip
     assert counted_tokens(meta, 5) is None
-    block = SparseMoE(16, MoEConfig(4, 2, 8), "moe", 10, torch.float32, torch.device("cpu"), use_triton=True)
+    block = SparseMoE(16, MoEConfig(4, 2, 8), "moe", 10, torch.float32, torch.device("cpu"), ops=triton_ops())
     assert block.host_sync_free
     assert not SparseMoE(16, MoEConfig(4, 2, 8), "moe", 10, torch.float32, torch.device("cpu")).host_sync_free

@@ -13,9 +13,9 @@ import torch
 
 from shared.model.layers import RMSNorm
 from shared.model.loader import load_model
-from shared.model.models import GptOssForCausalLM
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
+from shared.model.models.gpt_oss import GptOssForCausalLM
 
 transformers = pytest.importorskip("transformers")
 

@@ -37,10 +37,11 @@ from shared.model.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_
 from shared.model.kernels.rotary import rotary_embedding_, rotary_embedding_and_store_kv, rotary_ref  # noqa: E402
 from shared.model.layers import RotaryEmbedding  # noqa: E402
 from shared.model.loader import load_weights  # noqa: E402
-from shared.model.make_model import hf_config_dict  # noqa: E402
-from shared.model.transformer import CausalLM  # noqa: E402
+from tools.make_model import hf_config_dict  # noqa: E402
+from shared.model.interface import CausalLM  # noqa: E402
 from tests.helpers.paged_driver import PagedDriver  # noqa: E402
 from tests.helpers.numerics import rel_err  # noqa: E402
+from shared.model.models import build_model  # noqa: E402
 
 if not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction):
     raise RuntimeError("the kernel modules were imported before TRITON_INTERPRET=1 was set: they would not run on the CPU")
@@ -547,7 +548,7 @@ def test_tiny_model_triton_equals_torch(name: str) -> None:
     """Varlen prefill, chunked prefill mixed with decode, then greedy decode: same logits
     and the same greedy tokens with either kernels setting."""
     config = tiny_config(name)
-    models = {k: CausalLM(config, kernels=k) for k in ("torch", "triton")}
+    models = {k: build_model(config, kernels=k) for k in ("torch", "triton")}
     assert not models["torch"].use_triton and models["triton"].use_triton
     weights = random_weights(models["torch"], seed=3)
     for model in models.values():
@@ -586,7 +587,7 @@ def test_engine_with_triton_kernels_generates_as_torch(tmp_path: Path) -> None:
     config = hf_config_dict("mistral", preset, "float32", None, None)
     config["sliding_window"] = 8
     (tmp_path / "config.json").write_text(json.dumps(config))
-    model = CausalLM(ModelConfig.from_dict(config), kernels="torch")
+    model = build_model(ModelConfig.from_dict(config), kernels="torch")
     save_file(random_weights(model, seed=5), str(tmp_path / "model.safetensors"))
     prompts = [torch.randint(0, 256, (n,), generator=gen(6)).tolist() for n in (13, 6)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

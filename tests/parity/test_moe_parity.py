@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from shared.engine.llm import LLM
 from shared.model.loader import load_model
-from shared.model.models import GptOssForCausalLM, Qwen3MoeForCausalLM
+from shared.model.models.gpt_oss import GptOssForCausalLM
+from shared.model.models.qwen3_moe import Qwen3MoeForCausalLM
 from shared.model.moe import SparseMoE
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.hf_models import (

@@ -24,7 +24,7 @@ from services.balancer.frontend.api import create_app
 from services.balancer.generation import GenerationRequest, Generator, TokenEvent
 from services.balancer.local import LocalGenerator
 from shared.engine.config import EngineConfig
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 from shared.recipe import Recipe
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings

@@ -72,7 +72,7 @@ def test_hash_is_stable_across_processes():
 
 def test_model_fingerprint_tells_seeds_apart(tmp_path):
     from shared.model.fingerprint import model_fingerprint
-    from shared.model.make_model import make_model
+    from tools.make_model import make_model
 
     make_model(tmp_path / "a", seed=0, tokenizer=False)
     make_model(tmp_path / "b", seed=1, tokenizer=False)

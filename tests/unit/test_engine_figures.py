@@ -8,7 +8,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 from shared.stage.engine_metrics import EngineMetrics
 from tests.helpers.engine_helpers import run
 

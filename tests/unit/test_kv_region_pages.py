@@ -9,8 +9,8 @@ import torch
 
 from shared.kv.memory.region import KVRegion
 from shared.kv.spec import CompressedSpec, SlidingWindowSpec, kv_cache_layout, kv_cache_layout_of_specs
-from shared.model.deepseek_v4_config import CSA
-from shared.model.make_model import make_model
+from shared.model.models.deepseek_v4_config import CSA
+from tools.make_model import make_model
 from tools.bench.v4_kv_bytes import logical_bytes, measured_bytes
 
 NUM_BLOCKS, BLOCK, WIDTH = 6, 8, 24

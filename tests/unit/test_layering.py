@@ -61,6 +61,8 @@ TORCH_FREE = (
     "shared.runtime.settings",
     "shared.stage.convert",
     "shared.model.config",
+    # The model registry, which imports every family's config parser (models/<name>_config.py).
+    "shared.model.models",
     *KV_VOCABULARY,
     "shared.kv.connectors.base",
     "shared.kv.wire.client",
@@ -148,31 +150,16 @@ def test_the_engine_drives_connectors_through_their_interface_only():
     assert not wrong, "\n".join(wrong)
 
 
-def test_no_import_circle_in_shared():
-    """Module by module (a package's __init__ counts as a module): no import leads back to itself."""
-    graph: dict[str, set[str]] = {}
-    for path in sources("shared"):
-        name = module_name(path)
-        graph[name] = {imported for imported in imported_modules(path) if within(imported, "shared")}
-    modules = set(graph)
-    for name in graph:  # "from shared.x import y" names module shared.x.y when there is one
-        graph[name] = {m for m in graph[name] if m in modules}
-    circles = []
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-
-    def visit(name: str, path: list[str]) -> None:
-        state[name] = 1
-        for nxt in sorted(graph[name]):
-            if state.get(nxt) == 1:
-                circles.append(" -> ".join(path[path.index(nxt) :] + [name, nxt]) if nxt in path else f"{name} -> {nxt}")
-            elif nxt not in state:
-                visit(nxt, path + [name])
-        state[name] = 2
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [])
-    assert not circles, "\n".join(circles)
+def test_only_tools_and_tests_draw_checkpoints():
+    """make_model (seeded random checkpoints) is a tool: no service or shared module
+    imports it (FORBIDDEN covers it too; this names it)."""
+    wrong = [
+        f"{module_name(path)} imports {imported}"
+        for path in sources("shared", "services")
+        for imported in imported_modules(path)
+        if within(imported, "tools.make_model")
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_services_never_import_each_other():
@@ -236,6 +223,20 @@ def test_every_balancer_module_imports_without_torch():
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_types_that_cross_a_process_boundary_are_torch_free(module):
     assert _torch_after_importing([module]) == []
+
+
+def test_every_model_file_has_its_config_and_entry():
+    """The registry's one list names, for each family, a torch-free config module
+    (checked above through shared.model.models) and a model file exporting ENTRY."""
+    from shared.model.interface import ModelEntry
+    from shared.model.models import ARCH_CONFIGS, FAMILIES, model_entry
+
+    for family in FAMILIES:
+        assert (ROOT / "shared/model/models" / f"{family}.py").is_file()
+        assert (ROOT / "shared/model/models" / f"{family}_config.py").is_file()
+    for architecture, config in ARCH_CONFIGS.items():
+        entry = model_entry(architecture)
+        assert isinstance(entry, ModelEntry) and entry.config is config
 
 
 def test_kernel_choices_are_one_tuple():

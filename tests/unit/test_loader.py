@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.model.config import ModelConfig
 from shared.model.loader import CheckpointError, load_model
-from shared.model.make_model import ARCHITECTURES, make_model
+from tools.make_model import ARCHITECTURES, make_model
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.numerics import rel_err
 
@@ -254,7 +254,7 @@ def test_make_model_with_a_padded_vocab_in_shards_matches_transformers(
 
     from shared.engine.llm import LLM
     from shared.engine.sampling_params import SamplingParams
-    from shared.model import make_model as make_model_module
+    from tools import make_model as make_model_module
     from shared.recipe.tokenizer import Recipe
     from tests.helpers.hf_models import hf_greedy
 

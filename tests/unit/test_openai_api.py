@@ -32,7 +32,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
 from shared.engine.outputs import EngineLoad
 from shared.engine.sampling_params import SamplingParams
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 from shared.recipe import Recipe
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings

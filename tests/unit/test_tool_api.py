@@ -24,7 +24,7 @@ from services.balancer.frontend.api import create_app
 from services.balancer.generation import GenerationRequest, TokenEvent, Usage
 from services.balancer.frontend.tool_prompt import TOOLS_PREAMBLE
 from services.balancer.frontend.tool_schema import structured_outputs_available
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings
 from tests.helpers.chat_templates import QWEN25_TEMPLATE

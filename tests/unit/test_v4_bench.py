@@ -12,7 +12,7 @@ import torch
 from torch.autograd import DeviceType
 
 from shared.model.config import ModelConfig
-from shared.model.make_model import PRESETS, hf_config_dict, make_model
+from tools.make_model import PRESETS, hf_config_dict, make_model
 from shared.model.models import build_model
 from tools.bench.v4_bench import KINDS, OUTSIDE, attribute, run_v4_bench
 

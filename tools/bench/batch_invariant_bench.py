@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from shared.model.make_model import make_model
+            from tools.make_model import make_model
 
             make_model(tmp)
             model = tmp

@@ -96,7 +96,7 @@ def run_engine_bench(
         raise ValueError("output_len must be at least 2 to time decode")
     tmp = None
     if model is None:
-        from shared.model.make_model import make_model
+        from tools.make_model import make_model
 
         tmp = tempfile.TemporaryDirectory()
         model = tmp.name

@@ -26,8 +26,9 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput
 from shared.model.config import ModelConfig
 from shared.model.loader import load_weights
-from shared.model.make_model import PRESETS, hf_config_dict
-from shared.model.transformer import CausalLM
+from tools.make_model import PRESETS, hf_config_dict
+from shared.model.interface import CausalLM
+from shared.model.models import build_model
 
 
 @dataclass
@@ -90,7 +91,7 @@ def build_models(seed: int, with_hf: bool):  # noqa: ANN201
             hf = LlamaForCausalLM(hf_cfg).eval()
     finally:
         torch.set_default_dtype(torch.float32)
-    ours = CausalLM(config, torch.bfloat16, "cuda")
+    ours = build_model(config, torch.bfloat16, "cuda")
     load_weights(ours, hf.state_dict())
     if not with_hf:
         del hf

@@ -21,7 +21,7 @@ from tools.bench.gpu_bench import _time, build_models, kv_bytes_per_token, measu
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.step import NewRequestData, ScheduledChunk, SchedulerOutput
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 
 # (name, out_features, in_features) of Llama-3-8B's matmuls.
 SHAPES = [

@@ -228,7 +228,7 @@ def model_or_made(model: str | None, state: Path) -> str:
     """The checkpoint to bench: model, or a tiny one made in the state folder."""
     if model is not None:
         return model
-    from shared.model.make_model import make_model
+    from tools.make_model import make_model
 
     made = str(state / "model")
     make_model(made)

@@ -27,7 +27,7 @@ from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
 from shared.kv.transfer import KVTransferParams
-from shared.model.make_model import make_model
+from tools.make_model import make_model
 
 WINDOW = 128
 BLOCK = 16

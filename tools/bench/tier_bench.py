@@ -73,7 +73,7 @@ from shared.kv.memory.coordinator import blocks_for_one_request
 from shared.kv.transfer import KVTransferParams
 from shared.kv.wire.client import KVCacheClient
 from shared.model.loader import load_model
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 from shared.runtime.settings import env_name
 from tools.launch.up import Mesh
 
@@ -433,7 +433,7 @@ def run_tier_bench(
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="infermesh-tiers-")))
         made = model is None
         if model is None:
-            from shared.model.make_model import make_model
+            from tools.make_model import make_model
 
             model = str(tmp / "model")
             make_model(model, tokenizer=False)  # token-id prompts

@@ -479,7 +479,7 @@ def main() -> None:
     if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in (SINGLE_FILE, INDEX_FILE)):
         if args.preset is None:
             parser.error(f"{args.model} holds no checkpoint: give --preset to draw one there")
-        from shared.model.make_model import make_model
+        from tools.make_model import make_model
 
         start = time.perf_counter()
         num = make_model(args.model, arch="deepseek_v4", seed=args.seed, preset=args.preset,

@@ -16,7 +16,7 @@ import argparse
 import tempfile
 from dataclasses import dataclass
 
-from shared.model.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Params
+from shared.model.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Params
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from shared.model.make_model import make_model
+            from tools.make_model import make_model
 
             make_model(tmp, arch="deepseek_v4", seed=0, tokenizer=False)
             model = tmp

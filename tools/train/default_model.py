@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mtp-steps", type=int, default=0, help="then train the target's MTP head (tools/train/mtp_head.py)")
     args = p.parse_args(argv)
 
-    from shared.model.make_model import make_model
+    from tools.make_model import make_model
 
     out = Path(args.out)
     device = torch.device(args.device)

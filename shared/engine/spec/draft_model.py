@@ -24,7 +24,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.spec.drafter import Draft
 from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 
 _PARAMS = SamplingParams(temperature=0.0, max_tokens=1 << 30, logprobs=0, ignore_eos=True)
 """Greedy, with the chosen token's logprob (its probability is the raw confidence)."""

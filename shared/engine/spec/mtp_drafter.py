@@ -34,7 +34,7 @@ from shared.engine.spec.drafter import Draft
 from shared.engine.step_inputs import to_device
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.mtp import MtpLayer, load_mtp
-from shared.model.models.llama import CausalLM
+from shared.model.interface import CausalLM
 
 
 @dataclass(slots=True)

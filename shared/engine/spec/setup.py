@@ -13,7 +13,7 @@ from shared.engine.spec.mtp_drafter import MtpDrafter
 from shared.engine.spec.schedule import SpsTable
 from shared.engine.spec.speculator import BatchDrafter, NgramDrafter, Speculator
 from shared.model.loader import load_model
-from shared.model.transformer import CausalLM
+from shared.model.interface import CausalLM
 
 log = logging.getLogger(__name__)
 

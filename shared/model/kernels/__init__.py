@@ -14,7 +14,7 @@ shapes, dtypes, strides and devices before launch and beside its PyTorch referen
 - ``reference``: the PyTorch references, which are the model's own CPU path.
 
 This module only resolves the one switch (``EngineConfig.kernels`` ->
-``load_model(kernels=...)`` -> ``CausalLM(kernels=...)``). It imports no kernel:
+``load_model(kernels=...)`` -> the model's ops table, shared/model/ops.py). It imports no kernel:
 ``@triton.jit`` decides at decoration time whether to interpret, so the kernel
 modules are imported only when a model actually selects them (after a test has set
 ``TRITON_INTERPRET=1``).

@@ -1,49 +1,84 @@
-"""One model file per architecture over the shared layers (nano-vllm's and vLLM's
-``models/``), chosen by ``config.json``'s ``architectures`` through ``MODEL_CLASSES``:
+"""The model registry: one model file per architecture family over the shared layers
+(nano-vllm's and vLLM's ``models/``), chosen by ``config.json``'s ``architectures``.
 
-- ``llama``: Llama, Qwen2, Qwen3, Mistral (one transformer; differences are data);
-- ``qwen3_moe``: Qwen3-MoE;
-- ``gpt_oss``: GPT-OSS;
-- ``deepseek_v4``: DeepSeek-V4 (compressed attention, mHC; its own KV groups).
+``FAMILIES`` is the one list. Each name ``n`` in it is two files side by side:
 
-Every class is a ``CausalLM`` (the engine's interface: forward over the paged KV
-cache, compute_logits, kv_layout, allocate_kv_cache, checkpoint_tensors)."""
+- ``models/n_config.py`` (torch-free): ``CONFIG``, an ``ArchConfig`` (shared/model/config.py):
+  the HF architectures it serves, its config parser, its make-model test configs;
+- ``models/n.py``: ``ENTRY``, a ``ModelEntry`` (shared/model/interface.py): that config,
+  the model class of each architecture, the KV layout declaration.
 
+Today: ``llama`` (Llama, Qwen2, Qwen3, Mistral: one transformer, differences are data),
+``qwen3_moe``, ``gpt_oss``, ``deepseek_v4`` (compressed attention, mHC; its own KV
+groups). Everything else derives from the list: the supported architectures, config
+parsing, the model classes, make-model's architectures and presets, the CLI's choices.
+Adding an architecture is its two files and one line here.
+
+This module imports no torch (config parsing runs in the balancer, which has none): the
+config modules are imported here, the model modules only when a model class is asked for.
+"""
+
+import importlib
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
-import torch
+from shared.model.config import ArchConfig, ModelConfig
 
-from shared.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from shared.model.models.deepseek_v4 import DeepseekV4ForCausalLM
-from shared.model.models.gpt_oss import GptOssForCausalLM
-from shared.model.models.llama import CausalLM
-from shared.model.models.qwen3_moe import Qwen3MoeForCausalLM
+if TYPE_CHECKING:
+    import torch
 
-MODEL_CLASSES: Mapping[str, type[CausalLM]] = MappingProxyType(
-    {
-        "LlamaForCausalLM": CausalLM,
-        "Qwen2ForCausalLM": CausalLM,
-        "Qwen3ForCausalLM": CausalLM,
-        "MistralForCausalLM": CausalLM,
-        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-        "GptOssForCausalLM": GptOssForCausalLM,
-        "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
-    }
+    from shared.model.interface import CausalLM, ModelEntry
+
+FAMILIES: tuple[str, ...] = (
+    "llama",
+    "qwen3_moe",
+    "gpt_oss",
+    "deepseek_v4",
 )
-assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES), "every parsed architecture needs a model class"
+"""The model files, by module name (``shared/model/models/<name>.py`` and ``<name>_config.py``)."""
+
+_FAMILY_CONFIGS: Mapping[str, ArchConfig] = MappingProxyType(
+    {family: importlib.import_module(f"{__name__}.{family}_config").CONFIG for family in FAMILIES}
+)
+FAMILY_OF_ARCHITECTURE: Mapping[str, str] = MappingProxyType(
+    {arch: family for family, config in _FAMILY_CONFIGS.items() for arch in config.architectures}
+)
+"""HF architecture name -> the name of its model file."""
+ARCH_CONFIGS: Mapping[str, ArchConfig] = MappingProxyType(
+    {arch: _FAMILY_CONFIGS[family] for arch, family in FAMILY_OF_ARCHITECTURE.items()}
+)
+"""HF architecture name -> its family's torch-free config (parser, traits, test configs)."""
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCH_CONFIGS)
+ARCHITECTURE_OF_MODEL_TYPE: Mapping[str, str] = MappingProxyType(
+    {traits.model_type: arch for config in _FAMILY_CONFIGS.values() for arch, traits in config.architectures.items()}
+)
+"""``model_type`` (also make-model's ``--arch``) -> HF architecture name."""
+TEST_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {name: preset for config in _FAMILY_CONFIGS.values() for name, preset in config.presets.items()}
+)
+"""make-model presets that belong to one family (each names its ``arch``)."""
 
 
-def model_class(config: ModelConfig) -> type[CausalLM]:
-    return MODEL_CLASSES[config.architecture]
+def model_entry(architecture: str) -> "ModelEntry":
+    """The ``ENTRY`` of the model file that serves ``architecture`` (imports torch)."""
+    entry: ModelEntry = importlib.import_module(f"{__name__}.{FAMILY_OF_ARCHITECTURE[architecture]}").ENTRY
+    return entry
+
+
+def model_class(config: ModelConfig) -> "type[CausalLM]":
+    return model_entry(config.architecture).model_classes[config.architecture]
 
 
 def build_model(
     config: ModelConfig,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
+    dtype: "torch.dtype | None" = None,
+    device: "torch.device | str" = "cpu",
     tie_word_embeddings: bool | None = None,
     kernels: str = "auto",
-) -> CausalLM:
-    """The model class of ``config.architecture``, built empty in ``dtype`` on ``device``."""
-    return model_class(config)(config, dtype, device, tie_word_embeddings, kernels)
+) -> "CausalLM":
+    """The model class of ``config.architecture``, built empty in ``dtype`` (default
+    float32) on ``device``."""
+    import torch
+
+    return model_class(config)(config, torch.float32 if dtype is None else dtype, device, tie_word_embeddings, kernels)

@@ -20,7 +20,8 @@ names transformers saves (DeepSeek's own: ``attn.wq_a``, ``ffn.experts.0.w1``...
 
 import dataclasses
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Collection
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +33,13 @@ from shared.model.compressed_attention import (
     sequences, slots_of,
 )  # fmt: skip
 from shared.model.config import ModelConfig
-from shared.model.deepseek_v4_config import CSA, SLIDING, DeepseekV4Params
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.hyper_connections import HyperConnection, HyperHead, merge_streams, unweighted_rms_norm
+from shared.model.interface import CausalLM, ModelEntry, TensorMaker
 from shared.model.layers import Linear, rope_inv_freq
-from shared.model.models.llama import CausalLM
-from shared.model.kernels import use_triton_kernels
+from shared.model.models.deepseek_v4_config import CONFIG, CSA, SLIDING, DeepseekV4Params
 from shared.model.moe import Experts, SparseMoE
+from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.model.profiling import profiled
 
 
@@ -266,7 +267,7 @@ class V4Attention(nn.Module):
 
 class V4DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, moe_triton: bool = False
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, moe_ops: Ops = TORCH_OPS
     ) -> None:
         super().__init__()
         p, moe = config.deepseek_v4, config.moe
@@ -276,7 +277,7 @@ class V4DecoderLayer(nn.Module):
         layer_moe = dataclasses.replace(moe, selection_bias=False) if kind == "hash_moe" else moe
         self.self_attn = V4Attention(config, layer_idx, dtype, device)
         self.mlp = SparseMoE(config.hidden_size, layer_moe, kind, config.vocab_size, dtype, device, router_name="gate",
-                             use_triton=moe_triton)  # fmt: skip
+                             ops=moe_ops)  # fmt: skip
         self.input_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.post_attention_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         hc = (config.hidden_size, p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps, config.rms_norm_eps, device)
@@ -285,14 +286,14 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_triton: bool = False) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_ops: Ops = TORCH_OPS) -> None:
         super().__init__()
         p = config.deepseek_v4
         assert p is not None
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(
-            V4DecoderLayer(config, i, dtype, device, moe_triton) for i in range(config.num_hidden_layers)
+            V4DecoderLayer(config, i, dtype, device, moe_ops) for i in range(config.num_hidden_layers)
         )
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.hc_head = HyperHead(config.hidden_size, p.hc_mult, p.hc_eps, config.rms_norm_eps, device)
@@ -316,9 +317,13 @@ def entry_width(config: ModelConfig, kind: str) -> int:
     return config.head_dim + (p.index_head_dim if kind == CSA else 0)
 
 
+def v4_kv_layout(config: ModelConfig) -> KVCacheLayout:
+    """The state caches' sliding-window group and the compressed caches' persistent ones."""
+    return kv_cache_layout_of_specs(v4_kv_specs(config))
+
+
 class DeepseekV4ForCausalLM(CausalLM):
-    """The engine's CausalLM interface (forward over the paged cache, compute_logits,
-    kv_layout, allocate_kv_cache, kv_bytes_per_block, checkpoint_tensors) for V4.
+    """The engine's CausalLM interface (shared/model/interface.py) for V4.
     The routed experts run the fused Triton MoE on CUDA; the attention, compressors,
     indexer and mHC run PyTorch (no Triton kernel for them yet, no CUDA graphs)."""
 
@@ -330,26 +335,23 @@ class DeepseekV4ForCausalLM(CausalLM):
         tie_word_embeddings: bool | None = None,
         kernels: str = "auto",
     ) -> None:
-        nn.Module.__init__(self)
         p = config.deepseek_v4
         if p is None or config.moe is None:
             raise ValueError("DeepseekV4ForCausalLM needs a DeepSeek-V4 config")
-        device = torch.device(device)
-        self.config, self.dtype, self.use_triton = config, dtype, False
         # The checkpoint's LM head is "head.weight" (transformers' saved name): the
         # loader's "no lm_head.weight" guess of a tied head does not apply; the config says.
-        self.tie_word_embeddings = config.tie_word_embeddings
+        super().__init__(config, dtype, config.tie_word_embeddings)
+        device = torch.device(device)
         # The routed experts take the fused Triton MoE where kernels resolve to Triton (CUDA):
         # no host sync, no loop over experts. The attention is PyTorch's either way.
-        self.model = DeepseekV4Model(config, dtype, device, moe_triton=use_triton_kernels(kernels, device))
+        self.model = DeepseekV4Model(config, dtype, device, moe_ops=resolve_ops(kernels, device))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self._gemv = None
         self.main_rotary = V4Rotary(config, False, device)
         self.compress_rotary = V4Rotary(config, True, device)
         self.expert_counts = torch.zeros(config.num_hidden_layers, config.moe.num_experts, dtype=torch.int64, device=device)
         for row, layer in zip(self.expert_counts, self.model.layers):
             layer.mlp.counts = row
-        self.kv_layout: KVCacheLayout = kv_cache_layout_of_specs(v4_kv_specs(config))
+        self.kv_layout = v4_kv_layout(config)
         num_layers = config.num_hidden_layers
         compressed_layers = [i for i, t in enumerate(p.layer_types) if t != SLIDING]
         self._compressed_cache = {layer: num_layers + j for j, layer in enumerate(compressed_layers)}
@@ -406,29 +408,25 @@ class DeepseekV4ForCausalLM(CausalLM):
         with profiled("v4.norm"):
             return self.model.norm(collapsed)
 
+    @property
+    def kv_row_shape(self) -> tuple[int, int]:
+        return 1, self.cache_width
+
     def allocate_kv_cache(
         self,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        make: "Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None" = None,
+        make: TensorMaker | None = None,
     ) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, 1, cache_width] tensor per cache (state caches,
-        then compressed caches), as CausalLM lays them out: views of one allocation,
+        then compressed caches), laid out as every CausalLM's: views of one allocation,
         cache k of every group in tensor k."""
         for rate in {r for r in self.config.deepseek_v4.compress_rates if r}:  # type: ignore[union-attr]
             if block_size % rate and rate % block_size:
                 raise ValueError(f"block_size {block_size} and the compression rate {rate} must divide one another")
-        layout = self.kv_layout
-        shape = (layout.group_size, 2, num_blocks, block_size, 1, self.cache_width)
-        stacked = torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
-        tensors = list(stacked.unbind(0))
-        return [tensors[layout.tensor_of_layer(i)] for i in range(layout.num_layers)]
-
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * block_size * self.cache_width * element_size * self.kv_layout.group_size
+        return super().allocate_kv_cache(num_blocks, block_size, dtype, device, make)
 
     def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """Checkpoint name -> tensor. Names as transformers saves V4 (DeepSeek's:
@@ -451,6 +449,11 @@ class DeepseekV4ForCausalLM(CausalLM):
         if in_memory:
             return targets
         return {saved_name(name): tensor for name, tensor in targets.items()}
+
+ENTRY = ModelEntry(
+    config=CONFIG, model_classes=MappingProxyType({"DeepseekV4ForCausalLM": DeepseekV4ForCausalLM}), kv_layout=v4_kv_layout
+)
+
 
 # transformers' in-memory names -> the names it saves (the reverse of its deepseek_v4
 # conversion mapping), applied in order to a name.

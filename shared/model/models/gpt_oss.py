@@ -10,24 +10,34 @@ The attention sinks and the rope are data the shared attention reads
 Quantised (MXFP4 ``*_blocks``/``*_scales``) checkpoints are not read: the loader
 names those tensors as unexpected."""
 
+from types import MappingProxyType
+
 import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.models.llama import CausalLM
+from shared.model.interface import ModelEntry
+from shared.model.models.gpt_oss_config import CONFIG
+from shared.model.models.llama import LlamaForCausalLM, llama_kv_layout
 from shared.model.moe import SparseMoE
+from shared.model.ops import Ops
 
 
-def gpt_oss_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool) -> nn.Module:
+def gpt_oss_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops) -> nn.Module:
     if config.moe is None:
         raise ValueError("a GPT-OSS config without experts")
     kind = config.mlp_layer_type(layer_idx)
     return SparseMoE(
-        config.hidden_size, config.moe, kind, config.vocab_size, dtype, device, router_name="router", use_triton=use_triton
+        config.hidden_size, config.moe, kind, config.vocab_size, dtype, device, router_name="router", ops=ops
     )
 
 
-class GptOssForCausalLM(CausalLM):
+class GptOssForCausalLM(LlamaForCausalLM):
     make_mlp = staticmethod(gpt_oss_mlp)
     # GptOssRMSNorm scales in float32 and casts once (bf16 logits drift otherwise).
     norm_scale_in_float32 = True
+
+
+ENTRY = ModelEntry(
+    config=CONFIG, model_classes=MappingProxyType({"GptOssForCausalLM": GptOssForCausalLM}), kv_layout=llama_kv_layout
+)

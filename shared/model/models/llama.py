@@ -1,6 +1,6 @@
 """One Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over a paged KV cache, and
 the base the MoE families (``qwen3_moe``, ``gpt_oss``) build on: they change which
-MLP a layer has (``CausalLM.make_mlp``) and set data the shared parts read
+MLP a layer has (``LlamaForCausalLM.make_mlp``) and set data the shared parts read
 (attention sinks, rope).
 
 Parameter names are transformers' (``model.layers.N.self_attn.o_proj.weight``...),
@@ -12,6 +12,7 @@ layer, tied embeddings.
 """
 
 from collections.abc import Callable, Collection
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -20,18 +21,25 @@ from torch import nn
 from shared.model.attention import AttentionPlan, paged_attention, plan_attention
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
-from shared.model.kernels import triton_module, use_triton_kernels
-from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope, linear
+from shared.model.interface import CausalLM, ModelEntry
+from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
+from shared.model.models.llama_config import CONFIG
 from shared.model.moe import Experts, SparseMoE, counted_tokens
+from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.kv.spec import KVCacheLayout, kv_cache_layout
 
 if TYPE_CHECKING:  # the kernel modules are imported only when a model selects them
     from shared.model.kernels.attention import TritonAttentionPlan
 
 
+def llama_kv_layout(config: ModelConfig) -> KVCacheLayout:
+    """One KV group per attention kind: full-attention layers, and sliding-window layers by window."""
+    return kv_cache_layout(config.sliding_windows)
+
+
 class Attention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool = False
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -41,19 +49,19 @@ class Attention(nn.Module):
         self.sliding_window = config.sliding_windows[layer_idx]
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shards = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
-        self.qkv_proj = MergedLinear(hidden, shards, config.qkv_bias, dtype, device, use_triton)
-        self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device, use_triton)
+        self.qkv_proj = MergedLinear(hidden, shards, config.qkv_bias, dtype, device, ops)
+        self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device, ops)
         # Qwen3 normalises each head of q and k before rope.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, use_triton) if config.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops) if config.qk_norm else None
         # GPT-OSS: a learned logit per head that joins every softmax (no value).
         self.sinks = (
             nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False)
             if config.attention_sinks
             else None
         )
-        self._rotary = triton_module("rotary") if use_triton else None
-        self._attention = triton_module("attention") if use_triton else None
+        self._rotary = ops.rotary
+        self._attention = ops.attention
 
     def forward(
         self,
@@ -81,25 +89,25 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
-MlpFactory = Callable[[ModelConfig, int, torch.dtype, torch.device, bool], nn.Module]
-"""(config, layer index, dtype, device, use_triton) -> the layer's MLP module."""
+MlpFactory = Callable[[ModelConfig, int, torch.dtype, torch.device, Ops], nn.Module]
+"""(config, layer index, dtype, device, ops table) -> the layer's MLP module."""
 
 
-def dense_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool) -> nn.Module:
-    return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, use_triton)
+def dense_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops) -> nn.Module:
+    return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, ops)
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, use_triton: bool = False,
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
         make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, dtype, device, use_triton)
-        self.mlp = make_mlp(config, layer_idx, dtype, device, use_triton)
+        self.self_attn = Attention(config, layer_idx, dtype, device, ops)
+        self.mlp = make_mlp(config, layer_idx, dtype, device, ops)
         # Hash-routed experts are chosen by token id: a sparse MLP gets the input ids.
         self._mlp_takes_ids = isinstance(self.mlp, SparseMoE)
-        norm = (config.hidden_size, config.rms_norm_eps, dtype, device, use_triton, norm_scale_in_float32)
+        norm = (config.hidden_size, config.rms_norm_eps, dtype, device, ops, norm_scale_in_float32)
         self.input_layernorm = RMSNorm(*norm)
         self.post_attention_layernorm = RMSNorm(*norm)
 
@@ -133,7 +141,7 @@ class DecoderModel(nn.Module):
     """transformers' ``model.`` prefix: embeddings, layers, final norm."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, use_triton: bool = False,
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
         make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
@@ -141,23 +149,19 @@ class DecoderModel(nn.Module):
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, use_triton, make_mlp, norm_scale_in_float32)
+            DecoderLayer(config, i, dtype, device, ops, make_mlp, norm_scale_in_float32)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, use_triton, norm_scale_in_float32)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops, norm_scale_in_float32)
 
 
-class CausalLM(nn.Module):
-    """``forward`` returns final-normed hidden states [T, hidden]; ``compute_logits`` maps the
-    rows the caller keeps (usually the last token of each sequence) to float32 logits.
-
-    Build it in its final dtype and device (``load_model`` does): parameters start
-    uninitialised, and the rope frequencies must stay float32.
+class LlamaForCausalLM(CausalLM):
+    """The Llama family's ``CausalLM`` (shared/model/interface.py), and the base of the
+    families that only change the MLP (``make_mlp``) or the norms' precision.
 
     ``kernels`` ("auto", "triton", "torch"; see shared/model/kernels) picks the Triton
     kernels or the PyTorch path once, for the model's life; "auto" is Triton on CUDA.
-
-    A family with another MLP (experts) sets ``make_mlp``; everything else is shared.
+    The rope frequencies stay float32 whatever ``dtype``.
     """
 
     make_mlp: ClassVar[MlpFactory] = staticmethod(dense_mlp)
@@ -172,32 +176,32 @@ class CausalLM(nn.Module):
         tie_word_embeddings: bool | None = None,
         kernels: str = "auto",
     ) -> None:
-        super().__init__()
+        super().__init__(
+            config, dtype, config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        )
         device = torch.device(device)
-        self.config = config
-        self.dtype = dtype
-        self.use_triton = use_triton_kernels(kernels, device)
-        self.tie_word_embeddings = config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
-        self.model = DecoderModel(config, dtype, device, self.use_triton, type(self).make_mlp, self.norm_scale_in_float32)
+        ops = resolve_ops(kernels, device)
+        self.use_triton = ops.triton
+        """Whether the forward runs Triton kernels (batch_invariant.apply may swap the table after)."""
+        self.model = DecoderModel(config, dtype, device, ops, type(self).make_mlp, self.norm_scale_in_float32)
         sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
         self._sparse_blocks: list[SparseMoE] = sparse
-        self.expert_counts: torch.Tensor | None = None
-        """[sparse layers, experts] int64 on the model's device: the (token, choice) pairs
-        each expert got in the last forward, counted on the device (no sync); read it back
-        with a non-blocking copy after the step. None for a dense model."""
         if sparse and config.moe is not None:
             self.expert_counts = torch.zeros(len(sparse), config.moe.num_experts, dtype=torch.int64, device=device)
             for row, block in zip(self.expert_counts, sparse):
                 block.counts = row
-        self._triton_attention = triton_module("attention") if self.use_triton else None
+        self._triton_attention = ops.attention
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
         # Tied: no lm_head parameter at all, so the checkpoint's name list has no entry to fill.
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self._gemv = triton_module("gemv").gemv if self.use_triton else None
-        self.kv_layout: KVCacheLayout = kv_cache_layout(config.sliding_windows)
-        """The model's KV cache groups: which layers share a block table, and what each keeps."""
+        self._gemv = ops.gemv
+        self.kv_layout = llama_kv_layout(config)
         self._group_of_layer = [self.kv_layout.group_of_layer(i) for i in range(config.num_hidden_layers)]
         self._group_windows = [frozenset([g.spec.window]) for g in self.kv_layout.groups]
+
+    @property
+    def kv_row_shape(self) -> tuple[int, int]:
+        return self.config.num_key_value_heads, self.config.head_dim
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -261,39 +265,9 @@ class CausalLM(nn.Module):
             return self.model.norm(x)
         return self.model.norm.fused_add(x, residual)[0]
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The product runs in the model dtype, then widens, as transformers' lm_head does;
-        # greedy decoding then picks the same token as transformers in bf16 too.
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self._gemv).float()
 
-    def allocate_kv_cache(
-        self,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        make: "Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None" = None,
-    ) -> list[torch.Tensor]:
-        """The KV cache of every layer: ``kv_layout.group_size`` zeroed tensors
-        ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, layer k of each group
-        using tensor k (a block id names the same memory whichever group holds it).
-        They are views of one tensor ``[group_size, 2, num_blocks, ...]`` (their
-        ``_base``), so a block of every layer moves in one copy.
-
-        Zeroed, not empty: a masked key still enters the attention matmul with weight 0,
-        and 0 * NaN from uninitialised memory would be NaN. ``make(shape, dtype)``, when
-        given, makes each zeroed tensor instead (e.g. in memory another process can map).
-        """
-        c = self.config
-        shape = (self.kv_layout.group_size, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        stacked = torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
-        tensors = list(stacked.unbind(0))
-        return [tensors[self.kv_layout.tensor_of_layer(i)] for i in range(c.num_hidden_layers)]
-
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block id takes (keys and values of ``kv_layout.group_size`` layers)."""
-        c = self.config
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * block_size * c.num_key_value_heads * c.head_dim * element_size * self.kv_layout.group_size
+ENTRY = ModelEntry(
+    config=CONFIG,
+    model_classes=MappingProxyType(dict.fromkeys(CONFIG.architectures, LlamaForCausalLM)),
+    kv_layout=llama_kv_layout,
+)

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from shared.model.config import ModelConfig
 from shared.model.loader import INDEX_FILE, SINGLE_FILE
-from shared.model.models import build_model
+from shared.model.models import ARCH_CONFIGS, ARCHITECTURE_OF_MODEL_TYPE, TEST_PRESETS, build_model
 
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose save_pretrained output config.json mirrors
 BOS_TOKEN = "<|begin_of_text|>"
@@ -37,12 +37,10 @@ END_OF_TURN_TOKEN = "<|im_end|>"
 # this size (unless one tensor is larger) with model.safetensors.index.json, as
 # transformers' save_pretrained does with max_shard_size="5GB".
 MAX_SHARD_BYTES = 5_000_000_000
-# DeepSeek-V4's layers for a preset of n layers that names none: sliding-only first (as
-# V4-Flash's first two), then CSA and HCA (compression 4 and 128, the real rates) in
-# turn; the first layer hash-routed. Every kind of layer occurs from 3 layers on.
-_V4_CSA, _V4_HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 
-PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+# Shapes any architecture can be drawn in; a family's own presets (DeepSeek-V4's
+# v4-flash-8l) come from its config module through the registry.
+_SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
         "tiny": MappingProxyType(
             dict(
@@ -92,72 +90,11 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 tokenizer_corpus_bytes=8_000_000,
             )
         ),
-        # The V4 GPU benchmark's model (tools/bench/v4_bench.py): DeepSeek-V4-Flash's
-        # layout (transformers 5.24's DeepseekV4Config defaults, docs/deepseek_v4_kv.md)
-        # scaled to one GPU. Real: hidden 4096, 64 query heads of 512 over one K=V head,
-        # partial rotary 64 (1/8), q LoRA 1024, 8 output groups of LoRA 1024, window 128,
-        # CSA (compress 4, indexer of 64 heads x 128 keeping 512) and HCA (compress 128),
-        # the first two layers sliding only and CSA/HCA in turn after them (CSA first, as
-        # tools/bench/v4_kv_bytes.py assumes), the first 3 layers hash-routed, experts of
-        # 2048 with top-6 and 1 shared, sqrtsoftplus routing, 4 mHC streams with 20
-        # Sinkhorn iterations, vocab 129,280, the compress rope's YaRN factor 16.
-        # Scaled: 43 layers -> 8, 256 routed experts -> 64, max_position_embeddings
-        # 1,048,576 -> 65,536 (YaRN's original length with it, 65,536 -> 4,096: the
-        # engine's default KV pool must hold one request of that length). About 15.0B
-        # parameters (30 GB in bfloat16), 3.4B active per token: draw it on a GPU.
-        "v4-flash-8l": MappingProxyType(
-            dict(
-                arch="deepseek_v4",
-                hidden_size=4096,
-                num_hidden_layers=8,
-                num_attention_heads=64,
-                num_key_value_heads=1,
-                intermediate_size=2048,  # dropped from V4's config.json: moe_intermediate_size below
-                vocab_size=129280,
-                max_position_embeddings=65536,
-                rope_theta=10000.0,
-                tie_word_embeddings=False,
-                tokenizer_vocab_size=32768,
-                tokenizer_corpus_bytes=8_000_000,
-                deepseek_v4=MappingProxyType(
-                    dict(
-                        head_dim=512,
-                        partial_rotary_factor=0.125,
-                        q_lora_rank=1024,
-                        o_groups=8,
-                        o_lora_rank=1024,
-                        index_n_heads=64,
-                        index_head_dim=128,
-                        index_topk=512,
-                        moe_intermediate_size=2048,
-                        n_routed_experts=64,
-                        num_experts_per_tok=6,
-                        yarn_factor=16.0,
-                        layer_types=("sliding_attention",) * 2 + (_V4_CSA, _V4_HCA) * 3,
-                        mlp_layer_types=("hash_moe",) * 3 + ("moe",) * 5,
-                    )
-                ),
-            )
-        ),
     }
 )
-ARCHITECTURES: Mapping[str, str] = MappingProxyType(
-    {
-        "llama": "LlamaForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-        "mistral": "MistralForCausalLM",
-        "qwen3_moe": "Qwen3MoeForCausalLM",
-        "gpt_oss": "GptOssForCausalLM",
-        "deepseek_v4": "DeepseekV4ForCausalLM",
-    }
-)
-# The MoE families' experts, whatever the preset: small enough to draw fast on the CPU,
-# enough experts that routing matters. Qwen3-MoE keeps its last layer dense
-# (mlp_only_layers), so a checkpoint has both kinds.
-MOE_EXPERTS: Mapping[str, int] = MappingProxyType(dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128))
-GPT_OSS_SLIDING_WINDOW = 128  # GptOssConfig's default, when no window is asked for
-V4_SLIDING_WINDOW = 128  # DeepseekV4Config's default (and the real model's), when no window is asked for
+PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({**_SHAPES, **TEST_PRESETS})
+ARCHITECTURES: Mapping[str, str] = ARCHITECTURE_OF_MODEL_TYPE
+"""--arch (the config's model_type) -> HF architecture name, from the model registry."""
 _DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType(
     {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 )
@@ -229,9 +166,8 @@ def hf_config_dict(
     """config.json as transformers 5.24 writes it for ``arch`` with these dimensions.
     ``sliding_window`` W makes a hybrid model: Qwen2/Qwen3 with every other layer
     (the odd ones) sliding, Mistral and Qwen3-MoE with every layer sliding; GPT-OSS
-    always alternates (even layers sliding), with W or its default 128; Llama has none."""
-    if sliding_window is not None and arch == "llama":
-        raise ValueError("Llama has no sliding-window layers; use qwen2, qwen3, mistral, qwen3_moe or gpt_oss")
+    always alternates (even layers sliding), with W or its default 128; Llama has none
+    (each family's ``hf_test_config`` in shared/model/models/<name>_config.py)."""
     heads, hidden = preset["num_attention_heads"], preset["hidden_size"]
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -256,133 +192,8 @@ def hf_config_dict(
         "use_cache": True,
         "vocab_size": preset["vocab_size"],
     }
-    # The per-architecture keys each transformers config class adds.
-    if arch in ("llama", "qwen3", "mistral"):
-        config["head_dim"] = hidden // heads
-    if arch in ("llama", "qwen3"):
-        config["attention_bias"] = False
-    if arch == "llama":
-        config.update(mlp_bias=False, pretraining_tp=1)
-    if arch in ("qwen2", "qwen3"):
-        num_layers = preset["num_hidden_layers"]
-        if sliding_window is None:
-            layer_types = ["full_attention"] * num_layers
-        else:
-            layer_types = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(num_layers)]
-        config.update(
-            layer_types=layer_types,
-            max_window_layers=num_layers if sliding_window is None else 0,
-            sliding_window=sliding_window,
-            use_sliding_window=sliding_window is not None,
-        )
-    if arch == "mistral":
-        config["sliding_window"] = sliding_window
-    if arch == "qwen3_moe":
-        config.update(_qwen3_moe_keys(preset, sliding_window))
-    if arch == "gpt_oss":
-        config.update(_gpt_oss_keys(preset, sliding_window))
-    if arch == "deepseek_v4":
-        for key in ("intermediate_size", "rope_parameters"):
-            del config[key]  # V4 names them moe_intermediate_size and nests its two ropes
-        config.update(_deepseek_v4_keys(preset, sliding_window))
-    return config
-
-
-def _deepseek_v4_keys(preset: Mapping[str, Any], sliding_window: int | None) -> dict[str, Any]:
-    """V4's keys at the preset's width: one K=V head twice as wide as hidden/heads (V4:
-    512 for 4096/64... scaled down), a quarter of it rotated, YaRN on the compress rope,
-    the real compression rates (4, 128) and indexer top-k over 16 heads, 4 mHC streams,
-    the MoE experts of MOE_EXPERTS (every layer sparse, the first hash-routed). A
-    preset's ``deepseek_v4`` mapping overrides any of these (v4-flash-8l: the real dims)."""
-    v4 = preset.get("deepseek_v4", {})
-    num_layers, hidden, max_pos = preset["num_hidden_layers"], preset["hidden_size"], preset["max_position_embeddings"]
-    head_dim = v4.get("head_dim", 2 * hidden // preset["num_attention_heads"])
-    rotary = v4.get("partial_rotary_factor", 0.25)
-    yarn_factor = v4.get("yarn_factor", 4.0)
-    default_types = ["sliding_attention"] + [_V4_CSA if i % 2 == 0 else _V4_HCA for i in range(num_layers - 1)]
-    layer_types = list(v4.get("layer_types", default_types))
-    mlp_layer_types = list(v4.get("mlp_layer_types", ["hash_moe"] + ["moe"] * (num_layers - 1)))
-    return {
-        "attention_bias": False,
-        "compress_rates": {_V4_CSA: 4, _V4_HCA: 128},
-        "compress_rope_theta": 160000.0,
-        "hc_eps": 1e-06,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "head_dim": head_dim,
-        "index_head_dim": v4.get("index_head_dim", 32),
-        "index_n_heads": v4.get("index_n_heads", 16),
-        "index_topk": v4.get("index_topk", 16),
-        "layer_types": layer_types[:num_layers],
-        "mlp_bias": False,
-        "mlp_layer_types": mlp_layer_types[:num_layers],
-        "moe_intermediate_size": v4.get("moe_intermediate_size", MOE_EXPERTS["moe_intermediate_size"]),
-        "n_routed_experts": v4.get("n_routed_experts", MOE_EXPERTS["num_experts"]),
-        "n_shared_experts": 1,
-        "norm_topk_prob": True,
-        "num_experts_per_tok": v4.get("num_experts_per_tok", MOE_EXPERTS["num_experts_per_tok"]),
-        "num_key_value_heads": 1,
-        "num_nextn_predict_layers": 1,
-        "o_groups": v4.get("o_groups", 2),
-        "o_lora_rank": v4.get("o_lora_rank", hidden // 4),
-        "output_router_logits": False,
-        "partial_rotary_factor": rotary,
-        "q_lora_rank": v4.get("q_lora_rank", hidden // 2),
-        "qk_rope_head_dim": int(head_dim * rotary),
-        "rope_parameters": {
-            "compress": {
-                "attention_factor": 1.0, "factor": yarn_factor,
-                "original_max_position_embeddings": int(max_pos // yarn_factor),
-                "partial_rotary_factor": rotary, "rope_theta": 160000.0, "rope_type": "yarn",
-            },
-            "main": {"partial_rotary_factor": rotary, "rope_theta": preset["rope_theta"], "rope_type": "default"},
-        },
-        "rope_theta": preset["rope_theta"],
-        "routed_scaling_factor": 1.5,
-        "router_aux_loss_coef": 0.001,
-        "router_jitter_noise": 0.0,
-        "scoring_func": "sqrtsoftplus",
-        "sliding_window": V4_SLIDING_WINDOW if sliding_window is None else sliding_window,
-        "swiglu_limit": 10.0,
-    }  # fmt: skip
-
-
-def _qwen3_moe_keys(preset: Mapping[str, Any], sliding_window: int | None) -> dict[str, Any]:
-    return {
-        "attention_bias": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [preset["num_hidden_layers"] - 1],
-        "moe_intermediate_size": MOE_EXPERTS["moe_intermediate_size"],
-        "norm_topk_prob": True,
-        "num_experts_per_tok": MOE_EXPERTS["num_experts_per_tok"],
-        "num_local_experts": MOE_EXPERTS["num_experts"],
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
-        "sliding_window": sliding_window,
-        "use_sliding_window": sliding_window is not None,
-    }
-
-
-def _gpt_oss_keys(preset: Mapping[str, Any], sliding_window: int | None) -> dict[str, Any]:
-    num_layers, max_pos = preset["num_hidden_layers"], preset["max_position_embeddings"]
-    return {
-        "attention_bias": True,
-        "head_dim": preset["hidden_size"] // preset["num_attention_heads"],
-        "intermediate_size": MOE_EXPERTS["moe_intermediate_size"],
-        "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)],
-        "num_experts_per_tok": MOE_EXPERTS["num_experts_per_tok"],
-        "num_local_experts": MOE_EXPERTS["num_experts"],
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
-        # YaRN as GPT-OSS ships it, the factor matching max_position_embeddings.
-        "rope_parameters": {
-            "beta_fast": 32.0, "beta_slow": 1.0, "factor": 4.0, "original_max_position_embeddings": max_pos // 4,
-            "rope_theta": preset["rope_theta"], "rope_type": "yarn", "truncate": False,
-        },
-        "sliding_window": GPT_OSS_SLIDING_WINDOW if sliding_window is None else sliding_window,
-        "swiglu_alpha": 1.702,
-        "swiglu_limit": 7.0,
-    }  # fmt: skip
+    # The keys each transformers config class adds: the family's config module knows them.
+    return ARCH_CONFIGS[ARCHITECTURES[arch]].test_config(arch, config, preset, sliding_window)
 
 
 def _write_weights(out: Path, config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> int:

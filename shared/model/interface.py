@@ -1,0 +1,141 @@
+"""What the engine needs of any model, and what a model file exports.
+
+``CausalLM`` is the interface the engine (shared/engine: the model runner, CUDA
+graphs, speculative decoding) and the loader program against: a forward over the
+paged KV cache, ``compute_logits``, the KV layout (``kv_layout``,
+``allocate_kv_cache``, ``kv_bytes_per_block``), ``checkpoint_tensors`` for the
+loader, the expert counts of a sparse model, and whether a decode step can be
+captured in a CUDA graph. Its constructor sets the fields every model has; the
+methods that are the same for every model (the logits, the cache allocation) live
+here once, over the two facts a model declares (``lm_head`` / embeddings and the
+shape of a cache row).
+
+``ModelEntry`` is what each file in shared/model/models exports as ``ENTRY`` (SGLang's
+``EntryClass``): its torch-free config (architectures, parser, test configs), its
+model class and its KV layout declaration. The registry (shared/model/models)
+collects them; nothing else keeps a list of architectures.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shared.kv.spec import KVCacheLayout
+from shared.model.config import ArchConfig, ModelConfig
+from shared.model.forward_batch import AttentionMetadata
+from shared.model.layers import Linear, linear
+
+TensorMaker = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+"""(shape, dtype) -> a zeroed tensor (e.g. in memory another process can map)."""
+
+
+class CausalLM(nn.Module, ABC):
+    """The engine's model: ``forward`` returns final-normed hidden states [T, hidden];
+    ``compute_logits`` maps the rows the caller keeps (usually the last token of each
+    sequence) to float32 logits.
+
+    A model is built in its final dtype and device (``load_model`` does): parameters
+    start uninitialised. A subclass's constructor calls this one first, then builds
+    its modules, setting ``model.embed_tokens``, ``lm_head`` (None when tied),
+    ``kv_layout`` and, for a sparse model, ``expert_counts``."""
+
+    model: nn.Module
+    """transformers' ``model.`` prefix: at least ``embed_tokens``."""
+    lm_head: Linear | None
+    """None: the head is tied to ``model.embed_tokens`` (no parameter to load)."""
+    kv_layout: KVCacheLayout
+    """The model's KV cache groups: which layers share a block table, and what each keeps."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tie_word_embeddings: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.tie_word_embeddings = tie_word_embeddings
+        self.expert_counts: torch.Tensor | None = None
+        """[sparse layers, experts] int64 on the model's device: the (token, choice) pairs
+        each expert got in the last forward, counted on the device (no sync); read it back
+        with a non-blocking copy after the step. None for a dense model."""
+        self._gemv: Callable[..., torch.Tensor] | None = None
+        """The logits' product kernel (None: PyTorch's)."""
+
+    @property
+    @abstractmethod
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph."""
+
+    @property
+    @abstractmethod
+    def kv_row_shape(self) -> tuple[int, int]:
+        """(heads, channels) of one token's row in one cache tensor."""
+
+    @abstractmethod
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], metas: list[AttentionMetadata]
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden]; ``kv_caches`` as ``allocate_kv_cache`` made them,
+        ``metas`` the attention metadata of each KV group (``kv_layout.groups``)."""
+
+    @abstractmethod
+    def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """Each tensor name of a checkpoint -> the tensor to copy it into. ``available``:
+        the checkpoint's names, where a layout has two spellings; None: the spelling
+        transformers saves."""
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The product runs in the model dtype, then widens, as transformers' lm_head does;
+        # greedy decoding then picks the same token as transformers in bf16 too.
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight, None, self._gemv).float()
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        make: TensorMaker | None = None,
+    ) -> list[torch.Tensor]:
+        """The KV cache of every cache layer: ``kv_layout.group_size`` zeroed tensors
+        ``[2, num_blocks, block_size, *kv_row_shape]``, layer k of each group using
+        tensor k (a block id names the same memory whichever group holds it). They are
+        views of one tensor ``[group_size, 2, num_blocks, ...]`` (their ``_base``), so a
+        block of every layer moves in one copy.
+
+        Zeroed, not empty: a masked key still enters the attention matmul with weight 0,
+        and 0 * NaN from uninitialised memory would be NaN. ``make(shape, dtype)``, when
+        given, makes each zeroed tensor instead (e.g. in memory another process can map).
+        """
+        layout = self.kv_layout
+        shape = (layout.group_size, 2, num_blocks, block_size, *self.kv_row_shape)
+        stacked = torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
+        tensors = list(stacked.unbind(0))
+        return [tensors[layout.tensor_of_layer(i)] for i in range(layout.num_layers)]
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block id takes (keys and values of ``kv_layout.group_size`` layers)."""
+        heads, channels = self.kv_row_shape
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * block_size * heads * channels * element_size * self.kv_layout.group_size
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """What a model file exports as ``ENTRY``; the registry (shared/model/models) reads nothing else."""
+
+    config: ArchConfig
+    """The torch-free part (``models/<name>_config.py``): architectures, parser, test configs."""
+    model_classes: Mapping[str, type[CausalLM]]
+    """HF architecture name -> the class that serves it, for every name of ``config``. A
+    class is built as ``cls(config, dtype, device, tie_word_embeddings, kernels)``."""
+    kv_layout: Callable[[ModelConfig], KVCacheLayout]
+    """The model's KV cache groups, from its config alone (no model built)."""
+
+    def __post_init__(self) -> None:
+        if set(self.model_classes) != set(self.config.architectures):
+            raise ValueError(
+                f"model classes for {sorted(self.model_classes)}, configs for {sorted(self.config.architectures)}"
+            )
