@@ -17,7 +17,7 @@ unit of work is fixed:
   key tile, then accumulated over the tiles in order (cumsum): a query sees the same
   tiles whatever its chunk, and masked keys add exact zeros.
 
-What stays assumed, and is checked by tests/test_batch_invariant.py on the CPU: a
+What stays assumed, and is checked by tests/unit/test_batch_invariant.py on the CPU: a
 fixed-shape product gives a row the same bits wherever it sits in its tile and
 whatever the other rows hold (true of BLAS micro-kernels, whose reduction over K
 runs in one order per output element). The same assumption, for a tensor-core tile

@@ -8,7 +8,7 @@ that both `Recipe.from_pretrained` and `transformers.AutoTokenizer` load.
 Determinism: `BpeTrainer` breaks ties between equally frequent pairs by the
 pair itself, not by hash-map order or thread timing, so the same corpus gives
 the same merges. Checked with 1, 2 and 7 rayon threads and across processes
-(tokenizers 0.23.3); `tests/test_train_tokenizer.py` keeps checking it. The
+(tokenizers 0.23.3); `tests/unit/test_train_tokenizer.py` keeps checking it. The
 corpus is a sorted, capped list of files, and both files are written with
 sorted keys, so two calls give byte-identical files on the same Python install
 (a different Python version has different stdlib sources, hence other merges).

@@ -53,7 +53,7 @@ NATS message holds at most 1 MiB (nats-server's max_payload). The handoff to
 decode is the larger: per token at most 5 bytes of id (a uint32 varint), per
 block of 16 tokens (the default) a 34-byte hash and a block id per KV group. At
 2**17 tokens, with every other field at its limit, that is ~1,000 KiB
-(tests/test_bad_input.py builds it); real vocabularies (ids under 2**21: 3 bytes)
+(tests/mesh/test_bad_input.py builds it); real vocabularies (ids under 2**21: 3 bytes)
 leave a quarter of the message free."""
 
 
