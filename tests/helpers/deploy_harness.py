@@ -42,7 +42,7 @@ HEALTH_TIMEOUT_S = 120.0
 
 def code_metric_series() -> set[str]:
     """Every series name the services expose, read off the code: Metrics.counter /
-    gauge / histogram calls, with the stage from the folder (services/<stage>/) or,
+    gauge / histogram calls, with the stage from the folder (services/<stage>/, sub-packages included) or,
     for the shared Worker, every stage whose service uses it. prometheus_client's
     suffixes are added: counters _total and _created, histograms _bucket, _sum,
     _count and _created."""
@@ -50,8 +50,9 @@ def code_metric_series() -> set[str]:
     worker_stages = {p.parent.name for p in (ROOT / "services").glob("*/*.py")
                      if "from shared.stage.worker import" in p.read_text() and "Worker" in p.read_text()}
     series: set[str] = set()
-    for path in [*(ROOT / "services").glob("*/*.py"), ROOT / "shared" / "stage" / "worker.py"]:
-        stages = worker_stages if path.parent.name == "stage" else {path.parent.name}
+    for path in [*(ROOT / "services").rglob("*.py"), ROOT / "shared" / "stage" / "worker.py"]:
+        # A stage's metrics may sit in its sub-packages (the balancer's frontend/ and router/).
+        stages = worker_stages if path.parent.name == "stage" else {path.relative_to(ROOT / "services").parts[0]}
         for kind, name in pattern.findall(path.read_text()):
             for stage in stages:
                 base = f"infermesh_{stage}_{name}"
