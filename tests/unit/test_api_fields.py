@@ -5,7 +5,6 @@ with a 400 naming it. tests/mesh/test_mesh_api.py runs the same requests through
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,6 @@ import openai
 import pytest
 import torch
 import transformers
-import uvicorn
 
 from services.balancer.frontend.api import create_app
 from services.balancer.generation import GenerationRequest, Generator, TokenEvent
@@ -28,6 +26,7 @@ from tools.make_model import make_model
 from shared.recipe import Recipe
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings
+from tests.helpers.uvicorn_app import serve
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -67,18 +66,6 @@ class Server:
         return response.json()
 
 
-def _serve(loop: asyncio.AbstractEventLoop, app: Any) -> tuple[str, uvicorn.Server, Any]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    done = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop)
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and not done.done(), "uvicorn did not start"
-        time.sleep(0.01)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, done
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model_dir = str(tmp_path_factory.mktemp("api-fields-model"))
@@ -95,11 +82,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         return create_app(generator=order, recipe=recipe, model_name=MODEL, max_model_len=MAX_MODEL_LEN,
                           settings=settings, metrics=Metrics("balancer"))
 
-    served = [_serve(loop, app(BalancerSettings())), _serve(loop, app(BalancerSettings(max_dispatched_requests=1)))]
-    yield Server(served[0][0], model_dir, recipe, order, served[1][0])
-    for _, srv, done in served:
-        srv.should_exit = True
-        done.result(10)
+    served = [serve(loop, app(BalancerSettings())), serve(loop, app(BalancerSettings(max_dispatched_requests=1)))]
+    yield Server(served[0].url, model_dir, recipe, order, served[1].url)
+    for one in served:
+        one.stop()
     asyncio.run_coroutine_threadsafe(generator.shutdown(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)

@@ -4,11 +4,9 @@ paths and httpx for errors, SSE framing and disconnects."""
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +15,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -36,6 +33,7 @@ from tools.make_model import make_model
 from shared.recipe import Recipe
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings
+from tests.helpers.uvicorn_app import Served, serve
 
 MODEL = "tiny-llama"
 KEY = "test-key"
@@ -87,13 +85,6 @@ class Failing:
 
 
 @dataclass
-class Served:
-    url: str
-    server: uvicorn.Server
-    done: Future
-
-
-@dataclass
 class Mesh:
     path: str
     loop: asyncio.AbstractEventLoop
@@ -128,18 +119,6 @@ class Mesh:
             time.sleep(0.05)
 
 
-def _serve(loop: asyncio.AbstractEventLoop, app: Any) -> Served:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    done = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop)
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and not done.done(), "uvicorn did not start"
-        time.sleep(0.01)
-    return Served(f"http://127.0.0.1:{sock.getsockname()[1]}", server, done)
-
-
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("openai-model")
@@ -169,14 +148,13 @@ def mesh(model_path: str) -> Iterator[Mesh]:
         )
 
     main_settings = BalancerSettings(api_key=KEY, max_request_bytes=MAX_BODY)
-    main = _serve(loop, app(main_settings, Metrics("balancer"), tracer=tracer))
-    narrow = _serve(loop, app(BalancerSettings(api_key=KEY, max_queued_requests=1), None))
-    failing = _serve(loop, app(BalancerSettings(api_key=KEY), None, failure))
+    main = serve(loop, app(main_settings, Metrics("balancer"), tracer=tracer))
+    narrow = serve(loop, app(BalancerSettings(api_key=KEY, max_queued_requests=1), None))
+    failing = serve(loop, app(BalancerSettings(api_key=KEY), None, failure))
     mesh = Mesh(model_path, loop, generator, recorder, main, narrow, failing, failure, spans)
     yield mesh
     for served in (main, narrow, failing):
-        served.server.should_exit = True
-        served.done.result(10)
+        served.stop()
     mesh.on_loop(generator.shutdown())
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
