@@ -140,6 +140,24 @@ class KVCacheSettings:
 
 
 @dataclass(slots=True)
+class KVTransferSettings:
+    nixl: bool = True
+    """Move KV between engines, and from kvcache, through NIXL (UCX underneath:
+    shared memory or CUDA IPC within a node, RDMA or TCP between nodes) wherever
+    the same-namespace copy cannot reach: another container, pod or node. Off, or
+    without the nixl package, those fall back to kvcache's gRPC byte stream. UCX
+    reads its own environment: UCX_TLS picks the transports (tcp where there is no
+    RDMA), UCX_NET_DEVICES the network devices."""
+    nixl_backends: str = "UCX"
+    """NIXL backends to instantiate, comma separated (UCX moves bytes on every fabric here)."""
+    nixl_metadata_timeout_s: float = 2.0
+    """How long a worker waits for a peer's NIXL agent metadata over NATS before it
+    reads the KV from kvcache instead (a peer that is gone answers at once: no responders)."""
+    nixl_transfer_timeout_s: float = 30.0
+    """A NIXL transfer not done within this is abandoned: its tokens are recomputed."""
+
+
+@dataclass(slots=True)
 class BalancerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -195,6 +213,7 @@ class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     kvcache: KVCacheSettings = field(default_factory=KVCacheSettings)
+    kv_transfer: KVTransferSettings = field(default_factory=KVTransferSettings)
     balancer: BalancerSettings = field(default_factory=BalancerSettings)
 
 
