@@ -69,7 +69,7 @@ class PrefillService:
             try:
                 # The first token only: decode generates the rest.
                 first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-                transfer = prefill_transfer(self.engine)
+                transfer = prefill_transfer(self.engine, nixl=self.worker.nixl is not None)
                 request = EngineRequest(rid, prompt, first, salt, kv_transfer=transfer, trace_carrier=inject_headers())
                 final: RequestOutput | None = None
                 async for out in self.worker.engine.generate(request):
@@ -102,7 +102,8 @@ class PrefillService:
                     handoff.first_logprobs.CopyFrom(logprobs_to_proto(final.new_logprobs[0]))
                 if final.prompt_logprobs is not None:  # positions 1..: the first token has none
                     handoff.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in final.prompt_logprobs[1:] if lp)
-                kv_source = held_kv_source(self.engine, self.ctx.instance_id, final.kv.held)
+                nixl = self.worker.nixl.describe() if self.worker.nixl is not None else b""
+                kv_source = held_kv_source(self.engine, self.ctx.instance_id, final.kv.held, nixl)
                 if kv_source is not None:
                     handoff.kv_source.CopyFrom(kv_source)
                     span.set_attribute("kv.held_blocks", kv_source.num_blocks)

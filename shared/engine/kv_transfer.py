@@ -107,6 +107,7 @@ class KVTransfer:
             if arrived:
                 self.kv.index_loaded(request, first, arrived)
             request.kv_loaded_direct = result.direct
+            request.kv_load_path = result.path
             self.scheduler.finish_load(result.request_id, arrived, num)
         released: list[RequestOutput] = []
         for result in saves:
@@ -124,6 +125,8 @@ class KVTransfer:
                 out.kv.save_error = result.error
             if out is not None:
                 released.append(out)
+        for request_id in self.connector.take_released():  # a peer's NIXL read of held blocks is done
+            self.release(request_id)
         self._expire_leases()
         return released
 

@@ -426,6 +426,7 @@ class LLMEngine:
             request.kv_load_failed,
             num_replayed_tokens=request.num_replayed_tokens,
             loaded_direct=request.kv_loaded_direct,
+            load_path=request.kv_load_path,
             load_seconds=request.kv_load_seconds,
             copy_seconds=request.kv_copy_seconds,
         )

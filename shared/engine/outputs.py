@@ -62,6 +62,9 @@ class KVTransferReport:
     """Tokens recomputed to rebuild sliding-window KV after a hit (SWA replay)."""
     loaded_direct: bool = False
     """The loaded blocks came straight from a peer's cache (not through kvcache)."""
+    load_path: str = ""
+    """Where the loaded blocks came from (LoadResult.path: "peer", "nixl", "host",
+    "kvcache", ...); "" when no load ran."""
     load_seconds: float = 0.0
     """From asking the connector for the blocks to their arrival (with num_loaded_blocks,
     the load's effective bandwidth)."""

@@ -75,6 +75,8 @@ class Request:
     """Tokens recomputed at admission to rebuild sliding-window KV (SWA replay)."""
     kv_loaded_direct: bool = False
     """The load was a direct copy from a peer's cache."""
+    kv_load_path: str = ""
+    """Where the loaded blocks came from (LoadResult.path); "" when nothing was loaded."""
     kv_load_failed: bool = False
     """A load the connector promised did not (fully) arrive: those tokens were recomputed."""
     kv_load_seconds: float = 0.0

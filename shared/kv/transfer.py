@@ -20,6 +20,9 @@ class PeerSource:
     lease_deadline: float
     """Unix time after which the peer may free the blocks: no copy reads them later."""
     layout: str
+    nixl: bytes = b""
+    """How to read the blocks through NIXL from another namespace or host (the peer's
+    NixlConnector.describe()); empty when the peer has no NIXL agent."""
 
 
 @dataclass(slots=True)
@@ -48,3 +51,14 @@ class KVTransferParams:
     lease (kv_lease_timeout_s); the last output says which blocks."""
     source: PeerSource | None = None
     """Copy the prompt's blocks from this peer's cache rather than from the store."""
+
+
+def copy_plan(
+    source: PeerSource, first_block: int, num_blocks: int, block_ids: dict[int, list[int]]
+) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """(the peer's block ids per group, ours per group) of one load from a peer: its
+    blocks first_block .. first_block + num_blocks - 1 of every persistent group into
+    the blocks the engine reserved (`block_ids`)."""
+    src = {g: ids[first_block : first_block + num_blocks] for g, ids in source.block_ids.items()}
+    dst = {g: block_ids[g][:num_blocks] for g in src}
+    return src, dst

@@ -46,6 +46,12 @@ def kv_release(instance_id: str) -> str:
     return f"{PREFIX}.kv.release.{check_token(instance_id)}"
 
 
+def kv_nixl(instance_id: str) -> str:
+    """Where an instance that holds KV for peers answers a NixlMetadataRequest with its
+    NIXL agent's metadata (a reader asks once per peer, then reads through NIXL)."""
+    return f"{PREFIX}.kv.nixl.{check_token(instance_id)}"
+
+
 def stream(instance_id: str, request_id: str) -> str:
     """Where instance_id publishes the token stream (or the error) of request_id."""
     return f"{PREFIX}.stream.{check_token(instance_id)}.{check_token(request_id)}"

@@ -18,9 +18,10 @@ from shared.kv.transfer import HeldBlocks, KVTransferParams, PeerSource
 from shared.proto import mesh_pb2
 
 
-def prefill_transfer(engine: LLMEngine) -> KVTransferParams:
-    """Prefill's request: load, save, and hold for decode where the cache can be shared."""
-    direct = engine.runner.shares_kv
+def prefill_transfer(engine: LLMEngine, nixl: bool = False) -> KVTransferParams:
+    """Prefill's request: load, save, and hold for decode where a peer can read the
+    cache (mapped on this host, or through NIXL: `nixl`, this engine has an agent)."""
+    direct = engine.runner.shares_kv or nixl
     return KVTransferParams(load=True, save=True, wait_for_save=not direct, hold=direct)
 
 
@@ -34,15 +35,19 @@ def whole_request_transfer() -> KVTransferParams:
     return KVTransferParams(load=True, save=True, wait_for_save=False)
 
 
-def held_kv_source(engine: LLMEngine, instance_id: str, held: HeldBlocks | None) -> mesh_pb2.KvSource | None:
+def held_kv_source(
+    engine: LLMEngine, instance_id: str, held: HeldBlocks | None, nixl: bytes = b""
+) -> mesh_pb2.KvSource | None:
     """The handoff's description of the prompt blocks this engine holds for decode;
-    None when it holds none."""
+    None when it holds none. nixl: how to read them through NIXL (the engine's
+    NixlConnector.describe()), empty without."""
     if held is None or not held.num_blocks:
         return None
     region = engine.runner.kv_region
     return mesh_pb2.KvSource(
         instance_id=instance_id,
-        region=region.share(),
+        region=region.share() if engine.runner.shares_kv else b"",
+        nixl=nixl,
         block_ids=[b for g in sorted(held.block_ids) for b in held.block_ids[g]],
         num_blocks=held.num_blocks,
         lease_deadline_unix=held.deadline,
@@ -61,4 +66,4 @@ def peer_source(engine: LLMEngine, handoff: mesh_pb2.DecodeHandoff) -> PeerSourc
         return None  # another model's layout: kvcache serves it
     ids = list(src.block_ids)
     block_ids = {g: ids[i * n : (i + 1) * n] for i, g in enumerate(groups)}
-    return PeerSource(src.instance_id, src.region, block_ids, n, src.lease_deadline_unix, src.layout)
+    return PeerSource(src.instance_id, src.region, block_ids, n, src.lease_deadline_unix, src.layout, nixl=src.nixl)

@@ -30,6 +30,7 @@ from shared.engine.outputs import KVTransferReport
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.connectors.chain import connector_chain
 from shared.kv.connectors.kvcache import KVCacheConnector, LookupOutcome
+from shared.kv.connectors.nixl import NixlConnector
 from shared.kv.events import kv_event_messages
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
@@ -47,13 +48,30 @@ KVCACHE_HEALTH = "kvcache"
 """The gRPC health service name under which a worker reports whether it reaches kvcache."""
 
 
+def kv_path(report: KVTransferReport) -> str:
+    """A request's span attribute kv.path: where its prompt KV came from. "recompute"
+    when a load failed (the tokens were computed instead), "none" when nothing was
+    loaded, else the load's path: "peer" (the same-namespace copy), "nixl", "host",
+    "kvcache" (the store's stream or shared memory)."""
+    if report.load_failed:
+        return "recompute"
+    if not report.num_loaded_blocks or not report.load_path:
+        return "none"
+    return report.load_path
+
+
 class Worker:
     """An engine on its thread plus the mesh duties around it. Services make one
     in their setup and register its stop on the exit stack."""
 
-    def __init__(self, ctx: ServiceContext, engine: LLMEngine, kvcache: KVCacheConnector | None = None) -> None:
+    def __init__(
+        self, ctx: ServiceContext, engine: LLMEngine, kvcache: KVCacheConnector | None = None,
+        nixl: NixlConnector | None = None,
+    ) -> None:  # fmt: skip
+        """nixl: the engine's NIXL link, when its agent started (peers read held blocks through it)."""
         self.ctx = ctx
         self.kvcache = kvcache
+        self.nixl = nixl
         self._kvcache_up: bool | None = None
         self.engine = AsyncEngine(engine, asyncio.get_running_loop())
         self.grpc: GrpcServer | None = None
@@ -81,6 +99,14 @@ class Worker:
         )
         self.m_kv_load_failures = m.counter(
             "kv_load_failures_total", "Loads from kvcache that did not (fully) arrive: their tokens were recomputed"
+        )
+        self.m_kv_transfer_bytes = m.counter(
+            "kv_transfer_bytes_total", "KV bytes loaded into the paged cache, by path (peer, nixl, host, kvcache)", ("path",)
+        )
+        self.m_kv_transfer_failures = m.counter(
+            "kv_transfer_failures_total",
+            "Loads that did not (fully) arrive, by path: their tokens were recomputed",
+            ("path",),
         )
         self.m_kvcache_up = m.gauge("kvcache_up", "1 while this worker reaches kvcache, 0 while it computes without it")
         self.m_kvcache_bypassed = m.counter(
@@ -189,6 +215,12 @@ class Worker:
         if task is not None:
             task.cancel()  # leaving engine.generate() aborts the request and frees its blocks
 
+    async def on_nixl_metadata(self, msg: mesh_pb2.NixlMetadataRequest) -> mesh_pb2.NixlMetadata:
+        """A peer about to read blocks this engine holds asks for its NIXL agent (once per peer)."""
+        if self.nixl is None or self.nixl.agent is None:
+            return mesh_pb2.NixlMetadata()
+        return mesh_pb2.NixlMetadata(agent=self.nixl.agent.name, metadata=self.nixl.metadata())
+
     async def on_kv_release(self, msg: mesh_pb2.KvRelease) -> None:
         """A decode instance copied a request's held blocks: they may go."""
         rid = msg.request_id
@@ -234,6 +266,12 @@ class Worker:
         span.set_attribute("kv.loaded_bytes", loaded)
         span.set_attribute("kv.load_failed", report.load_failed)
         span.set_attribute("kv.loaded_direct", report.loaded_direct)
+        path = kv_path(report)
+        span.set_attribute("kv.path", path)
+        if report.load_path:
+            self.m_kv_transfer_bytes.labels(report.load_path).inc(loaded)
+            if report.load_failed:
+                self.m_kv_transfer_failures.labels(report.load_path).inc()
         span.set_attribute("kv.load_ms", round(report.load_seconds * 1e3, 3))
         if report.loaded_direct:
             span.set_attribute("kv.copy_ms", round(report.copy_seconds * 1e3, 3))
@@ -355,7 +393,18 @@ async def serve_engine_stage(
         publish = ctx.bus.publish(subjects.kv_release(instance_id), message)
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(publish))
 
-    chain = connector_chain(ctx.settings.kvcache, ctx.settings.engine.host_kv_cache_bytes, release)
+    transfer = ctx.settings.kv_transfer
+
+    def fetch_nixl_metadata(instance_id: str) -> bytes:  # from the connector's thread
+        ask = ctx.bus.request(subjects.kv_nixl(instance_id), mesh_pb2.NixlMetadataRequest(), mesh_pb2.NixlMetadata,
+                              timeout=transfer.nixl_metadata_timeout_s)  # fmt: skip
+        reply = asyncio.run_coroutine_threadsafe(ask, loop).result(transfer.nixl_metadata_timeout_s + 1.0)
+        if not reply.metadata:
+            raise ConnectionError(f"{instance_id} has no NIXL agent")
+        return reply.metadata
+
+    chain = connector_chain(ctx.settings.kvcache, transfer, ctx.settings.engine.host_kv_cache_bytes,
+                            ctx.instance_id, release, fetch_nixl_metadata)  # fmt: skip
     try:
         # Token ids only (text is the balancer's job), and block events for its routing.
         engine = await asyncio.to_thread(
@@ -366,12 +415,15 @@ async def serve_engine_stage(
         chain.head.close()
         raise
     stack.callback(engine.close)  # after the drain below has stopped the engine thread
-    worker = Worker(ctx, engine, chain.kvcache)
+    nixl = chain.nixl if chain.nixl is not None and chain.nixl.ready else None
+    worker = Worker(ctx, engine, chain.kvcache, nixl)
     routes = list(make_dispatch(worker))
     await worker.start(stack)
     routes.append(Dispatch(subjects.CANCEL, mesh_pb2.Cancel, worker.on_cancel))
     if share_kv:
         routes.append(Dispatch(subjects.kv_release(ctx.instance_id), mesh_pb2.KvRelease, worker.on_kv_release))
+        if nixl is not None:
+            routes.append(Dispatch(subjects.kv_nixl(ctx.instance_id), mesh_pb2.NixlMetadataRequest, worker.on_nixl_metadata))
     for route in routes:
         sub = await ctx.bus.subscribe(route.subject, route.message_type, route.handle)
         stack.push_async_callback(sub.unsubscribe)

@@ -8,8 +8,8 @@ the users that answer requests may publish to reply subjects):
 | user        | publishes                                              | subscribes                                  |
 |-------------|--------------------------------------------------------|---------------------------------------------|
 | balancer    | prefill dispatch (im.prefill.*.run), cancels           | heartbeats, KV events, every token stream, departures |
-| prefill X   | decode handoffs, X's heartbeats, KV events and streams | X's dispatch, cancels, X's KV releases      |
-| decode X    | X's heartbeats, KV events and streams, KV releases     | X's handoffs, cancels                       |
+| prefill X   | decode handoffs, X's heartbeats, KV events and streams | X's dispatch, cancels, X's KV releases, X's NIXL metadata asks |
+| decode X    | X's heartbeats, KV events and streams, KV releases, NIXL metadata asks | X's handoffs, cancels       |
 | kvcache     | its KV events (im.kv.events)                           | nothing                                     |
 | monitor     | nothing                                                | heartbeats, KV events (load figures only)   |
 | admin       | anything                                               | anything (`up`'s operator only)             |
@@ -104,11 +104,12 @@ def permissions(role: str, instance: str = "*") -> Permissions:
         if role == "prefill":
             return Permissions(
                 publish=(_any(subjects.decode_admit), heartbeat, own(subjects.kv_events), stream_subjects(instance)),
-                subscribe=(own(subjects.prefill_run), subjects.CANCEL, own(subjects.kv_release)),
+                subscribe=(own(subjects.prefill_run), subjects.CANCEL, own(subjects.kv_release), own(subjects.kv_nixl)),
                 allow_responses=True,
             )
         return Permissions(
-            publish=(heartbeat, own(subjects.kv_events), stream_subjects(instance), _any(subjects.kv_release)),
+            publish=(heartbeat, own(subjects.kv_events), stream_subjects(instance), _any(subjects.kv_release),
+                     _any(subjects.kv_nixl)),
             subscribe=(own(subjects.decode_admit), own(subjects.decode_run), subjects.CANCEL),
             allow_responses=True,
         )

@@ -56,12 +56,24 @@ class LoadResult:
     num_blocks: int
     """The leading blocks asked for that arrived and were written (fewer than asked on a miss)."""
     error: str | None = None
-    direct: bool = False
-    """Copied straight from a peer's cache (rather than from a store)."""
+    path: str = "kvcache"
+    """Where the blocks came from (the request span's kv.path): "peer" (a copy out of a
+    peer's cache mapped into this process), "nixl" (read from a peer's cache through
+    NIXL), "host" (the host tier), "kvcache" (the store), "memory" (an in-process store);
+    "host+kvcache" when the host tier served the head and the store the rest."""
     copy_seconds: float = 0.0
     """A direct copy's own time, from its start to its end on the copy thread: without
     the wait for that thread or for the engine's next step (with num_blocks, the copy's
     bandwidth). 0 for other loads."""
+
+    @property
+    def direct(self) -> bool:
+        """Copied straight from a peer's cache (rather than from a store)."""
+        return self.path in DIRECT_PATHS
+
+
+DIRECT_PATHS = frozenset({"peer", "nixl"})
+"""Load paths that copy straight out of a peer's cache."""
 
 
 @dataclass(slots=True)
@@ -142,6 +154,11 @@ class KVConnector(ABC):
         """Saves written behind that failed to store after they had been reported."""
         return 0
 
+    def take_released(self) -> list[str]:
+        """Requests whose held blocks a peer has finished reading since the last call
+        (a NIXL read's notification): their leases may end. None by default."""
+        return []
+
     def close(self) -> None:
         """Stop the background work."""
 
@@ -163,6 +180,9 @@ class InFrontConnector(KVConnector):
 
     def forget(self, request_id: str) -> None:
         self.behind.forget(request_id)
+
+    def take_released(self) -> list[str]:
+        return self.behind.take_released()
 
     @property
     def num_saves_dropped(self) -> int:

@@ -165,14 +165,15 @@ class HostTierConnector(InFrontConnector):
         try:
             here = load.host.result()
         except Exception as exc:
-            return LoadResult(request_id, 0, f"host tier: {type(exc).__name__}: {exc}")
+            return LoadResult(request_id, 0, f"host tier: {type(exc).__name__}: {exc}", path="host")
         self.num_hit_blocks += here
         if load.behind is None or here < load.num_here:
             # Short here (slots taken since the lookup): what behind wrote does not follow on.
-            return LoadResult(request_id, here)
+            return LoadResult(request_id, here, path="host")
         # This tier wrote the leading blocks; what behind wrote follows them.
         behind = load.behind
-        return LoadResult(request_id, here + behind.num_blocks, behind.error, behind.direct, behind.copy_seconds)
+        path = f"host+{behind.path}" if here and behind.num_blocks else ("host" if here else behind.path)
+        return LoadResult(request_id, here + behind.num_blocks, behind.error, path, behind.copy_seconds)
 
     @property
     def num_pending(self) -> int:

@@ -42,7 +42,7 @@ class MemoryConnector(KVConnector):
             if data is None:
                 break
             payloads.append(data)
-        self._loads.append(LoadResult(request_id, self.region.write_blocks(block_ids, payloads)))
+        self._loads.append(LoadResult(request_id, self.region.write_blocks(block_ids, payloads), path="memory"))
 
     def start_save(
         self,

@@ -24,7 +24,7 @@ import torch
 from shared.kv.block_hash import BlockHash
 from shared.kv.connectors.base import BlockIds, InFrontConnector, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.memory.share import open_peer
-from shared.kv.transfer import KVTransferParams, PeerSource
+from shared.kv.transfer import KVTransferParams, PeerSource, copy_plan
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ class PeerConnector(InFrontConnector):
         return self.behind.lookup(request_id, hashes, params, trace)
 
     def _usable(self, source: PeerSource) -> bool:
-        if source.layout != self.region.layout or source.num_blocks == 0:
-            return False
+        if not source.region or source.layout != self.region.layout or source.num_blocks == 0:
+            return False  # no mappable region (a NIXL-only source): for the link behind
         if time.time() > source.lease_deadline - LEASE_MARGIN_S:
             return False
         try:
@@ -98,8 +98,7 @@ class PeerConnector(InFrontConnector):
         if time.time() > source.lease_deadline - LEASE_MARGIN_S:
             raise TimeoutError("the peer's lease ran out before the copy could start")
         # The peer holds the prompt's blocks from 0; we lack them from `first` on.
-        src = {g: ids[first : first + num] for g, ids in source.block_ids.items()}
-        dst = {g: ids[:num] for g, ids in block_ids.items()}
+        src, dst = copy_plan(source, first, num, block_ids)
         peer = self._open(source)
         started = time.perf_counter()
         self.region.copy_from_peer(peer, src, dst)
@@ -127,11 +126,11 @@ class PeerConnector(InFrontConnector):
             try:
                 num, seconds = future.result()
                 self.num_direct_blocks += num
-                loads.append(LoadResult(request_id, num, direct=True, copy_seconds=seconds))
+                loads.append(LoadResult(request_id, num, path="peer", copy_seconds=seconds))
             except Exception as exc:
                 self.num_failures += 1
                 log.warning("direct KV copy for %s failed: %s", request_id, exc)
-                loads.append(LoadResult(request_id, 0, f"direct copy: {type(exc).__name__}: {exc}", direct=True))
+                loads.append(LoadResult(request_id, 0, f"direct copy: {type(exc).__name__}: {exc}", path="peer"))
         return loads, saves
 
     def forget(self, request_id: str) -> None:

@@ -1,0 +1,298 @@
+"""KV read straight out of a peer engine's cache through NIXL: the path between
+containers, pods and nodes, where the same-namespace copy (peer.py) cannot map
+the peer's memory. It sits behind that copy and in front of the stores.
+
+Each engine registers its paged cache with its process's NIXL agent once
+(`register_kv_region`). A prefill that holds a request's blocks under a lease
+describes them in the handoff (`describe()`: its agent's name and where each
+cache tensor lies); decode fetches the agent's metadata once per peer (over
+NATS, by the `fetch_metadata` callback; a restarted peer has a new agent name,
+so its metadata is fetched anew), then reads every group's leased blocks
+straight into the blocks it reserved, in ONE transfer: a descriptor per run of
+consecutive blocks per cache tensor and k/v plane, every layer at once. The
+read carries a notification; prefill's connector hears it (`take_released`)
+and its engine ends the lease then, with no message of ours.
+
+As in peer.py: no read starts when the lease is about to run out, a read that
+outlived the lease is thrown away (the peer may have reused the blocks), and a
+failed or timed-out read is recomputed, visibly (LoadResult.error; the span's
+kv.path says "recompute"). Loads without a NIXL source and every save go to
+the connector behind.
+"""
+
+import concurrent.futures
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.kv.block_hash import BlockHash
+from shared.kv.connectors.base import BlockIds, InFrontConnector, KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.memory.region import KVRegion
+from shared.kv.transfer import KVTransferParams, PeerSource, copy_plan
+from shared.kv.wire.nixl import MemoryRegion, NixlAgent, NixlTransferError, NixlUnavailable
+
+log = logging.getLogger(__name__)
+
+LEASE_MARGIN_S = 1.0
+"""A read starts only this long before the lease's end, at the latest."""
+RELEASE_PREFIX = b"kv-release:"
+"""The notification a read leaves with the peer: this, then the request id."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorGeometry:
+    """Where one cache tensor [2, blocks, ...] lies: block b of plane p starts at
+    address + p * plane_stride + b * block_stride and is block_bytes long."""
+
+    address: int
+    plane_stride: int
+    block_stride: int
+    block_bytes: int
+    device: int
+
+
+def tensor_geometry(tensor: torch.Tensor) -> TensorGeometry:
+    if tensor.dim() < 3 or not tensor[0, 0].is_contiguous():
+        raise ValueError(f"a cache tensor of shape {tuple(tensor.shape)} is not [2, blocks, ...] with contiguous blocks")
+    size = tensor.element_size()
+    return TensorGeometry(
+        tensor.data_ptr(), tensor.stride(0) * size, tensor.stride(1) * size, tensor[0, 0].numel() * size,
+        tensor.device.index or 0,
+    )  # fmt: skip
+
+
+def block_runs(src: list[int], dst: list[int]) -> np.ndarray:
+    """[runs, 3] (first source block, first destination block, length) of the runs
+    where both sides' ids are consecutive: one descriptor each."""
+    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    if not len(s):
+        return np.zeros((0, 3), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(s)])))
+    return np.stack([s[starts], d[starts], lengths], axis=1)
+
+
+def descriptors(
+    plan_src: dict[int, list[int]],
+    plan_dst: dict[int, list[int]],
+    layers_per_group: dict[int, int],
+    theirs: list[TensorGeometry],
+    ours: list[TensorGeometry],
+) -> tuple[np.ndarray, np.ndarray]:
+    """The (remote, local) descriptor lists, [n, 3] (address, bytes, device) each, that
+    move plan_src's blocks of the peer into plan_dst's blocks here: per group, for each
+    of its layers' cache tensors and both planes, one descriptor per run of blocks."""
+    remote, local = [], []
+    for group, src in plan_src.items():
+        runs = block_runs(src, plan_dst[group])
+        if not len(runs):
+            continue
+        for k in range(layers_per_group[group]):
+            t, o = theirs[k], ours[k]
+            if t.block_bytes != o.block_bytes:
+                raise ValueError(f"cache tensor {k}: the peer's blocks are {t.block_bytes} bytes, ours {o.block_bytes}")
+            for plane in (0, 1):
+                lengths = runs[:, 2] * t.block_bytes
+                remote.append(np.stack([t.address + plane * t.plane_stride + runs[:, 0] * t.block_stride,
+                                        lengths, np.full(len(runs), t.device)], axis=1))  # fmt: skip
+                local.append(np.stack([o.address + plane * o.plane_stride + runs[:, 1] * o.block_stride,
+                                       lengths, np.full(len(runs), o.device)], axis=1))  # fmt: skip
+    if not remote:
+        return np.zeros((0, 3), dtype=np.uint64), np.zeros((0, 3), dtype=np.uint64)
+    return np.concatenate(remote).astype(np.uint64), np.concatenate(local).astype(np.uint64)
+
+
+class NixlConnector(InFrontConnector):
+    def __init__(
+        self,
+        behind: KVConnector,
+        agent_name: str,
+        fetch_metadata: Callable[[str], bytes],
+        *,
+        backends: tuple[str, ...] = ("UCX",),
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        """fetch_metadata(instance_id): the NIXL agent metadata of that peer (over NATS;
+        raises when it does not answer). Called from this connector's thread."""
+        super().__init__(behind)
+        self._agent_name = agent_name
+        self._backends = backends
+        self._fetch = fetch_metadata
+        self._timeout_s = transfer_timeout_s
+        self.agent: NixlAgent | None = None
+        self._geometry: list[TensorGeometry] = []
+        self._memory = "DRAM"
+        self._description = b""
+        self._routes: dict[str, tuple[PeerSource, dict]] = {}
+        self._reads: dict[str, concurrent.futures.Future[tuple[int, float]]] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-nixl-read")
+        self.num_blocks_read = 0
+        self.num_bytes_read = 0
+        self.num_failures = 0
+        self.read_seconds = 0.0
+
+    # -- set-up ------------------------------------------------------------------
+
+    def register_kv_region(self, region: KVRegion) -> None:
+        super().register_kv_region(region)
+        try:
+            self._geometry = [tensor_geometry(t) for t in region.tensors]
+            agent = NixlAgent(self._agent_name, self._backends)
+            whole = [region.stacked] if region.stacked is not None else region.tensors
+            self._memory = "VRAM" if region.device.type == "cuda" else "DRAM"
+            agent.register([MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), t.device.index or 0) for t in whole],
+                           self._memory)  # fmt: skip
+        except (NixlUnavailable, ValueError) as exc:
+            log.warning("no NIXL KV path (%s): across namespaces KV comes from kvcache", exc)
+            return
+        self.agent = agent
+        self._description = json.dumps(
+            {"agent": agent.name, "memory": self._memory, "layout": region.layout,
+             "tensors": [[g.address, g.plane_stride, g.block_stride, g.block_bytes, g.device] for g in self._geometry]}
+        ).encode()  # fmt: skip
+        log.info("NIXL agent %s: %d bytes of KV cache registered (%s)", agent.name,
+                 sum(t.numel() * t.element_size() for t in whole), self._memory)  # fmt: skip
+
+    @property
+    def ready(self) -> bool:
+        """Whether peers can read this engine's cache (and this engine theirs)."""
+        return self.agent is not None
+
+    def describe(self) -> bytes:
+        """How a peer reads this engine's held blocks (the handoff's KvSource.nixl);
+        empty without NIXL."""
+        return self._description
+
+    def metadata(self) -> bytes:
+        """This agent's metadata, for a peer that asks (once per peer)."""
+        assert self.agent is not None
+        return self.agent.metadata()
+
+    # -- loads -----------------------------------------------------------------
+
+    def lookup(
+        self, request_id: str, hashes: list[BlockHash], params: KVTransferParams, trace: TraceCarrier | None = None
+    ) -> int | None:
+        source = params.source
+        if request_id not in self._routes and source is not None and source.nixl and self.agent is not None:
+            peer = self._usable(source)
+            if peer is not None:
+                self._routes[request_id] = (source, peer)
+        if request_id in self._routes:
+            return min(self._routes[request_id][0].num_blocks, len(hashes))
+        return self.behind.lookup(request_id, hashes, params, trace)
+
+    def _usable(self, source: PeerSource) -> dict | None:
+        """The peer's description when a read from it may work, else None."""
+        if source.layout != self.region.layout or source.num_blocks == 0:
+            return None
+        if time.time() > source.lease_deadline - LEASE_MARGIN_S:
+            return None
+        try:
+            peer = json.loads(source.nixl)
+            if peer["memory"] not in ("DRAM", "VRAM") or peer["layout"] != self.region.layout:
+                return None
+            peer["tensors"] = [TensorGeometry(*(int(v) for v in t)) for t in peer["tensors"]]
+            if len(peer["tensors"]) != len(self._geometry) or not isinstance(peer["agent"], str):
+                return None
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("unreadable NIXL source from %s (%s): through kvcache", source.instance_id, exc)
+            return None
+        return peer
+
+    def start_load(
+        self,
+        request_id: str,
+        first_block: int,
+        hashes: list[BlockHash],
+        block_ids: BlockIds,
+        params: KVTransferParams,
+        trace: TraceCarrier | None = None,
+    ) -> None:
+        route = self._routes.pop(request_id, None)
+        if route is None:
+            self.behind.start_load(request_id, first_block, hashes, block_ids, params, trace)
+            return
+        source, peer = route
+        num = min(len(hashes), source.num_blocks - first_block)
+        self._reads[request_id] = self._executor.submit(self._read, request_id, source, peer, first_block, block_ids, num)
+
+    def _read(
+        self, request_id: str, source: PeerSource, peer: dict, first: int, block_ids: BlockIds, num: int
+    ) -> tuple[int, float]:
+        """(blocks read, the read's seconds)."""
+        assert self.agent is not None
+        if time.time() > source.lease_deadline - LEASE_MARGIN_S:
+            raise TimeoutError("the peer's lease ran out before the read could start")
+        name = peer["agent"]
+        self.agent.ensure_peer(name, lambda: self._fetch(source.instance_id))
+        src, dst = copy_plan(source, first, num, block_ids)
+        layers = {g: len(self.region.kv_layout.groups[g].layers) for g in src}
+        remote, local = descriptors(src, dst, layers, peer["tensors"], self._geometry)
+        started = time.perf_counter()
+        try:
+            nbytes = self.agent.read(name, local, remote, self._memory, peer["memory"],
+                                     RELEASE_PREFIX + request_id.encode(), self._timeout_s)  # fmt: skip
+        except NixlTransferError:
+            self.agent.forget_peer(name)  # it may be gone or restarted: fetch its metadata again next time
+            raise
+        seconds = time.perf_counter() - started
+        if time.time() > source.lease_deadline:
+            raise TimeoutError("the peer's lease ran out during the read: its blocks may have been reused")
+        self.read_seconds += seconds
+        self.num_bytes_read += nbytes
+        return num, seconds
+
+    def start_save(
+        self,
+        request_id: str,
+        hashes: list[BlockHash],
+        block_ids: BlockIds,
+        params: KVTransferParams,
+        trace: TraceCarrier | None = None,
+    ) -> None:
+        self.behind.start_save(request_id, hashes, block_ids, params, trace)
+
+    def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
+        loads, saves = self.behind.poll()
+        for request_id, future in [(r, f) for r, f in self._reads.items() if f.done()]:
+            del self._reads[request_id]
+            try:
+                num, seconds = future.result()
+                self.num_blocks_read += num
+                loads.append(LoadResult(request_id, num, path="nixl", copy_seconds=seconds))
+            except Exception as exc:
+                self.num_failures += 1
+                log.warning("NIXL read of %s's KV failed: %s", request_id, exc)
+                loads.append(LoadResult(request_id, 0, f"NIXL read: {type(exc).__name__}: {exc}", path="nixl"))
+        return loads, saves
+
+    # -- the owner's side: reads of our held blocks that finished ---------------
+
+    def take_released(self) -> list[str]:
+        released = self.behind.take_released()
+        if self.agent is not None:
+            for note in self.agent.take_notifications():
+                if note.startswith(RELEASE_PREFIX):
+                    released.append(note[len(RELEASE_PREFIX) :].decode(errors="replace"))
+        return released
+
+    def forget(self, request_id: str) -> None:
+        self._routes.pop(request_id, None)
+        super().forget(request_id)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._reads) + self.behind.num_pending
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        if self.agent is not None:
+            self.agent.close()
+        super().close()

@@ -1,0 +1,160 @@
+"""One NIXL agent per process: the transfer engine that moves KV between
+processes that cannot map each other's memory (another container, pod or node).
+
+NIXL (NVIDIA's transfer library behind vLLM's NixlConnector, Dynamo and llm-d)
+runs UCX underneath: shared memory or CUDA IPC within a node, RDMA or TCP
+between nodes, chosen by UCX from its environment (UCX_TLS, UCX_NET_DEVICES).
+A process registers the memory peers may read once (the KV cache); a peer that
+wants to read it adds this agent's metadata once (it travels over NATS, fetched
+by the caller and cached here by agent name) and then READs lists of
+(address, length) descriptors from it in one transfer. The reader names a
+notification that the owner receives when the bytes have arrived: that is how
+a lease ends.
+
+Torch-free: memory is (address, bytes, device) triples; descriptor lists are
+numpy arrays, so a transfer of thousands of block runs costs no Python loop
+over NIXL objects. The agent is thread-safe for what we use (the KV connector's
+copy thread transfers while the engine thread polls notifications).
+"""
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL is not installed here or its backend would not start."""
+
+
+class NixlTransferError(RuntimeError):
+    """A transfer failed, or did not finish in time (the peer died or went away)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRegion:
+    address: int
+    nbytes: int
+    device: int
+    """The GPU's index for VRAM; 0 for host memory."""
+
+
+def agent_name(instance_id: str) -> str:
+    """A name unique to this process's life: a restarted peer has a new one, so a
+    reader's cached metadata for the old one is never used for the new."""
+    return f"{instance_id}-{uuid.uuid4().hex[:12]}"
+
+
+class NixlAgent:
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:  # pragma: no cover - the package is a dependency
+            raise NixlUnavailable(f"the nixl package is not installed ({exc})") from None
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # one INFO line per backend otherwise
+        try:
+            self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        except Exception as exc:
+            raise NixlUnavailable(f"NIXL agent with backends {list(backends)} did not start: {exc}") from None
+        self.name = name
+        self._lock = threading.Lock()
+        self._peers: dict[str, str] = {}
+        """Agents whose metadata was added: name -> name (as NIXL returned it)."""
+        self._registered: list[object] = []
+
+    def register(self, regions: Sequence[MemoryRegion], memory: str) -> None:
+        """Let peers read these regions (memory: "DRAM" or "VRAM")."""
+        descs = [(r.address, r.nbytes, r.device, "") for r in regions]
+        self._registered.append(self._agent.register_memory(descs, memory))
+
+    def metadata(self) -> bytes:
+        """What a peer adds to read from this agent (fetched once per peer and cached)."""
+        return self._agent.get_agent_metadata()
+
+    def ensure_peer(self, name: str, fetch: Callable[[], bytes]) -> None:
+        """Make `name` readable: add its metadata (from fetch()) unless added already.
+        ValueError when the metadata names another agent (the peer restarted)."""
+        with self._lock:
+            if name in self._peers:
+                return
+        metadata = fetch()
+        with self._lock:
+            if name in self._peers:
+                return
+            added = self._agent.add_remote_agent(metadata)
+            added = added.decode() if isinstance(added, bytes) else added
+            if added != name:
+                self._agent.remove_remote_agent(added)
+                raise ValueError(f"the peer's agent is {added!r} now, not {name!r}: it restarted")
+            self._peers[name] = added
+
+    def forget_peer(self, name: str) -> None:
+        """Drop a peer's metadata (after a failed transfer: it may have restarted)."""
+        with self._lock:
+            if self._peers.pop(name, None) is not None:
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception as exc:  # already gone on NIXL's side
+                    log.debug("removing NIXL peer %s: %s", name, exc)
+
+    def read(
+        self,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        memory: str,
+        remote_memory: str,
+        notification: bytes,
+        timeout_s: float,
+    ) -> int:
+        """Read remote descriptors (an [n, 3] array of address, bytes, device) of `peer`
+        into local ones, in one transfer; the peer is told `notification` once the
+        bytes have arrived. Blocks until done; the bytes moved. NixlTransferError when
+        the transfer fails or is not done within timeout_s."""
+        if local.shape != remote.shape or not len(local):
+            raise ValueError(f"descriptor lists differ or are empty: {local.shape} vs {remote.shape}")
+        local_descs = self._agent.get_xfer_descs(np.ascontiguousarray(local, dtype=np.uint64), memory)
+        remote_descs = self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.uint64), remote_memory)
+        try:
+            handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer, notification)
+        except Exception as exc:
+            raise NixlTransferError(f"NIXL could not start a read from {peer}: {exc}") from None
+        try:
+            state = self._agent.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            pause = 0.0
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise NixlTransferError(f"the read from {peer} was not done within {timeout_s:.1f}s")
+                # Spin briefly (a GPU-to-GPU read is done in microseconds), then back off.
+                if pause:
+                    time.sleep(pause)
+                pause = min(pause * 2 or 1e-5, 1e-3)
+                state = self._agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise NixlTransferError(f"the read from {peer} failed")
+        finally:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception as exc:  # a handle of a failed transfer may refuse to go
+                log.debug("releasing a NIXL transfer handle: %s", exc)
+        return int(local[:, 1].sum())
+
+    def take_notifications(self) -> list[bytes]:
+        """Notifications that arrived since the last call, from every peer."""
+        notifs = self._agent.get_new_notifs()
+        return [n for messages in notifs.values() for n in messages]
+
+    def close(self) -> None:
+        for descs in self._registered:
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception as exc:
+                log.debug("deregistering NIXL memory: %s", exc)
+        self._registered.clear()
