@@ -141,6 +141,10 @@ class KVCacheSettings:
 
 @dataclass(slots=True)
 class KVTransferSettings:
+    peer_copy: bool = True
+    """Copy a peer's held KV by mapping its cache into this process (shared memory on
+    the CPU, CUDA IPC on a GPU): the fastest path, where both share a host and a PID
+    namespace (`infermesh up`). Off, such peers use NIXL too (benchmarks compare them)."""
     nixl: bool = True
     """Move KV between engines, and from kvcache, through NIXL (UCX underneath:
     shared memory or CUDA IPC within a node, RDMA or TCP between nodes) wherever

@@ -382,10 +382,11 @@ async def serve_engine_stage(
 ) -> None:
     """The setup both engine stages share: the engine with its KV connector chain
     (shared/kv/connectors/chain.py; loaded off the event loop), the worker duties,
-    the dispatch subscriptions and cancels. share_kv: peers on this host may copy
-    held blocks straight out of this engine's cache (prefill), which then also
-    hears their releases. The exit stack unwinds intake first, then the
-    drain, then the rest."""
+    the dispatch subscriptions and cancels. share_kv: peers may read held blocks
+    straight out of this engine's cache (prefill): mapped into their process on
+    this host (kv_transfer.peer_copy), or through NIXL from anywhere
+    (kv_transfer.nixl); it then hears their releases and answers their NIXL
+    metadata asks. The exit stack unwinds intake first, then the drain, then the rest."""
     loop = asyncio.get_running_loop()
 
     def release(instance_id: str, request_id: str) -> None:  # from the connector's thread
@@ -409,7 +410,7 @@ async def serve_engine_stage(
         # Token ids only (text is the balancer's job), and block events for its routing.
         engine = await asyncio.to_thread(
             LLMEngine, ctx.settings.engine, detokenize=False, record_kv_events=True, kv_connector=chain.head,
-            share_kv=share_kv, load_progress=True,  # in the log: `infermesh up` shows it as a progress bar
+            share_kv=share_kv and transfer.peer_copy, load_progress=True,  # in the log: `infermesh up` shows it as a progress bar
         )  # fmt: skip
     except BaseException:
         chain.head.close()

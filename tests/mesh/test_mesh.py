@@ -80,6 +80,7 @@ def test_decode_copies_prefills_kv_directly_not_through_kvcache(mesh, client, of
     assert out.choices[0].text == expected.text
     attrs = span_attributes(mesh.trace_dir, out.id, "decode")
     assert attrs["kv.loaded_direct"] is True and attrs["kv.load_failed"] is False
+    assert attrs["kv.path"] == "peer"  # the same-namespace copy, ahead of NIXL
     # Decode already holds the blocks of PROMPT's first 16 tokens (an earlier test): it copies the rest.
     assert attrs["kv.loaded_blocks"] == len(expected.prompt_token_ids) // 16 - expected.num_cached_tokens // 16
     # The load's time (for its bandwidth in traces): measured, and shorter than the request's decode span;
