@@ -1,0 +1,155 @@
+"""The KV handoff through NIXL alone, between two processes in PID namespaces of
+their own (and, with --hosts, network namespaces of their own: UCX over TCP on a
+veth bridge, as between nodes): effective bandwidth of NixlConnector's read
+(one transfer, a descriptor per run of blocks per cache tensor and k/v plane)
+for a Llama-3-8B-shaped cache (32 layers, 8 kv heads of 128, 16-token blocks,
+bf16 on a GPU), for 1k and 8k-token prompts, blocks scattered as a busy pool
+scatters them. Both caches are one allocation, as the engine makes them. The
+read blocks are checked byte for byte against the holder's.
+
+    PYTHONPATH=$PWD python3 -m tools.bench.nixl_bench               # GPU: CUDA IPC under UCX
+    .venv/bin/python -m tools.bench.nixl_bench --device cpu --layers 4 --hosts   # CPU, TCP between namespaces
+
+Prints one JSON line per prompt length: GB/s per repetition (first dropped as a
+warm-up), the median and the spread, with the device and the UCX transports.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HOLDER = """
+import base64, json, sys, torch
+from shared.kv.connectors.nixl import tensor_geometry
+from shared.kv.wire.nixl import MemoryRegion, NixlAgent
+layers, blocks, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+gen = torch.Generator(device=device).manual_seed(0)
+stacked = torch.randn((layers, 2, blocks, 16, 8, 128), generator=gen, device=device).to(dtype)
+agent = NixlAgent("holder", ("UCX",))
+agent.register([MemoryRegion(stacked.data_ptr(), stacked.numel() * stacked.element_size(), stacked.device.index or 0)],
+               "VRAM" if device == "cuda" else "DRAM")
+geometry = [[g.address, g.plane_stride, g.block_stride, g.block_bytes, g.device]
+            for g in map(tensor_geometry, stacked.unbind(0))]
+print(json.dumps({"metadata": base64.b64encode(agent.metadata()).decode(), "tensors": geometry}), flush=True)
+notes = 0
+for line in sys.stdin:
+    notes += len(agent.take_notifications())
+print(json.dumps({"notifications": notes}), flush=True)
+"""
+
+READER = """
+import base64, json, random, statistics, sys, time, torch
+from shared.kv.connectors.nixl import TensorGeometry, descriptors, tensor_geometry
+from shared.kv.wire.nixl import MemoryRegion, NixlAgent
+layers, blocks, device, reps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+prompts = [int(n) for n in sys.argv[5].split(",")]
+holder = json.loads(sys.stdin.readline())
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+ours = torch.zeros((layers, 2, blocks, 16, 8, 128), dtype=dtype, device=device)
+memory = "VRAM" if device == "cuda" else "DRAM"
+agent = NixlAgent("reader", ("UCX",))
+agent.register([MemoryRegion(ours.data_ptr(), ours.numel() * ours.element_size(), ours.device.index or 0)], memory)
+agent.ensure_peer("holder", lambda: base64.b64decode(holder["metadata"]))
+theirs = [TensorGeometry(*t) for t in holder["tensors"]]
+mine = [tensor_geometry(t) for t in ours.unbind(0)]
+gen = torch.Generator(device=device).manual_seed(0)
+expected = torch.randn((layers, 2, blocks, 16, 8, 128), generator=gen, device=device).to(dtype)
+rng = random.Random(0)
+
+def scattered(n):
+    # Runs of 1-8 consecutive blocks at random places, as a pool that has served a while hands them out.
+    ids, free = [], list(range(blocks))
+    while len(ids) < n:
+        start = rng.randrange(len(free))
+        run = free[start : start + rng.randint(1, 8)][: n - len(ids)]
+        ids += run
+        del free[start : start + len(run)]
+    return ids
+
+for tokens in prompts:
+    n = tokens // 16
+    figures, descs = [], 0
+    for rep in range(reps + 1):
+        src, dst = scattered(n), scattered(n)
+        remote, local = descriptors({0: src}, {0: dst}, {0: layers}, theirs, mine)
+        descs = len(remote)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        nbytes = agent.read("holder", local, remote, memory, memory, b"done", 60.0)
+        seconds = time.perf_counter() - started
+        if rep == 0:
+            idx_s = torch.tensor(src, device=device)
+            idx_d = torch.tensor(dst, device=device)
+            if not torch.equal(ours.index_select(2, idx_d), expected.index_select(2, idx_s)):
+                raise SystemExit("the blocks read are not the holder's")
+        else:
+            figures.append(nbytes / seconds / 1e9)
+    print(json.dumps({"prompt_tokens": tokens, "bytes": nbytes, "descriptors": descs,
+                      "gb_per_s": [round(f, 2) for f in figures], "median_gb_per_s": round(statistics.median(figures), 2),
+                      "min": round(min(figures), 2), "max": round(max(figures), 2)}), flush=True)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--blocks", type=int, default=2048, help="blocks of 16 tokens in each cache")
+    p.add_argument("--prompts", default="1024,8192")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--hosts", action="store_true", help="each process in a network namespace of its own (TCP)")
+    args = p.parse_args(argv)
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    py = [sys.executable, "-c"]
+    hosts = None
+    if args.hosts:
+        from tools.launch.netns import Hosts
+
+        hosts = Hosts(["holder", "reader"]).__enter__()
+        env.setdefault("UCX_TLS", "tcp")
+
+    def command(role: str, code: str, *rest: str) -> list[str]:
+        argv = [*py, code, *rest]
+        if hosts is not None:
+            return hosts.command(role, argv)
+        return ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
+
+    sizes = [str(args.layers), str(args.blocks), args.device]
+    try:
+        holder = subprocess.Popen(command("holder", HOLDER, *sizes), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, env=env)  # fmt: skip
+        assert holder.stdout is not None and holder.stdin is not None
+        described = holder.stdout.readline()
+        if not described:
+            raise SystemExit("the holder did not start")
+        reader = subprocess.run(command("reader", READER, *sizes, str(args.reps), args.prompts), input=described,
+                                capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        notes = json.loads(holder.stdout.readline() or "{}").get("notifications")
+        holder.wait(timeout=30)
+        if reader.returncode:
+            sys.stderr.write(reader.stderr)
+            raise SystemExit(f"the reader failed ({reader.returncode})")
+        device = args.device
+        if device == "cuda":
+            import torch
+
+            device = torch.cuda.get_device_name()
+        for line in reader.stdout.splitlines():
+            row = json.loads(line)
+            row.update(device=device, layers=args.layers, ucx_tls=env.get("UCX_TLS", "(UCX's choice)"),
+                       namespaces="net+pid" if hosts is not None else "pid", holder_notifications=notes)  # fmt: skip
+            print(json.dumps(row), flush=True)
+    finally:
+        if hosts is not None:
+            hosts.__exit__(None, None, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
