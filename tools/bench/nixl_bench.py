@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default="1024,8192")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--hosts", action="store_true", help="each process in a network namespace of its own (TCP)")
+    p.add_argument("--one-pid-namespace", action="store_true", help="no PID namespaces (where unshare is refused)")
     args = p.parse_args(argv)
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     py = [sys.executable, "-c"]
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = [*py, code, *rest]
         if hosts is not None:
             return hosts.command(role, argv)
+        if args.one_pid_namespace:
+            return argv
         return ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
 
     sizes = [str(args.layers), str(args.blocks), args.device]
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in reader.stdout.splitlines():
             row = json.loads(line)
             row.update(device=device, layers=args.layers, ucx_tls=env.get("UCX_TLS", "(UCX's choice)"),
-                       namespaces="net+pid" if hosts is not None else "pid", holder_notifications=notes)  # fmt: skip
+                       namespaces="net+pid" if hosts is not None else ("none" if args.one_pid_namespace else "pid"), holder_notifications=notes)  # fmt: skip
             print(json.dumps(row), flush=True)
     finally:
         if hosts is not None:
