@@ -3,11 +3,13 @@ between them says about KV, in one place: the services dispatch, hand off and
 stream, and build no KV descriptor themselves.
 
 - Prefill loads what the chain holds and saves the prompt's new full blocks.
-  With direct transfer (this engine's cache can be mapped by a peer) it holds
-  them under a lease for decode and writes kvcache behind, off the time to first
-  token; without, its last output waits for the store and decode reads kvcache.
+  With direct transfer (a peer can map this engine's cache, or read it through
+  NIXL) it holds them under a lease for decode and writes kvcache behind, off
+  the time to first token; without, its last output waits for the store and
+  decode reads kvcache.
 - The handoff's KvSource says which blocks prefill holds (per persistent group,
-  group after group), how to map its cache (KVRegion.share()) and the payload's
+  group after group), how to map its cache (KVRegion.share(), on this host) and
+  how to read it through NIXL (NixlConnector.describe()), and the payload's
   layout; decode turns it back into a PeerSource and loads from there, or from
   the chain when it cannot use it.
 - A whole request on decode loads what the chain holds and writes behind.
