@@ -17,7 +17,9 @@ over NIXL objects. The agent is thread-safe for what we use (the KV connector's
 copy thread transfers while the engine thread polls notifications).
 """
 
+import importlib
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -60,11 +62,30 @@ threads had taken the cores). A reader polls its own transfers; the thread matte
 the side being read over TCP, which a millisecond does not hold up."""
 
 
+def nixl_api() -> Any:
+    """NIXL's Python API from the wheel built for this process's CUDA: nixl-cu12 (the
+    project's pin; its UCX needs libcudart 12 for GPU memory) or nixl-cu13 (a CUDA 13
+    torch), as NVIDIA's `nixl` meta package picks, without needing both installed.
+    Torch is not imported here: only asked, when the caller has imported it."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    order = ["nixl_cu13", "nixl_cu12"]
+    if cuda and cuda.split(".")[0] == "12":
+        order.reverse()
+    for name in order:
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ModuleNotFoundError as exc:
+            if exc.name not in (name, f"{name}._api"):
+                raise
+    raise NixlUnavailable("no NIXL wheel is installed (nixl-cu12 or nixl-cu13)")
+
+
 def _make_agent(name: str, backends: Sequence[str], progress_delay_us: int) -> Any:
     """nixl_agent with a progress thread that sleeps progress_delay_us between rounds:
     the wrapper is built without backends or thread, its core agent then replaced by
     one configured here, and the backends created on that one."""
-    from nixl_cu12 import _api
+    _api = nixl_api()
 
     agent = _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=False, backends=[]))
     config = _api.nixlBind.nixlAgentConfig()
@@ -83,13 +104,11 @@ class NixlAgent:
     def __init__(
         self, name: str, backends: Sequence[str] = ("UCX",), progress_delay_us: int = PROGRESS_DELAY_US
     ) -> None:
-        try:
-            import nixl_cu12._api  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - the package is a dependency
-            raise NixlUnavailable(f"the nixl package is not installed ({exc})") from None
         logging.getLogger("nixl").setLevel(logging.WARNING)  # one INFO line per backend otherwise
         try:
             self._agent = _make_agent(name, backends, progress_delay_us)
+        except NixlUnavailable:
+            raise
         except Exception as exc:
             raise NixlUnavailable(f"NIXL agent with backends {list(backends)} did not start: {exc}") from None
         self.name = name
