@@ -33,11 +33,11 @@ agent.register([MemoryRegion(stacked.data_ptr(), stacked.numel() * stacked.eleme
                "VRAM" if device == "cuda" else "DRAM")
 geometry = [[g.address, g.plane_stride, g.block_stride, g.block_bytes, g.device]
             for g in map(tensor_geometry, stacked.unbind(0))]
-print(json.dumps({"metadata": base64.b64encode(agent.metadata()).decode(), "tensors": geometry}), flush=True)
+print("DESC " + json.dumps({"metadata": base64.b64encode(agent.metadata()).decode(), "tensors": geometry}), flush=True)
 notes = 0
 for line in sys.stdin:
     notes += len(agent.take_notifications())
-print(json.dumps({"notifications": notes}), flush=True)
+print("RESULT " + json.dumps({"notifications": notes}), flush=True)
 """
 
 READER = """
@@ -46,7 +46,7 @@ from shared.kv.connectors.nixl import TensorGeometry, descriptors, tensor_geomet
 from shared.kv.wire.nixl import MemoryRegion, NixlAgent
 layers, blocks, device, reps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 prompts = [int(n) for n in sys.argv[5].split(",")]
-holder = json.loads(sys.stdin.readline())
+holder = json.loads(sys.stdin.readline().removeprefix("DESC "))
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
 ours = torch.zeros((layers, 2, blocks, 16, 8, 128), dtype=dtype, device=device)
 memory = "VRAM" if device == "cuda" else "DRAM"
@@ -88,10 +88,18 @@ for tokens in prompts:
                 raise SystemExit("the blocks read are not the holder's")
         else:
             figures.append(nbytes / seconds / 1e9)
-    print(json.dumps({"prompt_tokens": tokens, "bytes": nbytes, "descriptors": descs,
+    print("ROW " + json.dumps({"prompt_tokens": tokens, "bytes": nbytes, "descriptors": descs,
                       "gb_per_s": [round(f, 2) for f in figures], "median_gb_per_s": round(statistics.median(figures), 2),
                       "min": round(min(figures), 2), "max": round(max(figures), 2)}), flush=True)
 """
+
+
+def _line(stream, prefix: str) -> str:  # noqa: ANN001
+    """The next line of a child's stdout that starts with prefix (without it); "" at its end."""
+    for line in stream:
+        if line.startswith(prefix):
+            return line[len(prefix) :].strip()
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,14 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         holder = subprocess.Popen(command("holder", HOLDER, *sizes), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env=env)  # fmt: skip
         assert holder.stdout is not None and holder.stdin is not None
-        described = holder.stdout.readline()
+        described = _line(holder.stdout, "DESC ")
         if not described:
             raise SystemExit("the holder did not start")
-        reader = subprocess.run(command("reader", READER, *sizes, str(args.reps), args.prompts), input=described,
+        reader = subprocess.run(command("reader", READER, *sizes, str(args.reps), args.prompts), input=described + "\n",
                                 capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
         holder.stdin.write("\n")
         holder.stdin.close()
-        notes = json.loads(holder.stdout.readline() or "{}").get("notifications")
+        notes = json.loads(_line(holder.stdout, "RESULT ") or "{}").get("notifications")
         holder.wait(timeout=30)
         if reader.returncode:
             sys.stderr.write(reader.stderr)
@@ -144,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
 
             device = torch.cuda.get_device_name()
         for line in reader.stdout.splitlines():
-            row = json.loads(line)
+            if not line.startswith("ROW "):
+                continue  # UCX and NIXL may write to stdout too
+            row = json.loads(line[4:])
             row.update(device=device, layers=args.layers, ucx_tls=env.get("UCX_TLS", "(UCX's choice)"),
                        namespaces="net+pid" if hosts is not None else ("none" if args.one_pid_namespace else "pid"), holder_notifications=notes)  # fmt: skip
             print(json.dumps(row), flush=True)
