@@ -15,10 +15,14 @@ warm-up), the median and the spread, with the device and the UCX transports.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 
 HOLDER = """
 import base64, json, sys, torch
@@ -41,7 +45,7 @@ print("RESULT " + json.dumps({"notifications": notes}), flush=True)
 """
 
 READER = """
-import base64, json, random, statistics, sys, time, torch
+import asyncio, base64, hashlib, json, random, statistics, sys, time, torch
 from shared.kv.connectors.nixl import TensorGeometry, descriptors, tensor_geometry
 from shared.kv.wire.nixl import MemoryRegion, NixlAgent
 layers, blocks, device, reps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
@@ -69,28 +73,62 @@ def scattered(n):
         del free[start : start + len(run)]
     return ids
 
+kvcache = sys.argv[6] if len(sys.argv) > 6 else ""
+loop = asyncio.new_event_loop()
+client = None
+if kvcache:
+    from shared.kv.wire.client import KVCacheClient
+    async def make_client():  # a gRPC channel belongs to the loop it is made on
+        return KVCacheClient(kvcache, timeout_s=120.0, shm_bytes=0)
+    client = loop.run_until_complete(make_client())
+
+def stream_get(tokens, rep):
+    # The same bytes from kvcache over its gRPC byte stream (put first, untimed).
+    block = ours[:, :, 0].numel() * ours.element_size()
+    hashes = [hashlib.sha256(f"{tokens}-{rep}-{i}".encode()).digest() for i in range(tokens // 16)]
+    data = expected[:, :, : tokens // 16].transpose(0, 2).contiguous().cpu().view(torch.uint8).view(tokens // 16, -1)
+    loop.run_until_complete(client.put_blocks([(h, "bench", data[i].numpy().tobytes()) for i, h in enumerate(hashes)]))
+    async def get_all():
+        return sum([sum(len(batch.block_data(i)) for i in range(len(batch.blocks))) async for batch in client.iter_landed(hashes)])
+    started = time.perf_counter()
+    nbytes = loop.run_until_complete(get_all())
+    return nbytes, time.perf_counter() - started
+
 for tokens in prompts:
     n = tokens // 16
-    figures, descs = [], 0
+    figures, stream, descs = [], [], 0
     for rep in range(reps + 1):
-        src, dst = scattered(n), scattered(n)
-        remote, local = descriptors({0: src}, {0: dst}, {0: layers}, theirs, mine)
-        descs = len(remote)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        nbytes = agent.read("holder", local, remote, memory, memory, b"done", 60.0)
-        seconds = time.perf_counter() - started
-        if rep == 0:
-            idx_s = torch.tensor(src, device=device)
-            idx_d = torch.tensor(dst, device=device)
-            if not torch.equal(ours.index_select(2, idx_d), expected.index_select(2, idx_s)):
-                raise SystemExit("the blocks read are not the holder's")
-        else:
-            figures.append(nbytes / seconds / 1e9)
-    print("ROW " + json.dumps({"prompt_tokens": tokens, "bytes": nbytes, "descriptors": descs,
-                      "gb_per_s": [round(f, 2) for f in figures], "median_gb_per_s": round(statistics.median(figures), 2),
-                      "min": round(min(figures), 2), "max": round(max(figures), 2)}), flush=True)
+        paths = ["nixl", "stream"] if client is not None else ["nixl"]
+        for path in paths if rep % 2 == 0 else paths[::-1]:
+            if path == "stream":
+                nbytes_s, seconds = stream_get(tokens, rep)
+                if rep:
+                    stream.append(nbytes_s / seconds / 1e9)
+                continue
+            src, dst = scattered(n), scattered(n)
+            remote, local = descriptors({0: src}, {0: dst}, {0: layers}, theirs, mine)
+            descs = len(remote)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            nbytes = agent.read("holder", local, remote, memory, memory, b"done", 60.0)
+            seconds = time.perf_counter() - started
+            if rep == 0:
+                idx_s = torch.tensor(src, device=device)
+                idx_d = torch.tensor(dst, device=device)
+                if not torch.equal(ours.index_select(2, idx_d), expected.index_select(2, idx_s)):
+                    raise SystemExit("the blocks read are not the holder's")
+            else:
+                figures.append(nbytes / seconds / 1e9)
+    row = {"prompt_tokens": tokens, "bytes": nbytes, "descriptors": descs,
+           "gb_per_s": [round(f, 2) for f in figures], "median_gb_per_s": round(statistics.median(figures), 2),
+           "min": round(min(figures), 2), "max": round(max(figures), 2)}
+    if stream:
+        ratios = [a / b for a, b in zip(figures, stream)]
+        row.update(stream_gb_per_s=[round(f, 3) for f in stream], stream_median_gb_per_s=round(statistics.median(stream), 3),
+                   nixl_over_stream_median=round(statistics.median(ratios), 1),
+                   nixl_over_stream_min=round(min(ratios), 1), nixl_over_stream_max=round(max(ratios), 1))
+    print("ROW " + json.dumps(row), flush=True)
 """
 
 
@@ -111,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--hosts", action="store_true", help="each process in a network namespace of its own (TCP)")
     p.add_argument("--one-pid-namespace", action="store_true", help="no PID namespaces (where unshare is refused)")
+    p.add_argument("--stream", action="store_true",
+                   help="with --hosts: also read the same bytes from kvcache (in the holder's namespace) over its "
+                        "gRPC byte stream, alternating with the NIXL reads, and print the ratio")
     args = p.parse_args(argv)
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     py = [sys.executable, "-c"]
@@ -130,14 +171,21 @@ def main(argv: list[str] | None = None) -> int:
         return ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
 
     sizes = [str(args.layers), str(args.blocks), args.device]
+    stack = contextlib.ExitStack()
+    kvcache = ""
     try:
+        if args.stream:
+            if hosts is None:
+                raise SystemExit("--stream needs --hosts")
+            kvcache = stack.enter_context(_kvcache_in(hosts, "holder", env))
         holder = subprocess.Popen(command("holder", HOLDER, *sizes), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env=env)  # fmt: skip
         assert holder.stdout is not None and holder.stdin is not None
         described = _line(holder.stdout, "DESC ")
         if not described:
             raise SystemExit("the holder did not start")
-        reader = subprocess.run(command("reader", READER, *sizes, str(args.reps), args.prompts), input=described + "\n",
+        reader = subprocess.run(command("reader", READER, *sizes, str(args.reps), args.prompts, kvcache),
+                                input=described + "\n",
                                 capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
         holder.stdin.write("\n")
         holder.stdin.close()
@@ -159,9 +207,48 @@ def main(argv: list[str] | None = None) -> int:
                        namespaces="net+pid" if hosts is not None else ("none" if args.one_pid_namespace else "pid"), holder_notifications=notes)  # fmt: skip
             print(json.dumps(row), flush=True)
     finally:
+        stack.close()
         if hosts is not None:
             hosts.__exit__(None, None, None)
     return 0
+
+
+@contextlib.contextmanager
+def _kvcache_in(hosts, name: str, env: dict[str, str]):  # noqa: ANN001, ANN202
+    """nats-server on the bridge and `python -m services.kvcache` in host `name`, open (no
+    token: a benchmark); yields the address a client in another host dials."""
+    from tools.launch.up import find_nats_server, free_port, grpc_serving
+
+    nats_port, kv_port = free_port(), free_port()
+    address = f"{hosts.address(name)}:{kv_port}"
+    tmp = stack_dir = tempfile.mkdtemp(prefix="infermesh-nixlbench-")
+    service_env = {**env, "INFERMESH_NATS__URL": f"nats://{hosts.gateway}:{nats_port}",
+                   "INFERMESH_KVCACHE__ADDRESS": address, "INFERMESH_WORKER__BIND_HOST": hosts.address(name),
+                   "INFERMESH_KVCACHE__PATH": f"{tmp}/kvcache", "INFERMESH_KVCACHE__CAPACITY_BYTES": str(8 << 30),
+                   "INFERMESH_TELEMETRY__TRACE_DIR": f"{tmp}/traces",
+                   "INFERMESH_WORKER__DRAIN_TIMEOUT_S": "2"}  # fmt: skip
+    nats = subprocess.Popen([find_nats_server(), "-a", hosts.gateway, "-p", str(nats_port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    log = open(f"{stack_dir}/kvcache.log", "wb")
+    kv = subprocess.Popen(hosts.command(name, [sys.executable, "-m", "services.kvcache"]), env=service_env,
+                          stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not grpc_serving(address):
+            if kv.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"kvcache did not start: see {stack_dir}/kvcache.log")
+            time.sleep(0.2)
+        yield address
+    finally:
+        for proc in (kv, nats):
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
