@@ -207,9 +207,11 @@ def main(argv: list[str] | None = None) -> int:
                        namespaces="net+pid" if hosts is not None else ("none" if args.one_pid_namespace else "pid"), holder_notifications=notes)  # fmt: skip
             print(json.dumps(row), flush=True)
     finally:
-        stack.close()
-        if hosts is not None:
-            hosts.__exit__(None, None, None)
+        try:
+            stack.close()
+        finally:
+            if hosts is not None:
+                hosts.__exit__(None, None, None)
     return 0
 
 
