@@ -1,8 +1,9 @@
-"""KV through NIXL in a running mesh: with the same-namespace copy off
-(kv_transfer.peer_copy=false, as between containers), decode reads prefill's held
-blocks through NIXL; the tokens and logprobs are the offline engine's and each
-request's decode span says kv.path=nixl. tests/mesh/test_namespaces.py runs the
-services in network and PID namespaces of their own."""
+"""KV through NIXL in a running mesh whose kvcache, prefill and decode each run in a
+PID namespace of their own, as containers run them (Mesh.pid_namespaces): decode
+cannot map prefill's cache through /proc, so the same-namespace copy (left on)
+refuses the peer and the next link reads the held blocks through NIXL; the tokens
+and logprobs are the offline engine's and each request's decode span says
+kv.path=nixl. tests/mesh/test_namespaces.py gives each its own network too."""
 
 import openai
 import pytest
@@ -18,10 +19,9 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 MESH = dict(
     num_prefill=1,
     num_decode=1,
-    extra_env={"INFERMESH_ENGINE__BLOCK_SIZE": "16", "INFERMESH_KV_TRANSFER__PEER_COPY": "0",
-               "UCX_TLS": "tcp"},  # fmt: skip
+    pid_namespaces=True,
+    extra_env={"INFERMESH_ENGINE__BLOCK_SIZE": "16"},
 )
-MESH_SHARED = True
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_decode_reads_prefills_kv_through_nixl_with_the_offline_logprobs(mesh, o
         assert ours == pytest.approx(theirs, abs=1e-4)
         attrs = span_attributes(mesh.trace_dir, out.id, "decode")
         assert attrs["kv.path"] == "nixl", attrs
-        assert attrs["kv.load_failed"] is False and attrs["kv.loaded_blocks"] >= 3 + k
+        assert attrs["kv.loaded_direct"] is True and attrs["kv.load_failed"] is False and attrs["kv.loaded_blocks"] >= 3 + k
         assert attrs["kv.loaded_bytes"] > 0 and 0 < attrs["kv.copy_ms"] <= attrs["kv.load_ms"]
         held = span_attributes(mesh.trace_dir, out.id, "prefill")
         assert held["kv.held_blocks"] >= attrs["kv.loaded_blocks"]

@@ -51,6 +51,8 @@ _PDEATHSIG_EXEC = (
     "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
     "os.execvp(sys.argv[2], sys.argv[2:])"
 )
+UNSHARE_PID = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")
+"""A command's prefix that runs it in a PID namespace of its own (and dies with it)."""
 RESTART_BACKOFF_S = (0.5, 10.0)  # first delay, longest delay
 RESTART_RESET_AFTER_S = 30.0  # a process that ran this long restarts after the first delay again
 LOG_TAIL_LINES = 12  # what a start failure shows of the failed process's log
@@ -128,6 +130,10 @@ class Mesh:
     supervise: bool = False
     grpc_token: str | None = None
     """The mesh's gRPC bearer token: made at start when auth is on and none is given."""
+    pid_namespaces: bool = False
+    """Run kvcache, prefill and decode each in a PID namespace of its own (`unshare`),
+    as containers run them: no process can map another's memory through /proc, so KV
+    moves through NIXL or kvcache, never the same-namespace copy."""
     restarts: dict[str, int] = field(default_factory=dict)
     """How many times the supervisor restarted each process."""
     healthy: set[str] = field(default_factory=set)
@@ -193,7 +199,9 @@ class Mesh:
     def _start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        wrapped = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *args]
+        own_pid_namespace = self.pid_namespaces and name not in ("nats", "balancer")
+        run = [*UNSHARE_PID, *args] if own_pid_namespace else args
+        wrapped = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *run]
         with (logs / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(wrapped, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         with self._lock:
