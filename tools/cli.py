@@ -145,6 +145,7 @@ def _cmd_bench_mesh(args: argparse.Namespace) -> int:
         engine_flags=engine_flags(args),
         state_dir=args.state_dir,
         json_path=args.json,
+        pid_namespaces=args.pid_namespaces,
     )
     return 0
 
@@ -310,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--state-dir", default=None, help="keep logs here (default: a temp dir, removed after a clean run)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--pid-namespaces", action="store_true",
+                   help="the mesh's kvcache, prefill and decode each in a PID namespace of its own, as in "
+                        "containers: KV moves through NIXL")
     _add_engine_flags(p)
     p.set_defaults(func=_cmd_bench_mesh)
 

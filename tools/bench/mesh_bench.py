@@ -317,6 +317,7 @@ def run_mesh_bench(
     engine_flags: Mapping[str, Any] | None = None,
     state_dir: str | None = None,
     json_path: str | None = None,
+    pid_namespaces: bool = False,
 ) -> dict[str, Any]:
     """Start the targets, measure each concurrency level on each, print the table
     and return the figures. The mesh and the local server are always stopped.
@@ -343,6 +344,7 @@ def run_mesh_bench(
             "model": None if made else model, "device": config.device, "dtype": config.dtype, "prompt_len": prompt_len,
             "output_len": output_len, "num_requests": counts if len(set(counts)) > 1 else counts[0],
             "num_rounds": num_rounds, "num_prefill": num_prefill, "num_decode": num_decode, "targets": list(targets),
+            "pid_namespaces": pid_namespaces,
         }
         vocab = ModelConfig.from_pretrained(model).vocab_size
         with ExitStack() as stack:  # stops the mesh and the local server whatever happens
@@ -351,7 +353,8 @@ def run_mesh_bench(
             if local is not None:
                 stack.callback(local.stop)
             if "mesh" in targets:  # starts while the local server loads its model
-                mesh = Mesh(model, num_prefill, num_decode, free_port(), state / "mesh", extra_env=mesh_env)
+                mesh = Mesh(model, num_prefill, num_decode, free_port(), state / "mesh", extra_env=mesh_env,
+                            pid_namespaces=pid_namespaces)  # fmt: skip
                 stack.callback(mesh.stop)
                 mesh.start()
             if local is not None:
