@@ -71,7 +71,7 @@ class KVCacheCoordinator:
         model_fingerprint: str,
         enable_prefix_caching: bool = True,
         record_events: bool = False,
-        swa_replay: SwaReplay = "bounded",
+        swa_replay: SwaReplay = "exact",
         state_cache: SlidingStateCache | None = None,
     ) -> None:
         if block_size < 1:
