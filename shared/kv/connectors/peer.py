@@ -4,9 +4,10 @@ a GPU, shared memory on the CPU), and hands every other load, and every save,
 to the connector behind it (kvcache).
 
 Prefill holds the blocks under a lease and says so in the handoff
-(`KVTransferParams.source`). Here the lookup answers at once from that
-description; the copy runs on a thread of its own, device to device, one
-gather per cache tensor. A copy is not started when the lease is about to run
+(`KVTransferParams.source`), with the sliding-window blocks a query at the held
+boundary sees. Here the lookup answers at once from that description; the copy
+runs on a thread of its own, device to device, one gather per cache tensor and
+group, persistent groups and window alike (`copy_plan`). A copy is not started when the lease is about to run
 out, and its result is thrown away (the tokens are recomputed, counted) when
 the lease ran out while it ran: the peer may have reused the blocks, so stale
 KV is never used. When the copy is done the peer is told to let the blocks go.
@@ -24,7 +25,7 @@ import torch
 from shared.kv.block_hash import BlockHash
 from shared.kv.connectors.base import BlockIds, InFrontConnector, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.memory.share import open_peer
-from shared.kv.transfer import KVTransferParams, PeerSource
+from shared.kv.transfer import KVTransferParams, PeerSource, copy_plan
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,8 @@ class PeerConnector(InFrontConnector):
         """(blocks copied, the copy's seconds)."""
         if time.time() > source.lease_deadline - LEASE_MARGIN_S:
             raise TimeoutError("the peer's lease ran out before the copy could start")
-        # The peer holds the prompt's blocks from 0; we lack them from `first` on.
-        src = {g: ids[first : first + num] for g, ids in source.block_ids.items()}
-        dst = {g: ids[:num] for g, ids in block_ids.items()}
+        # The peer holds the prompt's blocks from 0; we lack them from `first` on (and its window).
+        src, dst = copy_plan(source, first, num, block_ids)
         peer = self._open(source)
         started = time.perf_counter()
         self.region.copy_from_peer(peer, src, dst)
