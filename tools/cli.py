@@ -9,7 +9,9 @@ import types
 import typing
 from typing import Any
 
-from shared.engine.config import DTYPES, KERNEL_CHOICES, SPEC_SCHEDULE_CHOICES, SPECULATIVE_CHOICES, EngineConfig
+from shared.engine.config import (
+    DTYPES, KERNEL_CHOICES, SPEC_SCHEDULE_CHOICES, SPECULATIVE_CHOICES, SWA_REPLAY_CHOICES, EngineConfig,
+)  # fmt: skip
 from shared.engine.sampling_params import SamplingParams
 from shared.model.models import ARCHITECTURE_OF_MODEL_TYPE
 from shared.runtime.settings import field_docs
@@ -21,6 +23,7 @@ _ENGINE_CHOICES: dict[str, tuple[str, ...]] = {
     "kernels": KERNEL_CHOICES,
     "speculative": SPECULATIVE_CHOICES,
     "spec_schedule": SPEC_SCHEDULE_CHOICES,
+    "swa_replay": SWA_REPLAY_CHOICES,
 }
 
 

@@ -1,9 +1,11 @@
 """Decode: continue a request handed over by prefill, or run one whole.
 
 The first token (sampled by prefill) goes out at once; the engine's connector
-loads the prompt's full blocks from kvcache into the local paged cache (the
-persistent KV groups; sliding-window KV is replayed), the engine recomputes only
-the partial last block and the first token, then generates. Every token goes out
+loads the prompt's full blocks into the local paged cache: straight out of
+prefill's cache where it can map it (the persistent KV groups and the
+sliding-window blocks a query at the handoff sees, so nothing is replayed), else
+from kvcache (the persistent groups; sliding-window KV is then replayed). The
+engine recomputes only the partial last block and the first token, then generates. Every token goes out
 on the request's stream subject with a sequence number; the last chunk says
 why it ended and carries usage. A cancel message aborts the request, which
 frees its blocks.

@@ -93,10 +93,12 @@ class EngineConfig:
     host_kv_cache_bytes: int = 1 << 30
     """Host memory (pinned on a GPU machine) that keeps stored KV blocks in front of
     kvcache, so a prefix evicted from the device comes back at PCIe speed; 0 turns it off."""
-    swa_replay: str = "bounded"
-    """How a prefix hit whose sliding-window KV is gone is resumed: "bounded" replays
-    the last W tokens (DeepSeek's SWA bounded replay, approximate by design); "exact"
-    replays L_swa * (W - 1) tokens, after which the state equals a cold run's."""
+    swa_replay: str | None = None
+    """How a prefix hit whose sliding-window KV is gone is resumed: "exact" replays
+    L_swa * (W - 1) tokens, after which the state equals a cold run's; "bounded" replays
+    the last W tokens (DeepSeek's SWA bounded replay: approximate by design, it drifts
+    on a model not trained for it). None: bounded where the model declares it was
+    trained for it (DeepSeek-V4), exact for every other model."""
     state_cache_bytes: int = 256 << 20
     """Host memory of the sliding-window state cache (0 turns it off)."""
     state_cache_ttl_s: float = 600.0
@@ -125,6 +127,12 @@ class EngineConfig:
         budget, chunk = STEP_SIZES_CUDA if self.device.startswith("cuda") else STEP_SIZES_OTHER
         return self.max_num_batched_tokens or budget, self.prefill_chunk_size or chunk
 
+    def swa_replay_for(self, trained_for_bounded_replay: bool) -> str:
+        """swa_replay, or where unset the model's default: bounded only for a model trained for it."""
+        if self.swa_replay is not None:
+            return self.swa_replay
+        return "bounded" if trained_for_bounded_replay else "exact"
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -132,7 +140,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
-        if self.swa_replay not in SWA_REPLAY_CHOICES:
+        if self.swa_replay is not None and self.swa_replay not in SWA_REPLAY_CHOICES:
             raise ValueError(f"swa_replay must be one of {SWA_REPLAY_CHOICES}, got {self.swa_replay!r}")
         if self.host_kv_cache_bytes < 0:
             raise ValueError(f"host_kv_cache_bytes must be >= 0, got {self.host_kv_cache_bytes}")

@@ -2,10 +2,12 @@
 and who holds them meanwhile. It runs on the engine thread, between steps; the
 bytes move on the connector's thread, straight into or out of the cache.
 
-Loads: the scheduler reserved blocks for what the source holds; they are
-handed to the connector with the chain hashes they must receive. When `poll`
-reports the load, the blocks that arrived enter the prefix index and the
-scheduler puts the request back in the queue. A request aborted meanwhile
+Loads: the scheduler reserved blocks for what the source holds (and for the
+sliding-window blocks a peer source holds); they are handed to the connector
+with the chain hashes they must receive. When `poll` reports the load, the
+blocks that arrived enter the prefix index, the window only when the whole
+load was copied from the peer, and the scheduler puts the request back in the
+queue. A request aborted meanwhile
 keeps its reservation until the load reports, so a late write never lands in
 a block somebody else was given.
 
@@ -15,7 +17,9 @@ connector; the references go when the save reports. A save written behind
 (nobody waits for it) is dropped, and counted, when too many are in flight.
 
 Leases: a finished request that a peer will copy from keeps its prompt's
-blocks referenced until the peer releases them or the lease runs out.
+blocks referenced until the peer releases them or the lease runs out: the
+persistent groups' and the sliding groups' window at the held boundary, so the
+peer resumes with this engine's window rather than replaying it.
 """
 
 import time
@@ -104,8 +108,10 @@ class KVTransfer:
             if result.error is not None:
                 log.warning("KV load of %s failed (%s): recomputing", result.request_id, result.error)
             arrived = min(result.num_blocks, num)
+            # The window was written only by a direct copy, and is whole only if the load was.
+            whole = result.error is None and result.direct and arrived == num
             if arrived:
-                self.kv.index_loaded(request, first, arrived)
+                self.kv.index_loaded(request, first, arrived, window=whole)
             request.kv_loaded_direct = result.direct
             request.kv_load_path = result.path
             self.scheduler.finish_load(result.request_id, arrived, num)
@@ -187,16 +193,19 @@ class KVTransfer:
 
     def _hold(self, request: Request) -> HeldBlocks:
         """Reference the prompt's leading full blocks under a lease (a block that left the
-        index, never computed here, ends the run)."""
+        index, never computed here, ends the run), with the sliding groups' window a query
+        at the end of that run sees (none if a block of it was handed out already)."""
         num, blocks = self.kv.persistent_blocks(request, 0, request.num_prompt_tokens // self.kv.block_size)
         if not num:
             return HeldBlocks({}, 0, 0.0)
-        flat = [b for group in blocks for b in group]
+        window_first, window = self.kv.window_blocks(request, num)
+        flat = [b for group in blocks for b in group] + [b for group in window.values() for b in group]
         self.kv.pool.touch(flat)
         deadline = time.time() + self.lease_timeout_s
         self._leases[request.request_id] = (flat, deadline)
         ids = {g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)}
-        return HeldBlocks(ids, num, deadline)
+        window_ids = {g: [b.block_id for b in group] for g, group in window.items()}
+        return HeldBlocks(ids, num, deadline, window_first, window_ids)
 
     def _save(self, request: Request) -> None:
         """Store the finished request's full prompt blocks the source lacks (from

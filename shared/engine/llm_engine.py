@@ -29,6 +29,7 @@ from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.model.fingerprint import model_fingerprint
 from shared.model import batch_invariant
 from shared.model.loader import load_model
+from shared.model.models import arch_traits
 from shared.model.interface import CausalLM
 from shared.recipe import IncrementalDetokenizer, Recipe
 
@@ -98,6 +99,8 @@ class LLMEngine:
         state_cache = (
             SlidingStateCache(config.state_cache_bytes, config.state_cache_ttl_s) if config.state_cache_bytes else None
         )
+        # swa_replay resolved once, here: where unset, the model says whether bounded replay is its default.
+        swa_replay = config.swa_replay_for(arch_traits(model_cfg.architecture).trained_for_bounded_replay)
         self.kv = KVCacheCoordinator(
             self.model.kv_layout,
             num_blocks,
@@ -105,7 +108,7 @@ class LLMEngine:
             self.fingerprint,
             config.enable_prefix_caching,
             record_events=record_kv_events,
-            swa_replay=config.swa_replay,  # type: ignore[arg-type]
+            swa_replay=swa_replay,  # type: ignore[arg-type]
             state_cache=state_cache,
         )
         self.runner = ModelRunner(

@@ -48,6 +48,10 @@ class ArchTraits:
     sliding: SlidingRule
     default_head_dim: int | None  # None: hidden_size // num_attention_heads
     attention_bias_default: bool = False  # ``attention_bias`` when config.json lacks it
+    trained_for_bounded_replay: bool = False
+    """Trained to resume from SWA bounded replay (DeepSeek-V4): the engine's swa_replay
+    then defaults to "bounded". Any other model defaults to "exact", since bounded
+    replay drifts on a model not trained for it (docs/architecture.md)."""
 
 
 FieldParser = Callable[[Mapping[str, Any], int, int, int], Mapping[str, Any]]

@@ -150,13 +150,15 @@ class DecodeHandoff(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., prefill_instance: _Optional[str] = ..., kv_source: _Optional[_Union[KvSource, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class KvSource(_message.Message):
-    __slots__ = ("instance_id", "region", "block_ids", "num_blocks", "lease_deadline_unix", "layout", "nixl")
+    __slots__ = ("instance_id", "region", "block_ids", "num_blocks", "lease_deadline_unix", "layout", "window_first", "window_block_ids", "nixl")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIRST_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     region: bytes
@@ -164,8 +166,10 @@ class KvSource(_message.Message):
     num_blocks: int
     lease_deadline_unix: float
     layout: str
+    window_first: int
+    window_block_ids: _containers.RepeatedScalarFieldContainer[int]
     nixl: bytes
-    def __init__(self, instance_id: _Optional[str] = ..., region: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., layout: _Optional[str] = ..., nixl: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., region: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., layout: _Optional[str] = ..., window_first: _Optional[int] = ..., window_block_ids: _Optional[_Iterable[int]] = ..., nixl: _Optional[bytes] = ...) -> None: ...
 
 class NixlMetadataRequest(_message.Message):
     __slots__ = ()

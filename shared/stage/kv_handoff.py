@@ -8,10 +8,10 @@ stream, and build no KV descriptor themselves.
   the time to first token; without, its last output waits for the store and
   decode reads kvcache.
 - The handoff's KvSource says which blocks prefill holds (per persistent group,
-  group after group), how to map its cache (KVRegion.share(), on this host) and
-  how to read it through NIXL (NixlConnector.describe()), and the payload's
-  layout; decode turns it back into a PeerSource and loads from there, or from
-  the chain when it cannot use it.
+  group after group, and the sliding groups' window at the held boundary), how to
+  map its cache (KVRegion.share(), on this host) and how to read it through NIXL
+  (NixlConnector.describe()), and the payload's layout; decode turns it back into
+  a PeerSource and loads from there, or from the chain when it cannot use it.
 - A whole request on decode loads what the chain holds and writes behind.
 """
 
@@ -54,6 +54,8 @@ def held_kv_source(
         num_blocks=held.num_blocks,
         lease_deadline_unix=held.deadline,
         layout=region.layout,
+        window_first=held.window_first,
+        window_block_ids=[b for g in sorted(held.window) for b in held.window[g]],
     )
 
 
@@ -68,4 +70,15 @@ def peer_source(engine: LLMEngine, handoff: mesh_pb2.DecodeHandoff) -> PeerSourc
         return None  # another model's layout: kvcache serves it
     ids = list(src.block_ids)
     block_ids = {g: ids[i * n : (i + 1) * n] for i, g in enumerate(groups)}
-    return PeerSource(src.instance_id, src.region, block_ids, n, src.lease_deadline_unix, src.layout, nixl=src.nixl)
+    first, window = _window(src, engine.kv.layout.sliding_groups)
+    return PeerSource(src.instance_id, src.region, block_ids, n, src.lease_deadline_unix, src.layout, first, window, nixl=src.nixl)
+
+
+def _window(src: mesh_pb2.KvSource, groups: tuple[int, ...]) -> tuple[int, dict[int, list[int]]]:
+    """(window_first, per sliding group its block ids); (0, {}) when the handoff carries
+    none or one that does not fit this model's sliding groups (decode then replays)."""
+    w = src.num_blocks - src.window_first
+    ids = list(src.window_block_ids)
+    if not groups or not ids or w <= 0 or len(ids) != w * len(groups):
+        return 0, {}
+    return src.window_first, {g: ids[i * w : (i + 1) * w] for i, g in enumerate(groups)}

@@ -23,7 +23,8 @@ NATS_MAX_PAYLOAD = 1 << 20
 
 def test_the_longest_context_fits_one_nats_message() -> None:
     # The worst handoff the balancer's limits allow: every id, seed and count at the top
-    # of its range, salt characters of 4 bytes, 16-token blocks in two KV groups.
+    # of its range, salt characters of 4 bytes, 16-token blocks in two KV groups, and a
+    # sliding window of 4096 tokens held in a third.
     num_blocks = MAX_CONTEXT_TOKENS // 16
     top = 2**32 - 1
     params = SamplingParams(max_tokens=1, top_k=top, seed=2**63 - 1, stop_token_ids=[top] * MAX_STOP_TOKEN_IDS)
@@ -34,7 +35,10 @@ def test_the_longest_context_fits_one_nats_message() -> None:
         sampling=params_to_proto(params),
         cache_salt="\U0010ffff" * MAX_CACHE_SALT_CHARS,
         block_hashes=[b"\xff" * HASH_BYTES] * num_blocks,
-        kv_source=mesh_pb2.KvSource(block_ids=[top] * (2 * num_blocks), num_blocks=num_blocks),
+        kv_source=mesh_pb2.KvSource(
+            block_ids=[top] * (2 * num_blocks), num_blocks=num_blocks,
+            window_first=top, window_block_ids=[top] * (4096 // 16 + 1),
+        ),
     )
     assert handoff.ByteSize() < NATS_MAX_PAYLOAD - (16 << 10)  # room for the trace headers and the KV region
 

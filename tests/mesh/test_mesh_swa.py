@@ -1,8 +1,14 @@
-"""SWA replay through the mesh, on a model whose layers alternate full attention
-and a sliding window. Prefill stores only the full-attention blocks in kvcache;
-decode loads them and, having no sliding-window KV, replays the last
-L_swa * (W - 1) tokens (swa_replay=exact): its output must be the offline cold
-run's, token for token."""
+"""Sliding-window KV through the mesh, on a model whose layers alternate full
+attention and a sliding window (swa_replay left to its default: exact, the model
+was not trained for bounded replay).
+
+- Direct handoff (prefill and decode on one host): prefill holds the sliding-window
+  blocks a query at the handoff sees beside the full-attention ones, decode copies
+  both out of its cache and replays nothing; tokens and logprobs are the offline
+  engine's.
+- Through kvcache (direct transfer off): kvcache holds only the full-attention
+  blocks; decode loads them and, having no sliding-window KV, replays the last
+  L_swa * (W - 1) tokens: its output must be the offline cold run's, token for token."""
 
 import openai
 import pytest
@@ -14,6 +20,7 @@ from tests.helpers.mesh_procs import span_attributes
 
 WINDOW = 12
 BLOCK = 16
+ENV = {"INFERMESH_ENGINE__BLOCK_SIZE": str(BLOCK)}
 
 
 @pytest.fixture(scope="module")
@@ -25,25 +32,53 @@ def hybrid_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def hybrid_mesh(hybrid_model_dir, tmp_path_factory):
-    from tests.helpers.mesh import running_mesh as _running_mesh
-
-    env = {"INFERMESH_ENGINE__BLOCK_SIZE": str(BLOCK), "INFERMESH_ENGINE__SWA_REPLAY": "exact"}
-    with _running_mesh(hybrid_model_dir, tmp_path_factory.mktemp("hybrid-mesh"), extra_env=env) as mesh:
-        yield mesh
+def offline(hybrid_model_dir) -> LLM:
+    return LLM(hybrid_model_dir, block_size=BLOCK, enable_prefix_caching=False)
 
 
-def test_exact_replay_through_the_mesh_equals_a_cold_run(hybrid_mesh, hybrid_model_dir):
-    client = openai.OpenAI(base_url=hybrid_mesh.api_url, api_key="x", max_retries=0, timeout=120)
-    name = client.models.list().data[0].id
+def hybrid_mesh(model_dir: str, state_dir, **env: str):  # noqa: ANN001, ANN201
+    from tests.helpers.mesh import running_mesh
+
+    return running_mesh(model_dir, state_dir, extra_env={**ENV, **env})
+
+
+def test_a_direct_handoff_carries_the_window_and_equals_the_offline_engine(
+    hybrid_model_dir, offline, tmp_path_factory
+):
+    prompt = "".join(f"line {i}: carry the window across with the blocks\n" for i in range(8))
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True)
+    expected = offline.generate([prompt], greedy)[0]
+    assert len(expected.prompt_token_ids) > 2 * (WINDOW - 1) + BLOCK  # long enough that a replay would show
+    with hybrid_mesh(hybrid_model_dir, tmp_path_factory.mktemp("hybrid-mesh")) as mesh:
+        client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=120)
+        out = client.completions.create(
+            model=client.models.list().data[0].id, prompt=prompt, max_tokens=24, temperature=0, logprobs=1,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        attrs = span_attributes(mesh.trace_dir, out.id, "decode")
+    choice = out.choices[0]
+    assert choice.token_ids == expected.token_ids and choice.text == expected.text
+    # Decode's first step computes the prompt's partial last block with the first token
+    # (other matmul shapes than offline's): rounding apart, the logprobs are the same
+    # (bounded replay would be ~1e-3 off).
+    assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-5)
+    assert attrs["kv.loaded_direct"] is True and attrs["kv.load_failed"] is False
+    assert attrs["kv.loaded_blocks"] == len(expected.prompt_token_ids) // BLOCK
+    assert attrs["kv.replayed_tokens"] == 0  # the window came with the blocks
+
+
+def test_exact_replay_through_kvcache_equals_a_cold_run(hybrid_model_dir, offline, tmp_path_factory):
     prompt = "".join(f"step {i}: move the block from tower A to tower C\n" for i in range(8))
-    cold = LLM(hybrid_model_dir, block_size=BLOCK, enable_prefix_caching=False)
-    expected = cold.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    expected = offline.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert len(expected.prompt_token_ids) > 2 * (WINDOW - 1) + BLOCK  # long enough to replay
-    out = client.completions.create(model=name, prompt=prompt, max_tokens=24, temperature=0)
+    state = tmp_path_factory.mktemp("hybrid-mesh-kvcache")
+    with hybrid_mesh(hybrid_model_dir, state, INFERMESH_ENGINE__KV_DIRECT_TRANSFER="false") as mesh:
+        client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=120)
+        out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=24, temperature=0)
+        attrs = span_attributes(mesh.trace_dir, out.id, "decode")
     assert out.choices[0].text == expected.text
-    # Decode loaded the full-attention blocks and rebuilt the sliding window by replay.
-    attrs = span_attributes(hybrid_mesh.trace_dir, out.id, "decode")
+    # Decode loaded the full-attention blocks from kvcache and rebuilt the sliding window by replay.
+    assert attrs["kv.loaded_direct"] is False
     assert attrs["kv.loaded_blocks"] == len(expected.prompt_token_ids) // BLOCK
     assert attrs["kv.replayed_tokens"] == 2 * (WINDOW - 1)
     assert attrs["kv.load_failed"] is False

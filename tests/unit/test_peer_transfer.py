@@ -1,6 +1,7 @@
 """Direct prefill -> decode KV transfer on the CPU: the prefill engine's cache lives
-in shared memory, holds a finished request's blocks under a lease, and the decode
-engine's PeerConnector copies them straight into its own cache; kvcache (here an
+in shared memory, holds a finished request's blocks under a lease (with the sliding
+window a query at the held boundary sees), and the decode engine's PeerConnector
+copies them straight into its own cache, so it replays nothing; kvcache (here an
 in-memory store) is only the fallback."""
 
 import subprocess
@@ -16,6 +17,8 @@ from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
 from shared.kv.connectors.peer import LEASE_MARGIN_S, PeerConnector
 from shared.kv.memory.share import open_peer
 from shared.kv.transfer import KVTransferParams, PeerSource
+from shared.proto import mesh_pb2
+from shared.stage.kv_handoff import held_kv_source, peer_source
 from tests.helpers.hf_models import random_prompts
 from tests.helpers.engine_helpers import run
 
@@ -23,7 +26,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 HOLD = KVTransferParams(load=True, save=True, wait_for_save=False, hold=True)
 
 
-TINY_MODEL = "qwen2"  # layer 0 full, layers 1-2 sliding: one persistent group
+TINY_MODEL = "qwen2"  # layer 0 full, layers 1-2 sliding (window 6): one persistent group, two sliding
 """The model of model_dir (the root conftest's fixture)."""
 
 
@@ -31,17 +34,20 @@ TINY_MODEL = "qwen2"  # layer 0 full, layers 1-2 sliding: one persistent group
 class Pair:
     """A prefill engine sharing its cache and a decode engine copying from it."""
 
-    def __init__(self, model_dir: str, lease_s: float = 10.0) -> None:
+    def __init__(self, model_dir: str, lease_s: float = 10.0, peer: type[PeerConnector] = PeerConnector) -> None:
         self.store = MemoryKVStore()
         self.released: list[tuple[str, str]] = []
         cfg = dict(model=model_dir, block_size=8, kv_lease_timeout_s=lease_s)
         self.prefill = LLMEngine(EngineConfig(**cfg), kv_connector=MemoryConnector(self.store), share_kv=True)
-        self.connector = PeerConnector(MemoryConnector(self.store), lambda peer, rid: self.released.append((peer, rid)))
+        self.connector = peer(MemoryConnector(self.store), lambda peer, rid: self.released.append((peer, rid)))
         self.decode = LLMEngine(EngineConfig(**cfg), kv_connector=self.connector)
 
     def source(self, held) -> PeerSource:
         region = self.prefill.runner.kv_region
-        return PeerSource("prefill-0", region.share(), held.block_ids, held.num_blocks, held.deadline, region.layout)
+        return PeerSource(
+            "prefill-0", region.share(), held.block_ids, held.num_blocks, held.deadline, region.layout,
+            held.window_first, held.window,
+        )  # fmt: skip
 
     def close(self) -> None:
         self.decode.close()
@@ -55,13 +61,17 @@ def test_decode_copies_the_held_blocks_directly_and_releases_the_lease(model_dir
     first = run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD)
     held = first.kv.held
     assert held.num_blocks == 5 and held.deadline > time.time()
-    # The lease keeps the 5 prompt blocks out of the prefill pool after the request ended.
-    assert pair.prefill.kv.pool.num_free_blocks == free - 5
+    # A query at 40 sees keys 35..40: block 4 of each sliding group is the window.
+    assert held.window_first == 4 and sorted(held.window) == [1, 2] and all(len(w) == 1 for w in held.window.values())
+    # The lease keeps the 5 prompt blocks and the 2 window blocks out of the prefill pool
+    # after the request ended.
+    assert pair.prefill.kv.pool.num_free_blocks == free - 7
     out = run(
         pair.decode, "r", prompt, GREEDY,
         resume_token_ids=first.token_ids, kv_transfer=KVTransferParams(load=True, source=pair.source(held)),
     )  # fmt: skip
     assert out.kv.num_loaded_blocks == 5 and out.kv.loaded_direct and not out.kv.load_failed
+    assert out.kv.num_replayed_tokens == 0  # the window came with the blocks
     assert pair.connector.num_direct_blocks == 5
     # The copy's own time is reported, as the connector counted it, within the load's.
     assert 0 < out.kv.copy_seconds == pair.connector.copy_seconds <= out.kv.load_seconds
@@ -90,12 +100,59 @@ def test_decode_copies_only_what_it_lacks_from_the_right_blocks(model_dir):
     pair.close()
 
 
+def test_the_handoff_message_carries_the_window(model_dir):
+    pair = Pair(model_dir)
+    prompt = random_prompts([45], vocab=500, seed=6)[0]
+    held = run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1), kv_transfer=HOLD).kv.held
+    message = held_kv_source(pair.prefill, "prefill-0", held)
+    assert message.window_first == 4 and list(message.window_block_ids) == held.window[1] + held.window[2]
+    assert peer_source(pair.decode, mesh_pb2.DecodeHandoff(kv_source=message)) == pair.source(held)
+    # A window that does not fit decode's sliding groups is dropped whole: decode replays.
+    del message.window_block_ids[-1]
+    source = peer_source(pair.decode, mesh_pb2.DecodeHandoff(kv_source=message))
+    assert (source.window_first, source.window, source.num_blocks) == (0, {}, 5)
+    pair.close()
+
+
+class ShortPeer(PeerConnector):
+    """Copies everything, window included, but reports the last persistent block missing."""
+
+    def _copy(self, request_id, source, first, block_ids, num):
+        copied, seconds = super()._copy(request_id, source, first, block_ids, num)
+        return copied - 1, seconds
+
+
+@pytest.mark.parametrize("peer", [PeerConnector, ShortPeer])
+def test_the_window_enters_decodes_index_only_after_a_whole_direct_load(model_dir, monkeypatch, peer):
+    pair = Pair(model_dir, peer=peer)
+    prompt = random_prompts([45], vocab=500, seed=7)[0]
+    first = run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1), kv_transfer=HOLD)
+    kv = pair.decode.kv
+    index_loaded = kv.index_loaded
+    calls = []
+
+    def record(request, first_block, num_blocks, window=False):
+        calls.append((first_block, num_blocks, window))
+        index_loaded(request, first_block, num_blocks, window)
+
+    monkeypatch.setattr(kv, "index_loaded", record)
+    out = run(
+        pair.decode, "r", prompt, GREEDY,
+        resume_token_ids=first.token_ids, kv_transfer=KVTransferParams(load=True, source=pair.source(first.kv.held)),
+    )  # fmt: skip
+    if peer is ShortPeer:
+        assert calls == [(0, 4, False)] and out.kv.load_failed and out.kv.num_replayed_tokens > 0
+    else:
+        assert calls == [(0, 5, True)] and not out.kv.load_failed and out.kv.num_replayed_tokens == 0
+    pair.close()
+
+
 def test_an_unreleased_lease_expires(model_dir):
     pair = Pair(model_dir, lease_s=0.2)
     prompt = random_prompts([45], vocab=500, seed=2)[0]
     free = pair.prefill.kv.pool.num_free_blocks
     run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1), kv_transfer=HOLD)
-    assert pair.prefill.kv.pool.num_free_blocks == free - 5
+    assert pair.prefill.kv.pool.num_free_blocks == free - 7  # 5 prompt blocks and 2 window blocks
     time.sleep(0.3)
     pair.prefill.step()  # an idle step expires leases
     assert pair.prefill.kv.pool.num_free_blocks == free
@@ -106,7 +163,7 @@ def test_an_unreleased_lease_expires(model_dir):
 def test_a_lease_about_to_run_out_sends_decode_to_the_fallback(model_dir):
     pair = Pair(model_dir, lease_s=LEASE_MARGIN_S / 2)
     prompt = random_prompts([45], vocab=500, seed=3)[0]
-    first = run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1), kv_transfer=HOLD)
+    first = run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD)
     # Written behind to the store: the fallback finds the blocks there.
     out = run(
         pair.decode, "r", prompt, GREEDY,
@@ -114,6 +171,11 @@ def test_a_lease_about_to_run_out_sends_decode_to_the_fallback(model_dir):
     )  # fmt: skip
     assert out.kv.num_loaded_blocks == 5 and not out.kv.loaded_direct
     assert pair.connector.num_direct_blocks == 0 and pair.released == []
+    # A store keeps no window: its blocks reserved for the load stay out of the index,
+    # and decode replays it (exact: still the cold run's tokens).
+    assert out.kv.num_replayed_tokens > 0
+    cold = run(LLMEngine(EngineConfig(model=model_dir, enable_prefix_caching=False)), "c", prompt, GREEDY)
+    assert out.token_ids == cold.token_ids
     pair.close()
 
 

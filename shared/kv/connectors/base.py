@@ -26,7 +26,9 @@ it, never a service (its side is shared/engine/kv_transfer.py):
   never silently and never a hang.
 
 A block's payload is the persistent KV groups' bytes of one block
-(KVRegion.layout); sliding-window KV never goes through a connector.
+(KVRegion.layout); a store never holds sliding-window KV. Only a direct copy out
+of a peer's cache moves it: the window a query at the held boundary sees, so the
+request resumes without replaying it (shared/kv/transfer.py copy_plan).
 No torch here: the region (shared/kv/memory/region.py, which holds the
 tensors) is named for the type checker only.
 """
@@ -47,7 +49,10 @@ TraceCarrier = Mapping[str, str]
 
 
 BlockIds = dict[int, list[int]]
-"""Per persistent KV group, block ids of the engine's cache (the same count in each)."""
+"""Per KV group, block ids of the engine's cache: each persistent group's (the same count
+in each) and, in a load for a peer source that holds the sliding window
+(PeerSource.window), each sliding group's reserved window blocks too. copy_plan says which
+goes where; a store writes the persistent groups' only (persistent_ids)."""
 
 
 @dataclass(slots=True)
@@ -114,7 +119,10 @@ class KVConnector(ABC):
     ) -> None:
         """In the background, fetch the request's blocks first_block, first_block + 1, ...
         (chain hashes `hashes`) and write them into `block_ids` of the registered region;
-        `poll` reports how many arrived."""
+        `poll` reports how many arrived. For a peer source with a window, `block_ids` also
+        has the sliding groups' window blocks: a direct copy writes them too (copy_plan)
+        and reports the load `direct`; the engine indexes the window only when such a load
+        arrived whole. Any other source ignores them."""
 
     @abstractmethod
     def start_save(

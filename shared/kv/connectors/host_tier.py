@@ -23,7 +23,7 @@ import torch
 from shared.kv.block_hash import BlockHash
 from shared.kv.connectors.base import BlockIds, InFrontConnector, KVConnector, LoadResult, SaveResult, TraceCarrier
 from shared.kv.memory.region import KVRegion
-from shared.kv.transfer import KVTransferParams
+from shared.kv.transfer import KVTransferParams, persistent_ids
 
 
 @dataclass(slots=True)
@@ -89,6 +89,7 @@ class HostTierConnector(InFrontConnector):
         params: KVTransferParams,
         trace: TraceCarrier | None = None,
     ) -> None:
+        block_ids = persistent_ids(block_ids, self.region.persistent_groups)  # a store keeps no window
         n = self._leading(hashes)
         future = self._executor.submit(self._write, hashes[:n], {g: ids[:n] for g, ids in block_ids.items()})
         self._loads[request_id] = _Load(future, n, asks_behind=n < len(hashes))

@@ -54,7 +54,7 @@ from shared.kv.connectors.base import BlockIds, KVConnector, LoadResult, SaveRes
 from shared.kv.connectors.kvcache_writer import KVWriter
 from shared.kv.connectors.load_cost import LoadCost
 from shared.kv.memory.region import KVRegion
-from shared.kv.transfer import KVTransferParams
+from shared.kv.transfer import KVTransferParams, persistent_ids
 from shared.kv.wire.client import DEFAULT_SHM_BYTES, KVCacheClient, LandedBatch
 from shared.runtime.telemetry import extract_context
 
@@ -243,6 +243,7 @@ class KVCacheConnector(KVConnector):
         params: KVTransferParams,
         trace: TraceCarrier | None = None,
     ) -> None:
+        block_ids = persistent_ids(block_ids, self.region.persistent_groups)  # a store keeps no window
         self._loads[request_id] = self._submit(self._fetch(hashes, block_ids), trace)
 
     async def _fetch(self, hashes: list[BlockHash], block_ids: BlockIds) -> int:

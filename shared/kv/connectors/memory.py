@@ -5,7 +5,7 @@ No torch here."""
 
 from shared.kv.block_hash import BlockHash
 from shared.kv.connectors.base import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
-from shared.kv.transfer import KVTransferParams
+from shared.kv.transfer import KVTransferParams, persistent_ids
 
 
 class MemoryKVStore:
@@ -42,6 +42,7 @@ class MemoryConnector(KVConnector):
             if data is None:
                 break
             payloads.append(data)
+        block_ids = persistent_ids(block_ids, self.region.persistent_groups)  # a store keeps no window
         self._loads.append(LoadResult(request_id, self.region.write_blocks(block_ids, payloads), path="memory"))
 
     def start_save(

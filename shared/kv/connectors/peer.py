@@ -4,9 +4,10 @@ a GPU, shared memory on the CPU), and hands every other load, and every save,
 to the connector behind it (kvcache).
 
 Prefill holds the blocks under a lease and says so in the handoff
-(`KVTransferParams.source`). Here the lookup answers at once from that
-description; the copy runs on a thread of its own, device to device, one
-gather per cache tensor. A copy is not started when the lease is about to run
+(`KVTransferParams.source`), with the sliding-window blocks a query at the held
+boundary sees. Here the lookup answers at once from that description; the copy
+runs on a thread of its own, device to device, one gather per cache tensor and
+group, persistent groups and window alike (`copy_plan`). A copy is not started when the lease is about to run
 out, and its result is thrown away (the tokens are recomputed, counted) when
 the lease ran out while it ran: the peer may have reused the blocks, so stale
 KV is never used. When the copy is done the peer is told to let the blocks go.
@@ -97,7 +98,7 @@ class PeerConnector(InFrontConnector):
         """(blocks copied, the copy's seconds)."""
         if time.time() > source.lease_deadline - LEASE_MARGIN_S:
             raise TimeoutError("the peer's lease ran out before the copy could start")
-        # The peer holds the prompt's blocks from 0; we lack them from `first` on.
+        # The peer holds the prompt's blocks from 0; we lack them from `first` on (and its window).
         src, dst = copy_plan(source, first, num, block_ids)
         peer = self._open(source)
         started = time.perf_counter()

@@ -71,7 +71,7 @@ class KVCacheCoordinator:
         model_fingerprint: str,
         enable_prefix_caching: bool = True,
         record_events: bool = False,
-        swa_replay: SwaReplay = "bounded",
+        swa_replay: SwaReplay = "exact",
         state_cache: SlidingStateCache | None = None,
     ) -> None:
         if block_size < 1:
@@ -98,7 +98,10 @@ class KVCacheCoordinator:
         self.num_replays = 0
         self.num_replayed_tokens = 0
         self._reserved: dict[str, dict[int, list[KVBlock]]] = {}
-        """Per request waiting for a connector load: the persistent groups' blocks it goes into."""
+        """Per request waiting for a connector load: per group, the blocks it goes into (the
+        persistent groups', and the sliding groups' window from a peer that holds it)."""
+        self._window_first: dict[str, int] = {}
+        """Per request whose reservation has a window: the block its window starts at."""
 
     # -- queries -------------------------------------------------------------
 
@@ -247,29 +250,68 @@ class KVCacheCoordinator:
         return self.persistent_blocks(request, 0, max_blocks)[0]
 
     def reserve_for_load(self, request: Request, num_blocks: int) -> bool:
-        """Take fresh blocks for `num_blocks` blocks of every persistent group, held for the
-        request until its admission (or its end), so a load has somewhere to land
-        that nothing evicts. False, taking nothing, when the pool is short."""
-        groups = self.layout.persistent_groups
-        new = self.pool.allocate(num_blocks * len(groups))
+        """Take fresh blocks for `num_blocks` blocks of every persistent group and, when
+        the request's peer source holds the sliding window (KVTransferParams.source), for
+        that window in every sliding group; held for the request until its admission (or
+        its end), so a load has somewhere to land that nothing evicts. False, taking
+        nothing, when the pool is short."""
+        window_first, num_window = self._window_to_load(request)
+        sizes = [(g, num_blocks) for g in self.layout.persistent_groups]
+        sizes += [(g, num_window) for g in self.layout.sliding_groups if num_window]
+        new = self.pool.allocate(sum(n for _, n in sizes))
         if new is None:
             return False
-        self._reserved[request.request_id] = {g: new[i * num_blocks : (i + 1) * num_blocks] for i, g in enumerate(groups)}
+        reserved: dict[int, list[KVBlock]] = {}
+        taken = 0
+        for g, n in sizes:
+            reserved[g] = new[taken : taken + n]
+            taken += n
+        self._reserved[request.request_id] = reserved
+        if num_window:
+            self._window_first[request.request_id] = window_first
         return True
 
+    def _window_to_load(self, request: Request) -> tuple[int, int]:
+        """(first block, blocks per sliding group) of the window the request's peer source
+        holds; (0, 0) when it holds none, or one that does not fit this model's groups."""
+        source = request.kv_transfer.source if request.kv_transfer is not None else None
+        if source is None or not source.window or set(source.window) != set(self.layout.sliding_groups):
+            return 0, 0
+        num = source.num_blocks - source.window_first
+        if num <= 0 or any(len(ids) != num for ids in source.window.values()):
+            return 0, 0
+        return source.window_first, num
+
     def reserved_block_ids(self, request_id: str) -> dict[int, list[int]]:
+        """Per group, the ids a load writes: the persistent groups' and, for a window, the
+        sliding groups' (what a connector's start_load gets as block_ids)."""
         return {g: [b.block_id for b in blocks] for g, blocks in self._reserved.get(request_id, {}).items()}
 
-    def index_loaded(self, request: Request, first_block: int, num_blocks: int) -> None:
-        """Enter the first num_blocks reserved blocks (now holding blocks first_block, ...
-        of the request) into the prefix index, so the request's admission hits them."""
-        bs, tokens = self.block_size, request.all_token_ids
-        for g, blocks in self._reserved.get(request.request_id, {}).items():
-            for i, block in enumerate(blocks[:num_blocks], start=first_block):
-                self.pool.cache_block(block, request.block_hashes[i], g, tuple(tokens[i * bs : (i + 1) * bs]))
+    def index_loaded(self, request: Request, first_block: int, num_blocks: int, window: bool = False) -> None:
+        """Enter the first num_blocks reserved blocks of each persistent group (now holding
+        blocks first_block, ... of the request) into the prefix index, so the request's
+        admission hits them; with `window` (the whole load arrived, the window with it),
+        the sliding groups' reserved window too, so admission finds it and replays nothing.
+        A window not loaded is never indexed: its blocks hold nothing."""
+        rid = request.request_id
+        reserved = self._reserved.get(rid, {})
+        for g in self.layout.persistent_groups:
+            for i, block in enumerate(reserved.get(g, [])[:num_blocks], start=first_block):
+                self._cache_loaded(request, block, i, g)
+        if window and rid in self._window_first:
+            for g in self.layout.sliding_groups:
+                for i, block in enumerate(reserved.get(g, []), start=self._window_first[rid]):
+                    if i < len(request.block_hashes):
+                        self._cache_loaded(request, block, i, g)
+
+    def _cache_loaded(self, request: Request, block: KVBlock, index: int, group: int) -> None:
+        bs = self.block_size
+        chunk = tuple(request.all_token_ids[index * bs : (index + 1) * bs])
+        self.pool.cache_block(block, request.block_hashes[index], group, chunk)
 
     def release_reserved(self, request_id: str) -> None:
         """Drop the reservation's references (after admission the request holds its own)."""
+        self._window_first.pop(request_id, None)
         for blocks in self._reserved.pop(request_id, {}).values():
             self.pool.free(blocks[::-1])
 
@@ -294,6 +336,23 @@ class KVCacheCoordinator:
             for run, block in zip(blocks, found):
                 run.append(block)  # type: ignore[arg-type]
         return max(last - first_block, 0), blocks
+
+    def window_blocks(self, request: Request, num_blocks: int) -> tuple[int, dict[int, list[KVBlock]]]:
+        """The sliding groups' blocks a query at the end of the request's first num_blocks
+        blocks sees, from the prefix index (a block the sliding manager dropped from the
+        table stays there until it is handed out again): (the first of them, per sliding
+        group its blocks first .. num_blocks - 1). (0, {}) when one is gone, or there is
+        no sliding group."""
+        if not self._sliding or num_blocks == 0:
+            return 0, {}
+        first = self._sliding[0].first_needed_block(num_blocks * self.block_size)
+        window: dict[int, list[KVBlock]] = {}
+        for m in self._sliding:
+            table = m.find_hit_at(request, num_blocks)
+            if table is None:
+                return 0, {}
+            window[m.group] = table[first:]
+        return first, window
 
     def state_block_ids(self, request_id: str, state: SlidingState) -> dict[int, list[int]]:
         """Per sliding group, the blocks a loaded state goes into."""

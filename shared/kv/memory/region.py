@@ -77,9 +77,11 @@ class KVRegion:
         return self._description
 
     def copy_from_peer(self, peer: list[torch.Tensor], src: dict[int, list[int]], dst: dict[int, list[int]]) -> None:
-        """Copy blocks src (per persistent group) of a peer's cache tensors into our
-        blocks dst, tensor by tensor: one gather and one scatter per cache tensor,
-        device to device on a GPU (CUDA IPC), memory to memory on the CPU."""
+        """Copy blocks src (per group: persistent groups' and sliding groups' window, see
+        shared/kv/transfer.py copy_plan) of a peer's cache tensors into our blocks dst,
+        tensor by tensor: one gather and one scatter per cache tensor and group, device
+        to device on a GPU (CUDA IPC), memory to memory on the CPU. Whole blocks move, so
+        the layouts must agree (the caller checked)."""
         with self._lock, self._side_stream():
             for group, src_ids in src.items():
                 dst_index = torch.tensor(dst[group], dtype=torch.long, device=self.device)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from shared.model.config import ArchConfig, ModelConfig
+from shared.model.config import ArchConfig, ArchTraits, ModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +58,11 @@ TEST_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {name: preset for config in _FAMILY_CONFIGS.values() for name, preset in config.presets.items()}
 )
 """make-model presets that belong to one family (each names its ``arch``)."""
+
+
+def arch_traits(architecture: str) -> ArchTraits:
+    """What ``architecture`` declares about itself (torch-free)."""
+    return ARCH_CONFIGS[architecture].architectures[architecture]
 
 
 def model_entry(architecture: str) -> "ModelEntry":

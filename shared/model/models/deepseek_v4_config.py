@@ -299,7 +299,9 @@ CONFIG = ArchConfig(
     architectures=MappingProxyType(
         # One shared K=V head of 512, a window in every layer (besides the compressed
         # entries of CSA/HCA layers; see DeepseekV4Params).
-        {"DeepseekV4ForCausalLM": ArchTraits("deepseek_v4", False, False, False, False, "all", 512)}
+        # Trained for SWA bounded replay (the V4 report): bounded is its default swa_replay.
+        {"DeepseekV4ForCausalLM": ArchTraits("deepseek_v4", False, False, False, False, "all", 512,
+                                             trained_for_bounded_replay=True)}  # fmt: skip
     ),
     test_config=hf_test_config,
     parse=parse_fields,
