@@ -3,7 +3,10 @@ device, by which exact command, when, with which versions. A figure whose raw fi
 does not say where it came from cannot be checked or rerun; every benchmark that
 writes a file goes through here, so none can leave the header out.
 
-    python -m tools.bench.raw_file      # prints the header, for a shell script's log
+    python -m tools.bench.raw_file --out docs/perf/swa.log -- python -m tools.bench.swa_bench
+                                        # a benchmark that only prints: its output under the header
+    python -m tools.bench.raw_file --command "bash tools/bench/h200.sh mesh"
+                                        # the header alone, for a shell script's log
 
 JSON raw files are `{"header": {...}, **figures}`; text and Markdown files begin with
 the header's lines (`# key: value`, or a list in Markdown).
@@ -93,15 +96,16 @@ def versions() -> dict[str, str]:
     }
 
 
-def run_header() -> dict[str, Any]:
+def run_header(command: str | None = None) -> dict[str, Any]:
     """This process's header. The command is the interpreter's own argv (sys.orig_argv:
-    `python -m tools.cli ...` as typed, not argparse's view of it); INFERMESH_* variables
-    are recorded beside it because bench-mesh and the services read settings from them."""
+    `python -m tools.cli ...` as typed, not argparse's view of it) unless given;
+    INFERMESH_* variables are recorded beside it because bench-mesh and the services
+    read settings from them."""
     return {
         "commit": commit(),
         "device": device(),
         "cpu": cpu(),
-        "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),
+        "command": command or shlex.join(getattr(sys, "orig_argv", sys.argv)),
         "cwd": os.getcwd(),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("INFERMESH_")},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -181,5 +185,38 @@ def tee_stdout(path: str | Path | None, header: Mapping[str, Any] | None = None)
             sys.stdout = held
 
 
+def run_logged(command: list[str], out: str | Path) -> int:
+    """Run a benchmark that only prints; its output (stdout and stderr) goes to the
+    terminal and to out, under the header. Its exit status is returned. The header's
+    versions are this interpreter's: run the command with the same one."""
+    with tee_stdout(out, run_header(shlex.join(command))):
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert child.stdout is not None
+        for line in child.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        return child.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tools.bench.raw_file", description=__doc__.split("\n\n")[0],
+                                usage="%(prog)s [--out PATH] [--command TEXT] [-- COMMAND ...]")  # fmt: skip
+    p.add_argument("--out", help="the raw file of COMMAND's output")
+    p.add_argument("--command", help="the command the header names (without a COMMAND to run)")
+    p.add_argument("run", nargs=argparse.REMAINDER, help="-- and the benchmark's command line")
+    args = p.parse_args(argv)
+    command = args.run[1:] if args.run[:1] == ["--"] else args.run
+    if command:
+        if args.out is None or args.command is not None:
+            p.error("a COMMAND needs --out (and names itself: no --command)")
+        return run_logged(command, args.out)
+    if args.out is not None:
+        p.error("--out is for a COMMAND's output; the header alone is printed")
+    print("\n".join(header_lines(run_header(args.command))))
+    return 0
+
+
 if __name__ == "__main__":
-    print("\n".join(header_lines(run_header())))
+    sys.exit(main())
