@@ -149,6 +149,7 @@ def _cmd_bench_mesh(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         json_path=args.json,
         pid_namespaces=args.pid_namespaces,
+        log_path=args.log,
     )
     return 0
 
@@ -295,15 +296,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench_engine)
 
     p = sub.add_parser(
-        "bench-mesh", help="throughput and TTFT through the mesh against the engine in one process",
+        "bench-mesh", help="throughput and TTFT through the mesh against the engine behind HTTP (and in process)",
         description="Engine knobs come from the settings (INFERMESH_CONFIG, INFERMESH_ENGINE__*), as the mesh's "
         "services read them, with the flags given here over them, for every target alike.",
     )
     p.add_argument("--model", default=None, help="checkpoint folder (default: make the tiny model)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="clients in the closed loop, per level")
-    p.add_argument("--num-requests", type=int, nargs="+", default=[32],
-                   help="requests per concurrency level and target: one count for every level, or one per level")
-    p.add_argument("--rounds", type=int, default=2, help="the targets take turns this many times per level")
+    p.add_argument("--num-requests", type=int, nargs="+", default=[16],
+                   help="requests per target and round: one count for every level, or one per level")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed rounds per level (at least 3), after a warm-up and one dropped round; the targets "
+                   "take turns, round r starting at target r mod n")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--prefill", type=int, default=1, help="prefill instances of the mesh")
@@ -313,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine: in this process; http: OpenAI API over one in-process engine; mesh: the whole mesh",
     )
     p.add_argument("--state-dir", default=None, help="keep logs here (default: a temp dir, removed after a clean run)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON (a raw file: "
+                   "tools/bench/raw_file.py's header first)")
+    p.add_argument("--log", default=None, metavar="PATH", help="also write what is printed here, under the header")
     p.add_argument("--pid-namespaces", action="store_true",
                    help="the mesh's kvcache, prefill and decode each in a PID namespace of its own, as in "
                         "containers: KV moves through NIXL")

@@ -9,7 +9,8 @@ import pytest
 
 from tests.helpers.hf_models import save_tiny_hf_model
 from tools.bench.mesh_traces import breakdown, prefill_pace
-from tools.bench.mesh_bench import TARGETS, Timing, compare, engine_setup, run_mesh_bench, summarize
+from tools.bench.mesh_bench import TARGETS, Timing, engine_setup, run_mesh_bench, summarize
+from tools.bench.rounds import pair
 from tools.cli import main
 
 PROMPT_LEN, OUTPUT_LEN, NUM_REQUESTS = 32, 8, 4
@@ -24,29 +25,37 @@ def test_summarize_and_compare_are_exact():
     assert row["tpot_p50_ms"] == pytest.approx(10.0)  # (80 - 10) / 7 and (100 - 30) / 7
     assert row["e2e_p50_ms"] == pytest.approx(90.0)
     slower = summarize([Timing(0.050, 0.190, 8, 8, 0)], wall_s=1.0)
-    figures = compare({"engine": row, "mesh": slower})
-    assert set(figures) == {"mesh_vs_engine"}
-    m = figures["mesh_vs_engine"]
+    m = pair(slower, row)
     assert m["tok_s_ratio"] == pytest.approx(8.0 / 32.0) and m["ttft_ratio"] == pytest.approx(2.5)
     assert m["added_ms_per_request"] == pytest.approx(30.0) and m["added_ms_per_token"] == pytest.approx(10.0)
 
 
-def test_cli_flags_and_the_environment_reach_the_benchmark(tmp_path, monkeypatch):
+def test_cli_flags_and_the_environment_reach_the_benchmark(tmp_path, monkeypatch, capsys):
     """A run from the command line (the engine target alone): its flags are in the
     figures' config and shaped the run; an engine knob not given comes from the
     environment, as in the mesh's services, and only the knobs given are exported
-    to the mesh's processes over that environment."""
+    to the mesh's processes over that environment. Both raw files carry the header;
+    without the http target there is no headline (the engine does not stand in)."""
     save_tiny_hf_model("llama", tmp_path / "model")  # token-id prompts: no tokenizer needed
     monkeypatch.setenv("INFERMESH_ENGINE__MAX_NUM_SEQS", "5")
     args = ["bench-mesh", "--model", str(tmp_path / "model"), "--targets", "engine", "--concurrency", "2",
-            "--num-requests", "3", "--rounds", "1", "--prompt-len", "16", "--output-len", "3",
-            "--block-size", "8", "--no-enable-prefix-caching", "--json", str(tmp_path / "figures.json")]
+            "--num-requests", "3", "--rounds", "3", "--prompt-len", "16", "--output-len", "3",
+            "--block-size", "8", "--no-enable-prefix-caching", "--json", str(tmp_path / "figures.json"),
+            "--log", str(tmp_path / "bench.log")]
     assert main(args) == 0
     figures = json.loads((tmp_path / "figures.json").read_text())
+    assert set(figures["header"]) >= {"commit", "device", "command", "date", "versions"}
+    log = (tmp_path / "bench.log").read_text()
+    assert log.startswith("# commit: ") and log.index("HEADLINE") < log.index("every target")
+    assert "not measured: the http target did not run" in log
     config = figures["config"]
-    assert (config["prompt_len"], config["output_len"], config["num_requests"], config["num_rounds"]) == (16, 3, 3, 1)
+    assert (config["prompt_len"], config["output_len"], config["num_requests"], config["num_rounds"]) == (16, 3, 3, 3)
     assert config["targets"] == ["engine"] and [level["concurrency"] for level in figures["levels"]] == [2]
-    assert figures["levels"][0]["rows"]["engine"]["output_tokens"] == [3, 3, 3]
+    level = figures["levels"][0]
+    assert level["headline"] is None and len(level["rounds"]) == 3 and len(level["dropped_rounds"]) == 1
+    assert all(r["engine"]["output_tokens"] == [3, 3, 3] for r in level["rounds"])
+    progress = [line.split()[2:4] for line in capsys.readouterr().out.splitlines() if line.startswith("  conc")]
+    assert progress == [["warm-up", "engine"], ["round", "0"], ["round", "1"], ["round", "2"], ["round", "3"]]
     engine = config["engine"]
     assert (engine["block_size"], engine["enable_prefix_caching"], engine["max_num_seqs"]) == (8, False, 5)
     _, mesh_env = engine_setup("m", {"block_size": 8, "enable_prefix_caching": False})
@@ -60,8 +69,8 @@ def test_cli_flags_and_the_environment_reach_the_benchmark(tmp_path, monkeypatch
 def test_bad_settings_are_refused_before_anything_starts():
     with pytest.raises(ValueError, match="output_len"):
         run_mesh_bench(None, [1], 4, PROMPT_LEN, 1)
-    with pytest.raises(ValueError, match="num_rounds"):
-        run_mesh_bench(None, [1], 4, PROMPT_LEN, OUTPUT_LEN, num_rounds=5)
+    with pytest.raises(ValueError, match="at least 3 timed rounds"):
+        run_mesh_bench(None, [1], 4, PROMPT_LEN, OUTPUT_LEN, num_rounds=2)
     with pytest.raises(ValueError, match="one per concurrency level"):
         run_mesh_bench(None, [1, 4], [4, 8, 16], PROMPT_LEN, OUTPUT_LEN)
     with pytest.raises(ValueError, match="targets"):
@@ -72,39 +81,45 @@ def test_tiny_run_measures_every_target(tmp_path, capsys):
     figures = run_mesh_bench(
         model=None,
         concurrency=[1, 4],
-        num_requests=[NUM_REQUESTS, 2 * NUM_REQUESTS],  # one count per level
+        num_requests=[NUM_REQUESTS, 2 * NUM_REQUESTS],  # one count per level, per target and round
         prompt_len=PROMPT_LEN,
         output_len=OUTPUT_LEN,
         state_dir=str(tmp_path / "state"),
         json_path=str(tmp_path / "figures.json"),
     )
-    assert json.loads((tmp_path / "figures.json").read_text()) == json.loads(json.dumps(figures))
+    written = json.loads((tmp_path / "figures.json").read_text())
+    assert written.pop("header")["commit"] and written == json.loads(json.dumps(figures))
     assert [level["concurrency"] for level in figures["levels"]] == [1, 4]
     for level, num in zip(figures["levels"], [NUM_REQUESTS, 2 * NUM_REQUESTS]):
+        assert len(level["rounds"]) == 3 and len(level["dropped_rounds"]) == 1
+        for round_ in level["rounds"]:
+            assert set(round_) == set(TARGETS)
+            for target, row in round_.items():
+                # Every request completed with exactly output_len tokens, counted as they arrived.
+                assert row["num_completed"] == num, target
+                assert row["output_tokens"] == [OUTPUT_LEN] * num, target
+                assert row["usage_tokens"] == [OUTPUT_LEN] * num, target
+                assert row["cached_tokens"] == 0, target  # distinct prompts: no prefix hit flatters anyone
+                assert row["req_s"] > 0 and row["out_tok_s"] > 0
+                assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"]
+                assert 0 <= row["tpot_p50_ms"] and row["ttft_p50_ms"] <= row["e2e_p50_ms"]
         assert set(level["rows"]) == set(TARGETS)
-        for target, row in level["rows"].items():
-            # Every request completed with exactly output_len tokens, counted as they arrived.
-            assert row["num_completed"] == num, target
-            assert row["output_tokens"] == [OUTPUT_LEN] * num, target
-            assert row["usage_tokens"] == [OUTPUT_LEN] * num, target
-            assert row["cached_tokens"] == 0, target  # distinct prompts: no prefix hit flatters anyone
-            assert row["req_s"] > 0 and row["out_tok_s"] > 0
-            assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"]
-            assert 0 <= row["tpot_p50_ms"] and row["ttft_p50_ms"] <= row["e2e_p50_ms"]
-        assert set(level["compare"]) == {"mesh_vs_engine", "http_vs_engine", "mesh_vs_http"}
-        for pair in level["compare"].values():
-            assert all(math.isfinite(v) for v in pair.values())
-            assert pair["tok_s_ratio"] > 0 and pair["ttft_ratio"] > 0
-        # The mesh's own traces, for exactly this level's requests: every prompt's KV
+        for s in level["rows"].values():
+            assert s["out_tok_s"]["min"] <= s["out_tok_s"]["median"] <= s["out_tok_s"]["max"]
+        h = level["headline"]
+        assert len(h["per_round"]) == 3 and all(math.isfinite(p["tok_s_ratio"]) for p in h["per_round"])
+        assert h["tok_s_ratio"]["min"] <= h["tok_s_ratio"]["median"] <= h["tok_s_ratio"]["max"]
+        # The mesh's own traces, for exactly its timed rounds' requests: every prompt's KV
         # went straight from prefill to decode, and the hops add up to the TTFT.
         t = level["mesh_trace"]
-        assert t["num_requests"] == num and t["kv_loads"] == t["kv_loads_direct"] == num
+        assert t["num_requests"] == 3 * num and t["kv_loads"] == t["kv_loads_direct"] == 3 * num
         assert t["kv_load_gb_s_p50"] > 0 and t["kv_load_gb_s_total"] > 0
         assert t["kv_copy_gb_s_p50"] >= t["kv_load_gb_s_p50"]  # the copy is part of the load's time
         assert 1 <= t["decode_in_flight_max"] <= level["concurrency"]
         assert sum(t["ttft_segments_p50_ms"].values()) > 0
     printed = capsys.readouterr().out
-    assert "mesh" in printed and "added ms/req" in printed and "GB/s p50" in printed
+    assert printed.index("HEADLINE: mesh against http") < printed.index("every target")
+    assert "added ms/req" in printed and "GB/s p50" in printed
 
 
 def _span(name, rid, start_ms, end_ms, parent="p", **attrs):

@@ -13,7 +13,9 @@ def test_spec_bench_runs_tiny(tmp_path, capsys):
     rc = main(["--model", str(model), "--draft", str(model), "--batch", "1", "3", "--spec-tokens", "2", "4",
                "--max-tokens", "12", "--json", str(out)])  # fmt: skip
     assert rc == 0
-    rows = json.loads(out.read_text())
+    raw = json.loads(out.read_text())
+    assert raw["header"]["commit"] and raw["header"]["versions"]["torch"]  # tools/bench/raw_file.py's header
+    rows = raw["rows"]
     assert [(r["batch"], r["mode"]) for r in rows] == [
         (b, m)
         for b in (1, 3)

@@ -13,7 +13,6 @@ prefill would cost minutes of device time and measure prefill, not decode),
 stepped as the engine steps with async scheduling (launch N+1, then read N).
 """
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from shared.model.loader import load_weights
 from tools.make_model import PRESETS, hf_config_dict
 from shared.model.interface import CausalLM
 from shared.model.models import build_model
+from tools.bench.raw_file import run_header, write_json, write_text
 
 
 @dataclass
@@ -417,8 +417,9 @@ def run_gpu_bench(out_dir: str, hf_rows: bool = True, seed: int = 0, spec: RowSp
         "bf16_flop_per_s": rate,
         "rows": [asdict(r) | {"fraction": r.fraction, "vs_hf": r.vs_hf} for r in rows],
     }
-    (out / "gpu_bench.json").write_text(json.dumps(record, indent=2))
-    (out / "gpu_bench.md").write_text(table + "\n")
+    header = run_header()
+    write_json(out / "gpu_bench.json", record, header)
+    write_text(out / "gpu_bench.md", table, header)
     return rows
 
 
@@ -509,6 +510,7 @@ def run_overlap_bench(out_dir: str, seed: int = 0) -> dict[int, dict[str, float]
     print(table)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "overlap.json").write_text(json.dumps(results, indent=2))
-    (out / "overlap.md").write_text(table + "\n")
+    header = run_header()
+    write_json(out / "overlap.json", {str(batch): f for batch, f in results.items()}, header)
+    write_text(out / "overlap.md", table, header)
     return results

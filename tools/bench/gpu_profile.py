@@ -11,7 +11,6 @@ Two views, both on Llama-3-8B's shape in bfloat16 with seeded random weights:
   spends between kernels.
 """
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.step import NewRequestData, ScheduledChunk, SchedulerOutput
 from shared.model.interface import CausalLM
+from tools.bench.raw_file import write_json
 
 # (name, out_features, in_features) of Llama-3-8B's matmuls.
 SHAPES = [
@@ -259,5 +259,5 @@ def run_profile(out_dir: str, seed: int = 0) -> dict:
                   attention_sweep=attention, matmuls=matmuls, decode_steps=steps)  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.json").write_text(json.dumps(record, indent=2))
+    write_json(out / "profile.json", record)
     return record

@@ -4,6 +4,8 @@
 #
 #   bash tools/bench/h200.sh engine   # tests/gpu, bench-gpu's whole-engine rows, the KV tiers
 #   bash tools/bench/h200.sh mesh     # bench-mesh: engine / http / mesh, 1k and 8k prompts
+#                                     (--num-requests per target and round: 3 timed rounds after a warm-up
+#                                     and a dropped round; the headline is mesh over http)
 #   bash tools/bench/h200.sh final    # the mesh, the tiers, the batch-64 engine row, then tests/gpu
 #   bash tools/bench/h200.sh check    # tests/gpu and bench-spec on the trained pair only
 #   bash tools/bench/h200.sh last     # bench-spec, tests/gpu, then the tiers (8B drawn last)
@@ -35,6 +37,9 @@ model=models/llama3-8b
 run() { echo "\$ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
+# The raw file's header (tools/bench/raw_file.py). The device machine gets a copy of the tree
+# without git: pass the commit, INFERMESH_COMMIT=$(git rev-parse HEAD) bash tools/bench/h200.sh ...
+python3 -m tools.bench.raw_file --command "bash tools/bench/h200.sh $*" | tee -a "$log"
 if [ "$stage" != check ] && [ "$stage" != last ] && [ "$stage" != bench-spec ] && [ "$stage" != v4 ] && [ "$stage" != close ] && [ ! -f "$model/model.safetensors.index.json" ] && [ ! -f "$model/model.safetensors" ]; then
   start=$(date +%s)
   run python3 -m tools.cli make-model "$model" --preset llama3-8b --dtype bfloat16 --device cuda
@@ -50,13 +55,13 @@ engine)
     --prompt-len 4096 --repeats 3 --out "$out"
   ;;
 mesh | final)
-  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --rounds 1)
+  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128)
   # 1k: four engines on the card (in-process, http, prefill, decode), 10 GiB of KV each.
   run python3 -m tools.cli bench-mesh "${common[@]}" --prompt-len 1024 --concurrency 1 16 64 \
-    --num-requests 12 64 128 --kv-cache-memory-bytes $((10 << 30)) --json "$out/mesh_1k.json"
-  # 8k: 16 clients hold 133k tokens of KV; without the http target three engines fit.
+    --num-requests 4 32 64 --kv-cache-memory-bytes $((10 << 30)) --json "$out/mesh_1k.json"
+  # 8k: 16 clients hold 133k tokens of KV; three engines fit: the in-process one is left out (never the baseline).
   run python3 -m tools.cli bench-mesh "${common[@]}" --prompt-len 8192 --concurrency 1 16 \
-    --num-requests 6 32 --targets engine mesh --kv-cache-memory-bytes $((18 << 30)) --json "$out/mesh_8k.json" \
+    --num-requests 2 16 --targets http mesh --kv-cache-memory-bytes $((18 << 30)) --json "$out/mesh_8k.json" \
     --state-dir /tmp/mesh-8k
   tar czf "$out/traces_8k.tgz" -C /tmp/mesh-8k mesh/traces mesh/logs
   if [ "$stage" = final ]; then  # in the order of their worth, should the call's time run out
@@ -68,13 +73,13 @@ mesh | final)
   ;;
 cond)  # issue 10: conditional disaggregation on the one GPU (QUEUE tokens queued on prefill: decode prefills),
   # then issue 14's invariant matmul buckets (tests/gpu and the cost)
-  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --rounds 1 --targets engine mesh)
+  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --targets http mesh)
   export INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=${QUEUE:-8192}
   echo "INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=$INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS" | tee -a "$log"
   run timeout 170 python3 -m tools.cli bench-mesh "${common[@]}" --prompt-len 1024 --concurrency 64 \
-    --num-requests 128 --kv-cache-memory-bytes $((10 << 30)) --json "$out/mesh_cond_1k.json" || true
+    --num-requests 64 --kv-cache-memory-bytes $((10 << 30)) --json "$out/mesh_cond_1k.json" || true
   run timeout 150 python3 -m tools.cli bench-mesh "${common[@]}" --prompt-len 8192 --concurrency 16 \
-    --num-requests 32 --kv-cache-memory-bytes $((18 << 30)) --json "$out/mesh_cond_8k.json" || true
+    --num-requests 16 --kv-cache-memory-bytes $((18 << 30)) --json "$out/mesh_cond_8k.json" || true
   unset INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS
   run timeout 100 python3 -m pytest -q -s -p no:cacheprovider --noconftest tests/gpu/test_gpu_invariant_matmul.py \
     tests/gpu/test_gpu_batch_invariant.py || true
@@ -85,8 +90,8 @@ retune)  # issue 14's cost with the retuned matmul tiles, the 8k mesh with QUEUE
   run timeout 130 python3 -m tools.bench.batch_invariant_bench --model "$model" --device cuda --dtype bfloat16 \
     --batch 1 8 32 --prompt-len 256 --max-tokens 32 --matmul || true
   run env INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS="${QUEUE:-1}" timeout 160 python3 -m tools.cli bench-mesh \
-    --model "$model" --dtype bfloat16 --device cuda --output-len 128 --rounds 1 --targets engine mesh \
-    --prompt-len 8192 --concurrency 16 --num-requests 32 --kv-cache-memory-bytes $((18 << 30)) \
+    --model "$model" --dtype bfloat16 --device cuda --output-len 128 --targets http mesh \
+    --prompt-len 8192 --concurrency 16 --num-requests 16 --kv-cache-memory-bytes $((18 << 30)) \
     --json "$out/mesh_cond_8k.json" || true
   ;;
 v4)  # issue 12: the V4-shaped model (15B, 8 layers, 64 experts) in the engine; then issue 14's matmul tile sweep
@@ -97,25 +102,25 @@ v4)  # issue 12: the V4-shaped model (15B, 8 layers, 64 experts) in the engine; 
     --max-tokens 4 --matmul-sweep || true
   ;;
 wrap)  # issue 13's table (interleaved, an A/A control), issue 14's cost with the persistent
-  # matmul, issue 10's 8k-16 (conditional disaggregation, QUEUE=1, two rounds) and 1k-1 (prompts
+  # matmul, issue 10's 8k-16 (conditional disaggregation, QUEUE=1) and 1k-1 (prompts
   # up to 1024 tokens prefilled on decode)
   run timeout 170 python3 -m tools.bench.spec_bench --model models/trained/target --draft models/trained/draft \
     --batch 1 4 16 64 --spec-tokens 2 4 6 --max-tokens 64 --repeats 5 --json "$out/spec_draft.json" || true
   run timeout 110 python3 -m tools.bench.batch_invariant_bench --model "$model" --device cuda --dtype bfloat16 \
     --batch 1 8 32 --prompt-len 256 --max-tokens 32 --matmul || true
-  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --targets engine mesh)
+  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --targets http mesh)
   run env INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=1 timeout 150 python3 -m tools.cli bench-mesh "${common[@]}" \
-    --prompt-len 8192 --concurrency 16 --num-requests 32 --rounds 2 --kv-cache-memory-bytes $((18 << 30)) \
+    --prompt-len 8192 --concurrency 16 --num-requests 16 --kv-cache-memory-bytes $((18 << 30)) \
     --json "$out/mesh_cond_8k.json" || true
   run env INFERMESH_BALANCER__LOCAL_PREFILL_MAX_TOKENS=1024 timeout 70 python3 -m tools.cli bench-mesh "${common[@]}" \
-    --prompt-len 1024 --concurrency 1 --num-requests 8 --rounds 2 --kv-cache-memory-bytes $((10 << 30)) \
+    --prompt-len 1024 --concurrency 1 --num-requests 4 --kv-cache-memory-bytes $((10 << 30)) \
     --json "$out/mesh_cond_1k1.json" || true
   ;;
 mps)  # issue 10: the mesh's two processes time-slice the one card (each step of one waits out the
   # other's). Under MPS their kernels run on it at once, as a single engine's would. 1k-64 and 8k-16
   # (the levels below 0.95), conditional disaggregation on (QUEUE=1), without MPS then with it,
   # engine and mesh side by side in each. A machine without nvidia-cuda-mps-control runs the first half.
-  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --targets engine mesh --rounds 1)
+  common=(--model "$model" --dtype bfloat16 --device cuda --output-len 128 --targets http mesh)
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   for sharing in timeslice mps; do
@@ -129,10 +134,10 @@ mps)  # issue 10: the mesh's two processes time-slice the one card (each step of
       fi
     fi
     run env INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=1 timeout 125 python3 -m tools.cli bench-mesh "${common[@]}" \
-      --prompt-len 1024 --concurrency 64 --num-requests 128 --kv-cache-memory-bytes $((10 << 30)) \
+      --prompt-len 1024 --concurrency 64 --num-requests 64 --kv-cache-memory-bytes $((10 << 30)) \
       --json "$out/mesh_1k64_$sharing.json" || true
     run env INFERMESH_BALANCER__LOCAL_PREFILL_QUEUE_TOKENS=1 timeout 135 python3 -m tools.cli bench-mesh "${common[@]}" \
-      --prompt-len 8192 --concurrency 16 --num-requests 32 --kv-cache-memory-bytes $((18 << 30)) \
+      --prompt-len 8192 --concurrency 16 --num-requests 16 --kv-cache-memory-bytes $((18 << 30)) \
       --json "$out/mesh_8k16_$sharing.json" || true
     if [ "$sharing" = mps ]; then
       # Whether the processes ran under it: the daemon logs each client that connected.

@@ -1,7 +1,8 @@
 """The kvcache tier's own speed: the gRPC byte stream against the shared-memory
 segment, side by side in one run, against a real service process.
 
-    .venv/bin/python -m tools.bench.kvcache_bench [--blocks 230] [--block-mib 2] [--rounds 3] [--device cuda]
+    .venv/bin/python -m tools.bench.kvcache_bench [--blocks 230] [--block-mib 2] [--rounds 3] [--device cuda] \
+        [--log docs/perf/kvcache_bench.log]
 
 It starts nats-server and `python -m services.kvcache` (as `infermesh up` does,
 LMDB in a temporary folder), then per round and per path (byte stream:
@@ -41,6 +42,7 @@ from shared.kv.memory.region import KVRegion
 from shared.kv.spec import kv_cache_layout
 from shared.kv.transfer import KVTransferParams
 from shared.kv.wire.client import KVCacheClient
+from tools.bench.raw_file import tee_stdout
 from tools.bench.tier_bench import kvcache_service
 
 PATHS = ("bytes", "shm")
@@ -167,12 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per path, after one warm-up round")
     parser.add_argument("--shm-mib", type=int, default=256, help="the shm client's segment (kvcache.shm_bytes)")
     parser.add_argument("--device", default="cpu", help="where the loaded KVRegion lives (cpu, cuda)")
+    parser.add_argument("--log", default=None, metavar="PATH", help="the raw file: the table and every round's "
+                        "figures, under tools/bench/raw_file.py's header")  # fmt: skip
     args = parser.parse_args(argv)
     if args.blocks < 1 or args.rounds < 1:
         parser.error("--blocks and --rounds must be at least 1")
-    figures = run(args.blocks, args.block_mib, args.rounds, args.shm_mib, args.device)
-    block_bytes = make_region(1, args.block_mib).block_bytes
-    print("\n".join(table(figures, args.blocks, block_bytes, args.device)))
+    with tee_stdout(args.log):
+        figures = run(args.blocks, args.block_mib, args.rounds, args.shm_mib, args.device)
+        block_bytes = make_region(1, args.block_mib).block_bytes
+        print("\n".join(table(figures, args.blocks, block_bytes, args.device)))
+        # Every round, not only the medians: the spread is part of the figure.
+        for path in PATHS:
+            for step in ("put", "get", "load"):
+                values = ", ".join(f"{v:.2f}" for v in getattr(figures[path], step))
+                print(f"  {path:<5} {step:<4} GB/s per round: {values}")
     return 0
 
 

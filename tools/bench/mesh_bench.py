@@ -16,11 +16,14 @@ entry per token and let the client count tokens, not chunks, and stamp the first
 token exactly. Every target samples with the same SamplingParams, logprobs included.
 The HTTP targets are measured by `infermesh bench`'s code (tools/bench/serve_bench.py:
 the closed loop; tools/bench/openai_stream.py: one streamed request).
+
+How the runs are scheduled and the figures taken (warm-up, dropped round, rotation,
+spread, the headline against `http`) is tools/bench/rounds.py; the printed report is
+tools/bench/mesh_report.py; the raw files' header is tools/bench/raw_file.py.
 """
 
 import asyncio
 import dataclasses
-import json
 import shutil
 import sys
 import tempfile
@@ -40,8 +43,11 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.runtime.settings import env_name, load_settings
 from tools.bench.local_server import LocalServer
+from tools.bench.mesh_report import print_headline, print_progress, print_targets
 from tools.bench.mesh_traces import level_breakdowns, print_breakdowns
 from tools.bench.openai_stream import RequestSpec
+from tools.bench.raw_file import run_header, tee_stdout, write_json
+from tools.bench.rounds import MIN_TIMED_ROUNDS, Run, level_figures, plan
 from tools.bench.serve_bench import LoadLevel, run_level
 from tools.bench.workloads import Session
 from tools.launch.up import Mesh, free_port
@@ -52,7 +58,6 @@ _LEGEND = {
     "http": "OpenAI API over the engine in one process (LocalGenerator + uvicorn)",
     "mesh": "OpenAI API through the mesh",
 }
-_WARMUP_SEED = 1_000_003  # warm-up prompts never share a block with measured ones
 
 
 @dataclass(slots=True)
@@ -69,7 +74,7 @@ class Timing:
     num_cached_tokens: int
 
 
-def _prompts(num: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+def _prompts(num: int, prompt_len: int, vocab: int, seed: tuple[int, int]) -> list[list[int]]:
     # Distinct random prompts: no prefix-cache hit flatters any target.
     rng = np.random.default_rng(seed)
     return rng.integers(10, vocab, size=(num, prompt_len)).tolist()
@@ -158,53 +163,6 @@ def summarize(timings: list[Timing], wall_s: float) -> dict[str, Any]:
     }
 
 
-def compare(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """At one concurrency, each pair of targets present: a against b, ratios and
-    differences of p50s (added = a - b, in ms)."""
-    out = {}
-    for a, b in (("mesh", "engine"), ("http", "engine"), ("mesh", "http")):
-        if a in rows and b in rows:
-            ra, rb = rows[a], rows[b]
-            out[f"{a}_vs_{b}"] = {
-                "tok_s_ratio": ra["out_tok_s"] / rb["out_tok_s"],
-                "ttft_ratio": ra["ttft_p50_ms"] / rb["ttft_p50_ms"],
-                "added_ms_per_request": ra["ttft_p50_ms"] - rb["ttft_p50_ms"],
-                "added_ms_per_token": ra["tpot_p50_ms"] - rb["tpot_p50_ms"],
-            }
-    return out
-
-
-def _print_row(concurrency: int, target: str, r: dict[str, Any]) -> None:
-    print(
-        f"{concurrency:>4} {target:<6} | {r['req_s']:>6.2f} {r['out_tok_s']:>9.1f} | "
-        f"{r['ttft_p50_ms']:>8.1f} {r['ttft_p90_ms']:>8.1f} | {r['tpot_p50_ms']:>8.2f} | {r['e2e_p50_ms']:>8.1f}",
-        flush=True,
-    )
-
-
-def _print_comparisons(levels: list[dict[str, Any]]) -> None:
-    if not any("mesh_vs_engine" in level["compare"] for level in levels):
-        return
-    print("\nthe mesh against the engine in one process: ratios mesh/engine; added = mesh - engine (p50s);")
-    print("of which HTTP = http - engine (the OpenAI API, SSE and detokenization without the mesh)")
-    header = (
-        f"{'conc':>4} | {'tok/s ratio':>11} {'TTFT ratio':>10} | {'added ms/req':>12} {'added ms/tok':>12} | "
-        f"{'HTTP ms/req':>11} {'HTTP ms/tok':>11}"
-    )
-    print(header)
-    print("-" * len(header))
-    for level in levels:
-        m = level["compare"].get("mesh_vs_engine")
-        h = level["compare"].get("http_vs_engine")
-        if m is None:
-            continue
-        http = f"{h['added_ms_per_request']:>11.1f} {h['added_ms_per_token']:>11.2f}" if h else f"{'-':>11} {'-':>11}"
-        print(
-            f"{level['concurrency']:>4} | {m['tok_s_ratio']:>11.2f} {m['ttft_ratio']:>10.2f} | "
-            f"{m['added_ms_per_request']:>12.1f} {m['added_ms_per_token']:>12.2f} | {http}"
-        )
-
-
 # -- the run -----------------------------------------------------------------------------
 
 
@@ -252,13 +210,13 @@ async def _measure(
     engine: LLMEngine | None,
     apis: dict[str, str],
     vocab: int,
-    concurrency: list[int],
-    num_requests: list[int],
-    num_rounds: int,
+    runs: list[Run],
     prompt_len: int,
     output_len: int,
 ) -> list[dict[str, Any]]:
-    limits = httpx.Limits(max_connections=max(concurrency), max_keepalive_connections=max(concurrency))
+    """Every run of the plan, in its order; the figures per level (rounds.level_figures)."""
+    concurrency = max(r.concurrency for r in runs)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(300.0, connect=10.0)
     clients = {t: httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) for t, url in apis.items()}
     try:
@@ -272,33 +230,20 @@ async def _measure(
                 return await asyncio.to_thread(run_engine, engine, prompts, output_len, conc)
             return await run_http(clients[target], models[target], prompts, output_len, conc)
 
-        names = [t for t in TARGETS if t in clients or (t == "engine" and engine is not None)]
-        # Warm-up: a couple of requests through each target (allocator, lazy init, connections).
-        for t in names:
-            await run(t, _prompts(2, prompt_len, vocab, _WARMUP_SEED), 2)
-        levels = []
-        for i, (conc, num) in enumerate(zip(concurrency, num_requests)):
-            # Fresh prompts per level, the same for every target: each target sees each prompt once.
-            prompts = _prompts(num, prompt_len, vocab, seed=i)
-            timings: dict[str, list[Timing]] = {t: [] for t in names}
-            walls = dict.fromkeys(names, 0.0)
-            mesh_windows: list[tuple[int, int]] = []  # when the mesh ran this level (its traces' requests)
-            # In rounds, the targets taking turns in a rotating order, so a burst of load
-            # from elsewhere on the machine falls on all of them rather than on one.
-            for r in range(num_rounds):
-                part = prompts[r * num // num_rounds : (r + 1) * num // num_rounds]
-                for t in names[r % len(names) :] + names[: r % len(names)]:
-                    started_ns = time.time_ns()
-                    got, wall = await run(t, part, conc)
-                    if t == "mesh":
-                        mesh_windows.append((started_ns, time.time_ns()))
-                    timings[t] += got
-                    walls[t] += wall
-            rows = {t: summarize(timings[t], walls[t]) for t in names}
-            for t in names:
-                _print_row(conc, t, rows[t])
-            levels.append({"concurrency": conc, "rows": rows, "compare": compare(rows), "mesh_windows": mesh_windows})
-        return levels
+        by_level: dict[int, list[tuple[Run, dict[str, Any]]]] = {}
+        mesh_windows: dict[int, list[tuple[int, int]]] = {}  # when the mesh's timed rounds ran (its traces' requests)
+        for r in runs:
+            started_ns = time.time_ns()
+            got, wall = await run(r.target, _prompts(r.num_requests, prompt_len, vocab, r.seed), r.concurrency)
+            if r.target == "mesh" and r.timed:
+                mesh_windows.setdefault(r.level, []).append((started_ns, time.time_ns()))
+            row = summarize(got, wall)
+            print_progress(r, row)
+            by_level.setdefault(r.level, []).append((r, row))
+        return [
+            {**level_figures(results), "mesh_windows": mesh_windows.get(level, [])}
+            for level, results in sorted(by_level.items())
+        ]
     finally:
         for c in clients.values():
             await c.aclose()
@@ -310,36 +255,61 @@ def run_mesh_bench(
     num_requests: int | list[int],
     prompt_len: int,
     output_len: int,
-    num_rounds: int = 2,
+    num_rounds: int = MIN_TIMED_ROUNDS,
     num_prefill: int = 1,
     num_decode: int = 1,
     targets: tuple[str, ...] = TARGETS,
     engine_flags: Mapping[str, Any] | None = None,
     state_dir: str | None = None,
     json_path: str | None = None,
+    log_path: str | None = None,
     pid_namespaces: bool = False,
 ) -> dict[str, Any]:
-    """Start the targets, measure each concurrency level on each, print the table
+    """Start the targets, measure each concurrency level on each, print the report
     and return the figures. The mesh and the local server are always stopped.
-    engine_flags: EngineConfig fields over the settings (see engine_setup)."""
+    num_requests: per target and round, one count for every level or one per level;
+    num_rounds: timed rounds (a warm-up and a dropped round come first).
+    engine_flags: EngineConfig fields over the settings (see engine_setup).
+    json_path, log_path: raw files (the figures; what is printed), under raw_file's header."""
     if output_len < 2:
         raise ValueError("output_len must be at least 2 to time tokens after the first")
-    # One request count for every level, or one per level.
     counts = [num_requests] * len(concurrency) if isinstance(num_requests, int) else list(num_requests)
     if len(counts) != len(concurrency):
         raise ValueError(f"give one num_requests or one per concurrency level ({len(concurrency)}), got {len(counts)}")
     if min(counts, default=0) < 1 or prompt_len < 1 or not concurrency or min(concurrency) < 1:
         raise ValueError("num_requests, prompt_len and every concurrency must be at least 1")
-    if not 1 <= num_rounds <= min(counts):
-        raise ValueError(f"num_rounds must be in [1, num_requests={min(counts)}], got {num_rounds}")
     if not targets or set(targets) - set(TARGETS):
         raise ValueError(f"targets must be among {', '.join(TARGETS)}, got {targets}")
+    targets = tuple(t for t in TARGETS if t in targets)  # one order, whatever the command line's
+    runs = plan(targets, concurrency, counts, num_rounds)  # refuses fewer than MIN_TIMED_ROUNDS
+    header = run_header()  # as the run starts: the commit and the tree that ran
+    with tee_stdout(log_path, header):
+        figures = _bench(model, runs, counts, prompt_len, output_len, num_rounds, num_prefill, num_decode, targets,
+                         engine_flags or {}, state_dir)  # fmt: skip
+    if json_path:
+        write_json(json_path, figures, header)
+    return figures
+
+
+def _bench(
+    model: str | None,
+    runs: list[Run],
+    counts: list[int],
+    prompt_len: int,
+    output_len: int,
+    num_rounds: int,
+    num_prefill: int,
+    num_decode: int,
+    targets: tuple[str, ...],
+    engine_flags: Mapping[str, Any],
+    state_dir: str | None,
+) -> dict[str, Any]:
     from shared.model.config import ModelConfig
 
     with bench_state(state_dir, "infermesh-bench-", "logs of the mesh and the local server") as state:
         made = model is None
         model = model_or_made(model, state)
-        config, mesh_env = engine_setup(model, engine_flags or {})
+        config, mesh_env = engine_setup(model, engine_flags)
         run = {
             "model": None if made else model, "device": config.device, "dtype": config.dtype, "prompt_len": prompt_len,
             "output_len": output_len, "num_requests": counts if len(set(counts)) > 1 else counts[0],
@@ -367,19 +337,11 @@ def run_mesh_bench(
             print(" ".join(f"{k}={v if v is not None else 'tiny (made)'}" for k, v in run.items() if k != "targets"))
             for t in targets:
                 print(f"  {t:<6} {_LEGEND[t]}")
-            header = (
-                f"{'conc':>4} {'target':<6} | {'req/s':>6} {'out tok/s':>9} | {'TTFT p50':>8} {'p90 ms':>8} | "
-                f"{'TPOT p50':>8} | {'E2E p50':>8}"
-            )
-            print(header + "\n" + "-" * len(header), flush=True)
-            levels = asyncio.run(
-                _measure(engine, apis, vocab, concurrency, counts, num_rounds, prompt_len, output_len)
-            )
+            print("runs, in order (num_requests per target and round):", flush=True)
+            levels = asyncio.run(_measure(engine, apis, vocab, runs, prompt_len, output_len))
         # The mesh has stopped: its services flushed their spans.
         level_breakdowns(state / "mesh" / "traces", levels)
-    _print_comparisons(levels)
+    print_headline(levels, num_rounds)
+    print_targets(levels, num_rounds)
     print_breakdowns(levels)
-    figures = {"config": {**run, "engine": asdict(config)}, "levels": levels}
-    if json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2))
-    return figures
+    return {"config": {**run, "engine": asdict(config)}, "levels": levels}

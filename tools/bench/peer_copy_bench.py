@@ -5,12 +5,13 @@ for a Llama-3-8B-shaped cache (32 layers, 8 kv heads of 128, bf16 on a GPU), for
 caches are one allocation, as the engine makes them, so a copy is one gather and
 one scatter over all layers.
 
-    PYTHONPATH=$PWD python3 -m tools.bench.peer_copy_bench            # on the GPU machine
+    PYTHONPATH=$PWD python3 -m tools.bench.peer_copy_bench --log peer_copy.log   # on the GPU machine
     .venv/bin/python -m tools.bench.peer_copy_bench --device cpu --layers 4
 """
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import torch
 from shared.kv.memory.region import KVRegion
 from shared.kv.memory.share import SharedMemoryAllocator, open_peer
 from shared.kv.spec import kv_cache_layout
+from tools.bench.raw_file import tee_stdout
 
 CHILD = """
 import json, sys, torch
@@ -45,7 +47,14 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--blocks", type=int, default=2048, help="blocks of 16 tokens in each cache")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--log", default=None, metavar="PATH",
+                   help="the raw file: what is printed, under tools/bench/raw_file.py's header")
     args = p.parse_args()
+    with tee_stdout(args.log):
+        _bench(args)
+
+
+def _bench(args: argparse.Namespace) -> None:
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(args.layers), str(args.blocks), args.device, dtype],
@@ -75,8 +84,10 @@ def main() -> None:
             moved = n * region.block_bytes
             theirs = peer[0][0] if len(peer) == 1 else peer[0]
             assert torch.equal(mine[0][:, dst[0]].cpu(), theirs[:, src[0]].cpu())
+            median = statistics.median(times[1:])
             print(f"  {tokens:5d}-token prompt: {moved / 1e6:7.1f} MB in {best * 1e3:7.2f} ms = {moved / best / 1e9:7.1f} GB/s"
-                  f" (first copy {times[0] * 1e3:.2f} ms)")
+                  f" best, {moved / median / 1e9:.1f} GB/s median (first copy {times[0] * 1e3:.2f} ms; every copy "
+                  f"after it, ms: {', '.join(f'{t * 1e3:.2f}' for t in times[1:])})")
     finally:
         child.communicate("\n", timeout=60)
 

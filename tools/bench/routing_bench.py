@@ -19,9 +19,7 @@ ratios, conditional over disaggregated.
 
 import argparse
 import asyncio
-import json
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.runtime.settings import env_name
 from tools.bench.mesh_bench import bench_state, engine_setup, model_or_made
 from tools.bench.openai_stream import RequestResult
+from tools.bench.raw_file import write_json
 from tools.bench.serve_bench import LoadLevel, run_level, summarize
 from tools.bench.workloads import WorkloadConfig, make_sessions
 from tools.launch.up import Mesh, free_port
@@ -138,7 +137,7 @@ def run_routing_bench(
     print_table(rows)
     report = {"config": run, "rows": rows, "compare": compare(rows)}
     if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2))
+        write_json(json_path, report)
     return report
 
 

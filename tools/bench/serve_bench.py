@@ -18,7 +18,6 @@ and PNG plots (latency CDFs, throughput and latency against load) in `out_dir`.
 """
 
 import asyncio
-import json
 import math
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import httpx
 import numpy as np
 
 from tools.bench.openai_stream import RequestResult, send
+from tools.bench.raw_file import write_json
 from tools.bench.workloads import Session, WorkloadConfig, make_sessions
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -306,7 +306,7 @@ def run_bench(
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(report, indent=2))
+        write_json(out / "bench.json", report)
         plot_latency_cdfs(report, out / "latency_cdf.png")
         plot_throughput_vs_load(report, out / "throughput_vs_load.png")
         print(f"figures in {out / 'bench.json'}, plots in {out}", flush=True)

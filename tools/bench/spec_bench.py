@@ -19,7 +19,6 @@ Prints a table and writes JSON.
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import sys
@@ -33,6 +32,7 @@ import torch
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.spec.speculator import SCHEDULED, WARMUP_VERIFICATIONS
+from tools.bench.raw_file import write_json
 from tools.bench.step_times import StepTimes
 
 MAX_WARMUP_ROUNDS = 8
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                           args.speculative, args.repeats)  # fmt: skip
     print(format_table(rows))
     if args.json is not None:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        write_json(args.json, {"rows": [asdict(r) for r in rows]})
     if not all(r.equal_to_none for r in rows):
         print("speculation changed the greedy output", file=sys.stderr)
         return 1

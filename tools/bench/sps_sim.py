@@ -11,7 +11,6 @@ pick on this model's steps-per-second curve, not what a run measured.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 from shared.engine.spec.schedule import SpsTable, expected_throughput, schedule_greedy
 from shared.engine.spec.setup import sps_profile
+from tools.bench.raw_file import read_json, write_json
 
 
 def measure_sps(model: str, dtype: str, device: str, max_tokens: int) -> SpsTable:
@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    survival = mean_survival(json.loads(args.acceptance.read_text()))
+    _, acceptance = read_json(args.acceptance)
+    # bench-spec's raw file: {"header", "rows"}; one from before the header is the bare list.
+    survival = mean_survival(acceptance["rows"] if isinstance(acceptance, dict) else acceptance)
     sps = measure_sps(args.model, args.dtype, args.device, args.max_tokens)
     print("SPS(B), steps per second at B tokens per step:")
     for b, s in zip(sps.tokens, sps.steps_per_s):
@@ -73,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         fixed = " ".join(f"{row['fixed'][g]:9.0f}" for g in gammas)
         print(f"{row['batch']:>5} {row['none']:9.0f} {fixed} {row['dspark']:9.0f} {row['dspark_tokens_verified']:>8}")
     if args.json is not None:
-        args.json.write_text(json.dumps(dict(sps=dict(tokens=sps.tokens, steps_per_s=sps.steps_per_s),
-                                             survival=survival, simulation=sim), indent=2))  # fmt: skip
+        write_json(args.json, dict(sps=dict(tokens=sps.tokens, steps_per_s=sps.steps_per_s), survival=survival,
+                                   simulation=sim))  # fmt: skip
     return 0
 
 

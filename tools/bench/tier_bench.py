@@ -45,7 +45,6 @@ must be installed (the kvcache service connects to NATS).
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -75,6 +74,7 @@ from shared.kv.wire.client import KVCacheClient
 from shared.model.loader import load_model
 from shared.model.interface import CausalLM
 from shared.runtime.settings import env_name
+from tools.bench.raw_file import run_header, write_json, write_text
 from tools.launch.up import Mesh
 
 TIERS = ("cold", "device", "host", "kvcache")
@@ -502,7 +502,8 @@ def run_tier_bench(
     if out is not None:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "tiers.json").write_text(json.dumps(figures, indent=2))
+        header = run_header()
+        write_json(folder / "tiers.json", figures, header)
         md = [
             f"TTFT of a {prompt_len}-token prompt with {cached} tokens ({cached / prompt_len:.0%}) cached, from each "
             f"tier against cold; medians of {repeats} rounds on {run['device']} ({dtype}). vs cold: TTFT / cold's.",
@@ -513,7 +514,7 @@ def run_tier_bench(
         md += [*table, "", *(f"- {tier}: {_LEGEND[tier]}" for tier in TIERS)]
         if failures:
             md += ["", "CHECKS FAILED:", *(f"- {f}" for f in failures)]
-        (folder / "tiers.md").write_text("\n".join(md) + "\n")
+        write_text(folder / "tiers.md", "\n".join(md), header)
     if failures:
         raise TierBenchError("; ".join(failures))
     return figures

@@ -35,7 +35,6 @@ builds no CUDA graphs whatever --cuda-graphs says; the report states the mode ru
 """
 
 import argparse
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -52,6 +51,7 @@ from shared.kv.memory.coordinator import blocks_for_one_request
 from shared.model.loader import INDEX_FILE, SINGLE_FILE
 from shared.model.moe import Experts
 from tools.bench.engine_bench import _prompts, _sync
+from tools.bench.raw_file import run_header, write_json, write_text
 from tools.bench.v4_kv_bytes import logical_bytes
 
 # Profiler range (shared/model/models/deepseek_v4.py, shared/model/moe.py) -> what it holds.
@@ -403,8 +403,9 @@ def run_v4_bench(
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "v4_bench.json").write_text(json.dumps(record, indent=2))
-        (out / "v4_bench.md").write_text(table + "\n")
+        header = run_header()
+        write_json(out / "v4_bench.json", record, header)
+        write_text(out / "v4_bench.md", table, header)
     return record
 
 
