@@ -12,6 +12,11 @@ without TLS here (every process on one host, on loopback): mutual TLS is
 Helm's, or given through the worker.tls_* settings (extra_env), which the
 health checks here then use too.
 
+Placed: by default every process runs here and binds loopback; a Placement
+per process name (nats, kvcache, prefill-0, ..., balancer) gives it another
+address to bind and be reached at, and a command to run under (a network
+namespace of its own, as the multi-host tests do; a container runtime).
+
 Supervised: a process that dies is started again (same command, environment
 and ports) after a backoff that doubles from 0.5 s to 10 s (back to 0.5 s once
 it has run for 30 s); the others keep serving. Every child is started through
@@ -106,6 +111,21 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one process of the mesh runs."""
+
+    host: str = "127.0.0.1"
+    """The address it binds (worker.bind_host; nats-server's listen address) and the
+    others reach it at."""
+    wrap: Callable[[list[str]], list[str]] | None = None
+    """Turns its command into the one that runs it there (a network namespace, say);
+    None runs it as it is."""
+
+
+LOOPBACK = Placement()
+
+
 @dataclass
 class Mesh:
     """auth: NATS users and permissions, and the gRPC token (on for `up`; off only
@@ -143,6 +163,10 @@ class Mesh:
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """Each service's Prometheus /metrics port, by process name (kvcache, prefill-0, ..., balancer;
     the balancer also serves its series on the API port's /metrics)."""
+    placements: dict[str, Placement] = field(default_factory=dict)
+    """Where each process runs, by name (nats, kvcache, prefill-0, decode-0, ...,
+    balancer); one not named runs here on loopback. The balancer's API listens on
+    `host` wherever it runs."""
     _commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict, init=False, repr=False)
     _creds: MeshCredentials | None = field(default=None, init=False, repr=False)
     _services_nats_url: str = field(default="", init=False, repr=False)
@@ -172,6 +196,13 @@ class Mesh:
         assert self._creds is not None, "the mesh runs without auth"
         return user, self._creds.users[user].password
 
+    def _at(self, name: str) -> Placement:
+        return self.placements.get(name, LOOPBACK)
+
+    def _bind_env(self, name: str) -> dict[str, str]:
+        """worker.bind_host for a placed process (extra_env decides for the others)."""
+        return {"INFERMESH_WORKER__BIND_HOST": self._at(name).host} if name in self.placements else {}
+
     def _env(self, user: str, **more: str) -> dict[str, str]:
         env = {
             **os.environ,
@@ -199,8 +230,9 @@ class Mesh:
     def _start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
         logs = self.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        wrap = self._at(name).wrap
         own_pid_namespace = self.pid_namespaces and name not in ("nats", "balancer")
-        run = [*UNSHARE_PID, *args] if own_pid_namespace else args
+        run = wrap(args) if wrap else ([*UNSHARE_PID, *args] if own_pid_namespace else args)
         wrapped = [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *run]
         with (logs / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(wrapped, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -269,7 +301,7 @@ class Mesh:
         for stage, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(count):
                 creds.add(f"{stage}-{i}", stage, instance=f"{stage}-{i}")
-        creds.write_config(self.nats_config, "127.0.0.1", nats_port)
+        creds.write_config(self.nats_config, self._at("nats").host, nats_port)
         self._creds = creds
         self.grpc_token = self.grpc_token or new_password()
 
@@ -282,19 +314,21 @@ class Mesh:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._tls = TlsFiles.load(load_settings(env=self.extra_env).worker)
         nats_port = free_port()
-        self._services_nats_url = self.nats_url = f"nats://127.0.0.1:{nats_port}"
+        nats_host = self._at("nats").host
+        self._services_nats_url = self.nats_url = f"nats://{nats_host}:{nats_port}"
         nats_args = [find_nats_server()]
         if self.auth:
             self._make_credentials(nats_port)
             nats_args += ["-c", str(self.nats_config)]
             user, password = self.credentials("admin")
-            self.nats_url = f"nats://{user}:{password}@127.0.0.1:{nats_port}"
-        nats_args += ["-a", "127.0.0.1", "-p", str(nats_port), "-js", "-sd", str(self.state_dir / "nats")]
+            self.nats_url = f"nats://{user}:{password}@{nats_host}:{nats_port}"
+        nats_args += ["-a", nats_host, "-p", str(nats_port), "-js", "-sd", str(self.state_dir / "nats")]
         self._start("nats", nats_args, dict(os.environ))
-        self._wait("nats-server", self._until_healthy("nats", lambda: _port_open(nats_port)), 10)
-        self.kv_address = f"127.0.0.1:{free_port()}"
+        self._wait("nats-server", self._until_healthy("nats", lambda: _port_open(nats_host, nats_port)), 10)
+        self.kv_address = f"{self._at('kvcache').host}:{free_port()}"
         py = [sys.executable, "-m"]
-        self._start("kvcache", py + ["services.kvcache"], self._env("kvcache", **self._metrics_env("kvcache")))
+        self._start("kvcache", py + ["services.kvcache"],
+                    self._env("kvcache", **self._metrics_env("kvcache"), **self._bind_env("kvcache")))
         self._wait("kvcache", self._until_healthy("kvcache", lambda: grpc_serving(self.kv_address, tls=self._tls)),
                    timeout_s)
 
@@ -306,11 +340,12 @@ class Mesh:
                 grpc_port = free_port()
                 name = f"{stage}-{i}"
                 env = self._env(name, INFERMESH_WORKER__INSTANCE_ID=name, INFERMESH_WORKER__GRPC_PORT=str(grpc_port),
-                                **self._metrics_env(name))
+                                **self._metrics_env(name), **self._bind_env(name))
                 self._start(name, py + [f"services.{stage}"], env)
-                address = f"127.0.0.1:{grpc_port}"
+                address = f"{self._at(name).host}:{grpc_port}"
                 health.append(self._until_healthy(name, lambda a=address: grpc_serving(a, tls=self._tls)))
-        self._start("balancer", py + ["services.balancer"], self._env("balancer", **self._metrics_env("balancer")))
+        self._start("balancer", py + ["services.balancer"],
+                    self._env("balancer", **self._metrics_env("balancer"), **self._bind_env("balancer")))
         # Every worker checked at each round (not all(), which stops at the first still loading).
         self._wait("prefill and decode", lambda: sum(check() for check in health) == len(health), timeout_s)
         ready = f"http://{self.host}:{self.port}/ready"
@@ -371,9 +406,9 @@ class Mesh:
             self.procs.clear()
 
 
-def _port_open(port: int) -> bool:
+def _port_open(host: str, port: int) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        with socket.create_connection((host, port), timeout=0.2):
             return True
     except OSError:
         return False
