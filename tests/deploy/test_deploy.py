@@ -614,6 +614,45 @@ def test_compose_file_validates(profile):
                 assert Path(volume["source"]).exists(), f"{name} mounts missing {volume['source']}"
 
 
+@pytest.mark.parametrize("profile", [None, "gpu"])
+def test_compose_runs_prefill_and_decode_apart_and_moves_kv_through_nixl(profile):
+    """Prefill and decode are containers of their own (no shared PID, IPC or network
+    namespace, so no same-namespace copy between them): KV moves through NIXL, on by
+    default on both ends and on kvcache, over UCX's TCP (cuda_copy beside it for the
+    GPU workers' device memory); the settings loader reads it so."""
+    services = compose_config(*((profile,) if profile else ()))["services"]
+    workers = {n: s for n, s in services.items() if (s.get("command") or [])[-1:] in (["services.prefill"],
+                                                                                     ["services.decode"])}
+    stages = {s["command"][-1].split(".")[1] for s in workers.values()}
+    assert stages == {"prefill", "decode"} and len(workers) == (3 if profile is None else 2)
+    assert len({s["container_name"] for s in workers.values()}) == len(workers)
+    for name, svc in workers.items():
+        for shared in ("pid", "ipc", "network_mode", "shm_size"):
+            assert shared not in svc, (name, shared)
+    for name in [*workers, "kvcache"]:
+        env = services[name]["environment"]
+        settings = load_settings(env={k: v for k, v in env.items() if k.startswith("INFERMESH_")})
+        assert env["INFERMESH_KV_TRANSFER__NIXL"] == "true" and settings.kv_transfer.nixl is True, name
+        assert settings.kv_transfer.nixl_backends == "UCX", name
+        assert env["UCX_NET_DEVICES"] == "all", name
+        gpu = name in workers and profile == "gpu"
+        assert env["UCX_TLS"] == ("tcp,cuda_copy" if gpu else "tcp"), name
+    assert not any(k.startswith("UCX_") for k in services["balancer"]["environment"])  # it moves no KV
+    # The knobs: NIXL off, other transports and devices, as compose's variables.
+    import compose
+
+    binary = Path(compose.__file__).parent / "docker-compose"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "INFERMESH_"))}
+    env |= COMPOSE_SECRETS | {"INFERMESH_NIXL": "false", "INFERMESH_UCX_TLS": "rc,ud,sm,self",
+                              "INFERMESH_UCX_NET_DEVICES": "mlx5_0:1"}
+    out = subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "--format", "json"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    decode = json.loads(out.stdout)["services"]["decode-0"]["environment"]
+    assert (decode["INFERMESH_KV_TRANSFER__NIXL"], decode["UCX_TLS"], decode["UCX_NET_DEVICES"]) == (
+        "false", "rc,ud,sm,self", "mlx5_0:1")
+
+
 def test_prometheus_scrapes_every_service_on_its_metrics_port():
     services = {**compose_config()["services"], **compose_config("gpu")["services"]}
     scrape = yaml.safe_load((DEPLOY / "compose" / "prometheus" / "prometheus.yml").read_text())
