@@ -1,6 +1,6 @@
 """Deployment checks that need no cluster and no Docker engine.
 
-- The Helm chart renders (default values and values-gpu.yaml), lints clean,
+- The Helm chart renders (default values, values-gpu.yaml and values-rdma.yaml over it), lints clean,
   and every manifest validates strictly against the Kubernetes API schemas;
   names that manifests use to point at each other resolve.
 - The compose file validates with the compose v2 binary (default and GPU profile).
@@ -55,6 +55,7 @@ from deploy.nats_users import COMPOSE_INSTANCES, ROLE_USERS, compose_secrets, ge
 
 DEPLOY = ROOT / "deploy"
 GPU_VALUES = CHART / "values-gpu.yaml"
+RDMA_VALUES = CHART / "values-rdma.yaml"  # on top of values-gpu.yaml
 COMPOSE_FILE = DEPLOY / "compose" / "compose.yaml"
 DASHBOARD = CHART / "files" / "grafana-dashboard.json"
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate has.
@@ -105,12 +106,29 @@ def gpu_values() -> dict:
     return yaml.safe_load(GPU_VALUES.read_text())
 
 
+def merged(base: dict, over: dict) -> dict:
+    """Values as Helm merges two -f files: maps key by key, anything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def rdma_values() -> dict:
+    """`-f values-gpu.yaml -f values-rdma.yaml`."""
+    return merged(gpu_values(), yaml.safe_load(RDMA_VALUES.read_text()))
+
+
+def chart_values(name: str) -> dict | None:
+    return {"default": lambda: None, "gpu": gpu_values, "rdma": rdma_values}[name]()
+
+
 # -- the Helm chart ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
 def test_chart_renders_and_every_manifest_validates_strictly(values_name):
-    docs = render_chart(gpu_values() if values_name == "gpu" else None)
+    docs = render_chart(chart_values(values_name))
     assert {"ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget"} <= {d["kind"] for d in docs}
     for doc in docs:
         if doc["apiVersion"] in CRD_API_VERSIONS:
@@ -123,20 +141,20 @@ def test_chart_renders_and_every_manifest_validates_strictly(values_name):
                             f" at {'.'.join(map(str, exc.absolute_path))}")
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
 def test_chart_lints_clean(values_name):
-    values = gpu_values() if values_name == "gpu" else None
-    for chart, chart_values in ((CHART, values), (CHART / "charts" / "nats", None)):  # the bundled NATS subchart too
-        report = helm.lint(chart, chart_values, strict=True, kube_version="v1.27.0")
+    values = chart_values(values_name)
+    for chart, values_of_chart in ((CHART, values), (CHART / "charts" / "nats", None)):  # the bundled NATS subchart too
+        report = helm.lint(chart, values_of_chart, strict=True, kube_version="v1.27.0")
         assert report["errors"] == [], chart
         # severity 2 = warning, 3 = error (1 = info, e.g. "icon is recommended")
         assert [m for m in report["messages"] if m["severity"] >= 2] == [], chart
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
 def test_chart_references_resolve(values_name):
     """What the schemas cannot see: names that point at other objects."""
-    docs = render_chart(gpu_values() if values_name == "gpu" else None)
+    docs = render_chart(chart_values(values_name))
     configmaps, services, pods = kinds(docs, "ConfigMap"), kinds(docs, "Service"), workloads(docs)
     for name, wl in pods.items():
         spec, labels = wl["spec"], wl["spec"]["template"]["metadata"]["labels"]
@@ -229,6 +247,133 @@ def test_chart_gpu_values_scale_and_request_gpus():
     assert {"name": "INFERMESH_KVCACHE__CAPACITY_BYTES", "value": "214748364800"} in kv_env  # not 2.147e+11
 
 
+def kv_transfer_env(pod: dict) -> dict[str, str]:
+    (main,) = pod["containers"]
+    return {e["name"]: e["value"] for e in main.get("env", [])
+            if e["name"].startswith(("UCX_", "INFERMESH_KV_TRANSFER__"))}
+
+
+def ucx_rules(policy: dict) -> list[dict]:
+    """A NetworkPolicy's ingress rules that open UCX's port range (or every port) to named components."""
+    return [r for r in policy["spec"]["ingress"] if r.get("from") and any(
+        e["key"] == "app.kubernetes.io/component" for p in r["from"] for e in p["podSelector"].get("matchExpressions", []))]
+
+
+def test_chart_runs_prefill_and_decode_apart_and_moves_kv_through_nixl():
+    """Prefill and decode are StatefulSets of their own (no namespace shared with
+    anything), so KV between them moves through NIXL: on by default, on both and on
+    kvcache, over UCX's TCP on a fixed port range that the NetworkPolicies open only
+    between the pods that transfer (prefill <-> decode, both <-> kvcache); nothing
+    else reaches it, and the balancer (which moves no KV) has none of it."""
+    docs = render_chart()
+    pods, policies = workloads(docs), kinds(docs, "NetworkPolicy")
+    prefill, decode = (pods[f"mesh-infermesh-{s}"] for s in ("prefill", "decode"))
+    assert prefill["kind"] == decode["kind"] == "StatefulSet"
+    for wl in (prefill, decode):
+        pod = wl["spec"]["template"]["spec"]
+        assert [c["name"] for c in pod["containers"]] == [wl["metadata"]["name"].rsplit("-", 1)[1]]
+        for shared in ("shareProcessNamespace", "hostIPC", "hostPID", "hostNetwork"):
+            assert not pod.get(shared), (wl["metadata"]["name"], shared)
+    expected_peers = {"prefill": {"decode", "kvcache"}, "decode": {"prefill", "kvcache"},
+                      "kvcache": {"prefill", "decode"}}
+    for component, peers in expected_peers.items():
+        pod = pods[f"mesh-infermesh-{component}"]["spec"]["template"]["spec"]
+        env = kv_transfer_env(pod)
+        assert env == {"INFERMESH_KV_TRANSFER__NIXL": "true", "INFERMESH_KV_TRANSFER__NIXL_BACKENDS": "UCX",
+                       "UCX_TLS": "tcp", "UCX_NET_DEVICES": "all", "UCX_TCP_PORT_RANGE": "50100-50199"}, component
+        assert load_settings(env=env).kv_transfer.nixl is True
+        (rule,) = ucx_rules(policies[f"mesh-infermesh-{component}"])
+        (peer,) = rule["from"]
+        assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/instance": "mesh",
+                                                      "app.kubernetes.io/part-of": "infermesh"}
+        (expr,) = peer["podSelector"]["matchExpressions"]
+        assert expr["operator"] == "In" and set(expr["values"]) == peers, component
+        assert rule["ports"] == [{"port": 50100, "endPort": 50199, "protocol": "TCP"}], component
+        # No other rule opens that range (nor every port) to anyone.
+        for other in policies[f"mesh-infermesh-{component}"]["spec"]["ingress"]:
+            if other is not rule:
+                assert other.get("ports") and all(not 50100 <= p["port"] <= 50199 for p in other["ports"]), other
+    assert not kv_transfer_env(pods["mesh-infermesh-balancer"]["spec"]["template"]["spec"])
+    # NIXL off: said so, no UCX variables and no UCX rule. Off for one stage only: that stage alone.
+    docs = render_chart({"kvTransfer": {"nixl": False}})
+    for component in expected_peers:
+        env = kv_transfer_env(workloads(docs)[f"mesh-infermesh-{component}"]["spec"]["template"]["spec"])
+        assert env == {"INFERMESH_KV_TRANSFER__NIXL": "false", "INFERMESH_KV_TRANSFER__NIXL_BACKENDS": "UCX"}
+        assert not ucx_rules(kinds(docs, "NetworkPolicy")[f"mesh-infermesh-{component}"])
+        assert load_settings(env=env).kv_transfer.nixl is False
+    docs = render_chart({"stages": {"decode": {"kvTransfer": {"nixl": False}}}})
+    envs = {c: kv_transfer_env(workloads(docs)[f"mesh-infermesh-{c}"]["spec"]["template"]["spec"]) for c in expected_peers}
+    assert envs["decode"]["INFERMESH_KV_TRANSFER__NIXL"] == "false" and "UCX_TLS" not in envs["decode"]
+    assert envs["prefill"]["INFERMESH_KV_TRANSFER__NIXL"] == "true" and envs["prefill"]["UCX_TLS"] == "tcp"
+    # The knobs: timeouts, other UCX variables, any port (then the rule opens every port, to the peers only).
+    docs = render_chart({"kvTransfer": {"metadataTimeoutSeconds": 5, "transferTimeoutSeconds": 60.5,
+                                        "ucx": {"tcpPortRange": "", "env": {"UCX_LOG_LEVEL": "info"}}}})
+    env = kv_transfer_env(workloads(docs)["mesh-infermesh-decode"]["spec"]["template"]["spec"])
+    settings = load_settings(env=env).kv_transfer
+    assert (settings.nixl_metadata_timeout_s, settings.nixl_transfer_timeout_s) == (5, 60.5)
+    assert env["UCX_LOG_LEVEL"] == "info" and "UCX_TCP_PORT_RANGE" not in env
+    (rule,) = ucx_rules(kinds(docs, "NetworkPolicy")["mesh-infermesh-decode"])
+    assert "ports" not in rule and rule["from"]
+
+
+def test_chart_rdma_example_puts_the_pools_apart_on_rdma():
+    """values-rdma.yaml over values-gpu.yaml: prefill and decode on node pools of their
+    own, UCX's RDMA transport and the RDMA port beside TCP, the device plugin's
+    resource in requests and limits, IPC_LOCK; kvcache (no RDMA device) on TCP."""
+    docs = render_chart(rdma_values())
+    pods = workloads(docs)
+    selectors = []
+    for stage in ("prefill", "decode"):
+        pod = pods[f"mesh-infermesh-{stage}"]["spec"]["template"]["spec"]
+        (main,) = pod["containers"]
+        env = kv_transfer_env(pod)
+        assert env["INFERMESH_KV_TRANSFER__NIXL"] == "true"
+        assert {"rc", "cuda_copy", "tcp"} <= set(env["UCX_TLS"].split(","))
+        assert env["UCX_NET_DEVICES"] == "mlx5_0:1,eth0"
+        assert main["resources"]["requests"]["rdma/hca"] == main["resources"]["limits"]["rdma/hca"] == 1
+        assert main["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert main["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+        selectors.append(pod["nodeSelector"]["infermesh.example.com/pool"])
+        assert "hostNetwork" not in pod
+    assert selectors == ["prefill", "decode"]
+    kvcache = pods["mesh-infermesh-kvcache"]["spec"]["template"]["spec"]
+    assert {k: v for k, v in kv_transfer_env(kvcache).items() if k in ("UCX_TLS", "UCX_NET_DEVICES")} == {
+        "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+    assert "rdma/hca" not in str(kvcache) and "IPC_LOCK" not in str(kvcache)
+    assert "rdma/hca" not in str(pods["mesh-infermesh-balancer"]) and "UCX" not in str(pods["mesh-infermesh-balancer"])
+    # The node's network instead of a secondary one: only without NetworkPolicies,
+    # which could not tell these pods' traffic from the node's.
+    host = {"stages": {"decode": {"kvTransfer": {"rdma": {"hostNetwork": True}}}}}
+    with pytest.raises(helm.HelmError, match="networkPolicy.enabled=false"):
+        render_chart(merged(rdma_values(), host))
+    docs = render_chart(merged(rdma_values(), {**host, "networkPolicy": {"enabled": False}}))
+    pod = workloads(docs)["mesh-infermesh-decode"]["spec"]["template"]["spec"]
+    assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+    assert "hostNetwork" not in workloads(docs)["mesh-infermesh-prefill"]["spec"]["template"]["spec"]
+
+
+def test_chart_refuses_kv_transfer_values_that_cannot_work():
+    # GPU pods whose UCX transports cannot reach GPU memory.
+    with pytest.raises(helm.HelmError, match=r"stages\.decode\.kvTransfer\.ucx\.tls"):
+        render_chart({"stages": {"decode": {"gpus": 1}}})
+    for tls in ("tcp,cuda_copy", "all", "^ib", ""):
+        render_chart({"stages": {"decode": {"gpus": 1, "kvTransfer": {"ucx": {"tls": tls}}}}})
+    render_chart({"stages": {"decode": {"gpus": 1, "kvTransfer": {"nixl": False}}}})  # no NIXL: no UCX
+    # NIXL's settings in one place: kvTransfer, not `settings`.
+    for values in ({"settings": {"kv_transfer": {"nixl": False}}},
+                   {"stages": {"prefill": {"settings": {"kv_transfer": {"nixl_backends": "UCX"}}}}}):
+        with pytest.raises(helm.HelmError, match="kvTransfer"):
+            render_chart(values)
+    # Misspelt or malformed values.
+    for bad, where in (({"kvTransfer": {"ucx": {"tcpPortRange": "50100"}}}, "tcpPortRange"),
+                       ({"kvTransfer": {"ucx": {"tsl": "tcp"}}}, "tsl"),
+                       ({"kvTransfer": {"ucx": {"env": {"TLS": "tcp"}}}}, "TLS"),
+                       ({"stages": {"decode": {"kvTransfer": {"rdma": {"enable": True}}}}}, "enable")):
+        with pytest.raises(helm.HelmValuesError, match=where):
+            render_chart(bad)
+
+
 def test_chart_values_schema_refuses_typos():
     for bad, where in (({"stages": {"decode": {"gpu": 1}}}, "'gpu' not allowed"),
                        ({"settings": {"engin": {"dtype": "bfloat16"}}}, "engin"),
@@ -265,12 +410,12 @@ def container_envs(docs: list[dict]) -> dict[str, dict[str, str]]:
             for c in containers(wl["spec"]["template"]["spec"]) if not c["image"].startswith("nats:")}
 
 
-@pytest.mark.parametrize("source", ["chart", "chart-gpu", "compose", "compose-gpu"])
+@pytest.mark.parametrize("source", ["chart", "chart-gpu", "chart-rdma", "compose", "compose-gpu"])
 def test_every_container_env_is_valid_settings(source):
     """Each variable names a real setting with a readable value (what a
     service checks when it starts), also where this file starts nothing."""
     if source.startswith("chart"):
-        envs = container_envs(render_chart(gpu_values() if source == "chart-gpu" else None))
+        envs = container_envs(render_chart(chart_values({"chart": "default"}.get(source, source.removeprefix("chart-")))))
     else:
         services = compose_config(*(["gpu"] if source == "compose-gpu" else []))["services"]
         envs = {n: {**image_env(), **s.get("environment", {})} for n, s in services.items() if "build" in s}
@@ -282,7 +427,7 @@ def test_every_container_env_is_valid_settings(source):
             assert settings.balancer.host == "0.0.0.0", name
         if "nats-credentials" in name:
             continue  # the one-shot that copies a worker's password: joins no plane
-        if source.endswith("gpu") and name.split("/")[0].endswith(("prefill", "decode", "prefill-gpu-0", "decode-gpu-0")):
+        if source.endswith(("gpu", "rdma")) and name.split("/")[0].endswith(("prefill", "decode", "prefill-gpu-0", "decode-gpu-0")):
             assert settings.engine.device == "cuda", name
         if any(one_shot in name for one_shot in ("make-model", "model-init", "nats-credentials", "certs")):
             continue  # a one-shot that joins no plane
@@ -290,9 +435,9 @@ def test_every_container_env_is_valid_settings(source):
         # compose name), with a password, TLS to NATS, the gRPC token, and (containers
         # and pods being reached by others) the non-loopback bind set explicitly.
         # (values-gpu.yaml dials an existing NATS: its TLS is the operator's to set.)
-        assert (settings.nats.tls_ca or source == "chart-gpu") and settings.worker.tls_ca, name
+        assert (settings.nats.tls_ca or source in ("chart-gpu", "chart-rdma")) and settings.worker.tls_ca, name
         # ... and a client certificate of the mesh's CA: the files' NATS asks for one.
-        assert (settings.nats.tls_cert and settings.nats.tls_key) or source == "chart-gpu", name
+        assert (settings.nats.tls_cert and settings.nats.tls_key) or source in ("chart-gpu", "chart-rdma"), name
         role = next((r for r in ROLE_USERS if r in name.split("/")[-1]), None)
         if role is not None:
             assert settings.nats.user == role and settings.nats.password, name
