@@ -847,6 +847,86 @@ def test_dockerfile_parses_copies_only_allowed_files_and_runs_as_non_root():
     assert not any("models" in c.value[0] for c in stage if c.cmd == "COPY"), "no model in the image"
 
 
+# What NIXL's wheel may take from the image's system: glibc, libstdc++, libgcc and zlib
+# (every base image has them) and libssl3 (Debian's and Ubuntu's openssl package brings it).
+NIXL_SYSTEM_LIBS = {"linux-vdso.so.1", "ld-linux-x86-64.so.2", "libc.so.6", "libm.so.6", "libdl.so.2",
+                    "libpthread.so.0", "librt.so.1", "libgcc_s.so.1", "libstdc++.so.6", "libz.so.1",
+                    "libssl.so.3", "libcrypto.so.3"}
+
+
+def test_image_carries_what_nixl_needs():
+    """Installing the project's pins over the image's CPU torch adds nixl-cu12 and no
+    other torch (its only requirements are torch and numpy, unpinned); the libraries
+    its UCX backend loads (the bindings, libnixl, the UCX plugin, UCX with its TCP,
+    shared-memory and mlx5 RDMA transports) find everything in the wheel but a few
+    system libraries every base image has, and libssl3, which the openssl the
+    Dockerfile installs brings. The CUDA base image carries libcudart.so.12 for UCX's
+    CUDA transports (nixl-cu12), and the build starts a NIXL agent to prove it all."""
+    import importlib.metadata as md
+    import sysconfig
+
+    pins = dict(re.findall(r'"([a-z0-9-]+)==([^"]+)"', (ROOT / "pyproject.toml").read_text()))
+    assert pins["nixl-cu12"] == md.version("nixl-cu12") and pins["torch"] == "2.13.0"
+    assert sorted(md.requires("nixl-cu12")) == ["numpy", "torch"]  # unpinned: the CPU torch satisfies it
+    stage = dockerfile_final_stage()
+    runs = [c.value[0] for c in stage if c.cmd == "RUN"]
+    torch_run = next(i for i, r in enumerate(runs) if "torch==2.13.0" in r and "TORCH_INDEX_URL" in r)
+    requirements_run = next(i for i, r in enumerate(runs) if "pip install -r" in r)
+    assert torch_run < requirements_run, "the CPU torch must be in place before the pins are resolved"
+    assert any("openssl" in r and "apt-get install" in r for r in runs[:requirements_run]), "libssl3"
+    assert any("nixl_agent(" in r and "UCX" in r for r in runs[requirements_run:]), "the build starts no NIXL agent"
+    froms = {v[-1]: v[0] for v in (c.value for c in dockerfile.parse_file(str(DOCKERFILE)) if c.cmd == "FROM")
+             if len(v) == 3}
+    assert re.fullmatch(r"nvidia/cuda:12\.[\d.]+-base-ubuntu[\d.]+", froms["base-cuda"]), froms  # cudart 12 inside
+    assert froms["base-cpu"].startswith("python:3.11-slim-")
+    site = Path(sysconfig.get_paths()["platlib"])
+    wheel_libs = [site / ".nixl_cu12.mesonpy.libs", site / "nixl_cu12.libs", site / "nixl_cu12.libs" / "ucx"]
+    in_wheel = {p.name for d in wheel_libs for p in d.iterdir() if ".so" in p.name}
+    loaded = [*(site / "nixl_cu12").glob("*.so"), *wheel_libs[0].glob("*.so"),
+              *(p for p in wheel_libs[1].iterdir() if ".so" in p.name),
+              site / "nixl_cu12.libs" / "nixl" / "libplugin_UCX.so",
+              *(wheel_libs[2] / f"libuct_{t}.so.0.0.0" for t in ("cma", "ib", "ib_mlx5"))]
+    system: set[str] = set()
+    for lib in loaded:
+        out = subprocess.run(["ldd", str(lib)], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            name, _, where = line.strip().partition(" => ")
+            if "not found" in where:
+                # The UCX plugin's libnixl_common / libserdes: loaded already by the bindings.
+                assert name in in_wheel, f"{lib.name} needs {name}, which neither the wheel nor the image has"
+            elif where and str(site) not in where:
+                system.add(name)
+            elif not where and name.split()[0].startswith(("linux-vdso", "/lib")):
+                system.add(Path(name.split()[0]).name)
+    assert system and system <= NIXL_SYSTEM_LIBS, system - NIXL_SYSTEM_LIBS
+
+
+@pytest.mark.parametrize("source", ["compose", "chart"])
+def test_nixl_reads_between_two_processes_with_the_files_ucx_env(source):
+    """The pinned NIXL and its UCX move bytes between two processes with exactly the
+    UCX environment the files give prefill and decode (TCP; the chart's port range):
+    decode READs prefill's registered memory, the bytes arrive intact, prefill gets the
+    notification that ends a lease, and under the chart UCX listens inside the range
+    its NetworkPolicies open."""
+    from tests.helpers.nixl_pair import read_over_ucx
+
+    if source == "compose":
+        services = compose_config()["services"]
+        owner, reader = (services[n]["environment"] for n in ("prefill-0", "decode-0"))
+    else:
+        pods = workloads(render_chart())
+        owner, reader = (kv_transfer_env(pods[f"mesh-infermesh-{s}"]["spec"]["template"]["spec"])
+                         for s in ("prefill", "decode"))
+    owner, reader = ({k: v for k, v in env.items() if k.startswith("UCX_")} for env in (owner, reader))
+    assert owner["UCX_TLS"] == reader["UCX_TLS"] == "tcp"
+    result = read_over_ucx(owner, reader)
+    assert result["state"] == "DONE" and result["intact"], result
+    assert result["notified"] == [b"lease-end"]
+    if "UCX_TCP_PORT_RANGE" in owner:
+        first, last = map(int, owner["UCX_TCP_PORT_RANGE"].split("-"))
+        assert result["owner_ports"] and all(first <= p <= last for p in result["owner_ports"]), result
+
+
 # -- the Grafana dashboard -------------------------------------------------------------------------
 
 
