@@ -1,6 +1,6 @@
 """Deployment checks that need no cluster and no Docker engine.
 
-- The Helm chart renders (default values and values-gpu.yaml), lints clean,
+- The Helm chart renders (default values, values-gpu.yaml and values-rdma.yaml over it), lints clean,
   and every manifest validates strictly against the Kubernetes API schemas;
   names that manifests use to point at each other resolve.
 - The compose file validates with the compose v2 binary (default and GPU profile).
@@ -55,6 +55,7 @@ from deploy.nats_users import COMPOSE_INSTANCES, ROLE_USERS, compose_secrets, ge
 
 DEPLOY = ROOT / "deploy"
 GPU_VALUES = CHART / "values-gpu.yaml"
+RDMA_VALUES = CHART / "values-rdma.yaml"  # on top of values-gpu.yaml
 COMPOSE_FILE = DEPLOY / "compose" / "compose.yaml"
 DASHBOARD = CHART / "files" / "grafana-dashboard.json"
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate has.
@@ -105,12 +106,29 @@ def gpu_values() -> dict:
     return yaml.safe_load(GPU_VALUES.read_text())
 
 
+def merged(base: dict, over: dict) -> dict:
+    """Values as Helm merges two -f files: maps key by key, anything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def rdma_values() -> dict:
+    """`-f values-gpu.yaml -f values-rdma.yaml`."""
+    return merged(gpu_values(), yaml.safe_load(RDMA_VALUES.read_text()))
+
+
+def chart_values(name: str) -> dict | None:
+    return {"default": lambda: None, "gpu": gpu_values, "rdma": rdma_values}[name]()
+
+
 # -- the Helm chart ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
 def test_chart_renders_and_every_manifest_validates_strictly(values_name):
-    docs = render_chart(gpu_values() if values_name == "gpu" else None)
+    docs = render_chart(chart_values(values_name))
     assert {"ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget"} <= {d["kind"] for d in docs}
     for doc in docs:
         if doc["apiVersion"] in CRD_API_VERSIONS:
@@ -123,20 +141,20 @@ def test_chart_renders_and_every_manifest_validates_strictly(values_name):
                             f" at {'.'.join(map(str, exc.absolute_path))}")
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
 def test_chart_lints_clean(values_name):
-    values = gpu_values() if values_name == "gpu" else None
-    for chart, chart_values in ((CHART, values), (CHART / "charts" / "nats", None)):  # the bundled NATS subchart too
-        report = helm.lint(chart, chart_values, strict=True, kube_version="v1.27.0")
+    values = chart_values(values_name)
+    for chart, values_of_chart in ((CHART, values), (CHART / "charts" / "nats", None)):  # the bundled NATS subchart too
+        report = helm.lint(chart, values_of_chart, strict=True, kube_version="v1.27.0")
         assert report["errors"] == [], chart
         # severity 2 = warning, 3 = error (1 = info, e.g. "icon is recommended")
         assert [m for m in report["messages"] if m["severity"] >= 2] == [], chart
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
 def test_chart_references_resolve(values_name):
     """What the schemas cannot see: names that point at other objects."""
-    docs = render_chart(gpu_values() if values_name == "gpu" else None)
+    docs = render_chart(chart_values(values_name))
     configmaps, services, pods = kinds(docs, "ConfigMap"), kinds(docs, "Service"), workloads(docs)
     for name, wl in pods.items():
         spec, labels = wl["spec"], wl["spec"]["template"]["metadata"]["labels"]
@@ -229,6 +247,133 @@ def test_chart_gpu_values_scale_and_request_gpus():
     assert {"name": "INFERMESH_KVCACHE__CAPACITY_BYTES", "value": "214748364800"} in kv_env  # not 2.147e+11
 
 
+def kv_transfer_env(pod: dict) -> dict[str, str]:
+    (main,) = pod["containers"]
+    return {e["name"]: e["value"] for e in main.get("env", [])
+            if e["name"].startswith(("UCX_", "INFERMESH_KV_TRANSFER__"))}
+
+
+def ucx_rules(policy: dict) -> list[dict]:
+    """A NetworkPolicy's ingress rules that open UCX's port range (or every port) to named components."""
+    return [r for r in policy["spec"]["ingress"] if r.get("from") and any(
+        e["key"] == "app.kubernetes.io/component" for p in r["from"] for e in p["podSelector"].get("matchExpressions", []))]
+
+
+def test_chart_runs_prefill_and_decode_apart_and_moves_kv_through_nixl():
+    """Prefill and decode are StatefulSets of their own (no namespace shared with
+    anything), so KV between them moves through NIXL: on by default, on both and on
+    kvcache, over UCX's TCP on a fixed port range that the NetworkPolicies open only
+    between the pods that transfer (prefill <-> decode, both <-> kvcache); nothing
+    else reaches it, and the balancer (which moves no KV) has none of it."""
+    docs = render_chart()
+    pods, policies = workloads(docs), kinds(docs, "NetworkPolicy")
+    prefill, decode = (pods[f"mesh-infermesh-{s}"] for s in ("prefill", "decode"))
+    assert prefill["kind"] == decode["kind"] == "StatefulSet"
+    for wl in (prefill, decode):
+        pod = wl["spec"]["template"]["spec"]
+        assert [c["name"] for c in pod["containers"]] == [wl["metadata"]["name"].rsplit("-", 1)[1]]
+        for shared in ("shareProcessNamespace", "hostIPC", "hostPID", "hostNetwork"):
+            assert not pod.get(shared), (wl["metadata"]["name"], shared)
+    expected_peers = {"prefill": {"decode", "kvcache"}, "decode": {"prefill", "kvcache"},
+                      "kvcache": {"prefill", "decode"}}
+    for component, peers in expected_peers.items():
+        pod = pods[f"mesh-infermesh-{component}"]["spec"]["template"]["spec"]
+        env = kv_transfer_env(pod)
+        assert env == {"INFERMESH_KV_TRANSFER__NIXL": "true", "INFERMESH_KV_TRANSFER__NIXL_BACKENDS": "UCX",
+                       "UCX_TLS": "tcp", "UCX_NET_DEVICES": "all", "UCX_TCP_PORT_RANGE": "50100-50199"}, component
+        assert load_settings(env=env).kv_transfer.nixl is True
+        (rule,) = ucx_rules(policies[f"mesh-infermesh-{component}"])
+        (peer,) = rule["from"]
+        assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/instance": "mesh",
+                                                      "app.kubernetes.io/part-of": "infermesh"}
+        (expr,) = peer["podSelector"]["matchExpressions"]
+        assert expr["operator"] == "In" and set(expr["values"]) == peers, component
+        assert rule["ports"] == [{"port": 50100, "endPort": 50199, "protocol": "TCP"}], component
+        # No other rule opens that range (nor every port) to anyone.
+        for other in policies[f"mesh-infermesh-{component}"]["spec"]["ingress"]:
+            if other is not rule:
+                assert other.get("ports") and all(not 50100 <= p["port"] <= 50199 for p in other["ports"]), other
+    assert not kv_transfer_env(pods["mesh-infermesh-balancer"]["spec"]["template"]["spec"])
+    # NIXL off: said so, no UCX variables and no UCX rule. Off for one stage only: that stage alone.
+    docs = render_chart({"kvTransfer": {"nixl": False}})
+    for component in expected_peers:
+        env = kv_transfer_env(workloads(docs)[f"mesh-infermesh-{component}"]["spec"]["template"]["spec"])
+        assert env == {"INFERMESH_KV_TRANSFER__NIXL": "false", "INFERMESH_KV_TRANSFER__NIXL_BACKENDS": "UCX"}
+        assert not ucx_rules(kinds(docs, "NetworkPolicy")[f"mesh-infermesh-{component}"])
+        assert load_settings(env=env).kv_transfer.nixl is False
+    docs = render_chart({"stages": {"decode": {"kvTransfer": {"nixl": False}}}})
+    envs = {c: kv_transfer_env(workloads(docs)[f"mesh-infermesh-{c}"]["spec"]["template"]["spec"]) for c in expected_peers}
+    assert envs["decode"]["INFERMESH_KV_TRANSFER__NIXL"] == "false" and "UCX_TLS" not in envs["decode"]
+    assert envs["prefill"]["INFERMESH_KV_TRANSFER__NIXL"] == "true" and envs["prefill"]["UCX_TLS"] == "tcp"
+    # The knobs: timeouts, other UCX variables, any port (then the rule opens every port, to the peers only).
+    docs = render_chart({"kvTransfer": {"metadataTimeoutSeconds": 5, "transferTimeoutSeconds": 60.5,
+                                        "ucx": {"tcpPortRange": "", "env": {"UCX_LOG_LEVEL": "info"}}}})
+    env = kv_transfer_env(workloads(docs)["mesh-infermesh-decode"]["spec"]["template"]["spec"])
+    settings = load_settings(env=env).kv_transfer
+    assert (settings.nixl_metadata_timeout_s, settings.nixl_transfer_timeout_s) == (5, 60.5)
+    assert env["UCX_LOG_LEVEL"] == "info" and "UCX_TCP_PORT_RANGE" not in env
+    (rule,) = ucx_rules(kinds(docs, "NetworkPolicy")["mesh-infermesh-decode"])
+    assert "ports" not in rule and rule["from"]
+
+
+def test_chart_rdma_example_puts_the_pools_apart_on_rdma():
+    """values-rdma.yaml over values-gpu.yaml: prefill and decode on node pools of their
+    own, UCX's RDMA transport and the RDMA port beside TCP, the device plugin's
+    resource in requests and limits, IPC_LOCK; kvcache (no RDMA device) on TCP."""
+    docs = render_chart(rdma_values())
+    pods = workloads(docs)
+    selectors = []
+    for stage in ("prefill", "decode"):
+        pod = pods[f"mesh-infermesh-{stage}"]["spec"]["template"]["spec"]
+        (main,) = pod["containers"]
+        env = kv_transfer_env(pod)
+        assert env["INFERMESH_KV_TRANSFER__NIXL"] == "true"
+        assert {"rc", "cuda_copy", "tcp"} <= set(env["UCX_TLS"].split(","))
+        assert env["UCX_NET_DEVICES"] == "mlx5_0:1,eth0"
+        assert main["resources"]["requests"]["rdma/hca"] == main["resources"]["limits"]["rdma/hca"] == 1
+        assert main["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert main["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+        selectors.append(pod["nodeSelector"]["infermesh.example.com/pool"])
+        assert "hostNetwork" not in pod
+    assert selectors == ["prefill", "decode"]
+    kvcache = pods["mesh-infermesh-kvcache"]["spec"]["template"]["spec"]
+    assert {k: v for k, v in kv_transfer_env(kvcache).items() if k in ("UCX_TLS", "UCX_NET_DEVICES")} == {
+        "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+    assert "rdma/hca" not in str(kvcache) and "IPC_LOCK" not in str(kvcache)
+    assert "rdma/hca" not in str(pods["mesh-infermesh-balancer"]) and "UCX" not in str(pods["mesh-infermesh-balancer"])
+    # The node's network instead of a secondary one: only without NetworkPolicies,
+    # which could not tell these pods' traffic from the node's.
+    host = {"stages": {"decode": {"kvTransfer": {"rdma": {"hostNetwork": True}}}}}
+    with pytest.raises(helm.HelmError, match="networkPolicy.enabled=false"):
+        render_chart(merged(rdma_values(), host))
+    docs = render_chart(merged(rdma_values(), {**host, "networkPolicy": {"enabled": False}}))
+    pod = workloads(docs)["mesh-infermesh-decode"]["spec"]["template"]["spec"]
+    assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+    assert "hostNetwork" not in workloads(docs)["mesh-infermesh-prefill"]["spec"]["template"]["spec"]
+
+
+def test_chart_refuses_kv_transfer_values_that_cannot_work():
+    # GPU pods whose UCX transports cannot reach GPU memory.
+    with pytest.raises(helm.HelmError, match=r"stages\.decode\.kvTransfer\.ucx\.tls"):
+        render_chart({"stages": {"decode": {"gpus": 1}}})
+    for tls in ("tcp,cuda_copy", "all", "^ib", ""):
+        render_chart({"stages": {"decode": {"gpus": 1, "kvTransfer": {"ucx": {"tls": tls}}}}})
+    render_chart({"stages": {"decode": {"gpus": 1, "kvTransfer": {"nixl": False}}}})  # no NIXL: no UCX
+    # NIXL's settings in one place: kvTransfer, not `settings`.
+    for values in ({"settings": {"kv_transfer": {"nixl": False}}},
+                   {"stages": {"prefill": {"settings": {"kv_transfer": {"nixl_backends": "UCX"}}}}}):
+        with pytest.raises(helm.HelmError, match="kvTransfer"):
+            render_chart(values)
+    # Misspelt or malformed values.
+    for bad, where in (({"kvTransfer": {"ucx": {"tcpPortRange": "50100"}}}, "tcpPortRange"),
+                       ({"kvTransfer": {"ucx": {"tsl": "tcp"}}}, "tsl"),
+                       ({"kvTransfer": {"ucx": {"env": {"TLS": "tcp"}}}}, "TLS"),
+                       ({"stages": {"decode": {"kvTransfer": {"rdma": {"enable": True}}}}}, "enable")):
+        with pytest.raises(helm.HelmValuesError, match=where):
+            render_chart(bad)
+
+
 def test_chart_values_schema_refuses_typos():
     for bad, where in (({"stages": {"decode": {"gpu": 1}}}, "'gpu' not allowed"),
                        ({"settings": {"engin": {"dtype": "bfloat16"}}}, "engin"),
@@ -265,12 +410,12 @@ def container_envs(docs: list[dict]) -> dict[str, dict[str, str]]:
             for c in containers(wl["spec"]["template"]["spec"]) if not c["image"].startswith("nats:")}
 
 
-@pytest.mark.parametrize("source", ["chart", "chart-gpu", "compose", "compose-gpu"])
+@pytest.mark.parametrize("source", ["chart", "chart-gpu", "chart-rdma", "compose", "compose-gpu"])
 def test_every_container_env_is_valid_settings(source):
     """Each variable names a real setting with a readable value (what a
     service checks when it starts), also where this file starts nothing."""
     if source.startswith("chart"):
-        envs = container_envs(render_chart(gpu_values() if source == "chart-gpu" else None))
+        envs = container_envs(render_chart(chart_values({"chart": "default"}.get(source, source.removeprefix("chart-")))))
     else:
         services = compose_config(*(["gpu"] if source == "compose-gpu" else []))["services"]
         envs = {n: {**image_env(), **s.get("environment", {})} for n, s in services.items() if "build" in s}
@@ -282,7 +427,7 @@ def test_every_container_env_is_valid_settings(source):
             assert settings.balancer.host == "0.0.0.0", name
         if "nats-credentials" in name:
             continue  # the one-shot that copies a worker's password: joins no plane
-        if source.endswith("gpu") and name.split("/")[0].endswith(("prefill", "decode", "prefill-gpu-0", "decode-gpu-0")):
+        if source.endswith(("gpu", "rdma")) and name.split("/")[0].endswith(("prefill", "decode", "prefill-gpu-0", "decode-gpu-0")):
             assert settings.engine.device == "cuda", name
         if any(one_shot in name for one_shot in ("make-model", "model-init", "nats-credentials", "certs")):
             continue  # a one-shot that joins no plane
@@ -290,9 +435,9 @@ def test_every_container_env_is_valid_settings(source):
         # compose name), with a password, TLS to NATS, the gRPC token, and (containers
         # and pods being reached by others) the non-loopback bind set explicitly.
         # (values-gpu.yaml dials an existing NATS: its TLS is the operator's to set.)
-        assert (settings.nats.tls_ca or source == "chart-gpu") and settings.worker.tls_ca, name
+        assert (settings.nats.tls_ca or source in ("chart-gpu", "chart-rdma")) and settings.worker.tls_ca, name
         # ... and a client certificate of the mesh's CA: the files' NATS asks for one.
-        assert (settings.nats.tls_cert and settings.nats.tls_key) or source == "chart-gpu", name
+        assert (settings.nats.tls_cert and settings.nats.tls_key) or source in ("chart-gpu", "chart-rdma"), name
         role = next((r for r in ROLE_USERS if r in name.split("/")[-1]), None)
         if role is not None:
             assert settings.nats.user == role and settings.nats.password, name
@@ -614,6 +759,45 @@ def test_compose_file_validates(profile):
                 assert Path(volume["source"]).exists(), f"{name} mounts missing {volume['source']}"
 
 
+@pytest.mark.parametrize("profile", [None, "gpu"])
+def test_compose_runs_prefill_and_decode_apart_and_moves_kv_through_nixl(profile):
+    """Prefill and decode are containers of their own (no shared PID, IPC or network
+    namespace, so no same-namespace copy between them): KV moves through NIXL, on by
+    default on both ends and on kvcache, over UCX's TCP (cuda_copy beside it for the
+    GPU workers' device memory); the settings loader reads it so."""
+    services = compose_config(*((profile,) if profile else ()))["services"]
+    workers = {n: s for n, s in services.items() if (s.get("command") or [])[-1:] in (["services.prefill"],
+                                                                                     ["services.decode"])}
+    stages = {s["command"][-1].split(".")[1] for s in workers.values()}
+    assert stages == {"prefill", "decode"} and len(workers) == (3 if profile is None else 2)
+    assert len({s["container_name"] for s in workers.values()}) == len(workers)
+    for name, svc in workers.items():
+        for shared in ("pid", "ipc", "network_mode", "shm_size"):
+            assert shared not in svc, (name, shared)
+    for name in [*workers, "kvcache"]:
+        env = services[name]["environment"]
+        settings = load_settings(env={k: v for k, v in env.items() if k.startswith("INFERMESH_")})
+        assert env["INFERMESH_KV_TRANSFER__NIXL"] == "true" and settings.kv_transfer.nixl is True, name
+        assert settings.kv_transfer.nixl_backends == "UCX", name
+        assert env["UCX_NET_DEVICES"] == "all", name
+        gpu = name in workers and profile == "gpu"
+        assert env["UCX_TLS"] == ("tcp,cuda_copy" if gpu else "tcp"), name
+    assert not any(k.startswith("UCX_") for k in services["balancer"]["environment"])  # it moves no KV
+    # The knobs: NIXL off, other transports and devices, as compose's variables.
+    import compose
+
+    binary = Path(compose.__file__).parent / "docker-compose"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "INFERMESH_"))}
+    env |= COMPOSE_SECRETS | {"INFERMESH_NIXL": "false", "INFERMESH_UCX_TLS": "rc,ud,sm,self",
+                              "INFERMESH_UCX_NET_DEVICES": "mlx5_0:1"}
+    out = subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "--format", "json"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    decode = json.loads(out.stdout)["services"]["decode-0"]["environment"]
+    assert (decode["INFERMESH_KV_TRANSFER__NIXL"], decode["UCX_TLS"], decode["UCX_NET_DEVICES"]) == (
+        "false", "rc,ud,sm,self", "mlx5_0:1")
+
+
 def test_prometheus_scrapes_every_service_on_its_metrics_port():
     services = {**compose_config()["services"], **compose_config("gpu")["services"]}
     scrape = yaml.safe_load((DEPLOY / "compose" / "prometheus" / "prometheus.yml").read_text())
@@ -661,6 +845,86 @@ def test_dockerfile_parses_copies_only_allowed_files_and_runs_as_non_root():
     froms = [c.value for c in dockerfile.parse_file(str(DOCKERFILE)) if c.cmd == "FROM"]
     assert {"base-cpu", "base-cuda"} <= {v[-1] for v in froms if len(v) == 3}
     assert not any("models" in c.value[0] for c in stage if c.cmd == "COPY"), "no model in the image"
+
+
+# What NIXL's wheel may take from the image's system: glibc, libstdc++, libgcc and zlib
+# (every base image has them) and libssl3 (Debian's and Ubuntu's openssl package brings it).
+NIXL_SYSTEM_LIBS = {"linux-vdso.so.1", "ld-linux-x86-64.so.2", "libc.so.6", "libm.so.6", "libdl.so.2",
+                    "libpthread.so.0", "librt.so.1", "libgcc_s.so.1", "libstdc++.so.6", "libz.so.1",
+                    "libssl.so.3", "libcrypto.so.3"}
+
+
+def test_image_carries_what_nixl_needs():
+    """Installing the project's pins over the image's CPU torch adds nixl-cu12 and no
+    other torch (its only requirements are torch and numpy, unpinned); the libraries
+    its UCX backend loads (the bindings, libnixl, the UCX plugin, UCX with its TCP,
+    shared-memory and mlx5 RDMA transports) find everything in the wheel but a few
+    system libraries every base image has, and libssl3, which the openssl the
+    Dockerfile installs brings. The CUDA base image carries libcudart.so.12 for UCX's
+    CUDA transports (nixl-cu12), and the build starts a NIXL agent to prove it all."""
+    import importlib.metadata as md
+    import sysconfig
+
+    pins = dict(re.findall(r'"([a-z0-9-]+)==([^"]+)"', (ROOT / "pyproject.toml").read_text()))
+    assert pins["nixl-cu12"] == md.version("nixl-cu12") and pins["torch"] == "2.13.0"
+    assert sorted(md.requires("nixl-cu12")) == ["numpy", "torch"]  # unpinned: the CPU torch satisfies it
+    stage = dockerfile_final_stage()
+    runs = [c.value[0] for c in stage if c.cmd == "RUN"]
+    torch_run = next(i for i, r in enumerate(runs) if "torch==2.13.0" in r and "TORCH_INDEX_URL" in r)
+    requirements_run = next(i for i, r in enumerate(runs) if "pip install -r" in r)
+    assert torch_run < requirements_run, "the CPU torch must be in place before the pins are resolved"
+    assert any("openssl" in r and "apt-get install" in r for r in runs[:requirements_run]), "libssl3"
+    assert any("nixl_agent(" in r and "UCX" in r for r in runs[requirements_run:]), "the build starts no NIXL agent"
+    froms = {v[-1]: v[0] for v in (c.value for c in dockerfile.parse_file(str(DOCKERFILE)) if c.cmd == "FROM")
+             if len(v) == 3}
+    assert re.fullmatch(r"nvidia/cuda:12\.[\d.]+-base-ubuntu[\d.]+", froms["base-cuda"]), froms  # cudart 12 inside
+    assert froms["base-cpu"].startswith("python:3.11-slim-")
+    site = Path(sysconfig.get_paths()["platlib"])
+    wheel_libs = [site / ".nixl_cu12.mesonpy.libs", site / "nixl_cu12.libs", site / "nixl_cu12.libs" / "ucx"]
+    in_wheel = {p.name for d in wheel_libs for p in d.iterdir() if ".so" in p.name}
+    loaded = [*(site / "nixl_cu12").glob("*.so"), *wheel_libs[0].glob("*.so"),
+              *(p for p in wheel_libs[1].iterdir() if ".so" in p.name),
+              site / "nixl_cu12.libs" / "nixl" / "libplugin_UCX.so",
+              *(wheel_libs[2] / f"libuct_{t}.so.0.0.0" for t in ("cma", "ib", "ib_mlx5"))]
+    system: set[str] = set()
+    for lib in loaded:
+        out = subprocess.run(["ldd", str(lib)], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            name, _, where = line.strip().partition(" => ")
+            if "not found" in where:
+                # The UCX plugin's libnixl_common / libserdes: loaded already by the bindings.
+                assert name in in_wheel, f"{lib.name} needs {name}, which neither the wheel nor the image has"
+            elif where and str(site) not in where:
+                system.add(name)
+            elif not where and name.split()[0].startswith(("linux-vdso", "/lib")):
+                system.add(Path(name.split()[0]).name)
+    assert system and system <= NIXL_SYSTEM_LIBS, system - NIXL_SYSTEM_LIBS
+
+
+@pytest.mark.parametrize("source", ["compose", "chart"])
+def test_nixl_reads_between_two_processes_with_the_files_ucx_env(source):
+    """The pinned NIXL and its UCX move bytes between two processes with exactly the
+    UCX environment the files give prefill and decode (TCP; the chart's port range):
+    decode READs prefill's registered memory, the bytes arrive intact, prefill gets the
+    notification that ends a lease, and under the chart UCX listens inside the range
+    its NetworkPolicies open."""
+    from tests.helpers.nixl_pair import read_over_ucx
+
+    if source == "compose":
+        services = compose_config()["services"]
+        owner, reader = (services[n]["environment"] for n in ("prefill-0", "decode-0"))
+    else:
+        pods = workloads(render_chart())
+        owner, reader = (kv_transfer_env(pods[f"mesh-infermesh-{s}"]["spec"]["template"]["spec"])
+                         for s in ("prefill", "decode"))
+    owner, reader = ({k: v for k, v in env.items() if k.startswith("UCX_")} for env in (owner, reader))
+    assert owner["UCX_TLS"] == reader["UCX_TLS"] == "tcp"
+    result = read_over_ucx(owner, reader)
+    assert result["state"] == "DONE" and result["intact"], result
+    assert result["notified"] == [b"lease-end"]
+    if "UCX_TCP_PORT_RANGE" in owner:
+        first, last = map(int, owner["UCX_TCP_PORT_RANGE"].split("-"))
+        assert result["owner_ports"] and all(first <= p <= last for p in result["owner_ports"]), result
 
 
 # -- the Grafana dashboard -------------------------------------------------------------------------

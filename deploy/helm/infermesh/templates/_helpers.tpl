@@ -90,6 +90,11 @@ imagePullPolicy: {{ $img.pullPolicy }}
 {{- $_ := set $res "limits" (merge (deepCopy ($res.limits | default dict)) $gpu) -}}
 {{- $_ := set $res "requests" (merge (deepCopy ($res.requests | default dict)) $gpu) -}}
 {{- end -}}
+{{- /* RDMA devices (kvTransfer.rdma.resources), requested and limited alike. */ -}}
+{{- with (include "infermesh.rdma" . | fromYaml).resources -}}
+{{- $_ := set $res "limits" (merge (deepCopy ($res.limits | default dict)) .) -}}
+{{- $_ := set $res "requests" (merge (deepCopy ($res.requests | default dict)) .) -}}
+{{- end -}}
 {{- toYaml $res -}}
 {{- end -}}
 
@@ -133,6 +138,7 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- include "infermesh.rdmaPod" . }}
 {{- end -}}
 
 {{/* The init container that writes the demo model when no model volume is given. */}}
