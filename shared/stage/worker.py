@@ -416,7 +416,8 @@ async def serve_engine_stage(
         chain.head.close()
         raise
     stack.callback(engine.close)  # after the drain below has stopped the engine thread
-    nixl = chain.nixl if chain.nixl is not None and chain.nixl.ready else None
+    # Only an engine that holds blocks for peers offers them through NIXL (decode's link reads).
+    nixl = chain.nixl if share_kv and chain.nixl is not None and chain.nixl.ready else None
     worker = Worker(ctx, engine, chain.kvcache, nixl)
     routes = list(make_dispatch(worker))
     await worker.start(stack)

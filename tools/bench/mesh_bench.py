@@ -285,7 +285,7 @@ def run_mesh_bench(
     header = run_header()  # as the run starts: the commit and the tree that ran
     with tee_stdout(log_path, header):
         figures = _bench(model, runs, counts, prompt_len, output_len, num_rounds, num_prefill, num_decode, targets,
-                         engine_flags or {}, state_dir)  # fmt: skip
+                         engine_flags or {}, state_dir, pid_namespaces)  # fmt: skip
     if json_path:
         write_json(json_path, figures, header)
     return figures
@@ -303,6 +303,7 @@ def _bench(
     targets: tuple[str, ...],
     engine_flags: Mapping[str, Any],
     state_dir: str | None,
+    pid_namespaces: bool = False,
 ) -> dict[str, Any]:
     from shared.model.config import ModelConfig
 
