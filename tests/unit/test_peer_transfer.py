@@ -117,8 +117,8 @@ def test_the_handoff_message_carries_the_window(model_dir):
 class ShortPeer(PeerConnector):
     """Copies everything, window included, but reports the last persistent block missing."""
 
-    def _copy(self, request_id, source, first, block_ids, num):
-        copied, seconds = super()._copy(request_id, source, first, block_ids, num)
+    def _copy(self, request_id, source, route, first, block_ids, num):
+        copied, seconds = super()._copy(request_id, source, route, first, block_ids, num)
         return copied - 1, seconds
 
 

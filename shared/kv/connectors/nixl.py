@@ -13,33 +13,28 @@ consecutive blocks per cache tensor and k/v plane, every layer at once. The
 read carries a notification; prefill's connector hears it (`take_released`)
 and its engine ends the lease then, with no message of ours.
 
-As in peer.py: no read starts when the lease is about to run out, a read that
-outlived the lease is thrown away (the peer may have reused the blocks), and a
-failed or timed-out read is recomputed, visibly (LoadResult.error; the span's
+The lease rules and the read's thread are peer_link.py's, as for the peer copy:
+a failed or timed-out read is recomputed, visibly (LoadResult.error; the span's
 kv.path says "recompute"). Loads without a NIXL source and every save go to
 the connector behind.
 """
 
-import concurrent.futures
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from shared.kv.block_hash import BlockHash
-from shared.kv.connectors.base import BlockIds, InFrontConnector, KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.connectors.base import BlockIds, KVConnector
+from shared.kv.connectors.peer_link import PeerLink
 from shared.kv.memory.region import KVRegion
-from shared.kv.transfer import KVTransferParams, PeerSource, copy_plan
+from shared.kv.transfer import PeerSource
 from shared.kv.wire.nixl import MemoryRegion, NixlAgent, NixlTransferError, NixlUnavailable
 
 log = logging.getLogger(__name__)
 
-LEASE_MARGIN_S = 1.0
-"""A read starts only this long before the lease's end, at the latest."""
 RELEASE_PREFIX = b"kv-release:"
 """The notification a read leaves with the peer: this, then the request id."""
 
@@ -108,7 +103,10 @@ def descriptors(
     return np.concatenate(remote).astype(np.uint64), np.concatenate(local).astype(np.uint64)
 
 
-class NixlConnector(InFrontConnector):
+class NixlConnector(PeerLink):
+    path = "nixl"
+    copy_name = "NIXL read"
+
     def __init__(
         self,
         behind: KVConnector,
@@ -120,7 +118,7 @@ class NixlConnector(InFrontConnector):
     ) -> None:
         """fetch_metadata(instance_id): the NIXL agent metadata of that peer (over NATS;
         raises when it does not answer). Called from this connector's thread."""
-        super().__init__(behind)
+        super().__init__(behind, "kv-nixl-read")
         self._agent_name = agent_name
         self._backends = backends
         self._fetch = fetch_metadata
@@ -129,13 +127,7 @@ class NixlConnector(InFrontConnector):
         self._geometry: list[TensorGeometry] = []
         self._memory = "DRAM"
         self._description = b""
-        self._routes: dict[str, tuple[PeerSource, dict]] = {}
-        self._reads: dict[str, concurrent.futures.Future[tuple[int, float]]] = {}
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-nixl-read")
-        self.num_blocks_read = 0
         self.num_bytes_read = 0
-        self.num_failures = 0
-        self.read_seconds = 0.0
 
     # -- set-up ------------------------------------------------------------------
 
@@ -176,23 +168,9 @@ class NixlConnector(InFrontConnector):
 
     # -- loads -----------------------------------------------------------------
 
-    def lookup(
-        self, request_id: str, hashes: list[BlockHash], params: KVTransferParams, trace: TraceCarrier | None = None
-    ) -> int | None:
-        source = params.source
-        if request_id not in self._routes and source is not None and source.nixl and self.agent is not None:
-            peer = self._usable(source)
-            if peer is not None:
-                self._routes[request_id] = (source, peer)
-        if request_id in self._routes:
-            return min(self._routes[request_id][0].num_blocks, len(hashes))
-        return self.behind.lookup(request_id, hashes, params, trace)
-
-    def _usable(self, source: PeerSource) -> dict | None:
+    def _reach(self, source: PeerSource) -> dict | None:
         """The peer's description when a read from it may work, else None."""
-        if source.layout != self.region.layout or source.num_blocks == 0:
-            return None
-        if time.time() > source.lease_deadline - LEASE_MARGIN_S:
+        if not source.nixl or self.agent is None:
             return None
         try:
             peer = json.loads(source.nixl)
@@ -206,72 +184,19 @@ class NixlConnector(InFrontConnector):
             return None
         return peer
 
-    def start_load(
-        self,
-        request_id: str,
-        first_block: int,
-        hashes: list[BlockHash],
-        block_ids: BlockIds,
-        params: KVTransferParams,
-        trace: TraceCarrier | None = None,
-    ) -> None:
-        route = self._routes.pop(request_id, None)
-        if route is None:
-            self.behind.start_load(request_id, first_block, hashes, block_ids, params, trace)
-            return
-        source, peer = route
-        num = min(len(hashes), source.num_blocks - first_block)
-        self._reads[request_id] = self._executor.submit(self._read, request_id, source, peer, first_block, block_ids, num)
-
-    def _read(
-        self, request_id: str, source: PeerSource, peer: dict, first: int, block_ids: BlockIds, num: int
-    ) -> tuple[int, float]:
-        """(blocks read, the read's seconds)."""
+    def _move(self, request_id: str, source: PeerSource, route: dict, src: BlockIds, dst: BlockIds) -> None:
+        """One READ of every block; the notification it leaves ends the peer's lease."""
         assert self.agent is not None
-        if time.time() > source.lease_deadline - LEASE_MARGIN_S:
-            raise TimeoutError("the peer's lease ran out before the read could start")
-        name = peer["agent"]
+        name = route["agent"]
         self.agent.ensure_peer(name, lambda: self._fetch(source.instance_id))
-        src, dst = copy_plan(source, first, num, block_ids)
         layers = {g: len(self.region.kv_layout.groups[g].layers) for g in src}
-        remote, local = descriptors(src, dst, layers, peer["tensors"], self._geometry)
-        started = time.perf_counter()
+        remote, local = descriptors(src, dst, layers, route["tensors"], self._geometry)
         try:
-            nbytes = self.agent.read(name, local, remote, self._memory, peer["memory"],
-                                     RELEASE_PREFIX + request_id.encode(), self._timeout_s)  # fmt: skip
+            self.num_bytes_read += self.agent.read(name, local, remote, self._memory, route["memory"],
+                                                   RELEASE_PREFIX + request_id.encode(), self._timeout_s)  # fmt: skip
         except NixlTransferError:
             self.agent.forget_peer(name)  # it may be gone or restarted: fetch its metadata again next time
             raise
-        seconds = time.perf_counter() - started
-        if time.time() > source.lease_deadline:
-            raise TimeoutError("the peer's lease ran out during the read: its blocks may have been reused")
-        self.read_seconds += seconds
-        self.num_bytes_read += nbytes
-        return num, seconds
-
-    def start_save(
-        self,
-        request_id: str,
-        hashes: list[BlockHash],
-        block_ids: BlockIds,
-        params: KVTransferParams,
-        trace: TraceCarrier | None = None,
-    ) -> None:
-        self.behind.start_save(request_id, hashes, block_ids, params, trace)
-
-    def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
-        loads, saves = self.behind.poll()
-        for request_id, future in [(r, f) for r, f in self._reads.items() if f.done()]:
-            del self._reads[request_id]
-            try:
-                num, seconds = future.result()
-                self.num_blocks_read += num
-                loads.append(LoadResult(request_id, num, path="nixl", copy_seconds=seconds))
-            except Exception as exc:
-                self.num_failures += 1
-                log.warning("NIXL read of %s's KV failed: %s", request_id, exc)
-                loads.append(LoadResult(request_id, 0, f"NIXL read: {type(exc).__name__}: {exc}", path="nixl"))
-        return loads, saves
 
     # -- the owner's side: reads of our held blocks that finished ---------------
 
@@ -283,16 +208,7 @@ class NixlConnector(InFrontConnector):
                     released.append(note[len(RELEASE_PREFIX) :].decode(errors="replace"))
         return released
 
-    def forget(self, request_id: str) -> None:
-        self._routes.pop(request_id, None)
-        super().forget(request_id)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._reads) + self.behind.num_pending
-
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        super().close()
         if self.agent is not None:
             self.agent.close()
-        super().close()
