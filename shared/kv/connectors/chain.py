@@ -39,11 +39,13 @@ def connector_chain(
     instance_id: str,
     release: Callable[[str, str], None],
     fetch_nixl_metadata: Callable[[str], bytes],
+    loopback_only: bool = False,
 ) -> ConnectorChain:
     """peer -> NIXL (when transfer.nixl) -> host tier (when host_kv_cache_bytes) ->
     kvcache. release(instance_id, request_id): tell a peer its held blocks may go
     (called from the peer link's thread); fetch_nixl_metadata(instance_id): that
-    peer's NIXL agent metadata (called from the NIXL link's thread)."""
+    peer's NIXL agent metadata (called from the NIXL link's thread); loopback_only: the
+    worker binds loopback, so NIXL's UCX listens there alone."""
     store = KVCacheConnector(kvcache.address, lookup_timeout_s=kvcache.lookup_timeout_s,
                              probe_interval_s=kvcache.probe_interval_s, load_when_faster=kvcache.load_when_faster,
                              shm_bytes=kvcache.shm_bytes)  # fmt: skip
@@ -54,6 +56,7 @@ def connector_chain(
     if transfer.nixl:
         backends = tuple(b.strip() for b in transfer.nixl_backends.split(",") if b.strip())
         nixl = NixlConnector(behind, agent_name(instance_id), fetch_nixl_metadata, backends=backends,
-                             transfer_timeout_s=transfer.nixl_transfer_timeout_s)  # fmt: skip
+                             transfer_timeout_s=transfer.nixl_transfer_timeout_s,
+                             loopback_only=loopback_only)  # fmt: skip
         behind = nixl
     return ConnectorChain(PeerConnector(behind, release), store, nixl)

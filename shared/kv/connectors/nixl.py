@@ -115,14 +115,17 @@ class NixlConnector(PeerLink):
         *,
         backends: tuple[str, ...] = ("UCX",),
         transfer_timeout_s: float = 30.0,
+        loopback_only: bool = False,
     ) -> None:
         """fetch_metadata(instance_id): the NIXL agent metadata of that peer (over NATS;
-        raises when it does not answer). Called from this connector's thread."""
+        raises when it does not answer). Called from this connector's thread.
+        loopback_only: the worker binds loopback, so UCX listens there alone."""
         super().__init__(behind, "kv-nixl-read")
         self._agent_name = agent_name
         self._backends = backends
         self._fetch = fetch_metadata
         self._timeout_s = transfer_timeout_s
+        self._loopback_only = loopback_only
         self.agent: NixlAgent | None = None
         self._geometry: list[TensorGeometry] = []
         self._memory = "DRAM"
@@ -135,7 +138,7 @@ class NixlConnector(PeerLink):
         super().register_kv_region(region)
         try:
             self._geometry = [tensor_geometry(t) for t in region.tensors]
-            agent = NixlAgent(self._agent_name, self._backends)
+            agent = NixlAgent(self._agent_name, self._backends, loopback_only=self._loopback_only)
             whole = [region.stacked] if region.stacked is not None else region.tensors
             self._memory = "VRAM" if region.device.type == "cuda" else "DRAM"
             agent.register([MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), t.device.index or 0) for t in whole],

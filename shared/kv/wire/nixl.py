@@ -116,11 +116,20 @@ def _make_agent(name: str, backends: Sequence[str], progress_delay_us: int) -> A
 
 class NixlAgent:
     def __init__(
-        self, name: str, backends: Sequence[str] = ("UCX",), progress_delay_us: int = PROGRESS_DELAY_US
+        self,
+        name: str,
+        backends: Sequence[str] = ("UCX",),
+        progress_delay_us: int = PROGRESS_DELAY_US,
+        loopback_only: bool = False,
     ) -> None:
+        """loopback_only: UCX's TCP listens on the loopback device alone (closed by default:
+        a worker bound to loopback opens nothing beyond it); a UCX_NET_DEVICES the
+        deployment sets wins."""
         logging.getLogger("nixl").setLevel(logging.WARNING)  # one INFO line per backend otherwise
         for key, value in UCX_TCP_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        if loopback_only:
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
         try:
             self._agent = _make_agent(name, backends, progress_delay_us)
         except NixlUnavailable:
