@@ -278,7 +278,7 @@ async def test_users_added_on_upgrade_log_in_without_restarting_nats(tmp_path):
             try:
                 c = await server.client(new_pod, password)
                 break
-            except nats.errors.Error:
+            except (nats.errors.Error, ConnectionError):  # refused (or reset mid-refusal) until the reload
                 assert asyncio.get_running_loop().time() < deadline, "the new user was not loaded"
                 await asyncio.sleep(0.3)
         await c.nc.close()
