@@ -63,12 +63,16 @@ gen = torch.Generator(device=device).manual_seed(0)
 expected = torch.randn((layers, 2, blocks, 16, 8, 128), generator=gen, device=device).to(dtype)
 rng = random.Random(0)
 
+max_run = int(sys.argv[7])
+poll_cap_s = float(sys.argv[8]) * 1e-6 if sys.argv[8] else None
+
 def scattered(n):
-    # Runs of 1-8 consecutive blocks at random places, as a pool that has served a while hands them out.
+    # Runs of 1-max_run consecutive blocks at random places, as a pool that has served a while
+    # hands them out (max_run 0: one run, as a fresh pool hands them out).
     ids, free = [], list(range(blocks))
     while len(ids) < n:
-        start = rng.randrange(len(free))
-        run = free[start : start + rng.randint(1, 8)][: n - len(ids)]
+        start = rng.randrange(len(free) - n + 1) if not max_run else rng.randrange(len(free))
+        run = free[start : start + (max_run and rng.randint(1, max_run) or n)][: n - len(ids)]
         ids += run
         del free[start : start + len(run)]
     return ids
@@ -111,7 +115,7 @@ for tokens in prompts:
             if device == "cuda":
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            nbytes = agent.read("holder", local, remote, memory, memory, b"done", 60.0)
+            nbytes = agent.read("holder", local, remote, memory, memory, b"done", 60.0, poll_cap_s)
             seconds = time.perf_counter() - started
             if rep == 0:
                 idx_s = torch.tensor(src, device=device)
@@ -152,7 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream", action="store_true",
                    help="with --hosts: also read the same bytes from kvcache (in the holder's namespace) over its "
                         "gRPC byte stream, alternating with the NIXL reads, and print the ratio")
+    p.add_argument("--max-run", type=int, default=8,
+                   help="blocks are handed out in runs of 1..N consecutive ones (0: one run, a fresh pool)")
+    p.add_argument("--poll-cap-us", default="", help="the reader's longest pause between polls (default: by memory)")
     args = p.parse_args(argv)
+    from shared.kv.wire.nixl import UCX_CUDA_DEFAULTS
+
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     py = [sys.executable, "-c"]
     hosts = None
@@ -184,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         described = _line(holder.stdout, "DESC ")
         if not described:
             raise SystemExit("the holder did not start")
-        reader = subprocess.run(command("reader", READER, *sizes, str(args.reps), args.prompts, kvcache),
+        reader = subprocess.run(command("reader", READER, *sizes, str(args.reps), args.prompts, kvcache,
+                                        str(args.max_run), args.poll_cap_us),
                                 input=described + "\n",
                                 capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
         holder.stdin.write("\n")
@@ -204,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # UCX and NIXL may write to stdout too
             row = json.loads(line[4:])
             row.update(device=device, layers=args.layers, ucx_tls=env.get("UCX_TLS", "(UCX's choice)"),
+                       max_run=args.max_run, poll_cap_us=args.poll_cap_us or "(by memory)",
+                       cuda_ipc_max_poll=env.get("UCX_CUDA_IPC_MAX_POLL", f"{UCX_CUDA_DEFAULTS['UCX_CUDA_IPC_MAX_POLL']} (ours)"),
                        namespaces="net+pid" if hosts is not None else ("none" if args.one_pid_namespace else "pid"), holder_notifications=notes)  # fmt: skip
             print(json.dumps(row), flush=True)
     finally:

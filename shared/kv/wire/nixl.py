@@ -76,6 +76,22 @@ UCX reads its configuration only from the environment, when the first agent star
 value the deployment sets wins."""
 
 
+UCX_CUDA_DEFAULTS = {
+    "UCX_CUDA_IPC_MAX_POLL": "1024",
+    "UCX_CUDA_COPY_MAX_POLL": "1024",
+}
+"""UCX's CUDA transports complete at most MAX_POLL copies per progress call (16 by
+default). A KV read is thousands of copies (a descriptor per run of blocks, per layer
+and k/v plane): at 16 a call, the read's polling, not the GPU, set the pace."""
+
+READ_POLL_CAP_S = {"VRAM": 20e-6, "DRAM": 1e-3}
+"""The longest pause between a reader's polls of its transfer, by its memory. Between
+GPUs (CUDA IPC, RDMA) a poll completes copies: the pause is the transfer's pace, so
+the copy thread polls hard (it is not the engine's thread). Host memory over TCP is
+moved by the peer's progress thread too; polling hard there only takes the cores
+that thread needs."""
+
+
 def nixl_api() -> Any:
     """NIXL's Python API from the wheel built for this process's CUDA: nixl-cu12 (the
     project's pin; its UCX needs libcudart 12 for GPU memory) or nixl-cu13 (a CUDA 13
@@ -126,7 +142,7 @@ class NixlAgent:
         a worker bound to loopback opens nothing beyond it); a UCX_NET_DEVICES the
         deployment sets wins."""
         logging.getLogger("nixl").setLevel(logging.WARNING)  # one INFO line per backend otherwise
-        for key, value in UCX_TCP_DEFAULTS.items():
+        for key, value in {**UCX_TCP_DEFAULTS, **UCX_CUDA_DEFAULTS}.items():
             os.environ.setdefault(key, value)
         if loopback_only:
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -186,11 +202,13 @@ class NixlAgent:
         remote_memory: str,
         notification: bytes,
         timeout_s: float,
+        poll_cap_s: float | None = None,
     ) -> int:
         """Read remote descriptors (an [n, 3] array of address, bytes, device) of `peer`
         into local ones, in one transfer; the peer is told `notification` once the
         bytes have arrived. Blocks until done; the bytes moved. NixlTransferError when
-        the transfer fails or is not done within timeout_s."""
+        the transfer fails or is not done within timeout_s. poll_cap_s: the longest
+        pause between polls (READ_POLL_CAP_S by memory unless given)."""
         if local.shape != remote.shape or not len(local):
             raise ValueError(f"descriptor lists differ or are empty: {local.shape} vs {remote.shape}")
         local_descs = self._agent.get_xfer_descs(np.ascontiguousarray(local, dtype=np.uint64), memory)
@@ -202,14 +220,14 @@ class NixlAgent:
         try:
             state = self._agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
-            pause = 0.0
+            pause, cap = 0.0, poll_cap_s if poll_cap_s is not None else READ_POLL_CAP_S.get(memory, 1e-3)
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
                     raise NixlTransferError(f"the read from {peer} was not done within {timeout_s:.1f}s")
                 # Spin briefly (a GPU-to-GPU read is done in microseconds), then back off.
                 if pause:
                     time.sleep(pause)
-                pause = min(pause * 2 or 1e-5, 1e-3)
+                pause = min(pause * 2 or 1e-6, cap)
                 state = self._agent.check_xfer_state(handle)
             if state == "ERR":
                 raise NixlTransferError(f"the read from {peer} failed")
