@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.launch.trace_view import load_spans
+from tools.launch.trace_view import request_span
 from tools.launch.up import find_nats_server, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,15 +65,8 @@ def start_service(stage: str, env: dict[str, str], log_path: Path) -> subprocess
 
 
 def span_attributes(trace_dir: Path, request_id: str, name: str, timeout_s: float = 30.0) -> dict:
-    """The attributes of the span `name` in a request's trace, once it has reached the
-    trace files (spans are written when they end, in batches)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        spans = load_spans(trace_dir)
-        root = next((s for s in spans if s["attributes"].get("request.id") == request_id and s["parent_id"] is None), None)
-        if root is not None:
-            found = [s for s in spans if s["trace_id"] == root["trace_id"] and s["name"] == name]
-            if found:
-                return found[0]["attributes"]
-        time.sleep(0.2)
-    raise AssertionError(f"no {name} span of {request_id} within {timeout_s} s")
+    """The attributes of the span `name` in a request's trace, once written (a test failure if it never is)."""
+    try:
+        return request_span(trace_dir, request_id, name, timeout_s)
+    except LookupError as exc:
+        raise AssertionError(str(exc)) from None

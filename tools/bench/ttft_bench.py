@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     args = p.parse_args(argv)
     from shared.model.config import ModelConfig
-    from tools.launch.trace_view import load_spans
+    from tools.launch.trace_view import request_span
     from tools.make_model import make_model
 
     with tempfile.TemporaryDirectory(prefix="infermesh-ttft-") as tmp, ExitStack() as stack:
@@ -82,11 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                 if round_:
                     times[key].append(seconds)
                     ids[key].append(rid)
-        paths: dict[str, list[str]] = {}
-        time.sleep(2)  # spans reach their files in batches
-        for key, mesh in meshes.items():
-            spans = load_spans(mesh.trace_dir)
-            paths[key] = sorted({s["attributes"].get("kv.path", "?") for s in spans if s["name"] == "decode"})
+        # Each timed request's decode span: where its prompt KV came from.
+        paths = {key: sorted({str(request_span(mesh.trace_dir, rid, "decode").get("kv.path")) for rid in ids[key]})
+                 for key, mesh in meshes.items()}  # fmt: skip
         ratios = [a / b for a, b in zip(times["across"], times["one"])]
         row = {
             "prompt_len": args.prompt_len, "rounds": args.rounds,

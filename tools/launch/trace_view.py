@@ -2,13 +2,14 @@
 read from the JSON-lines span files the services write (telemetry.py)."""
 
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
 # Attributes worth a place on the waterfall line, in this order.
 _SHOWN = (
     "prompt.tokens", "prompt.cached_tokens", "output.tokens", "ttft_ms",
-    "prefill.choice", "prefill.reason", "decode.choice",
+    "prefill.choice", "prefill.reason", "decode.choice", "kv.path",
     "kv.loaded_blocks", "kv.loaded_bytes", "kv.load_ms", "kv.stored_blocks", "kv.stored_bytes",
     "kvcache.blocks", "kvcache.hits", "kvcache.bytes", "finish_reason",
 )
@@ -24,6 +25,22 @@ def load_spans(trace_dir: str | Path) -> list[dict]:
                 except json.JSONDecodeError:
                     continue  # a line cut by a crash: skip it
     return spans
+
+
+def request_span(trace_dir: str | Path, request_id: str, name: str, timeout_s: float = 30.0) -> dict:
+    """The attributes of the span `name` in a request's trace, once it has reached the
+    trace files (spans are written when they end, in batches)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = load_spans(trace_dir)
+        root = next((s for s in spans if s["attributes"].get("request.id") == request_id and s["parent_id"] is None), None)
+        if root is not None:
+            found = [s for s in spans if s["trace_id"] == root["trace_id"] and s["name"] == name]
+            if found:
+                return found[0]["attributes"]
+        if time.monotonic() > deadline:
+            raise LookupError(f"no {name} span of {request_id} within {timeout_s} s in {trace_dir}")
+        time.sleep(0.2)
 
 
 def pick_trace(spans: list[dict], which: str) -> list[dict]:
