@@ -77,12 +77,17 @@ value the deployment sets wins."""
 
 
 UCX_CUDA_DEFAULTS = {
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
     "UCX_CUDA_IPC_MAX_POLL": "1024",
     "UCX_CUDA_COPY_MAX_POLL": "1024",
 }
-"""UCX's CUDA transports complete at most MAX_POLL copies per progress call (16 by
-default). A KV read is thousands of copies (a descriptor per run of blocks, per layer
-and k/v plane): at 16 a call, the read's polling, not the GPU, set the pace."""
+"""UCX's CUDA IPC for KV reads. A decode READs prefill's blocks (a get), and UCX's
+cuda_ipc turns gets off ("auto") where nvml finds no NVLink: on a one-GPU H200 box the
+read then fell to a software emulation over tcp/lo at 1.6-3 GB/s
+(docs/perf/nixl_gpu_h200_2026-12-05.txt). A get within one GPU is a device copy, as
+fast as a put. And the CUDA transports complete at most MAX_POLL copies per progress
+call (16 by default) where a KV read is thousands of copies (a descriptor per run of
+blocks, per layer and k/v plane)."""
 
 READ_POLL_CAP_S = {"VRAM": 20e-6, "DRAM": 1e-3}
 """The longest pause between a reader's polls of its transfer, by its memory. Between
