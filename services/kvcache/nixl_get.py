@@ -118,11 +118,11 @@ class StagingSlots:
         self.buffer = memoryview(self._mmap)
         self.address = int(np.frombuffer(self.buffer, dtype=np.uint8).ctypes.data)
         agent.register([MemoryRegion(self.address, len(self.buffer), 0)], "DRAM")
-        self._free: asyncio.Queue[int] | None = None  # made on the service's loop, at first use
+        self._free: asyncio.LifoQueue[int] | None = None  # made on the service's loop, at first use
 
     async def acquire(self) -> int:
         if self._free is None:
-            self._free = asyncio.Queue()
+            self._free = asyncio.LifoQueue()  # the slot used last is reused first: its pages are in
             for slot in range(NUM_SLOTS):
                 self._free.put_nowait(slot)
         return await self._free.get()
