@@ -90,7 +90,8 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     backends = tuple(b.strip() for b in transfer.nixl_backends.split(",") if b.strip())
     # The agent starts in a thread (UCX takes a moment); it stays None when it cannot start.
     nixl = await asyncio.to_thread(NixlServer, agent_name(ctx.instance_id) if transfer.nixl else None,
-                                   backends, kv.nixl_staging_bytes, transfer.nixl_transfer_timeout_s)
+                                   backends, kv.nixl_staging_bytes, transfer.nixl_transfer_timeout_s,
+                                   ctx.settings.worker.binds_loopback)  # fmt: skip
     servicer = KVCacheServicer(store, KvEventPublisher(ctx.bus, ctx.instance_id), KVCacheMetrics(ctx.metrics),
                                kv.chunk_bytes, nixl)
     stack.callback(servicer.close)  # unwinds after the server stopped, before the store closes

@@ -162,8 +162,9 @@ class NixlServer:
     """The agent, the staging slots and the peers; None of them when NIXL is off."""
 
     def __init__(self, name: str | None, backends: Sequence[str] = ("UCX",), staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 timeout_s: float = 30.0) -> None:  # fmt: skip
-        """name: the agent's (None: NIXL off here). timeout_s: a write not done by then fails."""
+                 timeout_s: float = 30.0, loopback_only: bool = False) -> None:  # fmt: skip
+        """name: the agent's (None: NIXL off here). timeout_s: a write not done by then fails.
+        loopback_only: the service binds loopback, so UCX listens there alone (closed by default)."""
         self.timeout_s = timeout_s
         self.agent: NixlAgent | None = None
         self.unavailable = "NIXL is off on the kvcache service (kv_transfer.nixl)"
@@ -171,7 +172,7 @@ class NixlServer:
             return
         check_staging_bytes(staging_bytes)
         try:
-            agent = NixlAgent(name, backends)
+            agent = NixlAgent(name, backends, loopback_only=loopback_only)
         except NixlUnavailable as exc:
             self.unavailable = f"NIXL did not start on the kvcache service: {exc}"
             log.warning("%s: clients elsewhere get the byte stream", self.unavailable)

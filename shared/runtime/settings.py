@@ -14,6 +14,7 @@ Env vars are read in this module only; services receive a Settings value.
 import ast
 import dataclasses
 import inspect
+import ipaddress
 import os
 import textwrap
 import types
@@ -106,6 +107,17 @@ class WorkerSettings:
     tls_ca: str | None = None
     """PEM certificate of the CA that signed every certificate of the mesh: clients
     check servers against it, servers check clients."""
+
+    @property
+    def binds_loopback(self) -> bool:
+        """Whether bind_host is the loopback interface (then so is everything the process
+        opens: NIXL's UCX listens on loopback alone)."""
+        if self.bind_host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.bind_host).is_loopback
+        except ValueError:
+            return False
 
 
 @dataclass(slots=True)

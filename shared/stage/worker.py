@@ -18,7 +18,6 @@ streamed) and the counter kvcache_load_bytes_total{plane}."""
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import time
 from contextlib import AsyncExitStack
@@ -420,7 +419,7 @@ async def serve_engine_stage(
 
     chain = connector_chain(ctx.settings.kvcache, transfer, ctx.settings.engine.host_kv_cache_bytes,
                             ctx.instance_id, release, fetch_nixl_metadata,
-                            loopback_only=_is_loopback(ctx.settings.worker.bind_host))  # fmt: skip
+                            loopback_only=ctx.settings.worker.binds_loopback)  # fmt: skip
     try:
         # Token ids only (text is the balancer's job), and block events for its routing.
         engine = await asyncio.to_thread(
@@ -446,16 +445,6 @@ async def serve_engine_stage(
         stack.push_async_callback(sub.unsubscribe)
     worker.mark_subscribed()
     ctx.metrics.set_readiness(worker.not_ready)
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether a bind address is the loopback interface (then so is everything the worker opens)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def validate_prompt(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> None:

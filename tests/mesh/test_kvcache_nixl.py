@@ -35,7 +35,7 @@ from shared.kv.wire.shm import DATA_OFFSET, SegmentRef
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
 from shared.runtime.rpc import open_channel
 from tests.helpers.kvcache_proc import KVCacheProc, start_kvcache, wait_serving
-from tests.helpers.mesh_procs import stop_process
+from tests.helpers.mesh_procs import listening, stop_process
 from tests.helpers.metrics import exposition_value as metric
 
 pytest.importorskip("nixl_cu12")
@@ -109,6 +109,22 @@ async def test_blocks_through_nixl_equal_the_stored_bytes_and_none_come_by_strea
         assert await kv.get_blocks(asked) == blocks[:1]
         assert kv.get_bytes[Plane.STREAM] == 0 and kv.nixl.num_nixl_calls == 4
     assert service_metric(kvcache, "nixl_bytes_total") - nixl_before == total + len(blocks[0][2])
+
+
+@pytest.mark.asyncio
+async def test_a_service_bound_to_loopback_opens_nixl_on_loopback_alone(kvcache):
+    """Closed by default: the service binds loopback, so its NIXL agent's UCX listens
+    there alone (UCX_NET_DEVICES=lo, unless the deployment sets it); beside gRPC and
+    /metrics, UCX's listener is there once a Get went through NIXL."""
+    assert "UCX_NET_DEVICES" not in kvcache.env and "UCX_NET_DEVICES" not in os.environ
+    blocks = blocks_of("closed", 2)
+    await put(kvcache.address, blocks)
+    async with nixl_client(kvcache.address) as kv:
+        assert await kv.get_blocks(hashes_of(blocks)) == blocks
+        assert kv.nixl.num_nixl_calls == 1
+    addresses = listening(kvcache.proc.pid)
+    assert len(addresses) >= 3, addresses  # gRPC, /metrics, UCX
+    assert all(a in ("127.0.0.1", "::1") for a, _ in addresses), addresses
 
 
 @pytest.mark.asyncio
