@@ -217,14 +217,21 @@ async def test_planes_in_order_shared_memory_then_nixl_then_stream(kvcache):
     async with KVCacheClient(kvcache.address, shm_bytes=DATA_OFFSET + BUFFER, nixl_bytes=BUFFER) as kv:
         assert await kv.get_blocks(hashes) == blocks  # the service's host: shared memory
         assert (kv.shm.num_shm_calls, kv.nixl.num_nixl_calls, kv.shm.num_byte_calls) == (1, 0, 0)
-        # As in another container: the service cannot open the segment. That Get's
-        # blocks follow on its stream; the next Get goes through NIXL.
+        # As in another container: the service cannot open the segment. That Get is
+        # asked again through NIXL at once (not left to its stream), and so is the next.
         kv._the_segment().ref = SegmentRef(f"/proc/{2**22 + 7}/fd/3", DATA_OFFSET + BUFFER, os.urandom(16))
         assert await kv.get_blocks(hashes) == blocks
-        assert (kv.shm.num_refused, kv.shm.num_byte_calls, kv.nixl.num_nixl_calls) == (1, 1, 0)
+        assert (kv.shm.num_refused, kv.shm.num_byte_calls, kv.nixl.num_nixl_calls) == (1, 0, 1)
         assert await kv.get_blocks(hashes) == blocks
-        assert (kv.shm.num_byte_calls, kv.nixl.num_nixl_calls) == (1, 1)
-        assert kv.get_bytes[Plane.NIXL] == sum(len(b[2]) for b in blocks)
+        assert (kv.shm.num_refused, kv.shm.num_byte_calls, kv.nixl.num_nixl_calls) == (1, 0, 2)
+        assert kv.get_bytes == {Plane.SHM: sum(len(b[2]) for b in blocks), Plane.NIXL: 2 * sum(len(b[2]) for b in blocks),
+                                Plane.STREAM: 0}
+        # Without NIXL here, a refused segment's Get takes its stream.
+        await kv.reconnect()  # both planes are tried again
+        kv._targets.refuse(Plane.NIXL, "no NIXL here (the test says)")
+        kv._the_segment().ref = SegmentRef(f"/proc/{2**22 + 7}/fd/3", DATA_OFFSET + BUFFER, os.urandom(16))
+        assert await kv.get_blocks(hashes) == blocks
+        assert (kv.shm.num_refused, kv.shm.num_byte_calls, kv.nixl.num_nixl_calls) == (2, 1, 2)
 
 
 @pytest.mark.asyncio

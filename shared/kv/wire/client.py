@@ -13,8 +13,8 @@ shm_bytes of it, made at the first Get or Put and reused): a Get names it and th
 service lands the verified blocks in it (a batch is then a view of the segment,
 which the caller copies into its KV cache at once), a Put copies the blocks into
 it and names them (PutShm). Where the service cannot open the segment (another
-host or container) it says so, and with nixl_bytes set a Get names the client's
-NIXL landing buffer instead (shared/kv/wire/nixl_plane.py: the service WRITEs the
+host or container) it says so, and with nixl_bytes set that Get is asked again,
+and every later one, naming the client's NIXL landing buffer instead (shared/kv/wire/nixl_plane.py: the service WRITEs the
 blocks into it through NIXL, UCX underneath); gRPC carries only headers and
 status. Otherwise, and for every Put away from the service's host, the blocks
 move in chunks of chunk_bytes on the gRPC stream (cut and assembled by
@@ -281,8 +281,14 @@ class KVCacheClient:
                         data = place.buffer
                     # Yielded under the lock: nothing else writes the place while the caller reads it.
                     yield LandedBatch(got.blocks, data, plane)
-                if got.refused:  # the rest of this call's stream is bytes
-                    async for batch in self._byte_batches(call):
+                if got.refused:
+                    if plane is Plane.SHM and self._targets.nixl_usable():
+                        # Refused before the service touched the segment (another container):
+                        # the bytes it now streams are dropped, and the same blocks asked
+                        # again through NIXL, so the first Get elsewhere is not a stream too.
+                        call.cancel()
+                        continue
+                    async for batch in self._byte_batches(call):  # the rest of this call's stream is bytes
                         yield batch
                     return
             if not got.more:
