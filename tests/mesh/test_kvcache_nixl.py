@@ -10,16 +10,11 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
-import subprocess
-import sys
-import textwrap
 import time
 import urllib.request
 from collections.abc import AsyncIterator
 
-import grpc
 import pytest
 import torch
 
