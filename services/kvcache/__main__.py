@@ -2,8 +2,10 @@
 
 Settings (env var INFERMESH_<SECTION>__<FIELD>, see shared/runtime/settings.py):
 kvcache.path (LMDB folder), kvcache.capacity_bytes, kvcache.ttl_s,
-kvcache.chunk_bytes, kvcache.address, worker.grpc_port, worker.drain_timeout_s,
-worker.bind_host, worker.grpc_token, nats.url, nats.user, nats.password, telemetry.*.
+kvcache.chunk_bytes, kvcache.nixl_staging_bytes, kvcache.address, worker.grpc_port,
+worker.drain_timeout_s, worker.bind_host, worker.grpc_token, kv_transfer.nixl (Gets written into
+clients' buffers through NIXL), kv_transfer.nixl_backends,
+kv_transfer.nixl_transfer_timeout_s, nats.url, nats.user, nats.password, telemetry.*.
 
 Port rule: workers dial kvcache.address, so by default the service binds the
 port of that address, on worker.bind_host (loopback unless told otherwise:
@@ -19,8 +21,10 @@ import contextlib
 import logging
 from contextlib import AsyncExitStack
 
+from services.kvcache.nixl_get import NixlServer
 from services.kvcache.servicer import SERVICE_NAME, KVCacheMetrics, KVCacheServicer, KvEventPublisher
 from services.kvcache.store import BlockStore
+from shared.kv.wire.nixl import agent_name
 from shared.proto import kvcache_pb2_grpc
 from shared.runtime.rpc import start_grpc_server
 from shared.runtime.service import ServiceContext, main
@@ -82,8 +86,14 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     port = bind_port(ctx.settings)
     store = await asyncio.to_thread(BlockStore, kv.path, kv.capacity_bytes, kv.ttl_s)
     stack.callback(store.close)  # unwinds last: after the server stopped and the sweep ended
+    transfer = ctx.settings.kv_transfer
+    backends = tuple(b.strip() for b in transfer.nixl_backends.split(",") if b.strip())
+    # The agent starts in a thread (UCX takes a moment); it stays None when it cannot start.
+    nixl = await asyncio.to_thread(NixlServer, agent_name(ctx.instance_id) if transfer.nixl else None,
+                                   backends, kv.nixl_staging_bytes, transfer.nixl_transfer_timeout_s,
+                                   ctx.settings.worker.binds_loopback)  # fmt: skip
     servicer = KVCacheServicer(store, KvEventPublisher(ctx.bus, ctx.instance_id), KVCacheMetrics(ctx.metrics),
-                               kv.chunk_bytes)
+                               kv.chunk_bytes, nixl)
     stack.callback(servicer.close)  # unwinds after the server stopped, before the store closes
     server = await start_grpc_server(port, [(kvcache_pb2_grpc.add_KVCacheServicer_to_server, servicer)],
                                      [SERVICE_NAME])

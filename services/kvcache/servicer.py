@@ -14,6 +14,12 @@ of KV crosses the event loop. A Get's stream ends only once every copy it
 started has finished, so a client that saw the end may reuse its segment. A
 segment the service cannot use (another host or container, a bad nonce) is
 answered `shm_refused` and the blocks follow as bytes on the same stream.
+
+NIXL (nixl_get.py): a Get that names a client's NIXL landing buffer instead (a
+client in another container, pod or node) has its blocks read the same way into
+the service's staging memory and WRITTEN into that buffer; `nixl_refused` and
+bytes where that cannot be done. Puts keep to the stream or shared memory: a
+NIXL Put would have the service READ client memory, which it never does.
 """
 
 import asyncio
@@ -26,10 +32,12 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
+from services.kvcache.nixl_get import NixlServer
 from services.kvcache.store import BlockStore, LandedOutcome, PutOutcome, StoreStats
 from shared.kv.block_hash import HASH_BYTES, BlockHash
 from shared.kv.events import kv_event_messages
 from shared.kv.wire.block_stream import AssembledBlock, BlockAssembler, check_chunk_bytes, iter_chunks
+from shared.kv.wire.nixl_plane import NixlRefused, TargetRef
 from shared.kv.wire.shm import MappedSegment, SegmentCache, SegmentRef, ShmUnavailable, place
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
 from shared.runtime import subjects
@@ -71,6 +79,7 @@ class GetTally:
     removed: list[BlockHash] = field(default_factory=list)
     num_bytes: int = 0
     num_shm_bytes: int = 0
+    num_nixl_bytes: int = 0
 
 
 class KvEventPublisher:
@@ -114,6 +123,11 @@ class KVCacheMetrics:
         self.shm_segments = metrics.gauge("shm_segments", "Clients' shared-memory segments mapped now.")
         self.shm_refused = metrics.counter("shm_refused", "Calls naming a shared-memory segment this service "
                                            "could not use (another host or container): served as bytes.")
+        self.nixl_bytes = metrics.counter("nixl_bytes", "Data bytes of Get written into clients' NIXL landing "
+                                          "buffers (also counted in get_bytes).")
+        self.nixl_refused = metrics.counter("nixl_refused", "Gets naming a NIXL landing buffer this service could "
+                                            "not use, or whose write failed: served (the rest) as bytes.")
+        self.nixl_peers = metrics.gauge("nixl_peers", "Clients' NIXL agents whose metadata this service holds.")
         self._last = StoreStats(0, 0, 0, 0, 0, 0, 0, 0)
 
     def update(self, stats: StoreStats) -> None:
@@ -130,9 +144,11 @@ class KVCacheMetrics:
 
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def __init__(self, store: BlockStore, events: KvEventPublisher, metrics: KVCacheMetrics,
-                 chunk_bytes: int) -> None:
+                 chunk_bytes: int, nixl: NixlServer | None = None) -> None:
+        """nixl: serves Gets through NIXL (None: refuses them, the bytes go on the stream)."""
         check_chunk_bytes(chunk_bytes, "kvcache chunk_bytes")
         self.store = store
+        self.nixl = nixl or NixlServer(None)
         self.events = events
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
@@ -142,6 +158,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def close(self) -> None:
         """After the server stopped: the shared-memory threads end with their last copies."""
         self._threads.shutdown(wait=True, cancel_futures=True)
+        self.nixl.close()
 
     def prune_segments(self) -> int:
         """Unmap the segments of clients that closed them or died (the service runs it
@@ -256,6 +273,10 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         await self._check_hashes(request.block_hashes, context)
         tally = GetTally()
         try:
+            if request.HasField("nixl") and not request.HasField("shm"):
+                async for reply in self._get_nixl(request, context, tally):
+                    yield reply
+                return
             if request.HasField("shm"):
                 try:
                     segment = await self._segment(request.shm)
@@ -275,15 +296,43 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         finally:
             self.metrics.get_bytes.inc(tally.num_bytes)
             self.metrics.shm_bytes.inc(tally.num_shm_bytes)
+            self.metrics.nixl_bytes.inc(tally.num_nixl_bytes)
             span = trace.get_current_span()
             if span.is_recording():  # a cancelled Get's cleanup runs after its span ended
                 span.set_attribute("kvcache.blocks", len(request.block_hashes))
                 span.set_attribute("kvcache.hits", len(tally.served))
                 span.set_attribute("kvcache.bytes", tally.num_bytes)
                 span.set_attribute("kvcache.shm", tally.num_shm_bytes > 0)
+                span.set_attribute("kvcache.nixl_bytes", tally.num_nixl_bytes)
             # One write transaction for the whole Get, not one per block.
             await asyncio.to_thread(self.store.touch, tally.served)
             await self._after_rpc([], tally.removed)
+
+    async def _get_nixl(self, request: kvcache_pb2.GetRequest, context: grpc.aio.ServicerContext,
+                        tally: "GetTally") -> AsyncIterator[kvcache_pb2.GetReply]:
+        """The blocks written into the client's NIXL landing buffer (nixl_get.py), or
+        `nixl_refused` and the bytes."""
+        hashes = request.block_hashes
+        t = request.nixl
+        ref = TargetRef(t.agent, t.metadata, t.address, t.size, t.token)
+        try:
+            await asyncio.to_thread(self.nixl.check, ref)  # adding a peer's metadata may take a while
+        except NixlRefused as exc:
+            self.metrics.nixl_refused.inc()
+            log.info("NIXL target refused: %s", exc)
+            yield kvcache_pb2.GetReply(nixl_refused=str(exc))
+            async for reply in self._get_bytes(hashes, context, tally):
+                yield reply
+            return
+        self.metrics.nixl_peers.set(len(self.nixl.peers))
+        sizes = await asyncio.to_thread(self.store.sizes, [BlockHash(h) for h in hashes])
+
+        def bytes_from(rest: Sequence[bytes]) -> AsyncIterator[kvcache_pb2.GetReply]:
+            self.metrics.nixl_refused.inc()
+            return self._get_bytes(rest, context, tally)
+
+        async for reply in self.nixl.get(hashes, sizes, ref, self.store, self._threads, context, tally, bytes_from):
+            yield reply
 
     async def _get_bytes(self, hashes: Sequence[bytes], context: grpc.aio.ServicerContext,
                          tally: "GetTally") -> AsyncIterator[kvcache_pb2.GetReply]:

@@ -114,6 +114,7 @@ class KVTransfer:
                 self.kv.index_loaded(request, first, arrived, window=whole)
             request.kv_loaded_direct = result.direct
             request.kv_load_path = result.path
+            request.kv_load_plane = result.plane
             self.scheduler.finish_load(result.request_id, arrived, num)
         released: list[RequestOutput] = []
         for result in saves:

@@ -430,6 +430,7 @@ class LLMEngine:
             num_replayed_tokens=request.num_replayed_tokens,
             loaded_direct=request.kv_loaded_direct,
             load_path=request.kv_load_path,
+            load_plane=request.kv_load_plane,
             load_seconds=request.kv_load_seconds,
             copy_seconds=request.kv_copy_seconds,
         )

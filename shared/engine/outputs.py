@@ -65,6 +65,9 @@ class KVTransferReport:
     load_path: str = ""
     """Where the loaded blocks came from (LoadResult.path: "peer", "nixl", "host",
     "kvcache", ...); "" when no load ran."""
+    load_plane: str = ""
+    """How a kvcache load's bytes came (LoadResult.plane: "shm", "nixl", "stream", or
+    several joined by "+"); "" for other loads."""
     load_seconds: float = 0.0
     """From asking the connector for the blocks to their arrival (with num_loaded_blocks,
     the load's effective bandwidth)."""

@@ -77,6 +77,8 @@ class Request:
     """The load was a direct copy from a peer's cache."""
     kv_load_path: str = ""
     """Where the loaded blocks came from (LoadResult.path); "" when nothing was loaded."""
+    kv_load_plane: str = ""
+    """How a kvcache load's bytes came (LoadResult.plane); "" otherwise."""
     kv_load_failed: bool = False
     """A load the connector promised did not (fully) arrive: those tokens were recomputed."""
     kv_load_seconds: float = 0.0

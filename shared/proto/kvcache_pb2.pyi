@@ -46,6 +46,20 @@ class ShmSegment(_message.Message):
     nonce: bytes
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
+class NixlTarget(_message.Message):
+    __slots__ = ("agent", "metadata", "address", "size", "token")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    metadata: bytes
+    address: int
+    size: int
+    token: bytes
+    def __init__(self, agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
 class ShmBlock(_message.Message):
     __slots__ = ("header", "offset")
     HEADER_FIELD_NUMBER: _ClassVar[int]
@@ -63,28 +77,32 @@ class PutShmRequest(_message.Message):
     def __init__(self, shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[ShmBlock, _Mapping]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("block_hashes", "shm")
+    __slots__ = ("block_hashes", "shm", "nixl")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     shm: ShmSegment
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ...) -> None: ...
+    nixl: NixlTarget
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., nixl: _Optional[_Union[NixlTarget, _Mapping]] = ...) -> None: ...
 
 class GetReply(_message.Message):
-    __slots__ = ("header", "data", "missing", "landed", "segment_full", "shm_refused")
+    __slots__ = ("header", "data", "missing", "landed", "segment_full", "shm_refused", "nixl_refused")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     LANDED_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FULL_FIELD_NUMBER: _ClassVar[int]
     SHM_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    NIXL_REFUSED_FIELD_NUMBER: _ClassVar[int]
     header: BlockHeader
     data: bytes
     missing: bytes
     landed: ShmBlock
     segment_full: bytes
     shm_refused: str
-    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., missing: _Optional[bytes] = ..., landed: _Optional[_Union[ShmBlock, _Mapping]] = ..., segment_full: _Optional[bytes] = ..., shm_refused: _Optional[str] = ...) -> None: ...
+    nixl_refused: str
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., missing: _Optional[bytes] = ..., landed: _Optional[_Union[ShmBlock, _Mapping]] = ..., segment_full: _Optional[bytes] = ..., shm_refused: _Optional[str] = ..., nixl_refused: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("block_hashes",)

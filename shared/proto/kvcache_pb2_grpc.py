@@ -83,7 +83,8 @@ class KVCacheServicer:
         """The blocks asked for, in order, each a header then its data chunks; a
         block that is missing, expired or corrupt ends the stream with `missing`.
         With `shm` set, each block is `landed` in the segment instead, and a block
-        that does not fit in it ends the stream with `segment_full`.
+        that does not fit in it ends the stream with `segment_full`. With `nixl`
+        set, the same, in the client's NIXL landing buffer (the service WRITEs it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -14,6 +14,7 @@ Env vars are read in this module only; services receive a Settings value.
 import ast
 import dataclasses
 import inspect
+import ipaddress
 import os
 import textwrap
 import types
@@ -26,6 +27,7 @@ from typing import Any
 import yaml
 
 from shared.engine.config import EngineConfig
+from shared.kv.wire.nixl_plane import DEFAULT_NIXL_BYTES, DEFAULT_STAGING_BYTES
 from shared.kv.wire.shm import DEFAULT_SHM_BYTES
 
 ENV_PREFIX = "INFERMESH_"
@@ -106,6 +108,17 @@ class WorkerSettings:
     """PEM certificate of the CA that signed every certificate of the mesh: clients
     check servers against it, servers check clients."""
 
+    @property
+    def binds_loopback(self) -> bool:
+        """Whether bind_host is the loopback interface (then so is everything the process
+        opens: NIXL's UCX listens on loopback alone)."""
+        if self.bind_host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.bind_host).is_loopback
+        except ValueError:
+            return False
+
 
 @dataclass(slots=True)
 class KVCacheSettings:
@@ -125,6 +138,10 @@ class KVCacheSettings:
     under `infermesh up`) Get and Put move block data through it and gRPC carries only
     headers. Separate containers cannot share it: the service refuses it and the
     data goes over the gRPC stream. 0 always uses the stream."""
+    nixl_staging_bytes: int = DEFAULT_STAGING_BYTES
+    """The service's host memory registered with NIXL (kv_transfer.nixl): blocks of a Get
+    through NIXL are read into it and written from it into the client's landing buffer;
+    4 Gets at once, a quarter each (a larger client buffer lands at most a quarter per Get)."""
     lookup_timeout_s: float = 1.0
     """A worker's lookup that kvcache does not answer within this counts as a miss
     (the request computes instead of waiting for the cache); a health probe
@@ -158,7 +175,15 @@ class KVTransferSettings:
     """How long a worker waits for a peer's NIXL agent metadata over NATS before it
     reads the KV from kvcache instead (a peer that is gone answers at once: no responders)."""
     nixl_transfer_timeout_s: float = 30.0
-    """A NIXL transfer not done within this is abandoned: its tokens are recomputed."""
+    """A NIXL transfer not done within this is abandoned: its tokens are recomputed (a
+    read from a peer), or the rest of a kvcache Get goes over the gRPC stream (a write by
+    the kvcache service)."""
+    kvcache_nixl_bytes: int = DEFAULT_NIXL_BYTES
+    """With nixl on, each kvcache client's landing buffer (host memory registered with
+    the worker's NIXL agent, made at its first Get, reused): where the kvcache service
+    cannot open the client's shared-memory segment (another container, pod or node) it
+    WRITEs the blocks of a Get into this buffer through NIXL instead of streaming
+    them over gRPC. Puts keep to the stream."""
 
 
 @dataclass(slots=True)

@@ -9,11 +9,15 @@ service "kvcache" (SERVING or NOT_SERVING, `grpc_health_probe -service=kvcache`)
 the gauge kvcache_up, the counter kvcache_bypassed_total (requests whose lookup
 kvcache did not answer, or whose hit was recomputed because loading it would be
 slower: "recompute"), and each request's span attribute kv.kvcache ("ok",
-"down", "failed", "slow", "recompute", or "unused" when kvcache was not asked)."""
+"down", "failed", "slow", "recompute", or "unused" when kvcache was not asked).
+A load from kvcache (kv.path "kvcache") also names the plane its bytes took:
+the span attribute kv.kvcache_plane ("shm": the shared-memory segment on
+kvcache's host; "nixl": written into the worker's landing buffer through NIXL;
+"stream": the gRPC byte stream; "nixl+stream" when a refused plane's rest
+streamed) and the counter kvcache_load_bytes_total{plane}."""
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import time
 from contextlib import AsyncExitStack
@@ -108,6 +112,11 @@ class Worker:
             "kv_transfer_failures_total",
             "Loads that did not (fully) arrive, by path: their tokens were recomputed",
             ("path",),
+        )
+        self.m_kvcache_load_bytes = m.counter(
+            "kvcache_load_bytes_total", "KV bytes of loads from kvcache (a host-tier head's included), by the plane kvcache's bytes took "
+            "(shm, nixl, stream, or several joined by +)",
+            ("plane",),
         )
         self.m_kvcache_up = m.gauge("kvcache_up", "1 while this worker reaches kvcache, 0 while it computes without it")
         self.m_kvcache_bypassed = m.counter(
@@ -269,6 +278,9 @@ class Worker:
         span.set_attribute("kv.loaded_direct", report.loaded_direct)
         path = kv_path(report)
         span.set_attribute("kv.path", path)
+        if report.load_plane:
+            span.set_attribute("kv.kvcache_plane", report.load_plane)
+            self.m_kvcache_load_bytes.labels(report.load_plane).inc(loaded)
         if report.load_path:
             self.m_kv_transfer_bytes.labels(report.load_path).inc(loaded)
             if report.load_failed:
@@ -407,7 +419,7 @@ async def serve_engine_stage(
 
     chain = connector_chain(ctx.settings.kvcache, transfer, ctx.settings.engine.host_kv_cache_bytes,
                             ctx.instance_id, release, fetch_nixl_metadata,
-                            loopback_only=_is_loopback(ctx.settings.worker.bind_host))  # fmt: skip
+                            loopback_only=ctx.settings.worker.binds_loopback)  # fmt: skip
     try:
         # Token ids only (text is the balancer's job), and block events for its routing.
         engine = await asyncio.to_thread(
@@ -433,16 +445,6 @@ async def serve_engine_stage(
         stack.push_async_callback(sub.unsubscribe)
     worker.mark_subscribed()
     ctx.metrics.set_readiness(worker.not_ready)
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether a bind address is the loopback interface (then so is everything the worker opens)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def validate_prompt(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> None:

@@ -28,11 +28,14 @@ class KVCacheProc:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
-def start_kvcache(nats_url: str, workdir: Path, port: int | None = None, **kvcache: str) -> KVCacheProc:
-    """One service process; kvcache holds extra INFERMESH_KVCACHE__* settings."""
+def start_kvcache(nats_url: str, workdir: Path, port: int | None = None, env: dict[str, str] | None = None,
+                  **kvcache: str) -> KVCacheProc:
+    """One service process; kvcache holds extra INFERMESH_KVCACHE__* settings, env any
+    other variables (e.g. INFERMESH_KV_TRANSFER__NIXL)."""
     port = port or free_port()
     metrics_port = free_port()
     env = {
+        **(env or {}),
         "INFERMESH_NATS__URL": nats_url,
         "INFERMESH_KVCACHE__PATH": str(workdir / "lmdb"),
         "INFERMESH_KVCACHE__ADDRESS": f"127.0.0.1:{port}",

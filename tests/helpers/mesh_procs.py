@@ -1,6 +1,7 @@
 """Real processes for integration tests: a nats-server and InferMesh services,
 each on free ports, stopped (SIGTERM, then SIGKILL) when the test ends."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -70,3 +71,29 @@ def span_attributes(trace_dir: Path, request_id: str, name: str, timeout_s: floa
         return request_span(trace_dir, request_id, name, timeout_s)
     except LookupError as exc:
         raise AssertionError(str(exc)) from None
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets pid listens on (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                hex_addr, hex_port = cols[1].split(":")
+                if width == 8:
+                    addr = ".".join(str(b) for b in reversed(bytes.fromhex(hex_addr)))
+                else:
+                    raw = b"".join(bytes.fromhex(hex_addr[i:i + 8])[::-1] for i in range(0, 32, 8))
+                    if raw[:12] == bytes(10) + b"\xff\xff":  # ::ffff:a.b.c.d, IPv4 on a dual-stack socket
+                        addr = ".".join(str(b) for b in raw[12:])
+                    else:
+                        addr = "::1" if raw == bytes(15) + b"\x01" else raw.hex()
+                found.append((addr, int(hex_port, 16)))
+    return found

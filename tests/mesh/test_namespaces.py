@@ -15,7 +15,9 @@ the prompt arrived by it.
 
 Each request's decode span names the path its KV took: NIXL (UCX over TCP
 between the namespaces), never the same-namespace copy, never kvcache's byte
-stream. The two fault tests lose the peer during or before the read: a visible
+stream. Without direct transfer decode loads the prompt from kvcache instead, and
+kvcache writes it through NIXL too (kv.kvcache_plane=nixl), never by its byte stream.
+The two fault tests lose the peer during or before the read: a visible
 recompute (kv.path=recompute), the right tokens, nothing hung. Needs root and `ip netns` (it skips, saying so, without them)."""
 
 import asyncio
@@ -76,13 +78,16 @@ READ_STARTS_WITHIN_S = 10.0
 """Decode's read of a handed-off prompt's KV flows within this of the request's start."""
 
 
-def placed_mesh(mesh_model_dir: str, state_dir: Path, lab: Lab, **options: Any) -> ContextManager[Mesh]:
+def placed_mesh(mesh_model_dir: str, state_dir: Path, lab: Lab, env: dict[str, str] | None = None,
+                **options: Any) -> ContextManager[Mesh]:  # fmt: skip
     """running_mesh (Mesh's options) with nats-server and the balancer on the bridge's
-    address, and each service the lab has a namespace for in it, bound to its address."""
+    address, and each service the lab has a namespace for in it, bound to its address;
+    env: settings beside ENV."""
     placements = {name: Placement(lab.gateway) for name in ("nats", "balancer")}
     for name, host in lab.hosts.items():
         placements[name] = Placement(host.address, functools.partial(lab.command, name))
-    return running_mesh(mesh_model_dir, state_dir, host=lab.gateway, placements=placements, extra_env=ENV, **options)
+    return running_mesh(mesh_model_dir, state_dir, host=lab.gateway, placements=placements,
+                        extra_env={**ENV, **(env or {})}, **options)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +213,34 @@ def test_completions_across_namespaces_equal_offline_and_name_the_nixl_path(lab_
             assert decode.get("kv.path") == EXPECTED_KV_PATH, f"decode span: {decode}"
         # Every full block of the prompt reached decode, none recomputed there.
         assert decode["kv.loaded_blocks"] == full_blocks
+
+
+def test_without_direct_transfer_decode_loads_from_kvcache_through_nixl(mesh_model_dir, tmp_path, offline):
+    """kv_direct_transfer off: prefill holds nothing for decode, which loads the prompt's
+    blocks from kvcache, in another namespace (host). kvcache cannot open decode's shared
+    memory there, so it WRITEs the blocks into decode's NIXL landing buffer (UCX over TCP
+    on the bridge) and gRPC carries only headers: kv.path=kvcache, kv.kvcache_plane=nixl,
+    every full block, the first request's load included."""
+    env = {"INFERMESH_ENGINE__KV_DIRECT_TRANSFER": "false"}
+    with namespaces(HOSTS) as lab, placed_mesh(mesh_model_dir, tmp_path, lab, env=env) as mesh:
+        client = client_of(mesh)
+        name = client.models.list().data[0].id
+        for prompt in (LONG_PROMPT, PROMPTS[2]):
+            expected = greedy(offline, prompt)
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            logprobs=1, extra_body={"return_token_ids": True, "ignore_eos": True})
+            assert_equals_offline(out.choices[0], out.usage, expected)
+            spans = request_spans(mesh, out.id)
+            decode = spans["decode"][0]["attributes"]
+            print(f"{len(expected.prompt_token_ids)} prompt tokens; decode {kv_attributes(decode)}")
+            full_blocks = len(expected.prompt_token_ids) // BLOCK
+            assert decode["kv.loaded_direct"] is False and decode["kv.load_failed"] is False
+            assert (decode["kv.path"], decode["kv.kvcache_plane"]) == ("kvcache", "nixl"), decode
+            assert decode["kv.loaded_blocks"] == full_blocks
+            # kvcache's side of it: its Gets wrote the blocks through NIXL, none into shared memory.
+            gets = [s["attributes"] for group in spans.values() for s in group if "kvcache.nixl_bytes" in s["attributes"]]
+            assert gets and not any(get["kvcache.shm"] for get in gets), gets
+            assert sum(get["kvcache.nixl_bytes"] for get in gets) == decode["kv.loaded_bytes"] > 0, gets
 
 
 # -- faults on the NIXL path ------------------------------------------------------------------

@@ -27,7 +27,7 @@ from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import inbox_prefix
 from shared.runtime.rpc import open_channel
-from tests.helpers.mesh_procs import ROOT, stop_process, wait_for_port
+from tests.helpers.mesh_procs import ROOT, listening, stop_process, wait_for_port
 from tests.helpers.nats_clients import Client, connected, settle, violations
 from tools.launch.nats_auth import MeshCredentials, stream_subjects
 from tools.launch.up import find_nats_server, free_port
@@ -243,32 +243,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def listening(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of the TCP sockets pid listens on (IPv4 and IPv6)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = os.readlink(fd)
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    found = []
-    for table, width in (("tcp", 8), ("tcp6", 32)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                hex_addr, hex_port = cols[1].split(":")
-                if width == 8:
-                    addr = ".".join(str(b) for b in reversed(bytes.fromhex(hex_addr)))
-                else:
-                    raw = b"".join(bytes.fromhex(hex_addr[i:i + 8])[::-1] for i in range(0, 32, 8))
-                    if raw[:12] == bytes(10) + b"\xff\xff":  # ::ffff:a.b.c.d, IPv4 on a dual-stack socket
-                        addr = ".".join(str(b) for b in raw[12:])
-                    else:
-                        addr = "::1" if raw == bytes(15) + b"\x01" else raw.hex()
-                found.append((addr, int(hex_port, 16)))
-    return found
 
 
 class Up:

@@ -68,6 +68,9 @@ TORCH_FREE = (
     "shared.kv.wire.client",
     "shared.kv.wire.shm",
     "shared.kv.wire.block_stream",
+    "shared.kv.wire.nixl",
+    "shared.kv.wire.nixl_plane",
+    "shared.kv.wire.targets",
 )
 
 

@@ -70,6 +70,12 @@ class LoadResult:
     """A direct copy's own time, from its start to its end on the copy thread: without
     the wait for that thread or for the engine's next step (with num_blocks, the copy's
     bandwidth). 0 for other loads."""
+    plane: str = ""
+    """For a load from the kvcache service, how its bytes came (the span's
+    kv.kvcache_plane): "shm" (the shared-memory segment), "nixl" (written into the
+    client's landing buffer through NIXL), "stream" (the gRPC byte stream), planes
+    joined by "+" when a load used several (a refused plane's rest came by stream);
+    "" for other loads, or when nothing arrived."""
 
     @property
     def direct(self) -> bool:

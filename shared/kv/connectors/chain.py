@@ -7,6 +7,12 @@ hands the rest to the one behind; a save goes through every link to kvcache.
 The engine sees the head only; the worker keeps the NIXL link (its metadata for
 peers, its description in handoffs) and the kvcache link (kvcache's state:
 `up`, `take_outcome`).
+
+With kv_transfer.nixl on, the kvcache link's client also gets Gets written into a
+landing buffer through NIXL (where kvcache cannot open its shared memory), with
+the NIXL link's agent when it started: one agent per process. (The kvcache link
+is built first, but makes its buffer at its first Get, after the engine
+registered its cache with the NIXL link.)
 """
 
 from collections.abc import Callable
@@ -17,7 +23,7 @@ from shared.kv.connectors.host_tier import HostTierConnector
 from shared.kv.connectors.kvcache import KVCacheConnector
 from shared.kv.connectors.nixl import NixlConnector
 from shared.kv.connectors.peer import PeerConnector
-from shared.kv.wire.nixl import agent_name
+from shared.kv.wire.nixl import NixlAgent, agent_name
 from shared.runtime.settings import KVCacheSettings, KVTransferSettings
 
 
@@ -46,15 +52,25 @@ def connector_chain(
     (called from the peer link's thread); fetch_nixl_metadata(instance_id): that
     peer's NIXL agent metadata (called from the NIXL link's thread); loopback_only: the
     worker binds loopback, so NIXL's UCX listens there alone."""
+    backends = tuple(b.strip() for b in transfer.nixl_backends.split(",") if b.strip())
+    nixl: NixlConnector | None = None
+
+    def kvcache_agent() -> NixlAgent:
+        """The NIXL link's agent, else one of the kvcache client's own (the link is
+        off, or its agent did not start: then neither will this one, and kvcache
+        streams the bytes)."""
+        if nixl is not None and nixl.agent is not None:
+            return nixl.agent
+        return NixlAgent(agent_name(f"{instance_id}-kv"), backends, loopback_only=loopback_only)
+
     store = KVCacheConnector(kvcache.address, lookup_timeout_s=kvcache.lookup_timeout_s,
                              probe_interval_s=kvcache.probe_interval_s, load_when_faster=kvcache.load_when_faster,
-                             shm_bytes=kvcache.shm_bytes)  # fmt: skip
+                             shm_bytes=kvcache.shm_bytes, nixl_bytes=transfer.kvcache_nixl_bytes if transfer.nixl else 0,
+                             nixl_agent=kvcache_agent)  # fmt: skip
     behind: KVConnector = store
     if host_kv_cache_bytes:
         behind = HostTierConnector(behind, host_kv_cache_bytes)
-    nixl = None
     if transfer.nixl:
-        backends = tuple(b.strip() for b in transfer.nixl_backends.split(",") if b.strip())
         nixl = NixlConnector(behind, agent_name(instance_id), fetch_nixl_metadata, backends=backends,
                              transfer_timeout_s=transfer.nixl_transfer_timeout_s,
                              loopback_only=loopback_only)  # fmt: skip

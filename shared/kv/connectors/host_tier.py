@@ -174,7 +174,7 @@ class HostTierConnector(InFrontConnector):
         # This tier wrote the leading blocks; what behind wrote follows them.
         behind = load.behind
         path = f"host+{behind.path}" if here and behind.num_blocks else ("host" if here else behind.path)
-        return LoadResult(request_id, here + behind.num_blocks, behind.error, path, behind.copy_seconds)
+        return LoadResult(request_id, here + behind.num_blocks, behind.error, path, behind.copy_seconds, behind.plane)
 
     @property
     def num_pending(self) -> int:

@@ -31,7 +31,12 @@ Loads on the service's host come through the client's shared-memory segment
 engine's cache as one copy per cache tensor, off the connector's event loop (a
 thread: torch's copy releases the GIL). On a GPU the segment is pinned
 (cudaHostRegister) when it is made, so that copy runs at PCIe speed. Elsewhere
-the batches come off the gRPC stream and are written the same way.
+(another container, pod or node), with kv_transfer.nixl on, the service WRITEs
+the batches into the client's NIXL landing buffer (host memory registered with
+the process's NIXL agent, the engine's NIXL link's when it has one; pinned the
+same way), else they come off the gRPC stream; either is written the same way.
+A load's LoadResult.plane says which ("shm", "nixl", "stream"): the worker's
+span attribute kv.kvcache_plane and metric kvcache_load_bytes_total{plane}.
 """
 
 import asyncio
@@ -56,6 +61,7 @@ from shared.kv.connectors.load_cost import LoadCost
 from shared.kv.memory.region import KVRegion
 from shared.kv.transfer import KVTransferParams, persistent_ids
 from shared.kv.wire.client import DEFAULT_SHM_BYTES, KVCacheClient, LandedBatch
+from shared.kv.wire.targets import AgentFactory
 from shared.runtime.telemetry import extract_context
 
 log = logging.getLogger(__name__)
@@ -105,11 +111,17 @@ class KVCacheConnector(KVConnector):
         probe_interval_s: float = 0.5,
         load_when_faster: bool = True,
         shm_bytes: int = DEFAULT_SHM_BYTES,
+        nixl_bytes: int = 0,
+        nixl_agent: AgentFactory | None = None,
     ) -> None:
         """load_when_faster: load a hit only when that is not much slower than
         recomputing it (load_cost.py); False loads every hit. shm_bytes: the
-        client's shared-memory segment (kvcache.shm_bytes; 0: the gRPC stream only)."""
+        client's shared-memory segment (kvcache.shm_bytes; 0: none). nixl_bytes:
+        its NIXL landing buffer (kv_transfer.kvcache_nixl_bytes; 0: none), with the
+        agent nixl_agent() gives (None: one of the client's own)."""
         self.shm_bytes = shm_bytes
+        self.nixl_bytes = nixl_bytes
+        self._nixl_agent = nixl_agent
         self.lookup_timeout_s = lookup_timeout_s
         self.cost = LoadCost() if load_when_faster else None
         self._block_size = 0
@@ -129,7 +141,7 @@ class KVCacheConnector(KVConnector):
         """Lookups in flight: the answer to come, and when it was asked (monotonic)."""
         self._outcomes: OrderedDict[str, LookupOutcome] = OrderedDict()
         self._outcomes_lock = threading.Lock()
-        self._loads: dict[str, concurrent.futures.Future[int]] = {}
+        self._loads: dict[str, concurrent.futures.Future[tuple[int, str]]] = {}
         self._saves: dict[str, _Save] = {}
         self._bytes_behind = 0
         """Bytes of saves written behind on their way to the store (under _behind_lock)."""
@@ -138,7 +150,14 @@ class KVCacheConnector(KVConnector):
         self._num_failed_behind = 0
 
     async def _make_client(self, address: str, timeout_s: float) -> KVCacheClient:
-        return KVCacheClient(address, timeout_s=timeout_s, shm_bytes=self.shm_bytes, on_segment=self._pin)
+        return KVCacheClient(address, timeout_s=timeout_s, shm_bytes=self.shm_bytes, on_segment=self._pin,
+                             nixl_bytes=self.nixl_bytes, nixl_agent=self._nixl_agent)
+
+    @property
+    def client(self) -> KVCacheClient:
+        """The gRPC client (its counters: `shm`, `nixl`, `get_bytes`); its calls belong
+        to the connector's loop."""
+        return self._client
 
     def _pin(self, buffer: memoryview) -> "Callable[[], None] | None":
         """Page-lock a new segment when the engine's cache is on a GPU, so the copies
@@ -246,14 +265,18 @@ class KVCacheConnector(KVConnector):
         block_ids = persistent_ids(block_ids, self.region.persistent_groups)  # a store keeps no window
         self._loads[request_id] = self._submit(self._fetch(hashes, block_ids), trace)
 
-    async def _fetch(self, hashes: list[BlockHash], block_ids: BlockIds) -> int:
+    async def _fetch(self, hashes: list[BlockHash], block_ids: BlockIds) -> tuple[int, str]:
         """Fetch the blocks and write them into the engine's cache, a batch at a
         time, each batch in one copy per cache tensor on a thread (torch's copies
-        release the GIL): no KV byte is touched on the connector's event loop."""
+        release the GIL): no KV byte is touched on the connector's event loop.
+        (Blocks written, the planes that carried them: LoadResult.plane.)"""
         region = self.region
         written = 0
+        planes: list[str] = []
         started = time.monotonic()
         async for batch in self._client.iter_landed(hashes):
+            if batch.plane.value not in planes:
+                planes.append(batch.plane.value)
             good = 0
             for block in batch.blocks:  # another chain, another model's layout or size: the rest is recomputed
                 if (block.block_hash != hashes[written + good] or block.layout != region.layout
@@ -268,7 +291,7 @@ class KVCacheConnector(KVConnector):
                 break
         if self.cost is not None:
             self.cost.observe_load(written * region.block_bytes, time.monotonic() - started)
-        return written
+        return written, "+".join(planes)
 
     def start_save(
         self,
@@ -359,7 +382,8 @@ class KVCacheConnector(KVConnector):
         for request_id, future in [(r, f) for r, f in self._loads.items() if f.done()]:
             del self._loads[request_id]
             try:
-                loads.append(LoadResult(request_id, future.result()))
+                written, plane = future.result()
+                loads.append(LoadResult(request_id, written, plane=plane))
             except Exception as exc:
                 loads.append(LoadResult(request_id, 0, f"{type(exc).__name__}: {exc}"))
         saves: list[SaveResult] = []

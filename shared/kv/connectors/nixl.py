@@ -31,7 +31,7 @@ from shared.kv.connectors.base import BlockIds, KVConnector
 from shared.kv.connectors.peer_link import PeerLink
 from shared.kv.memory.region import KVRegion
 from shared.kv.transfer import PeerSource
-from shared.kv.wire.nixl import MemoryRegion, NixlAgent, NixlTransferError, NixlUnavailable
+from shared.kv.wire.nixl import MemoryRegion, NixlAgent, NixlTransferError, NixlUnavailable, Registration
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,9 @@ class NixlConnector(PeerLink):
         self._timeout_s = transfer_timeout_s
         self._loopback_only = loopback_only
         self.agent: NixlAgent | None = None
+        self._registration: Registration | None = None
+        """The KV cache's: what peers are given metadata of (not the kvcache client's
+        landing buffer, which shares this agent)."""
         self._geometry: list[TensorGeometry] = []
         self._memory = "DRAM"
         self._description = b""
@@ -141,8 +144,9 @@ class NixlConnector(PeerLink):
             agent = NixlAgent(self._agent_name, self._backends, loopback_only=self._loopback_only)
             whole = [region.stacked] if region.stacked is not None else region.tensors
             self._memory = "VRAM" if region.device.type == "cuda" else "DRAM"
-            agent.register([MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), t.device.index or 0) for t in whole],
-                           self._memory)  # fmt: skip
+            self._registration = agent.register(
+                [MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), t.device.index or 0) for t in whole],
+                self._memory)  # fmt: skip
         except (NixlUnavailable, ValueError) as exc:
             log.warning("no NIXL KV path (%s): across namespaces KV comes from kvcache", exc)
             return
@@ -165,9 +169,10 @@ class NixlConnector(PeerLink):
         return self._description
 
     def metadata(self) -> bytes:
-        """This agent's metadata, for a peer that asks (once per peer)."""
+        """This agent's metadata, for a peer that asks (once per peer): of the KV cache
+        alone."""
         assert self.agent is not None
-        return self.agent.metadata()
+        return self.agent.metadata(only=self._registration)
 
     # -- loads -----------------------------------------------------------------
 

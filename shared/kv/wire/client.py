@@ -7,23 +7,27 @@
             ...
         await kv.put_blocks([(h, layout, data), ...])
 
-Two data planes, one API. On the service's host the client owns a shared-memory
-segment (shared/kv/wire/shm.py, shm_bytes of it, made at the first Get or
-Put and reused): a Get names it and the service lands the verified blocks in it
-(a batch is then a view of the segment, which the caller copies into its KV
-cache at once), a Put copies the blocks into it and names them (PutShm). gRPC
-carries only headers and status. Where the service cannot open the segment
-(another host or container) it says so, and the blocks move as before: in
-chunks of chunk_bytes on the gRPC stream (cut and assembled by block_stream.py,
-as in the service). The client then keeps to the stream until reconnect();
-`shm` counts both kinds of calls and the refusals.
+Three data planes, one API (targets.py keeps the landing places and the counters).
+On the service's host the client owns a shared-memory segment (shared/kv/wire/shm.py,
+shm_bytes of it, made at the first Get or Put and reused): a Get names it and the
+service lands the verified blocks in it (a batch is then a view of the segment,
+which the caller copies into its KV cache at once), a Put copies the blocks into
+it and names them (PutShm). Where the service cannot open the segment (another
+host or container) it says so, and with nixl_bytes set that Get is asked again,
+and every later one, naming the client's NIXL landing buffer instead (shared/kv/wire/nixl_plane.py: the service WRITEs the
+blocks into it through NIXL, UCX underneath); gRPC carries only headers and
+status. Otherwise, and for every Put away from the service's host, the blocks
+move in chunks of chunk_bytes on the gRPC stream (cut and assembled by
+block_stream.py, as in the service). A plane the service refused is not tried
+again until reconnect(); `shm` and `nixl` count the calls, the refusals and the
+retired places, `get_bytes` the bytes each plane carried.
 
-One call uses the segment at a time (a lock, held while the caller has a batch:
-so a caller must not Put or Get on the same client while it holds one); a Get
-of more than the segment holds is several Gets, one batch each. A call on the segment that does not end
-cleanly (an error, a timeout, a consumer that stopped early) retires the
-segment: the service may still be copying into or out of it, so it is never
-written again, and the next call makes a fresh one.
+One call uses a landing place at a time (a lock, held while the caller has a
+batch: so a caller must not Put or Get on the same client while it holds one);
+a Get of more than the place holds is several Gets, one batch each. A call on
+it that does not end cleanly (an error, a timeout, a consumer that stopped
+early, a NIXL refusal) retires it: the service may still be writing into it (or
+reading out of it), so it is never used again, and the next call makes a fresh one.
 
 gRPC failures surface as grpc.aio.AioRpcError (UNAVAILABLE when the service is
 down, DEADLINE_EXCEEDED past timeout_s): a cache is an optimisation, so callers
@@ -38,7 +42,7 @@ finds the service back: see shared/kv/connectors/kvcache.py.
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -53,7 +57,9 @@ from shared.kv.wire.block_stream import (
     check_chunk_bytes,
     iter_chunks,
 )
-from shared.kv.wire.shm import DATA_OFFSET, DEFAULT_SHM_BYTES, Segment, check_segment_bytes, place
+from shared.kv.wire.nixl_plane import LandingBuffer
+from shared.kv.wire.shm import DATA_OFFSET, DEFAULT_SHM_BYTES, Segment, place
+from shared.kv.wire.targets import AgentFactory, NixlCounters, OnSegment, Plane, ShmCounters, Targets
 from shared.runtime.rpc import check_health, open_channel
 
 log = logging.getLogger(__name__)
@@ -62,9 +68,7 @@ Block = tuple[BlockHash, str, bytes]
 """(hash, layout, data): layout names the tensor's dtype and shape, checked by the loader."""
 BYTE_BATCH_BYTES = 64 << 20
 """Blocks received over the stream are handed on in batches of about this many bytes."""
-OnSegment = Callable[[memoryview], Callable[[], None] | None]
-"""Called with a new segment's whole buffer (e.g. to pin it for CUDA copies); may return
-the undo, called before the segment is retired."""
+__all__ = ["KVCacheClient", "LandedBatch", "LandedBlock", "NixlCounters", "OnSegment", "Plane", "ShmCounters"]
 
 
 class KVCacheProtocolError(RuntimeError):
@@ -102,12 +106,17 @@ class LandedBlock:
 
 @dataclass(slots=True, frozen=True)
 class LandedBatch:
-    """Blocks of one Get, in order. data is a view of the client's segment (valid
-    until the iterator moves on) or of the bytes received on the stream."""
+    """Blocks of one Get, in order. data is a view of the client's segment or NIXL
+    landing buffer (valid until the iterator moves on) or of the bytes received on
+    the stream."""
 
     blocks: list[LandedBlock]
     data: memoryview
-    via_shm: bool
+    plane: Plane
+
+    @property
+    def via_shm(self) -> bool:
+        return self.plane is Plane.SHM
 
     def block_data(self, i: int) -> memoryview:
         block = self.blocks[i]
@@ -115,41 +124,38 @@ class LandedBatch:
 
 
 @dataclass(slots=True)
-class ShmCounters:
-    """How this client's calls moved their data."""
+class _Landed:
+    """What one Get on a landing place brought."""
 
-    num_shm_calls: int = 0
-    """Get and Put calls whose data went through the segment."""
-    num_byte_calls: int = 0
-    """Get and Put calls whose data went over the gRPC stream."""
-    num_refused: int = 0
-    """Times the service could not use the segment (the calls then went over the stream)."""
-    num_retired: int = 0
-    """Segments given up after a call on them did not end cleanly."""
-    refused_because: str | None = None
-    """The service's reason, while the client keeps to the stream (until reconnect())."""
+    blocks: list[LandedBlock]
+    more: bool
+    """The service stopped at segment_full: Get again from the next block."""
+    refused: bool
+    """The service refused the place (or its write failed): the call's stream goes on
+    with the blocks not landed, as bytes."""
 
 
 class KVCacheClient:
     def __init__(self, address: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float | None = 60.0,
-                 shm_bytes: int = DEFAULT_SHM_BYTES, on_segment: OnSegment | None = None) -> None:
+                 shm_bytes: int = DEFAULT_SHM_BYTES, on_segment: OnSegment | None = None, nixl_bytes: int = 0,
+                 nixl_agent: AgentFactory | None = None) -> None:  # fmt: skip
         """timeout_s: deadline of each call (None waits forever, which a worker
         should not: a stuck cache must not stall a request). shm_bytes: the
-        shared-memory segment's size (0: always the gRPC stream)."""
+        shared-memory segment's size (0: no shared memory). nixl_bytes: the NIXL
+        landing buffer's size (0: no NIXL); nixl_agent: the process's agent (the
+        engine's, shared), else the client makes one of its own. on_segment: called
+        with each new segment's or buffer's memory (the connector pins it)."""
         check_chunk_bytes(chunk_bytes)
-        if shm_bytes:
-            check_segment_bytes(shm_bytes)
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self.shm_bytes = shm_bytes
-        self.shm = ShmCounters()
-        self._on_segment = on_segment
-        self._segment: Segment | None = None
-        self._segment_confirmed = False
-        """The service said it can use the segment (a Get landed in it, or an empty PutShm)."""
-        self._undo_segment: Callable[[], None] | None = None
-        self._shm_lock: asyncio.Lock | None = None  # made on the client's loop, at first use
+        self._targets = Targets(shm_bytes, nixl_bytes, on_segment, nixl_agent)
+        self.shm: ShmCounters = self._targets.shm
+        self.nixl: NixlCounters = self._targets.nixl
+        self.get_bytes: dict[Plane, int] = dict.fromkeys(Plane, 0)
+        """Block bytes Gets delivered, by the plane that carried them."""
+        self._shm_lock: asyncio.Lock | None = None  # made on the client's loop, at first use; guards both places
         self._channel = open_channel(address)
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
 
@@ -167,7 +173,7 @@ class KVCacheClient:
                                  f"got {len(block_hash)} and {len(data)} bytes")
         total = PutSummary(0, 0, 0)
         start = 0
-        while start < len(blocks) and self._shm_usable():
+        while start < len(blocks) and self._targets.shm_usable():
             async with self._lock():
                 done = await self._put_window(blocks[start:])
             if done is None:
@@ -184,7 +190,7 @@ class KVCacheClient:
     async def _put_window(self, blocks: Sequence[Block]) -> tuple[int, PutSummary] | None:
         """The leading blocks that fit the segment, through it: (how many, the reply);
         None when the segment cannot be used (nothing was stored)."""
-        segment = self._the_segment()
+        segment = self._targets.the_segment()
         if segment is None or not await self._confirmed(segment):
             return None
         offsets = place([len(data) for _, _, data in blocks], segment.size)
@@ -202,15 +208,15 @@ class KVCacheClient:
             reply = await self._stub.PutShm(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a service from before PutShm
-                self._refused("the service has no PutShm")
+                self._targets.refuse(Plane.SHM, "the service has no PutShm")
                 return None
-            self._retire()  # it may still be reading the segment
+            self._targets.retire(Plane.SHM)  # it may still be reading the segment
             raise
         except BaseException:
-            self._retire()
+            self._targets.retire(Plane.SHM)
             raise
         if reply.shm_refused:
-            self._refused(reply.shm_refused)
+            self._targets.refuse(Plane.SHM, reply.shm_refused)
             return None
         self.shm.num_shm_calls += 1
         return len(window), PutSummary(reply.num_stored, reply.num_existing, reply.num_bytes)
@@ -219,94 +225,119 @@ class KVCacheClient:
         """Whether the service can use the segment, asked once per segment with an
         empty PutShm before the first Put copies anything in: where it cannot (another
         container) the segment's pages are then never touched."""
-        if self._segment_confirmed:
+        if self._targets.segment_confirmed:
             return True
         try:
             reply = await self._stub.PutShm(kvcache_pb2.PutShmRequest(shm=_segment_pb(segment)),
                                             timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a service from before PutShm
-                self._refused("the service has no PutShm")
+                self._targets.refuse(Plane.SHM, "the service has no PutShm")
                 return False
             raise
         if reply.shm_refused:
-            self._refused(reply.shm_refused)
+            self._targets.refuse(Plane.SHM, reply.shm_refused)
             return False
-        self._segment_confirmed = True
+        self._targets.segment_confirmed = True
         return True
 
     # -- get -------------------------------------------------------------------
 
     async def iter_landed(self, hashes: Sequence[BlockHash]) -> AsyncIterator[LandedBatch]:
-        """The leading blocks the service holds, in order, in batches (a segment's
-        worth, or BYTE_BATCH_BYTES received on the stream); ends at the first block
-        it does not hold. A batch's data is valid until the iterator moves on.
-        Stopping early cancels the call."""
+        """The leading blocks the service holds, in order, in batches (a landing place's
+        worth, or BYTE_BATCH_BYTES received on the stream); ends at the first block it
+        does not hold. A batch's data is valid until the iterator moves on. Stopping
+        early cancels the call."""
         start = 0
         while start < len(hashes):
-            if not self._shm_usable():
+            plane = self._targets.get_plane()
+            if plane is Plane.STREAM:
                 async for batch in self._byte_batches(self._stub.Get(
                         kvcache_pb2.GetRequest(block_hashes=hashes[start:]), timeout=self.timeout_s)):
                     yield batch
                 return
             async with self._lock():
-                segment = self._the_segment()
-                if segment is None:
-                    continue  # no segment could be made: _shm_usable() now says no
-                request = kvcache_pb2.GetRequest(block_hashes=hashes[start:], shm=_segment_pb(segment))
+                place: Segment | LandingBuffer | None
+                if plane is Plane.SHM:
+                    place = self._targets.the_segment()
+                else:  # the agent may start now: off the loop
+                    place = await asyncio.to_thread(self._targets.the_buffer)
+                if place is None:
+                    continue  # none could be made here: the next plane
+                request = kvcache_pb2.GetRequest(block_hashes=hashes[start:], **{plane.value: _target_pb(place)})
                 call = self._stub.Get(request, timeout=self.timeout_s)
-                landed, more = await self._landed(call, segment, hashes[start:])
-                if landed is None:  # refused: the rest of this call's stream is bytes
-                    async for batch in self._byte_batches(call):
+                got = await self._landed(call, plane, place, hashes[start:])
+                if plane is Plane.SHM and not got.refused:
+                    self._targets.segment_confirmed = True
+                if got.blocks:
+                    num_bytes = sum(b.num_bytes for b in got.blocks)
+                    self.get_bytes[plane] += num_bytes
+                    if plane is Plane.SHM:
+                        self.shm.num_shm_calls += 1
+                        data = place.buffer[DATA_OFFSET:]
+                    else:
+                        self.nixl.num_nixl_calls += 1
+                        self.nixl.num_nixl_bytes += num_bytes
+                        data = place.buffer
+                    # Yielded under the lock: nothing else writes the place while the caller reads it.
+                    yield LandedBatch(got.blocks, data, plane)
+                if got.refused:
+                    if plane is Plane.SHM and self._targets.nixl_usable():
+                        # Refused before the service touched the segment (another container):
+                        # the bytes it now streams are dropped, and the same blocks asked
+                        # again through NIXL, so the first Get elsewhere is not a stream too.
+                        call.cancel()
+                        continue
+                    async for batch in self._byte_batches(call):  # the rest of this call's stream is bytes
                         yield batch
                     return
-                self._segment_confirmed = True
-                if landed:
-                    self.shm.num_shm_calls += 1
-                    # Yielded under the lock: nothing else writes the segment while the caller reads it.
-                    yield LandedBatch(landed, segment.buffer[DATA_OFFSET:], via_shm=True)
-            if not more:
+            if not got.more:
                 return
-            start += len(landed)
+            start += len(got.blocks)
 
-    async def _landed(self, call: grpc.aio.UnaryStreamCall, segment: Segment,
-                      hashes: Sequence[BlockHash]) -> tuple[list[LandedBlock] | None, bool]:
-        """Read a shared-memory Get's stream to its end: (the blocks landed, whether
-        the service stopped at segment_full: more to ask for). (None, False): the
-        service refused the segment; the call's stream goes on with bytes.
+    async def _landed(self, call: grpc.aio.UnaryStreamCall, plane: Plane, place: Segment | LandingBuffer,
+                      hashes: Sequence[BlockHash]) -> _Landed:
+        """Read a Get on a landing place up to its end, or up to the service's refusal
+        (the stream goes on with bytes then).
 
         The stream is read to its very end (its OK status): the service ends it only
-        once every copy into the segment has finished, including copies of blocks
-        after a missing one, so the segment is free for the next call."""
+        once every copy or write into the place has finished, including those of blocks
+        after a missing one, so the place is free for the next call. A shared-memory
+        refusal comes first, before the service touched the segment; a NIXL one may come
+        after blocks landed (a write failed), and retires the buffer."""
         landed: list[LandedBlock] = []
-        more = ended = clean = False
+        more = ended = clean = refused = False
+        base = DATA_OFFSET if plane is Plane.SHM else 0
+        refusal = "shm_refused" if plane is Plane.SHM else "nixl_refused"
         try:
             async for reply in call:
                 kind = reply.WhichOneof("item")
-                if kind == "shm_refused" and not landed and not ended:
-                    self._refused(reply.shm_refused)
-                    clean = True  # the service never touched the segment
-                    return None, False
+                if kind == refusal and not ended and (plane is Plane.NIXL or not landed):
+                    self._targets.refuse(plane, getattr(reply, refusal))
+                    refused = True
+                    clean = plane is Plane.SHM  # the service never touched the segment
+                    return _Landed(landed, False, True)
                 if ended:
-                    raise KVCacheProtocolError(f"a {kind} item after the end of a shared-memory Get")
+                    raise KVCacheProtocolError(f"a {kind} item after the end of a {plane.value} Get")
                 if kind == "landed":
                     header, offset = reply.landed.header, reply.landed.offset
                     if (len(landed) >= len(hashes) or header.block_hash != hashes[len(landed)]
-                            or offset < DATA_OFFSET or offset + header.num_bytes > segment.size):
+                            or offset < base or offset + header.num_bytes > place.size):
                         raise KVCacheProtocolError(f"landed block {len(landed)} does not add up "
                                                    f"(hash, or bytes [{offset}, +{header.num_bytes}))")
                     landed.append(LandedBlock(BlockHash(header.block_hash), header.layout,
-                                              offset - DATA_OFFSET, header.num_bytes))
+                                              offset - base, header.num_bytes))
                 elif kind in ("segment_full", "missing"):
                     more, ended = kind == "segment_full", True
                 else:
-                    raise KVCacheProtocolError(f"a {kind} item in a shared-memory Get")
+                    raise KVCacheProtocolError(f"a {kind} item in a {plane.value} Get")
             clean = True
-            return landed, more
+            return _Landed(landed, more, False)
         finally:
             if not clean:
-                call.cancel()
-                self._retire()  # the service may still be copying into it
+                if not refused:  # after a refusal the stream goes on with bytes
+                    call.cancel()
+                self._targets.retire(plane)  # the service may still be writing into it
 
     async def _byte_batches(self, call: grpc.aio.UnaryStreamCall) -> AsyncIterator[LandedBatch]:
         """The blocks of a Get streamed as header and data chunks, in batches."""
@@ -325,13 +356,14 @@ class KVCacheClient:
                 blocks.append(LandedBlock(block.block_hash, block.layout, num_bytes, len(block.data)))
                 parts.append(block.data)
                 num_bytes += len(block.data)
+                self.get_bytes[Plane.STREAM] += len(block.data)
                 if num_bytes >= BYTE_BATCH_BYTES:
-                    yield LandedBatch(blocks, memoryview(bytearray().join(parts)), via_shm=False)
+                    yield LandedBatch(blocks, memoryview(bytearray().join(parts)), Plane.STREAM)
                     blocks, parts, num_bytes = [], [], 0
             else:
                 _feed(assembler, None)
             if blocks:  # one copy into writable memory (a consumer may view it as a tensor)
-                yield LandedBatch(blocks, memoryview(bytearray().join(parts)), via_shm=False)
+                yield LandedBatch(blocks, memoryview(bytearray().join(parts)), Plane.STREAM)
         finally:
             call.cancel()  # no-op when the call already finished
 
@@ -368,16 +400,16 @@ class KVCacheClient:
 
     async def reconnect(self) -> None:
         """Dial again at once on a fresh channel; calls still on the old one may finish
-        (1 s). The service may have moved: shared memory is tried again."""
+        (1 s). The service may have moved: shared memory and NIXL are tried again."""
         old = self._channel
         self._channel = open_channel(self.address)
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
-        self.shm.refused_because = None
+        self._targets.reset_refusals()
         await old.close(grace=1.0)
 
     async def close(self) -> None:
         await self._channel.close()
-        self._retire(counted=False)
+        self._targets.close()
 
     async def __aenter__(self) -> "KVCacheClient":
         return self
@@ -385,45 +417,19 @@ class KVCacheClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- the segment ---------------------------------------------------------------
-
-    def _shm_usable(self) -> bool:
-        return self.shm_bytes > 0 and self.shm.refused_because is None
+    # -- the landing places (targets.py) -------------------------------------------
 
     def _lock(self) -> asyncio.Lock:
         if self._shm_lock is None:
             self._shm_lock = asyncio.Lock()
         return self._shm_lock
 
+    @property
+    def _segment(self) -> Segment | None:
+        return self._targets.segment
+
     def _the_segment(self) -> Segment | None:
-        """The segment, made at first use; None (and the stream from then on) when
-        this host cannot make one."""
-        if self._segment is None:
-            try:
-                self._segment = Segment(self.shm_bytes)
-            except OSError as exc:
-                self._refused(f"no shared-memory segment here: {exc}")
-                return None
-            if self._on_segment is not None:
-                self._undo_segment = self._on_segment(self._segment.buffer)
-        return self._segment
-
-    def _refused(self, why: str) -> None:
-        self.shm.num_refused += 1
-        self.shm.refused_because = why
-        log.info("kvcache shared memory unavailable (%s): using the gRPC stream", why)
-
-    def _retire(self, counted: bool = True) -> None:
-        segment, self._segment = self._segment, None
-        self._segment_confirmed = False
-        if segment is None:
-            return
-        if counted:
-            self.shm.num_retired += 1
-        if self._undo_segment is not None:
-            undo, self._undo_segment = self._undo_segment, None
-            undo()
-        segment.close()
+        return self._targets.the_segment()
 
     def _put_requests(self, blocks: Sequence[Block]) -> Iterator[kvcache_pb2.PutRequest]:
         """A plain iterator: grpc.aio consumes it lazily, one chunk in memory at a time."""
@@ -436,6 +442,14 @@ class KVCacheClient:
 
 def _segment_pb(segment: Segment) -> kvcache_pb2.ShmSegment:
     return kvcache_pb2.ShmSegment(path=segment.ref.path, size=segment.ref.size, nonce=segment.ref.nonce)
+
+
+def _target_pb(place: Segment | LandingBuffer) -> kvcache_pb2.ShmSegment | kvcache_pb2.NixlTarget:
+    if isinstance(place, Segment):
+        return _segment_pb(place)
+    ref = place.ref
+    return kvcache_pb2.NixlTarget(agent=ref.agent, metadata=ref.metadata, address=ref.address, size=ref.size,
+                                  token=ref.token)
 
 
 def _copy_in(buffer: memoryview, blocks: Sequence[Block], offsets: list[int]) -> None:

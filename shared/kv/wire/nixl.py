@@ -4,17 +4,22 @@ processes that cannot map each other's memory (another container, pod or node).
 NIXL (NVIDIA's transfer library behind vLLM's NixlConnector, Dynamo and llm-d)
 runs UCX underneath: shared memory or CUDA IPC within a node, RDMA or TCP
 between nodes, chosen by UCX from its environment (UCX_TLS, UCX_NET_DEVICES).
-A process registers the memory peers may read once (the KV cache); a peer that
-wants to read it adds this agent's metadata once (it travels over NATS, fetched
-by the caller and cached here by agent name) and then READs lists of
-(address, length) descriptors from it in one transfer. The reader names a
-notification that the owner receives when the bytes have arrived: that is how
-a lease ends.
+A process registers the memory peers may reach once (the KV cache, a landing
+buffer); a peer that moves bytes to or from it adds this agent's metadata once
+(it travels over NATS or gRPC, and is cached here by agent name) and then READs
+or WRITEs lists of (address, length) descriptors in one transfer. A transfer may
+name a notification that the other side receives once the bytes have moved:
+that is how a lease ends. NIXL itself refuses a descriptor outside the memory
+the other side registered and described in its metadata (`metadata(only)`
+describes only some regions: a peer given that can reach nothing else).
 
 Torch-free: memory is (address, bytes, device) triples; descriptor lists are
 numpy arrays, so a transfer of thousands of block runs costs no Python loop
-over NIXL objects. The agent is thread-safe for what we use (the KV connector's
-copy thread transfers while the engine thread polls notifications).
+over NIXL objects. The wrapper is thread-safe: every call into the agent holds
+one lock (the agent runs in NIXL's sync mode NONE, which leaves that to the
+caller), briefly, never while a transfer is waited for; so the KV connector's
+copy thread, the engine thread that polls notifications, the kvcache client's
+thread and the kvcache service's writer threads may share one agent.
 """
 
 import importlib
@@ -32,6 +37,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+TOKEN_BYTES = 16
 
 class NixlUnavailable(RuntimeError):
     """NIXL is not installed here or its backend would not start."""
@@ -47,6 +53,15 @@ class MemoryRegion:
     nbytes: int
     device: int
     """The GPU's index for VRAM; 0 for host memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """Regions registered together (`NixlAgent.register`), to describe or deregister."""
+
+    regions: tuple[MemoryRegion, ...]
+    memory: str
+    handle: object
 
 
 def agent_name(instance_id: str) -> str:
@@ -158,45 +173,78 @@ class NixlAgent:
         except Exception as exc:
             raise NixlUnavailable(f"NIXL agent with backends {list(backends)} did not start: {exc}") from None
         self.name = name
-        self._lock = threading.Lock()
-        self._peers: dict[str, str] = {}
-        """Agents whose metadata was added: name -> name (as NIXL returned it)."""
-        self._registered: list[object] = []
+        self.backends = tuple(backends)
+        self.token = os.urandom(TOKEN_BYTES)
+        """A secret of this agent's owner, for a service that must know a request naming
+        this agent comes from its owner (kvcache binds it to the agent's name)."""
+        self._calls = threading.Lock()
+        """Held around every call into the agent."""
+        self._peers_lock = threading.Lock()
+        self._peers: set[str] = set()
+        """Agents whose metadata was added."""
+        self._registered: list[Registration] = []
 
-    def register(self, regions: Sequence[MemoryRegion], memory: str) -> None:
-        """Let peers read these regions (memory: "DRAM" or "VRAM")."""
+    def register(self, regions: Sequence[MemoryRegion], memory: str) -> Registration:
+        """Let peers reach these regions (memory: "DRAM" or "VRAM")."""
         descs = [(r.address, r.nbytes, r.device, "") for r in regions]
-        self._registered.append(self._agent.register_memory(descs, memory))
+        with self._calls:
+            registration = Registration(tuple(regions), memory, self._agent.register_memory(descs, memory))
+        self._registered.append(registration)
+        return registration
 
-    def metadata(self) -> bytes:
-        """What a peer adds to read from this agent (fetched once per peer and cached)."""
-        return self._agent.get_agent_metadata()
+    def deregister(self, registration: Registration) -> None:
+        """Peers can no longer start transfers to or from these regions (once they
+        add this agent's metadata anew)."""
+        if registration in self._registered:
+            self._registered.remove(registration)
+            self._deregister(registration)
+
+    def metadata(self, only: Registration | None = None) -> bytes:
+        """What a peer adds to reach this agent (fetched once per peer and cached): all
+        it registered, or `only` those regions (the peer can then reach nothing else)."""
+        with self._calls:
+            if only is None:
+                return self._agent.get_agent_metadata()
+            descs = self._agent.get_reg_descs([(r.address, r.nbytes, r.device, "") for r in only.regions],
+                                              only.memory)  # fmt: skip
+            return self._agent.get_partial_agent_metadata(descs, True, list(self.backends))
 
     def ensure_peer(self, name: str, fetch: Callable[[], bytes]) -> None:
-        """Make `name` readable: add its metadata (from fetch()) unless added already.
+        """Make `name` reachable: add its metadata (from fetch()) unless added already.
         ValueError when the metadata names another agent (the peer restarted)."""
-        with self._lock:
+        with self._peers_lock:
             if name in self._peers:
                 return
         metadata = fetch()
-        with self._lock:
+        with self._peers_lock:
             if name in self._peers:
                 return
+        self.add_peer(name, metadata)
+
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        """Add (or update: a peer that registered more memory) `name`'s metadata.
+        ValueError when the metadata names another agent; nothing is kept then."""
+        with self._calls:
             added = self._agent.add_remote_agent(metadata)
             added = added.decode() if isinstance(added, bytes) else added
             if added != name:
-                self._agent.remove_remote_agent(added)
+                if added not in self._peers:
+                    self._agent.remove_remote_agent(added)
                 raise ValueError(f"the peer's agent is {added!r} now, not {name!r}: it restarted")
-            self._peers[name] = added
+        with self._peers_lock:
+            self._peers.add(name)
 
     def forget_peer(self, name: str) -> None:
         """Drop a peer's metadata (after a failed transfer: it may have restarted)."""
-        with self._lock:
-            if self._peers.pop(name, None) is not None:
-                try:
-                    self._agent.remove_remote_agent(name)
-                except Exception as exc:  # already gone on NIXL's side
-                    log.debug("removing NIXL peer %s: %s", name, exc)
+        with self._peers_lock:
+            if name not in self._peers:
+                return
+            self._peers.discard(name)
+        try:
+            with self._calls:
+                self._agent.remove_remote_agent(name)
+        except Exception as exc:  # already gone on NIXL's side
+            log.debug("removing NIXL peer %s: %s", name, exc)
 
     def read(
         self,
@@ -214,44 +262,77 @@ class NixlAgent:
         bytes have arrived. Blocks until done; the bytes moved. NixlTransferError when
         the transfer fails or is not done within timeout_s. poll_cap_s: the longest
         pause between polls (READ_POLL_CAP_S by memory unless given)."""
+        return self._transfer("READ", peer, local, remote, memory, remote_memory, notification, timeout_s,
+                              poll_cap_s)  # fmt: skip
+
+    def write(
+        self,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        memory: str,
+        remote_memory: str,
+        timeout_s: float,
+        notification: bytes = b"",
+        poll_cap_s: float | None = None,
+    ) -> int:
+        """Write local descriptors into remote ones of `peer` (both [n, 3] arrays of
+        address, bytes, device), in one transfer; as read() otherwise."""
+        return self._transfer("WRITE", peer, local, remote, memory, remote_memory, notification, timeout_s,
+                              poll_cap_s)  # fmt: skip
+
+    def _transfer(
+        self, op: str, peer: str, local: np.ndarray, remote: np.ndarray, memory: str, remote_memory: str,
+        notification: bytes, timeout_s: float, poll_cap_s: float | None,
+    ) -> int:  # fmt: skip
         if local.shape != remote.shape or not len(local):
             raise ValueError(f"descriptor lists differ or are empty: {local.shape} vs {remote.shape}")
-        local_descs = self._agent.get_xfer_descs(np.ascontiguousarray(local, dtype=np.uint64), memory)
-        remote_descs = self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.uint64), remote_memory)
+        what = "read from" if op == "READ" else "write to"
+        with self._calls:
+            local_descs = self._agent.get_xfer_descs(np.ascontiguousarray(local, dtype=np.uint64), memory)
+            remote_descs = self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.uint64), remote_memory)
+            try:
+                handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer, notification)
+            except Exception as exc:
+                raise NixlTransferError(f"NIXL could not start a {what} {peer}: {exc}") from None
         try:
-            handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer, notification)
-        except Exception as exc:
-            raise NixlTransferError(f"NIXL could not start a read from {peer}: {exc}") from None
-        try:
-            state = self._agent.transfer(handle)
+            with self._calls:
+                state = self._agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
             pause, cap = 0.0, poll_cap_s if poll_cap_s is not None else READ_POLL_CAP_S.get(memory, 1e-3)
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
-                    raise NixlTransferError(f"the read from {peer} was not done within {timeout_s:.1f}s")
-                # Spin briefly (a GPU-to-GPU read is done in microseconds), then back off.
+                    raise NixlTransferError(f"the {what} {peer} was not done within {timeout_s:.1f}s")
+                # Spin briefly (a GPU-to-GPU transfer is done in microseconds), then back off.
                 if pause:
                     time.sleep(pause)
                 pause = min(pause * 2 or 1e-6, cap)
-                state = self._agent.check_xfer_state(handle)
+                with self._calls:
+                    state = self._agent.check_xfer_state(handle)
             if state == "ERR":
-                raise NixlTransferError(f"the read from {peer} failed")
+                raise NixlTransferError(f"the {what} {peer} failed")
         finally:
             try:
-                self._agent.release_xfer_handle(handle)
+                with self._calls:
+                    self._agent.release_xfer_handle(handle)
             except Exception as exc:  # a handle of a failed transfer may refuse to go
                 log.debug("releasing a NIXL transfer handle: %s", exc)
         return int(local[:, 1].sum())
 
     def take_notifications(self) -> list[bytes]:
         """Notifications that arrived since the last call, from every peer."""
-        notifs = self._agent.get_new_notifs()
+        with self._calls:
+            notifs = self._agent.get_new_notifs()
         return [n for messages in notifs.values() for n in messages]
 
     def close(self) -> None:
-        for descs in self._registered:
-            try:
-                self._agent.deregister_memory(descs)
-            except Exception as exc:
-                log.debug("deregistering NIXL memory: %s", exc)
+        for registration in self._registered:
+            self._deregister(registration)
         self._registered.clear()
+
+    def _deregister(self, registration: Registration) -> None:
+        try:
+            with self._calls:
+                self._agent.deregister_memory(registration.handle)
+        except Exception as exc:
+            log.debug("deregistering NIXL memory: %s", exc)

@@ -80,11 +80,12 @@ def align(offset: int) -> int:
     return (offset + ALIGN - 1) // ALIGN * ALIGN
 
 
-def place(sizes: list[int], segment_size: int) -> list[int]:
+def place(sizes: list[int], segment_size: int, start: int = DATA_OFFSET) -> list[int]:
     """Offsets (from the segment's start) of the leading blocks of these sizes that
-    fit the data area, back to back at ALIGN; fewer than sizes when the rest do not fit."""
+    fit the data area, back to back at ALIGN; fewer than sizes when the rest do not fit.
+    start: where the data area begins (a NIXL landing buffer has no header: 0)."""
     offsets: list[int] = []
-    offset = DATA_OFFSET
+    offset = start
     for size in sizes:
         if offset + size > segment_size:
             break
