@@ -307,10 +307,12 @@ def test_chart_runs_prefill_and_decode_apart_and_moves_kv_through_nixl():
     assert envs["prefill"]["INFERMESH_KV_TRANSFER__NIXL"] == "true" and envs["prefill"]["UCX_TLS"] == "tcp"
     # The knobs: timeouts, other UCX variables, any port (then the rule opens every port, to the peers only).
     docs = render_chart({"kvTransfer": {"metadataTimeoutSeconds": 5, "transferTimeoutSeconds": 60.5,
+                                        "kvcacheLandingBytes": 128 << 20,
                                         "ucx": {"tcpPortRange": "", "env": {"UCX_LOG_LEVEL": "info"}}}})
     env = kv_transfer_env(workloads(docs)["mesh-infermesh-decode"]["spec"]["template"]["spec"])
     settings = load_settings(env=env).kv_transfer
     assert (settings.nixl_metadata_timeout_s, settings.nixl_transfer_timeout_s) == (5, 60.5)
+    assert settings.kvcache_nixl_bytes == 128 << 20
     assert env["UCX_LOG_LEVEL"] == "info" and "UCX_TCP_PORT_RANGE" not in env
     (rule,) = ucx_rules(kinds(docs, "NetworkPolicy")["mesh-infermesh-decode"])
     assert "ports" not in rule and rule["from"]

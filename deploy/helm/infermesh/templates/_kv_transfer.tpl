@@ -59,6 +59,10 @@ and UCX's own variables. (dict "root" "component" "values") */}}
 - name: INFERMESH_KV_TRANSFER__NIXL_TRANSFER_TIMEOUT_S
   value: {{ include "infermesh.scalar" . | quote }}
 {{- end }}
+{{- with $kv.kvcacheLandingBytes }}
+- name: INFERMESH_KV_TRANSFER__KVCACHE_NIXL_BYTES
+  value: {{ include "infermesh.scalar" . | quote }}
+{{- end }}
 {{- if $kv.nixl }}
 {{- with $kv.ucx.tls }}
 - name: UCX_TLS
