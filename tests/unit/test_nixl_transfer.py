@@ -19,8 +19,9 @@ from shared.kv.connectors.nixl import NixlConnector, TensorGeometry, block_runs,
 from shared.kv.transfer import KVTransferParams, PeerSource
 from tests.helpers.engine_helpers import run
 from tests.helpers.hf_models import random_prompts
+from tests.helpers.nixl_wheel import skip_without_nixl
 
-pytest.importorskip("nixl_cu12")
+skip_without_nixl()
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 HOLD = KVTransferParams(load=True, save=True, wait_for_save=False, hold=True)
