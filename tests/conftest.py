@@ -6,8 +6,6 @@ live in tests/helpers/; this file is never imported as a module.
 At import, this process's gRPC clients get the session's token (the meshes'
 GRPC_TOKEN)."""
 
-import asyncio
-import signal
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,9 +16,9 @@ import pytest
 from tools.make_model import make_model
 from shared.runtime import rpc
 from tests.helpers.hf_models import save_tiny_hf_model
-from tests.helpers.kvcache_proc import KVCacheProc, start_kvcache, wait_serving
+from tests.helpers.kvcache_proc import KVCacheProc, serving_kvcache
 from tests.helpers.mesh import GRPC_TOKEN, mesh_key, running_mesh
-from tests.helpers.mesh_procs import NatsServer, stop_process
+from tests.helpers.mesh_procs import NatsServer
 from tools.launch.up import Mesh
 
 rpc.configure(GRPC_TOKEN, "127.0.0.1")
@@ -55,11 +53,8 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
 def kvcache(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVCacheProc]:
     """A kvcache process of the module's own, serving; at the end it must exit 0
     (continued first: a test may leave it stopped with SIGSTOP)."""
-    svc = start_kvcache(nats_server.url, tmp_path_factory.mktemp("kvcache"))
-    asyncio.run(wait_serving(svc))
-    yield svc
-    svc.proc.send_signal(signal.SIGCONT)
-    assert stop_process(svc.proc) == 0, svc.log()
+    with serving_kvcache(nats_server.url, tmp_path_factory.mktemp("kvcache")) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from shared.kv.spec import KVCacheLayout
-from shared.model.config import ArchConfig, ModelConfig
+from shared.model.arch_config import ArchConfig
+from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.layers import Linear, linear
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.config import RopeConfig
+from shared.model.arch_config import RopeConfig
 from shared.model.ops import TORCH_OPS, Ops
 
 

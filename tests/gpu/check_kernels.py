@@ -411,7 +411,7 @@ def check_floor(ck: Checker, sz: Sizes) -> None:
 
 def check_elementwise(ck: Checker, sz: Sizes) -> None:
     from shared.model.attention import write_kv
-    from shared.model.config import RopeConfig
+    from shared.model.arch_config import RopeConfig
     from shared.model.kernels import activation, reference, rmsnorm, rotary
     from shared.model.layers import RotaryEmbedding
 

@@ -7,6 +7,7 @@ holds must be, byte for byte, the blocks in the engine's cache."""
 import asyncio
 import os
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,11 +20,25 @@ from shared.kv.transfer import KVTransferParams
 from shared.kv.wire.client import KVCacheClient
 from tests.helpers.engine_helpers import run
 from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
+from tests.helpers.kvcache_proc import KVCacheProc, serving_kvcache
+from tests.helpers.mesh_procs import NatsServer
 from tools.bench.tier_bench import prefix_kv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def kvcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVCacheProc]:
+    """A kvcache process serving against a nats-server of this module's own. Made here,
+    not taken from tests/conftest.py: the device runs tests/gpu with --noconftest."""
+    nats = NatsServer(tmp_path_factory.mktemp("nats"))
+    try:
+        with serving_kvcache(nats.url, tmp_path_factory.mktemp("kvcache")) as svc:
+            yield svc
+    finally:
+        nats.stop()
 
 
 def test_the_writer_process_stores_the_cards_blocks_byte_for_byte(tmp_path, kvcache):

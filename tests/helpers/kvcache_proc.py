@@ -1,17 +1,21 @@
 """kvcache as a real service process for tests: started on free ports against a
 given nats-server (LMDB, traces and its log under a work folder), restarted with
-the same settings, and waited for until its gRPC health says SERVING."""
+the same settings, waited for until its gRPC health says SERVING, and served for
+the length of a with block (serving_kvcache: what the `kvcache` fixtures yield)."""
 
 import asyncio
+import contextlib
+import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from shared.runtime.rpc import check_health
-from tests.helpers.mesh_procs import free_port, start_service
+from tests.helpers.mesh_procs import free_port, start_service, stop_process
 
 
 @dataclass
@@ -64,3 +68,17 @@ async def wait_serving(svc: KVCacheProc, timeout_s: float = 20.0) -> None:
             return
         await asyncio.sleep(0.1)
     pytest.fail(f"kvcache not SERVING after {timeout_s}s:\n{svc.log()}")
+
+
+@contextlib.contextmanager
+def serving_kvcache(nats_url: str, workdir: Path) -> Iterator[KVCacheProc]:
+    """A kvcache process, SERVING, for the block; at its end the process must exit 0
+    (continued first: a test may leave it stopped with SIGSTOP)."""
+    svc = start_kvcache(nats_url, workdir)
+    try:
+        asyncio.run(wait_serving(svc))
+        yield svc
+    finally:
+        svc.proc.send_signal(signal.SIGCONT)
+        code = stop_process(svc.proc)
+    assert code == 0, svc.log()

@@ -32,8 +32,9 @@ from shared.runtime.rpc import open_channel
 from tests.helpers.kvcache_proc import KVCacheProc, start_kvcache, wait_serving
 from tests.helpers.mesh_procs import listening, stop_process
 from tests.helpers.metrics import exposition_value as metric
+from tests.helpers.nixl_wheel import skip_without_nixl
 
-pytest.importorskip("nixl_cu12")
+skip_without_nixl()
 
 KIB = 1 << 10
 BUFFER = MIN_TARGET_BYTES

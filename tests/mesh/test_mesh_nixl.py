@@ -11,8 +11,9 @@ import pytest
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from tests.helpers.mesh_procs import span_attributes
+from tests.helpers.nixl_wheel import skip_without_nixl
 
-pytest.importorskip("nixl_cu12")
+skip_without_nixl()
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 

@@ -1,5 +1,5 @@
 """The mesh as deployed, on this CPU: kvcache, prefill and decode each in a network
-and PID namespace of its own that the test makes (tests/helpers/netns.py), as on
+and PID namespace of its own that the test makes (tools/launch/netns.py), as on
 three hosts; nats-server and the balancer in the root namespace on the bridge's
 address. Closed as `infermesh up` runs it: NATS users with their permissions, the
 gRPC token. What crosses namespaces goes over the bridge, as between hosts; the
@@ -22,6 +22,7 @@ recompute (kv.path=recompute), the right tokens, nothing hung. Needs root and `i
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import os
 import signal
@@ -29,7 +30,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from tests.helpers.mesh import running_mesh
 from tests.helpers.mesh_procs import span_attributes
-from tests.helpers.netns import INNER_DEVICE, Lab, namespaces
+from tools.launch.netns import INNER_DEVICE, HostsUnavailable, Lab, namespaces
 from tools.launch.trace_view import load_spans
 from tools.launch.up import Mesh, Placement
 
@@ -78,8 +78,19 @@ READ_STARTS_WITHIN_S = 10.0
 """Decode's read of a handed-off prompt's KV flows within this of the request's start."""
 
 
+@contextlib.contextmanager
+def lab_of(labels: list[str]) -> Iterator[Lab]:
+    """namespaces(labels), or the test skipped with the reason they cannot be made here."""
+    with contextlib.ExitStack() as stack:
+        try:
+            lab = stack.enter_context(namespaces(labels))
+        except HostsUnavailable as exc:
+            pytest.skip(str(exc))
+        yield lab
+
+
 def placed_mesh(mesh_model_dir: str, state_dir: Path, lab: Lab, env: dict[str, str] | None = None,
-                **options: Any) -> ContextManager[Mesh]:  # fmt: skip
+                **options: Any) -> contextlib.AbstractContextManager[Mesh]:  # fmt: skip
     """running_mesh (Mesh's options) with nats-server and the balancer on the bridge's
     address, and each service the lab has a namespace for in it, bound to its address;
     env: settings beside ENV."""
@@ -92,7 +103,7 @@ def placed_mesh(mesh_model_dir: str, state_dir: Path, lab: Lab, env: dict[str, s
 
 @pytest.fixture(scope="module")
 def lab_mesh(mesh_model_dir, tmp_path_factory) -> Iterator[tuple[Mesh, Lab]]:
-    with namespaces(HOSTS) as lab, placed_mesh(mesh_model_dir, tmp_path_factory.mktemp("netns-mesh"), lab) as mesh:
+    with lab_of(HOSTS) as lab, placed_mesh(mesh_model_dir, tmp_path_factory.mktemp("netns-mesh"), lab) as mesh:
         yield mesh, lab
 
 
@@ -148,7 +159,7 @@ while True:
 
 
 def test_the_lab_carries_tcp_forwards_sigterm_and_leaves_nothing_behind():
-    with pytest.raises(ZeroDivisionError), namespaces(["a", "b"]) as lab:
+    with pytest.raises(ZeroDivisionError), lab_of(["a", "b"]) as lab:
         a = lab["a"].address
         server = subprocess.Popen(lab.command("a", [sys.executable, "-c", LISTENER, a]))
         client = [sys.executable, "-c", f"import socket; print(socket.create_connection(('{a}', 7000), 5).recv(2))"]
@@ -222,7 +233,7 @@ def test_without_direct_transfer_decode_loads_from_kvcache_through_nixl(mesh_mod
     on the bridge) and gRPC carries only headers: kv.path=kvcache, kv.kvcache_plane=nixl,
     every full block, the first request's load included."""
     env = {"INFERMESH_ENGINE__KV_DIRECT_TRANSFER": "false"}
-    with namespaces(HOSTS) as lab, placed_mesh(mesh_model_dir, tmp_path, lab, env=env) as mesh:
+    with lab_of(HOSTS) as lab, placed_mesh(mesh_model_dir, tmp_path, lab, env=env) as mesh:
         client = client_of(mesh)
         name = client.models.list().data[0].id
         for prompt in (LONG_PROMPT, PROMPTS[2]):
@@ -252,7 +263,7 @@ def test_without_direct_transfer_decode_loads_from_kvcache_through_nixl(mesh_mod
 def fault_mesh(mesh_model_dir, tmp_path_factory) -> Iterator[tuple[Mesh, Lab]]:
     """A mesh of its own with two prefill instances (each fault test loses one), and
     kvcache stopped."""
-    with namespaces(HOSTS + ["prefill-1"]) as lab, \
+    with lab_of(HOSTS + ["prefill-1"]) as lab, \
          placed_mesh(mesh_model_dir, tmp_path_factory.mktemp("netns-fault-mesh"), lab, num_prefill=2) as mesh:
         kvcache = dict(mesh.procs)["kvcache"]
         kvcache.kill()  # its outer process: unshare and the service die with it

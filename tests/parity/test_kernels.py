@@ -26,8 +26,9 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.llm import LLM  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
+from shared.model.arch_config import RopeConfig  # noqa: E402
 from shared.model.attention import write_kv  # noqa: E402
-from shared.model.config import ModelConfig, RopeConfig  # noqa: E402
+from shared.model.config import ModelConfig  # noqa: E402
 from shared.model.kernels import rmsnorm, use_triton_kernels  # noqa: E402
 from shared.model.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from shared.model.kernels.paged_decode import choose_num_splits, paged_decode_attention  # noqa: E402

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.model.config import ModelConfig, RopeConfig
+from shared.model.arch_config import RopeConfig
+from shared.model.config import ModelConfig
 from shared.model.layers import rope_inv_freq
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.numerics import rel_err

@@ -51,6 +51,10 @@ KV_MEMORY_READS_OF_THE_ENGINE = ("shared.engine.request", "shared.engine.config"
 """The request state the managers update and the config's choices: torch-free, and
 themselves importing no KV memory."""
 ENGINE_SEES_OF_THE_CONNECTORS = ("shared.kv.connectors.base",)
+FAMILY_CONFIGS_BUILD_ON = ("shared.model.arch_config", "shared.model.moe_config")
+"""Of the model, all a family's config module (models/<name>_config.py) may import.
+Not shared.model.config: ModelConfig names DeepSeek-V4's parameters, so a family config
+that imported it would close a circle (arch_config was cut out of config.py for that)."""
 BALANCER_PARTS = ("services.balancer.frontend", "services.balancer.router")
 """Each may import, of the balancer, only itself and the seam."""
 BALANCER_SEAM = "services.balancer.generation"
@@ -61,6 +65,7 @@ TORCH_FREE = (
     "shared.runtime.settings",
     "shared.stage.convert",
     "shared.model.config",
+    "shared.model.arch_config",
     # The model registry, which imports every family's config parser (models/<name>_config.py).
     "shared.model.models",
     *KV_VOCABULARY,
@@ -149,6 +154,27 @@ def test_the_engine_drives_connectors_through_their_interface_only():
         f"{name} imports {imported}"
         for name, imported in _project_imports("shared.engine")
         if within(imported, "shared.kv.connectors") and imported not in ENGINE_SEES_OF_THE_CONNECTORS
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_family_configs_build_on_arch_config_never_on_model_config():
+    """ModelConfig (shared/model/config.py) names DeepSeek-V4's parameters and the
+    registry's families; what the families build on (ArchConfig, ArchTraits, RopeConfig,
+    parse_rope) sits below both, in shared/model/arch_config.py, and imports nothing of
+    the project: no arrow goes back up from a family's config to ModelConfig."""
+    family_configs = sorted((ROOT / "shared/model/models").glob("*_config.py"))
+    assert len(family_configs) >= 4, "the walk found too few family configs"
+    wrong = [
+        f"{module_name(path)} imports {imported}"
+        for path in family_configs
+        for imported in sorted(imported_modules(path))
+        if within(imported, "shared") and imported not in FAMILY_CONFIGS_BUILD_ON
+    ]
+    wrong += [
+        f"shared.model.arch_config imports {imported}"
+        for imported in sorted(imported_modules(ROOT / "shared/model/arch_config.py"))
+        if imported.split(".")[0] in ("shared", "services", "tools")
     ]
     assert not wrong, "\n".join(wrong)
 

@@ -16,45 +16,38 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
 from shared.kv.connectors.nixl import NixlConnector, TensorGeometry, block_runs, descriptors
-from shared.kv.transfer import KVTransferParams, PeerSource
+from shared.kv.transfer import PeerSource
 from tests.helpers.engine_helpers import run
+from tests.helpers.engine_pair import GREEDY, HOLD, EnginePair
 from tests.helpers.hf_models import random_prompts
+from tests.helpers.nixl_wheel import skip_without_nixl
 
-pytest.importorskip("nixl_cu12")
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-HOLD = KVTransferParams(load=True, save=True, wait_for_save=False, hold=True)
+skip_without_nixl()
 
 TINY_MODEL = "qwen2"
 """The model of model_dir (the root conftest's fixture)."""
 
 
-class Pair:
+class Pair(EnginePair):
     """A prefill engine whose cache NIXL can read and a decode engine reading it."""
 
     def __init__(self, model_dir: str, lease_s: float = 10.0, fetch=None) -> None:
-        self.store = MemoryKVStore()
+        store = MemoryKVStore()
         self.fetches: list[str] = []
-        cfg = dict(model=model_dir, block_size=8, kv_lease_timeout_s=lease_s)
-        self.prefill_link = NixlConnector(MemoryConnector(self.store), "prefill-0-a", lambda iid: b"")
-        self.prefill = LLMEngine(EngineConfig(**cfg), kv_connector=self.prefill_link)
+        self.prefill_link = NixlConnector(MemoryConnector(store), "prefill-0-a", lambda iid: b"")
 
         def metadata(instance_id: str) -> bytes:
             self.fetches.append(instance_id)
             return self.prefill_link.metadata()
 
-        self.connector = NixlConnector(MemoryConnector(self.store), "decode-0-a", fetch or metadata)
-        self.decode = LLMEngine(EngineConfig(**cfg), kv_connector=self.connector)
+        connector = NixlConnector(MemoryConnector(store), "decode-0-a", fetch or metadata)
+        super().__init__(model_dir, store, self.prefill_link, connector, lease_s)
         assert self.prefill_link.ready and self.connector.ready
 
     def source(self, held) -> PeerSource:
         layout = self.prefill.runner.kv_region.layout
         return PeerSource("prefill-0", b"", held.block_ids, held.num_blocks, held.deadline, layout,
                           nixl=self.prefill_link.describe())  # fmt: skip
-
-    def close(self) -> None:
-        self.decode.close()
-        self.prefill.close()
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +64,7 @@ def test_decode_reads_the_held_blocks_through_nixl_and_the_notification_ends_the
     first = run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD)
     held = first.kv.held
     assert held.num_blocks == 5 and pair.prefill.kv.pool.num_free_blocks < free
-    out = run(
-        pair.decode, "r", prompt, GREEDY,
-        resume_token_ids=first.token_ids, kv_transfer=KVTransferParams(load=True, source=pair.source(held)),
-    )  # fmt: skip
+    out = pair.resume("r", prompt, first)
     assert out.kv.load_path == "nixl" and out.kv.num_loaded_blocks == 5 and not out.kv.load_failed
     assert out.kv.loaded_direct and 0 < out.kv.copy_seconds <= out.kv.load_seconds
     block_bytes = pair.decode.runner.kv_region.block_bytes
@@ -89,10 +79,7 @@ def test_decode_reads_the_held_blocks_through_nixl_and_the_notification_ends_the
     # A second request from the same peer reuses its metadata.
     prompt2 = random_prompts([33], vocab=500, seed=2)[0]
     first2 = run(pair.prefill, "r2", prompt2, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD)
-    out2 = run(
-        pair.decode, "r2", prompt2, GREEDY,
-        resume_token_ids=first2.token_ids, kv_transfer=KVTransferParams(load=True, source=pair.source(first2.kv.held)),
-    )  # fmt: skip
+    out2 = pair.resume("r2", prompt2, first2)
     assert out2.kv.load_path == "nixl" and out2.token_ids == cold(prompt2).token_ids
     assert pair.fetches == ["prefill-0"]
     pair.close()
@@ -105,10 +92,7 @@ def test_a_peer_that_is_gone_is_a_visible_recompute(model_dir, cold):
     pair = Pair(model_dir, fetch=gone)
     prompt = random_prompts([45], vocab=500, seed=3)[0]
     first = run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD)
-    out = run(
-        pair.decode, "r", prompt, GREEDY,
-        resume_token_ids=first.token_ids, kv_transfer=KVTransferParams(load=True, source=pair.source(first.kv.held)),
-    )  # fmt: skip
+    out = pair.resume("r", prompt, first)
     assert out.kv.load_failed and out.kv.num_loaded_blocks == 0 and pair.connector.num_failures == 1
     assert out.token_ids == cold(prompt).token_ids
     pair.close()
@@ -121,10 +105,7 @@ def test_a_restarted_peer_is_not_read_with_its_old_description(model_dir, cold):
     source = pair.source(first.kv.held)
     # The handoff names an agent the peer no longer is (it restarted meanwhile).
     source.nixl = source.nixl.replace(b"prefill-0-a", b"prefill-0-old")
-    out = run(
-        pair.decode, "r", prompt, GREEDY,
-        resume_token_ids=first.token_ids, kv_transfer=KVTransferParams(load=True, source=source),
-    )  # fmt: skip
+    out = pair.resume("r", prompt, first, source)
     assert out.kv.load_failed and out.token_ids == cold(prompt).token_ids
     pair.close()
 
@@ -135,10 +116,7 @@ def test_a_source_without_nixl_goes_to_the_link_behind(model_dir):
     first = run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD)
     source = pair.source(first.kv.held)
     source.nixl = b""
-    out = run(
-        pair.decode, "r", prompt, GREEDY,
-        resume_token_ids=first.token_ids, kv_transfer=KVTransferParams(load=True, source=source),
-    )  # fmt: skip
+    out = pair.resume("r", prompt, first, source)
     assert out.kv.load_path == "memory" and out.kv.num_loaded_blocks == 5  # written behind to the store
     pair.close()
 

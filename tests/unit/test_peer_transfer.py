@@ -21,26 +21,20 @@ from shared.proto import mesh_pb2
 from shared.stage.kv_handoff import held_kv_source, peer_source
 from tests.helpers.hf_models import random_prompts
 from tests.helpers.engine_helpers import run
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-HOLD = KVTransferParams(load=True, save=True, wait_for_save=False, hold=True)
-
+from tests.helpers.engine_pair import GREEDY, HOLD, EnginePair
 
 TINY_MODEL = "qwen2"  # layer 0 full, layers 1-2 sliding (window 6): one persistent group, two sliding
 """The model of model_dir (the root conftest's fixture)."""
 
 
-
-class Pair:
+class Pair(EnginePair):
     """A prefill engine sharing its cache and a decode engine copying from it."""
 
     def __init__(self, model_dir: str, lease_s: float = 10.0, peer: type[PeerConnector] = PeerConnector) -> None:
-        self.store = MemoryKVStore()
+        store = MemoryKVStore()
         self.released: list[tuple[str, str]] = []
-        cfg = dict(model=model_dir, block_size=8, kv_lease_timeout_s=lease_s)
-        self.prefill = LLMEngine(EngineConfig(**cfg), kv_connector=MemoryConnector(self.store), share_kv=True)
-        self.connector = peer(MemoryConnector(self.store), lambda peer, rid: self.released.append((peer, rid)))
-        self.decode = LLMEngine(EngineConfig(**cfg), kv_connector=self.connector)
+        connector = peer(MemoryConnector(store), lambda peer, rid: self.released.append((peer, rid)))
+        super().__init__(model_dir, store, MemoryConnector(store), connector, lease_s, share_kv=True)
 
     def source(self, held) -> PeerSource:
         region = self.prefill.runner.kv_region
@@ -48,10 +42,6 @@ class Pair:
             "prefill-0", region.share(), held.block_ids, held.num_blocks, held.deadline, region.layout,
             held.window_first, held.window,
         )  # fmt: skip
-
-    def close(self) -> None:
-        self.decode.close()
-        self.prefill.close()
 
 
 def test_decode_copies_the_held_blocks_directly_and_releases_the_lease(model_dir):
@@ -66,10 +56,7 @@ def test_decode_copies_the_held_blocks_directly_and_releases_the_lease(model_dir
     # The lease keeps the 5 prompt blocks and the 2 window blocks out of the prefill pool
     # after the request ended.
     assert pair.prefill.kv.pool.num_free_blocks == free - 7
-    out = run(
-        pair.decode, "r", prompt, GREEDY,
-        resume_token_ids=first.token_ids, kv_transfer=KVTransferParams(load=True, source=pair.source(held)),
-    )  # fmt: skip
+    out = pair.resume("r", prompt, first)
     assert out.kv.num_loaded_blocks == 5 and out.kv.loaded_direct and not out.kv.load_failed
     assert out.kv.num_replayed_tokens == 0  # the window came with the blocks
     assert pair.connector.num_direct_blocks == 5
@@ -89,10 +76,7 @@ def test_decode_copies_only_what_it_lacks_from_the_right_blocks(model_dir):
     prompt = random_prompts([45], vocab=500, seed=5)[0]
     run(pair.decode, "warm", prompt[:17], SamplingParams(max_tokens=1))  # decode holds blocks 0 and 1 itself
     first = run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD)
-    out = run(
-        pair.decode, "r", prompt, GREEDY,
-        resume_token_ids=first.token_ids, kv_transfer=KVTransferParams(load=True, source=pair.source(first.kv.held)),
-    )  # fmt: skip
+    out = pair.resume("r", prompt, first)
     # Blocks 2-4 come from the peer's blocks 2-4 (not 0-2): the tokens are the cold run's.
     assert out.kv.num_loaded_blocks == 3 and out.kv.loaded_direct and out.num_cached_tokens == 40
     cold = run(LLMEngine(EngineConfig(model=model_dir, enable_prefix_caching=False)), "c", prompt, GREEDY)
@@ -136,10 +120,7 @@ def test_the_window_enters_decodes_index_only_after_a_whole_direct_load(model_di
         index_loaded(request, first_block, num_blocks, window)
 
     monkeypatch.setattr(kv, "index_loaded", record)
-    out = run(
-        pair.decode, "r", prompt, GREEDY,
-        resume_token_ids=first.token_ids, kv_transfer=KVTransferParams(load=True, source=pair.source(first.kv.held)),
-    )  # fmt: skip
+    out = pair.resume("r", prompt, first)
     if peer is ShortPeer:
         assert calls == [(0, 4, False)] and out.kv.load_failed and out.kv.num_replayed_tokens > 0
     else:
@@ -165,10 +146,7 @@ def test_a_lease_about_to_run_out_sends_decode_to_the_fallback(model_dir):
     prompt = random_prompts([45], vocab=500, seed=3)[0]
     first = run(pair.prefill, "r", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD)
     # Written behind to the store: the fallback finds the blocks there.
-    out = run(
-        pair.decode, "r", prompt, GREEDY,
-        resume_token_ids=first.token_ids, kv_transfer=KVTransferParams(load=True, source=pair.source(first.kv.held)),
-    )  # fmt: skip
+    out = pair.resume("r", prompt, first)
     assert out.kv.num_loaded_blocks == 5 and not out.kv.loaded_direct
     assert pair.connector.num_direct_blocks == 0 and pair.released == []
     # A store keeps no window: its blocks reserved for the load stay out of the index,

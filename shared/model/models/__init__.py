@@ -3,7 +3,7 @@
 
 ``FAMILIES`` is the one list. Each name ``n`` in it is two files side by side:
 
-- ``models/n_config.py`` (torch-free): ``CONFIG``, an ``ArchConfig`` (shared/model/config.py):
+- ``models/n_config.py`` (torch-free): ``CONFIG``, an ``ArchConfig`` (shared/model/arch_config.py):
   the HF architectures it serves, its config parser, its make-model test configs;
 - ``models/n.py``: ``ENTRY``, a ``ModelEntry`` (shared/model/interface.py): that config,
   the model class of each architecture, the KV layout declaration.
@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from shared.model.config import ArchConfig, ArchTraits, ModelConfig
+from shared.model.arch_config import ArchConfig, ArchTraits
+from shared.model.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
-from shared.model.config import ArchConfig, ArchTraits, RopeConfig, parse_rope
+from shared.model.arch_config import ArchConfig, ArchTraits, RopeConfig, parse_rope
 from shared.model.moe_config import TEST_EXPERTS, MlpLayerType, MoEConfig
 
 V4LayerType = Literal["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]

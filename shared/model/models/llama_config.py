@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from shared.model.config import ArchConfig, ArchTraits
+from shared.model.arch_config import ArchConfig, ArchTraits
 
 
 def hf_test_config(model_type: str, config: dict[str, Any], preset: Mapping[str, Any], sliding_window: int | None) -> dict[str, Any]:

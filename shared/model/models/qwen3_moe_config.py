@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from shared.model.config import ArchConfig, ArchTraits
+from shared.model.arch_config import ArchConfig, ArchTraits
 from shared.model.moe_config import TEST_EXPERTS, MlpLayerType, MoEConfig
 
 
