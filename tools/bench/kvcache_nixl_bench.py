@@ -110,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         client_main(args.client, num_blocks, size, args.rounds)
         return 0
 
-    from tools.bench.nixl_bench import _kvcache_in
+    from tools.bench.nixl_bench import kvcache_in_host
     from tools.bench.raw_file import tee_stdout
     from tools.launch.netns import namespaces
 
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.setdefault("UCX_TLS", "tcp")  # between hosts; UCX_NET_DEVICES: each namespace has eth0 and lo alone
-    with tee_stdout(args.log), namespaces(["kvcache", "client"]) as hosts, _kvcache_in(hosts, "kvcache", env) as address:
+    with tee_stdout(args.log), namespaces(["kvcache", "client"]) as hosts, kvcache_in_host(hosts, "kvcache", env) as address:
         print(f"kvcache Get of a {args.tokens}-token prompt: {num_blocks} blocks of {size / 2**20:g} MiB "
               f"({num_blocks * size / 2**20:g} MiB; {args.layers} layers x 8 kv heads x 128, float32), "
               f"client and kvcache in network+PID namespaces of their own, UCX_TLS={env['UCX_TLS']}; "

@@ -166,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     py = [sys.executable, "-c"]
     hosts = None
     if args.hosts:
-        from tools.launch.netns import Hosts
+        from tools.launch.netns import namespaces
 
-        hosts = Hosts(["holder", "reader"]).__enter__()
+        lab = namespaces(["holder", "reader"])
+        hosts = lab.__enter__()
         env.setdefault("UCX_TLS", "tcp")
 
     def command(role: str, code: str, *rest: str) -> list[str]:
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stream:
             if hosts is None:
                 raise SystemExit("--stream needs --hosts")
-            kvcache = stack.enter_context(_kvcache_in(hosts, "holder", env))
+            kvcache = stack.enter_context(kvcache_in_host(hosts, "holder", env))
         holder = subprocess.Popen(command("holder", HOLDER, *sizes), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env=env)  # fmt: skip
         assert holder.stdout is not None and holder.stdin is not None
@@ -223,21 +224,21 @@ def main(argv: list[str] | None = None) -> int:
             stack.close()
         finally:
             if hosts is not None:
-                hosts.__exit__(None, None, None)
+                lab.__exit__(None, None, None)
     return 0
 
 
 @contextlib.contextmanager
-def _kvcache_in(hosts, name: str, env: dict[str, str]):  # noqa: ANN001, ANN202
+def kvcache_in_host(hosts, name: str, env: dict[str, str]):  # noqa: ANN001, ANN202
     """nats-server on the bridge and `python -m services.kvcache` in host `name`, open (no
     token: a benchmark); yields the address a client in another host dials."""
     from tools.launch.up import find_nats_server, free_port, grpc_serving
 
     nats_port, kv_port = free_port(), free_port()
-    address = f"{hosts.address(name)}:{kv_port}"
+    address = f"{hosts[name].address}:{kv_port}"
     tmp = stack_dir = tempfile.mkdtemp(prefix="infermesh-nixlbench-")
     service_env = {**env, "INFERMESH_NATS__URL": f"nats://{hosts.gateway}:{nats_port}",
-                   "INFERMESH_KVCACHE__ADDRESS": address, "INFERMESH_WORKER__BIND_HOST": hosts.address(name),
+                   "INFERMESH_KVCACHE__ADDRESS": address, "INFERMESH_WORKER__BIND_HOST": hosts[name].address,
                    "INFERMESH_KVCACHE__PATH": f"{tmp}/kvcache", "INFERMESH_KVCACHE__CAPACITY_BYTES": str(8 << 30),
                    "INFERMESH_TELEMETRY__TRACE_DIR": f"{tmp}/traces",
                    "INFERMESH_WORKER__DRAIN_TIMEOUT_S": "2"}  # fmt: skip
