@@ -38,9 +38,33 @@ V4_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def save_tiny_v4(variant: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+def strong_mhc_(model: Any, generator: torch.Generator) -> None:
+    """Re-draw every mHC parameter (the attention's and the MoE's hyper-connections of each
+    layer and the hyper head) large enough that the mixes are far from uniform: ``fn`` of
+    std 1/sqrt(hc * hidden) (each mix ~ N(0, 1) over the unit-RMS streams), ``base`` ~ N(0, 1)
+    and scales ~ 2 +- 0.5, so comb's logits spread ~2.2 and its softmax rows are peaked
+    (one entry often > 0.9): far from doubly stochastic before Sinkhorn and far from
+    symmetric after it (hc >= 3; a 2x2 doubly stochastic matrix is symmetric)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if not (".attn_hc." in name or ".ffn_hc." in name or ".hc_head." in name):
+                continue
+            noise = torch.randn(param.shape, generator=generator)
+            if leaf in ("fn", "hc_fn"):
+                param.copy_(noise / param.shape[1] ** 0.5)
+            elif leaf in ("base", "hc_base"):
+                param.copy_(noise)
+            else:  # scale, hc_scale
+                param.copy_(2.0 + 0.5 * noise)
+
+
+def save_tiny_v4(variant: str, path: str | Path, seed: int = 0, strong_mhc: bool = False, **overrides: Any) -> Path:
     """Build the tiny V4 ``variant``, randomise it with ``seed``, ``save_pretrained`` it
-    into ``path`` (``max_shard_size`` in overrides goes to save_pretrained)."""
+    into ``path`` (``max_shard_size`` in overrides goes to save_pretrained). With
+    ``strong_mhc`` the mHC weights are re-drawn large (strong_mhc_): the default 0.05 noise
+    leaves the mixing matrices nearly uniform, where a one-step Sinkhorn or a transposed
+    matrix changes the logits by less than 1e-4."""
     import transformers
 
     max_shard_size = overrides.pop("max_shard_size", None)
@@ -57,6 +81,8 @@ def save_tiny_v4(variant: str, path: str | Path, seed: int = 0, **overrides: Any
                 # top-k distinct experts per token id
                 buffer.copy_(torch.stack([torch.randperm(config.n_routed_experts, generator=g)[: buffer.shape[1]]
                                           for _ in range(buffer.shape[0])]))  # fmt: skip
+    if strong_mhc:
+        strong_mhc_(model, g)
     out = Path(path)
     model.save_pretrained(out, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     return out

@@ -8,7 +8,9 @@ was not trained for bounded replay).
   engine's.
 - Through kvcache (direct transfer off): kvcache holds only the full-attention
   blocks; decode loads them and, having no sliding-window KV, replays the last
-  L_swa * (W - 1) tokens: its output must be the offline cold run's, token for token."""
+  L_swa * (W - 1) tokens: its output must be the offline cold run's, token for token
+  and (within rounding) logprob for logprob, on a prompt of whole blocks where a replay
+  one token short would show."""
 
 import openai
 import pytest
@@ -68,17 +70,31 @@ def test_a_direct_handoff_carries_the_window_and_equals_the_offline_engine(
 
 
 def test_exact_replay_through_kvcache_equals_a_cold_run(hybrid_model_dir, offline, tmp_path_factory):
-    prompt = "".join(f"step {i}: move the block from tower A to tower C\n" for i in range(8))
-    expected = offline.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
-    assert len(expected.prompt_token_ids) > 2 * (WINDOW - 1) + BLOCK  # long enough to replay
+    text = "".join(f"step {i}: move the block from tower A to tower C\n" for i in range(8))
+    ids = offline.generate([text], SamplingParams(max_tokens=1))[0].prompt_token_ids
+    # Whole blocks only: decode's first query (the token prefill sampled) sits at the hit,
+    # and its window reaches back through both sliding layers to the replay's first token,
+    # so a replay one token short would show in the second token's logprob (~1e-3 off;
+    # greedy tokens do not see it).
+    prompt = ids[: len(ids) // BLOCK * BLOCK]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True)
+    expected = offline.generate([prompt], greedy)[0]
+    assert len(prompt) > 2 * (WINDOW - 1) + BLOCK  # long enough to replay
     state = tmp_path_factory.mktemp("hybrid-mesh-kvcache")
     with hybrid_mesh(hybrid_model_dir, state, INFERMESH_ENGINE__KV_DIRECT_TRANSFER="false") as mesh:
         client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=120)
-        out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=24, temperature=0)
+        out = client.completions.create(
+            model=client.models.list().data[0].id, prompt=prompt, max_tokens=24, temperature=0, logprobs=1,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
         attrs = span_attributes(mesh.trace_dir, out.id, "decode")
-    assert out.choices[0].text == expected.text
+    choice = out.choices[0]
+    assert choice.token_ids == expected.token_ids
+    # The replay's matmuls have other shapes than the offline prefill's: rounding apart
+    # (~1e-6), the logprobs are the cold run's.
+    assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-5)
     # Decode loaded the full-attention blocks from kvcache and rebuilt the sliding window by replay.
     assert attrs["kv.loaded_direct"] is False
-    assert attrs["kv.loaded_blocks"] == len(expected.prompt_token_ids) // BLOCK
+    assert attrs["kv.loaded_blocks"] == len(prompt) // BLOCK
     assert attrs["kv.replayed_tokens"] == 2 * (WINDOW - 1)
     assert attrs["kv.load_failed"] is False

@@ -7,13 +7,13 @@ replay, and in bounded mode its logprobs would drift from one engine's."""
 import pytest
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
 from shared.kv.connectors.peer import PeerConnector
 from shared.kv.transfer import KVTransferParams, PeerSource
+from tests.helpers.engine_helpers import as_tuples, generate
 from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
 
 BLOCK = 4
@@ -38,28 +38,8 @@ def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return str(path)
 
 
-def generate(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **request) -> tuple[
-    RequestOutput, list[TokenLogprobs]
-]:
-    """The request's last output and the logprobs of every token it produced."""
-    engine.add_request(EngineRequest(rid, prompt, params, **request))
-    logprobs: list[TokenLogprobs] = []
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == rid:
-                logprobs += out.new_logprobs
-                final = out if out.finished else final
-    assert final is not None
-    return final, logprobs
-
-
 def params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
-
-
-def as_tuples(logprobs: list[TokenLogprobs]) -> list[tuple]:
-    return [(lp.token_id, lp.logprob, lp.rank, lp.top) for lp in logprobs]
 
 
 def handoff(model: str, prompt: list[int], window: bool = True, **cfg) -> tuple[RequestOutput, list[TokenLogprobs], LLMEngine]:

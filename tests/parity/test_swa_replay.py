@@ -4,8 +4,17 @@ The persistent (full-attention) blocks of a prompt leave one engine as bytes and
 enter another, as they do through the kvcache service; sliding-window KV never
 travels. The second engine resumes from the hit by replaying the last R tokens
 for the sliding-window layers. With swa_replay="exact" (R = L_swa * (W - 1)) the
-state after the replay equals a cold run's, so greedy output must equal a cold
-run token for token; with "bounded" (R = W) it is approximate by design.
+state after the replay equals a cold run's, so the output must equal a cold run's
+logprob for logprob: bit for bit on the batch-invariant path, within rounding (1e-5;
+the replay's matmuls have other shapes than the cold prefill's) on the default one;
+with "bounded" (R = W) it is approximate by design.
+
+Greedy tokens alone cannot see a replay that is slightly short (every token agrees
+with one R - 1 tokens long), nor can logprobs far from the hit: the exact-replay
+prompts end one token past the cached blocks, so the first token sampled is
+predicted by the query at the hit, whose window reaches back through every sliding
+layer to the replay's first token. There a replay one token short is off by 1e-3 to
+3e-2 (checked beside each exact replay), a hundred times the tolerance and more.
 """
 
 import os
@@ -18,13 +27,19 @@ from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.llm_engine import LLMEngine  # noqa: E402
 from shared.engine.request import Request  # noqa: E402
 from shared.engine.sampling_params import SamplingParams  # noqa: E402
-from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
-from shared.kv.transfer import KVTransferParams
+from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore  # noqa: E402
+from shared.kv.memory.coordinator import KVCacheCoordinator  # noqa: E402
+from shared.kv.transfer import KVTransferParams  # noqa: E402
 from tests.helpers.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
-from tests.helpers.engine_helpers import run  # noqa: E402
+from tests.helpers.engine_helpers import as_tuples, generate, max_logprob_diff, run  # noqa: E402
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+LOGPROBS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+TOLERANCE = 1e-5
+"""Logprobs of an exact replay against a cold run's on the default path (measured: 5e-7)."""
+SHORT = 1e-4
+"""What a replay one token short must be off by, at least (measured: 1.4e-3 to 2.8e-2)."""
 
 # Hybrid layouts: which layers slide, and the window. Each must replay bit-for-bit in exact mode.
 HYBRIDS = {
@@ -72,16 +87,44 @@ def replayed_tokens(
     return out.token_ids, consumer, store
 
 
+def replay_one_token_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines built from now to the test's end replay R - 1 tokens where exact needs R."""
+    exact = KVCacheCoordinator.replay_length.fget
+    monkeypatch.setattr(KVCacheCoordinator, "replay_length", property(lambda self: exact(self) - 1))
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
 @pytest.mark.parametrize("name", sorted(HYBRIDS))
-def test_exact_replay_equals_a_cold_run(tmp_path_factory, name):
+def test_exact_replay_equals_a_cold_run_logprob_for_logprob(tmp_path_factory, monkeypatch, name, batch_invariant):
     model = make_hybrid(tmp_path_factory, name)
-    prompt = random_prompts([70], vocab=500, seed=3)[0]
-    cold = run(LLMEngine(EngineConfig(model=model, block_size=BLOCK)), "cold", prompt, GREEDY).token_ids
-    tokens, engine, _ = replayed_tokens(model, prompt, 60, "exact")
-    assert engine.kv.num_replays == 1  # the hit really was resumed by a replay
-    layout = engine.model.kv_layout
-    assert engine.kv.num_replayed_tokens == layout.num_sliding_layers * (layout.max_window - 1)
-    assert tokens == cold
+    prompt = random_prompts([61], vocab=500, seed=3)[0]  # 15 cached blocks, then the query at the hit
+    cfg = dict(model=model, block_size=BLOCK, batch_invariant=batch_invariant)
+    cold, cold_logprobs = generate(LLMEngine(EngineConfig(**cfg)), "cold", prompt, LOGPROBS)
+    store = MemoryKVStore()
+    producer = LLMEngine(EngineConfig(**cfg), kv_connector=MemoryConnector(store))
+    run(producer, "p", prompt[:60], SamplingParams(max_tokens=1), kv_transfer=SAVE)
+
+    def replay() -> tuple[list[int], list, int]:
+        engine = LLMEngine(EngineConfig(**cfg, swa_replay="exact"), kv_connector=MemoryConnector(store))
+        out, logprobs = generate(engine, "c", prompt, LOGPROBS, kv_transfer=LOAD)
+        assert out.kv.num_loaded_blocks == 15 and engine.kv.num_replays == 1  # resumed by a replay
+        return out.token_ids, logprobs, engine.kv.num_replayed_tokens
+
+    tokens, logprobs, replayed = replay()
+    assert tokens == cold.token_ids
+    if batch_invariant:
+        assert as_tuples(logprobs) == as_tuples(cold_logprobs)
+    else:
+        assert max_logprob_diff(logprobs, cold_logprobs) < TOLERANCE
+    layout = producer.model.kv_layout
+    assert replayed == layout.num_sliding_layers * (layout.max_window - 1)
+
+    # The same replay one token short: the tokens agree (greedy cannot see it), the logprobs do not.
+    replay_one_token_short(monkeypatch)
+    short_tokens, short_logprobs, short_replayed = replay()
+    assert short_replayed == replayed - 1
+    assert short_tokens == cold.token_ids
+    assert max_logprob_diff(short_logprobs, cold_logprobs) > SHORT
 
 
 def test_bounded_replay_replays_one_window_and_runs(tmp_path_factory):
@@ -108,9 +151,10 @@ def test_replay_never_overwrites_the_cached_full_attention_kv(tmp_path_factory):
 
 def test_exact_replay_on_the_triton_kernels(tmp_path_factory):
     model = make_hybrid(tmp_path_factory, "qwen3_sliding_first")
-    prompt = random_prompts([34], vocab=500, seed=6)[0]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    cold = run(LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton")), "cold", prompt, params)
+    prompt = random_prompts([29], vocab=500, seed=6)[0]  # 7 cached blocks, then the query at the hit
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    cold_engine = LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton"))
+    cold, cold_logprobs = generate(cold_engine, "cold", prompt, params)
     store = MemoryKVStore()
     producer = LLMEngine(EngineConfig(model=model, block_size=BLOCK, kernels="triton"), kv_connector=MemoryConnector(store))
     run(producer, "p", prompt[:28], SamplingParams(max_tokens=1), kv_transfer=SAVE)
@@ -118,9 +162,10 @@ def test_exact_replay_on_the_triton_kernels(tmp_path_factory):
         EngineConfig(model=model, block_size=BLOCK, kernels="triton", swa_replay="exact"),
         kv_connector=MemoryConnector(store),
     )
-    out = run(consumer, "c", prompt, params, kv_transfer=LOAD)
+    out, logprobs = generate(consumer, "c", prompt, params, kv_transfer=LOAD)
     assert consumer.kv.num_replays == 1
     assert out.token_ids == cold.token_ids
+    assert max_logprob_diff(logprobs, cold_logprobs) < TOLERANCE
 
 
 def test_state_cache_resumes_a_conversation_with_no_replay(tmp_path_factory):
