@@ -38,6 +38,7 @@ from shared.model.hyper_connections import HyperConnection, HyperHead, merge_str
 from shared.model.interface import CausalLM, ModelEntry, TensorMaker
 from shared.model.layers import Linear, rope_inv_freq
 from shared.model.models.deepseek_v4_config import CONFIG, CSA, SLIDING, DeepseekV4Params
+from shared.model.models.deepseek_v4_names import v4_checkpoint_names
 from shared.model.moe import Experts, SparseMoE
 from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.model.profiling import profiled
@@ -451,7 +452,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         return {saved_name(name): tensor for name, tensor in targets.items()}
 
 ENTRY = ModelEntry(
-    config=CONFIG, model_classes=MappingProxyType({"DeepseekV4ForCausalLM": DeepseekV4ForCausalLM}), kv_layout=v4_kv_layout
+    config=CONFIG, model_classes=MappingProxyType({"DeepseekV4ForCausalLM": DeepseekV4ForCausalLM}), kv_layout=v4_kv_layout,
+    checkpoint_names=v4_checkpoint_names,
 )
 
 
