@@ -40,9 +40,9 @@ FP8_MAX = 448.0  # the largest e4m3 (fn) value
 FP4_MAX = 6.0  # the largest e2m1 value
 BLOCK = (128, 128)
 
-_V4_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123]|[eh]_proj)\.weight$")
+V4_FP8_LINEARS = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|indexer\.wq_b|shared_experts\.w[123]|[eh]_proj)\.weight$")
 _V4_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
-_V4_FLOAT32 = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|\.hc_(fn|base|scale)|\.attn_sink|\.ape|\.gate\.bias)$")
+V4_FLOAT32 = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|\.hc_(fn|base|scale)|\.attn_sink|\.ape|\.gate\.bias)$")
 _V4_DEEPSEEK_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
@@ -173,11 +173,11 @@ def _add_v4_tensor(
         packed, scale, values = quantize_fp4_groups(w)
         released[name], released[base + scale_suffix] = packed.view(torch.int8), scale
         return values
-    if _V4_FP8.search(name) or _V4_EXPERT.search(name):
+    if V4_FP8_LINEARS.search(name) or _V4_EXPERT.search(name):
         codes, scale, values = quantize_fp8_blocks(w, BLOCK, scale_fmt)
         released[name], released[base + scale_suffix] = codes, scale
         return values
-    if not w.is_floating_point() or _V4_FLOAT32.search(name):
+    if not w.is_floating_point() or V4_FLOAT32.search(name):
         released[name] = w
         return w
     released[name] = w.to(torch.bfloat16)
