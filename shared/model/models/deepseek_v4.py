@@ -15,7 +15,11 @@ Its KV (``kv_layout``): per layer a state cache in a sliding-window group of win
 ``DeepseekV4Params.state_window`` (never persisted) and, per CSA/HCA layer, a
 compressed cache in a persistent group; see compressed_attention for what they hold.
 Parameters keep transformers' in-memory names; ``checkpoint_tensors`` also maps the
-names transformers saves (DeepSeek's own: ``attn.wq_a``, ``ffn.experts.0.w1``...).
+names transformers saves (``model.layers.0.attn.wq_a``, ``ffn.experts.0.w1``...), and
+``ENTRY.checkpoint_names`` DeepSeek's own release names onto those
+(deepseek_v4_names.py: ``embed.weight``, ``layers.N.*``, ``hc_head_fn``; ``mtp.*`` set
+aside for the MTP drafter). Released FP8 weights (128 x 128 block scales) and FP4
+routed experts are dequantised by the loader on the CPU into the model's dtype.
 """
 
 import dataclasses
