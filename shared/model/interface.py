@@ -31,6 +31,15 @@ from shared.model.layers import Linear, linear
 
 TensorMaker = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """(shape, dtype) -> a zeroed tensor (e.g. in memory another process can map)."""
+CheckpointNames = Callable[[Collection[str]], Mapping[str, str | None]]
+"""A checkpoint's tensor names (quantised pairs already folded into one) -> the name
+``checkpoint_tensors`` knows each by, or None for a tensor that is not the model's (set
+aside, e.g. DeepSeek's ``mtp.*`` for the MTP drafter)."""
+
+
+def same_names(names: Collection[str]) -> Mapping[str, str | None]:
+    """The default ``ModelEntry.checkpoint_names``: a family with one spelling."""
+    return {name: name for name in names}
 
 
 class CausalLM(nn.Module, ABC):
@@ -134,6 +143,9 @@ class ModelEntry:
     class is built as ``cls(config, dtype, device, tie_word_embeddings, kernels)``."""
     kv_layout: Callable[[ModelConfig], KVCacheLayout]
     """The model's KV cache groups, from its config alone (no model built)."""
+    checkpoint_names: CheckpointNames = same_names
+    """How the loader maps a released checkpoint's names onto ``checkpoint_tensors``' (a
+    family whose checkpoints come in several spellings, DeepSeek-V4's, says here)."""
 
     def __post_init__(self) -> None:
         if set(self.model_classes) != set(self.config.architectures):

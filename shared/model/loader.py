@@ -1,10 +1,22 @@
 """Load a Hugging Face format checkpoint folder into the ``CausalLM`` of its architecture.
 
 The folder holds ``config.json`` and either ``model.safetensors`` or shards named
-by ``model.safetensors.index.json``. Files are memory-mapped and copied tensor by
-tensor into parameters already allocated in the target dtype and device, so the
-peak memory is the model plus one tensor. Every mismatch between checkpoint and
-config is a ``CheckpointError`` that names the file or tensor.
+by ``model.safetensors.index.json``. Loading goes in three steps:
+
+1. the stored tensors become logical ones (shared/model/checkpoint_files.py): each
+   quantised pair (FP8 weight + block scale, FP4 experts + group scale, MXFP4
+   ``_blocks`` + ``_scales``), as config.json's ``quantization_config`` declares it, is
+   one tensor, dequantised on the CPU when read;
+2. the family's ``ModelEntry.checkpoint_names`` maps those names onto the names its
+   ``checkpoint_tensors`` knows (DeepSeek-V4: DeepSeek's own spelling as well as
+   transformers'), and sets aside what is not the model's (V4's ``mtp.*``);
+3. each tensor is read from the memory-mapped files and copied into parameters already
+   allocated in the target dtype and device, one at a time, so the peak memory is the
+   model plus one tensor (in float32, for a quantised one).
+
+Every mismatch between checkpoint and config is a ``CheckpointError`` that names the
+file or tensor. Quantised weights are dequantised to the model dtype; nothing keeps
+them quantised on the GPU yet.
 """
 
 import json
@@ -14,24 +26,22 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from shared.model.checkpoint_files import (
+    INDEX_FILE, SINGLE_FILE, CheckpointError, CheckpointReader, TensorSource, logical_tensors, quant_scheme, tensor_files,
+)  # fmt: skip
 from shared.model.config import ModelConfig
-from shared.model.models import build_model
+from shared.model.models import build_model, model_entry
 from shared.model.interface import CausalLM
+
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "CheckpointError", "load_model", "load_weights", "read_config"]
 
 logger = logging.getLogger(__name__)
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # Written by some exporters but recomputed by the model: never an error.
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 _SHOWN = 8  # names listed in an error message before "..."
-
-
-class CheckpointError(ValueError):
-    """The checkpoint folder cannot be loaded as given; the message says what to fix."""
 
 
 def load_model(
@@ -44,27 +54,48 @@ def load_model(
     """``kernels``: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch"."""
     folder = Path(path)
     config = read_config(folder)
-    tensor_files = _tensor_files(folder)
+    scheme = quant_scheme(folder)
+    sources = _model_sources(folder, config, logical_tensors(tensor_files(folder), scheme, folder))
     # Tie when the config says so, or when the checkpoint simply has no lm_head.
     # DeepSeek-V4 checkpoints (as transformers saves them) name the LM head head.weight.
-    tie = config.tie_word_embeddings or not {"lm_head.weight", "head.weight"} & set(tensor_files)
+    tie = config.tie_word_embeddings or not {"lm_head.weight", "head.weight"} & set(sources)
     if tie and not config.tie_word_embeddings:
         logger.warning("%s has no lm_head.weight: tying it to model.embed_tokens.weight", folder)
     model = build_model(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels)
-    params = model.checkpoint_tensors(set(tensor_files))
-    _check_names(folder, set(params), set(tensor_files) - _mtp_names(folder, config, tensor_files), tie)
+    params = model.checkpoint_tensors(set(sources))
+    _check_names(folder, set(params), set(sources) - _mtp_names(folder, config, sources), tie)
 
-    by_file: dict[str, list[str]] = {}
-    for name, file in tensor_files.items():
-        if name in params:
-            by_file.setdefault(file, []).append(name)
-    with tqdm(total=len(params), desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress) as bar:
-        for file, names in sorted(by_file.items()):
-            try:
-                _copy_tensors(folder / file, names, params, bar)
-            except SafetensorError as e:
-                raise CheckpointError(f"{folder / file} is not a readable safetensors file: {e}") from e
+    # File by file (sorted), so the pages of one shard are read together.
+    order = sorted((name for name in sources if name in params), key=lambda n: (sources[n].file, sources[n].data))
+    with CheckpointReader(folder, scheme) as reader, torch.no_grad():
+        for name in tqdm(order, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress):
+            source, param = sources[name], params[name]
+            shape = reader.shape(source)
+            if shape != tuple(param.shape):
+                raise CheckpointError(
+                    f"{folder / source.file}: tensor {source.data} has shape {shape}, expected "
+                    f"{tuple(param.shape)} from config.json"
+                )
+            # copy_ casts to the parameter's dtype and moves it to its device, one tensor at a time.
+            param.copy_(reader.read(source))
     return model.eval()
+
+
+def _model_sources(folder: Path, config: ModelConfig, sources: Mapping[str, TensorSource]) -> dict[str, TensorSource]:
+    """The checkpoint's tensors under the model's names (the family's ``checkpoint_names``);
+    the ones it sets aside are logged once."""
+    names = model_entry(config.architecture).checkpoint_names(list(sources))
+    aside = sorted(name for name, mapped in names.items() if mapped is None)
+    if aside:
+        logger.info("%s: %d tensors are not the model's and are not loaded with it: %s", folder, len(aside), _listing(aside))
+    out: dict[str, TensorSource] = {}
+    for name, mapped in names.items():
+        if mapped is None:
+            continue
+        if mapped in out:
+            raise CheckpointError(f"{folder}: {out[mapped].data} and {sources[name].data} both load into {mapped}")
+        out[mapped] = sources[name]
+    return out
 
 
 @torch.no_grad()
@@ -75,24 +106,6 @@ def load_weights(model: CausalLM, weights: Mapping[str, torch.Tensor]) -> None:
     _check_names("the weights given", set(targets), set(weights), tied=model.lm_head is None)
     for name, target in targets.items():
         target.copy_(weights[name])
-
-
-def _copy_tensors(file: Path, names: list[str], params: dict[str, torch.Tensor], bar: tqdm) -> None:
-    with safe_open(str(file), framework="pt", device="cpu") as f:
-        present = set(f.keys())
-        for name in sorted(names):
-            if name not in present:
-                raise CheckpointError(f"{file}: the index names tensor {name} in this file, but it is not there")
-            param = params[name]
-            shape = tuple(f.get_slice(name).get_shape())
-            if shape != tuple(param.shape):
-                raise CheckpointError(
-                    f"{file}: tensor {name} has shape {shape}, expected {tuple(param.shape)} from config.json"
-                )
-            # copy_ casts to the parameter's dtype and moves it to its device, one tensor at a time.
-            with torch.no_grad():
-                param.copy_(f.get_tensor(name))
-            bar.update()
 
 
 def read_config(folder: Path) -> ModelConfig:
@@ -107,31 +120,7 @@ def read_config(folder: Path) -> ModelConfig:
         raise CheckpointError(f"{folder / 'config.json'}: {what}") from e
 
 
-def _tensor_files(folder: Path) -> dict[str, str]:
-    """Tensor name -> the file (relative to folder) that holds it."""
-    index_path = folder / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{index_path} is not a safetensors index (no weight_map): {e}") from e
-        for file in sorted(set(weight_map.values())):
-            if not (folder / file).is_file():
-                raise CheckpointError(f"shard {file} named in {index_path} is missing from {folder}")
-        return dict(weight_map)
-    single = folder / SINGLE_FILE
-    if single.is_file():
-        try:
-            with safe_open(str(single), framework="pt", device="cpu") as f:
-                return {name: SINGLE_FILE for name in f.keys()}
-        except SafetensorError as e:
-            raise CheckpointError(f"{single} is not a readable safetensors file: {e}") from e
-    others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-    hint = f" (found {', '.join(others)}: only safetensors is supported)" if others else ""
-    raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
-
-
-def _mtp_names(folder: Path, config: ModelConfig, names: Mapping[str, str]) -> set[str]:
+def _mtp_names(folder: Path, config: ModelConfig, names: Mapping[str, object]) -> set[str]:
     """The tensors of DeepSeek-layout MTP layers (``model.layers.{L + k}.*`` for k below
     config.json's ``num_nextn_predict_layers``): the MTP drafter's (shared/model/mtp.py),
     not the model's, so loading the model leaves them alone."""

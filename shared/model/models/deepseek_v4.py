@@ -15,7 +15,11 @@ Its KV (``kv_layout``): per layer a state cache in a sliding-window group of win
 ``DeepseekV4Params.state_window`` (never persisted) and, per CSA/HCA layer, a
 compressed cache in a persistent group; see compressed_attention for what they hold.
 Parameters keep transformers' in-memory names; ``checkpoint_tensors`` also maps the
-names transformers saves (DeepSeek's own: ``attn.wq_a``, ``ffn.experts.0.w1``...).
+names transformers saves (``model.layers.0.attn.wq_a``, ``ffn.experts.0.w1``...), and
+``ENTRY.checkpoint_names`` DeepSeek's own release names onto those
+(deepseek_v4_names.py: ``embed.weight``, ``layers.N.*``, ``hc_head_fn``; ``mtp.*`` set
+aside for the MTP drafter). Released FP8 weights (128 x 128 block scales) and FP4
+routed experts are dequantised by the loader on the CPU into the model's dtype.
 """
 
 import dataclasses
@@ -38,6 +42,7 @@ from shared.model.hyper_connections import HyperConnection, HyperHead, merge_str
 from shared.model.interface import CausalLM, ModelEntry, TensorMaker
 from shared.model.layers import Linear, rope_inv_freq
 from shared.model.models.deepseek_v4_config import CONFIG, CSA, SLIDING, DeepseekV4Params
+from shared.model.models.deepseek_v4_names import v4_checkpoint_names
 from shared.model.moe import Experts, SparseMoE
 from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.model.profiling import profiled
@@ -451,7 +456,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         return {saved_name(name): tensor for name, tensor in targets.items()}
 
 ENTRY = ModelEntry(
-    config=CONFIG, model_classes=MappingProxyType({"DeepseekV4ForCausalLM": DeepseekV4ForCausalLM}), kv_layout=v4_kv_layout
+    config=CONFIG, model_classes=MappingProxyType({"DeepseekV4ForCausalLM": DeepseekV4ForCausalLM}), kv_layout=v4_kv_layout,
+    checkpoint_names=v4_checkpoint_names,
 )
 
 

@@ -7,8 +7,10 @@ whose top-k logits are softmaxed, and experts with biases and the clamped
 
 The attention sinks and the rope are data the shared attention reads
 (``ModelConfig.attention_sinks``, ``RopeConfig``); what this file adds is the MLP.
-Quantised (MXFP4 ``*_blocks``/``*_scales``) checkpoints are not read: the loader
-names those tensors as unexpected."""
+Checkpoints as OpenAI releases them, with the experts in MXFP4 (``gate_up_proj_blocks``
+/ ``_scales``, ``quant_method: mxfp4``), load: the loader dequantises them on the CPU
+into ``gate_up_proj`` / ``down_proj`` in the model's dtype (shared/model/checkpoint_files.py);
+nothing runs MXFP4 on the GPU yet."""
 
 from types import MappingProxyType
 
