@@ -47,8 +47,9 @@ def strong_mhc_(model: Any, generator: torch.Generator) -> None:
     symmetric after it (hc >= 3; a 2x2 doubly stochastic matrix is symmetric)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if not (".attn_hc." in name or ".ffn_hc." in name or ".hc_head." in name):
+            *owners, leaf = name.split(".")
+            # By path segment: a top-level "hc_head.hc_fn" has no dot before its owner.
+            if not {"attn_hc", "ffn_hc", "hc_head"} & set(owners):
                 continue
             noise = torch.randn(param.shape, generator=generator)
             if leaf in ("fn", "hc_fn"):
