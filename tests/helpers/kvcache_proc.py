@@ -8,7 +8,7 @@ import contextlib
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,20 @@ async def wait_serving(svc: KVCacheProc, timeout_s: float = 20.0) -> None:
             return
         await asyncio.sleep(0.1)
     pytest.fail(f"kvcache not SERVING after {timeout_s}s:\n{svc.log()}")
+
+
+@contextlib.asynccontextmanager
+async def serving(svc: KVCacheProc, killed: bool = False) -> AsyncIterator[KVCacheProc]:
+    """A service of the test's own, once it serves. At the end it is stopped and must
+    exit 0, unless the test kills it (killed): then it is stopped only if still running."""
+    try:
+        await wait_serving(svc)
+        yield svc
+    finally:
+        if not killed:
+            assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
+        elif svc.proc.poll() is None:
+            stop_process(svc.proc)
 
 
 @contextlib.contextmanager

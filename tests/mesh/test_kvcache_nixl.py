@@ -7,13 +7,11 @@ namespaces (UCX may pick shared memory); between containers UCX takes TCP and
 the same code runs."""
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import os
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -29,7 +27,7 @@ from shared.kv.wire.nixl_plane import MIN_TARGET_BYTES, LandingBuffer
 from shared.kv.wire.shm import DATA_OFFSET, SegmentRef
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
 from shared.runtime.rpc import open_channel
-from tests.helpers.kvcache_proc import KVCacheProc, start_kvcache, wait_serving
+from tests.helpers.kvcache_proc import KVCacheProc, serving, start_kvcache, wait_serving
 from tests.helpers.mesh_procs import listening, stop_process
 from tests.helpers.metrics import exposition_value as metric
 from tests.helpers.nixl_wheel import skip_without_nixl
@@ -68,19 +66,6 @@ def service_metric(svc: KVCacheProc, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=5).read().decode()
     return metric(text, f"infermesh_kvcache_{name}")
 
-
-@contextlib.asynccontextmanager
-async def serving(svc: KVCacheProc, killed: bool = False) -> AsyncIterator[KVCacheProc]:
-    """A service of the test's own, once it serves; stopped at the end (it must exit 0
-    unless the test kills it)."""
-    try:
-        await wait_serving(svc)
-        yield svc
-    finally:
-        if not killed:
-            assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
-        elif svc.proc.poll() is None:
-            stop_process(svc.proc)
 
 
 @pytest.mark.asyncio

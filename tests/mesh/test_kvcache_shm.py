@@ -3,7 +3,6 @@ nats-server, LMDB, gRPC): the bytes, the segment's checks, the fallback to the
 byte stream, and faults on both sides."""
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
@@ -13,7 +12,6 @@ import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 
 import grpc
 import lmdb
@@ -25,8 +23,7 @@ from shared.kv.wire.client import KVCacheClient
 from shared.kv.wire.shm import DATA_OFFSET, Segment, SegmentRef
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
 from shared.runtime.rpc import check_health, open_channel
-from tests.helpers.mesh_procs import stop_process
-from tests.helpers.kvcache_proc import KVCacheProc, restart, start_kvcache, wait_serving
+from tests.helpers.kvcache_proc import restart, serving, start_kvcache
 from tests.helpers.metrics import exposition_value as metric
 
 KIB = 1 << 10
@@ -61,19 +58,6 @@ def unopenable(nonce: bytes) -> SegmentRef:
     """A segment in no process the service can see (as one in another container is)."""
     return SegmentRef(f"/proc/{2**22 + 7}/fd/3", SMALL_SEGMENT, nonce)
 
-
-@contextlib.asynccontextmanager
-async def serving(svc: KVCacheProc, killed: bool = False) -> AsyncIterator[KVCacheProc]:
-    """A service of the test's own, once it serves. At the end it is stopped and must
-    exit 0, unless the test kills it (killed): then it is stopped only if still running."""
-    try:
-        await wait_serving(svc)
-        yield svc
-    finally:
-        if not killed:
-            assert await asyncio.to_thread(stop_process, svc.proc) == 0, svc.log()
-        elif svc.proc.poll() is None:
-            stop_process(svc.proc)
 
 
 @pytest.mark.asyncio
