@@ -168,6 +168,12 @@ def test_dsml_broken_block_is_content(block: str) -> None:
     assert whole(DsmlParser(), "Hi. " + block) == ("Hi. " + block.strip(), [])
 
 
+def test_dsml_block_broken_before_any_call_streams_as_content() -> None:
+    # Nothing of the block went out: the stream gives all of it back, as the whole parse does.
+    for text in (f"Hmm <{D}tool_calls>\n<{D}inv", f"Hmm <{D}tool_calls>\nnot a call\n</{D}tool_calls> ok"):
+        assert check_stream_equals_whole(DsmlParser, text) == (text, [])
+
+
 def test_dsml_v32_and_v3_formats_are_content() -> None:
     # V3.2's block name and V3's tokens are other formats: not read as V4's calls.
     for text in (f'<{D}function_calls>\n<{D}invoke name="f">\n</{D}invoke>\n</{D}function_calls>',

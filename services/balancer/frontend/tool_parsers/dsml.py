@@ -123,6 +123,8 @@ class DsmlParser(StreamingParser):
         self._sent = 0
         self._key = ""
         self._is_string = True
+        self._block_start: int | None = None
+        """Where the open block starts while none of it went out (a break gives it back as content)."""
 
     def advance(self, final: bool) -> StreamPiece:
         out = StreamPiece()
@@ -144,7 +146,7 @@ class DsmlParser(StreamingParser):
             self._pos = start
             if final or text.find(CLOSE, start) >= 0:  # the whole block is here: read it whole
                 return self._whole_block(out, start)
-            self._mode, self._pos = "block", start + len(OPEN)
+            self._mode, self._pos, self._block_start = "block", start + len(OPEN), start
             return True
         if self._mode == "value":
             return self._read_value(out, final)
@@ -161,11 +163,13 @@ class DsmlParser(StreamingParser):
                 return False
             if self._mode == "invoke":
                 self._end_call(out)  # sent already: it keeps the arguments it has
-            self._mode = "content"  # broken: what is left is content
+            elif self._block_start is not None:  # nothing of the block went out: all of it is content
+                out.content += self.strip.feed(text[self._block_start : at])
+            self._mode, self._pos, self._block_start = "content", at, None  # broken: what is left is content
             return True
         self._pos = tag.end()
         if self._mode == "block":
-            self._mode, self._arguments, self._sent = "invoke", "", 0
+            self._mode, self._arguments, self._sent, self._block_start = "invoke", "", 0, None
             out.calls.append(ToolCallDelta(self.num_calls, "", id=new_call_id(), name=tag.group(1)))
         else:
             self._mode, self._key, self._is_string = "value", tag.group(1), tag.group(2) == "true"
