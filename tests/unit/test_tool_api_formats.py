@@ -1,5 +1,5 @@
 """GPT-OSS's and DeepSeek-V4's tool formats through the balancer's HTTP API (the real
-app and openai client, test_tool_api.py's scripted generator) on make_model's seeded
+app and openai client, tests/helpers/tool_api.py's scripted generator) on make_model's seeded
 folders, which carry each family's released chat format: the prompt the mesh gets
 (tools, calls and results rendered by the shipped format), the reply read for calls
 by the family's parser (chosen by auto), whole and streamed, broken replies as
@@ -11,12 +11,17 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_tool_api import TOOLS, Served, calls_of, chat, chat_streamed
+from tests.helpers.tool_api import MODEL, Served, calls_of, chat, chat_streamed
 from tools.make_model import make_model
 
 transformers = pytest.importorskip("transformers")
 
 D = "｜DSML｜"
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]  # fmt: skip
 HISTORY = [
     {"role": "system", "content": "Use tools."},
     {"role": "user", "content": "Weather in Zürich?"},
@@ -89,7 +94,7 @@ def test_gpt_oss_final_answer_is_content(gpt_oss: Served) -> None:
 
 def test_gpt_oss_stream_never_leaks_markers(gpt_oss: Served) -> None:
     gpt_oss.generator.reply = HARMONY_CALL
-    body = {"model": "tiny-tools", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "stream": True}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "stream": True}
     with gpt_oss.http.stream("POST", "/v1/chat/completions", json=body) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
@@ -148,7 +153,7 @@ def test_deepseek_v4_broken_block_is_content(deepseek_v4: Served) -> None:
 
 
 def test_deepseek_v4_refusal_is_openai_error_json(deepseek_v4: Served) -> None:
-    body = {"model": "tiny-tools", "messages": HISTORY[:2], "tools": TOOLS, "chat_template_kwargs": {"reasoning_effort": "max"}}
+    body = {"model": MODEL, "messages": HISTORY[:2], "tools": TOOLS, "chat_template_kwargs": {"reasoning_effort": "max"}}
     response = deepseek_v4.http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
