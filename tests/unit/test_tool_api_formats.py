@@ -158,3 +158,16 @@ def test_deepseek_v4_refusal_is_openai_error_json(deepseek_v4: Served) -> None:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "messages" and "reasoning_effort" in error["message"]
+
+
+def test_a_parser_setting_overrides_the_family(gpt_oss: Served) -> None:
+    from shared.runtime.settings import BalancerSettings
+
+    served = Served(gpt_oss.folder, BalancerSettings(tool_call_parser="hermes"))
+    reply = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    with served.http:
+        for choice in both(served, reply, tools=TOOLS):
+            assert calls_of(choice.message) == [("function", "get_time", "{}")] and choice.message.content is None
+        # Harmony is not read under hermes: the output is content, special tokens skipped as usual.
+        choice = chat(served, HARMONY_CALL, tools=TOOLS).choices[0]
+        assert choice.message.tool_calls is None and "functions.get_weather" in choice.message.content
