@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from shared.model.config import ModelConfig
 from shared.model.loader import INDEX_FILE, SINGLE_FILE
 from shared.model.models import ARCH_CONFIGS, ARCHITECTURE_OF_MODEL_TYPE, TEST_PRESETS, build_model
+from tools.chat_formats import FORMATS, apply_chat_format
 
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose save_pretrained output config.json mirrors
 BOS_TOKEN = "<|begin_of_text|>"
@@ -113,7 +114,8 @@ def make_model(
     tokenizer_vocab_size: int | None = None,
 ) -> int:
     """Write config.json, the weights, generation_config.json and (with ``tokenizer``)
-    the tokenizer files into ``path``; return the number of parameters.
+    the tokenizer files into ``path``; return the number of parameters. GPT-OSS and
+    DeepSeek-V4 get their released chat format's tokens and template (chat_formats.py).
 
     ``tokenizer=False`` leaves bos/eos ids null. ``sliding_window``: see hf_config_dict
     (the weights do not change with it). ``tokenizer_vocab_size``: how many tokens the
@@ -143,14 +145,21 @@ def make_model(
         )
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    if tokenizer:
+    chat_format = FORMATS.get(arch)
+    stops: list[int] = []
+    if tokenizer and chat_format is not None:
+        # The family's format tokens come on top of the trained ones (chat_formats.py).
+        _write_tokenizer(out, tokenizer_vocab_size - chat_format.num_tokens, dims.get("tokenizer_corpus_bytes"))
+        bos, eos, stops = apply_chat_format(out, chat_format)
+    elif tokenizer:
         bos, eos, end_of_turn = _write_tokenizer(out, tokenizer_vocab_size, dims.get("tokenizer_corpus_bytes"))
+        stops = [eos, end_of_turn]
     else:
-        bos, eos, end_of_turn = None, None, None
+        bos, eos = None, None
 
     config = hf_config_dict(arch, dims, _DTYPE_NAMES[dtype], bos, eos, sliding_window)
     _write_json(out / "config.json", config)
-    generation = {"bos_token_id": bos, "eos_token_id": [t for t in (eos, end_of_turn) if t is not None] or None}
+    generation = {"bos_token_id": bos, "eos_token_id": stops or None}
     _write_json(out / "generation_config.json", {**generation, "transformers_version": TRANSFORMERS_VERSION})
     return _write_weights(out, ModelConfig.from_dict(config), seed, dtype, torch.device(device))
 

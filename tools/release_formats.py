@@ -15,7 +15,8 @@ is released in, since no released weights can be downloaded here:
 - ``write_gpt_oss_mxfp4``: GPT-OSS as OpenAI ships it: the experts' ``gate_up_proj`` and
   ``down_proj`` as MXFP4 ``_blocks``/``_scales``, everything else bf16.
 
-Each also writes ``reference``: the same model in transformers' names and float32,
+Each copies the source's tokenizer, generation config and chat template (the family's
+released chat format, tools/chat_formats.py) into both folders, and also writes ``reference``: the same model in transformers' names and float32,
 holding exactly the values the released files decode to (the quantiser's own choice,
 computed here, not read back), for transformers to run as the reference. The
 quantisers are round-to-nearest with power-of-two (or, for ``float``, amax / 448)
@@ -113,6 +114,7 @@ def write_v4_deepseek(src: Path, out: Path, reference: Path, num_shards: int = 3
     }  # fmt: skip
     _write(out, released, {**config, **extra}, num_shards)
     _write(reference, decoded, config, 1)
+    _copy_chat_files(src, out, reference)
     return out
 
 
@@ -128,6 +130,7 @@ def write_v4_transformers_fp8(src: Path, out: Path, reference: Path) -> Path:
     quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
     _write(out, released, {**config, "quantization_config": quant}, 1)
     _write(reference, decoded, config, 1)
+    _copy_chat_files(src, out, reference)
     return out
 
 
@@ -154,6 +157,7 @@ def write_gpt_oss_mxfp4(src: Path, out: Path, reference: Path) -> Path:
     }
     _write(out, released, {**config, "quantization_config": quant}, 1)
     _write(reference, decoded, config, 1)
+    _copy_chat_files(src, out, reference)
     return out
 
 
@@ -208,6 +212,18 @@ def _load_folder(src: Path) -> dict[str, torch.Tensor]:
         files = sorted(set(json.loads((src / INDEX_FILE).read_text())["weight_map"].values()))
         return {k: v for file in files for k, v in load_file(str(src / file)).items()}
     return load_file(str(src / SINGLE_FILE))
+
+
+CHAT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+"""What a release ships beside the weights for chat: the tokenizer with the family's format
+tokens and its template (make_model's chat_formats.py wrote them into the seeded source)."""
+
+
+def _copy_chat_files(src: Path, *outs: Path) -> None:
+    for out in outs:
+        for name in CHAT_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, out / name)
 
 
 def _write(out: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], num_shards: int) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -24,6 +24,24 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 # Names a message's reasoning arrives under; templates read the first (Qwen3,
 # DeepSeek) or `thinking` (gpt-oss). transformers copies it to both.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class ChatRenderer(Protocol):
+    """What the Recipe renders chats with: a Jinja template (ChatTemplate), or a format a
+    model ships as code (deepseek_v4_chat.DeepseekV4Chat). `source` is the template's text."""
+
+    source: str
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> str: ...
 
 
 class ChatTemplateError(ValueError):

@@ -12,12 +12,15 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from shared.recipe.chat_template import ChatTemplate
+from shared.recipe.chat_template import ChatRenderer, ChatTemplate
+from shared.recipe.deepseek_v4_chat import DeepseekV4Chat
 from shared.recipe.detokenizer import IncrementalDetokenizer
 
 # The named special tokens transformers passes to chat templates (its
 # SPECIAL_TOKENS_ATTRIBUTES in v5), in its order.
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Chat formats a model family ships as code rather than a template, by config.json's model_type.
+_CODE_FORMATS: Mapping[object, type[ChatRenderer]] = {"deepseek_v4": DeepseekV4Chat}
 # transformers writes int(1e30) for "no limit".
 _NO_MAX_LENGTH = 10**29
 
@@ -30,7 +33,7 @@ class Recipe:
         backend: Tokenizer,
         *,
         special_tokens: Mapping[str, str],
-        chat_templates: Mapping[str, ChatTemplate],
+        chat_templates: Mapping[str, ChatRenderer],
         extra_eos_token_ids: Sequence[int] = (),
         model_max_length: int | None = None,
     ) -> None:
@@ -79,7 +82,13 @@ class Recipe:
         if isinstance(eos_from_generation, int):
             eos_from_generation = [eos_from_generation]
         max_length = config.get("model_max_length")
-        templates = {name: ChatTemplate(source) for name, source in _chat_template_sources(folder, config).items()}
+        templates: dict[str, ChatRenderer] = {
+            name: ChatTemplate(source) for name, source in _chat_template_sources(folder, config).items()
+        }
+        code_format = _CODE_FORMATS.get(_read_json(folder / "config.json").get("model_type"))
+        if not templates and code_format is not None:
+            # Shipped as code beside the weights (DeepSeek-V4's encoding/encoding_dsv4.py), not as a template.
+            templates["default"] = code_format()
         return cls(
             backend,
             special_tokens=special_tokens,
@@ -194,7 +203,7 @@ class Recipe:
             include_stop_str_in_output=include_stop_str_in_output,
         )
 
-    def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> ChatTemplate:
+    def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> ChatRenderer:
         # transformers' choice among named templates: "tool_use" when tools are given, else "default".
         if not self._chat_templates:
             raise ValueError(

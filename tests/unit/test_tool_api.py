@@ -11,27 +11,21 @@ through langchain's bind_tools. The mesh itself: tests/mesh/test_mesh_tools.py.
 
 import json
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
-from fastapi.testclient import TestClient
-from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from services.balancer.frontend.api import create_app
-from services.balancer.generation import GenerationRequest, TokenEvent, Usage
 from services.balancer.frontend.tool_prompt import TOOLS_PREAMBLE
 from services.balancer.frontend.tool_schema import structured_outputs_available
 from tools.make_model import make_model
-from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings
 from tests.helpers.chat_templates import QWEN25_TEMPLATE
+from tests.helpers.tool_api import MODEL, Served, calls_of, chat, chat_streamed
 
 transformers = pytest.importorskip("transformers")
 
-MODEL = "tiny-tools"
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -94,43 +88,6 @@ Respond in the format {"name": function name, "parameters": dictionary of argume
 {% endif %}"""
 
 
-class Scripted:
-    """A generator that replies with `reply`'s tokens, one event each, and records
-    every request it gets."""
-
-    def __init__(self, recipe: Recipe) -> None:
-        self.recipe = recipe
-        self.reply = ""
-        self.requests: list[GenerationRequest] = []
-
-    def num_in_flight(self) -> int:
-        return 0
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        self.requests.append(request)
-        ids = self.recipe.encode(self.reply, add_special_tokens=False)
-        num_prompt = len(request.prompt_token_ids)
-        for i, token in enumerate(ids):
-            last = i == len(ids) - 1
-            yield TokenEvent([token], finish_reason="stop" if last else None, usage=Usage(num_prompt, i + 1, 0))
-
-
-class Served:
-    def __init__(self, folder: Path, settings: BalancerSettings | None = None) -> None:
-        self.folder = folder
-        self.recipe = Recipe.from_pretrained(folder)
-        self.generator = Scripted(self.recipe)
-        app = create_app(
-            generator=self.generator, recipe=self.recipe, model_name=MODEL, max_model_len=1024,
-            settings=settings or BalancerSettings(), metrics=None,
-        )  # fmt: skip
-        self.http = TestClient(app, base_url="http://balancer")
-        self.client = openai.OpenAI(base_url="http://balancer/v1", api_key="none", http_client=self.http, max_retries=0)
-
-    def prompt_text(self) -> str:
-        return self.recipe.decode(self.generator.requests[-1].prompt_token_ids, skip_special_tokens=False)
-
-
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tool-model")
@@ -157,24 +114,6 @@ def own(base_model: Path) -> Iterator[Served]:
     served = Served(base_model)
     with served.http:
         yield served
-
-
-def chat(served: Served, reply: str, **body: Any) -> Any:
-    served.generator.reply = reply
-    body.setdefault("messages", [{"role": "user", "content": "Weather in Zürich, and the time?"}])
-    return served.client.chat.completions.create(model=MODEL, **body)
-
-
-def chat_streamed(served: Served, reply: str, **body: Any) -> Any:
-    """The stream gathered by the openai client's own accumulator."""
-    state = ChatCompletionStreamState()
-    for chunk in chat(served, reply, stream=True, **body):
-        state.handle_chunk(chunk)
-    return state.get_final_completion()
-
-
-def calls_of(message: Any) -> list[tuple[str, str, str]]:
-    return [(c.type, c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
 # -- the prompt ------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class JobPlanner:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_k: int | None,
+        keep_special_tokens: bool = False,
     ) -> Call:
         """The jobs of one request: per prompt, num_samples generations (seed + i each,
         the first alone scoring the prompt when prompt logprobs are asked). A body
@@ -93,7 +94,8 @@ class JobPlanner:
                     params.__post_init__()  # the seed moved
                     detokenizer = self.recipe.detokenizer(
                         prompt_ids,
-                        skip_special_tokens=body.skip_special_tokens,
+                        # A tool format made of special tokens (harmony) is read from them.
+                        skip_special_tokens=body.skip_special_tokens and not keep_special_tokens,
                         stop=body.stop_strings,
                         include_stop_str_in_output=body.include_stop_str_in_output,
                     )

@@ -105,6 +105,7 @@ class OpenAIServer:
             call = self.planner.plan(
                 body, http, [prompt_ids], chat=True, what="messages", max_tokens=body.requested_max_tokens,
                 logprobs=body.num_logprobs, prompt_k=body.prompt_logprobs,
+                keep_special_tokens=tools is not None and tools.keeps_special_tokens,
             )
             if tools is not None:
                 attach_tools(call, tools, bool(body.stream))

@@ -46,6 +46,11 @@ class ToolPlan:
     spec: Any = None
     """The schema as the engine's structured-output spec (checked_constraint)."""
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output is read with its special tokens (the parser's format is made of them)."""
+        return self.new_parser().keeps_special_tokens
+
     def new_parser(self) -> StreamingParser:
         if self.mode == "named":
             assert self.function is not None

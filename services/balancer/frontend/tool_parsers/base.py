@@ -15,6 +15,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 _DECODER = json.JSONDecoder()
 
@@ -176,6 +177,9 @@ class StreamingParser:
     """Reads one output in pieces: feed returns what may go out now, finish the rest.
     A whole output is parsed by the same code (parse_whole), never calling the
     incremental path, so a call that breaks is content there."""
+
+    keeps_special_tokens: ClassVar[bool] = False
+    """Its markers are special tokens (harmony's): the output must be detokenized with them."""
 
     def __init__(self) -> None:
         self.text = ""

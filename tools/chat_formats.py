@@ -1,0 +1,107 @@
+"""The chat formats of seeded checkpoints, as each family's released files carry them:
+make_model trains the project's tokenizer, then gives it the family's format tokens
+and its chat template, so the seeded folder chats (and calls tools) as the real one.
+
+- GPT-OSS: harmony's special tokens (`<|start|>`, `<|channel|>`, `<|message|>`,
+  `<|constrain|>`, `<|end|>`, `<|call|>`, `<|return|>`, ...), eos `<|return|>`,
+  generation stopping at `<|return|>`, `<|call|>` or `<|endoftext|>` (gpt-oss's
+  generation_config), no bos added by encode, and ``chat_template.jinja`` as openai/gpt-oss
+  ships it (templates/gpt_oss_chat_template.jinja: the released text, byte for byte).
+- DeepSeek-V4: bos `<｜begin▁of▁sentence｜>` (added by encode) and eos
+  `<｜end▁of▁sentence｜>` special; `<｜User｜>`, `<｜Assistant｜>`, `<think>`, `</think>`
+  single tokens that decode as text, as DeepSeek's tokenizer has them; no template:
+  DeepSeek ships the format as code (encoding/encoding_dsv4.py), which the Recipe
+  renders by the folder's model_type (shared/recipe/deepseek_v4_chat.py).
+
+The tokens are added after training, so make_model trains that many fewer: the
+tokenizer keeps the size asked for.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, processors
+
+from shared.recipe import deepseek_v4_chat as v4
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFormat:
+    special_tokens: tuple[str, ...]
+    """Added as special tokens (skipped by decode unless asked)."""
+    text_tokens: tuple[str, ...]
+    """Added as single tokens that decode as text."""
+    bos_token: str
+    eos_token: str
+    pad_token: str
+    stop_tokens: tuple[str, ...]
+    """generation_config.json's eos_token_id, in the released order."""
+    adds_bos: bool
+    """Whether encode(add_special_tokens=True) starts with bos."""
+    template_file: str | None
+    """The released chat_template.jinja (under templates/), or None where the format is code."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.special_tokens) + len(self.text_tokens)
+
+
+FORMATS: dict[str, ChatFormat] = {
+    "gpt_oss": ChatFormat(
+        special_tokens=("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+                        "<|start|>", "<|end|>", "<|message|>", "<|call|>"),
+        text_tokens=(),
+        bos_token="<|startoftext|>", eos_token="<|return|>", pad_token="<|endoftext|>",
+        stop_tokens=("<|return|>", "<|endoftext|>", "<|call|>"),
+        adds_bos=False,
+        template_file="gpt_oss_chat_template.jinja",
+    ),
+    "deepseek_v4": ChatFormat(
+        special_tokens=v4.SPECIAL_TOKENS,
+        text_tokens=v4.ADDED_TOKENS,
+        bos_token=v4.BOS, eos_token=v4.EOS, pad_token=v4.EOS,
+        stop_tokens=(v4.EOS,),
+        adds_bos=True,
+        template_file=None,
+    ),
+}  # fmt: skip
+"""By make_model's --arch (the config's model_type); other families keep the project's ChatML."""
+
+
+def apply_chat_format(folder: Path, chat_format: ChatFormat) -> tuple[int, int, list[int]]:
+    """Give the trained tokenizer in folder the format's tokens, names and template;
+    return the ids of bos, eos and the stop tokens."""
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in chat_format.special_tokens])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in chat_format.text_tokens])
+    ids = {t: tokenizer.token_to_id(t) for t in (*chat_format.special_tokens, *chat_format.text_tokens)}
+    steps = [processors.ByteLevel(trim_offsets=False)]
+    if chat_format.adds_bos:
+        bos = chat_format.bos_token
+        steps.append(processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, ids[bos])],
+        ))  # fmt: skip
+    tokenizer.post_processor = processors.Sequence(steps)
+    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
+
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["added_tokens_decoder"] = {
+        str(token_id): {
+            "content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
+            "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special,
+        }
+        for token_id, token in sorted(tokenizer.get_added_tokens_decoder().items())
+    }  # fmt: skip
+    named = {chat_format.bos_token, chat_format.eos_token, chat_format.pad_token}
+    extra = [t for t in config.get("additional_special_tokens", []) if t not in named]
+    config["additional_special_tokens"] = extra + [t for t in chat_format.special_tokens if t not in named]
+    config.update(bos_token=chat_format.bos_token, eos_token=chat_format.eos_token, pad_token=chat_format.pad_token)
+    config.pop("chat_template", None)  # the family's own, below, or none (V4's is code)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    if chat_format.template_file is not None:
+        (folder / "chat_template.jinja").write_bytes((TEMPLATES / chat_format.template_file).read_bytes())
+    return ids[chat_format.bos_token], ids[chat_format.eos_token], [ids[t] for t in chat_format.stop_tokens]
