@@ -177,19 +177,25 @@ def _bench_batch(
     return rows
 
 
-def replay_rows(model: str, batches: list[int], profiles: list[float], gamma: int, context: int) -> list[ReplayRow]:
+def replay_rows(
+    model: str, batches: list[int], profiles: list[float], gamma: int, context: int
+) -> tuple[list[ReplayRow], list[dict]]:
     """The scheduler's choices under each acceptance profile (spec_replay), per batch
     size, on this model's SPS table and one MTP drafting pass at ``context`` tokens,
-    both measured here on an engine with the MTP drafter."""
+    both measured here on an engine with the MTP drafter. Also returns, per batch, the
+    costs the choices were made on (the SPS table and the MTP pass's milliseconds)."""
     rows: list[ReplayRow] = []
+    costs: list[dict] = []
     for batch in batches:
         llm = LLM(model, max_num_seqs=batch, speculative="mtp", spec_tokens=gamma, spec_schedule="fixed")
         sps = sps_profile(llm.engine.runner.time_step, batch * (1 + gamma))
         drafter = llm.engine.speculator.drafter
         draft_seconds = time_mtp_pass(drafter.layer, batch, context)
         rows += replay(sps, profiles, gamma, batch, draft_seconds)
+        costs.append(dict(batch=batch, sps_tokens=list(sps.tokens), sps_steps_per_s=list(sps.steps_per_s),
+                          mtp_pass_ms=1e3 * draft_seconds))  # fmt: skip
         llm.engine.close()
-    return rows
+    return rows, costs
 
 
 def _depths(llm: LLM) -> Counter[int]:
@@ -260,14 +266,20 @@ def main(argv: list[str] | None = None) -> int:
                           args.speculative, args.repeats)  # fmt: skip
     print(format_table(rows))
     replayed: list[ReplayRow] = []
+    costs: list[dict] = []
     if args.replay_accepted:
-        replayed = replay_rows(args.model, args.batch, args.replay_accepted, args.replay_gamma, 24 + args.max_tokens // 2)
+        replayed, costs = replay_rows(args.model, args.batch, args.replay_accepted, args.replay_gamma,
+                                      24 + args.max_tokens // 2)  # fmt: skip
         print(f"\nREPLAYED, not measured: the scheduler's choices under an acceptance profile ({PROFILE_SOURCE})")
         print(format_replay(replayed))
+        print("on the costs measured for it (SPS: steps per second at B tokens per step; one MTP drafting pass):")
+        for c in costs:
+            table = " ".join(f"{b}:{r:.1f}" for b, r in zip(c["sps_tokens"], c["sps_steps_per_s"]))
+            print(f"  batch {c['batch']}: SPS {table}; MTP pass {c['mtp_pass_ms']:.2f} ms")
     if args.json is not None:
         figures: dict = {"rows": [asdict(r) for r in rows]}
         if replayed:
-            figures.update(replay=[asdict(r) for r in replayed], replay_profile_source=PROFILE_SOURCE)
+            figures.update(replay=[asdict(r) for r in replayed], replay_costs=costs, replay_profile_source=PROFILE_SOURCE)
         write_json(args.json, figures)
     if not all(r.equal_to_none for r in rows):
         print("speculation changed the greedy output", file=sys.stderr)
