@@ -106,8 +106,11 @@ def write_v4_deepseek(src: Path, out: Path, reference: Path, num_shards: int = 3
         released_name = _V4_DEEPSEEK_NAMES.get(name) or _v4_deepseek_layer_name(name)
         decoded[name] = _add_v4_tensor(released, released_name, w, expert_fp4=True, scale_fmt="ue8m0")
     config = json.loads((src / "config.json").read_text())
-    _add_mtp_block(released, weights, config, mtp_seed)
+    # The reference carries the MTP block's decoded values too (transformers ignores mtp.*).
+    decoded.update(_add_mtp_block(released, weights, config, mtp_seed))
     extra = {
+        # As V4-Flash ships it: one ratio per layer and one more, 0, for the sliding MTP layer.
+        "compress_ratios": [*_compress_ratios(config), 0],
         "expert_dtype": "fp4",
         "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                 "scale_fmt": "ue8m0", "weight_block_size": list(BLOCK)},
@@ -189,22 +192,40 @@ def _add_v4_tensor(
 
 
 def _add_mtp_block(released: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor], config: Mapping[str, Any],
-                   seed: int) -> None:  # fmt: skip
-    """``mtp.0``: a decoder block (the last layer's shapes, fresh values) plus the MTP
-    projections and its own hyper head, in the release's dtypes."""
+                   seed: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``mtp.0`` as V4 releases it: a sliding-window decoder block with a learned router
+    (the last layer's shapes without its compressor, indexer or hash table; fresh values)
+    plus the MTP projections, norms and its own hyper head, in the release's dtypes.
+    Returns name -> the float32 values the stored tensors decode to."""
     g = torch.Generator().manual_seed(seed)
     last = f"model.layers.{config['num_hidden_layers'] - 1}."
     hidden, hc = config["hidden_size"], config["hc_mult"]
-    block = {"mtp.0." + _v4_deepseek_layer_name(n).split(".", 2)[2]: w for n, w in weights.items() if n.startswith(last)}
+    block = {
+        "mtp.0." + _v4_deepseek_layer_name(n).split(".", 2)[2]: w
+        for n, w in weights.items()
+        if n.startswith(last) and not re.search(r"\.(compressor|indexer)\.|\.tid2eid$", n)
+    }
+    block.setdefault("mtp.0.ffn.gate.bias", torch.zeros(config["n_routed_experts"]))
     block.update({
         "mtp.0.enorm.weight": torch.ones(hidden), "mtp.0.hnorm.weight": torch.ones(hidden),
         "mtp.0.e_proj.weight": torch.empty(hidden, hidden), "mtp.0.h_proj.weight": torch.empty(hidden, hidden),
         "mtp.0.norm.weight": torch.ones(hidden), "mtp.0.hc_head_fn": torch.empty(hc, hc * hidden),
         "mtp.0.hc_head_base": torch.empty(hc), "mtp.0.hc_head_scale": torch.empty(1),
     })  # fmt: skip
-    for name, w in block.items():
-        fresh = 0.05 * torch.randn(w.shape, generator=g) if w.is_floating_point() else w
-        _add_v4_tensor(released, name, fresh, expert_fp4=True, scale_fmt="ue8m0")
+    decoded = {}
+    for name, w in sorted(block.items()):
+        # Norms near 1, each its own (a swapped or skipped norm shows); the rest as the tiny models'.
+        noise = torch.randn(w.shape, generator=g)
+        fresh = 1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.05 * noise
+        decoded[name] = _add_v4_tensor(released, name, fresh if w.is_floating_point() else w, expert_fp4=True,
+                                       scale_fmt="ue8m0")  # fmt: skip
+    return decoded
+
+
+def _compress_ratios(config: Mapping[str, Any]) -> list[int]:
+    """Per layer, its compression rate (0: sliding only), from layer_types and compress_rates."""
+    rates = config.get("compress_rates") or {}
+    return [int(rates.get(t, 0)) if t != "sliding_attention" else 0 for t in config["layer_types"]]
 
 
 def _load_folder(src: Path) -> dict[str, torch.Tensor]:
@@ -228,7 +249,9 @@ def _copy_chat_files(src: Path, *outs: Path) -> None:
 
 def _write(out: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], num_shards: int) -> None:
     """config.json and the tensors, in ``num_shards`` files (with an index) when > 1. The
-    names go in sorted order, so a weight and its scale may land in different shards."""
+    names go in sorted order, and the first cut falls between a scale and its weight
+    (``X.scale`` sorts just before ``X.weight``) where there is one: the loader must pair
+    tensors across files, as it must with real releases."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -239,13 +262,45 @@ def _write(out: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[str, 
         return
     names = sorted(tensors)
     per = math.ceil(len(names) / num_shards)
+    cuts = [min(i * per, len(names)) for i in range(num_shards + 1)]
+    pairs = [k for k in range(1, cuts[2]) if names[k - 1].endswith(".scale")
+             and names[k] == names[k - 1].removesuffix(".scale") + ".weight"]  # fmt: skip
+    if pairs:
+        cuts[1] = min(pairs, key=lambda k: abs(k - cuts[1]))
     weight_map: dict[str, str] = {}
     for i in range(num_shards):
         file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[i * per : (i + 1) * per]}
+        part = {n: tensors[n] for n in names[cuts[i] : cuts[i + 1]]}
         save_file(part, str(out / file), {"format": "pt"})
         weight_map.update(dict.fromkeys(part, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
+
+
+WRITERS = {"v4_deepseek": write_v4_deepseek, "v4_transformers_fp8": write_v4_transformers_fp8,
+           "gpt_oss_mxfp4": write_gpt_oss_mxfp4}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m tools.release_formats FORMAT SRC OUT REFERENCE: rewrite make-model's
+    seeded checkpoint SRC as released (e.g. a V4 with its mtp.0 block, for bench-spec)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="release_formats", description=main.__doc__)
+    p.add_argument("format", choices=list(WRITERS))
+    p.add_argument("src", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("reference", type=Path, help="where the decoded values go, in transformers' names")
+    args = p.parse_args(argv)
+    WRITERS[args.format](args.src, args.out, args.reference)
+    # The tokenizer and generation config travel with the weights, as a release has them.
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+        if (args.src / extra).is_file():
+            shutil.copy(args.src / extra, args.out / extra)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -55,7 +55,8 @@ class RunnerOutput:
     num_accepted: dict[str, int] = field(default_factory=dict)
     """Per request whose drafted tokens this step verified, how many passed (execute only)."""
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per request, the final hidden states [chunk tokens, hidden] of the positions its
+    """Per request, the hidden states an MTP drafter reads (``CausalLM.draft_hidden``:
+    the final ones [chunk tokens, hidden]; V4's streams before its head) of the positions its
     chunk computed (chunk.start_pos on), for an MTP drafter; views valid until the next
     step. Only from execute() with ``ModelRunner.keep_hidden`` set."""
 
@@ -175,7 +176,7 @@ class ModelRunner:
         # Copied before the sampler reads its tokens back: that read waits for this copy too.
         expert_counts = self._copy_expert_counts()
         scored = self._score_prompts(sched, hidden)
-        kept = _chunk_rows(sched, hidden) if self.keep_hidden else {}
+        kept = _chunk_rows(sched, self.model.draft_hidden(hidden)) if self.keep_hidden else {}
         if not sample_rows:
             if expert_counts is not None and self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()

@@ -95,6 +95,12 @@ class CausalLM(nn.Module, ABC):
         transformers saves."""
 
     @torch.inference_mode()
+    def draft_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states an MTP drafter reads for the rows of the last forward, whose
+        output is ``hidden``: that output itself (final-normed), unless the family's MTP
+        module reads something else (DeepSeek-V4: the streams before its hyper head)."""
+        return hidden
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The product runs in the model dtype, then widens, as transformers' lm_head does;
         # greedy decoding then picks the same token as transformers in bf16 too.

@@ -13,8 +13,16 @@ _bench_batch), "vs none" is each one's throughput over no speculation's, and the
 shows the timed runs' steps by drafting depth and what the drafting steps cost.
 Prints a table and writes JSON.
 
+With ``--speculative mtp --replay-accepted 3.5 4.5 5.5``, beside the measured rows: the
+scheduler's choices (drafting depth, tokens verified per request, expected tokens per
+second) when an acceptance profile of that mean accepted length is replayed on this
+model's measured SPS table and MTP drafting cost (tools/bench/spec_replay.py): with
+random weights the measured acceptance says nothing of a trained MTP's.
+
   python -m tools.bench.spec_bench --model models/trained/target \\
       --draft models/trained/draft --batch 1 8 --spec-tokens 2 4 --json out.json
+  python -m tools.bench.spec_bench --model v4-released --speculative mtp --batch 1 4 \\
+      --spec-tokens 1 3 --replay-accepted 3.5 4.5 5.5 --json out.json
 """
 
 import argparse
@@ -31,8 +39,10 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.spec.setup import sps_profile
 from shared.engine.spec.speculator import SCHEDULED, WARMUP_VERIFICATIONS
 from tools.bench.raw_file import write_json
+from tools.bench.spec_replay import PROFILE_SOURCE, ReplayRow, format_replay, replay, time_mtp_pass
 from tools.bench.step_times import StepTimes
 
 MAX_WARMUP_ROUNDS = 8
@@ -167,6 +177,27 @@ def _bench_batch(
     return rows
 
 
+def replay_rows(
+    model: str, batches: list[int], profiles: list[float], gamma: int, context: int
+) -> tuple[list[ReplayRow], list[dict]]:
+    """The scheduler's choices under each acceptance profile (spec_replay), per batch
+    size, on this model's SPS table and one MTP drafting pass at ``context`` tokens,
+    both measured here on an engine with the MTP drafter. Also returns, per batch, the
+    costs the choices were made on (the SPS table and the MTP pass's milliseconds)."""
+    rows: list[ReplayRow] = []
+    costs: list[dict] = []
+    for batch in batches:
+        llm = LLM(model, max_num_seqs=batch, speculative="mtp", spec_tokens=gamma, spec_schedule="fixed")
+        sps = sps_profile(llm.engine.runner.time_step, batch * (1 + gamma))
+        drafter = llm.engine.speculator.drafter
+        draft_seconds = time_mtp_pass(drafter.layer, batch, context)
+        rows += replay(sps, profiles, gamma, batch, draft_seconds)
+        costs.append(dict(batch=batch, sps_tokens=list(sps.tokens), sps_steps_per_s=list(sps.steps_per_s),
+                          mtp_pass_ms=1e3 * draft_seconds))  # fmt: skip
+        llm.engine.close()
+    return rows, costs
+
+
 def _depths(llm: LLM) -> Counter[int]:
     speculator = llm.engine.speculator
     return Counter(speculator.stats.steps_by_depth) if speculator is not None else Counter()
@@ -220,17 +251,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (their median counts)")
+    p.add_argument("--replay-accepted", type=float, nargs="+", default=[],
+                   help="with --speculative mtp: mean accepted lengths whose scheduler choices to replay (spec_replay)")
+    p.add_argument("--replay-gamma", type=int, default=5, help="γ of the replayed profiles (DSpark-5: 5)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if min(args.batch) < 1 or min(args.spec_tokens) < 1 or args.max_tokens < 1 or args.repeats < 1:
         p.error("--batch, --spec-tokens, --max-tokens and --repeats take positive integers")
     if args.speculative == "draft" and not args.draft:
         p.error("--speculative draft needs --draft")
+    if args.replay_accepted and args.speculative != "mtp":
+        p.error("--replay-accepted replays the MTP drafter's costs: it needs --speculative mtp")
     rows = run_spec_bench(args.model, args.draft, args.batch, args.spec_tokens, args.max_tokens, args.seed,
                           args.speculative, args.repeats)  # fmt: skip
     print(format_table(rows))
+    replayed: list[ReplayRow] = []
+    costs: list[dict] = []
+    if args.replay_accepted:
+        replayed, costs = replay_rows(args.model, args.batch, args.replay_accepted, args.replay_gamma,
+                                      24 + args.max_tokens // 2)  # fmt: skip
+        print(f"\nREPLAYED, not measured: the scheduler's choices under an acceptance profile ({PROFILE_SOURCE})")
+        print(format_replay(replayed))
+        print("on the costs measured for it (SPS: steps per second at B tokens per step; one MTP drafting pass):")
+        for c in costs:
+            table = " ".join(f"{b}:{r:.1f}" for b, r in zip(c["sps_tokens"], c["sps_steps_per_s"]))
+            print(f"  batch {c['batch']}: SPS {table}; MTP pass {c['mtp_pass_ms']:.2f} ms")
     if args.json is not None:
-        write_json(args.json, {"rows": [asdict(r) for r in rows]})
+        figures: dict = {"rows": [asdict(r) for r in rows]}
+        if replayed:
+            figures.update(replay=[asdict(r) for r in replayed], replay_costs=costs, replay_profile_source=PROFILE_SOURCE)
+        write_json(args.json, figures)
     if not all(r.equal_to_none for r in rows):
         print("speculation changed the greedy output", file=sys.stderr)
         return 1

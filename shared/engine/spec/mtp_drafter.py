@@ -1,6 +1,9 @@
-"""The MTP drafter: the target's own multi-token-prediction layer (shared/model/mtp.py)
-proposes γ tokens per request from the target's final hidden states, in a small paged
-KV cache of its own for the one layer.
+"""The MTP drafter: the target's own multi-token-prediction layer proposes γ tokens per
+request from the target's hidden states, in a small paged KV cache of its own for the one
+layer. ``load_mtp_module`` picks the family's module: DeepSeek-V4's (shared/model/models/
+deepseek_v4_mtp.py, reading the target's residual streams before its hyper head) for a V4
+target, the DeepSeek-V3-layout layer (shared/model/mtp.py, reading the final hidden
+states) for the Llama family. What the target hands over is its ``draft_hidden``.
 
 MTP position i reads (h_i, t_{i+1}) and predicts t_{i+2}. When a request with context
 t_0..t_{n-1} drafts, the target has computed positions 0..n-2 (t_{n-1} was just
@@ -27,14 +30,42 @@ worse, never wrong (verification is lossless).
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from shared.engine.spec.drafter import Draft
 from shared.engine.step_inputs import to_device
 from shared.model.forward_batch import AttentionMetadata
-from shared.model.mtp import MtpLayer, load_mtp
+from shared.model.models.deepseek_v4 import DeepseekV4ForCausalLM
+from shared.model.models.deepseek_v4_mtp import load_v4_mtp
+from shared.model.mtp import load_mtp
 from shared.model.interface import CausalLM
+
+
+class MtpModule(Protocol):
+    """What the drafter drives: the Llama family's MTP layer (shared/model/mtp.py) or
+    DeepSeek-V4's (shared/model/models/deepseek_v4_mtp.py). Rows of ``hidden`` are what
+    the target's ``draft_hidden`` hands over, and what ``forward`` returns for chaining."""
+
+    target: tuple[CausalLM]
+
+    def __call__(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+    def compute_logits(self, out: torch.Tensor) -> torch.Tensor: ...
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+def load_mtp_module(folder: str, target: CausalLM) -> MtpModule:
+    """The target family's MTP module from its checkpoint: V4's for a V4 target, the
+    DeepSeek-V3-layout layer for the Llama family (ValueError for other families)."""
+    if isinstance(target, DeepseekV4ForCausalLM):
+        return load_v4_mtp(folder, target)
+    return load_mtp(folder, target)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -65,7 +96,7 @@ class MtpDrafter:
     has_scores = True
     """Its drafts carry the layer's probabilities (calibrated by temperature scaling)."""
 
-    def __init__(self, layer: MtpLayer, block_size: int, num_blocks: int, dtype: torch.dtype) -> None:
+    def __init__(self, layer: MtpModule, block_size: int, num_blocks: int, dtype: torch.dtype) -> None:
         self.layer = layer
         self.block_size = block_size
         self.max_len = layer.target[0].config.max_position_embeddings
@@ -81,10 +112,10 @@ class MtpDrafter:
     ) -> "MtpDrafter":  # fmt: skip
         """The MTP layer of the target's checkpoint (ValueError if it has none), with a KV
         cache of at most kv_bytes that holds at least one request of max_model_len."""
-        layer = load_mtp(folder, target)
-        c = target.config
+        layer = load_mtp_module(folder, target)
         per_request = -(-max_model_len // block_size)
-        per_block = 2 * block_size * c.num_key_value_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()
+        one = layer.allocate_kv_cache(1, block_size, dtype)  # the module says its row; one block is small
+        per_block = one.numel() * one.element_size()
         num_blocks = max(min(kv_bytes // per_block, per_request * max_num_seqs), per_request)
         return cls(layer, block_size, num_blocks, dtype)
 

@@ -289,6 +289,37 @@ class V4DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(*hc)
         self.ffn_hc = HyperConnection(*hc)
 
+    def forward(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        index_rope: tuple[torch.Tensor, torch.Tensor],
+        rotary: V4Rotary,
+        state: torch.Tensor,
+        compressed: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cmeta: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        """streams [T, hc, hidden] -> the streams after the attention and the MoE, each
+        between mHC's collapse and merge (the model's layers, and V4's MTP block)."""
+        with profiled("v4.mhc"):
+            post, comb, collapsed = self.attn_hc(streams)
+        with profiled("v4.norm"):
+            h = self.input_layernorm(collapsed)
+        with profiled("v4.attention"):
+            out = self.self_attn(h, positions, rope, index_rope, rotary, state, compressed, meta, cmeta)
+        with profiled("v4.mhc"):
+            streams = merge_streams(streams, out, post, comb)
+            post, comb, collapsed = self.ffn_hc(streams)
+        with profiled("v4.norm"):
+            h = self.post_attention_layernorm(collapsed)
+        with profiled("v4.moe"):
+            out = self.mlp(h, input_ids)
+        with profiled("v4.mhc"):
+            return merge_streams(streams, out, post, comb)
+
 
 class DeepseekV4Model(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_ops: Ops = TORCH_OPS) -> None:
@@ -365,6 +396,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         entry = max([entry_width(config, t) for t in p.layer_types if t != SLIDING], default=0)
         self.cache_width = max([r.plane0 for r in rows] + [entry])
         """Channels of a cache row: the widest state row or compressed entry (see compressed_attention)."""
+        self.keep_streams = False
+        """Keep the last forward's streams before the hyper head (``draft_hidden``): set by
+        V4's MTP module, which reads them; off, nothing outlives the forward."""
+        self.last_streams: torch.Tensor | None = None
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -387,27 +422,13 @@ class DeepseekV4ForCausalLM(CausalLM):
         # counts a step's time by kind: mHC, norms, attention (and within it the compressors,
         # the per-sequence core and the indexer), the MoE.
         for i, layer in enumerate(self.model.layers):
-            attn: V4Attention = layer.self_attn
             c = self._compressed_cache.get(i)
-            with profiled("v4.mhc"):
-                post, comb, collapsed = layer.attn_hc(streams)
-            with profiled("v4.norm"):
-                h = layer.input_layernorm(collapsed)
-            with profiled("v4.attention"):
-                out = attn(
-                    h, positions, ropes[p.uses_compress_rope(i)], ropes[True],
-                    self.compress_rotary, kv_caches[i], None if c is None else kv_caches[c],
-                    metas[self._group_of_cache[i]], None if c is None else metas[self._group_of_cache[c]],
-                )  # fmt: skip
-            with profiled("v4.mhc"):
-                streams = merge_streams(streams, out, post, comb)
-                post, comb, collapsed = layer.ffn_hc(streams)
-            with profiled("v4.norm"):
-                h = layer.post_attention_layernorm(collapsed)
-            with profiled("v4.moe"):
-                out = layer.mlp(h, input_ids)
-            with profiled("v4.mhc"):
-                streams = merge_streams(streams, out, post, comb)
+            streams = layer(
+                streams, input_ids, positions, ropes[p.uses_compress_rope(i)], ropes[True], self.compress_rotary,
+                kv_caches[i], None if c is None else kv_caches[c],
+                metas[self._group_of_cache[i]], None if c is None else metas[self._group_of_cache[c]],
+            )  # fmt: skip
+        self.last_streams = streams if self.keep_streams else None
         with profiled("v4.mhc"):
             collapsed = self.model.hc_head(streams)
         with profiled("v4.norm"):
@@ -438,22 +459,38 @@ class DeepseekV4ForCausalLM(CausalLM):
         ``model.layers.0.attn.wq_a.weight``, ``ffn.experts.0.w1.weight``, ``head.weight``...)
         unless ``available`` holds transformers' in-memory names (a model's state_dict)."""
         in_memory = available is not None and ("lm_head.weight" in available or any(".self_attn." in n for n in available))
-        targets: dict[str, torch.Tensor] = {}
-        experts = {name: m for name, m in self.named_modules() if isinstance(m, Experts)}
-        for prefix, module in experts.items():
-            targets.update(module.checkpoint_targets(prefix, available if in_memory else None))
-        for name, param in self.named_parameters():
-            module_name = name.rpartition(".")[0]
-            if module_name in experts:
-                continue
-            if module_name.endswith("shared_experts.gate_up_proj"):
-                parent = module_name.rpartition(".")[0]
-                targets.update({f"{parent}.{part}": v for part, v in self.get_submodule(module_name).shard_views().items()})
-                continue
-            targets[name] = param.detach()
+        targets = module_targets(self, available if in_memory else None)
         if in_memory:
             return targets
         return {saved_name(name): tensor for name, tensor in targets.items()}
+
+    def draft_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual streams before the hyper head, flattened [T, hc * hidden], when
+        ``keep_streams`` is set: what V4's MTP module reads (DeepSeek's MTPBlock takes
+        the [.., hc, hidden] stack, not the collapsed and normed state)."""
+        if self.last_streams is None:
+            raise RuntimeError("draft_hidden needs keep_streams set before the forward")
+        return self.last_streams.flatten(1)
+
+
+def module_targets(module: nn.Module, available: Collection[str] | None) -> dict[str, torch.Tensor]:
+    """In-memory name -> tensor of a V4 module's parameters (the model, or one decoder
+    layer for the MTP module): per-expert views of the routed experts (fused tensors when
+    ``available`` has them), the shared experts' gate and up as their own names."""
+    targets: dict[str, torch.Tensor] = {}
+    experts = {name: m for name, m in module.named_modules() if isinstance(m, Experts)}
+    for prefix, sub in experts.items():
+        targets.update(sub.checkpoint_targets(prefix, available))
+    for name, param in module.named_parameters():
+        module_name = name.rpartition(".")[0]
+        if module_name in experts:
+            continue
+        if module_name.endswith("shared_experts.gate_up_proj"):
+            parent = module_name.rpartition(".")[0]
+            targets.update({f"{parent}.{part}": v for part, v in module.get_submodule(module_name).shard_views().items()})
+            continue
+        targets[name] = param.detach()
+    return targets
 
 ENTRY = ModelEntry(
     config=CONFIG, model_classes=MappingProxyType({"DeepseekV4ForCausalLM": DeepseekV4ForCausalLM}), kv_layout=v4_kv_layout,

@@ -12,7 +12,7 @@ the embeddings, the hyper head as three loose tensors, and the attention's KV no
     hc_head_{fn,base,scale}         -> model.hc_head.hc_{fn,base,scale}
     layers.N.attn.kv_norm.weight    -> model.layers.N.attn.norm.weight
     layers.N.<rest>                 -> model.layers.N.<rest>   (attn.wq_a, ffn.experts.E.w1, hc_attn_fn...)
-    mtp.K.*                         -> set aside: the MTP module's, not the model's
+    mtp.K.*                         -> set aside: the MTP module's (models/deepseek_v4_mtp.py loads them)
 
 The layouts agree: ``attn.wo_a`` ships flattened, [o_groups * o_lora_rank, heads *
 head_dim / o_groups], which is the grouped projection's weight as this model keeps it
