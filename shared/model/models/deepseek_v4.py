@@ -363,7 +363,7 @@ class V4DecoderLayer(nn.Module):
                              ops=ops)  # fmt: skip
         self.input_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.post_attention_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
-        hc = (config.hidden_size, p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps, config.rms_norm_eps, device)
+        hc = (config.hidden_size, p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps, config.rms_norm_eps, device, ops)
         self.attn_hc = HyperConnection(*hc)
         self.ffn_hc = HyperConnection(*hc)
 
@@ -407,9 +407,9 @@ def v4_kv_layout(config: ModelConfig) -> KVCacheLayout:
 
 class DeepseekV4ForCausalLM(CausalLM):
     """The engine's CausalLM interface (shared/model/interface.py) for V4.
-    The routed experts run the fused Triton MoE on CUDA; the attention, compressors and
-    indexer run batched PyTorch (compressed_batch: no loop over sequences, no host read);
-    mHC runs PyTorch, and no CUDA graphs yet."""
+    On CUDA (the Triton table) the routed experts run the fused MoE and mHC its fused
+    kernel; the attention, compressors and indexer run batched PyTorch
+    (compressed_batch: no loop over sequences, no host read); no CUDA graphs yet."""
 
     def __init__(
         self,
@@ -426,8 +426,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         # loader's "no lm_head.weight" guess of a tied head does not apply; the config says.
         super().__init__(config, dtype, config.tie_word_embeddings)
         device = torch.device(device)
-        # The routed experts take the fused Triton MoE where kernels resolve to Triton (CUDA):
-        # no host sync, no loop over experts. The attention is batched PyTorch either way.
+        # The routed experts take the fused Triton MoE and mHC its fused kernel where kernels
+        # resolve to Triton (CUDA): no host sync. The attention is batched PyTorch either way.
         self.ops = resolve_ops(kernels, device)
         self.model = DeepseekV4Model(config, dtype, device, ops=self.ops)
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
