@@ -27,7 +27,7 @@ from shared.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from tests.helpers.deepseek_v4_models import save_tiny_v4
 from tests.helpers.hf_models import random_prompts
 from tests.helpers.numerics import rel_err
-from tests.helpers.paged_driver import PagedDriver
+from tests.helpers.paged_driver import PagedDriver, as_graph_metas
 
 pytest.importorskip("transformers")
 
@@ -80,27 +80,6 @@ def test_batched_equals_the_per_sequence_reference(model: DeepseekV4ForCausalLM,
         assert rel_err(b, a) < TOLERANCE
 
 
-def graph_metas(driver: PagedDriver, metas: list[AttentionMetadata], bound: int, scratch_slot: int, pad: int) -> list[AttentionMetadata]:
-    """The eager decode metadata as DecodeGraphs gives it: pad rows of length 0 writing to the
-    scratch slot, lists at the capture bound, lengths only in tensors."""
-    out = []
-    for m in metas:
-        n = m.num_seqs + pad
-        tables = torch.zeros(n, -(-bound // driver.block_size), dtype=torch.int64)
-        tables[: m.num_seqs, : m.block_tables.shape[1]] = m.block_tables
-        out.append(AttentionMetadata(
-            slot_mapping=torch.cat([m.slot_mapping, torch.full((pad,), scratch_slot)]),
-            block_tables=tables,
-            query_start_loc=list(range(n + 1)),
-            seq_lens=[bound] * n,
-            block_size=driver.block_size,
-            query_start_loc_tensor=torch.arange(n + 1, dtype=torch.int32),
-            seq_lens_tensor=torch.tensor(m.seq_lens + [0] * pad, dtype=torch.int32),
-            scratch_slot=scratch_slot,
-        ))  # fmt: skip
-    return out
-
-
 def test_a_graph_shaped_decode_step_equals_the_eager_one(model: DeepseekV4ForCausalLM) -> None:
     """Two drivers fed alike, then one decode step each: eager, and with graph-shaped
     metadata (the batch padded by 3 rows). Lengths crossing window ends on purpose."""
@@ -116,7 +95,7 @@ def test_a_graph_shaped_decode_step_equals_the_eager_one(model: DeepseekV4ForCau
 
     def graph_forward(ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
         pad = 3
-        gm = graph_metas(drivers[1], metas, 256, scratch * 16, pad)
+        gm = as_graph_metas(metas, 256, scratch * 16, pad)
         captured.append(gm)
         hidden = forward(torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)]), torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)]), caches, gm)
         return hidden[: ids.shape[0]]

@@ -46,7 +46,7 @@ from shared.model.interface import CausalLM, ModelEntry, TensorMaker
 from shared.model.layers import Linear, rope_inv_freq
 from shared.model.models.deepseek_v4_config import CONFIG, CSA, SLIDING, DeepseekV4Params
 from shared.model.models.deepseek_v4_names import v4_checkpoint_names
-from shared.model.moe import Experts, SparseMoE
+from shared.model.moe import Experts, SparseMoE, counted_tokens
 from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.model.profiling import profiled
 
@@ -409,7 +409,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     """The engine's CausalLM interface (shared/model/interface.py) for V4.
     On CUDA (the Triton table) the routed experts run the fused MoE and mHC its fused
     kernel; the attention, compressors and indexer run batched PyTorch
-    (compressed_batch: no loop over sequences, no host read); no CUDA graphs yet."""
+    (compressed_batch), so that a decode step is captured in a CUDA graph."""
 
     def __init__(
         self,
@@ -448,7 +448,15 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        return False
+        """Whether a decode step can be captured: on the Triton table (the fused MoE, which
+        never reads run lengths on the host; the fused mHC) with the batched attention,
+        which sizes its gathers from host bounds and finds closing windows without a read
+        (compressed_batch). The per-sequence reference reads the device: never captured."""
+        return (
+            self.ops.triton
+            and all(layer.mlp.host_sync_free for layer in self.model.layers)
+            and all(layer.self_attn.batched for layer in self.model.layers)
+        )
 
     @torch.inference_mode()
     def forward(
@@ -468,6 +476,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         # the per-sequence core and the indexer), the MoE.
         # The query rows' sequences and floors, once per state-cache group (one in V4).
         rows: dict[int, TokenRows] = {}
+        # A CUDA graph's padding rows are not counted per expert (moe.counted_tokens).
+        counted = counted_tokens(metas[self._group_of_cache[0]], input_ids.shape[0])
         for i, layer in enumerate(self.model.layers):
             attn: V4Attention = layer.self_attn
             c = self._compressed_cache.get(i)
@@ -490,7 +500,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             with profiled("v4.norm"):
                 h = layer.post_attention_layernorm(collapsed)
             with profiled("v4.moe"):
-                out = layer.mlp(h, input_ids)
+                out = layer.mlp(h, input_ids, counted)
             with profiled("v4.mhc"):
                 streams = merge_streams(streams, out, post, comb)
         with profiled("v4.mhc"):
