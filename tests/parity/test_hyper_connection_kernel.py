@@ -37,9 +37,14 @@ def strong(hc: int, hidden: int, iters: int, ops_triton: bool, seed: int) -> Hyp
     return module
 
 
+@pytest.mark.parametrize("gemm_mixes", [False, True], ids=["one-launch", "gemm-mixes"])
 @pytest.mark.parametrize("hc,hidden,dtype", [(4, 64, torch.float32), (3, 40, torch.float32), (2, 32, torch.float16),
                                              (4, 96, torch.bfloat16)])  # fmt: skip
-def test_fused_mhc_equals_the_torch_reference(hc: int, hidden: int, dtype: torch.dtype) -> None:
+def test_fused_mhc_equals_the_torch_reference(
+    hc: int, hidden: int, dtype: torch.dtype, gemm_mixes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both of the kernel's ways: the mixes in the kernel (decode), and from a GEMM (prefill)."""
+    monkeypatch.setattr(hk, "MIXES_BY_GEMM_ABOVE", 0 if gemm_mixes else 1 << 20)
     ref, fused = strong(hc, hidden, 20, False, seed=hc), strong(hc, hidden, 20, True, seed=hc)
     assert ref._kernel is None and fused._kernel is not None
     streams = torch.randn(7, hc, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)

@@ -10,9 +10,14 @@ collapse) and the fn rows once, and keeps the hc x hc matrix in registers.
 Same arithmetic as the reference, in float32: the RMS is applied to the mixes after the
 dot products (fn . (x * r) = (fn . x) * r, the last bits differ), the rest in the
 reference's order.
+
+Past MIXES_BY_GEMM_ABOVE tokens (a prefill) each program re-reading all of fn from L2
+would cost more than it saves: the mixes come from one GEMM first (as the reference
+computes them) and the kernel does the rest. A decode step stays one launch.
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -21,6 +26,8 @@ from shared.model.kernels.checks import FLOAT_DTYPES, check_device, check_tensor
 __all__ = ["hyper_connection"]
 
 _BLOCK_K = 256
+MIXES_BY_GEMM_ABOVE = 256
+"""Tokens above which the mixes are one cuBLAS GEMM instead of per-program dot products."""
 
 
 @triton.jit
@@ -29,6 +36,7 @@ def _hyper_connection_kernel(
     fn_ptr,
     base_ptr,
     scale_ptr,
+    mixes_ptr,
     post_ptr,
     comb_ptr,
     out_ptr,
@@ -39,6 +47,7 @@ def _hyper_connection_kernel(
     HIDDEN: tl.constexpr,
     HC_P: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    MIXES_GIVEN: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     K: tl.constexpr = HC * HIDDEN
@@ -47,32 +56,38 @@ def _hyper_connection_kernel(
     valid = row_ok[:, None] & row_ok[None, :]
     ks = tl.arange(0, BLOCK_K)
     x_row = streams_ptr + t * K
-    pre_acc = tl.zeros((HC_P, BLOCK_K), tl.float32)
-    post_acc = tl.zeros((HC_P, BLOCK_K), tl.float32)
-    comb_acc = tl.zeros((HC_P, HC_P, BLOCK_K), tl.float32)
-    sq_acc = tl.zeros((BLOCK_K,), tl.float32)
     comb_rows = 2 * HC + i[:, None] * HC + i[None, :]  # fn's row of comb[i, j]
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        sq_acc += x * x
-        w_mask = row_ok[:, None] & k_ok[None, :]
-        w_pre = tl.load(fn_ptr + i[:, None] * K + k[None, :], mask=w_mask, other=0.0)
-        w_post = tl.load(fn_ptr + (HC + i)[:, None] * K + k[None, :], mask=w_mask, other=0.0)
-        w_comb = tl.load(fn_ptr + comb_rows[:, :, None] * K + k[None, None, :],
-                         mask=valid[:, :, None] & k_ok[None, None, :], other=0.0)  # fmt: skip
-        pre_acc += w_pre * x[None, :]
-        post_acc += w_post * x[None, :]
-        comb_acc += w_comb * x[None, None, :]
-    # unweighted RMS norm of the flattened streams: x / sqrt(mean(x^2) + eps)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(sq_acc, axis=0) / K + norm_eps)
+    if MIXES_GIVEN:
+        M: tl.constexpr = (2 + HC) * HC
+        pre_mix = tl.load(mixes_ptr + t * M + i, mask=row_ok, other=0.0)
+        post_mix = tl.load(mixes_ptr + t * M + HC + i, mask=row_ok, other=0.0)
+        comb_mix = tl.load(mixes_ptr + t * M + comb_rows, mask=valid, other=0.0)
+    else:
+        pre_acc = tl.zeros((HC_P, BLOCK_K), tl.float32)
+        post_acc = tl.zeros((HC_P, BLOCK_K), tl.float32)
+        comb_acc = tl.zeros((HC_P, HC_P, BLOCK_K), tl.float32)
+        sq_acc = tl.zeros((BLOCK_K,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+            sq_acc += x * x
+            w_mask = row_ok[:, None] & k_ok[None, :]
+            w_pre = tl.load(fn_ptr + i[:, None] * K + k[None, :], mask=w_mask, other=0.0)
+            w_post = tl.load(fn_ptr + (HC + i)[:, None] * K + k[None, :], mask=w_mask, other=0.0)
+            w_comb = tl.load(fn_ptr + comb_rows[:, :, None] * K + k[None, None, :],
+                             mask=valid[:, :, None] & k_ok[None, None, :], other=0.0)  # fmt: skip
+            pre_acc += w_pre * x[None, :]
+            post_acc += w_post * x[None, :]
+            comb_acc += w_comb * x[None, None, :]
+        # unweighted RMS norm of the flattened streams: x / sqrt(mean(x^2) + eps)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(sq_acc, axis=0) / K + norm_eps)
+        pre_mix = tl.sum(pre_acc, axis=1) * rstd
+        post_mix = tl.sum(post_acc, axis=1) * rstd
+        comb_mix = tl.sum(comb_acc, axis=2) * rstd
     s_pre = tl.load(scale_ptr)
     s_post = tl.load(scale_ptr + 1)
     s_comb = tl.load(scale_ptr + 2)
-    pre_mix = tl.sum(pre_acc, axis=1) * rstd
-    post_mix = tl.sum(post_acc, axis=1) * rstd
-    comb_mix = tl.sum(comb_acc, axis=2) * rstd
     b_pre = tl.load(base_ptr + i, mask=row_ok, other=0.0)
     b_post = tl.load(base_ptr + HC + i, mask=row_ok, other=0.0)
     b_comb = tl.load(base_ptr + comb_rows, mask=valid, other=0.0)
@@ -127,9 +142,15 @@ def hyper_connection(
     post = torch.empty(num_tokens, hc, dtype=torch.float32, device=device)
     comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=device)
     out = torch.empty(num_tokens, hidden, dtype=streams.dtype, device=device)
+    mixes = None
+    if num_tokens > MIXES_BY_GEMM_ABOVE:
+        # The reference's mixes: F.linear over the RMS-normed flattened streams, in float32.
+        flat = streams.reshape(num_tokens, -1).float()
+        mixes = F.linear(flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps), fn)
     if num_tokens:
         _hyper_connection_kernel[(num_tokens,)](
-            streams, fn, base, scale, post, comb, out, float(hc_eps), float(norm_eps), int(sinkhorn_iters),
-            HC=hc, HIDDEN=hidden, HC_P=next_power_of_2(hc), BLOCK_K=min(_BLOCK_K, next_power_of_2(hc * hidden)),
+            streams, fn, base, scale, post if mixes is None else mixes, post, comb, out, float(hc_eps),
+            float(norm_eps), int(sinkhorn_iters), HC=hc, HIDDEN=hidden, HC_P=next_power_of_2(hc),
+            BLOCK_K=min(_BLOCK_K, next_power_of_2(hc * hidden)), MIXES_GIVEN=mixes is not None,
         )  # fmt: skip
     return post, comb, out
