@@ -45,6 +45,7 @@ def test_fused_mhc_equals_the_torch_reference(
 ) -> None:
     """Both of the kernel's ways: the mixes in the kernel (decode), and from a GEMM (prefill)."""
     monkeypatch.setattr(hk, "MIXES_BY_GEMM_ABOVE", 0 if gemm_mixes else 1 << 20)
+    assert hc * (2 + hc) * hc * hidden <= hk.IN_KERNEL_FN_MAX  # these fn are in-kernel sized
     ref, fused = strong(hc, hidden, 20, False, seed=hc), strong(hc, hidden, 20, True, seed=hc)
     assert ref._kernel is None and fused._kernel is not None
     streams = torch.randn(7, hc, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)

@@ -1,19 +1,22 @@
-"""DeepSeek-V4's mHC step (one HyperConnection call) in one launch: per token, the RMS of
-its flattened streams, the (2 + hc) * hc mixes, pre/post by sigmoid, comb by softmax and
-the Sinkhorn-Knopp iterations, and the pre-weighted collapse of the streams.
+"""DeepSeek-V4's mHC step (one HyperConnection call) fused: per token, the RMS of its
+flattened streams, the (2 + hc) * hc mixes, pre/post by sigmoid, comb by softmax and the
+Sinkhorn-Knopp iterations, and the pre-weighted collapse of the streams.
 
 In PyTorch (shared/model/hyper_connections.py, the reference) this is ~10 + 4 * iters
 small kernels per call, two calls a layer: at decode they were most of V4's mHC time.
-Here one program owns one token: it reads the token's streams twice (mixes, then the
-collapse) and the fn rows once, and keeps the hc x hc matrix in registers.
+Here one program owns one token and keeps the hc x hc matrix in registers.
+
+The mixes are dot products of each token's hc * hidden streams with fn's (2 + hc) * hc
+rows. Where fn is small (IN_KERNEL_FN_MAX elements) and the tokens few, each program
+computes them itself: the whole step is one launch. Otherwise (V4-Flash's fn is 24 x
+16,384: 1.5 MB that one program would read alone from L2, ~15 us; and a prefill's
+thousands of programs would each re-read it) they come from one cuBLAS GEMM of the
+float32 streams, unnormalised, and the kernel does the rest: a cast, a GEMM and the
+kernel, three launches whatever the batch.
 
 Same arithmetic as the reference, in float32: the RMS is applied to the mixes after the
 dot products (fn . (x * r) = (fn . x) * r, the last bits differ), the rest in the
 reference's order.
-
-Past MIXES_BY_GEMM_ABOVE tokens (a prefill) each program re-reading all of fn from L2
-would cost more than it saves: the mixes come from one GEMM first (as the reference
-computes them) and the kernel does the rest. A decode step stays one launch.
 """
 
 import torch
@@ -28,6 +31,9 @@ __all__ = ["hyper_connection"]
 _BLOCK_K = 256
 MIXES_BY_GEMM_ABOVE = 256
 """Tokens above which the mixes are one cuBLAS GEMM instead of per-program dot products."""
+IN_KERNEL_FN_MAX = 1 << 16
+"""Elements of fn above which the mixes are a GEMM at any batch (each program would read
+all of fn alone: 256 KB, a few microseconds, at this size)."""
 
 
 @triton.jit
@@ -50,7 +56,7 @@ def _hyper_connection_kernel(
     MIXES_GIVEN: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    K: tl.constexpr = HC * HIDDEN
+    K = HC * HIDDEN
     i = tl.arange(0, HC_P)
     row_ok = i < HC
     valid = row_ok[:, None] & row_ok[None, :]
@@ -58,10 +64,17 @@ def _hyper_connection_kernel(
     x_row = streams_ptr + t * K
     comb_rows = 2 * HC + i[:, None] * HC + i[None, :]  # fn's row of comb[i, j]
     if MIXES_GIVEN:
-        M: tl.constexpr = (2 + HC) * HC
-        pre_mix = tl.load(mixes_ptr + t * M + i, mask=row_ok, other=0.0)
-        post_mix = tl.load(mixes_ptr + t * M + HC + i, mask=row_ok, other=0.0)
-        comb_mix = tl.load(mixes_ptr + t * M + comb_rows, mask=valid, other=0.0)
+        # fn . x from the GEMM; the RMS of x here.
+        M = (2 + HC) * HC
+        sq_acc = tl.zeros((BLOCK_K,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            sq_acc += x * x
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(sq_acc, axis=0) / K + norm_eps)
+        pre_mix = tl.load(mixes_ptr + t * M + i, mask=row_ok, other=0.0) * rstd
+        post_mix = tl.load(mixes_ptr + t * M + HC + i, mask=row_ok, other=0.0) * rstd
+        comb_mix = tl.load(mixes_ptr + t * M + comb_rows, mask=valid, other=0.0) * rstd
     else:
         pre_acc = tl.zeros((HC_P, BLOCK_K), tl.float32)
         post_acc = tl.zeros((HC_P, BLOCK_K), tl.float32)
@@ -143,10 +156,9 @@ def hyper_connection(
     comb = torch.empty(num_tokens, hc, hc, dtype=torch.float32, device=device)
     out = torch.empty(num_tokens, hidden, dtype=streams.dtype, device=device)
     mixes = None
-    if num_tokens > MIXES_BY_GEMM_ABOVE:
-        # The reference's mixes: F.linear over the RMS-normed flattened streams, in float32.
-        flat = streams.reshape(num_tokens, -1).float()
-        mixes = F.linear(flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps), fn)
+    if num_tokens > MIXES_BY_GEMM_ABOVE or fn.numel() > IN_KERNEL_FN_MAX:
+        # fn . x in float32 (the reference's precision), before the RMS (the kernel's).
+        mixes = F.linear(streams.reshape(num_tokens, -1).float(), fn)
     if num_tokens:
         _hyper_connection_kernel[(num_tokens,)](
             streams, fn, base, scale, post if mixes is None else mixes, post, comb, out, float(hc_eps),
