@@ -47,8 +47,7 @@ class HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = func.__name__
-        # repeat_interleave by a constant (the rope's cos/sin) is no read; by a tensor it is.
-        if name.startswith(HOST_READS) and name != "repeat_interleave.self_int":
+        if name.startswith(HOST_READS):
             self.seen.append(name)
         return func(*args, **(kwargs or {}))
 
