@@ -51,7 +51,8 @@ class Ops:
     """The routed experts in one grouped GEMM per projection (no host sync)."""
     hyper_connection: Kernel | None = None
     """DeepSeek-V4's mHC step ``(streams, fn, base, scale, hc_eps, norm_eps, iters) ->
-    (post, comb, block input)`` in one launch (mixes, Sinkhorn, collapse)."""
+    (post, comb, block input)`` fused (Sinkhorn and collapse in one kernel; the mixes in
+    it, or from one GEMM before it where fn is large)."""
 
 
 TORCH_OPS = Ops("torch", triton=False)
