@@ -106,6 +106,7 @@ class DecodeGraphs:
                 block_size=self.block_size,
                 query_start_loc_tensor=self.query_start_loc[: b + 1],
                 seq_lens_tensor=self.seq_lens[:b],
+                scratch_slot=self.scratch_slot,
             )
             for g in range(self.num_groups)
         ]

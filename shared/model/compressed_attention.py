@@ -78,8 +78,10 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     pairs (2i, 2i+1) rotated together, in float32; cos/sin [T, rope_dim / 2]."""
     rope_dim = 2 * cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim,)
-    cos = cos.repeat_interleave(2, dim=-1).view(shape)
-    sin = sin.repeat_interleave(2, dim=-1).view(shape)
+    # Each angle twice, by expand (repeat_interleave may size its output on the host: a
+    # CUDA graph could not capture it).
+    cos = cos.unsqueeze(-1).expand(*cos.shape, 2).reshape(shape)
+    sin = sin.unsqueeze(-1).expand(*sin.shape, 2).reshape(shape)
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
     rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
     rotated = (rope.float() * cos + rotated_half.float() * sin).to(x.dtype)

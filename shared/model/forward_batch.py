@@ -36,6 +36,11 @@ class AttentionMetadata:
     so a query at i sees keys [max(floor, i - W + 1), i]. None: 0 for every sequence."""
     key_floor_tensor: torch.Tensor | None = None
     """key_floor as an int32 device tensor, for the Triton kernels."""
+    scratch_slot: int | None = None
+    """Set only in a CUDA graph's step (shared/engine/cuda_graphs.py): a slot no request
+    owns, where writes that must not land go. Its presence also says that the host lists
+    above are the capture's bounds (seq_lens = max_model_len), not this step's lengths: a
+    model reads the step's lengths from the tensors only."""
 
     @property
     def num_seqs(self) -> int:

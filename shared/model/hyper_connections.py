@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model.ops import TORCH_OPS, Ops
+
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
@@ -23,8 +25,13 @@ def _parameter(shape: tuple[int, ...], device: torch.device) -> nn.Parameter:
 class HyperConnection(nn.Module):
     """``fn`` [(2 + hc) * hc, hc * hidden], ``base`` [(2 + hc) * hc], ``scale`` [3]."""
 
-    def __init__(self, hidden: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float, device: torch.device) -> None:
+    def __init__(
+        self, hidden: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float, device: torch.device,
+        ops: Ops = TORCH_OPS,
+    ) -> None:  # fmt: skip
         super().__init__()
+        # ops.hyper_connection: the whole step in one launch (kernels/hyper_connection.py); None: the code below.
+        self._kernel = ops.hyper_connection
         self.hc = hc_mult
         self.sinkhorn_iters = sinkhorn_iters
         self.hc_eps = hc_eps
@@ -36,6 +43,8 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, hidden] -> (post [T, hc], comb [T, hc, hc], the block's input [T, hidden])."""
+        if self._kernel is not None:
+            return self._kernel(streams, self.fn, self.base, self.scale, self.hc_eps, self.norm_eps, self.sinkhorn_iters)
         hc = self.hc
         flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
         mixes = F.linear(flat, self.fn.float())

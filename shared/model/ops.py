@@ -49,6 +49,10 @@ class Ops:
     """An object with ``plan_triton_attention`` and ``triton_attend`` over the paged cache."""
     fused_moe: Kernel | None = None
     """The routed experts in one grouped GEMM per projection (no host sync)."""
+    hyper_connection: Kernel | None = None
+    """DeepSeek-V4's mHC step ``(streams, fn, base, scale, hc_eps, norm_eps, iters) ->
+    (post, comb, block input)`` fused (Sinkhorn and collapse in one kernel; the mixes in
+    it, or from one GEMM before it where fn is large)."""
 
 
 TORCH_OPS = Ops("torch", triton=False)
@@ -67,6 +71,7 @@ def triton_ops() -> Ops:
         rotary=triton_module("rotary"),
         attention=triton_module("attention"),
         fused_moe=triton_module("fused_moe").fused_moe,
+        hyper_connection=triton_module("hyper_connection").hyper_connection,
     )
 
 

@@ -68,3 +68,30 @@ class PagedDriver:
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, metas)
         logits = self.model.compute_logits(hidden)
         return {s: logits[starts[row] : starts[row + 1]] for row, s in enumerate(order)}
+
+
+def as_graph_metas(
+    metas: list[AttentionMetadata], bound: int, scratch_slot: int, pad: int
+) -> list[AttentionMetadata]:
+    """A decode step's metadata (one token per sequence) as shared/engine/cuda_graphs.py's
+    DecodeGraphs hands it to the model: ``pad`` more rows of length 0 writing to
+    ``scratch_slot``, block tables at the width of ``bound`` tokens, the host lists at the
+    capture's bound (seq_lens = bound), the step's lengths only in the tensors."""
+    out = []
+    for m in metas:
+        n = m.num_seqs + pad
+        tables = torch.zeros(n, -(-bound // m.block_size), dtype=torch.int64)
+        tables[: m.num_seqs, : m.block_tables.shape[1]] = m.block_tables
+        out.append(
+            AttentionMetadata(
+                slot_mapping=torch.cat([m.slot_mapping, torch.full((pad,), scratch_slot)]),
+                block_tables=tables,
+                query_start_loc=list(range(n + 1)),
+                seq_lens=[bound] * n,
+                block_size=m.block_size,
+                query_start_loc_tensor=torch.arange(n + 1, dtype=torch.int32),
+                seq_lens_tensor=torch.tensor(m.seq_lens + [0] * pad, dtype=torch.int32),
+                scratch_slot=scratch_slot,
+            )
+        )
+    return out

@@ -84,7 +84,8 @@ def test_mode_figures_and_files(record: dict) -> None:
     # Every block is the widest page (256 channels, 2 planes, one cache per group) in 3 compressed groups.
     assert f["kv_pool_bytes_per_token"] == 3 * 2 * 256 * 4
     table = (record["out"] / "v4_bench.md").read_text()
-    assert "eager" in table and "| decode, batch 2, context ~12 |" in table
+    assert "eager" in table and "| decode, batch 2, context ~12 (eager) |" in table
+    assert not any(d["graphed"] for d in record["decode"])
     assert json.loads((record["out"] / "v4_bench.json").read_text())["decode"][1]["num_tokens"] == 2 * NUM_STEPS
 
 

@@ -15,23 +15,26 @@ loads it. One call of the device machine, carrying .whl/ (as tools/bench/h200.sh
 Defaults: decode at batch 1 and 64 over prompts of 1024-1027 tokens (staggered so
 that each step closes some CSA windows), 32 timed steps each; one 8192-token prompt
 (in one step: the step budget is the prompt), timed twice after a warm-up. Estimated
-for the H200 (not yet run there): drawing ~1 min, loading ~20 s, benching 1-2 min;
-memory: 30 GB of weights, 7.5 GB of KV pool, and for the 8k prefill ~45 GB of
-transients (its attention materialises [8192, 64 heads, 8192 + 128 + 2048 keys]
-score tensors, up to four at a time: compressed_attention.attend). If they would not
-fit, the prompt is halved until they do, and the output says so.
+for the H200: drawing ~1 min, loading ~20 s, capturing the decode graphs (buckets up to
+the largest batch) under a minute, benching 1-2 min; memory: 30 GB of weights, 7.5 GB
+of KV pool, and for the 8k prefill a few GB of transients (the batched attention gathers
+each row's keys in row chunks of at most compressed_batch.GATHER_BUDGET elements). If
+they would not fit, the prompt is halved until they do, and the output says so.
 
 The breakdown comes from the PyTorch profiler over one or a few engine steps: the
 model wraps its parts in ranges (shared/model/moe.py's ``profiled``), and each CUDA
 kernel counts under the innermost range that launched it ("outside the layers": the
 embedding, the LM head, sampling, input copies). Beside it, the host's time in each
-range (exclusive, inflated by the profiler; it includes waiting at the model's syncs:
-the MoE's per-layer read of its run lengths, the compressor's test for closing
-windows). On the CPU (the test's tiny V4) there are no kernels and only host time is
-reported. The step's wall time is the un-profiled one from the timed run.
+range (exclusive, inflated by the profiler). On the CPU (the test's tiny V4) there are
+no kernels and only host time is reported. The step's wall time is the un-profiled one
+from the timed run.
 
-V4 runs eagerly: DeepseekV4ForCausalLM.supports_cuda_graphs is False, so the runner
-builds no CUDA graphs whatever --cuda-graphs says; the report states the mode run.
+Decode runs on CUDA graphs by default (--cuda-graphs; V4 captures on the Triton table:
+fused MoE, fused mHC, batched compressed attention), and the timed steps replay them. A
+replayed graph hides the model's ranges from the profiler, so the profiled decode steps
+run eagerly (the same kernels, launched one by one): the breakdown says where the
+kernels' time goes, the timed run what a graphed step costs. The report states the
+mode run and whether the timed steps replayed graphs.
 """
 
 import argparse
@@ -48,6 +51,7 @@ from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.memory.coordinator import blocks_for_one_request
+from shared.model.compressed_batch import GATHER_BUDGET
 from shared.model.loader import INDEX_FILE, SINGLE_FILE
 from shared.model.moe import Experts
 from tools.bench.engine_bench import _prompts, _sync
@@ -58,7 +62,7 @@ from tools.bench.v4_kv_bytes import logical_bytes
 KINDS: Mapping[str, str] = MappingProxyType(
     {
         "v4.attention": "attention: q/kv/o projections, rope, state writes",
-        "v4.attention.core": "attention: window + compressed entries, per sequence",
+        "v4.attention.core": "attention: window + compressed entries, batched",
         "v4.compressor": "compressors: projections, entries",
         "v4.indexer": "indexer: scores, top-k",
         "moe.router": "MoE: router",
@@ -94,6 +98,8 @@ class Decode:
     num_tokens: int
     seconds: float
     breakdown: Breakdown
+    graphed: bool = False
+    """Whether the last timed step replayed a CUDA graph (the profiled ones run eagerly)."""
 
     @property
     def tok_s(self) -> float:
@@ -252,14 +258,21 @@ def bench_decode(
     _sync(engine.config.device)
     seconds = time.perf_counter() - start
 
+    graphed = engine.runner.last_step_graphed
+
     def profiled_steps() -> int:
-        for _ in range(num_profiled):
-            engine.step()
+        # Eager for the profiler (a replayed graph hides the model's ranges); restored after.
+        graphs, engine.runner.graphs = engine.runner.graphs, None
+        try:
+            for _ in range(num_profiled):
+                engine.step()
+        finally:
+            engine.runner.graphs = graphs
         return num_profiled
 
     breakdown = profile_steps(profiled_steps, engine.config.device)
     _drain(engine, ids)
-    return Decode(batch, context, num_steps, num_tokens, seconds, breakdown)
+    return Decode(batch, context, num_steps, num_tokens, seconds, breakdown, graphed)
 
 
 def _time_to_first_token(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
@@ -295,15 +308,15 @@ def bench_prefill(engine: LLMEngine, prompt_len: int, repeats: int, seed: int) -
 
 
 def prefill_transient_bytes(engine: LLMEngine, prompt_len: int) -> int:
-    """What one prompt's step needs beyond the weights and the pool, about: the eager
-    attention (compressed_attention.attend) holds up to four [n, heads, keys] score
-    tensors at once, keys being the prompt and its CSA entries (n / 4)."""
+    """What one prompt's step needs beyond the weights and the pool, about: the batched
+    attention's row chunks (a few tensors of GATHER_BUDGET elements, float32 at most: the
+    keys, their scores, the indexer's scores) and the step's activations (the mHC
+    streams and a dozen hidden-wide rows per token, float32 at most)."""
     config = engine.model.config
     p = config.deepseek_v4
     assert p is not None
-    rates = [r for r in p.compress_rates if r]
-    keys = prompt_len + p.sliding_window + (prompt_len // min(rates) if rates else 0)
-    return 4 * prompt_len * config.num_attention_heads * keys * engine.runner.kv_caches[0].element_size()
+    per_token = (p.hc_mult + 12) * config.hidden_size * 4
+    return 4 * GATHER_BUDGET * 4 + prompt_len * per_token
 
 
 def largest_prefill_that_fits(engine: LLMEngine, prompt_len: int, margin: int = 4 << 30) -> int:
@@ -365,7 +378,7 @@ def run_v4_bench(
     figures = model_figures(engine)
     graphed = engine.runner.graphs is not None
     mode = "CUDA graphs" if graphed else (
-        "eager" + (" (CUDA graphs asked for: the model supports none)" if cuda_graphs and device.startswith("cuda") else "")
+        "eager" + (" (CUDA graphs asked for: none captured)" if cuda_graphs and device.startswith("cuda") else "")
     )  # fmt: skip
     where = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     print(f"{model} on {where}, {dtype}, {mode}; loaded in {load_s:.1f} s", flush=True)
@@ -380,7 +393,8 @@ def run_v4_bench(
         decodes.append(bench_decode(engine, batch, context, num_steps, seed + batch, num_profiled))
         peaks[f"decode b={batch}"] = _peak_gib(device)
         d = decodes[-1]
-        print(f"decode b={batch} ctx~{context}: {d.tok_s:.1f} tok/s, {d.step_ms:.1f} ms/step", flush=True)
+        print(f"decode b={batch} ctx~{context}: {d.tok_s:.1f} tok/s, {d.step_ms:.1f} ms/step"
+              f"{' (graphed)' if d.graphed else ' (eager)'}", flush=True)  # fmt: skip
     fits = largest_prefill_that_fits(engine, prompt_len)
     if fits != prompt_len:
         print(f"prefill {prompt_len}: its attention's transients (~{prefill_transient_bytes(engine, prompt_len) / 2**30:.0f}"
@@ -389,7 +403,8 @@ def run_v4_bench(
     prefill = bench_prefill(engine, fits, repeats, seed + 1000)
     peaks[f"prefill {fits}"] = _peak_gib(device)
     print(f"prefill {fits}: TTFT {prefill.median_ttft_s * 1e3:.0f} ms, {prefill.tok_s:.0f} tok/s", flush=True)
-    ran_graphs = engine.runner.last_step_graphed
+    # Whether the timed decode steps replayed graphs (the prefill's step is never graphed).
+    ran_graphs = any(d.graphed for d in decodes)
     engine.close()
     record = {
         "model": model, "device": where, "dtype": dtype, "mode": mode, "graphs_replayed": ran_graphs,
@@ -432,14 +447,15 @@ def render(record: dict, decodes: list[Decode], prefill: Prefill) -> str:
         "|---|---|---|",
     ]
     for d in decodes:
-        lines.append(f"| decode, batch {d.batch}, context ~{d.context} | {d.tok_s:.1f} | {d.step_ms:.1f} ms |")
+        how = "graphed" if d.graphed else "eager"
+        lines.append(f"| decode, batch {d.batch}, context ~{d.context} ({how}) | {d.tok_s:.1f} | {d.step_ms:.1f} ms |")
     lines.append(f"| prefill, one {prefill.prompt_len}-token prompt | {prefill.tok_s:.0f} | "
                  f"{prefill.median_ttft_s * 1e3:.0f} ms |")  # fmt: skip
     columns = [(f"decode b={d.batch}", d.breakdown, d.step_ms) for d in decodes]
     columns.append((f"prefill {prefill.prompt_len}", prefill.breakdown, prefill.median_ttft_s * 1e3))
     gpu = all(b.device_ms is not None for _, b, _ in columns)
     header = [f"{name}: {'GPU ms | host ms' if gpu else 'host ms'}" for name, _, _ in columns]
-    lines += ["", "Per step (the prefill: the whole prompt), ms:", "", "| kind | " + " | ".join(header) + " |",
+    lines += ["", "Per step (the prefill: the whole prompt), ms; profiled decode steps run eagerly:", "", "| kind | " + " | ".join(header) + " |",
               "|---|" + "---|" * (len(columns) * (2 if gpu else 1))]  # fmt: skip
     for key in [*KINDS, OUTSIDE]:
         label = KINDS.get(key, key)

@@ -10,6 +10,8 @@ shapes, dtypes, strides and devices before launch and beside its PyTorch referen
 - ``activation``: SiLU(gate) * up.
 - ``fused_moe``: a MoE layer's routed experts, pairs aligned by expert on the device
   and one grouped GEMM per projection (activation, biases and routing weights fused).
+- ``hyper_connection``: DeepSeek-V4's mHC step (mixes, Sinkhorn, collapse) fused:
+  one kernel per call, after one GEMM for the mixes where fn is large.
 - ``attention``: the per-forward plan and the choice between the two attention kernels.
 - ``reference``: the PyTorch references, which are the model's own CPU path.
 

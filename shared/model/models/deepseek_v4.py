@@ -36,6 +36,9 @@ from shared.model.compressed_attention import (
     SequenceView, StateRow, attend, compress_windows, entry_slots, index_top_k, last_token_slot_row, rope_interleaved,
     sequences, slots_of,
 )  # fmt: skip
+from shared.model.compressed_batch import (
+    TokenRows, attend_rows, closing_rows, entry_rows, indexer_scores, row_chunks, token_rows, top_k_entries, window_keys,
+)  # fmt: skip
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.hyper_connections import HyperConnection, HyperHead, merge_streams, unweighted_rms_norm
@@ -43,7 +46,7 @@ from shared.model.interface import CausalLM, ModelEntry, TensorMaker
 from shared.model.layers import Linear, rope_inv_freq
 from shared.model.models.deepseek_v4_config import CONFIG, CSA, SLIDING, DeepseekV4Params
 from shared.model.models.deepseek_v4_names import v4_checkpoint_names
-from shared.model.moe import Experts, SparseMoE
+from shared.model.moe import Experts, SparseMoE, counted_tokens
 from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.model.profiling import profiled
 
@@ -108,11 +111,18 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = Linear(config.hidden_size, p.index_n_heads, False, dtype, device)
 
+    def queries(
+        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scorer's per-row inputs: rotated queries [n, heads, index_head_dim] and head
+        weights [n, heads] (float32, scaled by 1 / sqrt(heads))."""
+        q = rope_interleaved(self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+        return q, self.scorer.weights_proj(x).float() * self.num_heads**-0.5
+
     def scores(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """sum_h w_h * relu(q_h . k): x, q_residual one sequence's rows; keys [e, index_head_dim] -> [n, e]."""
-        q = rope_interleaved(self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+        q, weights = self.queries(x, q_residual, cos, sin)
         dots = F.relu(torch.einsum("nhd,ed->nhe", q.float(), keys.float())) * self.head_dim**-0.5
-        weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5
         return (dots * weights[..., None]).sum(dim=1)
 
 
@@ -142,6 +152,9 @@ class V4Attention(nn.Module):
                 self.compressor.indexer = Indexer(config, p, self.rate, dtype, device)
         cw = 0 if self.kind == SLIDING else (2 if self.kind == CSA else 1) * config.head_dim
         self.row = StateRow(config.head_dim, cw, 2 * p.index_head_dim if self.kind == CSA else 0)
+        self.batched = True
+        """Whole-batch gathers (compressed_batch: no loop over sequences, no host read, CUDA
+        graph safe); False: the per-sequence reference (compressed_attention), for tests."""
 
     @property
     def indexer(self) -> "Indexer | None":
@@ -158,8 +171,13 @@ class V4Attention(nn.Module):
         compressed: torch.Tensor | None,
         meta: AttentionMetadata,
         cmeta: AttentionMetadata | None,
+        rows: TokenRows | None = None,
     ) -> torch.Tensor:
+        """``rows``: the step's query rows (compressed_batch.token_rows of ``meta``), made
+        once per forward; None: made here."""
         num_tokens = x.shape[0]
+        if self.batched and rows is None:
+            rows = token_rows(meta, positions)
         cos, sin = rope
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_residual).view(num_tokens, self.num_heads, self.head_dim), self.eps)
@@ -178,12 +196,15 @@ class V4Attention(nn.Module):
             plane1[meta.slot_mapping, : row.plane1] = torch.cat(new1, dim=-1).to(state.dtype)
         if compressed is not None and cmeta is not None:
             with profiled("v4.compressor"):
-                self._emit_entries(positions, plane0, plane1, compressed, meta, cmeta, rotary)
-        out = torch.empty_like(q)
+                self._emit_entries(positions, plane0, plane1, compressed, meta, cmeta, rotary, rows)
         cplane = None if compressed is None else compressed[0].view(-1, compressed.shape[-1])
         with profiled("v4.attention.core"):
-            for seq in sequences(meta, cmeta):
-                out[seq.rows] = self._attend_sequence(q, x, q_residual, index_rope, plane0, cplane, seq, meta.block_size)
+            if rows is not None:
+                out = self._attend_batch(q, x, q_residual, index_rope, plane0, cplane, rows, meta, cmeta)
+            else:
+                out = torch.empty_like(q)
+                for seq in sequences(meta, cmeta):
+                    out[seq.rows] = self._attend_sequence(q, x, q_residual, index_rope, plane0, cplane, seq, meta.block_size)
         # K = V carried rope into the output: rotate back by the query's angle.
         out = rope_interleaved(out, cos, -sin)
         grouped = out.reshape(num_tokens, self.o_groups, -1)
@@ -199,18 +220,31 @@ class V4Attention(nn.Module):
         meta: AttentionMetadata,
         cmeta: AttentionMetadata,
         rotary: V4Rotary,
+        rows: TokenRows | None,
     ) -> None:
-        """Entries of the windows this step closes, from their rows in the state cache."""
+        """Entries of the windows this step closes, from their rows in the state cache.
+        With ``rows`` (the batched path) the closing rows are found without reading the
+        device (compressed_batch.closing_rows); without, by nonzero (the reference)."""
         assert self.compressor is not None
         m, bs, hd, cw = self.rate, meta.block_size, self.head_dim, self.row.compress_width
-        closing = ((positions + 1) % m == 0).nonzero().flatten()
-        if closing.numel() == 0:
-            return
-        seq_of_row = torch.repeat_interleave(
-            torch.arange(meta.num_seqs, device=positions.device), torch.tensor(meta.query_lens, device=positions.device)
-        )
-        seqs, ends = seq_of_row[closing], positions[closing]
-        windows = (ends + 1) // m - 1
+        live: torch.Tensor | None = None
+        if rows is not None:
+            closing, live = closing_rows(positions, meta, m)
+            if closing.numel() == 0:
+                return
+            seqs = rows.seq[closing]
+        else:
+            closing = ((positions + 1) % m == 0).nonzero().flatten()
+            if closing.numel() == 0:
+                return
+            seq_of_row = torch.repeat_interleave(
+                torch.arange(meta.num_seqs, device=positions.device), torch.tensor(meta.query_lens, device=positions.device)
+            )
+            seqs = seq_of_row[closing]
+        ends = positions[closing]
+        # A graph's rows that close nothing (live False) compute a window 0 or later too, so
+        # that what they write to the scratch slot is finite (a masked key is still multiplied).
+        windows = ((ends + 1) // m - 1).clamp(min=0)
         span = 2 * m if self.kind == CSA else m
         pos = (windows * m)[:, None] + torch.arange(span, device=positions.device)[None, :] - (span - m)
         tables = meta.block_tables.to(positions.device)[seqs]
@@ -231,9 +265,53 @@ class V4Attention(nn.Module):
             entry = torch.cat([entry, pooled(self.indexer, hd + cw, cw)], dim=-1)
         # The compressed cache's slot of the closing token names the entry's block (the
         # null block in a replay of cached positions).
-        rows = last_token_slot_row(cmeta.slot_mapping[closing] // bs, ends, m, bs)
+        target = last_token_slot_row(cmeta.slot_mapping[closing] // bs, ends, m, bs)
+        if live is not None:
+            assert meta.scratch_slot is not None
+            target = torch.where(live, target, meta.scratch_slot)
         cplane = compressed[0].view(-1, compressed.shape[-1])
-        cplane[rows, : entry.shape[-1]] = entry.to(compressed.dtype)
+        cplane[target, : entry.shape[-1]] = entry.to(compressed.dtype)
+
+    def _attend_batch(
+        self,
+        q: torch.Tensor,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        index_rope: tuple[torch.Tensor, torch.Tensor],
+        plane0: torch.Tensor,
+        cplane: torch.Tensor | None,
+        rows: TokenRows,
+        meta: AttentionMetadata,
+        cmeta: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        """Every query row over its window and its compressed entries, gathered per row
+        (compressed_batch), in row chunks that bound the gathers' memory."""
+        hd, bs, num_tokens = self.head_dim, meta.block_size, q.shape[0]
+        indexer = self.indexer
+        num_entries = rows.max_len // self.rate if cplane is not None and cmeta is not None else 0
+        picks = num_entries if indexer is None else min(indexer.top_k, num_entries)
+        per_row = (self.window + picks) * (hd + self.num_heads)  # keys [K, hd], scores [heads, K]
+        if indexer is not None and num_entries:
+            cos, sin = index_rope
+            index_q, index_w = indexer.queries(x, q_residual, cos, sin)
+            per_row = max(per_row, num_entries * (indexer.num_heads + indexer.head_dim))
+        out = torch.empty_like(q)
+        for lo, hi in row_chunks(num_tokens, per_row):
+            chunk = rows.rows(lo, hi)
+            keys, visible = window_keys(plane0, meta.block_tables, chunk, self.window, bs, hd)
+            if num_entries:
+                assert cplane is not None and cmeta is not None
+                flat, causal = entry_rows(cmeta.block_tables, chunk, self.rate, bs)
+                if indexer is not None:
+                    with profiled("v4.indexer"):
+                        scores = indexer_scores(index_q[lo:hi], index_w[lo:hi], cplane[flat, hd : hd + indexer.head_dim],
+                                                indexer.head_dim)  # fmt: skip
+                        picked, causal = top_k_entries(scores, causal, indexer.top_k)
+                        flat = flat.gather(1, picked)
+                keys = torch.cat([keys, cplane[flat, :hd]], dim=1)
+                visible = torch.cat([visible, causal], dim=1)
+            out[lo:hi] = attend_rows(q[lo:hi], keys, visible, hd**-0.5, self.sinks)
+        return out
 
     def _attend_sequence(
         self,
@@ -272,7 +350,7 @@ class V4Attention(nn.Module):
 
 class V4DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, moe_ops: Ops = TORCH_OPS
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS
     ) -> None:
         super().__init__()
         p, moe = config.deepseek_v4, config.moe
@@ -282,10 +360,10 @@ class V4DecoderLayer(nn.Module):
         layer_moe = dataclasses.replace(moe, selection_bias=False) if kind == "hash_moe" else moe
         self.self_attn = V4Attention(config, layer_idx, dtype, device)
         self.mlp = SparseMoE(config.hidden_size, layer_moe, kind, config.vocab_size, dtype, device, router_name="gate",
-                             ops=moe_ops)  # fmt: skip
+                             ops=ops)  # fmt: skip
         self.input_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.post_attention_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
-        hc = (config.hidden_size, p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps, config.rms_norm_eps, device)
+        hc = (config.hidden_size, p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps, config.rms_norm_eps, device, ops)
         self.attn_hc = HyperConnection(*hc)
         self.ffn_hc = HyperConnection(*hc)
 
@@ -301,35 +379,40 @@ class V4DecoderLayer(nn.Module):
         compressed: torch.Tensor | None,
         meta: AttentionMetadata,
         cmeta: AttentionMetadata | None,
+        rows: TokenRows | None = None,
+        counted: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """streams [T, hc, hidden] -> the streams after the attention and the MoE, each
-        between mHC's collapse and merge (the model's layers, and V4's MTP block)."""
+        between mHC's collapse and merge (the model's layers, and V4's MTP block).
+        ``rows``: the step's query rows (compressed_batch.token_rows), shared by the layers
+        of one cache group; ``counted``: the rows the MoE counts per expert (a CUDA graph's
+        padding rows are not)."""
         with profiled("v4.mhc"):
             post, comb, collapsed = self.attn_hc(streams)
         with profiled("v4.norm"):
             h = self.input_layernorm(collapsed)
         with profiled("v4.attention"):
-            out = self.self_attn(h, positions, rope, index_rope, rotary, state, compressed, meta, cmeta)
+            out = self.self_attn(h, positions, rope, index_rope, rotary, state, compressed, meta, cmeta, rows)
         with profiled("v4.mhc"):
             streams = merge_streams(streams, out, post, comb)
             post, comb, collapsed = self.ffn_hc(streams)
         with profiled("v4.norm"):
             h = self.post_attention_layernorm(collapsed)
         with profiled("v4.moe"):
-            out = self.mlp(h, input_ids)
+            out = self.mlp(h, input_ids, counted)
         with profiled("v4.mhc"):
             return merge_streams(streams, out, post, comb)
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_ops: Ops = TORCH_OPS) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS) -> None:
         super().__init__()
         p = config.deepseek_v4
         assert p is not None
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(
-            V4DecoderLayer(config, i, dtype, device, moe_ops) for i in range(config.num_hidden_layers)
+            V4DecoderLayer(config, i, dtype, device, ops) for i in range(config.num_hidden_layers)
         )
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.hc_head = HyperHead(config.hidden_size, p.hc_mult, p.hc_eps, config.rms_norm_eps, device)
@@ -360,8 +443,9 @@ def v4_kv_layout(config: ModelConfig) -> KVCacheLayout:
 
 class DeepseekV4ForCausalLM(CausalLM):
     """The engine's CausalLM interface (shared/model/interface.py) for V4.
-    The routed experts run the fused Triton MoE on CUDA; the attention, compressors,
-    indexer and mHC run PyTorch (no Triton kernel for them yet, no CUDA graphs)."""
+    On CUDA (the Triton table) the routed experts run the fused MoE and mHC its fused
+    kernel; the attention, compressors and indexer run batched PyTorch
+    (compressed_batch), so that a decode step is captured in a CUDA graph."""
 
     def __init__(
         self,
@@ -378,9 +462,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         # loader's "no lm_head.weight" guess of a tied head does not apply; the config says.
         super().__init__(config, dtype, config.tie_word_embeddings)
         device = torch.device(device)
-        # The routed experts take the fused Triton MoE where kernels resolve to Triton (CUDA):
-        # no host sync, no loop over experts. The attention is PyTorch's either way.
-        self.model = DeepseekV4Model(config, dtype, device, moe_ops=resolve_ops(kernels, device))
+        # The routed experts take the fused Triton MoE and mHC its fused kernel where kernels
+        # resolve to Triton (CUDA): no host sync. The attention is batched PyTorch either way.
+        self.ops = resolve_ops(kernels, device)
+        self.model = DeepseekV4Model(config, dtype, device, ops=self.ops)
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self.main_rotary = V4Rotary(config, False, device)
         self.compress_rotary = V4Rotary(config, True, device)
@@ -403,7 +488,15 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        return False
+        """Whether a decode step can be captured: on the Triton table (the fused MoE, which
+        never reads run lengths on the host; the fused mHC) with the batched attention,
+        which sizes its gathers from host bounds and finds closing windows without a read
+        (compressed_batch). The per-sequence reference reads the device: never captured."""
+        return (
+            self.ops.triton
+            and all(layer.mlp.host_sync_free for layer in self.model.layers)
+            and all(layer.self_attn.batched for layer in self.model.layers)
+        )
 
     @torch.inference_mode()
     def forward(
@@ -421,12 +514,19 @@ class DeepseekV4ForCausalLM(CausalLM):
         # The profiler ranges (shared/model/moe.py's profiled) are where tools/bench/v4_bench.py
         # counts a step's time by kind: mHC, norms, attention (and within it the compressors,
         # the per-sequence core and the indexer), the MoE.
+        # The query rows' sequences and floors, once per state-cache group (one in V4).
+        rows: dict[int, TokenRows] = {}
+        # A CUDA graph's padding rows are not counted per expert (moe.counted_tokens).
+        counted = counted_tokens(metas[self._group_of_cache[0]], input_ids.shape[0])
         for i, layer in enumerate(self.model.layers):
             c = self._compressed_cache.get(i)
+            g = self._group_of_cache[i]
+            if layer.self_attn.batched and g not in rows:
+                rows[g] = token_rows(metas[g], positions)
             streams = layer(
                 streams, input_ids, positions, ropes[p.uses_compress_rope(i)], ropes[True], self.compress_rotary,
                 kv_caches[i], None if c is None else kv_caches[c],
-                metas[self._group_of_cache[i]], None if c is None else metas[self._group_of_cache[c]],
+                metas[g], None if c is None else metas[self._group_of_cache[c]], rows.get(g), counted,
             )  # fmt: skip
         self.last_streams = streams if self.keep_streams else None
         with profiled("v4.mhc"):
