@@ -49,6 +49,12 @@ class Ops:
     """An object with ``plan_triton_attention`` and ``triton_attend`` over the paged cache."""
     fused_moe: Kernel | None = None
     """The routed experts in one grouped GEMM per projection (no host sync)."""
+    fp8_linear: Kernel | None = None
+    """``Fp8Linear``'s product ``(x, weight e4m3, weight_scale, block)``: activations quantised
+    per token per group, block-scaled FP8 GEMM (kernels/fp8_gemm.py); None: the PyTorch reference."""
+    fused_moe_mxfp4: Kernel | None = None
+    """The routed experts with MXFP4 weights decoded in registers (kernels/fused_moe_mxfp4.py);
+    None: dequantised, then the PyTorch experts."""
 
 
 TORCH_OPS = Ops("torch", triton=False)
@@ -67,6 +73,8 @@ def triton_ops() -> Ops:
         rotary=triton_module("rotary"),
         attention=triton_module("attention"),
         fused_moe=triton_module("fused_moe").fused_moe,
+        fp8_linear=triton_module("fp8_gemm").fp8_linear,
+        fused_moe_mxfp4=triton_module("fused_moe_mxfp4").fused_moe_mxfp4,
     )
 
 
