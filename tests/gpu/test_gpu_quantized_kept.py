@@ -8,9 +8,11 @@ reference on ragged shapes; a tiny DeepSeek-V4 written in DeepSeek's release for
 - every kept linear's output, on the activations it really receives while the model
   runs, lies within the activation-rounding bound of the exact product with the
   dequantised weight (``activation_error_bound``: 2^-4 |x| + 2^-10 s per element, through
-  |W|), plus the bf16 rounding of the output (2^-8 |y|) and float32 summation slack;
-- the served logits (Triton kernels) equal those of the same kept model on the PyTorch
-  reference of the FP8 product within 1e-3 (same quantisation, other summation order):
+  |W|), plus the bf16 rounding of the output (2^-8 |y|) and the FP8 dot's accumulation
+  (``DOT_ACCUMULATION``);
+- the served logits (Triton kernels, float32 activations) equal those of the same kept
+  model on the PyTorch reference of the FP8 product within 1e-2 (same quantisation,
+  another accumulation: see the test):
   the kernel serves what the math says. Against the dequantised bf16 run the logits are
   not compared by a fixed tolerance: a per-linear error of ~2^-5 (FP8 activations) is
   amplified by the random tiny model's discrete choices (router and indexer top-k) to
@@ -21,8 +23,9 @@ reference on ragged shapes; a tiny DeepSeek-V4 written in DeepSeek's release for
 
 MXFP4 (any CUDA GPU): the MXFP4 fused MoE against the fused MoE on the dequantised weights
 (bitwise in float32: the decoded tile is exactly the dequantised weight and the loops are
-the same); a tiny GPT-OSS in OpenAI's release format with the experts kept packed gives
-the dequantised run's logits within 1e-5, with the experts held as uint8 only.
+the same; within bf16's rounding in bf16); a tiny GPT-OSS in OpenAI's release format with the experts kept packed gives
+the dequantised run's logits within 1e-5 in float32 (5e-2 in bf16), with the experts held
+as uint8 only.
 """
 
 import math
@@ -47,6 +50,12 @@ needs_fp8 = pytest.mark.skipif(
 )
 
 BLOCK = (128, 128)
+DOT_ACCUMULATION = 2.0**-9
+"""Of sum |x||w|: what Hopper's FP8 tensor-core accumulation may lose within one group of
+128 (DeepSeek-V3's report: it keeps about 14 bits; Triton leaves the whole K step of
+the dot in that accumulator, and the kernel promotes to float32 after each group, as
+DeepSeek's own kernels do). Generous: 128 adds at 2^-14 each would be 2^-7 worst case
+only if every partial sum were the whole sum's size and every rounding one way."""
 _WIDE_V4 = dict(hidden_size=256, head_dim=64, q_lora_rank=192, o_lora_rank=64, moe_intermediate_size=64)
 
 
@@ -57,11 +66,12 @@ def fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def product_bound(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, out_rounding: float) -> torch.Tensor:
-    """|FP8 product - x @ w.T| may reach: the activations' rounding through |w|, float32
-    summation (K * 2^-23 of sum |x||w|, generous), and the output's rounding."""
+    """|FP8 product - x @ w.T| may reach: the activations' rounding through |w|, the FP8
+    dot's accumulation (DOT_ACCUMULATION of sum |x||w|, the activations' rounding
+    included), and the output's rounding."""
     x, w = x.float(), w.float()
-    k = x.shape[1]
-    return activation_error_bound(x, BLOCK[1]) @ w.abs().T + k * 2.0**-23 * (x.abs() @ w.abs().T) + out_rounding * y.abs()
+    magnitude = (x.abs() * (1 + 2.0**-4)) @ w.abs().T
+    return activation_error_bound(x, BLOCK[1]) @ w.abs().T + DOT_ACCUMULATION * magnitude + out_rounding * y.abs()
 
 
 @needs_fp8
@@ -75,9 +85,10 @@ def test_fp8_gemm_equals_its_reference_and_the_bound(m, n, k, dtype):
     y = fp8_linear(x, codes, scale, BLOCK)
     ref = fp8_linear_ref(x, codes, scale, BLOCK)
     assert y.dtype == dtype and y.shape == (m, n)
-    # The same quantised operands: FP8 products are exact in float32, only the order differs.
+    # The same quantised operands: FP8 products are exact, the accumulation differs.
     out_rounding = 2.0**-8 if dtype == torch.bfloat16 else 0.0
-    slack = 2 * out_rounding * ref.float().abs() + k * 2.0**-23 * (x.float().abs() @ values.abs().T) + 1e-6
+    magnitude = (x.float().abs() * (1 + 2.0**-4)) @ values.abs().T
+    slack = 2 * out_rounding * ref.float().abs() + DOT_ACCUMULATION * magnitude + 1e-6
     assert ((y.float() - ref.float()).abs() <= slack).all(), (y.float() - ref.float()).abs().max()
     err = (y.float() - x.float() @ values.T).abs()
     assert (err <= product_bound(x, values, y, out_rounding)).all(), err.max()
@@ -91,10 +102,10 @@ def v4_release(tmp_path_factory) -> Path:
     return rf.write_v4_deepseek(seeded, root / "released", root / "reference")
 
 
-def v4_logits(model, seed: int = 2) -> torch.Tensor:
+def v4_logits(model, dtype: torch.dtype = torch.bfloat16, seed: int = 2) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (70, 53, 91)]
-    driver = PagedDriver(model, num_seqs=len(prompts), num_blocks=256, block_size=16, kv_dtype=torch.bfloat16, device="cuda")
+    driver = PagedDriver(model, num_seqs=len(prompts), num_blocks=256, block_size=16, kv_dtype=dtype, device="cuda")
     out = driver.step(dict(enumerate(prompts)))
     decoded = driver.step({s: [p[-1]] for s, p in enumerate(prompts)})
     return torch.cat([out[s] for s in range(len(prompts))] + [decoded[s] for s in range(len(prompts))]).float()
@@ -133,14 +144,18 @@ def test_v4_fp8_kept_linears_within_the_bound_while_serving(v4_release):
 
 @needs_fp8
 def test_v4_fp8_served_logits_equal_the_reference_math(v4_release):
-    kept = load_model(v4_release, dtype=torch.bfloat16, device="cuda", keep=KeptFormats(fp8=True))
+    # float32 activations: no output rounding, so the two differ only by the FP8 dot's
+    # accumulation (~2^-14 of a partial sum), which the tiny random model amplifies ~20x
+    # (0.027 per linear became 0.58 at the logits on the CPU): 1e-2 is far above that and
+    # far below a wrong scale or tile (a doubled tile scale moved the logits by 1.0).
+    kept = load_model(v4_release, dtype=torch.float32, device="cuda", keep=KeptFormats(fp8=True))
     with torch.inference_mode():
-        served = v4_logits(kept)
+        served = v4_logits(kept, torch.float32)
         for module in kept_linears(kept).values():
             module._kernel = None  # fp8_linear_ref: the same quantisation in PyTorch
-        reference = v4_logits(kept)
-        dequantised = v4_logits(load_model(v4_release, dtype=torch.bfloat16, device="cuda"))
-    assert rel_err(served, reference) < 1e-3, rel_err(served, reference)
+        reference = v4_logits(kept, torch.float32)
+        dequantised = v4_logits(load_model(v4_release, dtype=torch.float32, device="cuda"), torch.float32)
+    assert rel_err(served, reference) < 1e-2, rel_err(served, reference)
     # Reported beside, not judged (see the module docstring): FP8 activations against bf16.
     print(f"kept FP8 vs dequantised bf16: rel err {rel_err(served, dequantised):.3g}")
 
@@ -179,8 +194,7 @@ def test_mxfp4_moe_equals_the_fused_moe_on_dequantised_weights(dtype, num_tokens
     e, hidden, inter, k = 8, 256, 128, 2
     gu_blocks, gu_scales, gu = rf.quantize_fp4_groups(torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5)
     dn_blocks, dn_scales, dn = rf.quantize_fp4_groups(torch.randn(e, hidden, inter, generator=g) / inter**0.5)
-    cuda = dict(device="cuda")
-    packed = [t.view(torch.uint8).to(**cuda) for t in (gu_blocks, gu_scales, dn_blocks, dn_scales)]
+    packed = [t.view(torch.uint8).cuda() for t in (gu_blocks, gu_scales, dn_blocks, dn_scales)]
     x = torch.randn(num_tokens, hidden, generator=g).to("cuda", dtype)
     ids = torch.rand(num_tokens, e, generator=g).topk(k, dim=-1).indices.cuda()
     weights = torch.rand(num_tokens, k, generator=g).to("cuda", dtype)
@@ -188,7 +202,14 @@ def test_mxfp4_moe_equals_the_fused_moe_on_dequantised_weights(dtype, num_tokens
               down_bias=torch.randn(e, hidden, generator=g).to("cuda", dtype), activation="gpt_oss", swiglu_limit=7.0)  # fmt: skip
     out = fused_moe_mxfp4(x, *packed, ids, weights, **kw)
     same = fused_moe(x, gu.to("cuda", dtype), dn.to("cuda", dtype), ids, weights, **kw)
-    assert torch.equal(out, same), (out.float() - same.float()).abs().max()
+    if dtype == torch.float32:
+        # "ieee" float32 dots on CUDA cores, the same K loop: the same sums.
+        assert torch.equal(out, same), (out - same).abs().max()
+    else:
+        # The same bf16 operands; the tensor-core instruction may differ (a tile from
+        # registers, not shared memory), and a last-bit change before a bf16 rounding
+        # moves an output by an ulp (2^-8 relative) of a value up to ~50 (GPT-OSS's gate).
+        assert rel_err(out.float(), same.float()) < 1e-2, rel_err(out.float(), same.float())
     ref = fused_moe_mxfp4_ref(x, *packed, ids, weights, **kw)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert rel_err(out.float(), ref.float()) < tol
@@ -221,7 +242,11 @@ def test_gpt_oss_mxfp4_kept_equals_dequantised(gpt_oss_release, dtype):
             first = driver.step(dict(enumerate(prompts)))
             then = driver.step({s: [p[0]] for s, p in enumerate(prompts)})
             outs.append(torch.cat([first[s] for s in range(3)] + [then[s] for s in range(3)]).float())
-    assert rel_err(outs[0], outs[1]) < 1e-5, rel_err(outs[0], outs[1])
+    # float32: the same sums (see above), 1e-5; bf16: an ulp here and there, as between any two
+    # correct bf16 kernels, which the tiny model carries to the logits: 5e-2 (the bf16 margin
+    # of tests/gpu/test_gpu_deepseek_v4.py); a wrong nibble or scale moves them by O(1).
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    assert rel_err(outs[0], outs[1]) < tol, rel_err(outs[0], outs[1])
     # Bytes: the kept experts hold 0.5 + 1/32 byte a weight where the dequantised hold dtype's size.
     per_value = 0.5 + 1 / 32
     kept_bytes = sum(m.gate_up_blocks.numel() + m.gate_up_scales.numel() + m.down_blocks.numel() + m.down_scales.numel()
