@@ -98,13 +98,36 @@ def keep_quantized(
                 setattr(parent, child_name, fp8)
                 kept[name] = KeptTarget(fp8.weight.detach(), fp8.weight_scale)
     if formats.mxfp4:
-        for prefix, module in list(model.named_modules()):
-            if not isinstance(module, Experts) or module.moe.activation != "gpt_oss":
-                continue
-            fused = {f"{prefix}.gate_up_proj": "gate_up", f"{prefix}.down_proj": "down"}
-            if not all(n in sources and sources[n].mxfp4 for n in fused):
-                continue
+        packed = [m for m in model.modules() if isinstance(m, Experts) and _all_fp4(m, names, sources, stored_dtype)]
+        for module in packed:
             module.keep_mxfp4(ops.fused_moe_mxfp4)
-            for name, part in fused.items():
-                kept[name] = KeptTarget(getattr(module, f"{part}_blocks"), getattr(module, f"{part}_scales"))
+        if packed:
+            # The packed targets (fused or per-expert views), found again under the model's
+            # names, each with the rows of the scales that go with it.
+            for name, t in model.checkpoint_tensors(set(sources)).items():
+                scales = next((s for m in packed if (s := m.packed_scales_of(t)) is not None), None)
+                if scales is not None:
+                    kept[name] = KeptTarget(t, scales)
     return kept
+
+
+def _all_fp4(
+    module: Experts,
+    names: Mapping[tuple[int, tuple[int, ...]], str],
+    sources: Mapping[str, TensorSource],
+    stored_dtype: Callable[[TensorSource], str],
+) -> bool:
+    """Whether every checkpoint tensor of these experts' weights (found by address within
+    the stacked tensors) is e2m1 in groups of 32 with E8M0 scales: GPT-OSS's MXFP4 pair or
+    DeepSeek-V4's int8 FP4 experts. Half kept, half not, would need both layouts: refused."""
+    spans = [(w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()) for w in (module.gate_up_proj, module.down_proj)]
+    inside = [name for (ptr, _), name in names.items() if any(lo <= ptr < hi for lo, hi in spans)]
+    if not inside:
+        return False
+    for name in inside:
+        source = sources.get(name)
+        if source is None or source.scale is None:
+            return False
+        if not source.mxfp4 and stored_dtype(source) not in ("I8", "U8"):
+            return False
+    return True

@@ -251,17 +251,52 @@ class Experts(nn.Module):
             moe.activation, moe.swiglu_limit, moe.swiglu_alpha,
         )  # fmt: skip
 
+    def _packed_targets(self, prefix: str, available: Collection[str] | None) -> dict[str, torch.Tensor]:
+        """``checkpoint_targets`` once packed (``keep_mxfp4``): the loader copies the stored
+        bytes as they are, fused (GPT-OSS's ``_blocks``, rows already the model's) or per
+        expert (DeepSeek-V4's FP4 ``w1``/``w3``/``w2``: rows of the stacked blocks)."""
+        targets: dict[str, torch.Tensor] = {}
+        if self.moe.activation == "gpt_oss" or (available is not None and f"{prefix}.gate_up_proj" in available):
+            targets = {f"{prefix}.gate_up_proj": self.gate_up_blocks, f"{prefix}.down_proj": self.down_blocks}
+        else:
+            i = self.moe.intermediate_size
+            for e in range(self.moe.num_experts):
+                targets[f"{prefix}.{e}.gate_proj.weight"] = self.gate_up_blocks[e, :i]
+                targets[f"{prefix}.{e}.up_proj.weight"] = self.gate_up_blocks[e, i:]
+                targets[f"{prefix}.{e}.down_proj.weight"] = self.down_blocks[e]
+        if self.gate_up_proj_bias is not None and self.down_proj_bias is not None:
+            if f"{prefix}.gate_up_proj" in targets:
+                targets[f"{prefix}.gate_up_proj_bias"] = self.gate_up_proj_bias.detach()
+                targets[f"{prefix}.down_proj_bias"] = self.down_proj_bias.detach()
+            else:
+                i = self.moe.intermediate_size
+                for e in range(self.moe.num_experts):
+                    targets[f"{prefix}.{e}.gate_proj.bias"] = self.gate_up_proj_bias.detach()[e, :i]
+                    targets[f"{prefix}.{e}.up_proj.bias"] = self.gate_up_proj_bias.detach()[e, i:]
+                    targets[f"{prefix}.{e}.down_proj.bias"] = self.down_proj_bias.detach()[e]
+        return targets
+
+    def packed_scales_of(self, blocks: torch.Tensor) -> torch.Tensor | None:
+        """The scales of a view of the packed blocks (a ``checkpoint_targets`` tensor): the
+        same expert and rows of ``gate_up_scales`` or ``down_scales``; None if it is not one."""
+        if not self.mxfp4:
+            return None
+        for whole, scales in ((self.gate_up_blocks, self.gate_up_scales), (self.down_blocks, self.down_scales)):
+            offset = blocks.data_ptr() - whole.data_ptr()
+            if blocks.dtype != torch.uint8 or not 0 <= offset < whole.numel():
+                continue
+            expert, row = offset // whole.stride(0), offset % whole.stride(0) // whole.stride(1)
+            if blocks.dim() == 3:
+                return scales
+            return scales[expert, row : row + blocks.shape[0]]
+        return None
+
     def checkpoint_targets(self, prefix: str, available: Collection[str] | None) -> dict[str, torch.Tensor]:
         """Checkpoint name -> the tensor (or view) it is copied into. Fused tensors
         (``prefix.gate_up_proj``...) when the checkpoint has them or the family only
         has those (GPT-OSS); else per-expert ``prefix.<e>.gate_proj.weight``..."""
         if self.mxfp4:
-            # Packed (keep_mxfp4): the loader copies the stored blocks (and scales) as they are.
-            targets = {f"{prefix}.gate_up_proj": self.gate_up_blocks, f"{prefix}.down_proj": self.down_blocks}
-            if self.gate_up_proj_bias is not None and self.down_proj_bias is not None:
-                targets[f"{prefix}.gate_up_proj_bias"] = self.gate_up_proj_bias.detach()
-                targets[f"{prefix}.down_proj_bias"] = self.down_proj_bias.detach()
-            return targets
+            return self._packed_targets(prefix, available)
         gate_up, down = self.gate_up_proj.detach(), self.down_proj.detach()
         if self.moe.activation == "gpt_oss":
             # GPT-OSS stores x @ W: [E, hidden, 2I] (gate, up interleaved) and [E, I, hidden].
