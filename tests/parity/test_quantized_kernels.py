@@ -19,14 +19,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from shared.model.fp8_linear import fp8_linear_ref  # noqa: E402
+from shared.model.fp8_linear import Fp8Linear, fp8_linear_ref  # noqa: E402
 from shared.model.kept_weights import KeptFormats  # noqa: E402
 from shared.model.kernels import fp8_gemm  # noqa: E402
 from shared.model.kernels.fused_moe import fused_moe  # noqa: E402
 from shared.model.kernels.fused_moe_mxfp4 import fused_moe_mxfp4, fused_moe_mxfp4_ref  # noqa: E402
 from shared.model.loader import load_model  # noqa: E402
 from shared.model.moe import Experts  # noqa: E402
+from tests.helpers.deepseek_v4_models import save_tiny_v4  # noqa: E402
 from tests.helpers.hf_models import save_tiny_hf_model  # noqa: E402
+from tests.helpers.numerics import rel_err  # noqa: E402
 from tests.helpers.paged_driver import PagedDriver  # noqa: E402
 from tools import release_formats as rf  # noqa: E402
 
@@ -90,6 +92,39 @@ def test_mxfp4_moe_equals_the_fused_moe_on_the_dequantised_weights(dtype, num_to
     # A nibble read from the wrong half of its byte is seen.
     swapped = ((packed[0] >> 4) | (packed[0] << 4)).to(torch.uint8)
     assert not torch.allclose(fused_moe_mxfp4(x, swapped, *packed[1:], ids, weights, **common), out)
+
+
+def test_v4_kept_fp8_and_fp4_through_the_kernels(tmp_path: Path):
+    """DeepSeek's release of a tiny V4 (FP8 linears, FP4 experts) with both kept, on the
+    Triton kernels: the experts give exactly the dequantised experts' logits (same FP8
+    linears beside them), and each FP8 linear, on the input it receives while the model
+    runs, gives its PyTorch reference's output within float32 summation order. (Logits
+    of the Triton and PyTorch runs are not compared: activation quantisation is a step
+    function, so a last-bit difference upstream can move a code by a whole e4m3 step.)"""
+    seeded = save_tiny_v4("mixed", tmp_path / "seeded", seed=11, hidden_size=256, head_dim=64, q_lora_rank=192,
+                          o_lora_rank=64, moe_intermediate_size=64)  # fmt: skip
+    release = rf.write_v4_deepseek(seeded, tmp_path / "released", tmp_path / "reference")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (40, 23)]
+
+    checked: list[float] = []
+
+    def same_as_reference(module: Fp8Linear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        x = inputs[0].reshape(-1, inputs[0].shape[-1])
+        ref = fp8_linear_ref(x, module.weight, module.weight_scale, module.block)
+        checked.append(rel_err(output.reshape(ref.shape), ref))
+
+    def logits(keep: KeptFormats) -> torch.Tensor:
+        model = load_model(release, kernels="triton", keep=keep)
+        for m in model.modules():
+            if isinstance(m, Fp8Linear):
+                assert m._kernel is not None
+                m.register_forward_hook(same_as_reference)
+        out = PagedDriver(model, num_seqs=2, num_blocks=64, block_size=16).step(dict(enumerate(prompts)))
+        return torch.cat([out[0], out[1]])
+
+    assert torch.equal(logits(KeptFormats(fp8=True, mxfp4=True)), logits(KeptFormats(fp8=True)))
+    assert len(checked) >= 2 * 22 and max(checked) < 1e-5, max(checked)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""FP8 kept as FP8 (shared/model/fp8_linear.py, kept_weights.py) and MXFP4 experts kept packed,
-on the CPU through their PyTorch references (the Triton kernels under the interpreter:
+"""FP8 kept as FP8 (shared/model/fp8_linear.py, kept_weights.py) and FP4 experts (GPT-OSS's
+MXFP4, DeepSeek-V4's FP4) kept packed, on the CPU through their PyTorch references (the Triton kernels under the interpreter:
 tests/parity/test_quantized_kernels.py; on a GPU: tests/gpu/test_gpu_quantized_kept.py).
 
 The bound (why): the weights are used exactly as stored (codes times power-of-two or
@@ -23,6 +23,7 @@ from shared.model.fp8_linear import (
 from shared.model.kept_weights import KeptFormats, kept_formats
 from shared.model.loader import load_model
 from shared.model.moe import Experts
+from shared.model.quantized import dequantize_fp4_groups
 from tests.helpers.deepseek_v4_models import save_tiny_v4
 from tests.helpers.hf_models import save_tiny_hf_model
 from tests.helpers.paged_driver import PagedDriver
@@ -136,6 +137,25 @@ def gpt_oss_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("gpt_oss")
     seeded = save_tiny_hf_model("gpt_oss", root / "seeded", seed=1)
     return rf.write_gpt_oss_mxfp4(seeded, root / "released", root / "reference")
+
+
+def test_v4_fp4_experts_kept_packed_give_the_dequantised_logits(v4_release: Path):
+    kept = load_model(v4_release, keep=KeptFormats(mxfp4=True))
+    dequantised = load_model(v4_release)
+    experts = [m for m in kept.modules() if isinstance(m, Experts)]
+    plain = [m for m in dequantised.modules() if isinstance(m, Experts)]
+    assert experts and all(m.mxfp4 and m.gate_up_blocks.dtype == torch.uint8 for m in experts)
+    for m, p in zip(experts, plain):
+        # Each expert's w1/w3/w2 bytes landed in its rows: decoded, the dequantised weights.
+        decoded = dequantize_fp4_groups(m.gate_up_blocks, m.gate_up_scales)
+        assert torch.equal(decoded, p.gate_up_proj) and torch.equal(dequantize_fp4_groups(m.down_blocks, m.down_scales), p.down_proj)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (40, 23)]
+    outs = []
+    for model in (kept, dequantised):
+        out = PagedDriver(model, num_seqs=2, num_blocks=64, block_size=16).step(dict(enumerate(prompts)))
+        outs.append(torch.cat([out[0], out[1]]))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_gpt_oss_with_mxfp4_kept_gives_the_dequantised_logits(gpt_oss_release: Path):
