@@ -10,22 +10,24 @@ reference on ragged shapes; a tiny DeepSeek-V4 written in DeepSeek's release for
   dequantised weight (``activation_error_bound``: 2^-4 |x| + 2^-10 s per element, through
   |W|), plus the bf16 rounding of the output (2^-8 |y|) and the FP8 dot's accumulation
   (``DOT_ACCUMULATION``);
-- the served logits (Triton kernels, float32 activations) equal those of the same kept
-  model on the PyTorch reference of the FP8 product within 1e-2 (same quantisation,
-  another accumulation: see the test):
-  the kernel serves what the math says. Against the dequantised bf16 run the logits are
-  not compared by a fixed tolerance: a per-linear error of ~2^-5 (FP8 activations) is
-  amplified by the random tiny model's discrete choices (router and indexer top-k) to
-  ~0.6 max relative on the CPU, so the per-linear bound above is the claim;
+- on the same inputs, each kept linear's output equals the PyTorch reference of the FP8
+  product (same codes) within the accumulation and bf16 rounding: the kernel serves what
+  the math says. The logits of whole runs are not compared by a tolerance (quantisation
+  is a step function: a last-bit difference upstream moves a code by a whole e4m3 step,
+  and the random tiny model amplifies it: its own bf16 run is 0.50 max-relative from
+  float32; FP8's per-linear ~2^-5 becomes 0.57); ``test_v4_fp8_end_to_end_distance_is_reported``
+  prints the distances to the dequantised bf16 and float32 runs, and the per-linear bound
+  above is the claim;
 - the weights stay FP8 in memory: each kept weight is float8_e4m3fn on the GPU, and the
   model's bytes are the dequantised model's less one byte per kept weight element plus
   4 per scale, exactly.
 
-MXFP4 (any CUDA GPU): the MXFP4 fused MoE against the fused MoE on the dequantised weights
-(bitwise in float32: the decoded tile is exactly the dequantised weight and the loops are
-the same; within bf16's rounding in bf16); a tiny GPT-OSS in OpenAI's release format with the experts kept packed gives
-the dequantised run's logits within 1e-5 in float32 (5e-2 in bf16), with the experts held
-as uint8 only.
+FP4 experts (any CUDA GPU): the MXFP4 fused MoE against the fused MoE on the dequantised
+weights (bitwise in float32: the decoded tile is exactly the dequantised weight and the
+loops are the same; within bf16's rounding in bf16); a tiny GPT-OSS in OpenAI's release
+format with the experts kept packed gives the dequantised run's logits within 1e-5 in
+float32 (5e-2 in bf16), with the experts held as uint8 only; the tiny V4's FP4 experts
+kept packed give its dequantised run's logits within 1e-5 in float32.
 """
 
 import math
@@ -119,17 +121,24 @@ def kept_linears(model) -> dict[str, Fp8Linear]:
 def test_v4_fp8_kept_linears_within_the_bound_while_serving(v4_release):
     kept = load_model(v4_release, dtype=torch.bfloat16, device="cuda", keep=KeptFormats(fp8=True))
     linears = kept_linears(kept)
-    assert len(linears) >= 20, sorted(linears)
+    assert len(linears) == 22, sorted(linears)
+    assert all(m._kernel is not None for m in linears.values())  # the Triton kernel serves them
     checked: dict[str, float] = {}
 
     def check(name: str):
         def hook(module: Fp8Linear, inputs, output) -> None:
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
             w = module.weight.float() * expand_weight_scale(module.weight_scale, tuple(module.weight.shape), module.block)
-            y = output.reshape(-1, output.shape[-1])
-            err = (y.float() - x.float() @ w.T).abs()
-            bound = product_bound(x, w, y, 2.0**-8)
-            assert (err <= bound).all(), f"{name}: error {err.max():.3g} past the bound"
+            y = output.reshape(-1, output.shape[-1]).float()
+            # Against the dequantised weight: the activation-rounding bound.
+            err = (y - x.float() @ w.T).abs()
+            assert (err <= product_bound(x, w, y, 2.0**-8)).all(), f"{name}: error {err.max():.3g} past the bound"
+            # Against the PyTorch reference on the same input (same codes): only the FP8
+            # dot's accumulation and each side's bf16 rounding of the output.
+            ref = fp8_linear_ref(x, module.weight, module.weight_scale, module.block).float()
+            magnitude = (x.float().abs() * (1 + 2.0**-4)) @ w.abs().T
+            slack = 2.0**-8 * (y.abs() + ref.abs()) + DOT_ACCUMULATION * magnitude
+            assert ((y - ref).abs() <= slack).all(), f"{name}: {(y - ref).abs().max():.3g} from the reference"
             checked[name] = err.max().item()
 
         return hook
@@ -138,26 +147,24 @@ def test_v4_fp8_kept_linears_within_the_bound_while_serving(v4_release):
         module.register_forward_hook(check(name))
     with torch.inference_mode():
         v4_logits(kept)
-    assert set(checked) == set(linears)  # every kept linear ran, through the Triton kernel
-    assert all(m._kernel is not None for m in linears.values())
+    assert set(checked) == set(linears)  # every kept linear ran (prefill and a decode step)
 
 
 @needs_fp8
-def test_v4_fp8_served_logits_equal_the_reference_math(v4_release):
-    # float32 activations: no output rounding, so the two differ only by the FP8 dot's
-    # accumulation (~2^-14 of a partial sum), which the tiny random model amplifies ~20x
-    # (0.027 per linear became 0.58 at the logits on the CPU): 1e-2 is far above that and
-    # far below a wrong scale or tile (a doubled tile scale moved the logits by 1.0).
-    kept = load_model(v4_release, dtype=torch.float32, device="cuda", keep=KeptFormats(fp8=True))
+def test_v4_fp8_end_to_end_distance_is_reported(v4_release):
+    """Not a bound (see the module docstring): the logits of the kept FP8 run beside the
+    dequantised bf16 run and the dequantised float32 one, printed for the record; judged
+    only finite and of the same shape. On the CPU (the same model and prompts): bf16
+    vs float32 0.50 max relative (mean 0.086), FP8 vs float32 0.57 (mean 0.26)."""
     with torch.inference_mode():
-        served = v4_logits(kept, torch.float32)
-        for module in kept_linears(kept).values():
-            module._kernel = None  # fp8_linear_ref: the same quantisation in PyTorch
-        reference = v4_logits(kept, torch.float32)
-        dequantised = v4_logits(load_model(v4_release, dtype=torch.float32, device="cuda"), torch.float32)
-    assert rel_err(served, reference) < 1e-2, rel_err(served, reference)
-    # Reported beside, not judged (see the module docstring): FP8 activations against bf16.
-    print(f"kept FP8 vs dequantised bf16: rel err {rel_err(served, dequantised):.3g}")
+        served = v4_logits(load_model(v4_release, dtype=torch.bfloat16, device="cuda", keep=KeptFormats(fp8=True)))
+        bf16 = v4_logits(load_model(v4_release, dtype=torch.bfloat16, device="cuda"))
+        f32 = v4_logits(load_model(v4_release, dtype=torch.float32, device="cuda"), torch.float32)
+    assert served.shape == bf16.shape and torch.isfinite(served).all()
+    mean_rel = lambda a, b: ((a - b).abs().mean() / b.abs().mean()).item()  # noqa: E731
+    print(f"\nFP8 kept vs bf16: max rel {rel_err(served, bf16):.3g}, mean rel {mean_rel(served, bf16):.3g}; "
+          f"FP8 vs float32 {rel_err(served, f32):.3g} / {mean_rel(served, f32):.3g}; "
+          f"bf16 vs float32 {rel_err(bf16, f32):.3g} / {mean_rel(bf16, f32):.3g}")  # fmt: skip
 
 
 @needs_fp8
@@ -213,6 +220,20 @@ def test_mxfp4_moe_equals_the_fused_moe_on_dequantised_weights(dtype, num_tokens
     ref = fused_moe_mxfp4_ref(x, *packed, ids, weights, **kw)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert rel_err(out.float(), ref.float()) < tol
+
+
+def test_v4_fp4_experts_kept_packed_equal_dequantised(v4_release):
+    """DeepSeek-V4's FP4 routed experts held packed (per-expert rows of the MXFP4 buffers)
+    through the MXFP4 fused MoE, float32: the dequantised run's logits within 1e-5, the
+    FP8 linears dequantised in both so that only the experts differ."""
+    kept = load_model(v4_release, dtype=torch.float32, device="cuda", keep=KeptFormats(mxfp4=True))
+    experts = [m for m in kept.modules() if isinstance(m, Experts)]
+    assert experts and all(m.mxfp4 and m.host_sync_free and m.gate_up_blocks.is_cuda for m in experts)
+    assert not any(hasattr(m, "gate_up_proj") for m in experts)
+    with torch.inference_mode():
+        ours = v4_logits(kept, torch.float32)
+        theirs = v4_logits(load_model(v4_release, dtype=torch.float32, device="cuda"), torch.float32)
+    assert rel_err(ours, theirs) < 1e-5, rel_err(ours, theirs)
 
 
 @pytest.fixture(scope="module")
