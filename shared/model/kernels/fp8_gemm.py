@@ -9,9 +9,12 @@ accumulator. One rounding to the output dtype at the end. Nothing is split along
 so the result is the same for any launch order. Ragged edges (N, K not multiples of
 the tiles) are masked; the activation codes are padded to whole groups with zeros.
 
-Why not ``torch._scaled_mm``: its block-scaled form (1x128 activations, 128x128
-weights) wants K and N multiples of 128 and layouts of its own, which the tiny
-checkpoints (ragged tiles) and the odd V4 widths break; one Triton kernel covers all.
+Why not ``torch._scaled_mm``: torch's shape rules (torch/_meta_registrations.py, read
+in 2.13) accept a block-scaled form, scale_a [M, K / 128] (1 x 128) with scale_b
+[K / 128, N / 128] (128 x 128), beside per-tensor and row-wise; but its scales are
+whole-tile only (the ragged tiles of odd widths, such as the tiny checkpoints' and
+some V4 projections', do not fit), and whether the device's torch 2.11 runs it on
+SM90 is not checked here. One Triton kernel covers every shape the checkpoints have.
 
 Reference: ``shared.model.fp8_linear.fp8_linear_ref``.
 """
