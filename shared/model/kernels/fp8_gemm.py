@@ -11,10 +11,10 @@ the tiles) are masked; the activation codes are padded to whole groups with zero
 
 Why not ``torch._scaled_mm``: torch's shape rules (torch/_meta_registrations.py, read
 in 2.13) accept a block-scaled form, scale_a [M, K / 128] (1 x 128) with scale_b
-[K / 128, N / 128] (128 x 128), beside per-tensor and row-wise; but its scales are
-whole-tile only (the ragged tiles of odd widths, such as the tiny checkpoints' and
-some V4 projections', do not fit), and whether the device's torch 2.11 runs it on
-SM90 is not checked here. One Triton kernel covers every shape the checkpoints have.
+[ceil(K / 128), ceil(N / 128)] (128 x 128), beside per-tensor and row-wise; whether the
+device's torch 2.11 runs that form on SM90, and for which shapes and scale layouts, is
+probed by the GPU session, not assumed. The Triton kernel runs every shape the
+checkpoints have (ragged tiles included) and is the one path here.
 
 Reference: ``shared.model.fp8_linear.fp8_linear_ref``.
 """
