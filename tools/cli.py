@@ -10,7 +10,8 @@ import typing
 from typing import Any
 
 from shared.engine.config import (
-    DTYPES, KERNEL_CHOICES, SPEC_SCHEDULE_CHOICES, SPECULATIVE_CHOICES, SWA_REPLAY_CHOICES, EngineConfig,
+    DTYPES, KERNEL_CHOICES, QUANTIZED_WEIGHTS_CHOICES, SPEC_SCHEDULE_CHOICES, SPECULATIVE_CHOICES, SWA_REPLAY_CHOICES,
+    EngineConfig,
 )  # fmt: skip
 from shared.engine.sampling_params import SamplingParams
 from shared.model.models import ARCHITECTURE_OF_MODEL_TYPE
@@ -21,6 +22,7 @@ _ENGINE_FLAG_NAMES = {"seed": "--engine-seed"}
 _ENGINE_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "kernels": KERNEL_CHOICES,
+    "quantized_weights": QUANTIZED_WEIGHTS_CHOICES,
     "speculative": SPECULATIVE_CHOICES,
     "spec_schedule": SPEC_SCHEDULE_CHOICES,
     "swa_replay": SWA_REPLAY_CHOICES,

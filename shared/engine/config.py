@@ -24,6 +24,8 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # the same tuple (it must not import the engine); a test checks they agree.
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
 SWA_REPLAY_CHOICES: tuple[str, ...] = ("bounded", "exact")
+# The values of `quantized_weights`; shared/model/kept_weights.py keeps the same tuple (a test checks).
+QUANTIZED_WEIGHTS_CHOICES: tuple[str, ...] = ("dequantize", "keep")
 SPECULATIVE_CHOICES: tuple[str, ...] = ("none", "ngram", "draft", "mtp")
 SPEC_SCHEDULE_CHOICES: tuple[str, ...] = ("fixed", "dspark", "capacity")
 # (max_num_batched_tokens, prefill_chunk_size) when unset. On an H200 with an 8B model
@@ -78,6 +80,12 @@ class EngineConfig:
     """Attention, norm, rotary and activation code: "auto" (Triton kernels on CUDA,
     PyTorch elsewhere), "triton" (on the CPU only under TRITON_INTERPRET=1) or "torch".
     batch_invariant overrides it."""
+    quantized_weights: str = "dequantize"
+    """A checkpoint's quantised weights (config.json's quantization_config): "dequantize"
+    (to dtype while loading, on any device) or "keep": on CUDA, FP8 block-scaled linears stay
+    e4m3 with their scales (capability >= 8.9; Triton FP8 GEMM, activations quantised per
+    token per 128) and GPT-OSS's MXFP4 experts stay packed (a fused MoE kernel decodes them);
+    elsewhere they are dequantised as with "dequantize"."""
     batch_invariant: bool = False
     """A request's logits bitwise the same alone or in any batch, however its prompt is
     chunked (shared/model/batch_invariant.py: fixed tile shapes and reduction orders; on
@@ -140,6 +148,12 @@ class EngineConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if self.quantized_weights not in QUANTIZED_WEIGHTS_CHOICES:
+            raise ValueError(
+                f"quantized_weights must be one of {QUANTIZED_WEIGHTS_CHOICES}, got {self.quantized_weights!r}"
+            )
+        if self.quantized_weights == "keep" and self.batch_invariant:
+            raise ValueError("batch_invariant runs float weights only: use quantized_weights='dequantize' with it")
         if self.swa_replay is not None and self.swa_replay not in SWA_REPLAY_CHOICES:
             raise ValueError(f"swa_replay must be one of {SWA_REPLAY_CHOICES}, got {self.swa_replay!r}")
         if self.host_kv_cache_bytes < 0:

@@ -28,6 +28,7 @@ from shared.kv.memory.coordinator import KVCacheCoordinator, blocks_for_one_requ
 from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.model.fingerprint import model_fingerprint
 from shared.model import batch_invariant
+from shared.model.kept_weights import kept_formats
 from shared.model.loader import load_model
 from shared.model.models import arch_traits
 from shared.model.interface import CausalLM
@@ -79,7 +80,8 @@ class LLMEngine:
         device = torch.device(config.device)
         loaded = model is None
         self.model = model or load_model(
-            config.model, dtype=dtype, device=device, progress=load_progress, kernels=config.kernels
+            config.model, dtype=dtype, device=device, progress=load_progress, kernels=config.kernels,
+            keep=kept_formats(config.quantized_weights, device),
         )
         if config.batch_invariant:
             batch_invariant.apply(self.model)  # the ops table, chosen once for the model's life

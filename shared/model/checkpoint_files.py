@@ -216,6 +216,45 @@ class CheckpointReader:
             return (*shape[:-1], 2 * shape[-1])
         return shape
 
+    def stored_dtype(self, source: TensorSource) -> str:
+        """The stored data's safetensors dtype ("F8_E4M3", "U8", "BF16"...), from the header."""
+        return str(self._slice(source.data, source.file).get_dtype())
+
+    def read_stored(self, source: TensorSource) -> tuple[torch.Tensor, torch.Tensor]:
+        """A quantised pair as stored, for a model that keeps it (shared/model/kept_weights.py):
+        FP8 e4m3 [..., rows, cols] with float32 block scales (E8M0 read as the powers of two
+        they are), or FP4 (MXFP4 blocks flattened, or DeepSeek's int8 experts) as uint8
+        [..., rows, cols / 2] with the uint8 exponent scales [..., rows, cols / 32]. The scale's shape is checked as ``read`` checks it."""
+        if source.scale is None or source.scale_file is None:
+            raise CheckpointError(f"{self.folder / source.file}: {source.data} is not quantised: nothing to keep")
+        data = self._slice(source.data, source.file)[:]
+        scale = self._slice(source.scale, source.scale_file)[:]
+        where = f"{self.folder / source.file}: {source.data} with {source.scale}"
+        if source.mxfp4:
+            if data.dtype != torch.uint8 or scale.dtype != torch.uint8 or data.shape[-1] != quantized.FP4_GROUP // 2:
+                raise CheckpointError(f"{where}: MXFP4 wants uint8 blocks [..., groups, 16] and uint8 scales")
+            if tuple(scale.shape) != tuple(data.shape[:-1]):
+                raise CheckpointError(f"{where}: scales {tuple(scale.shape)} do not fit blocks {tuple(data.shape)}")
+            return data.flatten(-2), scale
+        if data.dtype in (torch.int8, torch.uint8):
+            # DeepSeek-V4's FP4 experts: the MXFP4 layout already flattened, E8M0 scales.
+            expected_groups = (*data.shape[:-1], 2 * data.shape[-1] // quantized.FP4_GROUP)
+            if scale.dtype not in (quantized.E8M0_DTYPE, torch.uint8) or tuple(scale.shape) != expected_groups:
+                raise CheckpointError(
+                    f"{where}: FP4 kept packed needs E8M0 scales {expected_groups}, got {scale.dtype} {tuple(scale.shape)}"
+                )
+            return data.view(torch.uint8), scale.view(torch.uint8)
+        assert self.scheme is not None and self.scheme.block is not None
+        if data.dtype != quantized.FP8_DTYPE:
+            raise CheckpointError(f"{where}: only FP8 e4m3 and FP4 pairs are kept as stored, this is {data.dtype}")
+        expected = quantized.fp8_scale_shape(tuple(data.shape), self.scheme.block)
+        if tuple(scale.shape) != expected:
+            raise CheckpointError(f"{where}: scale shape {tuple(scale.shape)}, expected {expected}")
+        try:
+            return data, quantized.scale_values(scale)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from e
+
     def read(self, source: TensorSource) -> torch.Tensor:
         """The logical tensor: stored as is, or dequantised to float32."""
         data = self._slice(source.data, source.file)[:]

@@ -19,7 +19,13 @@ class Linear(nn.Module):
 
     ``ops.gemv``: a single row (batch-1 decode) goes through it (the Triton GEMV,
     shared/model/kernels/gemv.py, streams the weight faster than cuBLAS does for one
-    row); more rows are cuBLAS's."""
+    row); more rows are cuBLAS's.
+
+    ``fp8_keepable``: whether the loader may replace this module by an ``Fp8Linear``
+    when its checkpoint weight is FP8 and FP8 is kept (shared/model/kept_weights.py);
+    False for a linear whose weight the model reads directly rather than calling it."""
+
+    fp8_keepable: bool = True
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
@@ -135,6 +141,8 @@ class MLP(nn.Module):
         self._act = ops.activation or silu_and_mul
         # Batch-1 decode on the Triton path: the activation computed inside the down GEMV.
         self._gated_gemv = ops.gated_gemv
+        # The fused batch-1 path reads down_proj's weight as floats: never FP8 there.
+        self.down_proj.fp8_keepable = self._gated_gemv is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -15,8 +15,10 @@ by ``model.safetensors.index.json``. Loading goes in three steps:
    model plus one tensor (in float32, for a quantised one).
 
 Every mismatch between checkpoint and config is a ``CheckpointError`` that names the
-file or tensor. Quantised weights are dequantised to the model dtype; nothing keeps
-them quantised on the GPU yet.
+file or tensor. Quantised weights are dequantised to the model dtype, unless ``keep``
+asks for FP8 linears or MXFP4 experts to stay as stored (on a GPU that runs them:
+shared/model/kept_weights.py); then, before anything is read, the modules holding them
+are rebuilt quantised, and the stored data and scales are copied in unconverted.
 """
 
 import json
@@ -32,6 +34,8 @@ from shared.model.checkpoint_files import (
     INDEX_FILE, SINGLE_FILE, CheckpointError, CheckpointReader, TensorSource, logical_tensors, quant_scheme, tensor_files,
 )  # fmt: skip
 from shared.model.config import ModelConfig
+from shared.model.kept_weights import KeptFormats, KeptTarget, keep_quantized
+from shared.model.ops import resolve_ops
 from shared.model.models import build_model, model_entry
 from shared.model.interface import CausalLM
 
@@ -50,8 +54,11 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: bool = False,
     kernels: str = "auto",
+    keep: KeptFormats = KeptFormats(),
 ) -> CausalLM:
-    """``kernels``: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch"."""
+    """``kernels``: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
+    ``keep``: the quantised forms held as stored rather than dequantised (``kept_formats``
+    of the engine's ``quantized_weights`` and the device; none by default)."""
     folder = Path(path)
     config = read_config(folder)
     scheme = quant_scheme(folder)
@@ -62,14 +69,20 @@ def load_model(
     if tie and not config.tie_word_embeddings:
         logger.warning("%s has no lm_head.weight: tying it to model.embed_tokens.weight", folder)
     model = build_model(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels)
-    params = model.checkpoint_tensors(set(sources))
-    _check_names(folder, set(params), set(sources) - _mtp_names(folder, config, sources), tie)
-
-    # File by file (sorted), so the pages of one shard are read together.
-    order = sorted((name for name in sources if name in params), key=lambda n: (sources[n].file, sources[n].data))
     with CheckpointReader(folder, scheme) as reader, torch.no_grad():
+        kept: dict[str, KeptTarget] = {}
+        if keep.any:
+            block = scheme.block if scheme is not None else None
+            kept = keep_quantized(model, sources, reader.stored_dtype, keep, block, resolve_ops(kernels, device))
+        params = model.checkpoint_tensors(set(sources))
+        _check_names(folder, set(params), set(sources) - _mtp_names(folder, config, sources), tie)
+        # File by file (sorted), so the pages of one shard are read together.
+        order = sorted((name for name in sources if name in params), key=lambda n: (sources[n].file, sources[n].data))
         for name in tqdm(order, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress):
             source, param = sources[name], params[name]
+            if name in kept:
+                _copy_kept(folder, reader, source, kept[name])
+                continue
             shape = reader.shape(source)
             if shape != tuple(param.shape):
                 raise CheckpointError(
@@ -79,6 +92,19 @@ def load_model(
             # copy_ casts to the parameter's dtype and moves it to its device, one tensor at a time.
             param.copy_(reader.read(source))
     return model.eval()
+
+
+def _copy_kept(folder: Path, reader: CheckpointReader, source: TensorSource, target: KeptTarget) -> None:
+    """The stored data and scale of a kept pair into the module's tensors, unconverted."""
+    data, scale = reader.read_stored(source)
+    for what, got, into in (("data", data, target.data), ("scale", scale, target.scale)):
+        if tuple(got.shape) != tuple(into.shape):
+            raise CheckpointError(
+                f"{folder / source.file}: {source.data}'s {what} has shape {tuple(got.shape)}, expected "
+                f"{tuple(into.shape)} from config.json"
+            )
+    target.data.copy_(data)
+    target.scale.copy_(scale)
 
 
 def _model_sources(folder: Path, config: ModelConfig, sources: Mapping[str, TensorSource]) -> dict[str, TensorSource]:

@@ -26,10 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.forward_batch import AttentionMetadata
-from shared.model.ops import TORCH_OPS, Ops
+from shared.model.ops import TORCH_OPS, Kernel, Ops
 from shared.model.layers import MergedLinear, Linear
 from shared.model.moe_config import MlpLayerType, MoEConfig
 from shared.model.profiling import profiled
+from shared.model.quantized import FP4_GROUP, dequantize_fp4_groups
 
 
 def _parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -188,11 +189,32 @@ class Experts(nn.Module):
         self.down_proj = _parameter((e, hidden, i), dtype, device)
         self.gate_up_proj_bias = _parameter((e, 2 * i), dtype, device) if moe.expert_bias else None
         self.down_proj_bias = _parameter((e, hidden), dtype, device) if moe.expert_bias else None
+        self.dtype = dtype
+        self.mxfp4 = False
+        self._fused_moe_mxfp4: Kernel | None = None
+
+    def keep_mxfp4(self, kernel: Kernel | None) -> None:
+        """Hold the weights packed as MXFP4 from now on (the loader calls it before reading
+        them: shared/model/kept_weights.py): ``gate_up_blocks`` uint8 [E, 2I, hidden / 2] and
+        ``gate_up_scales`` [E, 2I, hidden / 32], ``down_blocks`` [E, hidden, I / 2] and
+        ``down_scales`` [E, hidden, I / 32], rows as the float weights' (the checkpoint's
+        ``*_blocks`` / ``*_scales`` flattened); the float weights are freed. ``kernel``: the
+        ops table's ``fused_moe_mxfp4``; None dequantises each forward (the reference)."""
+        e, two_i, hidden = self.gate_up_proj.shape
+        i, device = two_i // 2, self.gate_up_proj.device
+        if hidden % FP4_GROUP or i % FP4_GROUP:
+            raise ValueError(f"MXFP4 experts need hidden ({hidden}) and intermediate ({i}) sizes in groups of {FP4_GROUP}")
+        del self.gate_up_proj, self.down_proj
+        for part, (rows, cols) in {"gate_up": (two_i, hidden), "down": (hidden, i)}.items():
+            self.register_buffer(f"{part}_blocks", torch.empty(e, rows, cols // 2, dtype=torch.uint8, device=device))
+            self.register_buffer(f"{part}_scales", torch.empty(e, rows, cols // FP4_GROUP, dtype=torch.uint8, device=device))
+        self.mxfp4 = True
+        self._fused_moe_mxfp4 = kernel
 
     @property
     def host_sync_free(self) -> bool:
         """Whether a forward never reads the device from the host (the fused path)."""
-        return self._fused_moe is not None
+        return self._fused_moe_mxfp4 is not None if self.mxfp4 else self._fused_moe is not None
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         return expert_activation(gate_up, self.moe.activation, self.moe.swiglu_limit, self.moe.swiglu_alpha)
@@ -200,6 +222,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], ids and weights [T, k] -> sum over the k choices of weight * expert(x)."""
         moe = self.moe
+        if self.mxfp4:
+            return self._forward_mxfp4(x, ids, weights)
         if self._fused_moe is not None:
             return self._fused_moe(
                 x, self.gate_up_proj, self.down_proj, ids, weights,
@@ -211,10 +235,68 @@ class Experts(nn.Module):
             moe.activation, moe.swiglu_limit, moe.swiglu_alpha,
         )  # fmt: skip
 
+    def _forward_mxfp4(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        packed = (self.gate_up_blocks, self.gate_up_scales, self.down_blocks, self.down_scales)
+        if self._fused_moe_mxfp4 is not None:
+            return self._fused_moe_mxfp4(
+                x, *packed, ids, weights, gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
+                activation=moe.activation, swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha,
+            )  # fmt: skip
+        # The reference: decoded as the loader decodes (exact in the model dtype), then the PyTorch path.
+        gate_up = dequantize_fp4_groups(self.gate_up_blocks.cpu(), self.gate_up_scales.cpu()).to(x.device, self.dtype)
+        down = dequantize_fp4_groups(self.down_blocks.cpu(), self.down_scales.cpu()).to(x.device, self.dtype)
+        return experts_reference(
+            x, ids, weights, gate_up, down, self.gate_up_proj_bias, self.down_proj_bias,
+            moe.activation, moe.swiglu_limit, moe.swiglu_alpha,
+        )  # fmt: skip
+
+    def _packed_targets(self, prefix: str, available: Collection[str] | None) -> dict[str, torch.Tensor]:
+        """``checkpoint_targets`` once packed (``keep_mxfp4``): the loader copies the stored
+        bytes as they are, fused (GPT-OSS's ``_blocks``, rows already the model's) or per
+        expert (DeepSeek-V4's FP4 ``w1``/``w3``/``w2``: rows of the stacked blocks)."""
+        targets: dict[str, torch.Tensor] = {}
+        if self.moe.activation == "gpt_oss" or (available is not None and f"{prefix}.gate_up_proj" in available):
+            targets = {f"{prefix}.gate_up_proj": self.gate_up_blocks, f"{prefix}.down_proj": self.down_blocks}
+        else:
+            i = self.moe.intermediate_size
+            for e in range(self.moe.num_experts):
+                targets[f"{prefix}.{e}.gate_proj.weight"] = self.gate_up_blocks[e, :i]
+                targets[f"{prefix}.{e}.up_proj.weight"] = self.gate_up_blocks[e, i:]
+                targets[f"{prefix}.{e}.down_proj.weight"] = self.down_blocks[e]
+        if self.gate_up_proj_bias is not None and self.down_proj_bias is not None:
+            if f"{prefix}.gate_up_proj" in targets:
+                targets[f"{prefix}.gate_up_proj_bias"] = self.gate_up_proj_bias.detach()
+                targets[f"{prefix}.down_proj_bias"] = self.down_proj_bias.detach()
+            else:
+                i = self.moe.intermediate_size
+                for e in range(self.moe.num_experts):
+                    targets[f"{prefix}.{e}.gate_proj.bias"] = self.gate_up_proj_bias.detach()[e, :i]
+                    targets[f"{prefix}.{e}.up_proj.bias"] = self.gate_up_proj_bias.detach()[e, i:]
+                    targets[f"{prefix}.{e}.down_proj.bias"] = self.down_proj_bias.detach()[e]
+        return targets
+
+    def packed_scales_of(self, blocks: torch.Tensor) -> torch.Tensor | None:
+        """The scales of a view of the packed blocks (a ``checkpoint_targets`` tensor): the
+        same expert and rows of ``gate_up_scales`` or ``down_scales``; None if it is not one."""
+        if not self.mxfp4:
+            return None
+        for whole, scales in ((self.gate_up_blocks, self.gate_up_scales), (self.down_blocks, self.down_scales)):
+            offset = blocks.data_ptr() - whole.data_ptr()
+            if blocks.dtype != torch.uint8 or not 0 <= offset < whole.numel():
+                continue
+            expert, row = offset // whole.stride(0), offset % whole.stride(0) // whole.stride(1)
+            if blocks.dim() == 3:
+                return scales
+            return scales[expert, row : row + blocks.shape[0]]
+        return None
+
     def checkpoint_targets(self, prefix: str, available: Collection[str] | None) -> dict[str, torch.Tensor]:
         """Checkpoint name -> the tensor (or view) it is copied into. Fused tensors
         (``prefix.gate_up_proj``...) when the checkpoint has them or the family only
         has those (GPT-OSS); else per-expert ``prefix.<e>.gate_proj.weight``..."""
+        if self.mxfp4:
+            return self._packed_targets(prefix, available)
         gate_up, down = self.gate_up_proj.detach(), self.down_proj.detach()
         if self.moe.activation == "gpt_oss":
             # GPT-OSS stores x @ W: [E, hidden, 2I] (gate, up interleaved) and [E, I, hidden].

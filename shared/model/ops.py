@@ -53,6 +53,12 @@ class Ops:
     """DeepSeek-V4's mHC step ``(streams, fn, base, scale, hc_eps, norm_eps, iters) ->
     (post, comb, block input)`` fused (Sinkhorn and collapse in one kernel; the mixes in
     it, or from one GEMM before it where fn is large)."""
+    fp8_linear: Kernel | None = None
+    """``Fp8Linear``'s product ``(x, weight e4m3, weight_scale, block)``: activations quantised
+    per token per group, block-scaled FP8 GEMM (kernels/fp8_gemm.py); None: the PyTorch reference."""
+    fused_moe_mxfp4: Kernel | None = None
+    """The routed experts with MXFP4 weights decoded in registers (kernels/fused_moe_mxfp4.py);
+    None: dequantised, then the PyTorch experts."""
 
 
 TORCH_OPS = Ops("torch", triton=False)
@@ -72,6 +78,8 @@ def triton_ops() -> Ops:
         attention=triton_module("attention"),
         fused_moe=triton_module("fused_moe").fused_moe,
         hyper_connection=triton_module("hyper_connection").hyper_connection,
+        fp8_linear=triton_module("fp8_gemm").fp8_linear,
+        fused_moe_mxfp4=triton_module("fused_moe_mxfp4").fused_moe_mxfp4,
     )
 
 

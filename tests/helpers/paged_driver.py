@@ -21,11 +21,13 @@ class PagedDriver:
         block_size: int = 4,
         seed: int = 0,
         kv_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.model = model
         self.block_size = block_size
+        self.device = torch.device(device)
         self.num_groups = len(model.kv_layout.groups)
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, kv_dtype, "cpu")
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, kv_dtype, self.device)
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.blocks: list[list[list[int]]] = [[[] for _ in range(num_seqs)] for _ in range(self.num_groups)]
         self.lens = [0] * num_seqs
@@ -58,14 +60,16 @@ class PagedDriver:
                 tables[row, : len(blocks[s])] = torch.tensor(blocks[s])
             metas.append(
                 AttentionMetadata(
-                    slot_mapping=torch.tensor(slots[g], dtype=torch.int64),
-                    block_tables=tables,
+                    slot_mapping=torch.tensor(slots[g], dtype=torch.int64, device=self.device),
+                    block_tables=tables.to(self.device),
                     query_start_loc=starts,
                     seq_lens=seq_lens,
                     block_size=self.block_size,
                 )
             )
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, metas)
+        hidden = self.model(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, metas
+        )
         logits = self.model.compute_logits(hidden)
         return {s: logits[starts[row] : starts[row + 1]] for row, s in enumerate(order)}
 

@@ -278,6 +278,15 @@ def test_kernel_choices_are_one_tuple():
     assert EngineConfig().kernels in KERNEL_CHOICES
 
 
+def test_quantized_weights_choices_are_one_tuple():
+    """The same split as `kernels`: the engine validates torch-free, the model resolves."""
+    from shared.engine.config import QUANTIZED_WEIGHTS_CHOICES, EngineConfig
+    from shared.model.kept_weights import QUANTIZED_WEIGHTS_CHOICES as MODEL_CHOICES
+
+    assert QUANTIZED_WEIGHTS_CHOICES == MODEL_CHOICES
+    assert EngineConfig().quantized_weights == "dequantize"
+
+
 def test_engine_dtypes_all_have_a_torch_dtype():
     import torch
 

@@ -135,6 +135,8 @@ class V4Attention(nn.Module):
         self.rate = p.compress_rates[layer_idx]
         self.num_heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, p.sliding_window
         self.o_groups, self.eps = p.o_groups, config.rms_norm_eps
+        # The compressor's float dtype, whatever its projections' weights are stored in (FP8 kept).
+        self.model_dtype = dtype
         hidden, heads_dim = config.hidden_size, config.num_attention_heads * config.head_dim
         self.q_a_proj = Linear(hidden, p.q_lora_rank, False, dtype, device)
         self.q_a_norm = V4RMSNorm(p.q_lora_rank, config.rms_norm_eps, device)
@@ -143,6 +145,7 @@ class V4Attention(nn.Module):
         self.kv_norm = V4RMSNorm(config.head_dim, config.rms_norm_eps, device)
         # o_a_proj: g blocks [o_lora_rank, heads_dim / g] stacked, one per head group.
         self.o_a_proj = Linear(heads_dim // p.o_groups, p.o_groups * p.o_lora_rank, False, dtype, device)
+        self.o_a_proj.fp8_keepable = False  # read as a weight (the grouped einsum below), never called
         self.o_b_proj = Linear(p.o_groups * p.o_lora_rank, hidden, False, dtype, device)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32, device=device), requires_grad=False)
         self.compressor: Compressor | None = None
@@ -255,8 +258,8 @@ class V4Attention(nn.Module):
 
         def pooled(part: Compressor, kv_at: int, gate_at: int) -> torch.Tensor:
             width = 2 * part.head_dim if part.overlap else part.head_dim
-            kv = rows0[..., kv_at : kv_at + width].to(part.kv_proj.weight.dtype)
-            gate = rows1[..., gate_at : gate_at + width].to(part.kv_proj.weight.dtype)
+            kv = rows0[..., kv_at : kv_at + width].to(self.model_dtype)
+            gate = rows1[..., gate_at : gate_at + width].to(self.model_dtype)
             gate = gate.masked_fill(before_start, float("-inf"))
             return part.entries(kv, gate, rotary, first)
 

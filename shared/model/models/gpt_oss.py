@@ -9,8 +9,9 @@ The attention sinks and the rope are data the shared attention reads
 (``ModelConfig.attention_sinks``, ``RopeConfig``); what this file adds is the MLP.
 Checkpoints as OpenAI releases them, with the experts in MXFP4 (``gate_up_proj_blocks``
 / ``_scales``, ``quant_method: mxfp4``), load: the loader dequantises them on the CPU
-into ``gate_up_proj`` / ``down_proj`` in the model's dtype (shared/model/checkpoint_files.py);
-nothing runs MXFP4 on the GPU yet."""
+into ``gate_up_proj`` / ``down_proj`` in the model's dtype (shared/model/checkpoint_files.py),
+or, with ``quantized_weights = "keep"`` on CUDA, keeps them packed for the MXFP4 fused MoE
+(shared/model/kept_weights.py, kernels/fused_moe_mxfp4.py)."""
 
 from types import MappingProxyType
 
