@@ -65,6 +65,9 @@ rng = random.Random(0)
 
 max_run = int(sys.argv[7])
 poll_cap_s = float(sys.argv[8]) * 1e-6 if sys.argv[8] else None
+op = sys.argv[9]
+if op == "write":
+    ours.copy_(expected.flip(2))  # not the holder's bytes where they land: a write that moved nothing fails the check
 
 def scattered(n):
     # Runs of 1-max_run consecutive blocks at random places, as a pool that has served a while
@@ -115,18 +118,37 @@ for tokens in prompts:
             if device == "cuda":
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            nbytes = agent.read("holder", local, remote, memory, memory, b"done", 60.0, poll_cap_s)
+            if op == "read":
+                nbytes = agent.read("holder", local, remote, memory, memory, b"done", 60.0, poll_cap_s)
+            else:  # the same bytes the other way: ours written into the holder's blocks (a put)
+                nbytes = agent.write("holder", local, remote, memory, memory, 60.0, b"done", poll_cap_s)
             seconds = time.perf_counter() - started
             if rep == 0:
                 idx_s = torch.tensor(src, device=device)
                 idx_d = torch.tensor(dst, device=device)
-                if not torch.equal(ours.index_select(2, idx_d), expected.index_select(2, idx_s)):
+                if op == "write":  # read the written blocks back to check them
+                    sent = ours.index_select(2, idx_d).clone()
+                    ours.zero_()
+                    agent.read("holder", local, remote, memory, memory, b"", 60.0, poll_cap_s)
+                    if not torch.equal(ours.index_select(2, idx_d), sent):
+                        raise SystemExit("the blocks written are not in the holder's cache")
+                elif not torch.equal(ours.index_select(2, idx_d), expected.index_select(2, idx_s)):
                     raise SystemExit("the blocks read are not the holder's")
+                if device == "cuda":
+                    # The bound: the same gather and scatter of blocks within one process.
+                    for _ in range(2):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        ours.index_copy_(2, idx_d, expected.index_select(2, idx_s))
+                        torch.cuda.synchronize()
+                        local_copy = nbytes / (time.perf_counter() - t0) / 1e9
             else:
                 figures.append(nbytes / seconds / 1e9)
     row = {"prompt_tokens": tokens, "bytes": nbytes, "descriptors": descs,
            "gb_per_s": [round(f, 2) for f in figures], "median_gb_per_s": round(statistics.median(figures), 2),
-           "min": round(min(figures), 2), "max": round(max(figures), 2)}
+           "min": round(min(figures), 2), "max": round(max(figures), 2), "op": op}
+    if device == "cuda":
+        row["one_process_copy_gb_per_s"] = round(local_copy, 1)
     if stream:
         ratios = [a / b for a, b in zip(figures, stream)]
         row.update(stream_gb_per_s=[round(f, 3) for f in stream], stream_median_gb_per_s=round(statistics.median(stream), 3),
@@ -158,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                         "gRPC byte stream, alternating with the NIXL reads, and print the ratio")
     p.add_argument("--max-run", type=int, default=8,
                    help="blocks are handed out in runs of 1..N consecutive ones (0: one run, a fresh pool)")
+    p.add_argument("--op", choices=("read", "write"), default="read",
+                   help="read: the reader gets the holder's blocks (the connector's way); write: it puts its own "
+                        "into the holder's (a prefill writing into decode's blocks), checked by reading them back")
     p.add_argument("--poll-cap-us", default="", help="the reader's longest pause between polls (default: by memory)")
     args = p.parse_args(argv)
     from shared.kv.wire.nixl import UCX_CUDA_DEFAULTS
@@ -195,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if not described:
             raise SystemExit("the holder did not start")
         reader = subprocess.run(command("reader", READER, *sizes, str(args.reps), args.prompts, kvcache,
-                                        str(args.max_run), args.poll_cap_us),
+                                        str(args.max_run), args.poll_cap_us, args.op),
                                 input=described + "\n",
                                 capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
         holder.stdin.write("\n")
