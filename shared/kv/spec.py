@@ -12,11 +12,37 @@ Groups are marked persistent or not. Full-attention KV is persisted (the
 kvcache service stores it by chain hash); sliding-window KV never is: it stays
 in the worker and is rebuilt by replay when it is gone (SWA bounded replay, see
 shared/kv/memory/coordinator.py). DeepSeek-V4's compressed entries are a third
-kind (``CompressedSpec``), persistent like full attention. No torch here.
+kind (``CompressedSpec``), persistent like full attention.
+
+Page sizes: a model whose caches all have one row shape (Llama, Qwen, GPT-OSS)
+declares none, and every group shares one pool of blocks as above. A model whose
+caches' rows differ (DeepSeek-V4: state rows carry the compressor's planes,
+compressed entries the indexer's key) declares each cache's ``CacheRow``; groups
+whose tensors have the same rows share a *size class*, and each size class has its
+own tensors and its own block ids (SGLang's separate pools, the memory vLLM's
+hybrid allocator saves): nothing is padded to the widest row. No torch here.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRow:
+    """One token's row in a cache tensor ``[planes, blocks, block_size, heads, channels]``."""
+
+    planes: int
+    heads: int
+    channels: int
+
+    def __post_init__(self) -> None:
+        if min(self.planes, self.heads, self.channels) < 1:
+            raise ValueError(f"a cache row needs at least one plane, head and channel, got {self}")
+
+    @property
+    def elements(self) -> int:
+        """Elements one token takes in this cache."""
+        return self.planes * self.heads * self.channels
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +142,58 @@ class KVCacheGroup:
 class KVCacheLayout:
     groups: tuple[KVCacheGroup, ...]
     num_layers: int
+    rows: tuple[CacheRow, ...] | None = None
+    """Each cache's row (one per "layer" of the layout); None: every cache has the model's
+    one row shape (``CausalLM.kv_row_shape``, two planes), and all groups one size class."""
+
+    def __post_init__(self) -> None:
+        if self.rows is not None and len(self.rows) != self.num_layers:
+            raise ValueError(f"{len(self.rows)} cache rows for {self.num_layers} caches")
 
     @property
     def group_size(self) -> int:
         """Cache tensors, i.e. layers one block id spans."""
         return max(len(g.layers) for g in self.groups)
+
+    @property
+    def size_classes(self) -> tuple[tuple[CacheRow, ...] | None, ...]:
+        """Each size class's tensor rows (the k-th serves the k-th layer of each of its
+        groups), in order of first use; ``(None,)``: one class of ``group_size`` tensors
+        of the model's one row (no rows declared, or all alike: nothing to save)."""
+        if self.rows is None or len(set(self.rows)) == 1:
+            return (None,)
+        keys: dict[tuple[CacheRow, ...], None] = {}
+        for g in self.groups:
+            keys.setdefault(tuple(self.rows[layer] for layer in g.layers), None)
+        return tuple(keys)
+
+    @property
+    def size_class_of_group(self) -> tuple[int, ...]:
+        """The size class (its block ids, its tensors) of each group."""
+        classes = self.size_classes
+        if classes == (None,):
+            return (0,) * len(self.groups)
+        assert self.rows is not None
+        return tuple(classes.index(tuple(self.rows[layer] for layer in g.layers)) for g in self.groups)
+
+    def tensors_of_class(self, size_class: int) -> int:
+        """Cache tensors of a size class."""
+        rows = self.size_classes[size_class]
+        return self.group_size if rows is None else len(rows)
+
+    @property
+    def num_tensors(self) -> int:
+        """Cache tensors of every size class."""
+        return sum(self.tensors_of_class(c) for c in range(len(self.size_classes)))
+
+    def tensor_index(self, layer: int) -> int:
+        """The cache tensor (over every size class, class by class) that ``layer`` uses."""
+        group = self.group_of_layer(layer)
+        size_class = self.size_class_of_group[group]
+        return sum(self.tensors_of_class(c) for c in range(size_class)) + self.groups[group].layers.index(layer)
+
+    def groups_of_class(self, size_class: int) -> int:
+        return sum(1 for c in self.size_class_of_group if c == size_class)
 
     def group_of_layer(self, layer: int) -> int:
         return next(i for i, g in enumerate(self.groups) if layer in g.layers)
@@ -156,10 +229,11 @@ def kv_cache_layout(sliding_windows: Sequence[int | None]) -> KVCacheLayout:
     )
 
 
-def kv_cache_layout_of_specs(specs: Sequence[KVCacheSpec]) -> KVCacheLayout:
+def kv_cache_layout_of_specs(specs: Sequence[KVCacheSpec], rows: Sequence[CacheRow] | None = None) -> KVCacheLayout:
     """kv_cache_layout for caches given by their specs: cache i (a "layer" of the
     layout) keeps what ``specs[i]`` says. A model whose layer keeps two kinds of KV
-    (DeepSeek-V4: a window and compressed entries) declares one cache for each."""
+    (DeepSeek-V4: a window and compressed entries) declares one cache for each, and
+    ``rows``, each cache's row, where they differ (see size_classes)."""
     if not specs:
         raise ValueError("a model needs at least one layer")
     by_spec: dict[KVCacheSpec, list[int]] = {}
@@ -171,4 +245,4 @@ def kv_cache_layout_of_specs(specs: Sequence[KVCacheSpec]) -> KVCacheLayout:
         for spec, layers in by_spec.items()
         for i in range(0, len(layers), size)
     ]
-    return KVCacheLayout(tuple(groups), len(specs))
+    return KVCacheLayout(tuple(groups), len(specs), None if rows is None else tuple(rows))
