@@ -17,10 +17,12 @@ kind (``CompressedSpec``), persistent like full attention.
 Page sizes: a model whose caches all have one row shape (Llama, Qwen, GPT-OSS)
 declares none, and every group shares one pool of blocks as above. A model whose
 caches' rows differ (DeepSeek-V4: state rows carry the compressor's planes,
-compressed entries the indexer's key) declares each cache's ``CacheRow``; groups
-whose tensors have the same rows share a *size class*, and each size class has its
-own tensors and its own block ids (SGLang's separate pools, the memory vLLM's
-hybrid allocator saves): nothing is padded to the widest row. No torch here.
+compressed entries the indexer's key) declares each cache's ``CacheRow``; then
+every group is a *size class* of its own, with its own tensors of its own rows and
+its own block ids (SGLang's separate pools): nothing is padded to the widest row,
+and a token costs the sum of its caches' rows. Every class has the same number of
+blocks (one null block id for all), so two groups of equal rows do not share a
+class: sharing would give each half the blocks. No torch here.
 """
 
 from collections.abc import Sequence
@@ -157,24 +159,19 @@ class KVCacheLayout:
 
     @property
     def size_classes(self) -> tuple[tuple[CacheRow, ...] | None, ...]:
-        """Each size class's tensor rows (the k-th serves the k-th layer of each of its
-        groups), in order of first use; ``(None,)``: one class of ``group_size`` tensors
-        of the model's one row (no rows declared, or all alike: nothing to save)."""
+        """Each size class's tensor rows (the k-th serves the k-th layer of its groups):
+        ``(None,)``, one class of ``group_size`` tensors of the model's one row, when no
+        rows are declared or all are alike (nothing to save); else one class per group."""
         if self.rows is None or len(set(self.rows)) == 1:
             return (None,)
-        keys: dict[tuple[CacheRow, ...], None] = {}
-        for g in self.groups:
-            keys.setdefault(tuple(self.rows[layer] for layer in g.layers), None)
-        return tuple(keys)
+        return tuple(tuple(self.rows[layer] for layer in g.layers) for g in self.groups)
 
     @property
     def size_class_of_group(self) -> tuple[int, ...]:
         """The size class (its block ids, its tensors) of each group."""
-        classes = self.size_classes
-        if classes == (None,):
+        if self.size_classes == (None,):
             return (0,) * len(self.groups)
-        assert self.rows is not None
-        return tuple(classes.index(tuple(self.rows[layer] for layer in g.layers)) for g in self.groups)
+        return tuple(range(len(self.groups)))
 
     def tensors_of_class(self, size_class: int) -> int:
         """Cache tensors of a size class."""
@@ -191,6 +188,19 @@ class KVCacheLayout:
         group = self.group_of_layer(layer)
         size_class = self.size_class_of_group[group]
         return sum(self.tensors_of_class(c) for c in range(size_class)) + self.groups[group].layers.index(layer)
+
+    def class_rows(self, row: CacheRow | None = None) -> list[tuple[CacheRow, ...]]:
+        """Each size class's tensor rows (the k-th serves the k-th layer of its groups);
+        ``row``: every cache's row when the layout declares none (the model's)."""
+        if self.rows is None and row is None:
+            raise ValueError("the layout declares no rows: give the model's row")
+        one = row if self.rows is None else self.rows[0]
+        return [(one,) * self.group_size if r is None else r for r in self.size_classes]  # type: ignore[misc]
+
+    def elements_per_block(self, block_size: int, row: CacheRow | None = None) -> int:
+        """Elements one block id takes in every size class together (each class has the
+        pool's num_blocks blocks): what the cache spends per block, as class_rows."""
+        return block_size * sum(r.elements for rows in self.class_rows(row) for r in rows)
 
     def groups_of_class(self, size_class: int) -> int:
         return sum(1 for c in self.size_class_of_group if c == size_class)

@@ -86,16 +86,9 @@ class CausalLM(nn.Module, ABC):
         layout declares no rows (every cache alike, two planes: K and V)."""
         raise NotImplementedError(f"{type(self).__name__} declares its cache rows in kv_layout.rows")
 
-    @property
-    def kv_rows(self) -> tuple[CacheRow, ...]:
-        """Each cache's row (one per layer of ``kv_layout``)."""
-        layout = self.kv_layout
-        return layout.rows if layout.rows is not None else (CacheRow(2, *self.kv_row_shape),) * layout.num_layers
-
-    def kv_class_rows(self) -> list[tuple[CacheRow, ...]]:
-        """Each size class's tensor rows (the k-th serves the k-th layer of its groups)."""
-        layout, rows = self.kv_layout, self.kv_rows
-        return [(rows[0],) * layout.group_size if r is None else r for r in layout.size_classes]
+    def _default_row(self) -> CacheRow | None:
+        """The row of every cache when the layout declares none."""
+        return CacheRow(2, *self.kv_row_shape) if self.kv_layout.rows is None else None
 
     @abstractmethod
     def forward(
@@ -149,7 +142,7 @@ class CausalLM(nn.Module, ABC):
             return torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
 
         tensors: list[torch.Tensor] = []
-        for rows in self.kv_class_rows():
+        for rows in layout.class_rows(self._default_row()):
             if len(set(rows)) == 1:
                 row = rows[0]
                 tensors += zeros((len(rows), row.planes, num_blocks, block_size, row.heads, row.channels)).unbind(0)
@@ -161,8 +154,7 @@ class CausalLM(nn.Module, ABC):
         """Bytes one block id takes in every size class together (a class has as many
         blocks as the pool's num_blocks): the cache's bytes per block."""
         element_size = torch.empty((), dtype=dtype).element_size()
-        elements = sum(r.elements for rows in self.kv_class_rows() for r in rows)
-        return block_size * elements * element_size
+        return self.kv_layout.elements_per_block(block_size, self._default_row()) * element_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,8 @@ queue of free blocks, and the prefix index ((block hash, KV group) -> block).
 
 Every KV cache group draws from this one pool; the same chain hash names a
 different block in each group (the groups hold different layers' KV), so the
-index is keyed by both. Groups whose pages differ in size (shared/kv/spec.py's
-size classes) draw from different *size classes* of the pool: each class has its
+index is keyed by both. Groups whose pages differ in size draw from different
+*size classes* of the pool (shared/kv/spec.py): each class has its
 own block ids 0 .. num_blocks - 1 (they index its own tensors) and its own free
 queue; the prefix index and the null block (id num_blocks in every class) are shared.
 
