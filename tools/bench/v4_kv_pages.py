@@ -45,25 +45,22 @@ def figures(config: ModelConfig, layout: KVCacheLayout, block_size: int, element
     now_blocks = budget // now_block
     assert layout.rows is not None
     true_token = sum(r.elements for r in layout.rows) * element_size
-    per_class = [layout.groups_of_class(c) for c in range(len(layout.size_classes))]
-    now_token = sum(
-        sum(r.elements for r in rows) * element_size * max(per_class) / per_class[c]
-        for c, rows in enumerate(layout.class_rows())
-    )  # a class of g groups serves each 1/g of its blocks: scaled to the busiest class's share
+    now_token = now_block / block_size  # every group is a size class of its own (shared/kv/spec.py)
     lines = [
         f"caches: {layout.num_layers} ({len(layout.sliding_groups)} state groups, "
         f"{len(layout.persistent_groups)} compressed), groups of {layout.group_size}; "
-        f"size classes: {len(layout.size_classes)} (groups per class {per_class})",
+        f"size classes: {len(layout.size_classes)}",
         f"block_size {block_size}, {element_size}-byte elements, budget {budget / 2**30:.1f} GiB",
         f"sum of the caches' true row widths: {true_token} bytes per token",
         "",
         f"{'layout':<28}{'bytes/token':>14}{'blocks in budget':>20}{'tokens in every group':>24}",
         f"{'padded, one pool (before)':<28}{before_token:>14.0f}{before_blocks:>20}{before_blocks // groups * block_size:>24}",
-        f"{'size classes (now)':<28}{now_token:>14.0f}{now_blocks:>20}{now_blocks * block_size // max(per_class):>24}",
+        f"{'size classes (now)':<28}{now_token:>14.0f}{now_blocks:>20}{now_blocks * block_size:>24}",
         "",
         f"bytes per token now / before: {now_token / before_token:.3f}; "
-        f"tokens held in every group now / before: {now_blocks * groups / max(per_class) / before_blocks:.2f}x",
-        "(blocks in budget: before, block ids shared by all groups; now, per size class)",
+        f"tokens held in every group now / before: {now_blocks * groups / before_blocks:.2f}x",
+        "(blocks in budget: before, block ids shared by all groups, so a token's block in every",
+        " group takes one each; now, per size class, i.e. per group)",
     ]
     return lines
 
