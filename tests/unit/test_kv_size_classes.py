@@ -6,7 +6,8 @@ import torch
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.memory.coordinator import KVCacheCoordinator, blocks_for_one_request
-from shared.kv.memory.region import KVRegion
+from shared.kv.memory.region import KVRegion, per_tensor
+from shared.kv.memory.share import SharedMemoryAllocator, open_peer
 from shared.kv.spec import CacheRow, CompressedSpec, SlidingWindowSpec, kv_cache_layout, kv_cache_layout_of_specs
 from shared.model.config import ModelConfig
 from shared.model.models.deepseek_v4 import DeepseekV4ForCausalLM, entry_width
@@ -105,3 +106,25 @@ def test_region_moves_blocks_of_rows_of_different_widths() -> None:
     # A peer's cache, copied group by group into the group's own tensors.
     other.copy_from_peer([narrow, wide, *entries], {0: [5]}, {0: [2]})
     assert torch.equal(fresh[0][:, 2], narrow[:, 5]) and torch.equal(fresh[1][:, 2], wide[:, 5])
+
+
+def test_v4_cache_of_mixed_rows_is_mapped_and_copied_by_a_peer(tmp_path) -> None:
+    """A peer on this host maps every size class's tensors (one shared file each) from the
+    region's description, and a copy lands each group's blocks in its own tensors."""
+    model = DeepseekV4ForCausalLM(ModelConfig.from_pretrained(save_tiny_v4("mixed", tmp_path, seed=3)))
+    layout = model.kv_layout
+    allocator = SharedMemoryAllocator()
+    ours = KVRegion(model.allocate_kv_cache(6, BLOCK, torch.float32, "cpu", allocator), layout, allocator)
+    theirs_alloc = SharedMemoryAllocator()
+    theirs = KVRegion(model.allocate_kv_cache(6, BLOCK, torch.float32, "cpu", theirs_alloc), layout, theirs_alloc)
+    gen = torch.Generator().manual_seed(1)
+    for t in theirs.tensors:
+        t.copy_(torch.rand(t.shape, generator=gen))
+    _, mapped = open_peer(theirs.share(), torch.device("cpu"))
+    assert [t.shape for t in per_tensor(mapped)] == [t.shape for t in theirs.tensors]
+    groups = range(len(layout.groups))
+    ours.copy_from_peer(mapped, {g: [4, 1] for g in groups}, {g: [0, 2] for g in groups})
+    for t, src in zip(ours.tensors, theirs.tensors):
+        assert torch.equal(t[:, 0], src[:, 4]) and torch.equal(t[:, 2], src[:, 1])
+    ours.close()
+    theirs.close()

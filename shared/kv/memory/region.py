@@ -111,14 +111,15 @@ class KVRegion:
 
     @property
     def allocations(self) -> list[torch.Tensor]:
-        """The cache's allocations, in the order of ``tensors``: a run of tensors back to back
-        in one allocation as one [tensors, planes, blocks, ...] tensor (a size class of one
-        row shape), any other tensor as itself. What a peer maps (per_tensor undoes it)."""
+        """The cache's allocations, in the order of ``tensors``: each run of tensors back to
+        back in one allocation as one [tensors, planes, blocks, ...] tensor (a size class of
+        one row shape; one class: ``stacked``), any other tensor as itself. What a peer
+        maps (per_tensor undoes it)."""
         out: list[torch.Tensor] = []
         run: list[torch.Tensor] = []
         for t in [*self.tensors, None]:
             if run and (t is None or t.untyped_storage().data_ptr() != run[0].untyped_storage().data_ptr()):
-                whole = _stacked(run) if len(run) > 1 else None
+                whole = _stacked(run)  # one tensor too: a one-group Llama's [1, 2, blocks, ...], as before
                 out += [whole] if whole is not None else run
                 run = []
             if t is not None:
