@@ -452,7 +452,7 @@ class LLMEngine:
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_free_kv_blocks=self.kv.pool.num_free_blocks,
-            num_total_kv_blocks=self.kv.pool.num_blocks,
+            num_total_kv_blocks=self.kv.pool.num_total_blocks,
             # Tokens still to compute, with those of the step on the device: the scheduler counts
             # them computed when it schedules them, but an 8k prompt's step is ~0.3 s of work left.
             num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)

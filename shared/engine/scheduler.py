@@ -54,7 +54,7 @@ class Scheduler:
         """connector: where KV beyond the local cache comes from (None: nowhere)."""
         if kv.pool.num_blocks < kv.num_blocks_needed(config.max_model_len):
             raise ValueError(
-                f"the KV cache has {kv.pool.num_blocks} blocks of {kv.block_size} tokens, fewer than "
+                f"the KV cache has {kv.pool.num_blocks} blocks of {kv.block_size} tokens (per size class), fewer than "
                 f"max_model_len={config.max_model_len} needs in its {len(kv.managers)} KV group(s): one "
                 "request could never fit; give the cache more blocks or lower max_model_len"
             )

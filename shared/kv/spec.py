@@ -12,11 +12,39 @@ Groups are marked persistent or not. Full-attention KV is persisted (the
 kvcache service stores it by chain hash); sliding-window KV never is: it stays
 in the worker and is rebuilt by replay when it is gone (SWA bounded replay, see
 shared/kv/memory/coordinator.py). DeepSeek-V4's compressed entries are a third
-kind (``CompressedSpec``), persistent like full attention. No torch here.
+kind (``CompressedSpec``), persistent like full attention.
+
+Page sizes: a model whose caches all have one row shape (Llama, Qwen, GPT-OSS)
+declares none, and every group shares one pool of blocks as above. A model whose
+caches' rows differ (DeepSeek-V4: state rows carry the compressor's planes,
+compressed entries the indexer's key) declares each cache's ``CacheRow``; then
+every group is a *size class* of its own, with its own tensors of its own rows and
+its own block ids (SGLang's separate pools): nothing is padded to the widest row,
+and a token costs the sum of its caches' rows. Every class has the same number of
+blocks (one null block id for all), so two groups of equal rows do not share a
+class: sharing would give each half the blocks. No torch here.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRow:
+    """One token's row in a cache tensor ``[planes, blocks, block_size, heads, channels]``."""
+
+    planes: int
+    heads: int
+    channels: int
+
+    def __post_init__(self) -> None:
+        if min(self.planes, self.heads, self.channels) < 1:
+            raise ValueError(f"a cache row needs at least one plane, head and channel, got {self}")
+
+    @property
+    def elements(self) -> int:
+        """Elements one token takes in this cache."""
+        return self.planes * self.heads * self.channels
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +144,66 @@ class KVCacheGroup:
 class KVCacheLayout:
     groups: tuple[KVCacheGroup, ...]
     num_layers: int
+    rows: tuple[CacheRow, ...] | None = None
+    """Each cache's row (one per "layer" of the layout); None: every cache has the model's
+    one row shape (``CausalLM.kv_row_shape``, two planes), and all groups one size class."""
+
+    def __post_init__(self) -> None:
+        if self.rows is not None and len(self.rows) != self.num_layers:
+            raise ValueError(f"{len(self.rows)} cache rows for {self.num_layers} caches")
 
     @property
     def group_size(self) -> int:
         """Cache tensors, i.e. layers one block id spans."""
         return max(len(g.layers) for g in self.groups)
+
+    @property
+    def size_classes(self) -> tuple[tuple[CacheRow, ...] | None, ...]:
+        """Each size class's tensor rows (the k-th serves the k-th layer of its groups):
+        ``(None,)``, one class of ``group_size`` tensors of the model's one row, when no
+        rows are declared or all are alike (nothing to save); else one class per group."""
+        if self.rows is None or len(set(self.rows)) == 1:
+            return (None,)
+        return tuple(tuple(self.rows[layer] for layer in g.layers) for g in self.groups)
+
+    @property
+    def size_class_of_group(self) -> tuple[int, ...]:
+        """The size class (its block ids, its tensors) of each group."""
+        if self.size_classes == (None,):
+            return (0,) * len(self.groups)
+        return tuple(range(len(self.groups)))
+
+    def tensors_of_class(self, size_class: int) -> int:
+        """Cache tensors of a size class."""
+        rows = self.size_classes[size_class]
+        return self.group_size if rows is None else len(rows)
+
+    @property
+    def num_tensors(self) -> int:
+        """Cache tensors of every size class."""
+        return sum(self.tensors_of_class(c) for c in range(len(self.size_classes)))
+
+    def tensor_index(self, layer: int) -> int:
+        """The cache tensor (over every size class, class by class) that ``layer`` uses."""
+        group = self.group_of_layer(layer)
+        size_class = self.size_class_of_group[group]
+        return sum(self.tensors_of_class(c) for c in range(size_class)) + self.groups[group].layers.index(layer)
+
+    def class_rows(self, row: CacheRow | None = None) -> list[tuple[CacheRow, ...]]:
+        """Each size class's tensor rows (the k-th serves the k-th layer of its groups);
+        ``row``: every cache's row when the layout declares none (the model's)."""
+        if self.rows is None and row is None:
+            raise ValueError("the layout declares no rows: give the model's row")
+        one = row if self.rows is None else self.rows[0]
+        return [(one,) * self.group_size if r is None else r for r in self.size_classes]  # type: ignore[misc]
+
+    def elements_per_block(self, block_size: int, row: CacheRow | None = None) -> int:
+        """Elements one block id takes in every size class together (each class has the
+        pool's num_blocks blocks): what the cache spends per block, as class_rows."""
+        return block_size * sum(r.elements for rows in self.class_rows(row) for r in rows)
+
+    def groups_of_class(self, size_class: int) -> int:
+        return sum(1 for c in self.size_class_of_group if c == size_class)
 
     def group_of_layer(self, layer: int) -> int:
         return next(i for i, g in enumerate(self.groups) if layer in g.layers)
@@ -156,10 +239,11 @@ def kv_cache_layout(sliding_windows: Sequence[int | None]) -> KVCacheLayout:
     )
 
 
-def kv_cache_layout_of_specs(specs: Sequence[KVCacheSpec]) -> KVCacheLayout:
+def kv_cache_layout_of_specs(specs: Sequence[KVCacheSpec], rows: Sequence[CacheRow] | None = None) -> KVCacheLayout:
     """kv_cache_layout for caches given by their specs: cache i (a "layer" of the
     layout) keeps what ``specs[i]`` says. A model whose layer keeps two kinds of KV
-    (DeepSeek-V4: a window and compressed entries) declares one cache for each."""
+    (DeepSeek-V4: a window and compressed entries) declares one cache for each, and
+    ``rows``, each cache's row, where they differ (see size_classes)."""
     if not specs:
         raise ValueError("a model needs at least one layer")
     by_spec: dict[KVCacheSpec, list[int]] = {}
@@ -171,4 +255,4 @@ def kv_cache_layout_of_specs(specs: Sequence[KVCacheSpec]) -> KVCacheLayout:
         for spec, layers in by_spec.items()
         for i in range(0, len(layers), size)
     ]
-    return KVCacheLayout(tuple(groups), len(specs))
+    return KVCacheLayout(tuple(groups), len(specs), None if rows is None else tuple(rows))

@@ -16,10 +16,11 @@ request lives in two caches of the engine's block pool (shared/kv/spec.py):
   (a block of block_size raw tokens holds block_size / m entries, or for m larger
   than the block one entry every m / block_size blocks).
 
-Both are views of ``[2, blocks, block_size, 1, width]`` tensors, the shape every
-engine cache has, so the block pool, the state cache, the KV connectors and peers
-move V4 blocks like any other (the widths are padded to one size: a block id spans
-every cache tensor, as vLLM's page-size unification does).
+Both are ``[1, blocks, block_size, 1, width]`` tensors, the shape every engine cache
+has with one plane, each of its own width (a state row holds plane 0 then plane 1), so
+the block pool, the state cache, the KV connectors and peers move V4 blocks like any
+other; caches of different widths take their blocks from different size classes of
+the pool (shared/kv/spec.py), so none is padded to the widest row.
 
 A compressed entry is emitted by the step that computes the last token of its window,
 from the window's rows in the state cache (so chunked prefill may split windows

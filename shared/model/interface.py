@@ -10,6 +10,10 @@ methods that are the same for every model (the logits, the cache allocation) liv
 here once, over the two facts a model declares (``lm_head`` / embeddings and the
 shape of a cache row).
 
+A model whose caches' rows differ (DeepSeek-V4) declares them in its layout
+(``KVCacheLayout.rows``): each size class then has tensors of its own rows, none padded
+to the widest (shared/kv/spec.py).
+
 ``ModelEntry`` is what each file in shared/model/models exports as ``ENTRY`` (SGLang's
 ``EntryClass``): its torch-free config (architectures, parser, test configs), its
 model class and its KV layout declaration. The registry (shared/model/models)
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.kv.spec import KVCacheLayout
+from shared.kv.spec import CacheRow, KVCacheLayout
 from shared.model.arch_config import ArchConfig
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
@@ -77,9 +81,14 @@ class CausalLM(nn.Module, ABC):
         """Whether a decode step can be captured in a CUDA graph."""
 
     @property
-    @abstractmethod
     def kv_row_shape(self) -> tuple[int, int]:
-        """(heads, channels) of one token's row in one cache tensor."""
+        """(heads, channels) of one token's row in every cache tensor, for a model whose
+        layout declares no rows (every cache alike, two planes: K and V)."""
+        raise NotImplementedError(f"{type(self).__name__} declares its cache rows in kv_layout.rows")
+
+    def _default_row(self) -> CacheRow | None:
+        """The row of every cache when the layout declares none."""
+        return CacheRow(2, *self.kv_row_shape) if self.kv_layout.rows is None else None
 
     @abstractmethod
     def forward(
@@ -115,27 +124,37 @@ class CausalLM(nn.Module, ABC):
         device: torch.device | str,
         make: TensorMaker | None = None,
     ) -> list[torch.Tensor]:
-        """The KV cache of every cache layer: ``kv_layout.group_size`` zeroed tensors
-        ``[2, num_blocks, block_size, *kv_row_shape]``, layer k of each group using
-        tensor k (a block id names the same memory whichever group holds it). They are
-        views of one tensor ``[group_size, 2, num_blocks, ...]`` (their ``_base``), so a
-        block of every layer moves in one copy.
+        """The KV cache of every cache layer: per size class (``kv_layout.size_classes``;
+        one for a model whose caches are alike) zeroed tensors ``[planes, num_blocks,
+        block_size, heads, channels]`` of its rows, layer k of each group of the class
+        using the class's tensor k (a block id of the class names the same memory
+        whichever of its groups holds it). A class of one row shape is views of one
+        tensor ``[tensors, planes, num_blocks, ...]`` (their ``_base``), so a block of
+        every layer moves in one copy; a class of mixed rows is one tensor per row.
 
         Zeroed, not empty: a masked key still enters the attention matmul with weight 0,
         and 0 * NaN from uninitialised memory would be NaN. ``make(shape, dtype)``, when
         given, makes each zeroed tensor instead (e.g. in memory another process can map).
         """
         layout = self.kv_layout
-        shape = (layout.group_size, 2, num_blocks, block_size, *self.kv_row_shape)
-        stacked = torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
-        tensors = list(stacked.unbind(0))
-        return [tensors[layout.tensor_of_layer(i)] for i in range(layout.num_layers)]
+
+        def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
+
+        tensors: list[torch.Tensor] = []
+        for rows in layout.class_rows(self._default_row()):
+            if len(set(rows)) == 1:
+                row = rows[0]
+                tensors += zeros((len(rows), row.planes, num_blocks, block_size, row.heads, row.channels)).unbind(0)
+            else:
+                tensors += [zeros((r.planes, num_blocks, block_size, r.heads, r.channels)) for r in rows]
+        return [tensors[layout.tensor_index(i)] for i in range(layout.num_layers)]
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block id takes (keys and values of ``kv_layout.group_size`` layers)."""
-        heads, channels = self.kv_row_shape
+        """Bytes one block id takes in every size class together (a class has as many
+        blocks as the pool's num_blocks): the cache's bytes per block."""
         element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * block_size * heads * channels * element_size * self.kv_layout.group_size
+        return self.kv_layout.elements_per_block(block_size, self._default_row()) * element_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,7 +120,9 @@ def test_engine_greedy_equals_transformers_generate(mixed: str) -> None:
     blocks were taken, by a replay: exact here (bounded replay drifts; see below)."""
     prompts = random_prompts([300, 311, 305], vocab=500, seed=1)
     hit = prompts[1][:256] + random_prompts([50], vocab=500, seed=7)[0]
-    llm = LLM(mixed, block_size=BLOCK, prefill_chunk_size=37, max_num_batched_tokens=48, num_kv_blocks=180, max_model_len=400,
+    # num_kv_blocks is per size class, here per KV group: a compressed cache's group
+    # (20 blocks a request) holds two of the three requests, not all three.
+    llm = LLM(mixed, block_size=BLOCK, prefill_chunk_size=37, max_num_batched_tokens=48, num_kv_blocks=50, max_model_len=400,
               swa_replay="exact")  # fmt: skip
     check_greedy_then_prefix_hit(llm, mixed, prompts, hit, num_hit_tokens=256, num_new=NUM_NEW)
     assert llm.engine.scheduler.num_preemptions > 0  # the three batched requests did not all fit

@@ -130,7 +130,7 @@ def test_runs_coalesce_only_where_both_sides_are_consecutive():
 def test_descriptors_address_every_layer_and_plane_of_each_run():
     theirs = [TensorGeometry(1000 * (k + 1), 100, 10, 8, 0) for k in range(2)]
     ours = [TensorGeometry(50000 * (k + 1), 300, 20, 8, 0) for k in range(2)]
-    remote, local = descriptors({0: [2, 3, 7]}, {0: [5, 6, 1]}, {0: 2}, theirs, ours)
+    remote, local = descriptors({0: [2, 3, 7]}, {0: [5, 6, 1]}, {0: [0, 1]}, theirs, ours)
     # 2 runs x 2 tensors x 2 planes; lengths in bytes (2 blocks, then 1).
     assert len(remote) == len(local) == 8
     assert remote[0].tolist() == [1000 + 2 * 10, 16, 0] and local[0].tolist() == [50000 + 5 * 20, 16, 0]

@@ -144,13 +144,13 @@ def _child_region(description: bytes, layout, device: str):  # noqa: ANN001, ANN
     """The engine's cache, mapped here, as a KVRegion (its read_blocks gives the payloads)."""
     import torch
 
-    from shared.kv.memory.region import KVRegion
+    from shared.kv.memory.region import KVRegion, per_tensor
     from shared.kv.memory.share import open_peer
 
-    _, tensors = open_peer(description, torch.device(device))
-    # One stacked tensor [T, 2, blocks, ...] or T tensors: tensor k serves layer k of every group.
-    per_tensor = list(tensors[0].unbind(0)) if len(tensors) == 1 and tensors[0].dim() == 6 else tensors
-    kv_caches = [per_tensor[layout.tensor_of_layer(layer)] for layer in range(layout.num_layers)]
+    _, allocations = open_peer(description, torch.device(device))
+    # The cache's allocations, as KVRegion.allocations lists them: tensors in layout.tensor_index order.
+    tensors = per_tensor(allocations)
+    kv_caches = [tensors[layout.tensor_index(layer)] for layer in range(layout.num_layers)]
     return KVRegion(kv_caches, layout)
 
 

@@ -41,7 +41,7 @@ RELEASE_PREFIX = b"kv-release:"
 
 @dataclass(frozen=True, slots=True)
 class TensorGeometry:
-    """Where one cache tensor [2, blocks, ...] lies: block b of plane p starts at
+    """Where one cache tensor [planes, blocks, ...] lies: block b of plane p starts at
     address + p * plane_stride + b * block_stride and is block_bytes long."""
 
     address: int
@@ -49,15 +49,17 @@ class TensorGeometry:
     block_stride: int
     block_bytes: int
     device: int
+    planes: int = 2
+    """K and V; one for a cache of one plane (DeepSeek-V4's)."""
 
 
 def tensor_geometry(tensor: torch.Tensor) -> TensorGeometry:
     if tensor.dim() < 3 or not tensor[0, 0].is_contiguous():
-        raise ValueError(f"a cache tensor of shape {tuple(tensor.shape)} is not [2, blocks, ...] with contiguous blocks")
+        raise ValueError(f"a cache tensor of shape {tuple(tensor.shape)} is not [planes, blocks, ...] with contiguous blocks")
     size = tensor.element_size()
     return TensorGeometry(
         tensor.data_ptr(), tensor.stride(0) * size, tensor.stride(1) * size, tensor[0, 0].numel() * size,
-        tensor.device.index or 0,
+        tensor.device.index or 0, tensor.shape[0],
     )  # fmt: skip
 
 
@@ -76,23 +78,25 @@ def block_runs(src: list[int], dst: list[int]) -> np.ndarray:
 def descriptors(
     plan_src: dict[int, list[int]],
     plan_dst: dict[int, list[int]],
-    layers_per_group: dict[int, int],
+    tensors_of_group: dict[int, list[int]],
     theirs: list[TensorGeometry],
     ours: list[TensorGeometry],
 ) -> tuple[np.ndarray, np.ndarray]:
     """The (remote, local) descriptor lists, [n, 3] (address, bytes, device) each, that
     move plan_src's blocks of the peer into plan_dst's blocks here: per group, for each
-    of its layers' cache tensors and both planes, one descriptor per run of blocks."""
+    of its layers' cache tensors (tensors_of_group: their indices in theirs / ours) and
+    each plane, one descriptor per run of blocks."""
     remote, local = [], []
     for group, src in plan_src.items():
         runs = block_runs(src, plan_dst[group])
         if not len(runs):
             continue
-        for k in range(layers_per_group[group]):
+        for k in tensors_of_group[group]:
             t, o = theirs[k], ours[k]
-            if t.block_bytes != o.block_bytes:
-                raise ValueError(f"cache tensor {k}: the peer's blocks are {t.block_bytes} bytes, ours {o.block_bytes}")
-            for plane in (0, 1):
+            if (t.block_bytes, t.planes) != (o.block_bytes, o.planes):
+                raise ValueError(f"cache tensor {k}: the peer's blocks are {t.planes} x {t.block_bytes} bytes, "
+                                 f"ours {o.planes} x {o.block_bytes}")  # fmt: skip
+            for plane in range(t.planes):
                 lengths = runs[:, 2] * t.block_bytes
                 remote.append(np.stack([t.address + plane * t.plane_stride + runs[:, 0] * t.block_stride,
                                         lengths, np.full(len(runs), t.device)], axis=1))  # fmt: skip
@@ -142,7 +146,7 @@ class NixlConnector(PeerLink):
         try:
             self._geometry = [tensor_geometry(t) for t in region.tensors]
             agent = NixlAgent(self._agent_name, self._backends, loopback_only=self._loopback_only)
-            whole = [region.stacked] if region.stacked is not None else region.tensors
+            whole = region.allocations
             self._memory = "VRAM" if region.device.type == "cuda" else "DRAM"
             self._registration = agent.register(
                 [MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), t.device.index or 0) for t in whole],
@@ -153,7 +157,8 @@ class NixlConnector(PeerLink):
         self.agent = agent
         self._description = json.dumps(
             {"agent": agent.name, "memory": self._memory, "layout": region.layout,
-             "tensors": [[g.address, g.plane_stride, g.block_stride, g.block_bytes, g.device] for g in self._geometry]}
+             "tensors": [[g.address, g.plane_stride, g.block_stride, g.block_bytes, g.device, g.planes]
+                         for g in self._geometry]}
         ).encode()  # fmt: skip
         log.info("NIXL agent %s: %d bytes of KV cache registered (%s)", agent.name,
                  sum(t.numel() * t.element_size() for t in whole), self._memory)  # fmt: skip
@@ -197,8 +202,9 @@ class NixlConnector(PeerLink):
         assert self.agent is not None
         name = route["agent"]
         self.agent.ensure_peer(name, lambda: self._fetch(source.instance_id))
-        layers = {g: len(self.region.kv_layout.groups[g].layers) for g in src}
-        remote, local = descriptors(src, dst, layers, route["tensors"], self._geometry)
+        layout = self.region.kv_layout
+        tensors = {g: [layout.tensor_index(layer) for layer in layout.groups[g].layers] for g in src}
+        remote, local = descriptors(src, dst, tensors, route["tensors"], self._geometry)
         try:
             self.num_bytes_read += self.agent.read(name, local, remote, self._memory, route["memory"],
                                                    RELEASE_PREFIX + request_id.encode(), self._timeout_s)  # fmt: skip

@@ -3,7 +3,10 @@ queue of free blocks, and the prefix index ((block hash, KV group) -> block).
 
 Every KV cache group draws from this one pool; the same chain hash names a
 different block in each group (the groups hold different layers' KV), so the
-index is keyed by both.
+index is keyed by both. Groups whose pages differ in size draw from different
+*size classes* of the pool (shared/kv/spec.py): each class has its
+own block ids 0 .. num_blocks - 1 (they index its own tensors) and its own free
+queue; the prefix index and the null block (id num_blocks in every class) are shared.
 
 A freed block keeps its content and its place in the prefix index until it is
 handed out again, so a later request with the same prefix can take it back
@@ -25,26 +28,37 @@ class KVBlock:
     block_hash: BlockHash | None = None
     group: int = 0
     """The KV group whose index entry this block is (meaningful with block_hash)."""
+    size_class: int = 0
+    """The size class whose tensors the id indexes (see BlockPool)."""
     token_ids: tuple[int, ...] | None = None
     """The tokens the block holds once full: compared on every hit, so a hash
     collision can never serve wrong KV."""
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, record_events: bool = False, event_group: int = 0) -> None:
-        """event_group: the KV group whose index changes are recorded as events (a
-        prefix is usable where that group's blocks are: the first persistent one)."""
+    def __init__(
+        self, num_blocks: int, record_events: bool = False, event_group: int = 0, num_size_classes: int = 1
+    ) -> None:
+        """num_blocks: blocks of each size class. event_group: the KV group whose index
+        changes are recorded as events (a prefix is usable where that group's blocks
+        are: the first persistent one)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        if num_size_classes < 1:
+            raise ValueError(f"a pool needs at least one size class, got {num_size_classes}")
         self.num_blocks = num_blocks
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.num_size_classes = num_size_classes
+        self.blocks_of_class = [[KVBlock(i, size_class=c) for i in range(num_blocks)] for c in range(num_size_classes)]
+        self.blocks = self.blocks_of_class[0]
         self.null_block = KVBlock(num_blocks, ref_cnt=1)
         """A block no request owns and the free queue never holds (the cache tensors have
         one row more for it): block tables point at it where a sliding window has dropped
         a block, and writes that must not land anywhere go to it."""
         # OrderedDict gives O(1) append, pop-front and removal from the middle
         # (a hit on a free cached block), which a deque cannot.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free_of_class = [OrderedDict((b.block_id, b) for b in blocks) for blocks in self.blocks_of_class]
+        self._free = self._free_of_class[0]
+        """Size class 0's free queue (the only one of a pool with one class)."""
         self._cached: dict[tuple[BlockHash, int], KVBlock] = {}
         self._record_events = record_events
         self._event_group = event_group
@@ -55,14 +69,24 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Free blocks of every size class."""
+        return sum(len(free) for free in self._free_of_class)
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Blocks of every size class."""
+        return self.num_blocks * self.num_size_classes
+
+    def num_free(self, size_class: int) -> int:
+        return len(self._free_of_class[size_class])
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        """The fullest size class's share in use (the one that stops admission first)."""
+        return 1.0 - min(len(free) for free in self._free_of_class) / self.num_blocks
 
     def lookup(self, block_hash: BlockHash, group: int, token_ids: tuple[int, ...]) -> KVBlock | None:
         block = self._cached.get((block_hash, group))
@@ -70,14 +94,15 @@ class BlockPool:
             return None
         return block
 
-    def allocate(self, num_blocks: int) -> list[KVBlock] | None:
-        """Take blocks from the front of the free queue, evicting their cached
-        content; None (and nothing taken) if there are not enough."""
-        if num_blocks > len(self._free):
+    def allocate(self, num_blocks: int, size_class: int = 0) -> list[KVBlock] | None:
+        """Take blocks of a size class from the front of its free queue, evicting their
+        cached content; None (and nothing taken) if there are not enough."""
+        free = self._free_of_class[size_class]
+        if num_blocks > len(free):
             return None
         out: list[KVBlock] = []
         for _ in range(num_blocks):
-            _, block = self._free.popitem(last=False)
+            _, block = free.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -89,7 +114,7 @@ class BlockPool:
             if block is self.null_block:
                 continue
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                del self._free_of_class[block.size_class][block.block_id]
             block.ref_cnt += 1
 
     def free(self, blocks: list[KVBlock]) -> None:
@@ -102,7 +127,7 @@ class BlockPool:
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                self._free_of_class[block.size_class][block.block_id] = block
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, group: int, token_ids: tuple[int, ...]) -> None:
         """Enter a full block of a group into the prefix index. If another block

@@ -1,4 +1,5 @@
-"""The KV cache of one engine over its groups: one manager per group, one pool.
+"""The KV cache of one engine over its groups: one manager per group, one pool
+(with a size class per page size, whose blocks a group of that page size takes).
 
 The scheduler asks five things: the prefix hit of a new request
 (find_prefix_hit), room for the next tokens of a request (allocate_slots,
@@ -29,9 +30,11 @@ SwaReplay = Literal["bounded", "exact"]
 
 
 def blocks_for_one_request(layout: KVCacheLayout, num_tokens: int, block_size: int) -> int:
-    """Blocks one request of num_tokens may hold, all groups together: every block of
-    every group (an upper bound: a sliding group drops what leaves its window)."""
-    return -(-num_tokens // block_size) * len(layout.groups)
+    """Blocks of one size class (the pool's num_blocks) that one request of num_tokens
+    may need: every block of every group of the busiest class (an upper bound: a
+    sliding group drops what leaves its window). One class: all groups together."""
+    num_classes = len(layout.size_classes)
+    return -(-num_tokens // block_size) * max(layout.groups_of_class(c) for c in range(num_classes))
 
 
 @dataclass(slots=True)
@@ -88,8 +91,15 @@ class KVCacheCoordinator:
         self.swa_replay = swa_replay
         self.state_cache = state_cache if layout.sliding_groups else None
         persistent = layout.persistent_groups
-        self.pool = BlockPool(num_blocks, record_events, event_group=persistent[0] if persistent else 0)
-        self.managers = [make_manager(g, group.spec, self.pool, block_size) for g, group in enumerate(layout.groups)]
+        self.size_class_of_group = layout.size_class_of_group
+        self.pool = BlockPool(
+            num_blocks, record_events, event_group=persistent[0] if persistent else 0,
+            num_size_classes=len(layout.size_classes),
+        )  # fmt: skip
+        self.managers = [
+            make_manager(g, group.spec, self.pool, block_size, self.size_class_of_group[g])
+            for g, group in enumerate(layout.groups)
+        ]
         self._full = [m for m in self.managers if isinstance(m, FullAttentionManager)]
         self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
         self.num_queries = 0
@@ -216,10 +226,12 @@ class KVCacheCoordinator:
                 m.remove_skipped_blocks(rid, request.num_computed_tokens)
         tables = hit.tables if hit is not None else [[] for _ in self.managers]
         total = (hit.num_computed if hit is not None else request.num_computed_tokens) + num_new_tokens
-        needed = sum(m.num_new_blocks(rid, total, t) for m, t in zip(self.managers, tables))
-        # Cached blocks we adopt that sit in the free queue stop being free.
-        num_free_adopted = sum(1 for t in tables for b in t if b.ref_cnt == 0)
-        if needed > self.pool.num_free_blocks - num_free_adopted:
+        # Per size class: the blocks to take, and the cached blocks we adopt that sit in its
+        # free queue (they stop being free).
+        needed = [0] * self.pool.num_size_classes
+        for m, t in zip(self.managers, tables):
+            needed[m.size_class] += m.num_new_blocks(rid, total, t) + sum(1 for b in t if b.ref_cnt == 0)
+        if any(n > self.pool.num_free(c) for c, n in enumerate(needed)):
             return False
         if hit is not None:
             indexed = hit.num_tokens // self.block_size
@@ -258,14 +270,16 @@ class KVCacheCoordinator:
         window_first, num_window = self._window_to_load(request)
         sizes = [(g, num_blocks) for g in self.layout.persistent_groups]
         sizes += [(g, num_window) for g in self.layout.sliding_groups if num_window]
-        new = self.pool.allocate(sum(n for _, n in sizes))
-        if new is None:
+        per_class = [0] * self.pool.num_size_classes
+        for g, n in sizes:
+            per_class[self.size_class_of_group[g]] += n
+        if any(n > self.pool.num_free(c) for c, n in enumerate(per_class)):
             return False
         reserved: dict[int, list[KVBlock]] = {}
-        taken = 0
         for g, n in sizes:
-            reserved[g] = new[taken : taken + n]
-            taken += n
+            new = self.pool.allocate(n, self.size_class_of_group[g])
+            assert new is not None, "checked above"
+            reserved[g] = new
         self._reserved[request.request_id] = reserved
         if num_window:
             self._window_first[request.request_id] = window_first

@@ -8,7 +8,9 @@ its layers (shared/kv/spec.py's `Page`) in the cache dtype: [layers, k/v,
 block_size, kv_heads, head_dim] when every page is the whole block (a dense
 model: the block's memory as it is), else the pages' used rows and channels one
 after the other (DeepSeek-V4's compressed groups: only their entries). `layout`
-names it; two engines exchange blocks only when their layouts agree.
+names it; two engines exchange blocks only when their layouts agree. Groups of
+different page sizes have tensors of their own (shared/kv/spec.py's size classes):
+a group's layer k uses its class's tensor k, `tensors` lists every class's.
 
 Threads: torch's copies release the GIL. On CUDA the connector's copies run on
 a stream of their own and the call returns once they are done, so the engine
@@ -34,10 +36,15 @@ class KVRegion:
         """allocator: what made the tensors when the CPU cache is shared with peers."""
         self.kv_caches = kv_caches
         self.kv_layout = layout
-        self.tensors = [
-            kv_caches[next(g for g in layout.groups if len(g.layers) > k).layers[k]] for k in range(layout.group_size)
-        ]
-        """The cache tensors, k-th of them used by the k-th layer of every group."""
+        tensors: list[torch.Tensor | None] = [None] * layout.num_tensors
+        for layer, kv in enumerate(kv_caches):
+            tensors[layout.tensor_index(layer)] = kv
+        assert all(t is not None for t in tensors), "a cache tensor no layer uses"
+        self.tensors: list[torch.Tensor] = tensors  # type: ignore[assignment]
+        """The cache tensors, size class by class; the k-th of a class used by the k-th layer
+        of each of its groups (one class: the k-th layer of every group)."""
+        self._tensor_ids = [[layout.tensor_index(layer) for layer in g.layers] for g in layout.groups]
+        """Per group, the indices into ``tensors`` of its layers' caches."""
         self.stacked = _stacked(self.tensors)
         """The tensors as one [tensors, 2, blocks, ...] tensor, when they lie back to back in
         one allocation (CausalLM.allocate_kv_cache makes them so): a copy then moves a block
@@ -46,8 +53,8 @@ class KVRegion:
         self.persistent_groups = layout.persistent_groups
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lock = threading.Lock()  # one connector copy at a time on the side stream
-        _, _, bs, heads, dim = kv_caches[0].shape
-        self._block_shape = (2, bs, heads, dim)
+        planes, _, bs, heads, dim = kv_caches[0].shape
+        self._block_shape = (planes, bs, heads, dim)
         self._pages = {g: layout.groups[g].spec.page(bs) for g in self.persistent_groups}
         self._whole_blocks = all(page.covers(bs) for page in self._pages.values())
         """Every persistent page is the whole block: payloads are the blocks' memory as it is."""
@@ -57,7 +64,10 @@ class KVRegion:
             self.block_bytes = layers * kv_caches[0][:, 0].numel() * kv_caches[0].element_size()
             self.layout = f"{dtype}:{layers}x2x{bs}x{heads}x{dim}"
         else:
-            shapes = {g: (p.planes, p.rows, heads, dim if p.channels is None else p.channels) for g, p in self._pages.items()}
+            shapes = {}
+            for g, p in self._pages.items():
+                _, _, _, heads, width = self._group_tensors(g)[0].shape
+                shapes[g] = (p.planes, p.rows, heads, width if p.channels is None else p.channels)
             self._page_elements = {g: len(layout.groups[g].layers) * math.prod(shape) for g, shape in shapes.items()}
             self.block_bytes = sum(self._page_elements.values()) * kv_caches[0].element_size()
             self.layout = f"{dtype}:" + "+".join(
@@ -72,8 +82,7 @@ class KVRegion:
     def share(self) -> bytes:
         """How a peer on this host maps this cache (see kv_share)."""
         if self._description is None:
-            shared = [self.stacked] if self.stacked is not None else self.tensors
-            self._description = describe(shared, self._allocator, self.layout)
+            self._description = describe(self.allocations, self._allocator, self.layout)
         return self._description
 
     def copy_from_peer(self, peer: list[torch.Tensor], src: dict[int, list[int]], dst: dict[int, list[int]]) -> None:
@@ -92,27 +101,46 @@ class KVRegion:
                     blocks = theirs.index_select(2, torch.tensor(src_ids, dtype=torch.long, device=theirs.device))
                     self.stacked[:num_layers].index_copy_(2, dst_index, blocks.to(self.device, non_blocking=True))
                     continue
-                tensors = peer if len(peer) > 1 else list(peer[0].unbind(0))
-                for k in range(num_layers):
-                    theirs = tensors[k]
+                tensors = per_tensor(peer)
+                for t in self._tensor_ids[group]:
+                    theirs = tensors[t]
                     blocks = theirs.index_select(1, torch.tensor(src_ids, dtype=torch.long, device=theirs.device))
-                    self.tensors[k].index_copy_(1, dst_index, blocks.to(self.device, non_blocking=True))
+                    self.tensors[t].index_copy_(1, dst_index, blocks.to(self.device, non_blocking=True))
             if self._stream is not None:
                 self._stream.synchronize()
+
+    @property
+    def allocations(self) -> list[torch.Tensor]:
+        """The cache's allocations, in the order of ``tensors``: each run of tensors back to
+        back in one allocation as one [tensors, planes, blocks, ...] tensor (a size class of
+        one row shape; one class: ``stacked``), any other tensor as itself. What a peer
+        maps (per_tensor undoes it)."""
+        out: list[torch.Tensor] = []
+        run: list[torch.Tensor] = []
+        for t in [*self.tensors, None]:
+            if run and (t is None or t.untyped_storage().data_ptr() != run[0].untyped_storage().data_ptr()):
+                whole = _stacked(run)  # one tensor too: a one-group Llama's [1, 2, blocks, ...], as before
+                out += [whole] if whole is not None else run
+                run = []
+            if t is not None:
+                run.append(t)
+        return out
 
     def close(self) -> None:
         if self._allocator is not None:
             self._allocator.close()
 
     def _group_tensors(self, group: int) -> list[torch.Tensor]:
-        return self.tensors[: len(self.kv_layout.groups[group].layers)]
+        return [self.tensors[t] for t in self._tensor_ids[group]]
 
     # -- for the engine's thread (the state cache): on the current stream --------
 
     @torch.inference_mode()
     def gather(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
         """The blocks of several groups (the same number from each), as one host tensor
-        [blocks, layers of those groups, 2, block_size, kv_heads, head_dim], in one copy."""
+        [blocks, layers of those groups, planes, block_size, kv_heads, head_dim], in one
+        copy; where those layers' rows differ (size classes), [blocks, elements]: each
+        layer's block after the other."""
         return self._gather_here(block_ids).cpu()
 
     def _gather_here(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
@@ -120,15 +148,21 @@ class KVRegion:
         parts = []
         for group, ids in block_ids.items():
             index = torch.tensor(ids, dtype=torch.long, device=self.device)
-            parts += [kv.index_select(1, index) for kv in self._group_tensors(group)]  # [2, n, bs, H, D] each
+            parts += [kv.index_select(1, index) for kv in self._group_tensors(group)]  # [planes, n, bs, H, D] each
         if not parts or parts[0].shape[1] == 0:
             return torch.empty(0, device=self.device)
+        if len({p.shape for p in parts}) > 1:
+            return torch.cat([p.transpose(0, 1).reshape(p.shape[1], -1) for p in parts], dim=1)
         return torch.stack(parts).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     @torch.inference_mode()
     def scatter(self, block_ids: dict[int, list[int]], data: torch.Tensor) -> None:
-        """The inverse of gather: data [blocks, layers, 2, ...] into those groups' blocks."""
+        """The inverse of gather: data [blocks, layers, planes, ...] (or [blocks, elements])
+        into those groups' blocks."""
         data = data.to(self.device, non_blocking=True)
+        if data.dim() == 2:
+            self._scatter_flat(block_ids, data)
+            return
         layer = 0
         for group, ids in block_ids.items():
             index = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -143,6 +177,18 @@ class KVRegion:
             for kv in self._group_tensors(group):
                 kv.index_copy_(1, index, data[:, layer].transpose(0, 1).to(kv.dtype))
                 layer += 1
+
+    def _scatter_flat(self, block_ids: dict[int, list[int]], data: torch.Tensor) -> None:
+        """scatter of gather's [blocks, elements] form: each layer's block after the other."""
+        offset = 0
+        for group, ids in block_ids.items():
+            index = torch.tensor(ids, dtype=torch.long, device=self.device)
+            for kv in self._group_tensors(group):
+                planes, _, *row = kv.shape
+                size = planes * math.prod(row)
+                chunk = data[:, offset : offset + size].reshape(len(ids), planes, *row).transpose(0, 1)
+                kv.index_copy_(1, index, chunk.to(kv.dtype))
+                offset += size
 
     # -- for connectors: payloads of the persistent groups, from any thread --------
 
@@ -247,6 +293,12 @@ class KVRegion:
 
     def _side_stream(self) -> "torch.cuda.StreamContext | _NoStream":
         return torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
+
+
+def per_tensor(allocations: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A cache's tensors from its allocations (KVRegion.allocations, as a peer maps them):
+    a [tensors, planes, blocks, ...] allocation is that many tensors."""
+    return [t for a in allocations for t in (a.unbind(0) if a.dim() == 6 else [a])]
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int, int]]:

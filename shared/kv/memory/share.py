@@ -20,6 +20,7 @@ network is data, checked before use.
 
 import base64
 import json
+import math
 import os
 import re
 import uuid
@@ -68,9 +69,14 @@ class SharedMemoryAllocator:
 
 
 def describe(tensors: list[torch.Tensor], allocator: SharedMemoryAllocator | None, layout: str) -> bytes:
-    """How a peer on this host opens these cache tensors (as data: JSON)."""
+    """How a peer on this host opens these cache tensors (as data: JSON). Each tensor is
+    a whole allocation (a file, a CUDA allocation) of its own shape (caches of several
+    size classes differ)."""
     first = tensors[0]
-    desc: dict = {"layout": layout, "shape": list(first.shape), "dtype": str(first.dtype).removeprefix("torch.")}
+    desc: dict = {
+        "layout": layout, "shape": list(first.shape), "shapes": [list(t.shape) for t in tensors],
+        "dtype": str(first.dtype).removeprefix("torch."),
+    }  # fmt: skip
     if first.device.type == "cuda":
         storages = []
         for t in tensors:
@@ -101,27 +107,27 @@ def open_peer(data: bytes, device: torch.device) -> tuple[str, list[torch.Tensor
     try:
         desc = json.loads(data)
         dtype = getattr(torch, desc["dtype"])
-        shape = tuple(int(n) for n in desc["shape"])
+        count = len(desc["paths"] if desc["kind"] == "shm" else desc["storages"])
+        shapes = [tuple(int(n) for n in shape) for shape in desc.get("shapes", [desc["shape"]] * count)]
         kind = desc["kind"]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"unreadable KV region description: {exc}") from None
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"not a dtype: {desc['dtype']!r}")
-    numel = 1
-    for n in shape:
-        numel *= n
+    if len(shapes) != count:
+        raise ValueError(f"{len(shapes)} shapes for {count} KV tensors")
     if kind == "shm":
         if device.type != "cpu":
             raise ValueError("a shared-memory KV region maps into a CPU engine only")
         tensors = []
-        for path, identity in zip(desc["paths"], desc.get("files", [])):
+        for path, identity, shape in zip(desc["paths"], desc.get("files", []), shapes):
             if not isinstance(path, str) or not _PROC_FD.match(path):
                 raise ValueError(f"not a shared KV file: {path!r}")
             try:
                 st = os.stat(path)
                 if [st.st_dev, st.st_ino] != list(identity):
                     raise ValueError(f"{path} is another file here (another host or container?)")
-                tensors.append(torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape))
+                tensors.append(torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape))
             except (OSError, RuntimeError) as exc:
                 raise ValueError(f"cannot map {path}: {exc}") from None
         if len(tensors) != len(desc["paths"]):
@@ -132,7 +138,7 @@ def open_peer(data: bytes, device: torch.device) -> tuple[str, list[torch.Tensor
             raise ValueError("a CUDA KV region maps into a CUDA engine only")
         torch.cuda.init()  # opening an IPC handle without a CUDA context crashes the process
         tensors = []
-        for s in desc["storages"]:
+        for s, shape in zip(desc["storages"], shapes):
             try:
                 storage = torch.UntypedStorage._new_shared_cuda(
                     int(s["device"]),

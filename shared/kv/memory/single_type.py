@@ -15,11 +15,13 @@ from shared.kv.spec import CompressedSpec, FullAttentionSpec, KVCacheSpec, Slidi
 
 
 class SingleTypeKVManager:
-    def __init__(self, group: int, spec: KVCacheSpec, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, group: int, spec: KVCacheSpec, pool: BlockPool, block_size: int, size_class: int = 0) -> None:
         self.group = group
         self.spec = spec
         self.pool = pool
         self.block_size = block_size
+        self.size_class = size_class
+        """The pool's size class this group's blocks come from (its page size's)."""
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_indexed: dict[str, int] = {}
         """Leading blocks of each request already entered in the prefix index (or never to be)."""
@@ -52,7 +54,7 @@ class SingleTypeKVManager:
 
     def allocate(self, request_id: str, num_blocks: int) -> list[KVBlock]:
         """Append num_blocks fresh blocks (the caller checked the pool has them)."""
-        new = self.pool.allocate(num_blocks) if num_blocks else []
+        new = self.pool.allocate(num_blocks, self.size_class) if num_blocks else []
         assert new is not None, "allocate() called without room in the pool"
         self.tables.setdefault(request_id, []).extend(new)
         return new
@@ -139,7 +141,9 @@ class SlidingWindowManager(SingleTypeKVManager):
             table[i] = null
 
 
-def make_manager(group: int, spec: KVCacheSpec, pool: BlockPool, block_size: int) -> SingleTypeKVManager:
+def make_manager(
+    group: int, spec: KVCacheSpec, pool: BlockPool, block_size: int, size_class: int = 0
+) -> SingleTypeKVManager:
     if isinstance(spec, CompressedSpec):
         if block_size % spec.compress_rate and spec.compress_rate % block_size:
             raise ValueError(
@@ -147,7 +151,7 @@ def make_manager(group: int, spec: KVCacheSpec, pool: BlockPool, block_size: int
                 "a block holds the compressed entries whose windows end in it"
             )
         # Compressed entries are kept, named and persisted block by block like full attention's.
-        return FullAttentionManager(group, spec, pool, block_size)
+        return FullAttentionManager(group, spec, pool, block_size, size_class)
     if isinstance(spec, FullAttentionSpec):
-        return FullAttentionManager(group, spec, pool, block_size)
-    return SlidingWindowManager(group, spec, pool, block_size)
+        return FullAttentionManager(group, spec, pool, block_size, size_class)
+    return SlidingWindowManager(group, spec, pool, block_size, size_class)

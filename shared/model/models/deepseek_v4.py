@@ -14,6 +14,9 @@ again. The hyper head collapses the streams before the final norm and LM head.
 Its KV (``kv_layout``): per layer a state cache in a sliding-window group of window
 ``DeepseekV4Params.state_window`` (never persisted) and, per CSA/HCA layer, a
 compressed cache in a persistent group; see compressed_attention for what they hold.
+Every cache is one plane of its own width (``v4_kv_rows``: a state row is plane 0 and
+plane 1 side by side, a compressed row one entry), in the size class of its group's rows,
+so no cache is padded to the widest row (shared/kv/spec.py).
 Parameters keep transformers' in-memory names; ``checkpoint_tensors`` also maps the
 names transformers saves (``model.layers.0.attn.wq_a``, ``ffn.experts.0.w1``...), and
 ``ENTRY.checkpoint_names`` DeepSeek's own release names onto those
@@ -31,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kv.spec import CompressedSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec, kv_cache_layout_of_specs
+from shared.kv.spec import (
+    CacheRow, CompressedSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec, kv_cache_layout_of_specs,
+)  # fmt: skip
 from shared.model.compressed_attention import (
     SequenceView, StateRow, attend, compress_windows, entry_slots, index_top_k, last_token_slot_row, rope_interleaved,
     sequences, slots_of,
@@ -153,8 +158,7 @@ class V4Attention(nn.Module):
             self.compressor = Compressor(hidden, config.head_dim, self.rate, self.kind == CSA, config.rms_norm_eps, dtype, device)
             if self.kind == CSA:
                 self.compressor.indexer = Indexer(config, p, self.rate, dtype, device)
-        cw = 0 if self.kind == SLIDING else (2 if self.kind == CSA else 1) * config.head_dim
-        self.row = StateRow(config.head_dim, cw, 2 * p.index_head_dim if self.kind == CSA else 0)
+        self.row = state_row(config, self.kind)
         self.batched = True
         """Whole-batch gathers (compressed_batch: no loop over sequences, no host read, CUDA
         graph safe); False: the per-sequence reference (compressed_attention), for tests."""
@@ -186,8 +190,10 @@ class V4Attention(nn.Module):
         q = unweighted_rms_norm(self.q_b_proj(q_residual).view(num_tokens, self.num_heads, self.head_dim), self.eps)
         q = rope_interleaved(q, cos, sin)
         kv = rope_interleaved(self.kv_norm(self.kv_proj(x)), cos, sin)
-        plane0, plane1 = state[0].view(-1, state.shape[-1]), state[1].view(-1, state.shape[-1])
         row = self.row
+        # One plane [blocks * block_size, plane0 + plane1] (v4_kv_rows): the two planes side by side.
+        flat = state[0].view(-1, state.shape[-1])
+        plane0, plane1 = flat[:, : row.plane0], flat[:, row.plane0 :]
         new0 = [kv]
         new1: list[torch.Tensor] = []
         with profiled("v4.compressor"):
@@ -432,6 +438,24 @@ def v4_kv_specs(config: ModelConfig) -> list[KVCacheSpec]:
     ]
 
 
+def state_row(config: ModelConfig, kind: str) -> StateRow:
+    """Where a layer of this kind keeps its per-token state in its state cache."""
+    p = config.deepseek_v4
+    assert p is not None
+    compress_width = 0 if kind == SLIDING else (2 if kind == CSA else 1) * config.head_dim
+    return StateRow(config.head_dim, compress_width, 2 * p.index_head_dim if kind == CSA else 0)
+
+
+def v4_kv_rows(config: ModelConfig) -> list[CacheRow]:
+    """Each cache's row, in v4_kv_specs' order, one plane each: a state cache's plane 0
+    and plane 1 side by side (a sliding-only layer has no plane 1), a compressed cache's
+    entry. Their sum over caches is what a token costs; no row is padded to another's."""
+    p = config.deepseek_v4
+    assert p is not None
+    rows = [CacheRow(1, 1, r.plane0 + r.plane1) for r in (state_row(config, t) for t in p.layer_types)]
+    return rows + [CacheRow(1, 1, entry_width(config, t)) for t in p.layer_types if t != SLIDING]
+
+
 def entry_width(config: ModelConfig, kind: str) -> int:
     """Channels of a compressed entry of a CSA/HCA layer: the entry, and a CSA layer's indexer key."""
     p = config.deepseek_v4
@@ -440,8 +464,9 @@ def entry_width(config: ModelConfig, kind: str) -> int:
 
 
 def v4_kv_layout(config: ModelConfig) -> KVCacheLayout:
-    """The state caches' sliding-window group and the compressed caches' persistent ones."""
-    return kv_cache_layout_of_specs(v4_kv_specs(config))
+    """The state caches' sliding-window group and the compressed caches' persistent ones,
+    with each cache's row (v4_kv_rows)."""
+    return kv_cache_layout_of_specs(v4_kv_specs(config), v4_kv_rows(config))
 
 
 class DeepseekV4ForCausalLM(CausalLM):
@@ -480,10 +505,6 @@ class DeepseekV4ForCausalLM(CausalLM):
         compressed_layers = [i for i, t in enumerate(p.layer_types) if t != SLIDING]
         self._compressed_cache = {layer: num_layers + j for j, layer in enumerate(compressed_layers)}
         self._group_of_cache = [self.kv_layout.group_of_layer(i) for i in range(self.kv_layout.num_layers)]
-        rows = [layer.self_attn.row for layer in self.model.layers]
-        entry = max([entry_width(config, t) for t in p.layer_types if t != SLIDING], default=0)
-        self.cache_width = max([r.plane0 for r in rows] + [entry])
-        """Channels of a cache row: the widest state row or compressed entry (see compressed_attention)."""
         self.keep_streams = False
         """Keep the last forward's streams before the hyper head (``draft_hidden``): set by
         V4's MTP module, which reads them; off, nothing outlives the forward."""
@@ -537,10 +558,6 @@ class DeepseekV4ForCausalLM(CausalLM):
         with profiled("v4.norm"):
             return self.model.norm(collapsed)
 
-    @property
-    def kv_row_shape(self) -> tuple[int, int]:
-        return 1, self.cache_width
-
     def allocate_kv_cache(
         self,
         num_blocks: int,
@@ -549,9 +566,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         device: torch.device | str,
         make: TensorMaker | None = None,
     ) -> list[torch.Tensor]:
-        """One [2, num_blocks, block_size, 1, cache_width] tensor per cache (state caches,
-        then compressed caches), laid out as every CausalLM's: views of one allocation,
-        cache k of every group in tensor k."""
+        """One [1, num_blocks, block_size, 1, width] tensor per cache (state caches, then
+        compressed caches), each of its own row's width (v4_kv_rows), laid out as every
+        CausalLM's: per size class, cache k of every group of the class in its tensor k."""
         for rate in {r for r in self.config.deepseek_v4.compress_rates if r}:  # type: ignore[union-attr]
             if block_size % rate and rate % block_size:
                 raise ValueError(f"block_size {block_size} and the compression rate {rate} must divide one another")

@@ -105,10 +105,10 @@ class V4MtpLayer(nn.Module):
         return self.target[0].compute_logits(self.norm(self.hc_head(streams)))
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-        """The block's state cache [2, num_blocks, block_size, 1, head_dim], zeroed: a
-        sliding layer's row is its K = V entry (plane 1 stays unused, as in the model's)."""
+        """The block's state cache [1, num_blocks, block_size, 1, head_dim], zeroed: a
+        sliding layer's row is its K = V entry alone (no plane 1, as in the model's)."""
         device = self.e_proj.weight.device
-        return torch.zeros(2, num_blocks, block_size, 1, self.head_dim, dtype=dtype, device=device)
+        return torch.zeros(1, num_blocks, block_size, 1, self.head_dim, dtype=dtype, device=device)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """DeepSeek's checkpoint name (``mtp.0.*``) -> the tensor to copy it into."""
