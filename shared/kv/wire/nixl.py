@@ -102,7 +102,10 @@ read then fell to a software emulation over tcp/lo at 1.6-3 GB/s
 (docs/perf/nixl_gpu_h200_2026-12-05.txt). A get within one GPU is a device copy, as
 fast as a put. And the CUDA transports complete at most MAX_POLL copies per progress
 call (16 by default) where a KV read is thousands of copies (a descriptor per run of
-blocks, per layer and k/v plane)."""
+blocks, per layer and k/v plane).
+UCX's cuda_ipc reaches only a peer in this process's PID namespace (legacy CUDA IPC
+handles cannot cross one; fabric handles can): between containers with PID namespaces
+of their own UCX falls back to TCP (docs/perf/nixl_gpu_h100_pidns_2026-12-06.txt)."""
 
 READ_POLL_CAP_S = {"VRAM": 20e-6, "DRAM": 1e-3}
 """The longest pause between a reader's polls of its transfer, by its memory. Between
