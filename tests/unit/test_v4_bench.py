@@ -81,8 +81,9 @@ def test_mode_figures_and_files(record: dict) -> None:
     assert f["active_params"] == f["params"] - routed * 3 / 4
     # float32, head_dim 64, index keys 32: 2 CSA layers (64 + 32) / 4, 1 HCA layer 64 / 128.
     assert f["kv_logical_bytes_per_token"] == pytest.approx(4 * (2 * 96 / 4 + 64 / 128))
-    # Every block is the widest page (256 channels, 2 planes, one cache per group) in 3 compressed groups.
-    assert f["kv_pool_bytes_per_token"] == 3 * 2 * 256 * 4
+    # Each compressed group its own row (no padding to the widest): two CSA caches of
+    # 64 + 32 channels, one HCA cache of 64, a row per raw token, float32.
+    assert f["kv_pool_bytes_per_token"] == 4 * (96 + 96 + 64)
     table = (record["out"] / "v4_bench.md").read_text()
     assert "eager" in table and "| decode, batch 2, context ~12 (eager) |" in table
     assert not any(d["graphed"] for d in record["decode"])

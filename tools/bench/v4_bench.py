@@ -136,17 +136,22 @@ def model_figures(engine: LLMEngine) -> dict[str, float]:
     routed = sum(t.numel() for m in model.modules() if isinstance(m, Experts) for t in m.parameters())
     kv_dtype = engine.runner.kv_caches[0].dtype
     element = kv_dtype.itemsize
-    per_block = model.kv_bytes_per_block(block, kv_dtype)
-    num_sliding_groups = sum(g.spec.window is not None for g in model.kv_layout.groups)
-    num_compressed_groups = len(model.kv_layout.groups) - num_sliding_groups
+    # Each group's bytes per raw token, from its size class's own rows (a group of
+    # the one shared class, where rows are alike, spans that class's tensors).
+    layout = model.kv_layout
+    classes = layout.class_rows()  # V4 declares every cache's row
+    per_token = [sum(r.elements for r in classes[c]) * element for c in layout.size_class_of_group]
+    sliding = set(layout.sliding_groups)
+    compressed_per_token = sum(b for g, b in enumerate(per_token) if g not in sliding)
+    sliding_per_token = sum(b for g, b in enumerate(per_token) if g in sliding)
     logical = logical_bytes(p, config.head_dim, element)
     return {
         "params": total,
         "active_params": total - routed + routed * moe.top_k / moe.num_experts,
         "kv_logical_bytes_per_token": logical.compressed,
         "kv_window_bytes_per_token": logical.window,
-        "kv_pool_bytes_per_token": per_block / block * num_compressed_groups,
-        "kv_state_bytes_per_request": (-(-p.state_window // block) + 1) * per_block * num_sliding_groups,
+        "kv_pool_bytes_per_token": compressed_per_token,
+        "kv_state_bytes_per_request": (-(-p.state_window // block) + 1) * block * sliding_per_token,
     }
 
 
@@ -440,7 +445,7 @@ def render(record: dict, decodes: list[Decode], prefill: Prefill) -> str:
         "",
         f"params {f['params'] / 1e9:.2f}B, active per token {f['active_params'] / 1e9:.2f}B; KV per raw token: "
         f"{f['kv_logical_bytes_per_token']:.0f} B persisted (compressed entries + indexer keys), "
-        f"{f['kv_pool_bytes_per_token']:.0f} B of the engine's pool (every block the widest page); "
+        f"{f['kv_pool_bytes_per_token']:.0f} B of the engine's pool (each group its own rows; a compressed cache keeps a row per raw token); "
         f"sliding state {f['kv_state_bytes_per_request'] / 2**20:.1f} MiB per request",
         "",
         "| figure | tok/s | per step / TTFT |",
