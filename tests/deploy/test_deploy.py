@@ -318,6 +318,26 @@ def test_chart_runs_prefill_and_decode_apart_and_moves_kv_through_nixl():
     assert "ports" not in rule and rule["from"]
 
 
+def test_chart_shares_the_node_pid_namespace_only_where_a_stage_asks():
+    """hostPID (CUDA IPC between a node's prefill and decode pods: legacy handles cannot
+    cross a PID namespace) is off by default and, when asked, on that stage's pods alone."""
+    values = {"stages": {s: {"hostPID": True, "kvTransfer": {"ucx": {"tls": "cuda_ipc,cuda_copy,tcp"}}}
+                         for s in ("prefill", "decode")}}
+    pods = workloads(render_chart(values))
+    for stage in ("prefill", "decode"):
+        pod = pods[f"mesh-infermesh-{stage}"]["spec"]["template"]["spec"]
+        assert pod["hostPID"] is True
+        assert not pod.get("hostIPC") and not pod.get("hostNetwork")
+        assert kv_transfer_env(pod)["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp"
+    for other in ("balancer", "kvcache"):
+        assert not pods[f"mesh-infermesh-{other}"]["spec"]["template"]["spec"].get("hostPID")
+    pods = workloads(render_chart({"stages": {"decode": {"hostPID": True}}}))
+    assert pods["mesh-infermesh-decode"]["spec"]["template"]["spec"]["hostPID"] is True
+    assert "hostPID" not in pods["mesh-infermesh-prefill"]["spec"]["template"]["spec"]
+    with pytest.raises(helm.HelmValuesError, match="hostPID"):
+        render_chart({"stages": {"decode": {"hostPID": "yes"}}})
+
+
 def test_chart_rdma_example_puts_the_pools_apart_on_rdma():
     """values-rdma.yaml over values-gpu.yaml: prefill and decode on node pools of their
     own, UCX's RDMA transport and the RDMA port beside TCP, the device plugin's
