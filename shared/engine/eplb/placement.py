@@ -147,55 +147,62 @@ def compute_placement(load: np.ndarray, spec: PlacementSpec) -> Placement:
     # place it like the static placement would, and any nonzero load outweighs them.
     load = load + 1e-6
 
+    rows = num_layers * nodes
     if policy is Policy.HIERARCHICAL:
         per_group = num_experts // spec.num_groups
         group_load = load.reshape(num_layers, spec.num_groups, per_group).sum(-1)
         node_groups = _pack(group_load, nodes)  # [layers, nodes, groups per node]
-        node_experts = (node_groups[..., None] * per_group + np.arange(per_group)).reshape(num_layers, nodes, -1)
+        node_experts = (node_groups[..., None] * per_group + np.arange(per_group)).reshape(rows, -1)
+        local_load = _take_rows(load, node_experts.reshape(num_layers, -1)).reshape(rows, -1)
     else:
-        node_experts = np.broadcast_to(np.arange(num_experts), (num_layers, 1, num_experts))
+        node_experts = None  # one node: local expert numbers are the logical ones
+        local_load = load
     # From here on a row is one (layer, node), its experts numbered locally.
-    rows = num_layers * nodes
-    local_load = np.take_along_axis(load, node_experts.reshape(num_layers, -1), axis=1).reshape(rows, -1)
     slots_per_node = spec.num_slots(num_experts) // nodes
     counts = _replicate(local_load, slots_per_node)
     local_experts = local_load.shape[1]
     # Every row's counts sum to slots_per_node, so one flat repeat reshapes into rows.
     items = np.repeat(np.tile(np.arange(local_experts), rows), counts.ravel()).reshape(rows, slots_per_node)
-    weights = np.take_along_axis(local_load / counts, items, axis=1)
+    weights = _take_rows(local_load / counts, items)
     packs = _pack(weights, spec.num_ranks // nodes, keys=items)  # [rows, ranks per node, slots] item indices
-    local = np.take_along_axis(items, packs.reshape(rows, -1), axis=1)
-    logical = np.take_along_axis(node_experts.reshape(rows, -1), local, axis=1)
+    logical = _take_rows(items, packs.reshape(rows, -1))
+    if node_experts is not None:
+        logical = _take_rows(node_experts, logical)
     return _finish(logical.reshape(num_layers, -1), num_experts, spec.num_ranks, policy)
+
+
+def _take_rows(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """np.take_along_axis(values, index, axis=1) for 2-D arrays, as one take on the flat
+    array (take_along_axis costs tens of microseconds of Python per call)."""
+    rows, width = values.shape
+    return values.ravel().take(index + (np.arange(rows) * width)[:, None])
 
 
 def _replicate(load: np.ndarray, num_slots: int) -> np.ndarray:
     """Replica counts [rows, experts] summing to num_slots per row: one each, then each
-    spare slot to the highest load per replica. The greedy is D'Hondt's rule, so a
-    threshold gives most of it at once: with t = load sum / spare slots, an expert's
-    extras whose quotient load/k is >= t number floor(load / t), at most `spare` in all,
-    and every one of them is among the greedy's picks; the rest go one by one."""
+    spare slot to the highest load per replica (the D'Hondt rule, greedy). In closed
+    form: the greedy's c-th extra replica of expert e is the quotient load_e / c, and it
+    takes the `spare` largest quotients of all; one partition per row finds them.
+    Quotients past `depth` per expert are never among them: at most floor(load_e /
+    lambda) of expert e's quotients reach lambda, and the spare-th largest quotient
+    lambda is >= sum(load) / (spare + experts) (below that, more than `spare` reach it)."""
     rows, experts = load.shape
     spare = num_slots - experts
     counts = np.ones((rows, experts), dtype=np.int64)
     if spare <= 0:
         return counts
-    counts += np.floor(load * (spare / load.sum(1, keepdims=True))).astype(np.int64)
-    # Rounding in the product may overshoot by one at a boundary: take those back.
-    while (over := counts.sum(1) - num_slots).max() > 0:
-        row = np.flatnonzero(over > 0)
-        worst = np.argmin(load[row] / np.maximum(counts[row] - 1, 1) + (counts[row] == 1) * np.inf, axis=1)
-        counts[row, worst] -= 1
-    left = num_slots - counts.sum(1)
-    per_replica = load / counts
-    row_ids = np.arange(rows)
-    for _ in range(int(left.max())):
-        pick = np.argmax(per_replica, axis=1)
-        give = left > 0
-        counts[row_ids[give], pick[give]] += 1
-        left -= give
-        per_replica[row_ids, pick] = load[row_ids, pick] / counts[row_ids, pick]
-    return counts
+    share = float((load / load.sum(1, keepdims=True)).max())
+    depth = int(min(spare, np.floor(share * (spare + experts)) + 1))
+    # Expert-major, so that quotient i belongs to expert i // depth.
+    quotients = (load[:, :, None] / np.arange(1, depth + 1)).reshape(rows, experts * depth)
+    if experts * depth > spare:
+        # Within an expert the quotients fall strictly, so the chosen ones are each
+        # expert's first few, ties at the cut between experts broken either way.
+        top = np.argpartition(-quotients, spare - 1, axis=1)[:, :spare]
+    else:
+        top = np.broadcast_to(np.arange(experts * depth), (rows, experts * depth))
+    extra = np.bincount((top // depth + (np.arange(rows) * experts)[:, None]).ravel(), minlength=rows * experts)
+    return counts + extra.reshape(rows, experts)
 
 
 def _pack(weights: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -> np.ndarray:
@@ -208,34 +215,45 @@ def _pack(weights: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -
     # Rounds of num_packs items, heaviest first; in each round the heaviest item goes to
     # the lightest pack so far (LPT under the equal-count constraint).
     order = np.argsort(-weights, axis=1, kind="stable")
-    packs = np.empty((rows, num_packs, per_pack), dtype=np.int64)
+    sorted_w = _take_rows(weights, order)
+    sorted_k = None if keys is None else _take_rows(keys, order)
+    # Slot-major, [rows, per_pack, packs]: the pack axis last, so that numpy's inner
+    # loops run along it (broadcasting over a last axis of 2-4 slots is ten times
+    # slower). The items, and beside them their weights and keys, swapped together.
+    packs = np.empty((rows, per_pack, num_packs), dtype=np.int64)
+    pack_w = np.empty((rows, per_pack, num_packs))
+    pack_k = None if keys is None else np.empty((rows, per_pack, num_packs), dtype=np.int64)
     pack_load = np.zeros((rows, num_packs))
     for j in range(per_pack):
-        chosen = order[:, j * num_packs : (j + 1) * num_packs]
+        round_ = slice(j * num_packs, (j + 1) * num_packs)
         targets = np.argsort(pack_load, axis=1, kind="stable")
-        if keys is not None and j > 0:
-            targets = _keep_replicas_apart(targets, chosen, packs[:, :, :j], keys)
-        packs[row_ids, targets, j] = chosen
-        pack_load[row_ids, targets] += np.take_along_axis(weights, chosen, axis=1)
+        if sorted_k is not None and j > 0:
+            targets = _keep_replicas_apart(targets, sorted_k[:, round_], pack_k[:, :j])
+        packs[row_ids, j, targets] = order[:, round_]
+        pack_w[row_ids, j, targets] = sorted_w[:, round_]
+        if pack_k is not None:
+            pack_k[row_ids, j, targets] = sorted_k[:, round_]
+        pack_load[row_ids, targets] += sorted_w[:, round_]
     if per_pack > 0 and num_packs > 1:
-        flat = _FlatItems(weights, keys)
-        _refine_pairs(packs, flat)
-        _refine_heaviest(packs, flat)
-    return packs
+        state = (packs, pack_w, pack_k)
+        scratch = (np.empty(rows * per_pack * per_pack * num_packs), np.empty(rows * per_pack * per_pack * num_packs))
+        _refine_pairs(state, scratch)
+        _refine_heaviest(state, scratch)
+    return packs.transpose(0, 2, 1)
 
 
-def _keep_replicas_apart(targets: np.ndarray, chosen: np.ndarray, earlier: np.ndarray, keys: np.ndarray) -> np.ndarray:
+def _keep_replicas_apart(targets: np.ndarray, chosen_keys: np.ndarray, earlier_keys: np.ndarray) -> np.ndarray:
     """A round's pack for each of its items, changed so that no item joins a pack that
     already holds its expert. Items are sorted by weight and an expert's replicas weigh
     the same, so they are one run: only the run that began in the round before can meet
     its own replicas, and it leads this round. Those of its items aimed at a pack that
     holds it trade packs with the round's first items aimed at packs that do not."""
-    rows, num_packs = targets.shape
-    chosen_keys = np.take_along_axis(keys, chosen, axis=1)
     lead = chosen_keys[:, :1]
-    earlier_keys = np.take_along_axis(keys, earlier.reshape(rows, -1), axis=1).reshape(earlier.shape)
-    holds_lead = np.take_along_axis((earlier_keys == lead[:, :, None]).any(-1), targets, axis=1)
-    in_run = np.cumprod(chosen_keys == lead, axis=1).astype(bool)
+    held = earlier_keys[:, 0] == lead  # earlier_keys [rows, slots so far, packs]
+    for i in range(1, earlier_keys.shape[1]):
+        held |= earlier_keys[:, i] == lead
+    holds_lead = _take_rows(held, targets)
+    in_run = np.logical_and.accumulate(chosen_keys == lead, axis=1)
     clash = in_run & holds_lead
     if not clash.any():
         return targets
@@ -249,116 +267,143 @@ def _keep_replicas_apart(targets: np.ndarray, chosen: np.ndarray, earlier: np.nd
     return targets
 
 
-class _FlatItems:
-    """Items' weights and keys, read by flat index (row * items + item): numpy's take on
-    one flat array is several times faster than fancy indexing with broadcast rows."""
-
-    def __init__(self, weights: np.ndarray, keys: np.ndarray | None) -> None:
-        rows, num_items = weights.shape
-        self.base = (np.arange(rows) * num_items)[:, None, None]
-        self.weights = weights.ravel()
-        self.keys = None if keys is None else keys.ravel()
-
-    def clashes(self, packs: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray | None:
-        """[rows, m, per_pack, per_pack] bool for m pairs (src pack, dst pack), each
-        [rows, m]: trading src's item a for dst's item b would put one beside a replica
-        of its own expert. (It also refuses two replicas of one expert trading places,
-        which would change nothing.)"""
-        if self.keys is None:
-            return None
-        item_keys = self.keys.take(packs + self.base)  # [rows, packs, per_pack]
-        src_keys = np.take_along_axis(item_keys, src[..., None], axis=1)  # [rows, m, per_pack]
-        dst_keys = np.take_along_axis(item_keys, dst[..., None], axis=1)
-        per_pack = packs.shape[2]
-        # Loops over the (few) slots: numpy's reductions over a short last axis are
-        # ten times slower than the same ORs written out.
-        a_joins = np.zeros(src_keys.shape, dtype=bool)
-        b_joins = np.zeros(src_keys.shape, dtype=bool)
-        for j in range(per_pack):
-            a_joins |= src_keys == dst_keys[..., j : j + 1]
-            b_joins |= dst_keys == src_keys[..., j : j + 1]
-        return a_joins[..., :, None] | b_joins[..., None, :]
+_PackState = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+"""(item indices, their weights, their keys or None), each [rows, per_pack, packs]."""
 
 
-def _best_swaps(packs: np.ndarray, flat: _FlatItems, src: np.ndarray, dst: np.ndarray,
-                loads: np.ndarray, w: np.ndarray, one_per_row: bool = False) -> int:
-    """For each pair (src pack, dst pack) [rows, m], the one trade of an item each that
-    best lowers the pair's heavier side (src), made where it lowers it at all; the
-    number of trades made."""
-    rows, num_packs, per_pack = packs.shape
-    w_src = np.take_along_axis(w, src[..., None], axis=1)  # [rows, m, per_pack]
-    w_dst = np.take_along_axis(w, dst[..., None], axis=1)
-    top = np.take_along_axis(loads, src, axis=1)
-    # src's item a for dst's item b: src changes by b - a, dst by a - b.
-    delta = w_src[..., :, None] - w_dst[..., None, :]  # [rows, m, a, b]
-    pair_max = np.maximum(top[..., None, None] - delta, np.take_along_axis(loads, dst, axis=1)[..., None, None] + delta)
-    clash = flat.clashes(packs, src, dst)
-    if clash is not None:
-        pair_max[clash] = np.inf
-    m = src.shape[1]
-    if one_per_row:  # the pairs share src: one trade per row, the best of them all
-        pair_max = pair_max.reshape(rows, 1, -1)
+def _gather_packs(cells: np.ndarray, packs: np.ndarray) -> np.ndarray:
+    """cells[i, :, packs[i, j]] as [rows, per_pack, m], for cells [rows, per_pack, num_packs]
+    and packs [rows, m]: one take on the flat array."""
+    rows, per_pack, num_packs = cells.shape
+    base = (np.arange(rows) * (per_pack * num_packs))[:, None, None] + (np.arange(per_pack) * num_packs)[:, None]
+    return cells.reshape(-1).take(base + packs[:, None, :])
+
+
+def _best_trades(w_src: np.ndarray, w_dst: np.ndarray, k_src: np.ndarray | None, k_dst: np.ndarray | None,
+                 top: np.ndarray, low: np.ndarray, scratch: tuple[np.ndarray, np.ndarray],
+                 one_per_row: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For m pairs (src pack, dst pack) in each of n rows, the one trade of an item each
+    that best lowers the pair's heavier side (src), where it lowers it at all
+    (one_per_row: only the best over a row's pairs): (row, pair, src slot, dst slot)
+    of each. w_src [n, per_pack, m] (or [n, per_pack, 1], one pack meeting m others) and
+    w_dst [n, per_pack, m] are the items' weights, k_src and k_dst their keys (None:
+    no keys), top [n, m or 1] and low [n, m] the packs' loads; scratch: two flat float64
+    buffers of at least n * per_pack**2 * m."""
+    n, per_pack, m = w_dst.shape
+    if k_src is not None:
+        # A trade that would put an item beside a replica of its own expert is refused
+        # (so is two replicas of one expert trading places, which changes nothing):
+        # an infinite weight makes its delta, and so its pair's max, infinite.
+        a_joins = k_src == k_dst[:, :1]  # [n, a, m]: a replica of src's item a is in dst
+        b_joins = k_dst == k_src[:, :1]  # [n, b, m]: one of dst's item b is in src
+        for j in range(1, per_pack):
+            a_joins |= k_src == k_dst[:, j : j + 1]
+            b_joins |= k_dst == k_src[:, j : j + 1]
+        w_src = np.where(a_joins, np.inf, w_src)
+        w_dst = np.where(b_joins, -np.inf, w_dst)
+    # src's item a for dst's item b: src changes by b - a, dst by a - b. [n, a, b, m], in
+    # the scratch buffers (fresh arrays this size cost more in page faults than in
+    # arithmetic), the pack axis last (broadcasting over a short last axis is slow).
+    shape = (n, per_pack, per_pack, m)
+    size = n * per_pack * per_pack * m
+    delta, pair_max = scratch[0][:size].reshape(shape), scratch[1][:size].reshape(shape)
+    np.subtract(w_src[:, :, None, :], w_dst[:, None, :, :], out=delta)
+    np.subtract(top[:, None, None, :], delta, out=pair_max)
+    np.add(low[:, None, None, :], delta, out=delta)
+    np.maximum(pair_max, delta, out=pair_max)
+    if one_per_row:
+        flat = pair_max.reshape(n, -1)
+        best = flat.argmin(1)
+        r = np.flatnonzero(flat[np.arange(n), best] < top[:, 0] * (1 - _MIN_GAIN))
+        ab, pair = np.divmod(best[r], m)
     else:
-        pair_max = pair_max.reshape(rows, m, -1)
-    best = pair_max.argmin(-1)
-    lowered = np.take_along_axis(pair_max, best[..., None], axis=-1)[..., 0]
-    r, k = np.nonzero(lowered < top[:, : lowered.shape[1]] * (1 - _MIN_GAIN))
-    pair, ab = np.divmod(best[r, k], per_pack * per_pack) if one_per_row else (k, best[r, k])
+        flat = pair_max.reshape(n, per_pack * per_pack, m)
+        best = flat.argmin(1)  # [n, m]
+        lowered = _take_rows(flat.reshape(n, -1), best * m + np.arange(m))
+        r, pair = np.nonzero(lowered < top * (1 - _MIN_GAIN))
+        ab = best[r, pair]
     a, b = np.divmod(ab, per_pack)
-    at_src = (r * num_packs + src[r, pair]) * per_pack + a
-    at_dst = (r * num_packs + dst[r, pair]) * per_pack + b
-    cells = packs.reshape(-1)
-    cells[at_src], cells[at_dst] = cells[at_dst], cells[at_src]
-    return len(r)
+    return r, pair, a, b
+
+
+def _trade(state: _PackState, rows: np.ndarray, src: np.ndarray, a: np.ndarray, dst: np.ndarray, b: np.ndarray) -> None:
+    """Slot a of pack src and slot b of pack dst trade items, in each row given."""
+    _, per_pack, num_packs = state[0].shape
+    base = rows * (per_pack * num_packs)
+    at_src, at_dst = base + a * num_packs + src, base + b * num_packs + dst
+    for cells in state:
+        if cells is not None:
+            flat = cells.reshape(-1)
+            flat[at_src], flat[at_dst] = flat[at_dst], flat[at_src]
 
 
 def _slot_sum(w: np.ndarray) -> np.ndarray:
-    """w.sum(-1), written out over the slots (a short axis numpy reduces slowly)."""
-    total = w[..., 0].copy()
-    for j in range(1, w.shape[-1]):
-        total += w[..., j]
+    """[rows, per_pack, packs] -> [rows, packs], written out over the slots."""
+    total = w[:, 0].copy()
+    for j in range(1, w.shape[1]):
+        total += w[:, j]
     return total
 
 
-def _refine_pairs(packs: np.ndarray, flat: _FlatItems) -> None:
+def _refine_pairs(state: _PackState, scratch: tuple[np.ndarray, np.ndarray]) -> None:
     """Pair the k-th heaviest pack with the k-th lightest and make, in every pair at
     once, the best trade of an item each, while one helps: the rounds place items by
-    weight order alone, this looks at the sums."""
-    half = packs.shape[1] // 2
+    weight order alone, this looks at the sums. A row where no trade helped is left
+    as it is, so the next rounds skip it (they would find the same nothing)."""
+    _, pack_w, pack_k = state
+    half = pack_w.shape[2] // 2
+    act = np.arange(pack_w.shape[0])
     for _ in range(_MAX_SWAP_ROUNDS):
-        w = flat.weights.take(packs + flat.base)
+        w = pack_w[act]
+        keys = None if pack_k is None else pack_k[act]
         loads = _slot_sum(w)
         by_load = np.argsort(loads, axis=1)
-        if not _best_swaps(packs, flat, by_load[:, : -half - 1 : -1], by_load[:, :half], loads, w):
+        src, dst = by_load[:, : -half - 1 : -1], by_load[:, :half]  # heaviest first; lightest first
+        r, pair, a, b = _best_trades(
+            _gather_packs(w, src), _gather_packs(w, dst),
+            None if keys is None else _gather_packs(keys, src), None if keys is None else _gather_packs(keys, dst),
+            _take_rows(loads, src), _take_rows(loads, dst), scratch, one_per_row=False)
+        _trade(state, act[r], src[r, pair], a, dst[r, pair], b)
+        traded = np.zeros(len(act), dtype=bool)
+        traded[r] = True
+        act = act[traded]
+        if not len(act):
             break
 
 
-def _refine_heaviest(packs: np.ndarray, flat: _FlatItems) -> None:
+def _refine_heaviest(state: _PackState, scratch: tuple[np.ndarray, np.ndarray]) -> None:
     """Then the heaviest pack's best trade with any pack, while one helps: where the
     lightest had nothing to trade with it, another may."""
-    rows, num_packs, _ = packs.shape
-    others = np.arange(num_packs)
+    _, pack_w, pack_k = state
+    act = np.arange(pack_w.shape[0])
     for _ in range(_MAX_HEAVIEST_ROUNDS):
-        w = flat.weights.take(packs + flat.base)
+        w = pack_w[act]
+        keys = None if pack_k is None else pack_k[act]
         loads = _slot_sum(w)
-        heavy = np.broadcast_to(loads.argmax(1)[:, None], (rows, num_packs))
+        heavy = loads.argmax(1)
+        at = np.arange(len(act))
         # Trading with itself: delta 0 on both sides, never "better", so it may stay in.
-        if not _best_swaps(packs, flat, heavy, np.broadcast_to(others, (rows, num_packs)), loads, w, one_per_row=True):
+        r, pair, a, b = _best_trades(
+            w[at, :, heavy][:, :, None], w, None if keys is None else keys[at, :, heavy][:, :, None], keys,
+            loads[at, heavy][:, None], loads, scratch, one_per_row=True)
+        _trade(state, act[r], heavy[r], a, pair, b)
+        act = act[r]
+        if not len(act):
             break
 
 
 def _finish(phy_to_log: np.ndarray, num_experts: int, num_ranks: int, policy: Policy) -> Placement:
     """The reverse map and the counts, from the slot map."""
     num_layers, num_slots = phy_to_log.shape
-    counts = np.zeros((num_layers, num_experts), dtype=np.int64)
-    np.add.at(counts, (np.arange(num_layers)[:, None], phy_to_log), 1)
+    flat = (phy_to_log + (np.arange(num_layers) * num_experts)[:, None]).ravel()
+    counts = np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
     assert (counts >= 1).all(), "a placement lost an expert"
     # Slots grouped by expert (stable: ascending within one); a slot's index among its
     # expert's replicas is its position minus where the expert's run starts.
     order = np.argsort(phy_to_log, axis=1, kind="stable")
-    expert_of = np.take_along_axis(phy_to_log, order, axis=1)
+    expert_of = _take_rows(phy_to_log, order)
     starts = np.cumsum(counts, axis=1) - counts
-    within = np.arange(num_slots) - np.take_along_axis(starts, expert_of, axis=1)
+    within = np.arange(num_slots) - _take_rows(starts, expert_of)
     log_to_phy = np.full((num_layers, num_experts, int(counts.max())), -1, dtype=np.int64)
     log_to_phy[np.arange(num_layers)[:, None], expert_of, within] = order
     return Placement(phy_to_log, log_to_phy, counts, num_ranks, num_slots // num_ranks, policy)
