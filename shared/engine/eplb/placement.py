@@ -26,6 +26,9 @@ import numpy as np
 # A swap must lower the heavier rank by more than this share of its load: rounding
 # noise must not count as progress (the refinement would cycle).
 _MIN_GAIN = 1e-9
+_THRESHOLD_STEPS = 6
+"""Regula falsi steps on the replica threshold: after four the greedy has a few slots
+left per row at 48 x 128 experts, EP16-64 (it is exact whatever the number)."""
 _MAX_SWAP_ROUNDS = 8
 """Bound on the paired refinement's rounds (each evens every heaviest/lightest pair
 or stops): at 48 layers x 128 experts x EP16-64 they stop by the eighth."""
@@ -180,29 +183,41 @@ def _take_rows(values: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 def _replicate(load: np.ndarray, num_slots: int) -> np.ndarray:
     """Replica counts [rows, experts] summing to num_slots per row: one each, then each
-    spare slot to the highest load per replica (the D'Hondt rule, greedy). In closed
-    form: the greedy's c-th extra replica of expert e is the quotient load_e / c, and it
-    takes the `spare` largest quotients of all; one partition per row finds them.
-    Quotients past `depth` per expert are never among them: at most floor(load_e /
-    lambda) of expert e's quotients reach lambda, and the spare-th largest quotient
-    lambda is >= sum(load) / (spare + experts) (below that, more than `spare` reach it)."""
+    spare slot to the highest load per replica (the D'Hondt rule, greedy). The greedy's
+    c-th extra replica of expert e is the quotient load_e / c, and it takes the `spare`
+    largest quotients of all. Every quotient >= 1/u, for a u > 0, is floor(load_e * u)
+    extras of expert e, a top set of the quotients; their number f(u) grows with u,
+    almost linearly. Regula falsi on u, from f(spare / total) <= spare <= f((spare +
+    experts) / total) (Illinois' variant), leaves a few extras per row; the greedy,
+    started from the lower top set, gives them one by one, for all rows at once."""
     rows, experts = load.shape
     spare = num_slots - experts
     counts = np.ones((rows, experts), dtype=np.int64)
     if spare <= 0:
         return counts
-    share = float((load / load.sum(1, keepdims=True)).max())
-    depth = int(min(spare, np.floor(share * (spare + experts)) + 1))
-    # Expert-major, so that quotient i belongs to expert i // depth.
-    quotients = (load[:, :, None] / np.arange(1, depth + 1)).reshape(rows, experts * depth)
-    if experts * depth > spare:
-        # Within an expert the quotients fall strictly, so the chosen ones are each
-        # expert's first few, ties at the cut between experts broken either way.
-        top = np.argpartition(-quotients, spare - 1, axis=1)[:, :spare]
-    else:
-        top = np.broadcast_to(np.arange(experts * depth), (rows, experts * depth))
-    extra = np.bincount((top // depth + (np.arange(rows) * experts)[:, None]).ravel(), minlength=rows * experts)
-    return counts + extra.reshape(rows, experts)
+    total = load.sum(1)
+    # Illinois' regula falsi on g(u) = f(u) - spare - 1/2, kept bracketed: g(lo) < 0 < g(hi).
+    lo, hi = spare / total, (spare + experts) / total
+    g_lo = np.floor(load * lo[:, None]).sum(1) - (spare + 0.5)
+    g_hi = np.floor(load * hi[:, None]).sum(1) - (spare + 0.5)
+    kept = np.zeros(rows, dtype=np.int8)  # the side kept last step: -1 lo, +1 hi
+    for _ in range(_THRESHOLD_STEPS):
+        u = (lo * g_hi - hi * g_lo) / (g_hi - g_lo)
+        g = np.floor(load * u[:, None]).sum(1) - (spare + 0.5)
+        below = g < 0
+        # The side kept twice in a row has its g halved, so the next step leans past it.
+        g_hi = np.where(below & (kept == 1), g_hi / 2, g_hi)
+        g_lo = np.where(~below & (kept == -1), g_lo / 2, g_lo)
+        lo, g_lo = np.where(below, u, lo), np.where(below, g, g_lo)
+        hi, g_hi = np.where(below, hi, u), np.where(below, g_hi, g)
+        kept = np.where(below, 1, -1).astype(np.int8)
+    counts += np.floor(load * lo[:, None]).astype(np.int64)
+    left = num_slots - counts.sum(1)
+    while (add := np.flatnonzero(left > 0)).size:
+        pick = np.argmax(load[add] / counts[add], axis=1)  # the largest quotient not yet taken
+        counts[add, pick] += 1
+        left[add] -= 1
+    return counts
 
 
 def _pack(weights: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -> np.ndarray:
