@@ -29,12 +29,12 @@ _MIN_GAIN = 1e-9
 _THRESHOLD_STEPS = 6
 """Regula falsi steps on the replica threshold: after four the greedy has a few slots
 left per row at 48 x 128 experts, EP16-64 (it is exact whatever the number)."""
-_MAX_SWAP_ROUNDS = 8
-"""Bound on the paired refinement's rounds (each evens every heaviest/lightest pair
-or stops): at 48 layers x 128 experts x EP16-64 they stop by the eighth."""
-_MAX_HEAVIEST_ROUNDS = 8
-"""Bound on the heaviest-pack refinement's rounds, each lowering one pack per layer:
-the placement's time budget (5 ms at 48 x 128 x EP64) bounds it."""
+_PAIR_SHIFTS = (0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8)
+_PAIR_ROUNDS = 8
+"""The refinement's pair rounds and the rotation of each (see _refine)."""
+_HEAVIEST_ROUNDS = 8
+"""Bound on the heaviest-pack rounds, each lowering one pack per layer: the
+placement's time budget (5 ms at 48 x 128 x EP64) bounds them."""
 
 
 class Policy(enum.Enum):
@@ -167,8 +167,8 @@ def compute_placement(load: np.ndarray, spec: PlacementSpec) -> Placement:
     # Every row's counts sum to slots_per_node, so one flat repeat reshapes into rows.
     items = np.repeat(np.tile(np.arange(local_experts), rows), counts.ravel()).reshape(rows, slots_per_node)
     weights = _take_rows(local_load / counts, items)
-    packs = _pack(weights, spec.num_ranks // nodes, keys=items)  # [rows, ranks per node, slots] item indices
-    logical = _take_rows(items, packs.reshape(rows, -1))
+    # [rows, ranks per node, slots]: the (local) expert in each slot.
+    logical = _pack(weights, spec.num_ranks // nodes, keys=items).reshape(rows, -1)
     if node_experts is not None:
         logical = _take_rows(node_experts, logical)
     return _finish(logical.reshape(num_layers, -1), num_experts, spec.num_ranks, policy)
@@ -221,40 +221,39 @@ def _replicate(load: np.ndarray, num_slots: int) -> np.ndarray:
 
 
 def _pack(weights: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -> np.ndarray:
-    """Items [rows, items] into num_packs packs of equal size, balanced: the item indices
-    of each pack, [rows, packs, items / packs]. Items with equal keys (replicas of one
-    expert) share a pack only where that cannot be avoided (more replicas than packs)."""
+    """Items [rows, items] into num_packs packs of equal size, balanced: the keys of each
+    pack's items, [rows, packs, items / packs] (their item indices where keys is None).
+    Items with equal keys (replicas of one expert) share a pack only where that cannot
+    be avoided (more replicas than packs)."""
     rows, num_items = weights.shape
     per_pack = num_items // num_packs
     row_ids = np.arange(rows)[:, None]
+    apart = keys is not None
     # Rounds of num_packs items, heaviest first; in each round the heaviest item goes to
     # the lightest pack so far (LPT under the equal-count constraint).
     order = np.argsort(-weights, axis=1, kind="stable")
     sorted_w = _take_rows(weights, order)
-    sorted_k = None if keys is None else _take_rows(keys, order)
+    sorted_k = _take_rows(keys, order) if apart else order
     # Slot-major, [rows, per_pack, packs]: the pack axis last, so that numpy's inner
     # loops run along it (broadcasting over a last axis of 2-4 slots is ten times
-    # slower). The items, and beside them their weights and keys, swapped together.
-    packs = np.empty((rows, per_pack, num_packs), dtype=np.int64)
+    # slower). Each slot's item weight and key, moved together.
     pack_w = np.empty((rows, per_pack, num_packs))
-    pack_k = None if keys is None else np.empty((rows, per_pack, num_packs), dtype=np.int64)
+    pack_k = np.empty((rows, per_pack, num_packs), dtype=np.int64)
     pack_load = np.zeros((rows, num_packs))
     for j in range(per_pack):
         round_ = slice(j * num_packs, (j + 1) * num_packs)
+        if j == 0:  # all packs empty: the stable order is the packs' own
+            pack_w[:, 0], pack_k[:, 0], pack_load[:] = sorted_w[:, round_], sorted_k[:, round_], sorted_w[:, round_]
+            continue
         targets = np.argsort(pack_load, axis=1, kind="stable")
-        if sorted_k is not None and j > 0:
+        if apart:
             targets = _keep_replicas_apart(targets, sorted_k[:, round_], pack_k[:, :j])
-        packs[row_ids, j, targets] = order[:, round_]
         pack_w[row_ids, j, targets] = sorted_w[:, round_]
-        if pack_k is not None:
-            pack_k[row_ids, j, targets] = sorted_k[:, round_]
+        pack_k[row_ids, j, targets] = sorted_k[:, round_]
         pack_load[row_ids, targets] += sorted_w[:, round_]
     if per_pack > 0 and num_packs > 1:
-        state = (packs, pack_w, pack_k)
-        scratch = (np.empty(rows * per_pack * per_pack * num_packs), np.empty(rows * per_pack * per_pack * num_packs))
-        _refine_pairs(state, scratch)
-        _refine_heaviest(state, scratch)
-    return packs.transpose(0, 2, 1)
+        _refine(pack_w, pack_k, apart)
+    return pack_k.transpose(0, 2, 1)
 
 
 def _keep_replicas_apart(targets: np.ndarray, chosen_keys: np.ndarray, earlier_keys: np.ndarray) -> np.ndarray:
@@ -282,129 +281,104 @@ def _keep_replicas_apart(targets: np.ndarray, chosen_keys: np.ndarray, earlier_k
     return targets
 
 
-_PackState = tuple[np.ndarray, np.ndarray, np.ndarray | None]
-"""(item indices, their weights, their keys or None), each [rows, per_pack, packs]."""
-
-
-def _gather_packs(cells: np.ndarray, packs: np.ndarray) -> np.ndarray:
-    """cells[i, :, packs[i, j]] as [rows, per_pack, m], for cells [rows, per_pack, num_packs]
-    and packs [rows, m]: one take on the flat array."""
-    rows, per_pack, num_packs = cells.shape
-    base = (np.arange(rows) * (per_pack * num_packs))[:, None, None] + (np.arange(per_pack) * num_packs)[:, None]
-    return cells.reshape(-1).take(base + packs[:, None, :])
-
-
-def _best_trades(w_src: np.ndarray, w_dst: np.ndarray, k_src: np.ndarray | None, k_dst: np.ndarray | None,
-                 top: np.ndarray, low: np.ndarray, scratch: tuple[np.ndarray, np.ndarray],
-                 one_per_row: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For m pairs (src pack, dst pack) in each of n rows, the one trade of an item each
-    that best lowers the pair's heavier side (src), where it lowers it at all
-    (one_per_row: only the best over a row's pairs): (row, pair, src slot, dst slot)
-    of each. w_src [n, per_pack, m] (or [n, per_pack, 1], one pack meeting m others) and
-    w_dst [n, per_pack, m] are the items' weights, k_src and k_dst their keys (None:
-    no keys), top [n, m or 1] and low [n, m] the packs' loads; scratch: two flat float64
-    buffers of at least n * per_pack**2 * m."""
+def _pair_max(w_src: np.ndarray, w_dst: np.ndarray, k_src: np.ndarray, k_dst: np.ndarray, top: np.ndarray,
+              low: np.ndarray, apart: bool, out: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """[n, a, b, m]: for m pairs (src pack, dst pack) per row, the heavier of the two
+    packs' loads after src's item a and dst's item b trade places. w_src [n, slots, m]
+    (or [n, slots, 1]: one pack meets m others) and w_dst [n, slots, m] are the items'
+    weights, k_src and k_dst their keys, top [n, m or 1] and low [n, m] the packs' loads.
+    apart: a trade that would put an item beside a replica of its own expert is
+    refused, as +inf (so is two replicas of one expert trading places, which changes
+    nothing). out: two flat float64 buffers of at least n * slots**2 * m, the result is
+    a view of the second (fresh arrays this size cost more in page faults than in
+    arithmetic)."""
     n, per_pack, m = w_dst.shape
-    if k_src is not None:
-        # A trade that would put an item beside a replica of its own expert is refused
-        # (so is two replicas of one expert trading places, which changes nothing):
-        # an infinite weight makes its delta, and so its pair's max, infinite.
-        a_joins = k_src == k_dst[:, :1]  # [n, a, m]: a replica of src's item a is in dst
-        b_joins = k_dst == k_src[:, :1]  # [n, b, m]: one of dst's item b is in src
-        for j in range(1, per_pack):
-            a_joins |= k_src == k_dst[:, j : j + 1]
-            b_joins |= k_dst == k_src[:, j : j + 1]
-        w_src = np.where(a_joins, np.inf, w_src)
-        w_dst = np.where(b_joins, -np.inf, w_dst)
-    # src's item a for dst's item b: src changes by b - a, dst by a - b. [n, a, b, m], in
-    # the scratch buffers (fresh arrays this size cost more in page faults than in
-    # arithmetic), the pack axis last (broadcasting over a short last axis is slow).
+    if apart:
+        same = k_src[:, :, None, :] == k_dst[:, None, :, :]  # [n, a, b, m]
+        # An infinite weight makes the trade's delta, and so its pair max, infinite.
+        w_src = np.where(same.any(2), np.inf, w_src)  # a replica of src's item a is in dst
+        w_dst = np.where(same.any(1), -np.inf, w_dst)  # one of dst's item b is in src
     shape = (n, per_pack, per_pack, m)
     size = n * per_pack * per_pack * m
-    delta, pair_max = scratch[0][:size].reshape(shape), scratch[1][:size].reshape(shape)
+    delta, pair_max = out[0][:size].reshape(shape), out[1][:size].reshape(shape)
+    # src's item a for dst's item b: src changes by b - a, dst by a - b.
     np.subtract(w_src[:, :, None, :], w_dst[:, None, :, :], out=delta)
     np.subtract(top[:, None, None, :], delta, out=pair_max)
     np.add(low[:, None, None, :], delta, out=delta)
-    np.maximum(pair_max, delta, out=pair_max)
-    if one_per_row:
-        flat = pair_max.reshape(n, -1)
-        best = flat.argmin(1)
-        r = np.flatnonzero(flat[np.arange(n), best] < top[:, 0] * (1 - _MIN_GAIN))
-        ab, pair = np.divmod(best[r], m)
-    else:
-        flat = pair_max.reshape(n, per_pack * per_pack, m)
-        best = flat.argmin(1)  # [n, m]
-        lowered = _take_rows(flat.reshape(n, -1), best * m + np.arange(m))
-        r, pair = np.nonzero(lowered < top * (1 - _MIN_GAIN))
-        ab = best[r, pair]
-    a, b = np.divmod(ab, per_pack)
-    return r, pair, a, b
+    return np.maximum(pair_max, delta, out=pair_max)
 
 
-def _trade(state: _PackState, rows: np.ndarray, src: np.ndarray, a: np.ndarray, dst: np.ndarray, b: np.ndarray) -> None:
-    """Slot a of pack src and slot b of pack dst trade items, in each row given."""
-    _, per_pack, num_packs = state[0].shape
-    base = rows * (per_pack * num_packs)
-    at_src, at_dst = base + a * num_packs + src, base + b * num_packs + dst
-    for cells in state:
-        if cells is not None:
-            flat = cells.reshape(-1)
-            flat[at_src], flat[at_dst] = flat[at_dst], flat[at_src]
+def _swap(cells: tuple[np.ndarray, ...], at_src: np.ndarray, at_dst: np.ndarray) -> None:
+    """Each array's flat cells at_src and at_dst trade values."""
+    for c in cells:
+        flat = c.reshape(-1)
+        flat[at_src], flat[at_dst] = flat[at_dst], flat[at_src]
 
 
 def _slot_sum(w: np.ndarray) -> np.ndarray:
-    """[rows, per_pack, packs] -> [rows, packs], written out over the slots."""
+    """[rows, per_pack, packs] -> [rows, packs], written out over the slots (numpy
+    reduces a short axis slowly)."""
     total = w[:, 0].copy()
     for j in range(1, w.shape[1]):
         total += w[:, j]
     return total
 
 
-def _refine_pairs(state: _PackState, scratch: tuple[np.ndarray, np.ndarray]) -> None:
-    """Pair the k-th heaviest pack with the k-th lightest and make, in every pair at
-    once, the best trade of an item each, while one helps: the rounds place items by
-    weight order alone, this looks at the sums. A row where no trade helped is left
-    as it is, so the next rounds skip it (they would find the same nothing)."""
-    _, pack_w, pack_k = state
-    half = pack_w.shape[2] // 2
-    act = np.arange(pack_w.shape[0])
-    for _ in range(_MAX_SWAP_ROUNDS):
-        w = pack_w[act]
-        keys = None if pack_k is None else pack_k[act]
-        loads = _slot_sum(w)
+def _refine(pack_w: np.ndarray, pack_k: np.ndarray, apart: bool) -> None:
+    """Trades of one item for one between two packs, each lowering the heavier of the
+    two (by more than _MIN_GAIN), so that no pack's load ever rises above the heavier
+    one's before: the rounds place items by weight order alone, this looks at the sums.
+
+    First pair rounds: the packs sorted by load, the k-th heaviest meets the
+    (k + shift)-th lightest (shift from _PAIR_SHIFTS, one per round, so that a heavy
+    pack the lightest could not help meets others), every pair making its best trade
+    at once. Then heaviest rounds: each row's heaviest pack makes its best trade with
+    any pack, the one that lowers the max, while one helps.
+
+    Every row goes through every round (a row with nothing to trade costs arithmetic
+    only; numpy's per-call cost, not the arithmetic, is what these shapes pay for)."""
+    rows, per_pack, num_packs = pack_w.shape
+    half = num_packs // 2
+    cells = (pack_w, pack_k)
+    scratch_size = rows * per_pack * per_pack * num_packs
+    scratch = (np.empty(scratch_size), np.empty(scratch_size))
+    pack_base = (np.arange(rows) * num_packs)[:, None]
+    slot_base = (np.arange(rows) * (per_pack * num_packs))[:, None, None] + (np.arange(per_pack) * num_packs)[:, None]
+    row_cells = slot_base[:, 0, 0]
+    for shift in _PAIR_SHIFTS[: _PAIR_ROUNDS] if half else ():
+        loads = _slot_sum(pack_w)
         by_load = np.argsort(loads, axis=1)
-        src, dst = by_load[:, : -half - 1 : -1], by_load[:, :half]  # heaviest first; lightest first
-        r, pair, a, b = _best_trades(
-            _gather_packs(w, src), _gather_packs(w, dst),
-            None if keys is None else _gather_packs(keys, src), None if keys is None else _gather_packs(keys, dst),
-            _take_rows(loads, src), _take_rows(loads, dst), scratch, one_per_row=False)
-        _trade(state, act[r], src[r, pair], a, dst[r, pair], b)
-        traded = np.zeros(len(act), dtype=bool)
-        traded[r] = True
-        act = act[traded]
-        if not len(act):
-            break
-
-
-def _refine_heaviest(state: _PackState, scratch: tuple[np.ndarray, np.ndarray]) -> None:
-    """Then the heaviest pack's best trade with any pack, while one helps: where the
-    lightest had nothing to trade with it, another may."""
-    _, pack_w, pack_k = state
-    act = np.arange(pack_w.shape[0])
-    for _ in range(_MAX_HEAVIEST_ROUNDS):
-        w = pack_w[act]
-        keys = None if pack_k is None else pack_k[act]
-        loads = _slot_sum(w)
+        # Columns: the lightest half, rotated by the shift, then the heaviest, heaviest first.
+        pick = np.concatenate([(np.arange(half) + shift) % half, np.arange(num_packs - 1, num_packs - 1 - half, -1)])
+        packs = by_load[:, pick]  # [rows, 2 * half]: dst then src
+        at = slot_base + packs[:, None, :]
+        w, k, load = pack_w.reshape(-1).take(at), pack_k.reshape(-1).take(at), loads.reshape(-1).take(pack_base + packs)
+        pair_max = _pair_max(w[:, :, half:], w[:, :, :half], k[:, :, half:], k[:, :, :half],
+                             load[:, half:], load[:, :half], apart, scratch)
+        flat = pair_max.reshape(rows, per_pack * per_pack, half)
+        best = flat.argmin(1)  # [rows, half]: a * per_pack + b per pair
+        lowered = flat.reshape(rows, -1).take(best * half + (np.arange(rows) * (per_pack * per_pack * half))[:, None] + np.arange(half))
+        r, i = np.nonzero(lowered < load[:, half:] * (1 - _MIN_GAIN))
+        if not len(r):
+            continue
+        a, b = np.divmod(best[r, i], per_pack)
+        _swap(cells, row_cells[r] + a * num_packs + packs[r, half + i], row_cells[r] + b * num_packs + packs[r, i])
+    all_rows = np.arange(rows)
+    for _ in range(_HEAVIEST_ROUNDS):
+        loads = _slot_sum(pack_w)
         heavy = loads.argmax(1)
-        at = np.arange(len(act))
-        # Trading with itself: delta 0 on both sides, never "better", so it may stay in.
-        r, pair, a, b = _best_trades(
-            w[at, :, heavy][:, :, None], w, None if keys is None else keys[at, :, heavy][:, :, None], keys,
-            loads[at, heavy][:, None], loads, scratch, one_per_row=True)
-        _trade(state, act[r], heavy[r], a, pair, b)
-        act = act[r]
-        if not len(act):
+        w_src = pack_w[all_rows, :, heavy][:, :, None]  # [rows, slots, 1]
+        k_src = pack_k[all_rows, :, heavy][:, :, None]
+        top = loads[all_rows, heavy][:, None]
+        # Trading with itself: delta 0 or a clash, never "better", so it may stay in.
+        flat = _pair_max(w_src, pack_w, k_src, pack_k, top, loads, apart, scratch).reshape(rows, -1)
+        best = flat.argmin(1)
+        r = np.flatnonzero(flat[all_rows, best] < top[:, 0] * (1 - _MIN_GAIN))
+        if not len(r):
             break
+        a, rest = np.divmod(best[r], per_pack * num_packs)
+        b, partner = np.divmod(rest, num_packs)
+        _swap(cells, row_cells[r] + a * num_packs + heavy[r], row_cells[r] + b * num_packs + partner)
 
 
 def _finish(phy_to_log: np.ndarray, num_experts: int, num_ranks: int, policy: Policy) -> Placement:
