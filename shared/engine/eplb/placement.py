@@ -277,9 +277,7 @@ def _pack(weights: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -
         # The refinement compares sums of a few weights: float32 decides as well, and
         # halves what its arithmetic reads; keys fit 16 bits at any expert count here.
         key_type = np.int16 if pack_k.max() < 2**15 else np.int64
-        refined = pack_k.astype(key_type)
-        _refine(pack_w.astype(np.float32), refined, apart)
-        pack_k = refined.astype(np.int64)
+        pack_k = _refine(pack_w.astype(np.float32), pack_k.astype(key_type), apart).astype(np.int64)
     return pack_k.transpose(0, 2, 1)
 
 
@@ -310,31 +308,30 @@ def _keep_replicas_apart(targets: np.ndarray, chosen_keys: np.ndarray, earlier_k
 
 def _pair_max(w_src: np.ndarray, w_dst: np.ndarray, k_src: np.ndarray, k_dst: np.ndarray, top: np.ndarray,
               low: np.ndarray, apart: bool, out: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """[n, a, b, m]: for m pairs (src pack, dst pack) per row, the heavier of the two
-    packs' loads after src's item a and dst's item b trade places. w_src [n, slots, m]
-    (or [n, slots, 1]: one pack meets m others) and w_dst [n, slots, m] are the items'
-    weights, k_src and k_dst their keys, top [n, m or 1] and low [n, m] the packs' loads.
-    apart: a trade that would put an item beside a replica of its own expert is
+    """[a, b, n]: for n pairs (src pack, dst pack), the heavier of the two packs' loads
+    after src's item a and dst's item b trade places. w_src and w_dst [slots, n] are the
+    items' weights, k_src and k_dst their keys, top and low [n] the packs' loads. The
+    pairs (of all rows) are the last axis, long, so that numpy's inner loops run along
+    it. apart: a trade that would put an item beside a replica of its own expert is
     refused, as +inf (so is two replicas of one expert trading places, which changes
-    nothing). out: two flat buffers of at least n * slots**2 * m, the result is
-    a view of the second (fresh arrays this size cost more in page faults than in
-    arithmetic)."""
-    n, per_pack, m = w_dst.shape
+    nothing). out: two flat buffers of at least slots**2 * n, the result is a view of
+    the second (fresh arrays this size cost more in page faults than in arithmetic)."""
+    per_pack, n = w_dst.shape
     if apart:
-        same = k_src[:, :, None, :] == k_dst[:, None, :, :]  # [n, a, b, m]
-        a_joins, b_joins = same[:, :, 0], same[:, 0]  # or-ed out over the slots: .any() is slower
+        same = k_src[:, None, :] == k_dst[None, :, :]  # [a, b, n]
+        a_joins, b_joins = same[:, 0], same[0]  # or-ed out over the slots: .any() is slower
         for j in range(1, per_pack):
-            a_joins, b_joins = a_joins | same[:, :, j], b_joins | same[:, j]
+            a_joins, b_joins = a_joins | same[:, j], b_joins | same[j]
         # An infinite weight makes the trade's delta, and so its pair max, infinite.
         w_src = np.where(a_joins, np.inf, w_src)  # a replica of src's item a is in dst
         w_dst = np.where(b_joins, -np.inf, w_dst)  # one of dst's item b is in src
-    shape = (n, per_pack, per_pack, m)
-    size = n * per_pack * per_pack * m
+    shape = (per_pack, per_pack, n)
+    size = per_pack * per_pack * n
     delta, pair_max = out[0][:size].reshape(shape), out[1][:size].reshape(shape)
     # src's item a for dst's item b: src changes by b - a, dst by a - b.
-    np.subtract(w_src[:, :, None, :], w_dst[:, None, :, :], out=delta)
-    np.subtract(top[:, None, None, :], delta, out=pair_max)
-    np.add(low[:, None, None, :], delta, out=delta)
+    np.subtract(w_src[:, None, :], w_dst[None, :, :], out=delta)
+    np.subtract(top, delta, out=pair_max)
+    np.add(low, delta, out=delta)
     return np.maximum(pair_max, delta, out=pair_max)
 
 
@@ -346,18 +343,18 @@ def _swap(cells: tuple[np.ndarray, ...], at_src: np.ndarray, at_dst: np.ndarray)
 
 
 def _slot_sum(w: np.ndarray) -> np.ndarray:
-    """[rows, per_pack, packs] -> [rows, packs], written out over the slots (numpy
-    reduces a short axis slowly)."""
-    total = w[:, 0].copy()
-    for j in range(1, w.shape[1]):
-        total += w[:, j]
+    """[per_pack, rows, packs] -> [rows, packs], written out over the slots."""
+    total = w[0].copy()
+    for j in range(1, w.shape[0]):
+        total += w[j]
     return total
 
 
-def _refine(pack_w: np.ndarray, pack_k: np.ndarray, apart: bool) -> None:
+def _refine(pack_w: np.ndarray, pack_k: np.ndarray, apart: bool) -> np.ndarray:
     """Trades of one item for one between two packs, each lowering the heavier of the
     two (by more than _MIN_GAIN), so that no pack's load ever rises above the heavier
     one's before: the rounds place items by weight order alone, this looks at the sums.
+    pack_w and pack_k [rows, per_pack, packs]; the keys after the trades, so shaped.
 
     First pair rounds: the packs sorted by load, the k-th heaviest meets the
     (k + shift)-th lightest (shift from _PAIR_SHIFTS, one per round, so that a heavy
@@ -369,45 +366,53 @@ def _refine(pack_w: np.ndarray, pack_k: np.ndarray, apart: bool) -> None:
     only; numpy's per-call cost, not the arithmetic, is what these shapes pay for)."""
     rows, per_pack, num_packs = pack_w.shape
     half = num_packs // 2
-    cells = (pack_w, pack_k)
-    scratch_size = rows * per_pack * per_pack * num_packs
-    scratch = (np.empty(scratch_size, dtype=pack_w.dtype), np.empty(scratch_size, dtype=pack_w.dtype))
+    # Slot-first, [per_pack, rows, packs]: a slot's plane of all rows' packs is one flat
+    # stretch, and the candidates of all rows one long axis.
+    w_all = np.ascontiguousarray(pack_w.transpose(1, 0, 2))
+    k_all = np.ascontiguousarray(pack_k.transpose(1, 0, 2))
+    cells = (w_all, k_all)
+    flat_w, flat_k = w_all.reshape(-1), k_all.reshape(-1)
+    plane = rows * num_packs
+    slot_off = (np.arange(per_pack) * plane)[:, None]
     pack_base = (np.arange(rows) * num_packs)[:, None]
-    slot_base = (np.arange(rows) * (per_pack * num_packs))[:, None, None] + (np.arange(per_pack) * num_packs)[:, None]
-    row_cells = slot_base[:, 0, 0]
-    for shift in _PAIR_SHIFTS[: _PAIR_ROUNDS] if half else ():
-        loads = _slot_sum(pack_w)
-        by_load = _argsort_rows(loads)
+    scratch = tuple(np.empty(per_pack * per_pack * plane, dtype=w_all.dtype) for _ in range(2))
+    for shift in _PAIR_SHIFTS[:_PAIR_ROUNDS] if half else ():
+        loads = _slot_sum(w_all).reshape(-1)
+        by_load = _argsort_rows(loads.reshape(rows, num_packs))
         # Columns: the lightest half, rotated by the shift, then the heaviest, heaviest first.
         pick = np.concatenate([(np.arange(half) + shift) % half, np.arange(num_packs - 1, num_packs - 1 - half, -1)])
-        packs = by_load[:, pick]  # [rows, 2 * half]: dst then src
-        at = slot_base + packs[:, None, :]
-        w, k, load = pack_w.reshape(-1).take(at), pack_k.reshape(-1).take(at), loads.reshape(-1).take(pack_base + packs)
-        pair_max = _pair_max(w[:, :, half:], w[:, :, :half], k[:, :, half:], k[:, :, :half],
-                             load[:, half:], load[:, :half], apart, scratch)
-        flat = pair_max.reshape(rows, per_pack * per_pack, half)
-        # The best trade's index only where it helps (argmin over a middle axis is slow).
-        r, i = np.nonzero(flat.min(1) < load[:, half:] * (1 - _MIN_GAIN))
-        if not len(r):
+        packs = by_load[:, pick] + pack_base  # [rows, 2 * half], flat in a plane: dst then src
+        dst, src = packs[:, :half].ravel(), packs[:, half:].ravel()
+        top = loads.take(src)
+        at_src, at_dst = slot_off + src, slot_off + dst
+        pair_max = _pair_max(flat_w.take(at_src), flat_w.take(at_dst), flat_k.take(at_src), flat_k.take(at_dst),
+                             top, loads.take(dst), apart, scratch).reshape(per_pack * per_pack, -1)
+        # The best trade's index only where it helps.
+        c = np.flatnonzero(pair_max.min(0) < top * (1 - _MIN_GAIN))
+        if not len(c):
             continue
-        a, b = np.divmod(flat[r, :, i].argmin(1), per_pack)
-        _swap(cells, row_cells[r] + a * num_packs + packs[r, half + i], row_cells[r] + b * num_packs + packs[r, i])
+        a, b = np.divmod(pair_max[:, c].argmin(0), per_pack)
+        _swap(cells, a * plane + src[c], b * plane + dst[c])
     all_rows = np.arange(rows)
     for _ in range(_HEAVIEST_ROUNDS):
-        loads = _slot_sum(pack_w)
-        heavy = loads.argmax(1)
-        w_src = pack_w[all_rows, :, heavy][:, :, None]  # [rows, slots, 1]
-        k_src = pack_k[all_rows, :, heavy][:, :, None]
-        top = loads[all_rows, heavy][:, None]
-        # Trading with itself: delta 0 or a clash, never "better", so it may stay in.
-        flat = _pair_max(w_src, pack_w, k_src, pack_k, top, loads, apart, scratch).reshape(rows, -1)
-        best = flat.argmin(1)
-        r = np.flatnonzero(flat[all_rows, best] < top[:, 0] * (1 - _MIN_GAIN))
+        loads = _slot_sum(w_all)
+        heavy = loads.argmax(1) + pack_base[:, 0]  # flat in a plane
+        top = loads.reshape(-1).take(heavy)
+        at = slot_off + heavy
+        # The heaviest pack of each row against every pack of its row (itself too: delta
+        # 0 or a clash, never "better").
+        pair_max = _pair_max(np.repeat(flat_w.take(at), num_packs, axis=1), w_all.reshape(per_pack, -1),
+                             np.repeat(flat_k.take(at), num_packs, axis=1), k_all.reshape(per_pack, -1),
+                             np.repeat(top, num_packs), loads.reshape(-1), apart, scratch)
+        pair_max = pair_max.reshape(per_pack * per_pack, rows, num_packs)
+        lowest = pair_max.min(0)  # [rows, packs]
+        partner = lowest.argmin(1)
+        r = np.flatnonzero(lowest[all_rows, partner] < top * (1 - _MIN_GAIN))
         if not len(r):
             break
-        a, rest = np.divmod(best[r], per_pack * num_packs)
-        b, partner = np.divmod(rest, num_packs)
-        _swap(cells, row_cells[r] + a * num_packs + heavy[r], row_cells[r] + b * num_packs + partner)
+        a, b = np.divmod(pair_max[:, r, partner[r]].argmin(0), per_pack)
+        _swap(cells, a * plane + heavy[r], b * plane + pack_base[r, 0] + partner[r])
+    return k_all.transpose(1, 0, 2)
 
 
 def _finish(phy_to_log: np.ndarray, num_experts: int, num_ranks: int, policy: Policy) -> Placement:
