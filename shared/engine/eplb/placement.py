@@ -32,7 +32,7 @@ _THRESHOLD_STEPS = 6
 few (<= 5 measured) slots left per row at 16-256 experts, sigma 0.3-2.5 (it is exact
 whatever the number)."""
 _PAIR_SHIFTS = (0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8)
-_PAIR_ROUNDS = 8
+_PAIR_ROUNDS = 6
 """The refinement's pair rounds and the rotation of each (see _refine)."""
 _HEAVIEST_ROUNDS = 8
 """Bound on the heaviest-pack rounds, each lowering one pack per layer. Both counts
@@ -222,17 +222,20 @@ def _replicate(load: np.ndarray, num_slots: int) -> np.ndarray:
     lo, hi = spare / total, (spare + experts) / total
     g_lo = np.floor(load * lo[:, None]).sum(1) - (spare + 0.5)
     g_hi = np.floor(load * hi[:, None]).sum(1) - (spare + 0.5)
-    kept = np.zeros(rows, dtype=np.int8)  # the side kept last step: -1 lo, +1 hi
+    kept_lo = np.zeros(rows, dtype=bool)  # the side kept last step
+    kept_hi = np.zeros(rows, dtype=bool)
     for _ in range(_THRESHOLD_STEPS):
-        u = (lo * g_hi - hi * g_lo) / (g_hi - g_lo)
+        u = lo - g_lo * (hi - lo) / (g_hi - g_lo)
         g = np.floor(load * u[:, None]).sum(1) - (spare + 0.5)
         below = g < 0
         # The side kept twice in a row has its g halved, so the next step leans past it.
-        g_hi = np.where(below & (kept == 1), g_hi / 2, g_hi)
-        g_lo = np.where(~below & (kept == -1), g_lo / 2, g_lo)
-        lo, g_lo = np.where(below, u, lo), np.where(below, g, g_lo)
-        hi, g_hi = np.where(below, hi, u), np.where(below, g_hi, g)
-        kept = np.where(below, 1, -1).astype(np.int8)
+        np.multiply(g_hi, 0.5, out=g_hi, where=below & kept_hi)
+        np.multiply(g_lo, 0.5, out=g_lo, where=~below & kept_lo)
+        np.copyto(lo, u, where=below)
+        np.copyto(g_lo, g, where=below)
+        np.copyto(hi, u, where=~below)
+        np.copyto(g_hi, g, where=~below)
+        kept_hi, kept_lo = below, ~below
     counts += np.floor(load * lo[:, None]).astype(np.int64)
     left = num_slots - counts.sum(1)
     while (add := np.flatnonzero(left > 0)).size:
@@ -376,12 +379,13 @@ def _refine(pack_w: np.ndarray, pack_k: np.ndarray, apart: bool) -> np.ndarray:
     slot_off = (np.arange(per_pack) * plane)[:, None]
     pack_base = (np.arange(rows) * num_packs)[:, None]
     scratch = tuple(np.empty(per_pack * per_pack * plane, dtype=w_all.dtype) for _ in range(2))
-    for shift in _PAIR_SHIFTS[:_PAIR_ROUNDS] if half else ():
+    # Per round, the columns of the packs sorted by load: the lightest half, rotated by
+    # the round's shift, then the heaviest half, heaviest first.
+    heaviest = np.arange(num_packs - 1, num_packs - 1 - half, -1)
+    picks = [np.concatenate([(np.arange(half) + shift) % half, heaviest]) for shift in _PAIR_SHIFTS[:_PAIR_ROUNDS]]
+    for pick in picks if half else ():
         loads = _slot_sum(w_all).reshape(-1)
-        by_load = _argsort_rows(loads.reshape(rows, num_packs))
-        # Columns: the lightest half, rotated by the shift, then the heaviest, heaviest first.
-        pick = np.concatenate([(np.arange(half) + shift) % half, np.arange(num_packs - 1, num_packs - 1 - half, -1)])
-        packs = by_load[:, pick] + pack_base  # [rows, 2 * half], flat in a plane: dst then src
+        packs = _argsort_rows(loads.reshape(rows, num_packs))[:, pick] + pack_base  # flat in a plane: dst then src
         dst, src = packs[:, :half].ravel(), packs[:, half:].ravel()
         top = loads.take(src)
         at_src, at_dst = slot_off + src, slot_off + dst
