@@ -271,7 +271,9 @@ def _pack(weights: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -
             pack_w[:, 0], pack_k[:, 0], pack_load[:] = sorted_w[:, round_], sorted_k[:, round_], sorted_w[:, round_]
             continue
         targets = _argsort_rows(pack_load)
-        if apart:
+        # Only an expert whose run of replicas began in the round before can meet its
+        # own replicas here (see _keep_replicas_apart): none crosses, nothing to check.
+        if apart and (sorted_k[:, round_.start - 1] == sorted_k[:, round_.start]).any():
             targets = _keep_replicas_apart(targets, sorted_k[:, round_], pack_k[:, :j])
         pack_w[row_ids, j, targets] = sorted_w[:, round_]
         pack_k[row_ids, j, targets] = sorted_k[:, round_]
