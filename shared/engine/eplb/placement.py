@@ -259,31 +259,31 @@ def _pack(weights: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -
     order = _argsort_rows(weights, descending=True)
     sorted_w = _take_rows(weights, order)
     sorted_k = _take_rows(keys, order) if apart else order
-    # Slot-major, [rows, per_pack, packs]: the pack axis last, so that numpy's inner
+    # Slot-first, [per_pack, rows, packs]: the pack axis last, so that numpy's inner
     # loops run along it (broadcasting over a last axis of 2-4 slots is ten times
-    # slower). Each slot's item weight and key, moved together.
-    pack_w = np.empty((rows, per_pack, num_packs))
-    pack_k = np.empty((rows, per_pack, num_packs), dtype=np.int64)
+    # slower). Each slot's item weight and key, moved together; in float32 and 16-bit
+    # keys where they fit: the refinement compares sums of a few weights, float32
+    # decides as well, and halves what its arithmetic reads.
+    key_type = np.int16 if sorted_k.max() < 2**15 else np.int64
+    pack_w = np.empty((per_pack, rows, num_packs), dtype=np.float32)
+    pack_k = np.empty((per_pack, rows, num_packs), dtype=key_type)
     pack_load = np.zeros((rows, num_packs))
     for j in range(per_pack):
         round_ = slice(j * num_packs, (j + 1) * num_packs)
         if j == 0:  # all packs empty: the stable order is the packs' own
-            pack_w[:, 0], pack_k[:, 0], pack_load[:] = sorted_w[:, round_], sorted_k[:, round_], sorted_w[:, round_]
+            pack_w[0], pack_k[0], pack_load[:] = sorted_w[:, round_], sorted_k[:, round_], sorted_w[:, round_]
             continue
         targets = _argsort_rows(pack_load)
         # Only an expert whose run of replicas began in the round before can meet its
         # own replicas here (see _keep_replicas_apart): none crosses, nothing to check.
         if apart and (sorted_k[:, round_.start - 1] == sorted_k[:, round_.start]).any():
-            targets = _keep_replicas_apart(targets, sorted_k[:, round_], pack_k[:, :j])
-        pack_w[row_ids, j, targets] = sorted_w[:, round_]
-        pack_k[row_ids, j, targets] = sorted_k[:, round_]
+            targets = _keep_replicas_apart(targets, sorted_k[:, round_], pack_k[:j])
+        pack_w[j, row_ids, targets] = sorted_w[:, round_]
+        pack_k[j, row_ids, targets] = sorted_k[:, round_]
         pack_load[row_ids, targets] += sorted_w[:, round_]
     if per_pack > 0 and num_packs > 1:
-        # The refinement compares sums of a few weights: float32 decides as well, and
-        # halves what its arithmetic reads; keys fit 16 bits at any expert count here.
-        key_type = np.int16 if pack_k.max() < 2**15 else np.int64
-        pack_k = _refine(pack_w.astype(np.float32), pack_k.astype(key_type), apart).astype(np.int64)
-    return pack_k.transpose(0, 2, 1)
+        _refine(pack_w, pack_k, apart)
+    return pack_k.transpose(1, 2, 0).astype(np.int64)
 
 
 def _keep_replicas_apart(targets: np.ndarray, chosen_keys: np.ndarray, earlier_keys: np.ndarray) -> np.ndarray:
@@ -293,9 +293,9 @@ def _keep_replicas_apart(targets: np.ndarray, chosen_keys: np.ndarray, earlier_k
     its own replicas, and it leads this round. Those of its items aimed at a pack that
     holds it trade packs with the round's first items aimed at packs that do not."""
     lead = chosen_keys[:, :1]
-    held = earlier_keys[:, 0] == lead  # earlier_keys [rows, slots so far, packs]
-    for i in range(1, earlier_keys.shape[1]):
-        held |= earlier_keys[:, i] == lead
+    held = earlier_keys[0] == lead  # earlier_keys [slots so far, rows, packs]
+    for i in range(1, earlier_keys.shape[0]):
+        held |= earlier_keys[i] == lead
     holds_lead = _take_rows(held, targets)
     in_run = np.logical_and.accumulate(chosen_keys == lead, axis=1)
     clash = in_run & holds_lead
@@ -312,7 +312,7 @@ def _keep_replicas_apart(targets: np.ndarray, chosen_keys: np.ndarray, earlier_k
 
 
 def _pair_max(w_src: np.ndarray, w_dst: np.ndarray, k_src: np.ndarray, k_dst: np.ndarray, top: np.ndarray,
-              low: np.ndarray, apart: bool, out: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+              low: np.ndarray, apart: bool, out: tuple[np.ndarray, np.ndarray], dst_is_fresh: bool = True) -> np.ndarray:
     """[a, b, n]: for n pairs (src pack, dst pack), the heavier of the two packs' loads
     after src's item a and dst's item b trade places. w_src and w_dst [slots, n] are the
     items' weights, k_src and k_dst their keys, top and low [n] the packs' loads. The
@@ -328,8 +328,12 @@ def _pair_max(w_src: np.ndarray, w_dst: np.ndarray, k_src: np.ndarray, k_dst: np
         for j in range(1, per_pack):
             a_joins, b_joins = a_joins | same[:, j], b_joins | same[j]
         # An infinite weight makes the trade's delta, and so its pair max, infinite.
-        w_src = np.where(a_joins, np.inf, w_src)  # a replica of src's item a is in dst
-        w_dst = np.where(b_joins, -np.inf, w_dst)  # one of dst's item b is in src
+        # w_src is always a fresh array here, w_dst only where dst_is_fresh.
+        np.copyto(w_src, np.inf, where=a_joins)  # a replica of src's item a is in dst
+        if dst_is_fresh:
+            np.copyto(w_dst, -np.inf, where=b_joins)  # one of dst's item b is in src
+        else:
+            w_dst = np.where(b_joins, -np.inf, w_dst)
     shape = (per_pack, per_pack, n)
     size = per_pack * per_pack * n
     delta, pair_max = out[0][:size].reshape(shape), out[1][:size].reshape(shape)
@@ -355,11 +359,13 @@ def _slot_sum(w: np.ndarray) -> np.ndarray:
     return total
 
 
-def _refine(pack_w: np.ndarray, pack_k: np.ndarray, apart: bool) -> np.ndarray:
+def _refine(w_all: np.ndarray, k_all: np.ndarray, apart: bool) -> None:
     """Trades of one item for one between two packs, each lowering the heavier of the
     two (by more than _MIN_GAIN), so that no pack's load ever rises above the heavier
     one's before: the rounds place items by weight order alone, this looks at the sums.
-    pack_w and pack_k [rows, per_pack, packs]; the keys after the trades, so shaped.
+    w_all and k_all [per_pack, rows, packs] (slot-first: a slot's plane of all rows'
+    packs is one flat stretch, and the candidates of all rows one long axis), traded in
+    place.
 
     First pair rounds: the packs sorted by load, the k-th heaviest meets the
     (k + shift)-th lightest (shift from _PAIR_SHIFTS, one per round, so that a heavy
@@ -369,12 +375,8 @@ def _refine(pack_w: np.ndarray, pack_k: np.ndarray, apart: bool) -> np.ndarray:
 
     Every row goes through every round (a row with nothing to trade costs arithmetic
     only; numpy's per-call cost, not the arithmetic, is what these shapes pay for)."""
-    rows, per_pack, num_packs = pack_w.shape
+    per_pack, rows, num_packs = w_all.shape
     half = num_packs // 2
-    # Slot-first, [per_pack, rows, packs]: a slot's plane of all rows' packs is one flat
-    # stretch, and the candidates of all rows one long axis.
-    w_all = np.ascontiguousarray(pack_w.transpose(1, 0, 2))
-    k_all = np.ascontiguousarray(pack_k.transpose(1, 0, 2))
     cells = (w_all, k_all)
     flat_w, flat_k = w_all.reshape(-1), k_all.reshape(-1)
     plane = rows * num_packs
@@ -409,7 +411,7 @@ def _refine(pack_w: np.ndarray, pack_k: np.ndarray, apart: bool) -> np.ndarray:
         # 0 or a clash, never "better").
         pair_max = _pair_max(np.repeat(flat_w.take(at), num_packs, axis=1), w_all.reshape(per_pack, -1),
                              np.repeat(flat_k.take(at), num_packs, axis=1), k_all.reshape(per_pack, -1),
-                             np.repeat(top, num_packs), loads.reshape(-1), apart, scratch)
+                             np.repeat(top, num_packs), loads.reshape(-1), apart, scratch, dst_is_fresh=False)
         pair_max = pair_max.reshape(per_pack * per_pack, rows, num_packs)
         lowest = pair_max.min(0)  # [rows, packs]
         partner = lowest.argmin(1)
@@ -418,7 +420,6 @@ def _refine(pack_w: np.ndarray, pack_k: np.ndarray, apart: bool) -> np.ndarray:
             break
         a, b = np.divmod(pair_max[:, r, partner[r]].argmin(0), per_pack)
         _swap(cells, a * plane + heavy[r], b * plane + pack_base[r, 0] + partner[r])
-    return k_all.transpose(1, 0, 2)
 
 
 def _finish(phy_to_log: np.ndarray, num_experts: int, num_ranks: int, policy: Policy) -> Placement:
