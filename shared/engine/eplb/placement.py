@@ -429,11 +429,11 @@ def _finish(phy_to_log: np.ndarray, num_experts: int, num_ranks: int, policy: Po
     counts = np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
     assert (counts >= 1).all(), "a placement lost an expert"
     # Slots grouped by expert (stable: ascending within one); a slot's index among its
-    # expert's replicas is its position minus where the expert's run starts. (expert,
-    # slot) as one number, exact in a float64, whose sort is numpy's fast one.
-    bits = max(1, (num_slots - 1).bit_length())
-    keys = np.sort(((phy_to_log << bits) | np.arange(num_slots)).astype(np.float64), axis=1).astype(np.int64)
-    expert_of, order = keys >> bits, keys & ((1 << bits) - 1)
+    # expert's replicas is its position minus where the expert's run starts. A stable
+    # sort of 16-bit keys is a radix sort, several times faster than a 64-bit one.
+    small = np.int16 if num_experts < 2**15 else np.int64
+    order = np.argsort(phy_to_log.astype(small), axis=1, kind="stable")
+    expert_of = _take_rows(phy_to_log, order)
     starts = np.cumsum(counts, axis=1) - counts
     within = np.arange(num_slots) - _take_rows(starts, expert_of)
     width = int(counts.max())
