@@ -32,9 +32,9 @@ _THRESHOLD_STEPS = 6
 few (<= 5 measured) slots left per row at 16-256 experts, sigma 0.3-2.5 (it is exact
 whatever the number)."""
 _PAIR_SHIFTS = (0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8)
-_PAIR_ROUNDS = 3
+_PAIR_ROUNDS = 6
 """The refinement's pair rounds and the rotation of each (see _refine)."""
-_HEAVIEST_ROUNDS = 10
+_HEAVIEST_ROUNDS = 8
 """Bound on the heaviest-pack rounds, each lowering one pack per layer. Both counts
 are bounded by the placement's time budget, not by convergence (at 48 x 128 x EP64,
 1 redundant per rank, more rounds still help a little); each round costs some
