@@ -157,3 +157,69 @@ def test_trace_is_seeded_and_skewed() -> None:
     per_expert = a.sum(0)
     # sigma 0.5 over 64 experts: the hottest carries well over the mean.
     assert (per_expert.max(1) > 1.8 * per_expert.mean(1)).all()
+
+
+def _dhondt_one_by_one(load: np.ndarray, num_slots: int) -> np.ndarray:
+    """The reference: one replica each, then every spare slot, one at a time, to the
+    expert with the highest load per replica."""
+    counts = np.ones(load.shape, dtype=np.int64)
+    for row in range(load.shape[0]):
+        for _ in range(num_slots - load.shape[1]):
+            counts[row, np.argmax(load[row] / counts[row])] += 1
+    return counts
+
+
+@pytest.mark.parametrize(("experts", "slots", "sigma"), [(128, 192, 0.5), (128, 192, 1.5), (256, 320, 1.0), (16, 20, 2.5),
+                                                         (32, 64, 0.3), (64, 64, 1.0)])
+def test_replica_counts_match_the_one_by_one_greedy(experts: int, slots: int, sigma: float) -> None:
+    from shared.engine.eplb.placement import _replicate
+
+    load = skewed_load(8, experts, sigma=sigma, seed=11) + 1e-6
+    np.testing.assert_array_equal(_replicate(load, slots), _dhondt_one_by_one(load, slots))
+
+
+def test_row_argsort_is_the_stable_argsort_away_from_near_ties() -> None:
+    from shared.engine.eplb.placement import _argsort_rows
+
+    rng = np.random.default_rng(4)
+    x = rng.lognormal(0.0, 1.0, size=(6, 192))
+    x[:, 10:20] = x[:, :1]  # exact ties: kept in index order, as a stable sort keeps them
+    np.testing.assert_array_equal(_argsort_rows(x), np.argsort(x, axis=1, kind="stable"))
+    np.testing.assert_array_equal(_argsort_rows(x, descending=True), np.argsort(-x, axis=1, kind="stable"))
+    zeros = np.zeros((2, 64))
+    np.testing.assert_array_equal(_argsort_rows(zeros), np.broadcast_to(np.arange(64), (2, 64)))
+
+
+@pytest.mark.parametrize(("experts", "ranks", "nodes", "redundant_per_rank"), [(256, 64, 8, 1), (128, 16, 2, 2)])
+def test_hierarchical_placement_keeps_every_expert_and_replicas_apart(experts: int, ranks: int, nodes: int,
+                                                                      redundant_per_rank: int) -> None:
+    spec = PlacementSpec.per_rank(ranks, redundant_per_rank, num_nodes=nodes, num_groups=8)
+    placement = compute_placement(skewed_load(6, experts, sigma=1.5, seed=2), spec)
+    assert placement.policy is Policy.HIERARCHICAL
+    assert_valid(placement, spec, experts)
+    # An expert's replicas sit on as many distinct ranks as its node has room for (sigma
+    # 1.5 gives some expert more replicas than a node has ranks: those must share).
+    rank_of_slot = np.arange(spec.num_slots(experts)) // placement.slots_per_rank
+    for layer in range(6):
+        for expert in range(experts):
+            ranks_of = rank_of_slot[placement.replicas(layer, expert)]
+            assert len(set(ranks_of.tolist())) == min(len(ranks_of), ranks // nodes)
+
+
+def test_refinement_lowers_the_heaviest_rank_below_the_plain_rounds() -> None:
+    """The refinement only makes trades that lower the heavier of two ranks: no layer's
+    max may end above what the LPT rounds alone give."""
+    import shared.engine.eplb.placement as placement_module
+
+    load = skewed_load(16, 128, sigma=1.0, seed=9)
+    spec = PlacementSpec.per_rank(64, 1)
+    refined = compute_placement(load, spec)
+    saved = placement_module._PAIR_ROUNDS, placement_module._HEAVIEST_ROUNDS
+    try:
+        placement_module._PAIR_ROUNDS = placement_module._HEAVIEST_ROUNDS = 0
+        plain = compute_placement(load, spec)
+    finally:
+        placement_module._PAIR_ROUNDS, placement_module._HEAVIEST_ROUNDS = saved
+    # A float32 refinement may move a max up by rounding only, far below 1e-5.
+    assert (refined.rank_loads(load).max(1) <= plain.rank_loads(load).max(1) * (1 + 1e-5)).all()
+    assert refined.rank_loads(load).max(1).mean() < plain.rank_loads(load).max(1).mean()

@@ -24,14 +24,21 @@ from dataclasses import dataclass
 import numpy as np
 
 # A swap must lower the heavier rank by more than this share of its load: rounding
-# noise must not count as progress (the refinement would cycle).
-_MIN_GAIN = 1e-9
-_MAX_SWAP_ROUNDS = 8
-"""Bound on the paired refinement's rounds (each evens every heaviest/lightest pair
-or stops): at 48 layers x 128 experts x EP16-64 they stop by the eighth."""
-_MAX_HEAVIEST_ROUNDS = 8
-"""Bound on the heaviest-pack refinement's rounds, each lowering one pack per layer:
-the placement's time budget (5 ms at 48 x 128 x EP64) bounds it."""
+# noise must not count as progress (the refinement would cycle). The refinement adds
+# in float32 (eps 6e-8): this is some 16 of its ulps.
+_MIN_GAIN = 1e-6
+_THRESHOLD_STEPS = 6
+"""Regula falsi steps on the replica threshold: after six the greedy has at most a
+few (<= 5 measured) slots left per row at 16-256 experts, sigma 0.3-2.5 (it is exact
+whatever the number)."""
+_PAIR_SHIFTS = (0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8)
+_PAIR_ROUNDS = 6
+"""The refinement's pair rounds and the rotation of each (see _refine)."""
+_HEAVIEST_ROUNDS = 8
+"""Bound on the heaviest-pack rounds, each lowering one pack per layer. Both counts
+are bounded by the placement's time budget, not by convergence (at 48 x 128 x EP64,
+1 redundant per rank, more rounds still help a little); each round costs some
+0.2-0.4 ms there on a 2-core EPYC, mostly numpy's per-call cost."""
 
 
 class Policy(enum.Enum):
@@ -147,95 +154,150 @@ def compute_placement(load: np.ndarray, spec: PlacementSpec) -> Placement:
     # place it like the static placement would, and any nonzero load outweighs them.
     load = load + 1e-6
 
+    rows = num_layers * nodes
     if policy is Policy.HIERARCHICAL:
         per_group = num_experts // spec.num_groups
         group_load = load.reshape(num_layers, spec.num_groups, per_group).sum(-1)
         node_groups = _pack(group_load, nodes)  # [layers, nodes, groups per node]
-        node_experts = (node_groups[..., None] * per_group + np.arange(per_group)).reshape(num_layers, nodes, -1)
+        node_experts = (node_groups[..., None] * per_group + np.arange(per_group)).reshape(rows, -1)
+        local_load = _take_rows(load, node_experts.reshape(num_layers, -1)).reshape(rows, -1)
     else:
-        node_experts = np.broadcast_to(np.arange(num_experts), (num_layers, 1, num_experts))
+        node_experts = None  # one node: local expert numbers are the logical ones
+        local_load = load
     # From here on a row is one (layer, node), its experts numbered locally.
-    rows = num_layers * nodes
-    local_load = np.take_along_axis(load, node_experts.reshape(num_layers, -1), axis=1).reshape(rows, -1)
     slots_per_node = spec.num_slots(num_experts) // nodes
     counts = _replicate(local_load, slots_per_node)
     local_experts = local_load.shape[1]
     # Every row's counts sum to slots_per_node, so one flat repeat reshapes into rows.
     items = np.repeat(np.tile(np.arange(local_experts), rows), counts.ravel()).reshape(rows, slots_per_node)
-    weights = np.take_along_axis(local_load / counts, items, axis=1)
-    packs = _pack(weights, spec.num_ranks // nodes, keys=items)  # [rows, ranks per node, slots] item indices
-    local = np.take_along_axis(items, packs.reshape(rows, -1), axis=1)
-    logical = np.take_along_axis(node_experts.reshape(rows, -1), local, axis=1)
+    weights = _take_rows(local_load / counts, items)
+    # [rows, ranks per node, slots]: the (local) expert in each slot.
+    logical = _pack(weights, spec.num_ranks // nodes, keys=items).reshape(rows, -1)
+    if node_experts is not None:
+        logical = _take_rows(node_experts, logical)
     return _finish(logical.reshape(num_layers, -1), num_experts, spec.num_ranks, policy)
+
+
+def _take_rows(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """np.take_along_axis(values, index, axis=1) for 2-D arrays, as one take on the flat
+    array (take_along_axis costs tens of microseconds of Python per call)."""
+    rows, width = values.shape
+    return values.ravel().take(index + (np.arange(rows) * width)[:, None])
+
+
+def _argsort_rows(x: np.ndarray, descending: bool = False) -> np.ndarray:
+    """np.argsort(x, axis=1, kind="stable") for x >= 0 [rows, n], except that values
+    equal but for the last log2(n) bits of their 52-bit mantissa count as ties (a
+    relative 2**-44 at n = 256), kept in index order. numpy's argsort of short rows is
+    a scalar sort, its sort a SIMD one three times faster: this sorts keys that carry
+    each value's index in the mantissa's low bits (nonnegative floats order as their
+    bits do) and reads the index back."""
+    rows, n = x.shape
+    bits = max(1, (n - 1).bit_length())
+    if bits > 16:
+        return np.argsort(-x if descending else x, axis=1, kind="stable")
+    mask = (1 << bits) - 1
+    index = np.arange(n)
+    keys = (np.ascontiguousarray(x, dtype=np.float64).view(np.int64) & ~mask) | (mask - index if descending else index)
+    keys = np.sort(keys.view(np.float64), axis=1).view(np.int64) & mask
+    return mask - keys[:, ::-1] if descending else keys
 
 
 def _replicate(load: np.ndarray, num_slots: int) -> np.ndarray:
     """Replica counts [rows, experts] summing to num_slots per row: one each, then each
-    spare slot to the highest load per replica. The greedy is D'Hondt's rule, so a
-    threshold gives most of it at once: with t = load sum / spare slots, an expert's
-    extras whose quotient load/k is >= t number floor(load / t), at most `spare` in all,
-    and every one of them is among the greedy's picks; the rest go one by one."""
+    spare slot to the highest load per replica (the D'Hondt rule, greedy). The greedy's
+    c-th extra replica of expert e is the quotient load_e / c, and it takes the `spare`
+    largest quotients of all. Every quotient >= 1/u, for a u > 0, is floor(load_e * u)
+    extras of expert e, a top set of the quotients; their number f(u) grows with u,
+    almost linearly. Regula falsi on u, from f(spare / total) <= spare <= f((spare +
+    experts) / total) (Illinois' variant), leaves a few extras per row; the greedy,
+    started from the lower top set, gives them one by one, for all rows at once."""
     rows, experts = load.shape
     spare = num_slots - experts
     counts = np.ones((rows, experts), dtype=np.int64)
     if spare <= 0:
         return counts
-    counts += np.floor(load * (spare / load.sum(1, keepdims=True))).astype(np.int64)
-    # Rounding in the product may overshoot by one at a boundary: take those back.
-    while (over := counts.sum(1) - num_slots).max() > 0:
-        row = np.flatnonzero(over > 0)
-        worst = np.argmin(load[row] / np.maximum(counts[row] - 1, 1) + (counts[row] == 1) * np.inf, axis=1)
-        counts[row, worst] -= 1
+    total = load.sum(1)
+    # Illinois' regula falsi on g(u) = f(u) - spare - 1/2, kept bracketed: g(lo) < 0 < g(hi).
+    lo, hi = spare / total, (spare + experts) / total
+    g_lo = np.floor(load * lo[:, None]).sum(1) - (spare + 0.5)
+    g_hi = np.floor(load * hi[:, None]).sum(1) - (spare + 0.5)
+    kept_lo = np.zeros(rows, dtype=bool)  # the side kept last step
+    kept_hi = np.zeros(rows, dtype=bool)
+    for _ in range(_THRESHOLD_STEPS):
+        u = lo - g_lo * (hi - lo) / (g_hi - g_lo)
+        g = np.floor(load * u[:, None]).sum(1) - (spare + 0.5)
+        below = g < 0
+        # The side kept twice in a row has its g halved, so the next step leans past it.
+        np.multiply(g_hi, 0.5, out=g_hi, where=below & kept_hi)
+        np.multiply(g_lo, 0.5, out=g_lo, where=~below & kept_lo)
+        np.copyto(lo, u, where=below)
+        np.copyto(g_lo, g, where=below)
+        np.copyto(hi, u, where=~below)
+        np.copyto(g_hi, g, where=~below)
+        kept_hi, kept_lo = below, ~below
+    counts += np.floor(load * lo[:, None]).astype(np.int64)
     left = num_slots - counts.sum(1)
-    per_replica = load / counts
-    row_ids = np.arange(rows)
-    for _ in range(int(left.max())):
-        pick = np.argmax(per_replica, axis=1)
-        give = left > 0
-        counts[row_ids[give], pick[give]] += 1
-        left -= give
-        per_replica[row_ids, pick] = load[row_ids, pick] / counts[row_ids, pick]
+    while (add := np.flatnonzero(left > 0)).size:
+        pick = np.argmax(load[add] / counts[add], axis=1)  # the largest quotient not yet taken
+        counts[add, pick] += 1
+        left[add] -= 1
     return counts
 
 
 def _pack(weights: np.ndarray, num_packs: int, keys: np.ndarray | None = None) -> np.ndarray:
-    """Items [rows, items] into num_packs packs of equal size, balanced: the item indices
-    of each pack, [rows, packs, items / packs]. Items with equal keys (replicas of one
-    expert) share a pack only where that cannot be avoided (more replicas than packs)."""
+    """Items [rows, items] into num_packs packs of equal size, balanced: the keys of each
+    pack's items, [rows, packs, items / packs] (their item indices where keys is None).
+    Items with equal keys (replicas of one expert) share a pack only where that cannot
+    be avoided (more replicas than packs)."""
     rows, num_items = weights.shape
     per_pack = num_items // num_packs
     row_ids = np.arange(rows)[:, None]
+    apart = keys is not None
     # Rounds of num_packs items, heaviest first; in each round the heaviest item goes to
     # the lightest pack so far (LPT under the equal-count constraint).
-    order = np.argsort(-weights, axis=1, kind="stable")
-    packs = np.empty((rows, num_packs, per_pack), dtype=np.int64)
+    order = _argsort_rows(weights, descending=True)
+    sorted_w = _take_rows(weights, order)
+    sorted_k = _take_rows(keys, order) if apart else order
+    # Slot-first, [per_pack, rows, packs]: the pack axis last, so that numpy's inner
+    # loops run along it (broadcasting over a last axis of 2-4 slots is ten times
+    # slower). Each slot's item weight and key, moved together; in float32 and 16-bit
+    # keys where they fit: the refinement compares sums of a few weights, float32
+    # decides as well, and halves what its arithmetic reads.
+    key_type = np.int16 if sorted_k.max() < 2**15 else np.int64
+    pack_w = np.empty((per_pack, rows, num_packs), dtype=np.float32)
+    pack_k = np.empty((per_pack, rows, num_packs), dtype=key_type)
     pack_load = np.zeros((rows, num_packs))
     for j in range(per_pack):
-        chosen = order[:, j * num_packs : (j + 1) * num_packs]
-        targets = np.argsort(pack_load, axis=1, kind="stable")
-        if keys is not None and j > 0:
-            targets = _keep_replicas_apart(targets, chosen, packs[:, :, :j], keys)
-        packs[row_ids, targets, j] = chosen
-        pack_load[row_ids, targets] += np.take_along_axis(weights, chosen, axis=1)
+        round_ = slice(j * num_packs, (j + 1) * num_packs)
+        if j == 0:  # all packs empty: the stable order is the packs' own
+            pack_w[0], pack_k[0], pack_load[:] = sorted_w[:, round_], sorted_k[:, round_], sorted_w[:, round_]
+            continue
+        targets = _argsort_rows(pack_load)
+        # Only an expert whose run of replicas began in the round before can meet its
+        # own replicas here (see _keep_replicas_apart): none crosses, nothing to check.
+        if apart and (sorted_k[:, round_.start - 1] == sorted_k[:, round_.start]).any():
+            targets = _keep_replicas_apart(targets, sorted_k[:, round_], pack_k[:j])
+        pack_w[j, row_ids, targets] = sorted_w[:, round_]
+        pack_k[j, row_ids, targets] = sorted_k[:, round_]
+        pack_load[row_ids, targets] += sorted_w[:, round_]
     if per_pack > 0 and num_packs > 1:
-        flat = _FlatItems(weights, keys)
-        _refine_pairs(packs, flat)
-        _refine_heaviest(packs, flat)
-    return packs
+        _refine(pack_w, pack_k, apart)
+    return pack_k.transpose(1, 2, 0).astype(np.int64)
 
 
-def _keep_replicas_apart(targets: np.ndarray, chosen: np.ndarray, earlier: np.ndarray, keys: np.ndarray) -> np.ndarray:
+def _keep_replicas_apart(targets: np.ndarray, chosen_keys: np.ndarray, earlier_keys: np.ndarray) -> np.ndarray:
     """A round's pack for each of its items, changed so that no item joins a pack that
     already holds its expert. Items are sorted by weight and an expert's replicas weigh
     the same, so they are one run: only the run that began in the round before can meet
     its own replicas, and it leads this round. Those of its items aimed at a pack that
     holds it trade packs with the round's first items aimed at packs that do not."""
-    rows, num_packs = targets.shape
-    chosen_keys = np.take_along_axis(keys, chosen, axis=1)
     lead = chosen_keys[:, :1]
-    earlier_keys = np.take_along_axis(keys, earlier.reshape(rows, -1), axis=1).reshape(earlier.shape)
-    holds_lead = np.take_along_axis((earlier_keys == lead[:, :, None]).any(-1), targets, axis=1)
-    in_run = np.cumprod(chosen_keys == lead, axis=1).astype(bool)
+    held = earlier_keys[0] == lead  # earlier_keys [slots so far, rows, packs]
+    for i in range(1, earlier_keys.shape[0]):
+        held |= earlier_keys[i] == lead
+    holds_lead = _take_rows(held, targets)
+    in_run = np.logical_and.accumulate(chosen_keys == lead, axis=1)
     clash = in_run & holds_lead
     if not clash.any():
         return targets
@@ -249,116 +311,132 @@ def _keep_replicas_apart(targets: np.ndarray, chosen: np.ndarray, earlier: np.nd
     return targets
 
 
-class _FlatItems:
-    """Items' weights and keys, read by flat index (row * items + item): numpy's take on
-    one flat array is several times faster than fancy indexing with broadcast rows."""
-
-    def __init__(self, weights: np.ndarray, keys: np.ndarray | None) -> None:
-        rows, num_items = weights.shape
-        self.base = (np.arange(rows) * num_items)[:, None, None]
-        self.weights = weights.ravel()
-        self.keys = None if keys is None else keys.ravel()
-
-    def clashes(self, packs: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray | None:
-        """[rows, m, per_pack, per_pack] bool for m pairs (src pack, dst pack), each
-        [rows, m]: trading src's item a for dst's item b would put one beside a replica
-        of its own expert. (It also refuses two replicas of one expert trading places,
-        which would change nothing.)"""
-        if self.keys is None:
-            return None
-        item_keys = self.keys.take(packs + self.base)  # [rows, packs, per_pack]
-        src_keys = np.take_along_axis(item_keys, src[..., None], axis=1)  # [rows, m, per_pack]
-        dst_keys = np.take_along_axis(item_keys, dst[..., None], axis=1)
-        per_pack = packs.shape[2]
-        # Loops over the (few) slots: numpy's reductions over a short last axis are
-        # ten times slower than the same ORs written out.
-        a_joins = np.zeros(src_keys.shape, dtype=bool)
-        b_joins = np.zeros(src_keys.shape, dtype=bool)
-        for j in range(per_pack):
-            a_joins |= src_keys == dst_keys[..., j : j + 1]
-            b_joins |= dst_keys == src_keys[..., j : j + 1]
-        return a_joins[..., :, None] | b_joins[..., None, :]
-
-
-def _best_swaps(packs: np.ndarray, flat: _FlatItems, src: np.ndarray, dst: np.ndarray,
-                loads: np.ndarray, w: np.ndarray, one_per_row: bool = False) -> int:
-    """For each pair (src pack, dst pack) [rows, m], the one trade of an item each that
-    best lowers the pair's heavier side (src), made where it lowers it at all; the
-    number of trades made."""
-    rows, num_packs, per_pack = packs.shape
-    w_src = np.take_along_axis(w, src[..., None], axis=1)  # [rows, m, per_pack]
-    w_dst = np.take_along_axis(w, dst[..., None], axis=1)
-    top = np.take_along_axis(loads, src, axis=1)
+def _pair_max(w_src: np.ndarray, w_dst: np.ndarray, k_src: np.ndarray, k_dst: np.ndarray, top: np.ndarray,
+              low: np.ndarray, apart: bool, out: tuple[np.ndarray, np.ndarray], dst_is_fresh: bool = True) -> np.ndarray:
+    """[a, b, n]: for n pairs (src pack, dst pack), the heavier of the two packs' loads
+    after src's item a and dst's item b trade places. w_src and w_dst [slots, n] are the
+    items' weights, k_src and k_dst their keys, top and low [n] the packs' loads. The
+    pairs (of all rows) are the last axis, long, so that numpy's inner loops run along
+    it. apart: a trade that would put an item beside a replica of its own expert is
+    refused, as +inf (so is two replicas of one expert trading places, which changes
+    nothing). out: two flat buffers of at least slots**2 * n, the result is a view of
+    the second (fresh arrays this size cost more in page faults than in arithmetic)."""
+    per_pack, n = w_dst.shape
+    if apart:
+        same = k_src[:, None, :] == k_dst[None, :, :]  # [a, b, n]
+        a_joins, b_joins = same[:, 0], same[0]  # or-ed out over the slots: .any() is slower
+        for j in range(1, per_pack):
+            a_joins, b_joins = a_joins | same[:, j], b_joins | same[j]
+        # An infinite weight makes the trade's delta, and so its pair max, infinite.
+        # w_src is always a fresh array here, w_dst only where dst_is_fresh.
+        np.copyto(w_src, np.inf, where=a_joins)  # a replica of src's item a is in dst
+        if dst_is_fresh:
+            np.copyto(w_dst, -np.inf, where=b_joins)  # one of dst's item b is in src
+        else:
+            w_dst = np.where(b_joins, -np.inf, w_dst)
+    shape = (per_pack, per_pack, n)
+    size = per_pack * per_pack * n
+    delta, pair_max = out[0][:size].reshape(shape), out[1][:size].reshape(shape)
     # src's item a for dst's item b: src changes by b - a, dst by a - b.
-    delta = w_src[..., :, None] - w_dst[..., None, :]  # [rows, m, a, b]
-    pair_max = np.maximum(top[..., None, None] - delta, np.take_along_axis(loads, dst, axis=1)[..., None, None] + delta)
-    clash = flat.clashes(packs, src, dst)
-    if clash is not None:
-        pair_max[clash] = np.inf
-    m = src.shape[1]
-    if one_per_row:  # the pairs share src: one trade per row, the best of them all
-        pair_max = pair_max.reshape(rows, 1, -1)
-    else:
-        pair_max = pair_max.reshape(rows, m, -1)
-    best = pair_max.argmin(-1)
-    lowered = np.take_along_axis(pair_max, best[..., None], axis=-1)[..., 0]
-    r, k = np.nonzero(lowered < top[:, : lowered.shape[1]] * (1 - _MIN_GAIN))
-    pair, ab = np.divmod(best[r, k], per_pack * per_pack) if one_per_row else (k, best[r, k])
-    a, b = np.divmod(ab, per_pack)
-    at_src = (r * num_packs + src[r, pair]) * per_pack + a
-    at_dst = (r * num_packs + dst[r, pair]) * per_pack + b
-    cells = packs.reshape(-1)
-    cells[at_src], cells[at_dst] = cells[at_dst], cells[at_src]
-    return len(r)
+    np.subtract(w_src[:, None, :], w_dst[None, :, :], out=delta)
+    np.subtract(top, delta, out=pair_max)
+    np.add(low, delta, out=delta)
+    return np.maximum(pair_max, delta, out=pair_max)
+
+
+def _swap(cells: tuple[np.ndarray, ...], at_src: np.ndarray, at_dst: np.ndarray) -> None:
+    """Each array's flat cells at_src and at_dst trade values."""
+    for c in cells:
+        flat = c.reshape(-1)
+        flat[at_src], flat[at_dst] = flat[at_dst], flat[at_src]
 
 
 def _slot_sum(w: np.ndarray) -> np.ndarray:
-    """w.sum(-1), written out over the slots (a short axis numpy reduces slowly)."""
-    total = w[..., 0].copy()
-    for j in range(1, w.shape[-1]):
-        total += w[..., j]
+    """[per_pack, rows, packs] -> [rows, packs], written out over the slots."""
+    total = w[0].copy()
+    for j in range(1, w.shape[0]):
+        total += w[j]
     return total
 
 
-def _refine_pairs(packs: np.ndarray, flat: _FlatItems) -> None:
-    """Pair the k-th heaviest pack with the k-th lightest and make, in every pair at
-    once, the best trade of an item each, while one helps: the rounds place items by
-    weight order alone, this looks at the sums."""
-    half = packs.shape[1] // 2
-    for _ in range(_MAX_SWAP_ROUNDS):
-        w = flat.weights.take(packs + flat.base)
-        loads = _slot_sum(w)
-        by_load = np.argsort(loads, axis=1)
-        if not _best_swaps(packs, flat, by_load[:, : -half - 1 : -1], by_load[:, :half], loads, w):
-            break
+def _refine(w_all: np.ndarray, k_all: np.ndarray, apart: bool) -> None:
+    """Trades of one item for one between two packs, each lowering the heavier of the
+    two (by more than _MIN_GAIN), so that no pack's load ever rises above the heavier
+    one's before: the rounds place items by weight order alone, this looks at the sums.
+    w_all and k_all [per_pack, rows, packs] (slot-first: a slot's plane of all rows'
+    packs is one flat stretch, and the candidates of all rows one long axis), traded in
+    place.
 
+    First pair rounds: the packs sorted by load, the k-th heaviest meets the
+    (k + shift)-th lightest (shift from _PAIR_SHIFTS, one per round, so that a heavy
+    pack the lightest could not help meets others), every pair making its best trade
+    at once. Then heaviest rounds: each row's heaviest pack makes its best trade with
+    any pack, the one that lowers the max, while one helps.
 
-def _refine_heaviest(packs: np.ndarray, flat: _FlatItems) -> None:
-    """Then the heaviest pack's best trade with any pack, while one helps: where the
-    lightest had nothing to trade with it, another may."""
-    rows, num_packs, _ = packs.shape
-    others = np.arange(num_packs)
-    for _ in range(_MAX_HEAVIEST_ROUNDS):
-        w = flat.weights.take(packs + flat.base)
-        loads = _slot_sum(w)
-        heavy = np.broadcast_to(loads.argmax(1)[:, None], (rows, num_packs))
-        # Trading with itself: delta 0 on both sides, never "better", so it may stay in.
-        if not _best_swaps(packs, flat, heavy, np.broadcast_to(others, (rows, num_packs)), loads, w, one_per_row=True):
+    Every row goes through every round (a row with nothing to trade costs arithmetic
+    only; numpy's per-call cost, not the arithmetic, is what these shapes pay for)."""
+    per_pack, rows, num_packs = w_all.shape
+    half = num_packs // 2
+    cells = (w_all, k_all)
+    flat_w, flat_k = w_all.reshape(-1), k_all.reshape(-1)
+    plane = rows * num_packs
+    slot_off = (np.arange(per_pack) * plane)[:, None]
+    pack_base = (np.arange(rows) * num_packs)[:, None]
+    scratch = tuple(np.empty(per_pack * per_pack * plane, dtype=w_all.dtype) for _ in range(2))
+    # Per round, the columns of the packs sorted by load: the lightest half, rotated by
+    # the round's shift, then the heaviest half, heaviest first.
+    heaviest = np.arange(num_packs - 1, num_packs - 1 - half, -1)
+    picks = [np.concatenate([(np.arange(half) + shift) % half, heaviest]) for shift in _PAIR_SHIFTS[:_PAIR_ROUNDS]]
+    for pick in picks if half else ():
+        loads = _slot_sum(w_all).reshape(-1)
+        packs = _argsort_rows(loads.reshape(rows, num_packs))[:, pick] + pack_base  # flat in a plane: dst then src
+        dst, src = packs[:, :half].ravel(), packs[:, half:].ravel()
+        top = loads.take(src)
+        at_src, at_dst = slot_off + src, slot_off + dst
+        pair_max = _pair_max(flat_w.take(at_src), flat_w.take(at_dst), flat_k.take(at_src), flat_k.take(at_dst),
+                             top, loads.take(dst), apart, scratch).reshape(per_pack * per_pack, -1)
+        # The best trade's index only where it helps.
+        c = np.flatnonzero(pair_max.min(0) < top * (1 - _MIN_GAIN))
+        if not len(c):
+            continue
+        a, b = np.divmod(pair_max[:, c].argmin(0), per_pack)
+        _swap(cells, a * plane + src[c], b * plane + dst[c])
+    all_rows = np.arange(rows)
+    for _ in range(_HEAVIEST_ROUNDS):
+        loads = _slot_sum(w_all)
+        heavy = loads.argmax(1) + pack_base[:, 0]  # flat in a plane
+        top = loads.reshape(-1).take(heavy)
+        at = slot_off + heavy
+        # The heaviest pack of each row against every pack of its row (itself too: delta
+        # 0 or a clash, never "better").
+        pair_max = _pair_max(np.repeat(flat_w.take(at), num_packs, axis=1), w_all.reshape(per_pack, -1),
+                             np.repeat(flat_k.take(at), num_packs, axis=1), k_all.reshape(per_pack, -1),
+                             np.repeat(top, num_packs), loads.reshape(-1), apart, scratch, dst_is_fresh=False)
+        pair_max = pair_max.reshape(per_pack * per_pack, rows, num_packs)
+        lowest = pair_max.min(0)  # [rows, packs]
+        partner = lowest.argmin(1)
+        r = np.flatnonzero(lowest[all_rows, partner] < top * (1 - _MIN_GAIN))
+        if not len(r):
             break
+        a, b = np.divmod(pair_max[:, r, partner[r]].argmin(0), per_pack)
+        _swap(cells, a * plane + heavy[r], b * plane + pack_base[r, 0] + partner[r])
 
 
 def _finish(phy_to_log: np.ndarray, num_experts: int, num_ranks: int, policy: Policy) -> Placement:
     """The reverse map and the counts, from the slot map."""
     num_layers, num_slots = phy_to_log.shape
-    counts = np.zeros((num_layers, num_experts), dtype=np.int64)
-    np.add.at(counts, (np.arange(num_layers)[:, None], phy_to_log), 1)
+    flat = (phy_to_log + (np.arange(num_layers) * num_experts)[:, None]).ravel()
+    counts = np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
     assert (counts >= 1).all(), "a placement lost an expert"
     # Slots grouped by expert (stable: ascending within one); a slot's index among its
-    # expert's replicas is its position minus where the expert's run starts.
-    order = np.argsort(phy_to_log, axis=1, kind="stable")
-    expert_of = np.take_along_axis(phy_to_log, order, axis=1)
+    # expert's replicas is its position minus where the expert's run starts. A stable
+    # sort of 16-bit keys is a radix sort, several times faster than a 64-bit one.
+    small = np.int16 if num_experts < 2**15 else np.int64
+    order = np.argsort(phy_to_log.astype(small), axis=1, kind="stable")
+    expert_of = _take_rows(phy_to_log, order)
     starts = np.cumsum(counts, axis=1) - counts
-    within = np.arange(num_slots) - np.take_along_axis(starts, expert_of, axis=1)
-    log_to_phy = np.full((num_layers, num_experts, int(counts.max())), -1, dtype=np.int64)
-    log_to_phy[np.arange(num_layers)[:, None], expert_of, within] = order
+    within = np.arange(num_slots) - _take_rows(starts, expert_of)
+    width = int(counts.max())
+    log_to_phy = np.full((num_layers, num_experts, width), -1, dtype=np.int64)
+    log_to_phy.reshape(-1)[(expert_of + (np.arange(num_layers) * num_experts)[:, None]) * width + within] = order
     return Placement(phy_to_log, log_to_phy, counts, num_ranks, num_slots // num_ranks, policy)
