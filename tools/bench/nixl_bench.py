@@ -24,14 +24,28 @@ import sys
 import tempfile
 import time
 
+KV_CACHE = """
+def kv_cache(shape, dtype, device):
+    # --alloc fabric|posix_fd: the cache in cuMemCreate'd memory (tools/bench/cuda_vmm.py), as UCX's
+    # cuda_ipc needs across PID namespaces; otherwise torch's allocator, as the engine makes it.
+    import os
+    alloc = os.environ.get("INFERMESH_BENCH_ALLOC", "torch")
+    if alloc == "torch" or device != "cuda":
+        return torch.empty(shape, dtype=dtype, device=device)
+    from tools.bench import cuda_vmm
+    return cuda_vmm.empty(shape, dtype, 0, cuda_vmm.HANDLE_FABRIC if alloc == "fabric" else cuda_vmm.HANDLE_POSIX_FD)
+"""
+
 HOLDER = """
 import base64, json, sys, torch
+"""+KV_CACHE+"""
 from shared.kv.connectors.nixl import tensor_geometry
 from shared.kv.wire.nixl import MemoryRegion, NixlAgent
 layers, blocks, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
 gen = torch.Generator(device=device).manual_seed(0)
-stacked = torch.randn((layers, 2, blocks, 16, 8, 128), generator=gen, device=device).to(dtype)
+stacked = kv_cache((layers, 2, blocks, 16, 8, 128), dtype, device)
+stacked.copy_(torch.randn((layers, 2, blocks, 16, 8, 128), generator=gen, device=device).to(dtype))
 agent = NixlAgent("holder", ("UCX",))
 agent.register([MemoryRegion(stacked.data_ptr(), stacked.numel() * stacked.element_size(), stacked.device.index or 0)],
                "VRAM" if device == "cuda" else "DRAM")
@@ -46,13 +60,14 @@ print("RESULT " + json.dumps({"notifications": notes}), flush=True)
 
 READER = """
 import asyncio, base64, hashlib, json, random, statistics, sys, time, torch
+"""+KV_CACHE+"""
 from shared.kv.connectors.nixl import TensorGeometry, descriptors, tensor_geometry
 from shared.kv.wire.nixl import MemoryRegion, NixlAgent
 layers, blocks, device, reps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 prompts = [int(n) for n in sys.argv[5].split(",")]
 holder = json.loads(sys.stdin.readline().removeprefix("DESC "))
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
-ours = torch.zeros((layers, 2, blocks, 16, 8, 128), dtype=dtype, device=device)
+ours = kv_cache((layers, 2, blocks, 16, 8, 128), dtype, device).zero_()
 memory = "VRAM" if device == "cuda" else "DRAM"
 agent = NixlAgent("reader", ("UCX",))
 agent.register([MemoryRegion(ours.data_ptr(), ours.numel() * ours.element_size(), ours.device.index or 0)], memory)
@@ -113,7 +128,7 @@ for tokens in prompts:
                     stream.append(nbytes_s / seconds / 1e9)
                 continue
             src, dst = scattered(n), scattered(n)
-            remote, local = descriptors({0: src}, {0: dst}, {0: layers}, theirs, mine)
+            remote, local = descriptors({0: src}, {0: dst}, {0: list(range(layers))}, theirs, mine)
             descs = len(remote)
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -183,11 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--op", choices=("read", "write"), default="read",
                    help="read: the reader gets the holder's blocks (the connector's way); write: it puts its own "
                         "into the holder's (a prefill writing into decode's blocks), checked by reading them back")
+    p.add_argument("--alloc", choices=("torch", "fabric", "posix_fd"), default="torch",
+                   help="GPU caches from torch's allocator (legacy CUDA IPC handles) or cuMemCreate'd with fabric "
+                        "or POSIX-fd handles (UCX's cuda_ipc crosses PID namespaces only with fabric handles)")
     p.add_argument("--poll-cap-us", default="", help="the reader's longest pause between polls (default: by memory)")
     args = p.parse_args(argv)
     from shared.kv.wire.nixl import UCX_CUDA_DEFAULTS
 
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "INFERMESH_BENCH_ALLOC": args.alloc}
     py = [sys.executable, "-c"]
     hosts = None
     if args.hosts:
@@ -240,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # UCX and NIXL may write to stdout too
             row = json.loads(line[4:])
             row.update(device=device, layers=args.layers, ucx_tls=env.get("UCX_TLS", "(UCX's choice)"),
-                       max_run=args.max_run, poll_cap_us=args.poll_cap_us or "(by memory)",
+                       max_run=args.max_run, alloc=args.alloc, poll_cap_us=args.poll_cap_us or "(by memory)",
                        cuda_ipc_max_poll=env.get("UCX_CUDA_IPC_MAX_POLL", f"{UCX_CUDA_DEFAULTS['UCX_CUDA_IPC_MAX_POLL']} (ours)"),
                        namespaces="net+pid" if hosts is not None else ("none" if args.one_pid_namespace else "pid"), holder_notifications=notes)  # fmt: skip
             print(json.dumps(row), flush=True)
