@@ -95,6 +95,12 @@ class EngineConfig:
     """Let a decode instance on the same host copy a request's KV straight out of this
     engine's cache (CUDA IPC on a GPU, shared memory under /dev/shm on the CPU),
     instead of through kvcache."""
+    kv_share_dir: str = ""
+    """A directory every prefill and decode instance on a host sees (a shared volume):
+    with it the direct copy also works between containers and pods (other PID
+    namespaces) of one host. The cache's memory is handed over a unix socket there
+    (file descriptors; on a GPU the cache is then made with CUDA's VMM API, whose
+    handles cross namespaces, where CUDA IPC's do not). "": one PID namespace only."""
     kv_lease_timeout_s: float = 10.0
     """How long finished prefill blocks are held for a direct copy before they are freed
     (the copier gives up earlier, so a block is never freed while it is being read)."""

@@ -124,6 +124,7 @@ class LLMEngine:
             max_model_len=max_model_len,
             max_batch=config.max_num_seqs,
             share_kv=share_kv,
+            kv_share_dir=config.kv_share_dir,
             # With speculation a verify step (the last token and up to γ drafts) replays graphs too.
             max_graph_query=1 + config.spec_tokens if config.speculative != "none" else 1,
         )

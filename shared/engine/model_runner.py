@@ -15,7 +15,7 @@ import torch
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.prompt_logprobs import chunk_targets, score_prompt
 from shared.kv.memory.region import KVRegion
-from shared.kv.memory.share import SharedMemoryAllocator
+from shared.kv.memory.share import Allocator, CudaVmmAllocator, SharedMemoryAllocator
 
 from shared.engine.sampler import LogprobTensors, Sampler, SamplingState, TokenLogprobs, logprob_tensors
 from shared.engine.spec.verify import verify_batch
@@ -102,8 +102,10 @@ class ModelRunner:
         max_batch: int = 64,
         share_kv: bool = False,
         max_graph_query: int = 1,
+        kv_share_dir: str = "",
     ) -> None:
-        """share_kv: make the KV cache mappable by peers on this host (direct transfer).
+        """share_kv: make the KV cache mappable by peers on this host (direct transfer);
+        kv_share_dir: also by peers in other PID namespaces that see this directory.
         max_graph_query: the longest chunk a CUDA graph step takes (1: decode steps only;
         1 + γ with speculation, so that verify steps replay graphs too); the graphs hold
         max_batch * max_graph_query rows."""
@@ -114,13 +116,22 @@ class ModelRunner:
         # One block more than the pool hands out: the pool's null block (id num_blocks),
         # where dropped sliding-window blocks point and writes that must not land go.
         self.null_block = num_blocks
-        # A CPU cache a peer can map is made in shared memory (a GPU one is shared by CUDA IPC).
-        allocator = SharedMemoryAllocator() if share_kv and device.type == "cpu" else None
+        # A CPU cache a peer can map is made in shared memory; a GPU one is shared by CUDA IPC,
+        # or, for peers in other PID namespaces, made by CUDA's VMM API with fd handles.
+        allocator: Allocator | None = None
+        if share_kv and device.type == "cpu":
+            allocator = SharedMemoryAllocator(share_dir=kv_share_dir)
+        elif share_kv and kv_share_dir and device.type == "cuda":
+            allocator = CudaVmmAllocator(device.index if device.index is not None else torch.cuda.current_device(),
+                                         kv_share_dir)  # fmt: skip
         try:
             self.kv_caches = model.allocate_kv_cache(num_blocks + 1, block_size, kv_dtype, device, allocator)
         except OSError as exc:
-            log.warning("KV cache not shared with peers (%s): decode instances read it through kvcache", exc)
-            allocator.close()  # type: ignore[union-attr]
+            if allocator is None:
+                raise
+            log.warning("KV cache not shared by its memory (%s): peers read it by %s", exc,
+                        "CUDA IPC in one PID namespace, NIXL or kvcache" if device.type == "cuda" else "kvcache")
+            allocator.close()
             allocator = None
             self.kv_caches = model.allocate_kv_cache(num_blocks + 1, block_size, kv_dtype, device)
         self.kv_region = KVRegion(self.kv_caches, self.kv_layout, allocator)

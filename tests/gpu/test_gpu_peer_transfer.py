@@ -32,8 +32,9 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
 from shared.kv.transfer import KVTransferParams
 
-model, prompt = sys.argv[1], json.loads(sys.argv[2])
-engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="float32", block_size=16, kv_lease_timeout_s=60),
+model, prompt, share_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="float32", block_size=16, kv_lease_timeout_s=60,
+                                kv_share_dir=share_dir),
                    kv_connector=MemoryConnector(MemoryKVStore()), share_kv=True)
 engine.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=1, temperature=0.0),
                                  kv_transfer=KVTransferParams(hold=True)))
@@ -51,7 +52,11 @@ sys.stdin.readline()  # hold the memory until the test is done
 
 
 
-def test_cuda_ipc_copy_between_processes_equals_a_cold_run(tmp_path):
+@pytest.mark.parametrize("namespaces", ["one", "pid"])
+def test_cuda_ipc_copy_between_processes_equals_a_cold_run(tmp_path, namespaces):
+    """one: torch's CUDA IPC handles, both processes in one PID namespace. pid: the prefill
+    in a PID namespace of its own (a container), its cache made by CUDA's VMM API and
+    handed over a unix socket in a directory both see (kv_share_dir)."""
     # Every layer full attention and wide kv heads, so the copy moves a measurable amount.
     save_tiny_hf_model(
         "qwen2", tmp_path, num_hidden_layers=4, max_position_embeddings=2048, use_sliding_window=False,
@@ -59,8 +64,14 @@ def test_cuda_ipc_copy_between_processes_equals_a_cold_run(tmp_path):
     )  # fmt: skip
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 500, (1500,), generator=g).tolist()
+    share_dir = str(tmp_path / "share") if namespaces == "pid" else ""
+    argv = [sys.executable, "-c", PREFILL, str(tmp_path), json.dumps(prompt), share_dir]
+    if namespaces == "pid":
+        if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode:
+            pytest.skip("unshare --pid is refused here")
+        argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
     child = subprocess.Popen(
-        [sys.executable, "-c", PREFILL, str(tmp_path), json.dumps(prompt)],
+        argv,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -69,6 +80,7 @@ def test_cuda_ipc_copy_between_processes_equals_a_cold_run(tmp_path):
         connector = PeerConnector(MemoryConnector(MemoryKVStore()), lambda peer, rid: released.append(rid))
         cfg = dict(model=str(tmp_path), device="cuda", dtype="float32", block_size=16)
         decode = LLMEngine(EngineConfig(**cfg), kv_connector=connector)
+        assert json.loads(line["region"])["kind"] == ("cuda_vmm" if namespaces == "pid" else "cuda")
         ids = {int(k): v for k, v in line["ids"].items()}
         source = PeerSource("prefill", line["region"].encode(), ids, line["n"], line["deadline"], line["layout"])
         greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -82,7 +94,7 @@ def test_cuda_ipc_copy_between_processes_equals_a_cold_run(tmp_path):
         assert out.token_ids == cold.token_ids
         moved = line["n"] * decode.runner.kv_region.block_bytes
         rate = moved / connector.copy_seconds / 1e9
-        print(f"\ndirect copy: {moved / 1e6:.1f} MB of KV in {connector.copy_seconds * 1e3:.2f} ms ({rate:.1f} GB/s); "
+        print(f"\ndirect copy ({namespaces} PID namespace): {moved / 1e6:.1f} MB of KV in {connector.copy_seconds * 1e3:.2f} ms ({rate:.1f} GB/s); "
               f"decode request incl. copy {elapsed * 1e3:.1f} ms")
     finally:
         child.communicate("\n", timeout=30)

@@ -226,6 +226,27 @@ def test_completions_across_namespaces_equal_offline_and_name_the_nixl_path(lab_
         assert decode["kv.loaded_blocks"] == full_blocks
 
 
+def test_containers_sharing_a_volume_copy_kv_directly(mesh_model_dir, tmp_path, offline):
+    """Prefill and decode in namespaces of their own, as containers of one host, given a
+    directory both see (kv_share_dir: a shared volume): prefill hands its cache's memory
+    over a unix socket there, and decode copies the held blocks straight out of it
+    (kv.path=peer), not through NIXL or kvcache; the tokens equal the offline engine's."""
+    env = {"INFERMESH_ENGINE__KV_SHARE_DIR": str(tmp_path / "kv-share")}
+    with lab_of(HOSTS) as lab, placed_mesh(mesh_model_dir, tmp_path / "mesh", lab, env=env) as mesh:
+        client = client_of(mesh)
+        name = client.models.list().data[0].id
+        for prompt in (LONG_PROMPT, PROMPTS[2]):
+            expected = greedy(offline, prompt)
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                            logprobs=1, extra_body={"return_token_ids": True, "ignore_eos": True})
+            assert_equals_offline(out.choices[0], out.usage, expected)
+            decode = request_spans(mesh, out.id)["decode"][0]["attributes"]
+            print(f"{len(expected.prompt_token_ids)} prompt tokens; decode {kv_attributes(decode)}")
+            full_blocks = len(expected.prompt_token_ids) // BLOCK
+            assert decode["kv.load_failed"] is False
+            assert (decode["kv.path"], decode["kv.loaded_blocks"]) == ("peer", full_blocks), decode
+
+
 def test_without_direct_transfer_decode_loads_from_kvcache_through_nixl(mesh_model_dir, tmp_path, offline):
     """kv_direct_transfer off: prefill holds nothing for decode, which loads the prompt's
     blocks from kvcache, in another namespace (host). kvcache cannot open decode's shared

@@ -25,15 +25,16 @@ import threading
 
 import torch
 
-from shared.kv.memory.share import SharedMemoryAllocator, describe
+from shared.kv.memory.share import Allocator, describe
 from shared.kv.spec import KVCacheLayout
 
 
 class KVRegion:
     def __init__(
-        self, kv_caches: list[torch.Tensor], layout: KVCacheLayout, allocator: SharedMemoryAllocator | None = None
+        self, kv_caches: list[torch.Tensor], layout: KVCacheLayout, allocator: Allocator | None = None
     ) -> None:
-        """allocator: what made the tensors when the CPU cache is shared with peers."""
+        """allocator: what made the tensors when the cache is shared with peers by its memory
+        (a CPU cache; a GPU cache handed across PID namespaces)."""
         self.kv_caches = kv_caches
         self.kv_layout = layout
         tensors: list[torch.Tensor | None] = [None] * layout.num_tensors

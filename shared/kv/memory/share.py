@@ -12,6 +12,13 @@ into the decode engine's, with no stop in between:
   description carries the file's device and inode: a peer in another PID
   namespace (another container) whose /proc/<pid>/fd/<fd> names some other
   file refuses it, rather than reading a stranger's bytes as KV.
+- across PID namespaces on one host (containers, pods), given a directory both
+  see (`kv_share_dir`, a shared volume): the owner hands the cache's file
+  descriptors over a unix socket there (fd_passing.py), to a peer that shows the
+  description's secret. On the CPU those are the /dev/shm files'; on a GPU the
+  cache is made with CUDA's virtual memory API and its POSIX-fd handles
+  (cuda_vmm.py), which the driver imports in any namespace, where legacy CUDA
+  IPC handles open only within one.
 
 `describe` turns the cache into a small JSON description that travels in the
 handoff; `open_peer` maps one. Nothing here is pickled: a description from the
@@ -28,6 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.kv.memory import cuda_vmm
+from shared.kv.memory.fd_passing import FdServer, fetch_fds
+
 _PROC_FD = re.compile(r"^/proc/\d+/fd/\d+$")
 
 
@@ -39,6 +49,9 @@ class SharedMemoryAllocator:
     paths: list[str] = field(default_factory=list)
     identities: list[tuple[int, int]] = field(default_factory=list)
     """(st_dev, st_ino) of each file, which a peer checks before mapping it."""
+    share_dir: str = ""
+    """Where to hand the files' descriptors to peers in other PID namespaces ("": not)."""
+    server: FdServer | None = None
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = 1
@@ -62,13 +75,52 @@ class SharedMemoryAllocator:
         self.identities.append((st.st_dev, st.st_ino))
         return tensor
 
+    def serve(self) -> FdServer | None:
+        if self.share_dir and self.server is None:
+            self.server = FdServer(self.share_dir, self.fds, {"kind": "shm"})
+        return self.server
+
     def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
         for fd in self.fds:
             os.close(fd)
         self.fds, self.paths, self.identities = [], [], []
 
 
-def describe(tensors: list[torch.Tensor], allocator: SharedMemoryAllocator | None, layout: str) -> bytes:
+@dataclass
+class CudaVmmAllocator:
+    """Makes the cache tensors (GPU) in memory of CUDA's virtual memory API whose
+    handles are file descriptors, handed to peers through `share_dir`."""
+
+    device: int
+    share_dir: str
+    mappings: list[cuda_vmm.Mapping] = field(default_factory=list)
+    server: FdServer | None = None
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        mapping = cuda_vmm.allocate(nbytes, self.device)
+        self.mappings.append(mapping)
+        return cuda_vmm.as_tensor(mapping, tuple(shape), dtype, self.device).zero_()
+
+    def serve(self) -> FdServer | None:
+        if self.server is None:
+            self.server = FdServer(self.share_dir, [m.fd for m in self.mappings], {"kind": "cuda_vmm"})
+        return self.server
+
+    def close(self) -> None:  # the memory goes with the last tensor over it
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        self.mappings = []
+
+
+Allocator = SharedMemoryAllocator | CudaVmmAllocator
+
+
+def describe(tensors: list[torch.Tensor], allocator: Allocator | None, layout: str) -> bytes:
     """How a peer on this host opens these cache tensors (as data: JSON). Each tensor is
     a whole allocation (a file, a CUDA allocation) of its own shape (caches of several
     size classes differ)."""
@@ -77,7 +129,12 @@ def describe(tensors: list[torch.Tensor], allocator: SharedMemoryAllocator | Non
         "layout": layout, "shape": list(first.shape), "shapes": [list(t.shape) for t in tensors],
         "dtype": str(first.dtype).removeprefix("torch."),
     }  # fmt: skip
-    if first.device.type == "cuda":
+    server = allocator.serve() if allocator is not None else None
+    if server is not None:
+        desc.update(socket=server.path, secret=server.secret)
+    if isinstance(allocator, CudaVmmAllocator):
+        desc.update(kind="cuda_vmm", sizes=[m.nbytes for m in allocator.mappings])
+    elif first.device.type == "cuda":
         storages = []
         for t in tensors:
             dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = t.untyped_storage()._share_cuda_()
@@ -107,7 +164,7 @@ def open_peer(data: bytes, device: torch.device) -> tuple[str, list[torch.Tensor
     try:
         desc = json.loads(data)
         dtype = getattr(torch, desc["dtype"])
-        count = len(desc["paths"] if desc["kind"] == "shm" else desc["storages"])
+        count = len({"shm": desc.get("paths"), "cuda": desc.get("storages"), "cuda_vmm": desc.get("sizes")}[desc["kind"]])
         shapes = [tuple(int(n) for n in shape) for shape in desc.get("shapes", [desc["shape"]] * count)]
         kind = desc["kind"]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -119,6 +176,11 @@ def open_peer(data: bytes, device: torch.device) -> tuple[str, list[torch.Tensor
     if kind == "shm":
         if device.type != "cpu":
             raise ValueError("a shared-memory KV region maps into a CPU engine only")
+        if desc.get("socket"):
+            try:
+                return desc["layout"], _open_handed(desc, shapes, dtype, device)
+            except ValueError:
+                pass  # no socket here: the files by their /proc paths (one PID namespace)
         tensors = []
         for path, identity, shape in zip(desc["paths"], desc.get("files", []), shapes):
             if not isinstance(path, str) or not _PROC_FD.match(path):
@@ -133,6 +195,10 @@ def open_peer(data: bytes, device: torch.device) -> tuple[str, list[torch.Tensor
         if len(tensors) != len(desc["paths"]):
             raise ValueError("a shared KV file without its identity")
         return desc["layout"], tensors
+    if kind == "cuda_vmm":
+        if device.type != "cuda":
+            raise ValueError("a CUDA KV region maps into a CUDA engine only")
+        return desc["layout"], _open_handed(desc, shapes, dtype, device)
     if kind == "cuda":
         if device.type != "cuda":
             raise ValueError("a CUDA KV region maps into a CUDA engine only")
@@ -155,3 +221,40 @@ def open_peer(data: bytes, device: torch.device) -> tuple[str, list[torch.Tensor
             tensors.append(torch.empty(0, dtype=dtype, device=f"cuda:{int(s['device'])}").set_(storage, 0, shape))
         return desc["layout"], tensors
     raise ValueError(f"unknown KV region kind {kind!r}")
+
+
+def _open_handed(desc: dict, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The cache tensors from the descriptors its owner hands over its socket."""
+    path, secret = desc.get("socket"), desc.get("secret")
+    if not isinstance(path, str) or not isinstance(secret, str) or not os.path.isabs(path):
+        raise ValueError("no socket to ask the KV cache's owner for its memory")
+    try:
+        header, fds = fetch_fds(path, secret, len(shapes))
+    except OSError as exc:
+        raise ValueError(f"cannot reach the KV cache's owner at {path}: {exc}") from None
+    try:
+        if header.get("kind") != desc["kind"]:
+            raise ValueError(f"the owner at {path} hands {header.get('kind')!r} memory, not {desc['kind']!r}")
+        if desc["kind"] == "shm":
+            tensors = []
+            for fd, shape in zip(fds, shapes):
+                try:
+                    size = math.prod(shape)
+                    if os.fstat(fd).st_size < size * torch.empty((), dtype=dtype).element_size():
+                        raise ValueError(f"the owner's KV file is smaller than {shape}")
+                    tensors.append(torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=dtype).view(shape))
+                except (OSError, RuntimeError) as exc:
+                    raise ValueError(f"cannot map the owner's KV file: {exc}") from None
+            return tensors
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tensors = []
+        for fd, nbytes, shape in zip(fds, desc["sizes"], shapes):
+            try:
+                mapping = cuda_vmm.import_fd(fd, int(nbytes), index)
+                tensors.append(cuda_vmm.as_tensor(mapping, shape, dtype, index))
+            except (OSError, RuntimeError) as exc:
+                raise ValueError(f"cannot map the owner's CUDA memory: {exc}") from None
+        return tensors
+    finally:
+        for fd in fds:
+            os.close(fd)
