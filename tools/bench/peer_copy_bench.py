@@ -14,6 +14,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -28,9 +29,14 @@ import json, sys, torch
 from shared.kv.memory.region import KVRegion
 from shared.kv.memory.share import SharedMemoryAllocator
 from shared.kv.spec import kv_cache_layout
+from shared.kv.memory.share import CudaVmmAllocator
 layers, blocks, device, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], getattr(torch, sys.argv[4])
+share_dir = sys.argv[5]
 layout = kv_cache_layout([None] * layers)
-alloc = SharedMemoryAllocator() if device == "cpu" else None
+if device == "cpu":
+    alloc = SharedMemoryAllocator(share_dir=share_dir)
+else:
+    alloc = CudaVmmAllocator(0, share_dir) if share_dir else None
 shape = (layers, 2, blocks, 16, 8, 128)  # one allocation, as the engine makes its cache
 stacked = alloc(shape, dtype) if alloc else torch.empty(shape, dtype=dtype, device=device)
 stacked.normal_()
@@ -47,6 +53,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--blocks", type=int, default=2048, help="blocks of 16 tokens in each cache")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--pid-namespace", action="store_true",
+                   help="the cache's owner in a PID namespace of its own (a container): its memory handed over a "
+                        "unix socket (kv_share_dir; on a GPU made by CUDA's VMM API), as between containers")
     p.add_argument("--log", default=None, metavar="PATH",
                    help="the raw file: what is printed, under tools/bench/raw_file.py's header")
     args = p.parse_args()
@@ -56,8 +65,12 @@ def main() -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     dtype = "bfloat16" if args.device == "cuda" else "float32"
+    share_dir = tempfile.mkdtemp(prefix="infermesh-kv-share-") if args.pid_namespace else ""
+    argv = [sys.executable, "-c", CHILD, str(args.layers), str(args.blocks), args.device, dtype, share_dir]
+    if args.pid_namespace:
+        argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(args.layers), str(args.blocks), args.device, dtype],
+        argv,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -70,7 +83,9 @@ def _bench(args: argparse.Namespace) -> None:
         mine = list(torch.zeros(shape, dtype=getattr(torch, dtype), device=device).unbind(0))
         region = KVRegion(mine, layout, alloc)
         g = torch.Generator().manual_seed(0)
-        print(f"{args.device}, {args.layers} layers, {dtype}: block = {region.block_bytes / 1e6:.2f} MB across layers")
+        kind = json.loads(description)["kind"]
+        print(f"{args.device}, {args.layers} layers, {dtype}, owner in {'its own' if args.pid_namespace else 'our'} "
+              f"PID namespace, memory shared as {kind}: block = {region.block_bytes / 1e6:.2f} MB across layers")
         for tokens in (1024, 8192):
             n = tokens // 16
             src = torch.randperm(args.blocks, generator=g)[:n].tolist()

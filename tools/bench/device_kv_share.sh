@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU call: the direct KV copy between PID namespaces (kv_share_dir: the cache made by
+# CUDA's VMM API, its memory handed over a unix socket), measured as deployed.
+#   COMMIT=$(git rev-parse --short HEAD) bash tools/bench/device_kv_share.sh     # on the device
+# Needs the carry of tools/bench/device_carry.sh. Writes raw files to $OUT (default ./kv-share-out).
+#   STAGES="tests copy mesh8k"   which parts (default: tests copy mesh)
+#   KV_GIB=5                     KV per engine (three 8B engines share the card)
+set -uo pipefail
+out=${OUT:-$PWD/kv-share-out}
+mkdir -p "$out"
+source tools/bench/device_setup.sh
+stages=${STAGES:-tests copy mesh}
+kv=$(( ${KV_GIB:-5} << 30 ))
+run() { echo "\$ $*"; "$@" 2>&1; }
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -m tools.bench.raw_file --command "STAGES='$stages' bash tools/bench/device_kv_share.sh"
+} | tee "$out/header.txt"
+for stage in $stages; do
+  case $stage in
+  tests)
+    run timeout 300 python3 -m pytest -q -s -p no:cacheprovider --noconftest -rfE --tb=short \
+      tests/gpu/test_gpu_peer_transfer.py 2>&1 | tee "$out/peer_tests.log" ;;
+  copy)
+    for ns in "" --pid-namespace "" --pid-namespace; do
+      run timeout 120 python3 -m tools.bench.peer_copy_bench --reps 5 $ns
+    done 2>&1 | tee "$out/peer_copy.log" ;;
+  mesh | mesh8k)
+    model=models/llama3-8b
+    [ -f $model/config.json ] || run python3 -m tools.cli make-model $model --preset llama3-8b --dtype bfloat16 --device cuda | tail -2
+    if [ $stage = mesh ]; then len=(--prompt-len 1024 --concurrency 1 16 64 --num-requests 4 32 64); else
+      len=(--prompt-len 8192 --concurrency 1 16 --num-requests 2 16); fi
+    rm -rf /tmp/kv-share /tmp/mesh-state
+    INFERMESH_ENGINE__KV_SHARE_DIR=/tmp/kv-share run timeout ${MESH_S:-400} python3 -m tools.cli bench-mesh \
+      --model $model --dtype bfloat16 --device cuda --output-len 128 --targets http mesh \
+      --kv-cache-memory-bytes $kv "${len[@]}" --pid-namespaces --state-dir /tmp/mesh-state \
+      --json "$out/$stage.json" 2>&1 | tee "$out/$stage.log"
+    # Which path each request's KV took, from the decode spans.
+    python3 - <<'EOF' 2>&1 | tee -a "$out/$stage.log"
+import collections, glob, json
+paths, copy = collections.Counter(), []
+for f in glob.glob("/tmp/mesh-state/**/traces/*.jsonl", recursive=True):
+    for line in open(f):
+        try:
+            s = json.loads(line)
+        except ValueError:
+            continue
+        a = s.get("attributes", {})
+        if s.get("name") == "decode" and "kv.path" in a:
+            paths[a["kv.path"]] += 1
+            if a.get("kv.copy_ms") and a.get("kv.loaded_bytes"):
+                copy.append(a["kv.loaded_bytes"] / a["kv.copy_ms"] / 1e6)
+print("decode spans by kv.path:", dict(paths))
+if copy:
+    copy.sort()
+    print(f"direct copy GB/s over {len(copy)} requests: min {copy[0]:.1f} median {copy[len(copy)//2]:.1f} max {copy[-1]:.1f}")
+EOF
+    grep -h -i "error\|Traceback" /tmp/mesh-state/mesh/logs/*.log 2>/dev/null | sort | uniq -c | sort -rn | head -5 | tee -a "$out/$stage.log"
+    ;;
+  esac
+done
