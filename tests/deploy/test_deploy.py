@@ -128,10 +128,8 @@ def chart_values(name: str) -> dict | None:
 # -- the Helm chart ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
-def test_chart_renders_and_every_manifest_validates_strictly(values_name):
-    docs = render_chart(chart_values(values_name))
-    assert {"ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget"} <= {d["kind"] for d in docs}
+def assert_manifests_valid(docs: list[dict]) -> None:
+    """Every manifest validates strictly against the Kubernetes API schemas of each KUBE_VERSIONS."""
     for doc in docs:
         if doc["apiVersion"] in CRD_API_VERSIONS:
             continue  # no schema ships for CRDs; test_chart_references_resolve checks what it points at
@@ -141,6 +139,13 @@ def test_chart_renders_and_every_manifest_validates_strictly(values_name):
             except kubernetes_validate.ValidationError as exc:
                 pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes {version}: {exc.message}"
                             f" at {'.'.join(map(str, exc.absolute_path))}")
+
+
+@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
+def test_chart_renders_and_every_manifest_validates_strictly(values_name):
+    docs = render_chart(chart_values(values_name))
+    assert {"ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget"} <= {d["kind"] for d in docs}
+    assert_manifests_valid(docs)
 
 
 @pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
@@ -320,24 +325,62 @@ def test_chart_runs_prefill_and_decode_apart_and_moves_kv_through_nixl():
     assert "ports" not in rule and rule["from"]
 
 
-def test_chart_shares_the_node_pid_namespace_only_where_a_stage_asks():
-    """hostPID (CUDA IPC between a node's prefill and decode pods: legacy handles cannot
-    cross a PID namespace) is off by default and, when asked, on that stage's pods alone."""
-    values = {"stages": {s: {"hostPID": True, "kvTransfer": {"ucx": {"tls": "cuda_ipc,cuda_copy,tcp"}}}
-                         for s in ("prefill", "decode")}}
-    pods = workloads(render_chart(values))
+def test_chart_shares_kv_memory_through_a_node_directory_only_when_asked():
+    """kvShare.hostPath: prefill and decode pods (not the balancer, not kvcache) mount that
+    node directory (DirectoryOrCreate) where INFERMESH_ENGINE__KV_SHARE_DIR points, so that
+    a node's decode pods copy prefill's KV directly (pods on other nodes find no socket there
+    and use NIXL); a root init container with CHOWN and FOWNER only gives it to the pods'
+    user. Unset (the default), no pod has any of it; no pod shares a node namespace either
+    way. kv_share_dir under `settings` is refused: kvShare.hostPath sets it."""
+    path = "/run/infermesh/kv-share"
+    values = {"kvShare": {"hostPath": path}}
+    docs = render_chart(values)
+    assert_manifests_valid(docs)
+    report = helm.lint(CHART, values, strict=True, kube_version="v1.27.0")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+    pods, envs = workloads(docs), container_envs(docs)
     for stage in ("prefill", "decode"):
         pod = pods[f"mesh-infermesh-{stage}"]["spec"]["template"]["spec"]
-        assert pod["hostPID"] is True
-        assert not pod.get("hostIPC") and not pod.get("hostNetwork")
-        assert kv_transfer_env(pod)["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp"
+        assert {"name": "kv-share", "hostPath": {"path": path, "type": "DirectoryOrCreate"}} in pod["volumes"]
+        (main,) = pod["containers"]
+        (mount,) = [m for m in main["volumeMounts"] if m["name"] == "kv-share"]
+        assert not mount.get("readOnly")
+        env = envs[f"mesh-infermesh-{stage}/{stage}"]
+        assert env["INFERMESH_ENGINE__KV_SHARE_DIR"] == mount["mountPath"] == "/run/infermesh/kv-share"
+        assert load_settings(env={k: v for k, v in env.items() if k.startswith("INFERMESH_")}).engine.kv_share_dir == (
+            mount["mountPath"])
+        (init,) = [c for c in pod["initContainers"] if c["name"] == "kv-share"]
+        assert init["volumeMounts"] == [{"name": "kv-share", "mountPath": mount["mountPath"]}]
+        assert init["command"][-1] == f"chown 10001:10001 {mount['mountPath']} && chmod 0700 {mount['mountPath']}"
+        assert init["securityContext"] == {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                                           "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}}
+        assert pod["securityContext"]["runAsUser"] == 10001 and pod["securityContext"]["runAsGroup"] == 10001
+        for shared in ("shareProcessNamespace", "hostIPC", "hostPID", "hostNetwork"):
+            assert not pod.get(shared), (stage, shared)
     for other in ("balancer", "kvcache"):
-        assert not pods[f"mesh-infermesh-{other}"]["spec"]["template"]["spec"].get("hostPID")
-    pods = workloads(render_chart({"stages": {"decode": {"hostPID": True}}}))
-    assert pods["mesh-infermesh-decode"]["spec"]["template"]["spec"]["hostPID"] is True
-    assert "hostPID" not in pods["mesh-infermesh-prefill"]["spec"]["template"]["spec"]
-    with pytest.raises(helm.HelmValuesError, match="hostPID"):
-        render_chart({"stages": {"decode": {"hostPID": "yes"}}})
+        assert "kv-share" not in json.dumps(pods[f"mesh-infermesh-{other}"]), other
+        assert not any("KV_SHARE_DIR" in k for k in envs[f"mesh-infermesh-{other}/{other}"]), other
+    assert "KV_SHARE_DIR" not in json.dumps(kinds(docs, "ConfigMap"))
+    # The pods' user, whoever it is, gets the directory.
+    pods = workloads(render_chart({**values, "podSecurityContext": {"runAsUser": 20000, "runAsGroup": 20001}}))
+    (init,) = [c for c in pods["mesh-infermesh-decode"]["spec"]["template"]["spec"]["initContainers"]
+               if c["name"] == "kv-share"]
+    assert init["command"][-1].startswith("chown 20000:20001 ")
+    # Unset: nothing of it anywhere.
+    docs = render_chart()
+    assert "kv-share" not in json.dumps(docs) and "KV_SHARE_DIR" not in json.dumps(docs)
+    assert not any("KV_SHARE_DIR" in k for env in container_envs(docs).values() for k in env)
+    # The directory through settings is refused; so is a relative path, and hostPID is gone.
+    for bad, where in (({"settings": {"engine": {"kv_share_dir": path}}}, "settings"),
+                       ({"stages": {"decode": {"settings": {"engine": {"kv_share_dir": path}}}}},
+                        r"stages\.decode\.settings")):
+        with pytest.raises(helm.HelmError, match=rf"^.*: {where}\.engine\.kv_share_dir: set kvShare\.hostPath"):
+            render_chart(bad)
+    for bad, where in (({"kvShare": {"hostPath": "kv-share"}}, "/kvShare/hostPath"),
+                       ({"kvShare": {"path": path}}, "properties 'path' not allowed"),
+                       ({"stages": {"decode": {"hostPID": True}}}, "properties 'hostPID' not allowed")):
+        with pytest.raises(helm.HelmValuesError, match=where):
+            render_chart(bad)
 
 
 def test_chart_rdma_example_puts_the_pools_apart_on_rdma():
@@ -822,20 +865,31 @@ def test_compose_runs_prefill_and_decode_apart_and_moves_kv_through_nixl(profile
         "false", "rc,ud,sm,self", "mlx5_0:1")
 
 
-def test_compose_one_node_overlay_shares_the_host_pid_namespace_for_cuda_ipc():
-    """compose.gpu-one-node.yaml: the GPU prefill and decode join the host's PID
-    namespace (CUDA IPC cannot cross one) and offer UCX cuda_ipc; nothing else changes."""
-    overlay = (DEPLOY / "compose" / "compose.gpu-one-node.yaml",)
-    compose_config("gpu", quiet=True, overlays=overlay)
-    base, services = compose_config("gpu")["services"], compose_config("gpu", overlays=overlay)["services"]
-    for name in ("prefill-gpu-0", "decode-gpu-0"):
-        assert services[name]["pid"] == "host", name
-        assert "ipc" not in services[name] and "network_mode" not in services[name], name
-        assert services[name]["environment"]["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp", name
-        rest = {k: v for k, v in services[name]["environment"].items() if k != "UCX_TLS"}
-        assert rest == {k: v for k, v in base[name]["environment"].items() if k != "UCX_TLS"}, name
-    for name in ("kvcache", "balancer", "nats"):
-        assert services[name] == base[name], name
+@pytest.mark.parametrize("profile", [None, "gpu"])
+def test_compose_workers_share_the_kv_share_volume_for_the_direct_copy(profile):
+    """Compose runs on one host: every worker (and nothing else) mounts the one `kv-share`
+    volume at the directory INFERMESH_ENGINE__KV_SHARE_DIR names, so that decode copies
+    prefill's KV directly across their containers' PID namespaces. The volume is in memory
+    and belongs to the image's user (which binds the socket there), closed to others."""
+    config = compose_config(*((profile,) if profile else ()))
+    services = config["services"]
+    workers = set(COMPOSE_INSTANCES) if profile is None else {"prefill-gpu-0", "decode-gpu-0"}
+    for name, svc in services.items():
+        mounts = [v for v in svc.get("volumes", []) if v["source"] == "kv-share"]
+        env = svc.get("environment") or {}
+        if name not in workers:
+            assert not mounts and "INFERMESH_ENGINE__KV_SHARE_DIR" not in env, name
+            continue
+        (mount,) = mounts
+        assert mount["type"] == "volume" and not mount.get("read_only") and "subpath" not in mount.get("volume", {})
+        assert env["INFERMESH_ENGINE__KV_SHARE_DIR"] == mount["target"] == "/run/infermesh/kv-share", name
+        settings = load_settings(env={k: v for k, v in env.items() if k.startswith("INFERMESH_")})
+        assert settings.engine.kv_share_dir == mount["target"] and settings.engine.kv_direct_transfer, name
+    volume = config["volumes"]["kv-share"]
+    assert volume.get("driver", "local") == "local" and volume["driver_opts"]["type"] == "tmpfs"
+    options = dict(o.partition("=")[::2] for o in volume["driver_opts"]["o"].split(","))
+    user = next(c.value[0] for c in reversed(dockerfile_final_stage()) if c.cmd == "USER")
+    assert (options["uid"], options["gid"]) == tuple(user.split(":")) and options["mode"] == "0700"
 
 
 def test_prometheus_scrapes_every_service_on_its_metrics_port():

@@ -98,3 +98,24 @@ def test_cuda_ipc_copy_between_processes_equals_a_cold_run(tmp_path, namespaces)
               f"decode request incl. copy {elapsed * 1e3:.1f} ms")
     finally:
         child.communicate("\n", timeout=30)
+
+
+def test_a_mapped_peer_cache_lives_as_long_as_any_view_of_it(tmp_path):
+    """kvcache's write-behind child keeps only views of the mapped cache (per_tensor): the
+    mapping must outlive the tensors open_peer returned, or reads fault (an illegal address)."""
+    import gc
+
+    from shared.kv.memory.region import per_tensor
+    from shared.kv.memory.share import CudaVmmAllocator, describe, open_peer
+
+    alloc = CudaVmmAllocator(torch.cuda.current_device(), str(tmp_path))
+    owned = alloc((4, 2, 64, 16, 2, 64), torch.bfloat16)
+    owned.normal_()
+    expected = owned.float().sum().item()
+    _, allocations = open_peer(describe([owned], alloc, "x"), torch.device("cuda"))
+    views = per_tensor(allocations)
+    del allocations
+    gc.collect()
+    torch.cuda.synchronize()
+    assert sum(v.float().sum().item() for v in views) == pytest.approx(expected, rel=1e-3)
+    alloc.close()

@@ -29,7 +29,7 @@ for stage in $stages; do
     model=models/llama3-8b
     [ -f $model/config.json ] || run python3 -m tools.cli make-model $model --preset llama3-8b --dtype bfloat16 --device cuda | tail -2
     if [ $stage = mesh ]; then len=(--prompt-len 1024 --concurrency 1 16 64 --num-requests 4 32 64); else
-      len=(--prompt-len 8192 --concurrency 1 16 --num-requests 2 16); fi
+      len=(--prompt-len 8192 --concurrency 1 4 --num-requests 2 4); fi
     rm -rf /tmp/kv-share /tmp/mesh-state
     INFERMESH_ENGINE__KV_SHARE_DIR=/tmp/kv-share run timeout ${MESH_S:-400} python3 -m tools.cli bench-mesh \
       --model $model --dtype bfloat16 --device cuda --output-len 128 --targets http mesh \

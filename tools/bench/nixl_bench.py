@@ -26,14 +26,16 @@ import time
 
 KV_CACHE = """
 def kv_cache(shape, dtype, device):
-    # --alloc fabric|posix_fd: the cache in cuMemCreate'd memory (tools/bench/cuda_vmm.py), as UCX's
+    # --alloc fabric|posix_fd: the cache in cuMemCreate'd memory (shared/kv/memory/cuda_vmm.py), as UCX's
     # cuda_ipc needs across PID namespaces; otherwise torch's allocator, as the engine makes it.
     import os
     alloc = os.environ.get("INFERMESH_BENCH_ALLOC", "torch")
     if alloc == "torch" or device != "cuda":
         return torch.empty(shape, dtype=dtype, device=device)
-    from tools.bench import cuda_vmm
-    return cuda_vmm.empty(shape, dtype, 0, cuda_vmm.HANDLE_FABRIC if alloc == "fabric" else cuda_vmm.HANDLE_POSIX_FD)
+    from shared.kv.memory import cuda_vmm
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    mapping = cuda_vmm.allocate(nbytes, 0, cuda_vmm.HANDLE_FABRIC if alloc == "fabric" else cuda_vmm.HANDLE_POSIX_FD)
+    return cuda_vmm.as_tensor(mapping, shape, dtype, 0)
 """
 
 HOLDER = """

@@ -64,7 +64,7 @@ def _check(lib: ctypes.CDLL, code: int, what: str) -> None:
 @dataclass
 class Mapping:
     """A physical allocation mapped at [pointer, pointer + nbytes) in this process.
-    Unmapped when the last tensor over it goes (tensors keep it in `_vmm_mapping`)."""
+    Unmapped when the last tensor over it goes (as_tensor's storage holds it)."""
 
     pointer: int
     nbytes: int
@@ -147,17 +147,21 @@ def import_fd(fd: int, nbytes: int, device: int) -> Mapping:
     return Mapping(pointer, nbytes, handle.value)
 
 
+class _ArrayInterface:
+    """CUDA's array interface over a mapping: torch wraps the pointer without a copy and
+    holds this object until the storage goes, so the mapping lives exactly as long as any
+    tensor or view over it (a Python attribute on one tensor would not: views lack it)."""
+
+    def __init__(self, mapping: Mapping, nbytes: int) -> None:
+        self.mapping = mapping
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (mapping.pointer, False),
+                                         "version": 3}
+
+
 def as_tensor(mapping: Mapping, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
-    """The mapping's first bytes as a tensor of `shape`; the tensor keeps the mapping alive."""
+    """The mapping's first bytes as a tensor of `shape`; its storage keeps the mapping alive."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes > mapping.nbytes:
         raise ValueError(f"a tensor of {nbytes} bytes over a mapping of {mapping.nbytes}")
-
-    class _Interface:  # CUDA's array interface: torch wraps the pointer without a copy
-        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (mapping.pointer, False),
-                                    "version": 3}
-
-    raw = torch.as_tensor(_Interface(), device=f"cuda:{device}")
-    tensor = raw.view(dtype).view(shape)
-    tensor._vmm_mapping = mapping  # type: ignore[attr-defined]
-    return tensor
+    raw = torch.as_tensor(_ArrayInterface(mapping, nbytes), device=f"cuda:{device}")
+    return raw.view(dtype).view(shape)

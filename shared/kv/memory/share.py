@@ -114,7 +114,6 @@ class CudaVmmAllocator:
         if self.server is not None:
             self.server.close()
             self.server = None
-        self.mappings = []
 
 
 Allocator = SharedMemoryAllocator | CudaVmmAllocator
