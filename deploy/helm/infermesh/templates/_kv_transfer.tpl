@@ -149,3 +149,42 @@ its only fence. */}}
   {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/* kvShare (values.yaml): a node directory through which the engine stages'
+pods of one node hand over their KV cache's memory, for the direct copy across
+their PID namespaces. Mounted at the same path in every such pod. */}}
+{{- define "infermesh.kvShareDir" -}}/run/infermesh/kv-share{{- end -}}
+
+{{/* Refuses kv_share_dir under `settings` (top level or the stage's): a
+directory only one pod sees shares nothing; kvShare.hostPath mounts it and sets
+it. (dict "root" "component" "values") */}}
+{{- define "infermesh.kvShareCheck" -}}
+{{- range $where, $settings := dict "settings" .root.Values.settings (printf "stages.%s.settings" .component) (.values.settings | default dict) }}
+{{- if dig "engine" "kv_share_dir" "" ($settings | default dict) }}
+{{- fail (printf "%s.engine.kv_share_dir: set kvShare.hostPath instead (it mounts the node's directory in the prefill and decode pods and sets kv_share_dir to it)" $where) }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The init container that gives the node's directory (DirectoryOrCreate makes
+it root's, mode 0755) to the pods' user, mode 0700: the engine binds its socket
+there as that user. Root with CHOWN and FOWNER only. */}}
+{{- define "infermesh.kvShareInitContainer" -}}
+{{- if .root.Values.kvShare.hostPath -}}
+{{- $uid := .root.Values.podSecurityContext.runAsUser | default 10001 | int -}}
+{{- $gid := .root.Values.podSecurityContext.runAsGroup | default $uid | int -}}
+- name: kv-share
+  {{- include "infermesh.image" . | nindent 2 }}
+  command: ["sh", "-c", "chown {{ $uid }}:{{ $gid }} {{ include "infermesh.kvShareDir" . }} && chmod 0700 {{ include "infermesh.kvShareDir" . }}"]
+  securityContext:
+    runAsUser: 0
+    runAsNonRoot: false
+    allowPrivilegeEscalation: false
+    capabilities:
+      drop: [ALL]
+      add: [CHOWN, FOWNER]
+  volumeMounts:
+    - name: kv-share
+      mountPath: {{ include "infermesh.kvShareDir" . }}
+{{- end -}}
+{{- end -}}
