@@ -26,6 +26,7 @@ network is data, checked before use.
 """
 
 import base64
+import logging
 import json
 import math
 import os
@@ -38,6 +39,7 @@ import torch
 from shared.kv.memory import cuda_vmm
 from shared.kv.memory.fd_passing import FdServer, fetch_fds
 
+log = logging.getLogger(__name__)
 _PROC_FD = re.compile(r"^/proc/\d+/fd/\d+$")
 
 
@@ -128,7 +130,11 @@ def describe(tensors: list[torch.Tensor], allocator: Allocator | None, layout: s
         "layout": layout, "shape": list(first.shape), "shapes": [list(t.shape) for t in tensors],
         "dtype": str(first.dtype).removeprefix("torch."),
     }  # fmt: skip
-    server = allocator.serve() if allocator is not None else None
+    try:
+        server = allocator.serve() if allocator is not None else None
+    except OSError as exc:  # an unwritable kv_share_dir: peers fall back (NIXL, kvcache), the handoff goes on
+        log.warning("KV cache memory not offered over kv_share_dir: %s", exc)
+        server = None
     if server is not None:
         desc.update(socket=server.path, secret=server.secret)
     if isinstance(allocator, CudaVmmAllocator):
