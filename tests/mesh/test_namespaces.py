@@ -149,6 +149,20 @@ def assert_equals_offline(choice, usage, expected) -> None:  # noqa: ANN001
     assert usage.prompt_tokens == len(expected.prompt_token_ids) and usage.completion_tokens == MAX_TOKENS
 
 
+def equal_to_offline(mesh: Mesh, offline: LLM, prompt: str) -> tuple[dict[str, list[dict]], int]:
+    """A greedy completion of prompt through the mesh, checked equal to the offline
+    engine's; its trace's spans by name and the number of the prompt's full blocks."""
+    client = client_of(mesh)
+    expected = greedy(offline, prompt)
+    out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=MAX_TOKENS,
+                                    temperature=0, logprobs=1,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    assert_equals_offline(out.choices[0], out.usage, expected)
+    spans = request_spans(mesh, out.id)
+    print(f"{len(expected.prompt_token_ids)} prompt tokens; decode {kv_attributes(spans['decode'][0]['attributes'])}")
+    return spans, len(expected.prompt_token_ids) // BLOCK
+
+
 LISTENER = """
 import signal, socket, sys
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
@@ -233,16 +247,9 @@ def test_containers_sharing_a_volume_copy_kv_directly(mesh_model_dir, tmp_path, 
     (kv.path=peer), not through NIXL or kvcache; the tokens equal the offline engine's."""
     env = {"INFERMESH_ENGINE__KV_SHARE_DIR": str(tmp_path / "kv-share")}
     with lab_of(HOSTS) as lab, placed_mesh(mesh_model_dir, tmp_path / "mesh", lab, env=env) as mesh:
-        client = client_of(mesh)
-        name = client.models.list().data[0].id
         for prompt in (LONG_PROMPT, PROMPTS[2]):
-            expected = greedy(offline, prompt)
-            out = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                            logprobs=1, extra_body={"return_token_ids": True, "ignore_eos": True})
-            assert_equals_offline(out.choices[0], out.usage, expected)
-            decode = request_spans(mesh, out.id)["decode"][0]["attributes"]
-            print(f"{len(expected.prompt_token_ids)} prompt tokens; decode {kv_attributes(decode)}")
-            full_blocks = len(expected.prompt_token_ids) // BLOCK
+            spans, full_blocks = equal_to_offline(mesh, offline, prompt)
+            decode = spans["decode"][0]["attributes"]
             assert decode["kv.load_failed"] is False
             assert (decode["kv.path"], decode["kv.loaded_blocks"]) == ("peer", full_blocks), decode
 
@@ -255,17 +262,9 @@ def test_without_direct_transfer_decode_loads_from_kvcache_through_nixl(mesh_mod
     every full block, the first request's load included."""
     env = {"INFERMESH_ENGINE__KV_DIRECT_TRANSFER": "false"}
     with lab_of(HOSTS) as lab, placed_mesh(mesh_model_dir, tmp_path, lab, env=env) as mesh:
-        client = client_of(mesh)
-        name = client.models.list().data[0].id
         for prompt in (LONG_PROMPT, PROMPTS[2]):
-            expected = greedy(offline, prompt)
-            out = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                            logprobs=1, extra_body={"return_token_ids": True, "ignore_eos": True})
-            assert_equals_offline(out.choices[0], out.usage, expected)
-            spans = request_spans(mesh, out.id)
+            spans, full_blocks = equal_to_offline(mesh, offline, prompt)
             decode = spans["decode"][0]["attributes"]
-            print(f"{len(expected.prompt_token_ids)} prompt tokens; decode {kv_attributes(decode)}")
-            full_blocks = len(expected.prompt_token_ids) // BLOCK
             assert decode["kv.loaded_direct"] is False and decode["kv.load_failed"] is False
             assert (decode["kv.path"], decode["kv.kvcache_plane"]) == ("kvcache", "nixl"), decode
             assert decode["kv.loaded_blocks"] == full_blocks

@@ -85,6 +85,15 @@ class Mapping:
 
 
 def _map(lib: ctypes.CDLL, handle: int, nbytes: int, device: int) -> int:
+    """Map the allocation `handle` on `device`; released (not leaked) when mapping fails."""
+    try:
+        return _reserve_and_map(lib, handle, nbytes, device)
+    except CudaDriverError:
+        lib.cuMemRelease(ctypes.c_uint64(handle))
+        raise
+
+
+def _reserve_and_map(lib: ctypes.CDLL, handle: int, nbytes: int, device: int) -> int:
     ptr = ctypes.c_uint64()
     _check(lib, lib.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(nbytes), ctypes.c_size_t(0),
                                         ctypes.c_uint64(0), ctypes.c_uint64(0)), "cuMemAddressReserve")  # fmt: skip
@@ -118,12 +127,7 @@ def allocate(nbytes: int, device: int, handle_types: int = HANDLE_POSIX_FD) -> M
     handle = ctypes.c_uint64()
     _check(lib, lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_uint64(0)),
            "cuMemCreate")  # fmt: skip
-    try:
-        pointer = _map(lib, handle.value, size, device)
-    except CudaDriverError:
-        lib.cuMemRelease(handle)
-        raise
-    mapping = Mapping(pointer, size, handle.value)
+    mapping = Mapping(_map(lib, handle.value, size, device), size, handle.value)
     if handle_types & HANDLE_POSIX_FD:
         fd = ctypes.c_int(-1)
         _check(lib, lib.cuMemExportToShareableHandle(ctypes.byref(fd), ctypes.c_uint64(handle.value),
@@ -139,12 +143,7 @@ def import_fd(fd: int, nbytes: int, device: int) -> Mapping:
     handle = ctypes.c_uint64()
     _check(lib, lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), HANDLE_POSIX_FD),
            "cuMemImportFromShareableHandle")  # fmt: skip
-    try:
-        pointer = _map(lib, handle.value, nbytes, device)
-    except CudaDriverError:
-        lib.cuMemRelease(handle)
-        raise
-    return Mapping(pointer, nbytes, handle.value)
+    return Mapping(_map(lib, handle.value, nbytes, device), nbytes, handle.value)
 
 
 class _ArrayInterface:
