@@ -5,6 +5,9 @@
 # Needs the carry of tools/bench/device_carry.sh. Writes raw files to $OUT (default ./kv-share-out).
 #   STAGES="tests copy mesh8k"   which parts (default: tests copy mesh)
 #   KV_GIB=5                     KV per engine (three 8B engines share the card)
+#   MPS=1                        run the mesh stages under CUDA MPS: prefill and decode of one card
+#                                then run kernels side by side instead of time-slicing the card
+#   TESTS=all                    the tests stage runs all of tests/gpu, not only the peer tests
 set -uo pipefail
 out=${OUT:-$PWD/kv-share-out}
 mkdir -p "$out"
@@ -14,22 +17,32 @@ kv=$(( ${KV_GIB:-5} << 30 ))
 run() { echo "\$ $*"; "$@" 2>&1; }
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -m tools.bench.raw_file --command "STAGES='$stages' bash tools/bench/device_kv_share.sh"
+  python3 -m tools.bench.raw_file --command "STAGES='$stages' KV_GIB=${KV_GIB:-5} MPS=${MPS:-0} TESTS=${TESTS:-peer} CONC8K='${CONC8K:-1 4}' NREQ8K='${NREQ8K:-2 4}' bash tools/bench/device_kv_share.sh"
 } | tee "$out/header.txt"
+mps_start() {  # once, before the first mesh stage (tests/gpu runs without it)
+  [ "${MPS:-0}" = 1 ] && [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  run nvidia-cuda-mps-control -d 2>&1 | tee -a "$out/header.txt"
+  echo "MPS control daemon: $(command -v nvidia-cuda-mps-control)" | tee -a "$out/header.txt"
+  trap 'echo quit | nvidia-cuda-mps-control; tail -n 20 /tmp/mps-log/*.log > "$out/mps.log" 2>&1' EXIT
+}
 for stage in $stages; do
   case $stage in
   tests)
+    what=tests/gpu/test_gpu_peer_transfer.py; [ "${TESTS:-}" = all ] && what=tests/gpu
     run timeout 300 python3 -m pytest -q -s -p no:cacheprovider --noconftest -rfE --tb=short \
-      tests/gpu/test_gpu_peer_transfer.py 2>&1 | tee "$out/peer_tests.log" ;;
+      $what 2>&1 | tee "$out/gpu_tests.log" ;;
   copy)
     for ns in "" --pid-namespace "" --pid-namespace; do
       run timeout 120 python3 -m tools.bench.peer_copy_bench --reps 5 $ns
     done 2>&1 | tee "$out/peer_copy.log" ;;
   mesh | mesh8k)
+    mps_start
     model=models/llama3-8b
     [ -f $model/config.json ] || run python3 -m tools.cli make-model $model --preset llama3-8b --dtype bfloat16 --device cuda | tail -2
     if [ $stage = mesh ]; then len=(--prompt-len 1024 --concurrency 1 16 64 --num-requests 4 32 64); else
-      len=(--prompt-len 8192 --concurrency 1 4 --num-requests 2 4); fi
+      len=(--prompt-len 8192 --concurrency ${CONC8K:-1 4} --num-requests ${NREQ8K:-2 4}); fi
     rm -rf /tmp/kv-share /tmp/mesh-state
     INFERMESH_ENGINE__KV_SHARE_DIR=/tmp/kv-share run timeout ${MESH_S:-400} python3 -m tools.cli bench-mesh \
       --model $model --dtype bfloat16 --device cuda --output-len 128 --targets http mesh \
