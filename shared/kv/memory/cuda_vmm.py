@@ -157,9 +157,14 @@ class _ArrayInterface:
                                          "version": 3}
 
 
+def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a contiguous tensor of `shape` and `dtype`."""
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
 def as_tensor(mapping: Mapping, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
     """The mapping's first bytes as a tensor of `shape`; its storage keeps the mapping alive."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = tensor_bytes(shape, dtype)
     if nbytes > mapping.nbytes:
         raise ValueError(f"a tensor of {nbytes} bytes over a mapping of {mapping.nbytes}")
     raw = torch.as_tensor(_ArrayInterface(mapping, nbytes), device=f"cuda:{device}")

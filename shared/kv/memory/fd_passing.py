@@ -82,13 +82,14 @@ def fetch_fds(path: str, secret: str, count: int, timeout_s: float = 5.0) -> tup
         sock.connect(path)
         sock.sendall(secret.encode())
         data, fds, _, _ = socket.recv_fds(sock, _MAX_HEADER, max(count, 1))
-    if len(fds) != count or not data:
-        for fd in fds:
-            os.close(fd)
-        raise OSError(f"the KV cache's owner at {path} handed {len(fds)} descriptors, not {count}")
     try:
-        return json.loads(data), fds
-    except ValueError:
+        if len(fds) != count or not data:
+            raise OSError(f"the KV cache's owner at {path} handed {len(fds)} descriptors, not {count}")
+        try:
+            return json.loads(data), fds
+        except ValueError:
+            raise OSError(f"the KV cache's owner at {path} answered no header") from None
+    except OSError:
         for fd in fds:
             os.close(fd)
-        raise OSError(f"the KV cache's owner at {path} answered no header") from None
+        raise

@@ -56,10 +56,7 @@ class SharedMemoryAllocator:
     server: FdServer | None = None
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = cuda_vmm.tensor_bytes(shape, dtype)
         # The file is sparse: a /dev/shm too small for it would kill us (SIGBUS) at first touch.
         free = os.statvfs("/dev/shm")
         if free.f_bavail * free.f_frsize < nbytes * 2:
@@ -68,7 +65,7 @@ class SharedMemoryAllocator:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)  # zero-filled
-            tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+            tensor = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
         finally:
             os.unlink(path)  # reachable through the open fd only: gone with this process
         self.fds.append(fd)
@@ -102,8 +99,7 @@ class CudaVmmAllocator:
     server: FdServer | None = None
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        mapping = cuda_vmm.allocate(nbytes, self.device)
+        mapping = cuda_vmm.allocate(cuda_vmm.tensor_bytes(shape, dtype), self.device)
         self.mappings.append(mapping)
         return cuda_vmm.as_tensor(mapping, tuple(shape), dtype, self.device).zero_()
 
@@ -244,9 +240,9 @@ def _open_handed(desc: dict, shapes: list[tuple[int, ...]], dtype: torch.dtype, 
             tensors = []
             for fd, shape in zip(fds, shapes):
                 try:
-                    size = math.prod(shape)
-                    if os.fstat(fd).st_size < size * torch.empty((), dtype=dtype).element_size():
+                    if os.fstat(fd).st_size < cuda_vmm.tensor_bytes(shape, dtype):
                         raise ValueError(f"the owner's KV file is smaller than {shape}")
+                    size = math.prod(shape)
                     tensors.append(torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=dtype).view(shape))
                 except (OSError, RuntimeError) as exc:
                     raise ValueError(f"cannot map the owner's KV file: {exc}") from None
