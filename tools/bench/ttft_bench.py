@@ -29,18 +29,24 @@ from tools.launch.up import Mesh, free_port
 
 
 def ttft(api_url: str, model: str, prompt: list[int]) -> tuple[float, str]:
-    """(seconds to the first streamed token, the completion's id)."""
+    """(seconds to the first streamed token, the completion's id). The stream is read
+    to its end: a client that leaves after its first token cancels the request, and
+    decode records where the KV came from (kv.path) only on a request that finishes."""
     started = time.perf_counter()
+    first: float | None = None
+    rid = ""
     body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{api_url}/completions", json=body, timeout=600,
                       headers={"Authorization": "Bearer x"}) as resp:  # fmt: skip
         resp.raise_for_status()
         for line in resp.iter_lines():
-            if line.startswith("data: {"):
+            if first is None and line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 if chunk["choices"] and chunk["choices"][0].get("text") is not None:
-                    return time.perf_counter() - started, chunk["id"]
-    raise RuntimeError("the stream ended without a token")
+                    first, rid = time.perf_counter() - started, chunk["id"]
+    if first is None:
+        raise RuntimeError("the stream ended without a token")
+    return first, rid
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
                     times[key].append(seconds)
                     ids[key].append(rid)
         # Each timed request's decode span: where its prompt KV came from.
-        paths = {key: sorted({str(request_span(mesh.trace_dir, rid, "decode").get("kv.path")) for rid in ids[key]})
+        # ("local": the balancer had decode compute the prompt itself.)
+        def path(span: dict) -> str:
+            return "local" if span.get("prefill.local") else str(span.get("kv.path"))
+
+        paths = {key: sorted({path(request_span(mesh.trace_dir, rid, "decode")) for rid in ids[key]})
                  for key, mesh in meshes.items()}  # fmt: skip
         ratios = [a / b for a, b in zip(times["across"], times["one"])]
         row = {
