@@ -59,7 +59,9 @@ for f in glob.glob("/tmp/mesh-state/**/traces/*.jsonl", recursive=True):
         except ValueError:
             continue
         a = s.get("attributes", {})
-        if s.get("name") == "decode" and "kv.path" in a:
+        if s.get("name") == "decode" and a.get("prefill.local"):
+            paths["local (decode computed the prompt)"] += 1
+        elif s.get("name") == "decode" and "kv.path" in a:
             paths[a["kv.path"]] += 1
             if a.get("kv.copy_ms") and a.get("kv.loaded_bytes"):
                 copy.append(a["kv.loaded_bytes"] / a["kv.copy_ms"] / 1e6)
