@@ -146,6 +146,8 @@ for tokens in prompts:
                 if op == "write":  # read the written blocks back to check them
                     sent = ours.index_select(2, idx_d).clone()
                     ours.zero_()
+                    if device == "cuda":  # the zeroing runs on torch's stream, UCX's copies on their own:
+                        torch.cuda.synchronize()  # unsynchronised it zeroed blocks the read had landed
                     agent.read("holder", local, remote, memory, memory, b"", 60.0, poll_cap_s)
                     if not torch.equal(ours.index_select(2, idx_d), sent):
                         raise SystemExit("the blocks written are not in the holder's cache")
