@@ -3,7 +3,7 @@
 # CUDA's VMM API, its memory handed over a unix socket), measured as deployed.
 #   COMMIT=$(git rev-parse --short HEAD) bash tools/bench/device_kv_share.sh     # on the device
 # Needs the carry of tools/bench/device_carry.sh. Writes raw files to $OUT (default ./kv-share-out).
-#   STAGES="tests copy mesh8k"   which parts (default: tests copy mesh)
+#   STAGES="tests copy nixlw mesh8k"   which parts (default: tests copy mesh)
 #   KV_GIB=5                     KV per engine (three 8B engines share the card)
 #   MPS=1                        run the mesh stages under CUDA MPS: prefill and decode of one card
 #                                then run kernels side by side instead of time-slicing the card
@@ -37,6 +37,10 @@ for stage in $stages; do
     for ns in "" --pid-namespace "" --pid-namespace; do
       run timeout 120 python3 -m tools.bench.peer_copy_bench --reps 5 $ns
     done 2>&1 | tee "$out/peer_copy.log" ;;
+  nixlw)  # a put into scattered blocks, checked by reading them back (one PID namespace: cuda_ipc)
+    for run in 8 0; do
+      run timeout 120 python3 -m tools.bench.nixl_bench --op write --one-pid-namespace --max-run $run --reps 3
+    done 2>&1 | tee "$out/nixl_write.log" ;;
   mesh | mesh8k)
     mps_start
     model=models/llama3-8b
