@@ -224,6 +224,11 @@ class InvariantExperts:
 
     triton: bool
 
+    @property
+    def host_sync_free(self) -> bool:
+        """The fused MoE never reads the device; the PyTorch path reads its run lengths."""
+        return self.triton
+
     def __call__(
         self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         *, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None, activation: str = "silu",

@@ -230,7 +230,10 @@ class Experts(nn.Module):
     @property
     def host_sync_free(self) -> bool:
         """Whether a forward never reads the device from the host (the fused path)."""
-        return self._fused_moe_mxfp4 is not None if self.mxfp4 else self._fused_moe is not None
+        if self.mxfp4:
+            return self._fused_moe_mxfp4 is not None
+        # A kernel may say it syncs (batch-invariant mode's PyTorch experts do).
+        return self._fused_moe is not None and getattr(self._fused_moe, "host_sync_free", True)
 
     def stacked(self) -> dict[str, torch.Tensor]:
         """The stacked weights by attribute name (``gate_up_proj``, ``down_proj`` and the
