@@ -25,10 +25,15 @@ product, underlies the Triton table below (checked on an H200 by
 tests/gpu/test_gpu_batch_invariant.py, and by tests/gpu/test_gpu_invariant_matmul.py
 for the matmul's tiles of every M bucket).
 
-apply(model) installs a table on a built dense Llama-family model by swapping the
-kernel objects its modules already dispatch to: Linear's row kernel, RMSNorm's kernel
-module, attention's rotary and attention modules, and the model's attention planner.
-Experts (MoE) are refused: their grouped GEMMs are not made invariant. Two tables:
+apply(model) installs a table on a built Llama-family model (dense, Qwen3-MoE, GPT-OSS)
+by swapping the kernel objects its modules already dispatch to: Linear's row kernel,
+RMSNorm's kernel module, attention's rotary and attention modules, the model's
+attention planner, and for MoE layers the router's row kernel and the experts' kernel
+(``InvariantExperts``: every (token, choice) pair computed as a row of its own through
+the table's matmul, then a token's k outputs added in choice order; a token's output
+so never depends on which tokens share its batch, rank or expert). ``install`` does
+the module part for any module (a DeepSeek-V4 MoE block, an expert-parallel rank's
+experts: shared/model/expert_parallel.py). Two tables:
 
 - on CUDA (and on the CPU for a model built with kernels="triton" under
   TRITON_INTERPRET=1, which is how the kernels are tested): Triton kernels whose
@@ -53,12 +58,16 @@ from shared.model.attention import write_kv
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.kernels import triton_module
 from shared.model.layers import Linear, RMSNorm, apply_rope
+from shared.model.moe import Experts, Router, experts_reference, sum_over_choices
 from shared.model.ops import Ops
 
 TILE_ROWS = 16
 """Rows per product tile (queries per attention tile)."""
 CHUNK = 64
 """Elements per reduction chunk (keys per attention tile, norm chunk)."""
+PAIR_BLOCK_M = 16
+"""Rows per block of the fused MoE on the Triton table: one block size whatever the
+number of pairs (the normal path picks it from that number)."""
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -203,6 +212,45 @@ def _attend_one(
     return out.reshape(num_heads, -1, head_dim)[:, :num_q].transpose(0, 1).to(q.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class InvariantExperts:
+    """The routed experts with ``fused_moe``'s signature (the Experts module's kernel slot),
+    batch-invariant: the (token, choice) pairs become rows of one choice each, token-major,
+    computed by the table's per-row-invariant products (the PyTorch path with
+    ``invariant_linear``, or the fused MoE at one block size), each weighted as the
+    normal path weighs it; then each token's k rows are added in choice order. An
+    expert-parallel rank computes the pairs it receives by this same kernel (k = 1), so
+    its rows are bitwise the single process's."""
+
+    triton: bool
+
+    @property
+    def host_sync_free(self) -> bool:
+        """The fused MoE never reads the device; the PyTorch path reads its run lengths."""
+        return self.triton
+
+    def __call__(
+        self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+        *, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None, activation: str = "silu",
+        swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
+    ) -> torch.Tensor:  # fmt: skip
+        num_tokens, k = ids.shape
+        rows = x.repeat_interleave(k, dim=0) if k > 1 else x
+        pair_ids, pair_weights = ids.reshape(-1, 1), weights.reshape(-1, 1)
+        if self.triton:
+            fused_moe = triton_module("fused_moe").fused_moe
+            per_pair = fused_moe(
+                rows, gate_up, down, pair_ids, pair_weights, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                activation=activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, block_m=PAIR_BLOCK_M,
+            )  # fmt: skip
+        else:
+            per_pair = experts_reference(
+                rows, pair_ids, pair_weights, gate_up, down, gate_up_bias, down_bias, activation, swiglu_limit,
+                swiglu_alpha, matmul=invariant_linear,
+            )  # fmt: skip
+        return sum_over_choices(per_pair.view(num_tokens, k, -1))
+
+
 def uses_triton_table(model: torch.nn.Module) -> bool:
     """Whether apply() installs the Triton table: on CUDA always; on the CPU only for a
     model built with Triton kernels (kernels="triton", under TRITON_INTERPRET=1)."""
@@ -213,18 +261,18 @@ def uses_triton_table(model: torch.nn.Module) -> bool:
 def invariant_ops(triton: bool) -> Ops:
     """A batch-invariant table (see the module docstring): the Triton one, or the PyTorch one.
     No batch-1 fused GEMV (a second code path for one row); the activation is left as the
-    model was built (elementwise, hence invariant already); experts are refused by apply."""
+    model was built (elementwise, hence invariant already); the experts: ``InvariantExperts``."""
     if triton:
         matmul = triton_module("invariant_matmul").invariant_matmul
         attention = triton_module("invariant_attention")
         return Ops(
             "batch_invariant_triton", triton=True, gemv=matmul, rmsnorm=triton_module("rmsnorm"),
-            rotary=triton_module("rotary"), attention=attention,
+            rotary=triton_module("rotary"), attention=attention, fused_moe=InvariantExperts(triton=True),
         )  # fmt: skip
     invariant = InvariantAttention()
     return Ops(
         "batch_invariant_torch", triton=False, gemv=invariant_linear, rmsnorm=InvariantNorm(),
-        rotary=invariant, attention=invariant,
+        rotary=invariant, attention=invariant, fused_moe=InvariantExperts(triton=False),
     )  # fmt: skip
 
 
@@ -233,22 +281,39 @@ def apply(model: torch.nn.Module) -> None:
     its kernels, taken from ``invariant_ops``, in the slots its modules already dispatch to."""
     from shared.model.models.llama import Attention, LlamaForCausalLM
 
-    dense = isinstance(model, LlamaForCausalLM) and not model._sparse_blocks
-    if not dense or not all(isinstance(layer.self_attn, Attention) for layer in model.model.layers):
-        raise ValueError("batch_invariant supports dense Llama-family models only (experts are not invariant)")
+    if not isinstance(model, LlamaForCausalLM) or not all(
+        isinstance(layer.self_attn, Attention) for layer in model.model.layers
+    ):
+        raise ValueError("batch_invariant supports Llama-family models only (dense, Qwen3-MoE, GPT-OSS)")
     ops = invariant_ops(uses_triton_table(model))
     # The Triton table: every kernel of the forward is invariant, so a captured decode graph
     # is too. The PyTorch one: no CUDA graphs (they capture the Triton path).
     model.use_triton = ops.triton
     model._triton_attention = ops.attention
     model._gemv = ops.gemv  # the logits' product (lm_head or the tied embeddings)
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module._gemv = ops.gemv
-        elif isinstance(module, RMSNorm):
-            module._triton = ops.rmsnorm
-        elif isinstance(module, Attention):
-            module._rotary = ops.rotary
-            module._attention = ops.attention
-        if hasattr(module, "_gated_gemv"):
-            module._gated_gemv = ops.gated_gemv  # None: the MLP's batch-1 fused GEMV is a second code path
+    install(model, ops)
+
+
+def install(module: torch.nn.Module, ops: Ops) -> None:
+    """Put the table's kernels in the slots of ``module`` and its children: Linear's row
+    kernel, RMSNorm's kernel, attention's rotary and attention, a MoE router's row kernel
+    and the routed experts' kernel. Experts kept packed in MXFP4 are refused (their
+    kernel is not made invariant)."""
+    from shared.model.models.llama import Attention
+
+    for child in module.modules():
+        if isinstance(child, Linear):
+            child._gemv = ops.gemv
+        elif isinstance(child, RMSNorm):
+            child._triton = ops.rmsnorm
+        elif isinstance(child, Attention):
+            child._rotary = ops.rotary
+            child._attention = ops.attention
+        elif isinstance(child, Router):
+            child._gemv = ops.gemv
+        elif isinstance(child, Experts):
+            if child.mxfp4:
+                raise ValueError("batch_invariant does not cover experts kept packed in MXFP4: load them dequantised")
+            child._fused_moe = ops.fused_moe
+        if hasattr(child, "_gated_gemv"):
+            child._gated_gemv = ops.gated_gemv  # None: the MLP's batch-1 fused GEMV is a second code path

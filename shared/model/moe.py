@@ -19,6 +19,7 @@ Each forward also counts tokens per expert on the device into a row of the model
 padding are not counted (``counted_tokens``).
 """
 
+import dataclasses
 from collections.abc import Collection
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.ops import TORCH_OPS, Kernel, Ops
-from shared.model.layers import MergedLinear, Linear
+from shared.model.layers import MergedLinear, Linear, linear
 from shared.model.moe_config import MlpLayerType, MoEConfig
 from shared.model.profiling import profiled
 from shared.model.quantized import FP4_GROUP, dequantize_fp4_groups
@@ -94,9 +95,12 @@ class Router(nn.Module):
             if hashed
             else None
         )
+        # F.linear; batch-invariant mode installs its row kernel here (batch_invariant.make_moe_invariant),
+        # since a token's logits, and so its experts, must not depend on the batch.
+        self._gemv: Kernel | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)
+        logits = linear(x, self.weight, self.bias, self._gemv)
         hashed_ids = None
         if self.tid2eid is not None:
             if input_ids is None:
@@ -141,10 +145,12 @@ def experts_reference(
     activation: str,
     limit: float | None,
     alpha: float,
+    matmul: Kernel = F.linear,
 ) -> torch.Tensor:
     """The experts' PyTorch path: x [T, hidden], ids and weights [T, k], stacked weights
     gate_up [E, 2I, hidden] and down [E, hidden, I] (biases [E, 2I], [E, hidden] or None)
-    -> sum over the k choices of weight * expert(x), [T, hidden]."""
+    -> sum over the k choices of weight * expert(x), [T, hidden]. ``matmul``: F.linear's
+    signature (batch-invariant mode passes its row kernel)."""
     num_tokens, k = ids.shape
     flat_ids = ids.reshape(-1)
     order = torch.sort(flat_ids, stable=True).indices  # (token, choice) pairs grouped by expert
@@ -160,13 +166,23 @@ def experts_reference(
         end = start + n
         expert_gate_up_bias = None if gate_up_bias is None else gate_up_bias[expert]
         expert_down_bias = None if down_bias is None else down_bias[expert]
-        h = expert_activation(F.linear(rows[start:end], gate_up[expert], expert_gate_up_bias), activation, limit, alpha)
-        out_rows[start:end] = F.linear(h, down[expert], expert_down_bias)
+        h = expert_activation(matmul(rows[start:end], gate_up[expert], expert_gate_up_bias), activation, limit, alpha)
+        out_rows[start:end] = matmul(h, down[expert], expert_down_bias)
         start = end
     out_rows = out_rows * weights.reshape(-1)[order, None]
     out = torch.zeros_like(x)
     out.index_add_(0, token_of_row, out_rows.to(x.dtype))
     return out
+
+
+def sum_over_choices(per_choice: torch.Tensor) -> torch.Tensor:
+    """[T, k, hidden] -> [T, hidden]: a token's k expert outputs added in choice order,
+    one elementwise add after another, so that the sum never depends on the batch (a
+    reduction kernel may split or order it by the tensor's size)."""
+    total = per_choice[:, 0]
+    for choice in range(1, per_choice.shape[1]):
+        total = total + per_choice[:, choice]
+    return total
 
 
 class Experts(nn.Module):
@@ -214,7 +230,32 @@ class Experts(nn.Module):
     @property
     def host_sync_free(self) -> bool:
         """Whether a forward never reads the device from the host (the fused path)."""
-        return self._fused_moe_mxfp4 is not None if self.mxfp4 else self._fused_moe is not None
+        if self.mxfp4:
+            return self._fused_moe_mxfp4 is not None
+        # A kernel may say it syncs (batch-invariant mode's PyTorch experts do).
+        return self._fused_moe is not None and getattr(self._fused_moe, "host_sync_free", True)
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """The stacked weights by attribute name (``gate_up_proj``, ``down_proj`` and the
+        biases where the family has them), each [E, ...]."""
+        if self.mxfp4:
+            raise ValueError("experts kept packed in MXFP4 cannot be split or moved: load them dequantised")
+        names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+        return {name: getattr(self, name).detach() for name in names if getattr(self, name) is not None}
+
+    def select(self, experts: torch.Tensor) -> "Experts":
+        """A new Experts holding copies of ``experts`` [n] (expert ids, repeats allowed)
+        as its experts 0 .. n-1, with this one's kernel: an expert-parallel rank's slots
+        (shared/model/expert_parallel.py)."""
+        stacked = self.stacked()
+        gate_up = stacked["gate_up_proj"]
+        moe = dataclasses.replace(self.moe, num_experts=len(experts), top_k=1)
+        chosen = Experts(gate_up.shape[2], moe, self.dtype, gate_up.device)
+        chosen._fused_moe = self._fused_moe
+        index = experts.to(gate_up.device)
+        for name, whole in stacked.items():
+            getattr(chosen, name).copy_(whole.index_select(0, index))
+        return chosen
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         return expert_activation(gate_up, self.moe.activation, self.moe.swiglu_limit, self.moe.swiglu_alpha)

@@ -5,7 +5,9 @@ M = 128, the prefill tiles above, one block_k) and stays close to F.linear; a
 weight's family picks other tiles for small and large M with one block_k; the invariant
 attention gives a query token the same bits alone, chunked differently and inside
 mixed decode / prefill batches (plain, sliding window with a key floor, sinks), and
-stays close to the PyTorch reference; the engine on a tiny model with
+stays close to the PyTorch reference; the routed experts (issue 28: the fused MoE one
+pair per row at one block size, choices added in order) give a token the same bits
+alone and among others; the engine on a tiny model with
 kernels="triton" and batch_invariant=True returns one request's logprobs bitwise
 equal alone and inside a chunked, mixed batch.
 
@@ -48,12 +50,37 @@ from shared.model.kernels.paged_decode import paged_decode_attention  # noqa: E4
 from shared.model.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from shared.model.kernels.reference import paged_attention_ref  # noqa: E402
 from shared.model.loader import load_model  # noqa: E402
+from shared.model.moe import Experts  # noqa: E402
+from shared.model.moe_config import MoEConfig  # noqa: E402
 from tests.helpers.hf_models import random_prompts, save_tiny_hf_model  # noqa: E402
 
 if not isinstance(ia._invariant_attention_kernel, InterpretedFunction):
     raise RuntimeError("the kernel modules were imported before TRITON_INTERPRET=1 was set: they would not run on the CPU")
 
 pytestmark = pytest.mark.usefixtures("place_free_dot")  # the root conftest's place-free dot, for every test here
+
+
+# ---------------------------------------------------------------- experts
+
+
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+def test_experts_give_a_token_the_same_bits_alone_and_among_others(activation: str) -> None:
+    moe = MoEConfig(4, 2, 32, "softmax_topk", expert_bias=activation == "gpt_oss", activation=activation,
+                    swiglu_limit=0.5 if activation == "gpt_oss" else None)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    experts = Experts(32, moe, torch.float32, torch.device("cpu"))
+    for p in experts.parameters():
+        p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    reference_path = experts.select(torch.arange(4))  # the PyTorch path, before the kernel goes in
+    batch_invariant.install(experts, batch_invariant.invariant_ops(triton=True))
+    x = torch.randn(19, 32, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(19)])
+    weights = torch.rand(19, 2, generator=g)
+    full = experts(x, ids, weights)
+    torch.testing.assert_close(full, reference_path(x, ids, weights), rtol=1e-4, atol=1e-5)
+    for start, num in [(0, 1), (7, 1), (3, 9), (18, 1)]:
+        part = slice(start, start + num)
+        assert torch.equal(experts(x[part], ids[part], weights[part]), full[part]), (start, num)
 
 
 # ---------------------------------------------------------------- matmul

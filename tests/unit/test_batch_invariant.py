@@ -1,4 +1,4 @@
-"""Batch-invariant mode (issue 14, point 3) on the CPU: one request's logprobs
+"""Batch-invariant mode (issue 14, point 3; the MoE families, issue 28) on the CPU: one request's logprobs
 (logprobs=5) bitwise equal alone and inside batches of 2, 7, 16 and 64 requests of
 mixed lengths, with chunked prefill, a prefix hit and speculating neighbours; and the same comparison FAILS
 in the normal mode (so the test can fail), as does the normal linear at op level."""
@@ -86,3 +86,19 @@ def test_logprobs_bitwise_equal_while_the_batch_speculates(model: str) -> None:
     assert load.num_spec_verifications > 0 and (load.spec_fallbacks or {}).get("logprobs", 0) > 0
     speculated = outs[0].token_ids
     assert LLM(model, batch_invariant=True).generate([prompts[0]], params[0])[0].token_ids == speculated
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param)))
+
+
+def test_moe_logprobs_bitwise_equal_alone_and_in_a_batch(moe_model: str) -> None:
+    """The MoE families (issue 28): routers and experts take the invariant kernels too
+    (batch_invariant.InvariantExperts), so a request's logprobs do not depend on which
+    tokens share its experts."""
+    alone = _alone(moe_model, invariant=True)
+    normal = _alone(moe_model, invariant=False)
+    assert alone[0] == normal[0]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(alone[1], normal[1]))
+    assert _in_batch(moe_model, True, 16) == alone

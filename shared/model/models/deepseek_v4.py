@@ -357,6 +357,16 @@ class V4Attention(nn.Module):
         )  # fmt: skip
 
 
+def v4_moe(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS) -> SparseMoE:
+    """Layer ``layer_idx``'s MoE block: hash-routed (by token id) or top-k, shared experts."""
+    moe = config.moe
+    assert moe is not None
+    kind = config.mlp_layer_type(layer_idx)
+    # A hash-routed layer chooses by token id: no selection bias (transformers' DeepseekV4HashRouter).
+    layer_moe = dataclasses.replace(moe, selection_bias=False) if kind == "hash_moe" else moe
+    return SparseMoE(config.hidden_size, layer_moe, kind, config.vocab_size, dtype, device, router_name="gate", ops=ops)
+
+
 class V4DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS
@@ -364,12 +374,8 @@ class V4DecoderLayer(nn.Module):
         super().__init__()
         p, moe = config.deepseek_v4, config.moe
         assert p is not None and moe is not None
-        kind = config.mlp_layer_type(layer_idx)
-        # A hash-routed layer chooses by token id: no selection bias (transformers' DeepseekV4HashRouter).
-        layer_moe = dataclasses.replace(moe, selection_bias=False) if kind == "hash_moe" else moe
         self.self_attn = V4Attention(config, layer_idx, dtype, device)
-        self.mlp = SparseMoE(config.hidden_size, layer_moe, kind, config.vocab_size, dtype, device, router_name="gate",
-                             ops=ops)  # fmt: skip
+        self.mlp = v4_moe(config, layer_idx, dtype, device, ops)
         self.input_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.post_attention_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         hc = (config.hidden_size, p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps, config.rms_norm_eps, device, ops)
