@@ -26,21 +26,27 @@ def paged_logits(path: Path, steps: Steps, parallel: ParallelContext = SINGLE) -
         return [driver.step(step) for step in steps]
 
 
-def _rank(rank: int, world_size: int, port: int, path: Path, steps: Steps, results: Any) -> None:
+Logits = list[dict[int, torch.Tensor]]
+"""Each step's logits per sequence, as PagedDriver.step returns them."""
+
+
+def _rank(rank: int, world_size: int, port: int, cases: list[tuple[Path, Steps]], results: Any) -> None:
+    torch.set_num_threads(1)  # the ranks share the host's few cores
     store = join_store(port, world_size)
     parallel = tensor_parallel_context(store, rank, world_size, torch.device("cpu"))
-    logits = paged_logits(path, steps, parallel)
+    logits = [paged_logits(path, steps, parallel) for path, steps in cases]
     # As numpy arrays: a torch tensor would cross as a shared-memory handle, gone with this process.
-    results.put((rank, [{s: t.numpy() for s, t in step.items()} for step in logits]))
+    results.put((rank, [[{s: t.numpy() for s, t in step.items()} for step in case] for case in logits]))
 
 
-def tensor_parallel_logits(path: Path, steps: Steps, world_size: int, timeout_s: float = 120.0) -> list[list[dict[int, torch.Tensor]]]:
-    """Every rank's logits of every step (rank order), the ranks real processes over gloo."""
+def tensor_parallel_logits(cases: list[tuple[Path, Steps]], world_size: int, timeout_s: float = 300.0) -> list[list[Logits]]:
+    """[case][rank]: every rank's logits of every step of each (checkpoint, steps) case,
+    the ranks real processes over gloo (one start for all the cases)."""
     context = multiprocessing.get_context("spawn")
     store = serve_store(world_size)
     results = context.Queue()
     procs = [
-        context.Process(target=_rank, args=(rank, world_size, store.port, path, steps, results), daemon=True)
+        context.Process(target=_rank, args=(rank, world_size, store.port, cases, results), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -53,4 +59,7 @@ def tensor_parallel_logits(path: Path, steps: Steps, world_size: int, timeout_s:
             if proc.exitcode is None:
                 proc.kill()
     assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
-    return [[{s: torch.from_numpy(a) for s, a in step.items()} for step in got[rank]] for rank in range(world_size)]
+    return [
+        [[{s: torch.from_numpy(a) for s, a in step.items()} for step in got[rank][case]] for rank in range(world_size)]
+        for case in range(len(cases))
+    ]

@@ -39,6 +39,8 @@ def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig
         device = rank_device(config.device, rank, world_size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        else:  # the host's cores shared out between the ranks, not each rank's threads on all of them
+            torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
         store = join_store(store_port, world_size)
         conn.send(("joined", None))
         parallel = tensor_parallel_context(store, rank, world_size, device)
