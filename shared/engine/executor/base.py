@@ -53,15 +53,10 @@ class Executor(ABC):
 
 
 class UniProcExecutor(Executor):
-    """One rank, the runner itself: its bound methods, so a step costs no more than
-    calling the runner did."""
+    """One rank: each operation is the runner's own, called straight through."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.execute = runner.execute  # type: ignore[method-assign]
-        self.launch = runner.launch  # type: ignore[method-assign]
-        self.collect = runner.collect  # type: ignore[method-assign]
-        self.time_step = runner.time_step  # type: ignore[method-assign]
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(sched)

@@ -28,8 +28,7 @@ from shared.model.moe import Experts, SparseMoE, counted_tokens
 from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.model.parallel import SINGLE, ParallelContext, Shard
 from shared.model.parallel_layers import (
-    MergedColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, column_shard,
-    kv_head_shard,
+    MergedColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, kv_head_shard,
 )  # fmt: skip
 from shared.kv.spec import KVCacheLayout, kv_cache_layout
 
@@ -55,18 +54,16 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx]
         hidden = config.hidden_size
-        self._sinks_shard: Shard | None = None
         if parallel.is_parallel:
-            q_shard = column_shard(config.num_attention_heads * self.head_dim, parallel, "num_attention_heads")
+            self.num_heads = parallel.split(config.num_attention_heads, "num_attention_heads")
+            q_size = self.num_heads * self.head_dim
+            q_shard = Shard(0, parallel.tp_rank * q_size, q_size, config.num_attention_heads * self.head_dim)
             kv_shard = kv_head_shard(config.num_key_value_heads, self.head_dim, parallel)
-            self.num_heads, self.num_kv_heads = q_shard.size // self.head_dim, kv_shard.size // self.head_dim
+            self.num_kv_heads = kv_shard.size // self.head_dim
             parts = {"q_proj": q_shard, "k_proj": kv_shard, "v_proj": kv_shard}
             self.qkv_proj: MergedLinear = MergedColumnParallelLinear(hidden, parts, config.qkv_bias, dtype, device, ops)
             self.o_proj: Linear = RowParallelLinear(q_shard.full, hidden, config.o_bias, dtype, device, ops, parallel,
                                                     "num_attention_heads")  # fmt: skip
-            if config.attention_sinks:
-                start = parallel.tp_rank * self.num_heads
-                self._sinks_shard = Shard(0, start, self.num_heads, config.num_attention_heads)
         else:
             self.num_heads = config.num_attention_heads
             self.num_kv_heads = config.num_key_value_heads
@@ -85,10 +82,6 @@ class Attention(nn.Module):
         )
         self._rotary = ops.rotary
         self._attention = ops.attention
-
-    def loaded_shards(self, module_name: str) -> dict[str, Shard]:
-        """The sinks of this rank's heads (the projections declare their own)."""
-        return {} if self._sinks_shard is None else {f"{module_name}.sinks": self._sinks_shard}
 
     def forward(
         self,
@@ -240,8 +233,10 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, dtype, device, parallel)
         elif not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self.num_local_kv_heads: int = self.model.layers[0].self_attn.num_kv_heads if self.model.layers else 0
+        self.num_local_kv_heads = config.num_key_value_heads
         """KV heads in this rank's cache (all of them with one rank)."""
+        if parallel.is_parallel:
+            self.num_local_kv_heads = kv_head_shard(config.num_key_value_heads, 1, parallel).size
         self._gemv = ops.gemv
         self.kv_layout = llama_kv_layout(config)
         self._group_of_layer = [self.kv_layout.group_of_layer(i) for i in range(config.num_hidden_layers)]
