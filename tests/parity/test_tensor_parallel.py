@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.engine.config import EngineConfig
 from shared.engine.executor.multiproc import WorkerFailed
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
