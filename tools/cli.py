@@ -228,7 +228,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
             print(f"making the default model in {args.model}", file=sys.stderr)
             make_model(args.model)
-    return up(args.model, args.prefill, args.decode, args.port, args.state_dir, args.demo)
+    tp_size = args.tensor_parallel_size
+    if tp_size is None:  # the services read the engine's settings from the same environment
+        from shared.runtime.settings import load_settings
+
+        tp_size = load_settings().engine.tensor_parallel_size
+    return up(args.model, args.prefill, args.decode, args.port, args.state_dir, args.demo, tp_size)
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -380,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
     p.add_argument("--state-dir", default=".infermesh", help="logs, traces, the kvcache LMDB and NATS data")
     p.add_argument("--demo", action="store_true", help="send one streaming chat, show its trace, then stop")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="ranks per instance (EngineConfig.tensor_parallel_size; not implemented in the mesh yet: "
+                        "refused above 1)")  # fmt: skip
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("trace", help="print a request's spans as a waterfall")

@@ -135,6 +135,12 @@ class EngineConfig:
     not at all, when drafting costs more than it yields."""
     spec_draft_model: str = "models/trained/draft"
     """Folder of the draft model for speculative = "draft" (same tokenizer as the model)."""
+    tensor_parallel_size: int = 1
+    """Ranks one instance's model is split over (tensor parallelism: attention heads, MLP
+    columns and the vocabulary divided between them), one process per rank on one host,
+    meeting through torch.distributed (NCCL on CUDA, ranks on cuda:N.. from the configured
+    card; gloo on the CPU). Dense Llama-family models; not yet with speculative decoding,
+    CUDA graphs, kept quantized weights or the mesh's KV handoff (each refused by name)."""
 
     def step_sizes(self) -> tuple[int, int]:
         """(max_num_batched_tokens, prefill_chunk_size), the device's defaults where unset."""
@@ -176,3 +182,18 @@ class EngineConfig:
             raise ValueError(f"spec_tokens must be at least 1, got {self.spec_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not run yet, refused by name rather than ignored."""
+        refused = [  # (what, asked, the setting that turns it off)
+            ("speculative decoding", self.speculative != "none", "speculative='none'"),
+            ("quantized weights kept as stored", self.quantized_weights == "keep", "quantized_weights='dequantize'"),
+            ("CUDA graphs", self.cuda_graphs and self.device.startswith("cuda"), "cuda_graphs=false"),
+        ]
+        for what, asked, off in refused:
+            if asked:
+                raise ValueError(f"not implemented yet: {what} with tensor_parallel_size > 1; set {off}")

@@ -12,8 +12,11 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.dtypes import torch_dtype
 from shared.engine.engine_request import EngineRequest
+from shared.engine.executor.base import Executor, UniProcExecutor
+from shared.engine.executor.multiproc import MultiprocExecutor
+from shared.engine.executor.rank import RunnerSetup, build_runner, checkpoint_recipe, load_rank_model, rank_device
 from shared.engine.kv_transfer import KVTransfer
-from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
+from shared.engine.model_runner import RunnerOutput, StepHandle
 from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput, TokenLogprobs
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
@@ -21,17 +24,17 @@ from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.spec.setup import make_speculator
 from shared.engine.spec.speculator import Speculator
 from shared.engine.step import SchedulerOutput
-from shared.engine.structured.setup import check_structured, make_grammar_compiler
+from shared.engine.structured.setup import check_structured
 from shared.kv.block_hash import BlockHash, kv_fingerprint
 from shared.kv.connectors.base import KVConnector
 from shared.kv.memory.coordinator import KVCacheCoordinator, blocks_for_one_request
 from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.model.fingerprint import model_fingerprint
 from shared.model import batch_invariant
-from shared.model.kept_weights import kept_formats
-from shared.model.loader import load_model
-from shared.model.models import arch_traits
+from shared.model.loader import read_config
+from shared.model.models import arch_traits, model_class
 from shared.model.interface import CausalLM
+from shared.model.parallel import SINGLE
 from shared.recipe import IncrementalDetokenizer, Recipe
 
 log = logging.getLogger(__name__)
@@ -73,22 +76,39 @@ class LLMEngine:
         KV beyond this engine's cache comes from and goes to (the engine owns it
         and closes it in close()). share_kv: let peers on this host map this engine's
         KV cache and copy held blocks straight out of it (a prefill worker, when
-        config.kv_direct_transfer is on)."""
+        config.kv_direct_transfer is on).
+
+        With config.tensor_parallel_size N > 1 the engine starts N - 1 worker processes
+        (shared/engine/executor/multiproc.py), each holding its slice of the model; this
+        process is rank 0 and schedules for all. close() stops them."""
         self.config = config
         self.detokenize = detokenize
         dtype = torch_dtype(config.dtype)
-        device = torch.device(config.device)
+        tp_size = config.tensor_parallel_size
+        device = rank_device(config.device, 0, tp_size)
         loaded = model is None
-        self.model = model or load_model(
-            config.model, dtype=dtype, device=device, progress=load_progress, kernels=config.kernels,
-            keep=kept_formats(config.quantized_weights, device),
-        )
-        if config.batch_invariant:
-            batch_invariant.apply(self.model)  # the ops table, chosen once for the model's life
+        multiproc = _start_ranks(config, model, kv_connector, share_kv) if tp_size > 1 else None
+        try:
+            self._init(config, model, loaded, dtype, device, multiproc, record_kv_events, load_progress,
+                       kv_connector, share_kv)  # fmt: skip
+        except BaseException:
+            if multiproc is not None:
+                multiproc.close()
+            raise
+
+    def _init(self, config: EngineConfig, model: CausalLM | None, loaded: bool, dtype: torch.dtype,
+              device: torch.device, multiproc: MultiprocExecutor | None, record_kv_events: bool,
+              load_progress: bool, kv_connector: KVConnector | None, share_kv: bool) -> None:  # fmt: skip
+        parallel = multiproc.parallel if multiproc is not None else SINGLE
+        if model is None:
+            self.model = load_rank_model(config, parallel, device, load_progress)
+        else:
+            self.model = model
+            if config.batch_invariant:
+                batch_invariant.apply(self.model)  # the ops table, chosen once for the model's life
         # A checkpoint saved by transformers alone has no tokenizer: the engine
         # then takes token ids only and returns no text.
-        has_tokenizer = loaded and (Path(config.model) / "tokenizer.json").is_file()
-        self.recipe: Recipe | None = Recipe.from_pretrained(config.model) if has_tokenizer else None
+        self.recipe: Recipe | None = checkpoint_recipe(config.model) if loaded else None
         model_cfg = self.model.config
         self.eos_token_ids = frozenset(model_cfg.eos_token_ids) | (
             self.recipe.eos_token_ids if self.recipe else frozenset()
@@ -98,9 +118,10 @@ class LLMEngine:
         # The KV bytes depend on the weights and on the cache dtype: both name the chain.
         weights = model_fingerprint(config.model) if loaded else self.model.config.fingerprint()
         self.fingerprint = kv_fingerprint(weights, config.dtype)
-        state_cache = (
-            SlidingStateCache(config.state_cache_bytes, config.state_cache_ttl_s) if config.state_cache_bytes else None
-        )
+        # Under tensor parallelism each rank's cache holds its own KV heads, and a saved
+        # sliding-window state would be rank 0's alone: no state cache, replays instead.
+        keeps_states = config.state_cache_bytes and config.tensor_parallel_size == 1
+        state_cache = SlidingStateCache(config.state_cache_bytes, config.state_cache_ttl_s) if keeps_states else None
         # swa_replay resolved once, here: where unset, the model says whether bounded replay is its default.
         swa_replay = config.swa_replay_for(arch_traits(model_cfg.architecture).trained_for_bounded_replay)
         self.kv = KVCacheCoordinator(
@@ -113,25 +134,19 @@ class LLMEngine:
             swa_replay=swa_replay,  # type: ignore[arg-type]
             state_cache=state_cache,
         )
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks,
-            config.block_size,
-            dtype,
-            device,
-            seed=config.seed,
-            cuda_graphs=config.cuda_graphs,
-            max_model_len=max_model_len,
-            max_batch=config.max_num_seqs,
-            share_kv=share_kv,
-            kv_share_dir=config.kv_share_dir,
-            # With speculation a verify step (the last token and up to γ drafts) replays graphs too.
-            max_graph_query=1 + config.spec_tokens if config.speculative != "none" else 1,
-        )
-        self.runner.structured.compiler = make_grammar_compiler(self.recipe, model_cfg.vocab_size, self.eos_token_ids)
+        setup = RunnerSetup(config, num_blocks, max_model_len, self.eos_token_ids)
+        self.runner = build_runner(setup, self.model, device, self.recipe, share_kv)
+        """Rank 0's runner: its KV region and structured matchers are the engine's to read;
+        steps go through the executor, which runs them on every rank."""
+        self.executor: Executor
+        if multiproc is not None:
+            multiproc.start(setup, self.runner)
+            self.executor = multiproc
+        else:
+            self.executor = UniProcExecutor(self.runner)
         self.speculator: Speculator | None = None
         if config.speculative != "none":
-            self.speculator = make_speculator(config, self.model, self.runner.time_step, max_model_len, dtype, device)
+            self.speculator = make_speculator(config, self.model, self.executor.time_step, max_model_len, dtype, device)
             self.runner.keep_hidden = self.speculator.reads_hidden
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config, max_model_len),
@@ -143,7 +158,7 @@ class LLMEngine:
             kv_connector.register_kv_region(self.runner.kv_region)
             # What recomputing a prefix costs here, so a slow source can decline a hit.
             chunk = min(config.step_sizes()[1], max_model_len)
-            kv_connector.register_recompute_rate(chunk / self.runner.time_step(chunk, repeats=1), config.block_size)
+            kv_connector.register_recompute_rate(chunk / self.executor.time_step(chunk, repeats=1), config.block_size)
             self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, config.kv_lease_timeout_s)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = {}
@@ -235,6 +250,7 @@ class LLMEngine:
         """Stop the connector's background work; unmap the shared cache."""
         if self.kv_transfer is not None:
             self.kv_transfer.connector.close()
+        self.executor.close()
         self.runner.kv_region.close()
 
     # -- the step ------------------------------------------------------------
@@ -255,7 +271,7 @@ class LLMEngine:
                 speculator.skip()
             sched = self.scheduler.schedule()
             self._start_loads()
-            handle = self.runner.launch(sched)
+            handle = self.executor.launch(sched)
             outputs = self._finish_in_flight()
             self._in_flight = None if sched.is_empty else (sched, handle)
             if speculator is not None and _decodes_only(sched):
@@ -272,7 +288,7 @@ class LLMEngine:
                     speculator.propose(self.scheduler.running)
                 sched = self.scheduler.schedule()
                 self._start_loads()
-                outputs = self._process(sched, self.runner.execute(sched))
+                outputs = self._process(sched, self.executor.execute(sched))
                 if speculator is not None and self.runner.graphs is not None and _verifies(sched):
                     if not self.runner.last_step_graphed:  # too many rows, or too long a table
                         speculator.count_fallback("cuda_graphs")
@@ -326,7 +342,7 @@ class LLMEngine:
             return []
         sched, handle = self._in_flight
         self._in_flight = None
-        return self._process(sched, self.runner.collect(handle))
+        return self._process(sched, self.executor.collect(handle))
 
     def _save_states(self) -> None:
         """Copy the sliding-window state of requests that ended into the state cache,
@@ -479,6 +495,21 @@ class LLMEngine:
             "spec_accepted_by_position": list(stats.accepted_by_position),
             "spec_fallbacks": dict(stats.fallbacks),
         }
+
+
+def _start_ranks(
+    config: EngineConfig, model: CausalLM | None, kv_connector: KVConnector | None, share_kv: bool
+) -> MultiprocExecutor:
+    """The other ranks of a tensor-parallel engine, started (and joined in one group)
+    once what they cannot run is refused: before any process starts."""
+    if model is not None:
+        raise ValueError("a model built by the caller runs in one process: tensor_parallel_size must be 1 with it")
+    if kv_connector is not None or share_kv:
+        raise ValueError("not implemented yet: the KV handoff (KV connectors, a shared KV cache) with "
+                         "tensor_parallel_size > 1")  # fmt: skip
+    model_cfg = read_config(Path(config.model))
+    model_class(model_cfg).check_tensor_parallel(model_cfg, config.tensor_parallel_size)
+    return MultiprocExecutor(config)
 
 
 def _decodes_only(sched: SchedulerOutput) -> bool:

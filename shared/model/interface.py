@@ -32,6 +32,7 @@ from shared.model.arch_config import ArchConfig
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.layers import Linear, linear
+from shared.model.parallel import Shard
 
 TensorMaker = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """(shape, dtype) -> a zeroed tensor (e.g. in memory another process can map)."""
@@ -74,6 +75,25 @@ class CausalLM(nn.Module, ABC):
         with a non-blocking copy after the step. None for a dense model."""
         self._gemv: Callable[..., torch.Tensor] | None = None
         """The logits' product kernel (None: PyTorch's)."""
+
+    @classmethod
+    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int) -> None:
+        """A ValueError saying why ``config`` cannot be split over ``tp_size`` ranks; called
+        before any rank starts. A family that splits its layers (shared/model/parallel_layers.py)
+        overrides it; the others refuse."""
+        if tp_size > 1:
+            raise ValueError(f"not implemented yet: tensor parallelism for {config.architecture}")
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """Checkpoint name -> the slice of it this rank's tensor holds, for every tensor
+        split across tensor-parallel ranks (empty with one rank): collected from the
+        modules that declare ``loaded_shards(module_name)``."""
+        shards: dict[str, Shard] = {}
+        for name, module in self.named_modules():
+            declare = getattr(module, "loaded_shards", None)
+            if declare is not None:
+                shards.update(declare(name))
+        return shards
 
     @property
     @abstractmethod
@@ -165,7 +185,8 @@ class ModelEntry:
     """The torch-free part (``models/<name>_config.py``): architectures, parser, test configs."""
     model_classes: Mapping[str, type[CausalLM]]
     """HF architecture name -> the class that serves it, for every name of ``config``. A
-    class is built as ``cls(config, dtype, device, tie_word_embeddings, kernels)``."""
+    class is built as ``cls(config, dtype, device, tie_word_embeddings, kernels)``, and
+    with ``parallel=`` (a ``ParallelContext``) where it passed ``check_tensor_parallel``."""
     kv_layout: Callable[[ModelConfig], KVCacheLayout]
     """The model's KV cache groups, from its config alone (no model built)."""
     checkpoint_names: CheckpointNames = same_names

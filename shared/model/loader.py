@@ -38,6 +38,7 @@ from shared.model.kept_weights import KeptFormats, KeptTarget, keep_quantized
 from shared.model.ops import resolve_ops
 from shared.model.models import build_model, model_entry
 from shared.model.interface import CausalLM
+from shared.model.parallel import ParallelContext, Shard
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "CheckpointError", "load_model", "load_weights", "read_config"]
 
@@ -55,10 +56,15 @@ def load_model(
     progress: bool = False,
     kernels: str = "auto",
     keep: KeptFormats = KeptFormats(),
+    parallel: ParallelContext | None = None,
 ) -> CausalLM:
     """``kernels``: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
     ``keep``: the quantised forms held as stored rather than dequantised (``kept_formats``
-    of the engine's ``quantized_weights`` and the device; none by default)."""
+    of the engine's ``quantized_weights`` and the device; none by default).
+    ``parallel``: load this rank's slice of a tensor-parallel model: each split tensor is
+    checked at its full shape, then its slice (``CausalLM.checkpoint_shards``) copied."""
+    if keep.any and parallel is not None and parallel.is_parallel:
+        raise ValueError("not implemented yet: quantized weights kept as stored with tensor parallelism")
     folder = Path(path)
     config = read_config(folder)
     scheme = quant_scheme(folder)
@@ -68,13 +74,14 @@ def load_model(
     tie = config.tie_word_embeddings or not {"lm_head.weight", "head.weight"} & set(sources)
     if tie and not config.tie_word_embeddings:
         logger.warning("%s has no lm_head.weight: tying it to model.embed_tokens.weight", folder)
-    model = build_model(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels)
+    model = build_model(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels, parallel=parallel)
     with CheckpointReader(folder, scheme) as reader, torch.no_grad():
         kept: dict[str, KeptTarget] = {}
         if keep.any:
             block = scheme.block if scheme is not None else None
             kept = keep_quantized(model, sources, reader.stored_dtype, keep, block, resolve_ops(kernels, device))
         params = model.checkpoint_tensors(set(sources))
+        shards = model.checkpoint_shards()
         _check_names(folder, set(params), set(sources) - _mtp_names(folder, config, sources), tie)
         # File by file (sorted), so the pages of one shard are read together.
         order = sorted((name for name in sources if name in params), key=lambda n: (sources[n].file, sources[n].data))
@@ -83,15 +90,31 @@ def load_model(
             if name in kept:
                 _copy_kept(folder, reader, source, kept[name])
                 continue
-            shape = reader.shape(source)
-            if shape != tuple(param.shape):
+            shape, shard = reader.shape(source), shards.get(name)
+            if shape != _full_shape(param, shard):
                 raise CheckpointError(
                     f"{folder / source.file}: tensor {source.data} has shape {shape}, expected "
-                    f"{tuple(param.shape)} from config.json"
+                    f"{_full_shape(param, shard)} from config.json"
                 )
             # copy_ casts to the parameter's dtype and moves it to its device, one tensor at a time.
-            param.copy_(reader.read(source))
+            _copy(param, reader.read(source), shard)
     return model.eval()
+
+
+def _full_shape(target: torch.Tensor, shard: Shard | None) -> tuple[int, ...]:
+    """The checkpoint tensor's shape that fills ``target`` (its whole, for a shard)."""
+    shape = list(target.shape)
+    if shard is not None:
+        shape[shard.dim] = shard.full
+    return tuple(shape)
+
+
+def _copy(target: torch.Tensor, tensor: torch.Tensor, shard: Shard | None) -> None:
+    """The tensor, or its shard's slice, into the target (a shard's padding rows past it stay)."""
+    if shard is None:
+        target.copy_(tensor)
+    else:
+        target.narrow(shard.dim, 0, shard.size).copy_(shard.take(tensor))
 
 
 def _copy_kept(folder: Path, reader: CheckpointReader, source: TensorSource, target: KeptTarget) -> None:
@@ -129,9 +152,12 @@ def load_weights(model: CausalLM, weights: Mapping[str, torch.Tensor]) -> None:
     """Copy checkpoint-named tensors already in memory (a transformers model's
     ``state_dict()``, say) into ``model``, with the same name checks as a folder."""
     targets = model.checkpoint_tensors(set(weights))
+    shards = model.checkpoint_shards()
     _check_names("the weights given", set(targets), set(weights), tied=model.lm_head is None)
     for name, target in targets.items():
-        target.copy_(weights[name])
+        if tuple(weights[name].shape) != _full_shape(target, shards.get(name)):
+            raise CheckpointError(f"{name} has shape {tuple(weights[name].shape)}, expected {_full_shape(target, shards.get(name))}")
+        _copy(target, weights[name], shards.get(name))
 
 
 def read_config(folder: Path) -> ModelConfig:

@@ -21,6 +21,17 @@ def check_instances(num_prefill: int, num_decode: int) -> None:
             )
 
 
+def check_tensor_parallel(tensor_parallel_size: int) -> None:
+    """The mesh's instances run on one rank each: the KV handoff between prefill and
+    decode (connectors, the direct copy) moves one cache, and a tensor-parallel instance
+    keeps its KV heads spread over its ranks' caches."""
+    if tensor_parallel_size > 1:
+        raise PreflightError(
+            f"not implemented yet: --tensor-parallel-size {tensor_parallel_size} in the mesh (its KV handoff moves "
+            "one rank's cache); `infermesh generate --tensor-parallel-size N` runs it in one process group"
+        )
+
+
 def check_model(model: str) -> None:
     """A Hugging Face checkpoint folder the mesh can serve."""
     folder = Path(model)
@@ -62,11 +73,12 @@ def check_port(host: str, port: int) -> None:
             raise PreflightError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-def preflight(model: str, num_prefill: int, num_decode: int, host: str, port: int) -> None:
+def preflight(model: str, num_prefill: int, num_decode: int, host: str, port: int, tensor_parallel_size: int = 1) -> None:
     """Every check, cheapest first; raises PreflightError at the first failure."""
     from tools.launch.up import find_nats_server
 
     check_instances(num_prefill, num_decode)
+    check_tensor_parallel(tensor_parallel_size)
     check_port(host, port)
     check_model(model)
     try:

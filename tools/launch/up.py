@@ -447,16 +447,19 @@ def run_demo(mesh: Mesh) -> None:
     print(render_waterfall(pick_trace(load_spans(mesh.trace_dir), "last")))
 
 
-def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str, demo: bool) -> int:
+def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str, demo: bool,
+       tensor_parallel_size: int = 1) -> int:  # fmt: skip
     """Check, start with progress bars, serve until Ctrl-C or SIGTERM. A failure is
     one line on stderr (and, for a process that failed, the end of its log), not a
-    traceback: exit code 2 for what was checked before starting, 1 after."""
+    traceback: exit code 2 for what was checked before starting, 1 after.
+    tensor_parallel_size: the engine's (the flag's, else INFERMESH_ENGINE__...), checked
+    here: the mesh runs one rank per instance today."""
     from tools.launch.preflight import PreflightError, preflight
     from tools.launch.progress import StartProgress
 
     mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True)
     try:
-        preflight(model, num_prefill, num_decode, mesh.host, port)
+        preflight(model, num_prefill, num_decode, mesh.host, port, tensor_parallel_size)
     except PreflightError as exc:
         print(f"infermesh: error: {exc}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from shared.model.interface import CausalLM, ModelEntry
+    from shared.model.parallel import ParallelContext
 
 FAMILIES: tuple[str, ...] = (
     "llama",
@@ -82,9 +83,16 @@ def build_model(
     device: "torch.device | str" = "cpu",
     tie_word_embeddings: bool | None = None,
     kernels: str = "auto",
+    parallel: "ParallelContext | None" = None,
 ) -> "CausalLM":
     """The model class of ``config.architecture``, built empty in ``dtype`` (default
-    float32) on ``device``."""
+    float32) on ``device``; ``parallel``: this rank's slice of a tensor-parallel model
+    (None or one rank: the whole model, built exactly as without it)."""
     import torch
 
-    return model_class(config)(config, torch.float32 if dtype is None else dtype, device, tie_word_embeddings, kernels)
+    cls = model_class(config)
+    dtype = torch.float32 if dtype is None else dtype
+    if parallel is None or not parallel.is_parallel:
+        return cls(config, dtype, device, tie_word_embeddings, kernels)
+    cls.check_tensor_parallel(config, parallel.tp_size)
+    return cls(config, dtype, device, tie_word_embeddings, kernels, parallel=parallel)  # type: ignore[call-arg]

@@ -26,6 +26,10 @@ from shared.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedd
 from shared.model.models.llama_config import CONFIG
 from shared.model.moe import Experts, SparseMoE, counted_tokens
 from shared.model.ops import TORCH_OPS, Ops, resolve_ops
+from shared.model.parallel import SINGLE, ParallelContext, Shard
+from shared.model.parallel_layers import (
+    MergedColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, kv_head_shard,
+)  # fmt: skip
 from shared.kv.spec import KVCacheLayout, kv_cache_layout
 
 if TYPE_CHECKING:  # the kernel modules are imported only when a model selects them
@@ -38,19 +42,35 @@ def llama_kv_layout(config: ModelConfig) -> KVCacheLayout:
 
 
 class Attention(nn.Module):
+    """``parallel``: this rank's heads only (its query heads and the KV heads they read);
+    the heads' outputs are summed across the ranks by o_proj."""
+
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS
-    ) -> None:
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx]
-        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shards = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
-        self.qkv_proj = MergedLinear(hidden, shards, config.qkv_bias, dtype, device, ops)
-        self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device, ops)
+        hidden = config.hidden_size
+        if parallel.is_parallel:
+            self.num_heads = parallel.split(config.num_attention_heads, "num_attention_heads")
+            q_size = self.num_heads * self.head_dim
+            q_shard = Shard(0, parallel.tp_rank * q_size, q_size, config.num_attention_heads * self.head_dim)
+            kv_shard = kv_head_shard(config.num_key_value_heads, self.head_dim, parallel)
+            self.num_kv_heads = kv_shard.size // self.head_dim
+            parts = {"q_proj": q_shard, "k_proj": kv_shard, "v_proj": kv_shard}
+            self.qkv_proj: MergedLinear = MergedColumnParallelLinear(hidden, parts, config.qkv_bias, dtype, device, ops)
+            self.o_proj: Linear = RowParallelLinear(q_shard.full, hidden, config.o_bias, dtype, device, ops, parallel,
+                                                    "num_attention_heads")  # fmt: skip
+        else:
+            self.num_heads = config.num_attention_heads
+            self.num_kv_heads = config.num_key_value_heads
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            shards = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+            self.qkv_proj = MergedLinear(hidden, shards, config.qkv_bias, dtype, device, ops)
+            self.o_proj = Linear(q_size, hidden, config.o_bias, dtype, device, ops)
         # Qwen3 normalises each head of q and k before rope.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, ops) if config.qk_norm else None
@@ -100,11 +120,16 @@ def dense_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: t
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
-        make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False,
+        make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False, parallel: ParallelContext = SINGLE,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, dtype, device, ops)
-        self.mlp = make_mlp(config, layer_idx, dtype, device, ops)
+        self.self_attn = Attention(config, layer_idx, dtype, device, ops, parallel)
+        if parallel.is_parallel:  # dense only: check_tensor_parallel refuses the sparse families
+            assert make_mlp is dense_mlp, "tensor parallelism splits dense MLPs only"
+            self.mlp: nn.Module = ParallelMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
+                                              device, ops, parallel)  # fmt: skip
+        else:
+            self.mlp = make_mlp(config, layer_idx, dtype, device, ops)
         # Hash-routed experts are chosen by token id: a sparse MLP gets the input ids.
         self._mlp_takes_ids = isinstance(self.mlp, SparseMoE)
         norm = (config.hidden_size, config.rms_norm_eps, dtype, device, ops, norm_scale_in_float32)
@@ -142,14 +167,18 @@ class DecoderModel(nn.Module):
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
-        make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False,
+        make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False, parallel: ParallelContext = SINGLE,
     ) -> None:  # fmt: skip
         super().__init__()
-        # _weight skips nn.Embedding's random init, which costs seconds on a large vocabulary.
-        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
+        self.embed_tokens: nn.Module
+        if parallel.is_parallel:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, parallel)
+        else:
+            # _weight skips nn.Embedding's random init, which costs seconds on a large vocabulary.
+            weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, device, ops, make_mlp, norm_scale_in_float32)
+            DecoderLayer(config, i, dtype, device, ops, make_mlp, norm_scale_in_float32, parallel)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops, norm_scale_in_float32)
@@ -161,7 +190,8 @@ class LlamaForCausalLM(CausalLM):
 
     ``kernels`` ("auto", "triton", "torch"; see shared/model/kernels) picks the Triton
     kernels or the PyTorch path once, for the model's life; "auto" is Triton on CUDA.
-    The rope frequencies stay float32 whatever ``dtype``.
+    The rope frequencies stay float32 whatever ``dtype``. ``parallel``: build this rank's
+    slice of a tensor-parallel model (dense families only: ``check_tensor_parallel``).
     """
 
     make_mlp: ClassVar[MlpFactory] = staticmethod(dense_mlp)
@@ -175,6 +205,8 @@ class LlamaForCausalLM(CausalLM):
         device: torch.device | str = "cpu",
         tie_word_embeddings: bool | None = None,
         kernels: str = "auto",
+        *,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         super().__init__(
             config, dtype, config.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
@@ -183,7 +215,10 @@ class LlamaForCausalLM(CausalLM):
         ops = resolve_ops(kernels, device)
         self.use_triton = ops.triton
         """Whether the forward runs Triton kernels (batch_invariant.apply may swap the table after)."""
-        self.model = DecoderModel(config, dtype, device, ops, type(self).make_mlp, self.norm_scale_in_float32)
+        self.parallel = parallel
+        if parallel.is_parallel:
+            type(self).check_tensor_parallel(config, parallel.tp_size)
+        self.model = DecoderModel(config, dtype, device, ops, type(self).make_mlp, self.norm_scale_in_float32, parallel)
         sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
         self._sparse_blocks: list[SparseMoE] = sparse
         if sparse and config.moe is not None:
@@ -193,15 +228,54 @@ class LlamaForCausalLM(CausalLM):
         self._triton_attention = ops.attention
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, device)
         # Tied: no lm_head parameter at all, so the checkpoint's name list has no entry to fill.
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.lm_head = None
+        if not self.tie_word_embeddings and parallel.is_parallel:
+            self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, dtype, device, parallel)
+        elif not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.num_local_kv_heads = config.num_key_value_heads
+        """KV heads in this rank's cache (all of them with one rank)."""
+        if parallel.is_parallel:
+            self.num_local_kv_heads = kv_head_shard(config.num_key_value_heads, 1, parallel).size
         self._gemv = ops.gemv
         self.kv_layout = llama_kv_layout(config)
         self._group_of_layer = [self.kv_layout.group_of_layer(i) for i in range(config.num_hidden_layers)]
         self._group_windows = [frozenset([g.spec.window]) for g in self.kv_layout.groups]
 
+    @classmethod
+    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int) -> None:
+        """Heads split evenly: num_attention_heads divisible by tp_size, and KV heads either
+        split evenly or, where there are fewer than ranks, replicated (tp_size a multiple
+        of them). Sparse (MoE) layers are expert parallelism's, not split here."""
+        if tp_size == 1:
+            return
+        if cls.make_mlp is not dense_mlp or config.moe is not None:
+            raise ValueError(f"not implemented yet: tensor parallelism for {config.architecture} (MoE layers)")
+        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        if heads % tp_size:
+            raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_parallel_size ({tp_size})")
+        if kv % tp_size and tp_size % kv:
+            raise ValueError(
+                f"tensor_parallel_size ({tp_size}) must divide num_key_value_heads ({kv}) or be a multiple of it"
+            )
+        if config.intermediate_size % tp_size:
+            raise ValueError(
+                f"intermediate_size ({config.intermediate_size}) is not divisible by tensor_parallel_size ({tp_size})"
+            )
+
     @property
     def kv_row_shape(self) -> tuple[int, int]:
-        return self.config.num_key_value_heads, self.config.head_dim
+        return self.num_local_kv_heads, self.config.head_dim
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if not self.parallel.is_parallel:
+            return logits
+        # Every rank gets every logit (vLLM v1's all-gather): each samples the same tokens
+        # from the same numbers, so no rank waits for another's tokens.
+        gathered = self.parallel.all_gather(logits)
+        vocab = self.config.vocab_size
+        return gathered if gathered.shape[-1] == vocab else gathered[:, :vocab].contiguous()
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -254,7 +328,7 @@ class LlamaForCausalLM(CausalLM):
         if self._triton_attention is not None:
             c = self.config
             plan_group = self._triton_attention.plan_triton_attention
-            plans = [plan_group(m, c.num_key_value_heads, c.head_dim, x.device) for m in metas]
+            plans = [plan_group(m, self.num_local_kv_heads, c.head_dim, x.device) for m in metas]
         else:
             plans = [plan_attention(m, w, x.device) for m, w in zip(metas, self._group_windows)]
         residual: torch.Tensor | None = None

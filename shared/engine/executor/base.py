@@ -1,0 +1,74 @@
+"""The seam between the engine and the ranks that run its model (vLLM's
+vllm/v1/executor): the engine hands each step to an ``Executor``; the executor runs it
+on one model runner (``UniProcExecutor``, one process, the engine as it always was) or
+on N ranks at once (``MultiprocExecutor``, multiproc.py: tensor parallelism). Rank 0's
+runner lives in the engine's process and gives the step's result; the runner never
+knows whether other ranks exist.
+
+The operations are the runner's that run the model (every rank must run them, in the
+same order, since a forward's collectives pair up across ranks); what only reads rank
+0's state (its KV region, its structured matchers) the engine reads off ``runner``.
+"""
+
+from abc import ABC, abstractmethod
+from enum import Enum
+
+from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
+from shared.engine.step import SchedulerOutput
+
+
+class Command(Enum):
+    """A runner operation every rank runs, as rank 0 sends it to the others."""
+
+    EXECUTE = "execute"
+    LAUNCH = "launch"
+    COLLECT = "collect"
+    TIME_STEP = "time_step"
+    CLOSE = "close"
+
+
+class Executor(ABC):
+    runner: ModelRunner
+    """Rank 0's runner, in this process."""
+
+    @abstractmethod
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """ModelRunner.execute on every rank; rank 0's result."""
+
+    @abstractmethod
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """ModelRunner.launch on every rank; rank 0's handle."""
+
+    @abstractmethod
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """ModelRunner.collect of the oldest launched step on every rank."""
+
+    @abstractmethod
+    def time_step(self, num_tokens: int, repeats: int = 3) -> float:
+        """ModelRunner.time_step on every rank; rank 0's seconds."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the other ranks (and wait for them); the executor runs nothing after."""
+
+
+class UniProcExecutor(Executor):
+    """One rank: each operation is the runner's own, called straight through."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(sched)
+
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        return self.runner.launch(sched)
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        return self.runner.collect(handle)
+
+    def time_step(self, num_tokens: int, repeats: int = 3) -> float:
+        return self.runner.time_step(num_tokens, repeats)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,224 @@
+"""N ranks of one instance: the engine's process is rank 0 (it schedules, and its runner
+gives each step's result); ranks 1..N-1 are worker processes it spawns (worker.py),
+each holding its slice of the model and running the same runner step on the same
+scheduler output.
+
+Step inputs go to the workers over one pipe each, pickled once per step (vLLM's
+MultiprocExecutor broadcasts them through a shared-memory ring for the same reason):
+
+- the workers wait for the next step outside any collective, so an engine idle for an
+  hour trips no collective timeout; a ``broadcast_object_list`` on the group would
+  either time out while idle or need an unbounded timeout, which turns a dead peer
+  into a hang;
+- the control messages stay off the tensor-parallel group (NCCL moves tensors on the
+  device only: a pickled object would go through GPU memory each step);
+- a pipe's end is how a worker learns the engine is gone (EOFError): no orphan ranks.
+
+Every rank samples the same tokens from the same all-gathered logits (vLLM v1 does
+the same), so no tokens cross back; the workers keep their sampling state in step.
+
+A dead rank fails loudly: before each step rank 0 checks that every worker lives; a
+worker that dies mid-step breaks the step's collective on rank 0 (gloo sees its
+connection close; a hung one trips COLLECT_TIMEOUT_S), and the error raised names
+the worker, its exit code and the traceback it sent.
+"""
+
+import logging
+import multiprocessing
+import pickle
+import time
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
+
+from shared.engine.config import EngineConfig
+from shared.engine.executor.base import Command, Executor
+from shared.engine.executor.process_group import serve_store, tensor_parallel_context
+from shared.engine.executor.rank import RunnerSetup, rank_device
+from shared.engine.executor.worker import run_worker
+from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
+from shared.engine.step import SchedulerOutput
+from shared.model.parallel import ParallelContext
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CLOSE_TIMEOUT_S = 10.0
+"""How long close() waits for a worker to exit before killing it."""
+_POLL_S = 0.05
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker died or failed: the instance cannot go on."""
+
+
+class MultiprocExecutor(Executor):
+    """Starts the workers and joins their group at construction (``parallel`` is then rank
+    0's context, for the engine to load its slice with); ``start(setup, runner)`` has
+    them build their runners, after which it runs steps."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.world_size = config.tensor_parallel_size
+        self._workers: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._closed = False
+        store = serve_store(self.world_size)
+        context = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's threads and CUDA
+        for rank in range(1, self.world_size):
+            ours, theirs = context.Pipe()
+            proc = context.Process(target=run_worker, args=(rank, self.world_size, store.port, config, theirs),
+                                   name=f"infermesh-tp-rank{rank}", daemon=True)  # fmt: skip
+            proc.start()
+            theirs.close()  # ours alone stays open here: the worker reads EOF once we are gone
+            self._workers.append(proc)
+            self._conns.append(ours)
+        # Workers that outlive their engine (dropped without close()) are stopped with it.
+        self._finalizer = weakref.finalize(self, _stop, self._workers, self._conns)
+        try:
+            self._await_all("joined")
+            self.parallel: ParallelContext = tensor_parallel_context(
+                store, 0, self.world_size, rank_device(config.device, 0, self.world_size)
+            )
+        except BaseException:
+            self.close()
+            raise
+        self._store = store  # the workers' rendezvous: kept while the group lives
+
+    def start(self, setup: RunnerSetup, runner: ModelRunner) -> None:
+        """Have every worker build its runner as rank 0 built ``runner``; returns once all did."""
+        self.runner = runner
+        for conn in self._conns:
+            conn.send(setup)
+        self._await_all("ready")
+
+    # -- steps ----------------------------------------------------------------
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._send(Command.EXECUTE, (sched,))
+        return self._guarded(self.runner.execute, sched)
+
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        self._send(Command.LAUNCH, (sched,))
+        return self._guarded(self.runner.launch, sched)
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        self._send(Command.COLLECT, ())
+        return self._guarded(self.runner.collect, handle)
+
+    def time_step(self, num_tokens: int, repeats: int = 3) -> float:
+        self._send(Command.TIME_STEP, (num_tokens, repeats))
+        return self._guarded(self.runner.time_step, num_tokens, repeats)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+
+    # -- the workers ----------------------------------------------------------
+
+    def _send(self, command: Command, args: tuple[Any, ...]) -> None:
+        if self._closed:
+            raise WorkerFailed("the tensor-parallel executor is closed")
+        self._check_alive()
+        payload = pickle.dumps((command, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send_bytes(payload)
+            except OSError as e:
+                raise self._failure(rank, f"could not be sent a step ({e})") from e
+
+    def _guarded(self, run: Callable[..., T], *args: Any) -> T:
+        """Rank 0's own part of a step; a collective broken by a failed worker becomes
+        WorkerFailed naming it."""
+        try:
+            return run(*args)
+        except RuntimeError as e:
+            dead = self._first_failed(wait_s=1.0)
+            if dead is None:
+                raise
+            raise self._failure(dead, f"failed during a step ({e})") from e
+
+    def _check_alive(self) -> None:
+        dead = self._first_failed(wait_s=0.0)
+        if dead is not None:
+            raise self._failure(dead, "died")
+
+    def _first_failed(self, wait_s: float) -> int | None:
+        """The rank of a worker that exited or reported an error (waiting up to wait_s for
+        one: its exit trails the broken collective that rank 0 saw)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, (proc, conn) in enumerate(zip(self._workers, self._conns), start=1):
+                if proc.exitcode is not None or _has_error(conn):
+                    return rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_POLL_S)
+
+    def _failure(self, rank: int, what: str) -> WorkerFailed:
+        proc, conn = self._workers[rank - 1], self._conns[rank - 1]
+        proc.join(timeout=1.0)
+        detail = _error_text(conn)
+        self.close()
+        message = f"tensor-parallel worker rank {rank} {what}; exit code {proc.exitcode}"
+        return WorkerFailed(message + (f"; its error:\n{detail}" if detail else ""))
+
+    def _await_all(self, stage: str) -> None:
+        """Wait until every worker sent ``stage``; WorkerFailed if one fails first."""
+        pending = set(range(1, self.world_size))
+        while pending:
+            for rank in sorted(pending):
+                proc, conn = self._workers[rank - 1], self._conns[rank - 1]
+                if conn.poll(_POLL_S / len(pending)):
+                    try:
+                        kind, payload = conn.recv()
+                    except EOFError:
+                        raise self._failure(rank, f"exited before it was {stage}") from None
+                    if kind == "error":
+                        self.close()
+                        raise WorkerFailed(f"tensor-parallel worker rank {rank} failed to start:\n{payload}")
+                    assert kind == stage, f"worker rank {rank} sent {kind!r} while starting, expected {stage!r}"
+                    pending.discard(rank)
+                elif proc.exitcode is not None:
+                    raise self._failure(rank, f"exited before it was {stage}")
+
+
+def _has_error(conn: Connection) -> bool:
+    """Whether the worker sent something during steps (it sends only its error then)."""
+    try:
+        return conn.poll()
+    except OSError:
+        return True
+
+
+def _error_text(conn: Connection) -> str:
+    try:
+        if conn.poll():
+            kind, payload = conn.recv()
+            return str(payload) if kind == "error" else ""
+    except (EOFError, OSError):
+        pass
+    return ""
+
+
+def _stop(workers: list[BaseProcess], conns: list[Connection]) -> None:
+    """Ask every live worker to close, wait, then kill what is left (close() and the finalizer)."""
+    close = pickle.dumps((Command.CLOSE, ()), protocol=pickle.HIGHEST_PROTOCOL)
+    for proc, conn in zip(workers, conns):
+        if proc.exitcode is None:
+            try:
+                conn.send_bytes(close)
+            except OSError:
+                pass
+    deadline = time.monotonic() + CLOSE_TIMEOUT_S
+    for proc in workers:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            log.warning("tensor-parallel worker %s did not exit in %.0f s: killing it", proc.name, CLOSE_TIMEOUT_S)
+            proc.kill()
+            proc.join(timeout=1.0)
+    for conn in conns:
+        conn.close()

@@ -1,0 +1,53 @@
+"""The tensor-parallel group of one instance's ranks, made without torch.distributed's
+global default group: a TCP store that rank 0 serves, and a gloo (CPU) or NCCL (CUDA)
+backend built on it, held by the ``ParallelContext`` that is handed to the model.
+Nothing global is set, so several engines (or a test and its engines) live in one
+process side by side.
+
+``COLLECTIVE_TIMEOUT_S`` bounds every collective: a rank that stops answering (hung, or
+killed where the transport does not notice at once) makes the others raise instead of
+waiting forever. The ranks only meet in collectives inside a step, never while idle
+(they wait for the next step on a pipe, shared/engine/executor/worker.py), so an idle
+engine never trips it.
+"""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from shared.model.parallel import ParallelContext
+
+COLLECTIVE_TIMEOUT_S = 60.0
+STORE_HOST = "127.0.0.1"
+"""One host: the ranks of an instance are processes the engine starts beside itself."""
+
+
+def serve_store(world_size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dist.TCPStore:
+    """Rank 0's store on a free port (``store.port``), which the other ranks join."""
+    return dist.TCPStore(STORE_HOST, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)  # fmt: skip
+
+
+def join_store(port: int, world_size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dist.TCPStore:
+    return dist.TCPStore(STORE_HOST, port, world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def tensor_parallel_context(
+    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S
+) -> ParallelContext:
+    """This rank's context over a new group of every rank: NCCL for a CUDA device, gloo
+    otherwise. Returns once every rank has joined."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefixed = dist.PrefixStore("tp", store)
+    group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=STORE_HOST)]
+        options._timeout = timeout
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+    return ParallelContext(tp_rank=rank, tp_size=world_size, group=group)

@@ -1,0 +1,82 @@
+"""What one rank of an instance builds, the same way in the engine's process (rank 0)
+and in each worker: its device, its slice of the model, its model runner. One recipe
+for both, so the ranks cannot drift apart in how they were built."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.dtypes import torch_dtype
+from shared.engine.model_runner import ModelRunner
+from shared.engine.structured.setup import make_grammar_compiler
+from shared.model import batch_invariant
+from shared.model.interface import CausalLM
+from shared.model.kept_weights import kept_formats
+from shared.model.loader import load_model
+from shared.model.parallel import ParallelContext
+from shared.recipe import Recipe
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerSetup:
+    """What rank 0 decided once its model was loaded, sent to every other rank so that
+    each builds the same runner (the same KV pool shape, graphs, sampler seed)."""
+
+    config: EngineConfig
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+def rank_device(device: str, rank: int, tp_size: int) -> torch.device:
+    """The device of ``rank``: the engine's own with one rank; with several, CUDA rank r on
+    the card r after the configured one (``cuda`` counts from card 0); the CPU for all."""
+    base = torch.device(device)
+    if tp_size == 1 or base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+def load_rank_model(config: EngineConfig, parallel: ParallelContext, device: torch.device, progress: bool) -> CausalLM:
+    """This rank's model: its slice of config.model's checkpoint, with the engine's kernels
+    (the batch-invariant table installed where asked)."""
+    model = load_model(
+        config.model, dtype=torch_dtype(config.dtype), device=device, progress=progress, kernels=config.kernels,
+        keep=kept_formats(config.quantized_weights, device), parallel=parallel,
+    )  # fmt: skip
+    if config.batch_invariant:
+        batch_invariant.apply(model)  # the ops table, chosen once for the model's life
+    return model
+
+
+def build_runner(
+    setup: RunnerSetup, model: CausalLM, device: torch.device, recipe: Recipe | None, share_kv: bool = False
+) -> ModelRunner:
+    """The rank's runner over its model, with a grammar compiler from ``recipe`` (every rank
+    samples structured requests as rank 0 does, so each masks them the same way)."""
+    config = setup.config
+    runner = ModelRunner(
+        model,
+        setup.num_blocks,
+        config.block_size,
+        torch_dtype(config.dtype),
+        device,
+        seed=config.seed,
+        cuda_graphs=config.cuda_graphs,
+        max_model_len=setup.max_model_len,
+        max_batch=config.max_num_seqs,
+        share_kv=share_kv,
+        kv_share_dir=config.kv_share_dir,
+        # With speculation a verify step (the last token and up to γ drafts) replays graphs too.
+        max_graph_query=1 + config.spec_tokens if config.speculative != "none" else 1,
+    )
+    runner.structured.compiler = make_grammar_compiler(recipe, model.config.vocab_size, setup.eos_token_ids)
+    return runner
+
+
+def checkpoint_recipe(folder: str) -> Recipe | None:
+    """The checkpoint's tokenizer and templates; None for one saved by transformers alone
+    (no tokenizer.json: the engine then takes token ids only)."""
+    return Recipe.from_pretrained(folder) if (Path(folder) / "tokenizer.json").is_file() else None

@@ -1,0 +1,81 @@
+"""A tensor-parallel worker: one rank > 0 of an instance, a process the engine started
+(multiproc.py). It joins the ranks' group, loads its slice of the model, builds the
+same runner as rank 0 (rank.py) and then runs whatever rank 0 sends, step by step.
+
+Talk with rank 0 is one pipe, in this order:
+
+1. the worker sends ``("joined", None)`` once it reached the store, then joins the group;
+2. rank 0 sends the ``RunnerSetup``; the worker sends ``("ready", None)`` once built;
+3. rank 0 sends each step as pickled ``(Command, args)``; nothing comes back (rank 0's
+   own runner gives the step's result), until ``CLOSE``.
+
+Any failure is sent as ``("error", traceback text)`` before the worker exits non-zero,
+so that rank 0 (whose collective then fails, the peer gone) says why. The pipe's end
+(EOFError) means the engine is gone: the worker exits.
+"""
+
+import logging
+import pickle
+import sys
+import traceback
+from collections import deque
+from multiprocessing.connection import Connection
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.engine.executor.base import Command
+from shared.engine.executor.process_group import join_store, tensor_parallel_context
+from shared.engine.executor.rank import RunnerSetup, build_runner, checkpoint_recipe, load_rank_model, rank_device
+from shared.engine.model_runner import ModelRunner, StepHandle
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig, conn: Connection) -> None:
+    """The worker process's entry point (a spawned multiprocessing target)."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-rank{rank} %(name)s %(message)s")
+    try:
+        device = rank_device(config.device, rank, world_size)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # the host's cores shared out between the ranks, not each rank's threads on all of them
+            torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+        store = join_store(store_port, world_size)
+        conn.send(("joined", None))
+        parallel = tensor_parallel_context(store, rank, world_size, device)
+        model = load_rank_model(config, parallel, device, progress=False)
+        setup: RunnerSetup = conn.recv()
+        runner = build_runner(setup, model, device, checkpoint_recipe(config.model))
+        conn.send(("ready", None))
+        _serve(runner, conn)
+    except EOFError:
+        return  # the engine closed its end: nothing left to serve
+    except BaseException:
+        text = traceback.format_exc()
+        try:
+            conn.send(("error", text))
+        except OSError:
+            pass  # the engine is gone too; the log line below is all that is left
+        print(f"tensor-parallel rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _serve(runner: ModelRunner, conn: Connection) -> None:
+    """Run rank 0's commands in the order they come. Launched steps wait here, oldest
+    first, for the COLLECT that rank 0 sends when it collects its own (one in flight)."""
+    launched: deque[StepHandle] = deque()
+    while True:
+        command, args = pickle.loads(conn.recv_bytes())
+        if command is Command.CLOSE:
+            return
+        if command is Command.EXECUTE:
+            runner.execute(*args)
+        elif command is Command.LAUNCH:
+            launched.append(runner.launch(*args))
+        elif command is Command.COLLECT:
+            runner.collect(launched.popleft())
+        elif command is Command.TIME_STEP:
+            runner.time_step(*args)
+        else:
+            raise AssertionError(f"unknown command {command!r}")

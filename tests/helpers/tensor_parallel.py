@@ -1,0 +1,65 @@
+"""Tensor-parallel ranks for the parity tests: spawned processes that each load their
+slice of a checkpoint and run the same paged steps, rank 0 handing back its logits.
+Module-level functions, so a spawned process can import them."""
+
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.engine.executor.process_group import join_store, serve_store, tensor_parallel_context
+from shared.model.loader import load_model
+from shared.model.parallel import SINGLE, ParallelContext
+from tests.helpers.paged_driver import PagedDriver
+
+Steps = list[dict[int, list[int]]]
+"""Each step: sequence -> the tokens it is fed (PagedDriver.step's argument)."""
+
+
+def paged_logits(path: Path, steps: Steps, parallel: ParallelContext = SINGLE) -> list[dict[int, torch.Tensor]]:
+    """The logits of every step, run with PagedDriver over the model (its slice with ``parallel``)."""
+    model = load_model(path, parallel=parallel)
+    num_seqs = 1 + max(s for step in steps for s in step)
+    driver = PagedDriver(model, num_seqs=num_seqs, block_size=4)
+    with torch.inference_mode():
+        return [driver.step(step) for step in steps]
+
+
+Logits = list[dict[int, torch.Tensor]]
+"""Each step's logits per sequence, as PagedDriver.step returns them."""
+
+
+def _rank(rank: int, world_size: int, port: int, cases: list[tuple[Path, Steps]], results: Any) -> None:
+    torch.set_num_threads(1)  # the ranks share the host's few cores
+    store = join_store(port, world_size)
+    parallel = tensor_parallel_context(store, rank, world_size, torch.device("cpu"))
+    logits = [paged_logits(path, steps, parallel) for path, steps in cases]
+    # As numpy arrays: a torch tensor would cross as a shared-memory handle, gone with this process.
+    results.put((rank, [[{s: t.numpy() for s, t in step.items()} for step in case] for case in logits]))
+
+
+def tensor_parallel_logits(cases: list[tuple[Path, Steps]], world_size: int, timeout_s: float = 300.0) -> list[list[Logits]]:
+    """[case][rank]: every rank's logits of every step of each (checkpoint, steps) case,
+    the ranks real processes over gloo (one start for all the cases)."""
+    context = multiprocessing.get_context("spawn")
+    store = serve_store(world_size)
+    results = context.Queue()
+    procs = [
+        context.Process(target=_rank, args=(rank, world_size, store.port, cases, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        got = dict(results.get(timeout=timeout_s) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.exitcode is None:
+                proc.kill()
+    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+    return [
+        [[{s: torch.from_numpy(a) for s, a in step.items()} for step in got[rank][case]] for rank in range(world_size)]
+        for case in range(len(cases))
+    ]
