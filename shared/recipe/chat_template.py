@@ -44,6 +44,12 @@ class ChatRenderer(Protocol):
     ) -> str: ...
 
 
+def require_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Every ChatRenderer refuses an empty conversation the same way (transformers' words)."""
+    if not messages:
+        raise ValueError("Cannot apply a chat template to an empty conversation: give at least one message.")
+
+
 class ChatTemplateError(ValueError):
     """A chat template rejected the conversation (its `raise_exception`) or failed to render."""
 
@@ -69,8 +75,7 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> str:
         """Render a conversation; kwargs become template variables and override special tokens."""
-        if not messages:
-            raise ValueError("Cannot apply a chat template to an empty conversation: give at least one message.")
+        require_messages(messages)
         if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
             raise ValueError("Each tool must be a JSON schema dict ({'type': 'function', 'function': {...}}).")
         variables = {**(special_tokens or {}), **kwargs}

@@ -28,6 +28,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shared.recipe.chat_template import require_messages
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -166,8 +168,7 @@ class DeepseekV4Chat:
         special_tokens: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> str:
-        if not messages:
-            raise ValueError("Cannot apply a chat template to an empty conversation: give at least one message.")
+        require_messages(messages)
         if kwargs.get("reasoning_effort") is not None:
             raise ValueError("reasoning_effort: DeepSeek-V4's reasoning prompts are not served yet (the reasoning API's)")
         thinking = bool(kwargs.get("thinking", False))

@@ -13,6 +13,7 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from tests.helpers.graphed_engines import cuda_llm, record_replays
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -27,8 +28,7 @@ def prompts(vocab: int, n: int = 8, seed: int = 0) -> list[list[int]]:
 
 def engine(cuda_graphs: bool, speculative: bool) -> LLM:
     knobs = dict(speculative="draft", spec_draft_model=str(TRAINED / "draft"), spec_tokens=4, spec_schedule="fixed")
-    return LLM(str(TRAINED / "target"), dtype="float32", device="cuda", cuda_graphs=cuda_graphs, max_num_seqs=8,
-               **(knobs if speculative else {}))  # fmt: skip
+    return cuda_llm(TRAINED / "target", "float32", cuda_graphs, **(knobs if speculative else {}))
 
 
 def test_verify_steps_replay_graphs_and_keep_greedy_tokens():
@@ -38,10 +38,10 @@ def test_verify_steps_replay_graphs_and_keep_greedy_tokens():
     eager = engine(cuda_graphs=False, speculative=True)
     graphed = engine(cuda_graphs=True, speculative=True)
     # Every bucket is captured at start: count the rows each replay was handed instead.
-    target_rows = _record_replays(graphed.engine.runner.graphs)
+    target_rows = record_replays(graphed.engine.runner.graphs)
     drafter = graphed.engine.speculator.drafter
     assert drafter.runner.graphs is not None
-    draft_rows = _record_replays(drafter.runner.graphs)
+    draft_rows = record_replays(drafter.runner.graphs)
     eager_tokens = [o.token_ids for o in eager.generate(ps, PARAMS)]
     graphed_tokens = [o.token_ids for o in graphed.generate(ps, PARAMS)]
     assert eager_tokens == reference
@@ -52,19 +52,6 @@ def test_verify_steps_replay_graphs_and_keep_greedy_tokens():
     # Rows of more than one token per request were replayed, and the draft model replayed too.
     assert max(target_rows) > len(ps), target_rows
     assert draft_rows
-
-
-def _record_replays(graphs) -> list[int]:  # noqa: ANN001
-    """Wraps graphs.run on the instance: the list fills with each replay's row count."""
-    rows: list[int] = []
-    replay = graphs.run
-
-    def run(**kwargs):  # noqa: ANN003, ANN202
-        rows.append(len(kwargs["input_ids"]))
-        return replay(**kwargs)
-
-    graphs.run = run
-    return rows
 
 
 def test_verify_graph_hidden_states_equal_eager_rows():

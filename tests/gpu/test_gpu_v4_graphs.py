@@ -27,6 +27,7 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from tests.helpers.graphed_engines import cuda_llm, record_replays
 from tools.make_model import make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -49,23 +50,7 @@ def prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine(path: Path, dtype: str, cuda_graphs: bool) -> LLM:
-    return LLM(str(path), dtype=dtype, device="cuda", cuda_graphs=cuda_graphs, block_size=16, max_num_seqs=8,
-               max_model_len=512)  # fmt: skip
-
-
-def record_replays(llm: LLM) -> list[int]:
-    """Wraps the runner's graphs.run: the list fills with each replay's row count."""
-    graphs = llm.engine.runner.graphs
-    assert graphs is not None, "V4 captured no CUDA graphs"
-    rows: list[int] = []
-    replay = graphs.run
-
-    def run(**kwargs):  # noqa: ANN003, ANN202
-        rows.append(len(kwargs["input_ids"]))
-        return replay(**kwargs)
-
-    graphs.run = run
-    return rows
+    return cuda_llm(path, dtype, cuda_graphs, block_size=16, max_model_len=512)
 
 
 def run_both(path: Path, dtype: str, count: int) -> tuple[list, list, list[int]]:
@@ -78,7 +63,7 @@ def run_both(path: Path, dtype: str, count: int) -> tuple[list, list, list[int]]
     torch.cuda.empty_cache()
     graphed = engine(path, dtype, cuda_graphs=True)
     assert graphed.engine.model.supports_cuda_graphs
-    rows = record_replays(graphed)
+    rows = record_replays(graphed.engine.runner.graphs)
     got = graphed.generate(ps, PARAMS)
     return want, got, rows
 

@@ -1,6 +1,9 @@
 """A minimal paged-KV driver for ``CausalLM`` (no scheduler, no engine): the
 parity tests run a model's varlen steps over a paged cache with it."""
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from shared.model.forward_batch import AttentionMetadata
@@ -99,3 +102,54 @@ def as_graph_metas(
             )
         )
     return out
+
+
+class GraphShapedPair:
+    """Two drivers of one model fed the same prompts: ``eager`` runs decode steps as they
+    come, ``graphed`` with the metadata a CUDA graph's replay hands the model
+    (``as_graph_metas``: ``pad`` more rows writing to a block no sequence owns, host lists
+    at ``bound``), so the path the graphs capture is checked without a GPU. ``metas``
+    fills with the metadata of each graph-shaped forward."""
+
+    def __init__(
+        self, model: CausalLM, prompts: list[list[int]], *, num_blocks: int, block_size: int, seed: int, bound: int, pad: int
+    ) -> None:
+        self.model = model
+        self.bound = bound
+        self.pad = pad
+        self.eager, self.graphed = (
+            PagedDriver(model, len(prompts), num_blocks=num_blocks, block_size=block_size, seed=seed) for _ in range(2)
+        )
+        for driver in (self.eager, self.graphed):
+            driver.step(dict(enumerate(prompts)))
+        # Both drivers shuffled their blocks alike: the next free one is the same, and no sequence owns it.
+        self.scratch = self.eager.free.pop()
+        assert self.graphed.free.pop() == self.scratch
+        self.metas: list[list[AttentionMetadata]] = []
+
+    def step(
+        self, new_tokens: dict[int, list[int]], within: Callable[[], AbstractContextManager[object]] = nullcontext
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """One decode step (a token per sequence) on both: (eager logits, graph-shaped
+        logits) per sequence. ``within`` makes the context the graph-shaped forward runs in."""
+        eager = self.eager.step(new_tokens)
+        forward = self.model.forward
+        block_size = self.graphed.block_size
+
+        def graph_forward(
+            ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], metas: list[AttentionMetadata]
+        ) -> torch.Tensor:
+            gm = as_graph_metas(metas, self.bound, self.scratch * block_size, self.pad)
+            self.metas.append(gm)
+            ids = torch.cat([ids, torch.zeros(self.pad, dtype=ids.dtype)])
+            positions = torch.cat([positions, torch.zeros(self.pad, dtype=positions.dtype)])
+            with within():
+                hidden = forward(ids, positions, caches, gm)
+            return hidden[: ids.shape[0] - self.pad]
+
+        self.model.forward = graph_forward  # type: ignore[method-assign]
+        try:
+            graphed = self.graphed.step(new_tokens)
+        finally:
+            del self.model.forward
+        return eager, graphed

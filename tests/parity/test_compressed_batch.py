@@ -27,7 +27,7 @@ from shared.model.models.deepseek_v4 import DeepseekV4ForCausalLM
 from tests.helpers.deepseek_v4_models import save_tiny_v4
 from tests.helpers.hf_models import random_prompts
 from tests.helpers.numerics import rel_err
-from tests.helpers.paged_driver import PagedDriver, as_graph_metas
+from tests.helpers.paged_driver import GraphShapedPair, PagedDriver
 
 pytest.importorskip("transformers")
 
@@ -85,36 +85,17 @@ def test_a_graph_shaped_decode_step_equals_the_eager_one(model: DeepseekV4ForCau
     metadata (the batch padded by 3 rows). Lengths crossing window ends on purpose."""
     set_batched(model, True)
     prompts = random_prompts([63, 47, 31], 512, seed=6)
-    drivers = [PagedDriver(model, 3, num_blocks=512, block_size=16, seed=7) for _ in range(2)]
-    for d in drivers:
-        d.step(dict(enumerate(prompts)))
-    scratch = drivers[0].free.pop()  # a block no sequence owns (the same in both)
-    assert drivers[1].free.pop() == scratch
-    captured: list[list[AttentionMetadata]] = []
-    forward = model.forward
-
-    def graph_forward(ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
-        pad = 3
-        gm = as_graph_metas(metas, 256, scratch * 16, pad)
-        captured.append(gm)
-        hidden = forward(torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)]), torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)]), caches, gm)
-        return hidden[: ids.shape[0]]
-
+    pair = GraphShapedPair(model, prompts, num_blocks=512, block_size=16, seed=7, bound=256, pad=3)
     for k in range(3):
         step = {s: [100 + k + s] for s in range(3)}
-        eager = drivers[0].step(step)
-        model.forward = graph_forward  # type: ignore[method-assign]
-        try:
-            graphed = drivers[1].step(step)
-        finally:
-            del model.forward
+        eager, graphed = pair.step(step)
         for s in step:
             assert rel_err(graphed[s], eager[s]) < TOLERANCE, f"decode {k}, sequence {s}"
-    assert captured and all(m.scratch_slot is not None for m in captured[0])
-    for a, b in zip(compressed_caches(model, drivers[0]), compressed_caches(model, drivers[1])):
+    assert pair.metas and all(m.scratch_slot is not None for m in pair.metas[0])
+    for a, b in zip(compressed_caches(model, pair.eager), compressed_caches(model, pair.graphed)):
         # Equal everywhere but the scratch block, where the rows that closed nothing wrote.
         a, b = a.clone(), b.clone()
-        a[scratch] = b[scratch] = 0
+        a[pair.scratch] = b[pair.scratch] = 0
         assert rel_err(b, a) < TOLERANCE
 
 

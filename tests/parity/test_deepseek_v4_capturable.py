@@ -25,13 +25,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from shared.model.forward_batch import AttentionMetadata  # noqa: E402
 from shared.model.loader import load_model  # noqa: E402
 from shared.model.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 from tests.helpers.deepseek_v4_models import save_tiny_v4  # noqa: E402
 from tests.helpers.hf_models import random_prompts  # noqa: E402
 from tests.helpers.numerics import rel_err  # noqa: E402
-from tests.helpers.paged_driver import PagedDriver, as_graph_metas  # noqa: E402
+from tests.helpers.paged_driver import GraphShapedPair  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -75,40 +74,26 @@ def test_a_graph_shaped_decode_step_reads_nothing_from_the_device(models: dict[s
     model = models["triton"]
     # Prompts ending just before a CSA (4) and an HCA (16) window closes: the decode steps emit entries.
     prompts = random_prompts([7, 14, 15], 512, seed=5)
-    drivers = [PagedDriver(model, 3, num_blocks=64, block_size=16, seed=2) for _ in range(2)]
-    for d in drivers:
-        d.step(dict(enumerate(prompts)))
-    scratch = drivers[0].free.pop()
-    assert drivers[1].free.pop() == scratch
-    forward = model.forward
-    reads: list[list[str]] = []
+    pair = GraphShapedPair(model, prompts, num_blocks=64, block_size=16, seed=2, bound=64, pad=2)
+    modes: list[HostReads] = []
 
-    def graph_forward(ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], metas: list[AttentionMetadata]) -> torch.Tensor:
-        pad = 2
-        gm = as_graph_metas(metas, 64, scratch * 16, pad)
-        ids, positions = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)]), torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)])
-        with HostReads() as mode:
-            hidden = forward(ids, positions, caches, gm)
-        reads.append(mode.seen)
-        return hidden[: ids.shape[0] - pad]
+    def host_reads() -> HostReads:
+        modes.append(HostReads())
+        return modes[-1]
 
     for k in range(2):
         step = {s: [50 + k + s] for s in range(3)}
-        eager = drivers[0].step(step)
-        model.forward = graph_forward  # type: ignore[method-assign]
-        try:
-            graphed = drivers[1].step(step)
-        finally:
-            del model.forward
+        eager, graphed = pair.step(step, within=host_reads)
         for s in step:
             assert rel_err(graphed[s], eager[s]) < 1e-5, f"decode {k}, sequence {s}"
+    reads = [mode.seen for mode in modes]
     assert reads == [[], []], f"host reads in a graph-shaped step: {reads}"
     # The detector sees a read where there is one: the reference attention's nonzero.
     for layer in model.model.layers:
         layer.self_attn.batched = False
     try:
         with HostReads() as mode:
-            drivers[0].step({s: [60 + s] for s in range(3)})
+            pair.eager.step({s: [60 + s] for s in range(3)})
     finally:
         for layer in model.model.layers:
             layer.self_attn.batched = True

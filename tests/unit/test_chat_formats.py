@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 from shared.recipe import Recipe
+from shared.recipe.chat_template import ChatTemplate
+from shared.recipe.deepseek_v4_chat import DeepseekV4Chat
 from tools.chat_formats import FORMATS, TEMPLATES
 from tools.make_model import make_model
 
@@ -158,3 +160,9 @@ def test_deepseek_v4_refuses_what_it_does_not_render(deepseek_v4: Path) -> None:
         recipe.apply_chat_template(HISTORY[:2], reasoning_effort="max")
     with pytest.raises(ValueError, match="role 'ipython'"):
         recipe.apply_chat_template([{"role": "ipython", "content": "x"}])
+
+
+def test_both_renderers_refuse_an_empty_conversation_alike() -> None:
+    for renderer in (ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}"), DeepseekV4Chat()):
+        with pytest.raises(ValueError, match="empty conversation: give at least one message"):
+            renderer.render([], add_generation_prompt=True)

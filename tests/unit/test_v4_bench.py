@@ -1,15 +1,17 @@
 """tools/bench/v4_bench.py on the CPU with make-model's tiny V4 (the H200 runs it on the
 v4-flash-8l preset): it runs end to end, counts the decode window's tokens exactly,
-its times are positive and the kinds of a step sum to no more than the step; and the
-v4-flash-8l preset is V4-Flash's layout at the scale its docstring says."""
+its times are positive and the kinds of a step sum to no more than the step; kernels
+count in the range that launched them, Triton's (no op to hang off, run after the range
+closed on the host) by the range's GPU-side annotation; and the v4-flash-8l preset is
+V4-Flash's layout at the scale its docstring says."""
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
 from shared.model.config import ModelConfig
 from tools.make_model import PRESETS, hf_config_dict, make_model
@@ -90,33 +92,100 @@ def test_mode_figures_and_files(record: dict) -> None:
     assert json.loads((record["out"] / "v4_bench.json").read_text())["decode"][1]["num_tokens"] == 2 * NUM_STEPS
 
 
-def _event(name: str, parent: SimpleNamespace | None, cpu_us: float, kernels: list[tuple[str, float]] = ()) -> SimpleNamespace:
-    return SimpleNamespace(name=name, device_type=DeviceType.CPU, cpu_parent=parent, cpu_time_total=cpu_us,
-                           kernels=[SimpleNamespace(name=n, duration=d) for n, d in kernels])  # fmt: skip
+# -- the GPU side of the accounting (no GPU here) ----------------------------------------
+# Profiler events as torch lists them (FunctionEvent), times on one clock in microseconds:
+# host ops carry their correlation id; a kernel carries the id of the op it hangs off
+# (linked_correlation_id), or 0 where the launch was inside no torch op (Triton's, from
+# Python inside a record_function range), and runs later, on the GPU, where each range
+# also has its annotation: a span over the kernels launched while it was open.
+
+STREAM = 7
 
 
-def _kernel(name: str, us: float, annotation: bool = False) -> SimpleNamespace:
-    span = SimpleNamespace(elapsed_us=lambda: us)
-    return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=span, is_user_annotation=annotation)
+def _op(id: int, name: str, start: float, end: float, parent: FunctionEvent | None = None) -> FunctionEvent:
+    ev = FunctionEvent(id=id, name=name, thread=1, start_us=start, end_us=end, is_user_annotation=name in KINDS)
+    if parent is not None:
+        ev.set_cpu_parent(parent)
+    return ev
+
+
+def _kernel(id: int, name: str, start: float, end: float, launched_by: FunctionEvent | None) -> FunctionEvent:
+    linked = 0 if launched_by is None else launched_by.id
+    if launched_by is not None:
+        launched_by.append_kernel(name, 0, end - start)  # as torch hangs a linked kernel off its op
+    return FunctionEvent(id=id, name=name, thread=0, start_us=start, end_us=end, device_type=DeviceType.CUDA,
+                         device_resource_id=STREAM, linked_correlation_id=linked)  # fmt: skip
+
+
+def _annotation(name: str, start: float, end: float, range_op: FunctionEvent) -> FunctionEvent:
+    range_op.append_kernel(name, 0, end - start)  # torch lists it as a "kernel" of the host range
+    return FunctionEvent(id=0, name=name, thread=0, start_us=start, end_us=end, device_type=DeviceType.CUDA,
+                         device_resource_id=STREAM, is_user_annotation=True)  # fmt: skip
 
 
 def test_kernels_count_under_the_innermost_range_that_launched_them() -> None:
-    """The GPU side of the accounting (no GPU here): profiler events as torch lists
-    them, kernels hanging off the CPU op that launched them."""
-    attention = _event("v4.attention", None, 100.0, [("v4.attention", 90.0)])  # its GPU annotation: not work
-    mm = _event("aten::mm", attention, 10.0, [("gemm", 7.0)])
-    core = _event("v4.attention.core", attention, 60.0)
-    indexer = _event("v4.indexer", core, 20.0)
-    topk = _event("aten::topk", indexer, 5.0, [("topk_kernel", 3.0)])
-    softmax = _event("aten::softmax", core, 8.0, [("softmax_kernel", 4.0)])
-    logits = _event("aten::linear", None, 9.0, [("lm_head_gemm", 6.0)])  # outside every range
-    device = [_kernel("gemm", 7.0), _kernel("topk_kernel", 3.0), _kernel("softmax_kernel", 4.0),
-              _kernel("lm_head_gemm", 6.0), _kernel("v4.attention", 90.0, annotation=True)]  # fmt: skip
+    attention = _op(1, "v4.attention", 0.0, 100.0)
+    mm = _op(2, "aten::mm", 5.0, 15.0, attention)
+    core = _op(3, "v4.attention.core", 20.0, 80.0, attention)
+    indexer = _op(4, "v4.indexer", 25.0, 45.0, core)
+    topk = _op(5, "aten::topk", 30.0, 35.0, indexer)
+    softmax = _op(6, "aten::softmax", 50.0, 58.0, core)
+    logits = _op(7, "aten::linear", 110.0, 119.0)  # outside every range
+    device = [_kernel(11, "gemm", 200.0, 207.0, mm), _kernel(12, "topk_kernel", 207.0, 210.0, topk),
+              _kernel(13, "softmax_kernel", 210.0, 214.0, softmax), _kernel(14, "lm_head_gemm", 214.0, 220.0, logits),
+              _annotation("v4.attention", 200.0, 214.0, attention),
+              _annotation("v4.attention.core", 207.0, 214.0, core), _annotation("v4.indexer", 207.0, 210.0, indexer)]  # fmt: skip
     a = attribute([attention, mm, core, indexer, topk, softmax, logits, *device])
     assert (a.kernels_us["v4.attention"], a.kernels_us["v4.attention.core"], a.kernels_us["v4.indexer"]) == (7.0, 4.0, 3.0)
-    assert a.kernels_total_us == 20.0  # the outside 6 us is the total less the ranges'
+    assert a.kernels_total_us == 20.0  # the annotations are not work; the outside 6 us is the total less the ranges'
     assert (a.host_us["v4.attention"], a.host_us["v4.attention.core"], a.host_us["v4.indexer"]) == (40.0, 40.0, 20.0)
     assert a.by_kernel_us == {"gemm": 7.0, "topk_kernel": 3.0, "softmax_kernel": 4.0, "lm_head_gemm": 6.0}
+
+
+def test_triton_kernels_count_in_the_range_that_launched_them_though_they_run_after_it() -> None:
+    """The H100 run of 2026-12-06 (docs/perf/h100/v4_bench_2026-12-06.json): the fused
+    MoE's _gate_up_kernel and _down_kernel, launched inside moe.experts with no torch op
+    around them, hang off no op and run after the range has closed on the host; and an mHC
+    whose one kernel is Triton's. They count in their ranges, not outside the layers."""
+    moe = _op(1, "v4.moe", 100.0, 200.0)
+    counts = _op(2, "aten::zeros", 102.0, 105.0, moe)
+    experts = _op(3, "moe.experts", 110.0, 170.0, moe)
+    sort = _op(4, "aten::sort", 112.0, 120.0, experts)
+    total = _op(5, "aten::sum", 150.0, 160.0, experts)
+    mhc = _op(6, "v4.mhc", 200.0, 215.0)
+    lm_head = _op(7, "aten::linear", 220.0, 230.0)
+    # The driver's launch calls (Triton's), on the OS thread: no op of theirs, and their
+    # ids are the driver's, one of which is also an op's (4, aten::sort's).
+    launches = [FunctionEvent(id=i, name="cuLaunchKernelEx", thread=4242, start_us=t, end_us=t + 3)
+                for i, t in ((4, 125.0), (9, 140.0), (10, 205.0))]  # fmt: skip
+    device = [
+        _kernel(20, "fill_kernel", 395.0, 398.0, counts),
+        _kernel(21, "radixSort", 400.0, 410.0, sort),
+        _kernel(4, "_gate_up_kernel", 410.0, 450.0, None),
+        _kernel(9, "_down_kernel", 450.0, 500.0, None),
+        _kernel(22, "reduce_kernel", 500.0, 505.0, total),
+        _kernel(10, "_hyper_connection_kernel", 505.0, 520.0, None),
+        _kernel(23, "lm_head_gemm", 520.0, 530.0, lm_head),
+        _annotation("v4.moe", 395.0, 505.0, moe),
+        _annotation("moe.experts", 400.0, 505.0, experts),
+        _annotation("v4.mhc", 505.0, 520.0, mhc),
+    ]
+    a = attribute([moe, counts, experts, sort, total, mhc, lm_head, *launches, *device])
+    assert experts.time_range.end < 410.0  # the Triton kernels ran after moe.experts closed on the host
+    assert a.kernels_us["moe.experts"] == 10.0 + 40.0 + 50.0 + 5.0
+    assert a.kernels_us["v4.moe"] == 3.0
+    assert a.kernels_us["v4.mhc"] == 15.0
+    assert a.kernels_total_us == 133.0  # outside: the LM head's 10 us alone
+    assert sum(a.kernels_us.values()) == 123.0
+    assert (a.host_us["v4.moe"], a.host_us["moe.experts"], a.host_us["v4.mhc"]) == (40.0, 60.0, 15.0)
+
+
+def test_a_kernel_in_no_range_and_in_no_annotation_is_outside() -> None:
+    experts = _op(1, "moe.experts", 0.0, 10.0)
+    mm = _op(2, "aten::mm", 1.0, 2.0, experts)
+    late = _kernel(5, "_down_kernel", 50.0, 60.0, None)  # no op, and after the range's span on the GPU
+    a = attribute([experts, mm, _kernel(6, "gemm", 20.0, 30.0, mm), _annotation("moe.experts", 20.0, 30.0, experts), late])
+    assert a.kernels_us["moe.experts"] == 10.0 and a.kernels_total_us == 20.0
 
 
 def test_v4_flash_8l_is_v4_flash_scaled() -> None:

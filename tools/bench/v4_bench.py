@@ -22,9 +22,11 @@ each row's keys in row chunks of at most compressed_batch.GATHER_BUDGET elements
 they would not fit, the prompt is halved until they do, and the output says so.
 
 The breakdown comes from the PyTorch profiler over one or a few engine steps: the
-model wraps its parts in ranges (shared/model/moe.py's ``profiled``), and each CUDA
+model wraps its parts in ranges (shared/model/profiling.py's ``profiled``), and each CUDA
 kernel counts under the innermost range that launched it ("outside the layers": the
-embedding, the LM head, sampling, input copies). Beside it, the host's time in each
+embedding, the LM head, sampling, input copies): by the torch op it hangs off, or, for a
+Triton kernel (launched from Python, in no op), by the range's GPU-side annotation that
+holds it (``attribute``). Beside it, the host's time in each
 range (exclusive, inflated by the profiler). On the CPU (the test's tiny V4) there are
 no kernels and only host time is reported. The step's wall time is the un-profiled one
 from the timed run.
@@ -38,6 +40,7 @@ mode run and whether the timed steps replayed graphs.
 """
 
 import argparse
+import bisect
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -174,31 +177,87 @@ class Attributed:
     by_kernel_us: dict[str, float]
 
 
+class _GpuRanges:
+    """The ranges' GPU-side annotations of one device: each spans, on the GPU's clock, the
+    kernels launched while its range was open on the host (the profiler draws it from
+    them), however late they ran. A kernel's range is the latest-starting annotation that
+    contains it: on one stream kernels run in launch order, so that is the innermost range
+    open when it was launched."""
+
+    def __init__(self, annotations: list) -> None:  # noqa: ANN001 - torch FunctionEvents
+        self._spans = sorted(annotations, key=lambda a: a.time_range.start)
+        self._starts = [a.time_range.start for a in self._spans]
+        # The latest end among spans[:i + 1]: once it is before a kernel's end, no earlier span holds it.
+        self._reach: list[float] = []
+        for a in self._spans:
+            self._reach.append(max(a.time_range.end, self._reach[-1] if self._reach else a.time_range.end))
+
+    def innermost(self, kernel) -> str | None:  # noqa: ANN001 - a torch FunctionEvent
+        """The range of the latest-starting span holding ``kernel``, one on its own stream
+        first (another stream's span may only overlap it in time)."""
+        start, end = kernel.time_range.start, kernel.time_range.end
+        stream = getattr(kernel, "device_resource_id", None)
+        fallback = None
+        j = bisect.bisect_right(self._starts, start) - 1
+        while j >= 0 and self._reach[j] >= end:
+            span = self._spans[j]
+            if span.time_range.end >= end:
+                if getattr(span, "device_resource_id", None) == stream:
+                    return span.name
+                fallback = fallback or span.name
+            j -= 1
+        return fallback
+
+
 def attribute(events: Iterable) -> Attributed:  # noqa: ANN001 - torch FunctionEvents
-    """Each kernel under the innermost range whose op launched it (kernels hang off
-    the CPU op that launched them); each range's host time less its nested ranges'."""
+    """Each kernel under the innermost range that launched it; each range's host time
+    less its nested ranges'.
+
+    A kernel hangs off the CPU op that launched it only when the profiler linked the two
+    by correlation id, which it does for launches inside a torch op: a Triton kernel
+    launched straight from Python inside a ``record_function`` range has no op to hang
+    off, and it runs after the range has closed on the host, so the host's clock cannot
+    place it either. Such a kernel counts under the range whose GPU-side annotation
+    (``is_user_annotation``, named as the range, on the GPU's clock) holds it; a kernel
+    under neither is outside the layers."""
     from torch.autograd import DeviceType
 
     host = dict.fromkeys(KINDS, 0.0)
     kernels = dict.fromkeys(KINDS, 0.0)
     total = 0.0
     by_kernel: dict[str, float] = {}
+    ops: dict[int, list] = {}
+    device_kernels: list = []
+    annotations: dict[int, list] = {}
     for ev in events:
         if ev.device_type == DeviceType.CPU:
-            # A range's GPU-side annotation is listed as a "kernel" of it: not work.
-            own = sum(k.duration for k in ev.kernels if k.name not in KINDS)
-            name = _range_of(ev) if own else None
-            if name is not None:
-                kernels[name] += own
+            # Ops carry their own correlation id and no link (launch calls carry a link).
+            if not getattr(ev, "is_async", False) and not getattr(ev, "linked_correlation_id", 0):
+                ops.setdefault(ev.id, []).append(ev)
             if ev.name in KINDS:
                 host[ev.name] += ev.cpu_time_total
                 outer = _range_of(ev.cpu_parent)
                 if outer is not None:
                     host[outer] -= ev.cpu_time_total
-        elif not getattr(ev, "is_user_annotation", False) and ev.name not in KINDS:
-            duration = ev.time_range.elapsed_us()
-            total += duration
-            by_kernel[ev.name] = by_kernel.get(ev.name, 0.0) + duration
+        elif getattr(ev, "is_user_annotation", False) or ev.name in KINDS:
+            # A range's GPU-side annotation: where its kernels ran, not work of its own.
+            if ev.name in KINDS:
+                annotations.setdefault(ev.device_index, []).append(ev)
+        else:
+            device_kernels.append(ev)
+    gpu_ranges = {device: _GpuRanges(spans) for device, spans in annotations.items()}
+    for k in device_kernels:
+        duration = k.time_range.elapsed_us()
+        total += duration
+        by_kernel[k.name] = by_kernel.get(k.name, 0.0) + duration
+        # Ids are per kind (ops', the driver's), so one id may name a launch call too: the
+        # first of the id's events that sits in a range is the op.
+        linked = getattr(k, "linked_correlation_id", 0)
+        name = next((r for op in ops.get(linked, ()) if (r := _range_of(op)) is not None), None) if linked else None
+        if name is None and k.device_index in gpu_ranges:
+            name = gpu_ranges[k.device_index].innermost(k)
+        if name is not None:
+            kernels[name] += duration
     return Attributed(host, kernels, total, by_kernel)
 
 
