@@ -238,18 +238,40 @@ class Cancel(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_kv_blocks", "num_total_kv_blocks", "num_queued_tokens")
+    __slots__ = ("num_running", "num_waiting", "num_free_kv_blocks", "num_total_kv_blocks", "num_queued_tokens", "expert_load")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_kv_blocks: int
     num_total_kv_blocks: int
     num_queued_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ...) -> None: ...
+    expert_load: ExpertLoad
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., expert_load: _Optional[_Union[ExpertLoad, _Mapping]] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("num_ranks", "window_steps", "layers")
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    num_ranks: int
+    window_steps: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerExpertLoad]
+    def __init__(self, num_ranks: _Optional[int] = ..., window_steps: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerExpertLoad, _Mapping]]] = ...) -> None: ...
+
+class LayerExpertLoad(_message.Message):
+    __slots__ = ("mean_tokens_per_rank", "max_tokens_per_rank", "balancedness")
+    MEAN_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
+    mean_tokens_per_rank: float
+    max_tokens_per_rank: int
+    balancedness: float
+    def __init__(self, mean_tokens_per_rank: _Optional[float] = ..., max_tokens_per_rank: _Optional[int] = ..., balancedness: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("stage", "instance_id", "seq", "unix_time", "load", "model", "interval_s", "draining")
