@@ -43,8 +43,10 @@ from shared.runtime.bus import CONNECTION_HEADER, Bus, StreamPublisher
 from shared.runtime.rpc import NOT_SERVING, SERVING, GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
 from shared.runtime.vllm_metrics import served_model_name
-from shared.stage.convert import params_from_proto
+from shared.stage.convert import expert_load_to_proto, params_from_proto
 from shared.stage.engine_metrics import EngineMetrics, cache_config_info
+from shared.stage.expert_load_window import ExpertLoadWindow
+from shared.stage.expert_metrics import ExpertLoadMetrics
 from shared.stage.spec_metrics import SpecMetrics
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,10 @@ class Worker:
             if speculator is None
             else SpecMetrics(m, served_model_name(settings.balancer.model_name, settings.engine.model), speculator.num_tokens)
         )
+        moe = engine.model.expert_counts is not None
+        self.expert_window = ExpertLoadWindow()
+        self.expert_metrics = ExpertLoadMetrics(m) if moe else None
+        """An MoE engine's per-layer expert load (what the EP balancer routes by); None for a dense one."""
 
     async def start(self, stack: AsyncExitStack) -> None:
         self.engine.start()
@@ -309,12 +315,16 @@ class Worker:
         self.vllm.update(load)
         if self.spec is not None:
             self.spec.update(load)
+        expert_load = self.expert_window.observe(load.tokens_per_expert, self.vllm.num_steps)
+        if expert_load is not None and self.expert_metrics is not None:
+            self.expert_metrics.update(expert_load)
         return mesh_pb2.Load(
             num_running=load.num_running,
             num_waiting=load.num_waiting,
             num_free_kv_blocks=load.num_free_kv_blocks,
             num_total_kv_blocks=load.num_total_kv_blocks,
             num_queued_tokens=load.num_queued_tokens,
+            expert_load=None if expert_load is None else expert_load_to_proto(expert_load),
         )
 
     async def _send_heartbeat(self) -> None:

@@ -1,0 +1,79 @@
+"""An MoE instance's expert load on its way to the balancer (issue 28, the EP balancer):
+ExpertLoad's per-layer figures, the worker's window over heartbeats, the heartbeat's
+wire form, and the worker's per-layer gauges, with exact values."""
+
+import pytest
+
+from shared.engine.eplb.placement import static_placement
+from shared.engine.expert_load import ExpertLoad
+from shared.proto import mesh_pb2
+from shared.runtime.metrics import Metrics
+from shared.stage.convert import expert_load_to_proto
+from shared.stage.expert_load_window import ExpertLoadWindow
+from shared.stage.expert_metrics import ExpertLoadMetrics
+
+# Layer 0 even over 4 ranks; layer 1 with one hot rank; layer 2 got no tokens.
+LOAD = ExpertLoad(tokens_per_rank=[[10, 10, 10, 10], [40, 10, 5, 5], [0, 0, 0, 0]], window_steps=7)
+
+
+def test_balancedness_is_mean_over_max_per_layer_and_one_for_an_idle_layer() -> None:
+    assert LOAD.mean_tokens_per_rank() == [10.0, 15.0, 0.0]
+    assert LOAD.max_tokens_per_rank() == [10, 40, 0]
+    assert LOAD.balancedness() == [1.0, 15 / 40, 1.0]
+    assert (LOAD.num_layers, LOAD.num_ranks) == (3, 4)
+
+
+def test_from_expert_counts_sums_each_ranks_experts_under_the_placement() -> None:
+    counts = [[1, 2, 3, 4], [8, 0, 0, 0]]  # [layer][expert]
+    one_process = ExpertLoad.from_expert_counts(counts, window_steps=3)
+    assert one_process == ExpertLoad([[10], [8]], 3)
+    assert one_process.balancedness() == [1.0, 1.0]
+    # Experts 0-1 on rank 0, 2-3 on rank 1.
+    two_ranks = ExpertLoad.from_expert_counts(counts, window_steps=3, placement=static_placement(2, 4, 2))
+    assert two_ranks == ExpertLoad([[3, 7], [8, 0]], 3)
+    assert two_ranks.balancedness() == [5 / 7, 0.5]
+    with pytest.raises(ValueError, match="layers, experts"):
+        ExpertLoad.from_expert_counts([1, 2, 3], window_steps=1)
+
+
+def test_the_heartbeat_carries_per_layer_mean_max_and_balancedness() -> None:
+    hb = mesh_pb2.Heartbeat(stage="decode", instance_id="d0",
+                            load=mesh_pb2.Load(num_running=2, expert_load=expert_load_to_proto(LOAD)))  # fmt: skip
+    back = mesh_pb2.Heartbeat.FromString(hb.SerializeToString()).load
+    assert back.num_running == 2 and back.HasField("expert_load")
+    assert (back.expert_load.num_ranks, back.expert_load.window_steps) == (4, 7)
+    layers = back.expert_load.layers
+    assert [layer.mean_tokens_per_rank for layer in layers] == [10.0, 15.0, 0.0]
+    assert [layer.max_tokens_per_rank for layer in layers] == [10, 40, 0]
+    assert [layer.balancedness for layer in layers] == [1.0, 15 / 40, 1.0]
+    # A dense model's load says nothing of experts.
+    assert not mesh_pb2.Load.FromString(mesh_pb2.Load(num_running=1).SerializeToString()).HasField("expert_load")
+
+
+def test_the_workers_window_spans_the_last_beats_of_running_totals() -> None:
+    window = ExpertLoadWindow(num_beats=2)
+    assert window.observe(None, 5) is None  # a dense model
+    # Running totals since start [layer][expert], and steps since start, at each beat.
+    assert window.observe([[1, 2]], 1) == ExpertLoad([[3]], 1)  # from the engine's start
+    assert window.observe([[4, 2]], 3) == ExpertLoad([[6]], 3)
+    assert window.observe([[4, 9]], 4) == ExpertLoad([[10]], 3)  # beats 1..3: the start fell out
+    assert window.observe([[4, 9]], 4) == ExpertLoad([[7]], 1)  # beats 2..4: idle since beat 3
+    with pytest.raises(ValueError):
+        ExpertLoadWindow(num_beats=0)
+
+
+def test_the_gauges_say_each_layers_figures() -> None:
+    metrics = Metrics("decode")
+    gauges = ExpertLoadMetrics(metrics)
+    gauges.update(LOAD)
+    r = metrics.registry
+
+    def value(name: str, **labels: str) -> float | None:
+        return r.get_sample_value(f"infermesh_decode_{name}", labels)
+
+    assert [value("eplb_balancedness", layer=str(i)) for i in range(3)] == [1.0, 15 / 40, 1.0]
+    assert [value("expert_tokens_per_rank_mean", layer=str(i)) for i in range(3)] == [10.0, 15.0, 0.0]
+    assert [value("expert_tokens_per_rank_max", layer=str(i)) for i in range(3)] == [10.0, 40.0, 0.0]
+    assert (value("expert_parallel_ranks"), value("eplb_window_steps")) == (4.0, 7.0)
+    gauges.update(ExpertLoad([[5, 5, 5, 5], [5, 5, 5, 5], [20, 0, 0, 0]], 2))  # the next window's figures replace them
+    assert [value("eplb_balancedness", layer=str(i)) for i in range(3)] == [1.0, 1.0, 0.25]
