@@ -1,7 +1,8 @@
 """Dispatch: choose a request's instances and hand it over.
 
-The decode instance first (by load, or by its cache where conditional
-disaggregation may compute the prompt there), then where the prompt is
+The decode instance first (by load, by its load and expert balance for MoE
+instances, or by its cache where conditional disaggregation may compute the
+prompt there), then where the prompt is
 computed: on that decode instance, or on a prefill instance that takes it. A
 refusal from an overloaded or draining prefill instance, or one that does not
 answer, is retried on the next candidate; instances that failed this request
@@ -26,10 +27,12 @@ from services.balancer.router.policies import (
     Choice,
     choose_decode,
     choose_decode_by_cache,
+    choose_expert_parallel,
     choose_prefill,
     choose_prefill_site,
     conditional_disaggregation,
     leading_blocks_held,
+    serves_expert_parallel,
 )
 from services.balancer.router.registry import Instance, Registry
 from services.balancer.router.reservations import Reservation
@@ -107,6 +110,8 @@ class Dispatcher:
                         decode = choose_decode_by_cache(
                             candidates, hashes, len(req.prompt_token_ids), self.block_size, self.rng
                         )
+                    elif serves_expert_parallel(candidates):  # MoE instances: the EP load balancer
+                        decode = choose_expert_parallel(candidates, self.rng)
                     else:
                         decode = choose_decode(candidates, self.rng)
                     break

@@ -9,6 +9,12 @@ figures it chose by, which go on the request's trace span.
   where a prompt may be computed on its decode instance, the one with the least
   work for this request in KV blocks instead (choose_decode_by_cache): a turn of
   a conversation goes back to the instance that holds the conversation.
+- expert-parallel (the EP load balancer, DeepSeek's third beside prefill's and
+  decode's): among MoE instances, whose heartbeats carry their expert load, the
+  one whose next step would be shortest: its requests plus this one, divided by
+  the balancedness of its steps (choose_expert_parallel, for decode; prefill's
+  least-loaded fallback divides its queued tokens the same way). An instance
+  whose experts sit unevenly on its ranks waits each layer for its busiest rank.
 - where the prompt is computed (choose_prefill_site): on a prefill instance, or
   on the decode instance when the prompt is short or prefill is the bottleneck
   (conditional disaggregation; off unless its settings are set).
@@ -47,6 +53,26 @@ def leading_blocks_held(inst: Instance, hashes: Sequence[BlockHash]) -> int:
     return n
 
 
+def step_balancedness(inst: Instance) -> float:
+    """How evenly an MoE instance's steps spread over its expert-parallel ranks, from its
+    heartbeat: the sum over MoE layers of the mean tokens per rank over the sum of the
+    busiest rank's. Each layer's all-to-all waits for that layer's busiest rank and the
+    layers run one after another, so a step's expert compute takes the sum of the
+    per-layer maxima, where even ranks would take the sum of the means (per layer first:
+    summing tokens over layers before taking the max would hide a layer's hot rank).
+    1.0 when it reports no expert load (a dense model) or its window saw no tokens."""
+    layers = inst.load.expert_load.layers
+    busiest = sum(layer.max_tokens_per_rank for layer in layers)
+    return sum(layer.mean_tokens_per_rank for layer in layers) / busiest if busiest else 1.0
+
+
+def serves_expert_parallel(candidates: Sequence[Instance]) -> bool:
+    """Whether the candidates are MoE instances the EP policy ranks: any reports its expert
+    load. (The mesh serves one model, so either all do, or those that do not have not
+    stepped yet: they count as balanced.)"""
+    return any(c.load.HasField("expert_load") for c in candidates)
+
+
 def choose_prefill(candidates: Sequence[Instance], hashes: Sequence[BlockHash], rng: random.Random) -> Choice:
     if not candidates:
         raise LookupError("no live prefill instance")
@@ -54,9 +80,14 @@ def choose_prefill(candidates: Sequence[Instance], hashes: Sequence[BlockHash], 
     if max(held.values()) > 0:
         inst = _pick(candidates, lambda c: -held[c.instance_id], rng)
         return Choice(inst, "prefix", {k: float(v) for k, v in held.items()})
-    load = {c.instance_id: float(c.load.num_queued_tokens + c.in_flight) for c in candidates}
+    if serves_expert_parallel(candidates):  # a queued token costs more where experts sit unevenly
+        load = {c.instance_id: (c.load.num_queued_tokens + c.in_flight) / step_balancedness(c) for c in candidates}
+        reason = "expert_balance"
+    else:
+        load = {c.instance_id: float(c.load.num_queued_tokens + c.in_flight) for c in candidates}
+        reason = "least_loaded"
     inst = _pick(candidates, lambda c: load[c.instance_id], rng)
-    return Choice(inst, "least_loaded", load)
+    return Choice(inst, reason, load)
 
 
 def choose_decode(candidates: Sequence[Instance], rng: random.Random) -> Choice:
@@ -68,6 +99,24 @@ def choose_decode(candidates: Sequence[Instance], rng: random.Random) -> Choice:
 
     inst = _pick(candidates, key, rng)
     return Choice(inst, "least_loaded", {c.instance_id: float(key(c)[0]) for c in candidates})
+
+
+def choose_expert_parallel(candidates: Sequence[Instance], rng: random.Random) -> Choice:
+    """The EP load balancer's decode choice: the instance whose next step, with this
+    request in its batch, is shortest. A step's expert compute grows with the requests
+    in it (running, waiting, sent since the last heartbeat, and this one) and with how
+    unevenly they land on the ranks: divided by the step balancedness, so that an idle
+    instance at 0.5 weighs as one running a request at 1.0. Then the most free KV
+    blocks; ties broken at random."""
+    if not candidates:
+        raise LookupError("no live decode instance")
+
+    def cost(c: Instance) -> float:
+        return (c.load.num_running + c.load.num_waiting + c.in_flight + 1) / step_balancedness(c)
+
+    costs = {c.instance_id: cost(c) for c in candidates}
+    inst = _pick(candidates, lambda c: (costs[c.instance_id], -c.load.num_free_kv_blocks), rng)
+    return Choice(inst, "expert_balance", costs)
 
 
 def choose_decode_by_cache(
