@@ -1,7 +1,9 @@
 """The expert load a worker reports while its engine keeps no window of its own: the
 engine's running totals (EngineLoad.tokens_per_expert, since start) taken at each
-heartbeat, and the load over the last `num_beats` heartbeats as the newest minus the
-oldest. One rank: today's MoE engine is one process holding every expert. Once the
+heartbeat the engine stepped before, and the load over the last `num_beats` such
+heartbeats as the newest minus the oldest. An idle engine's window keeps its last
+steps, as the engine's own window of steps (eplb/load_window.py) does: an instance
+that had nothing to do since is no more balanced than it was. One rank: today's MoE engine is one process holding every expert. Once the
 engine's expert-parallel executor keeps its sliding window per rank
 (LLMEngine.expert_load()), the worker reads that instead and this goes."""
 
@@ -12,8 +14,9 @@ import numpy as np
 from shared.engine.expert_load import ExpertLoad
 
 NUM_BEATS = 10
-"""Heartbeats the window spans (10 s at the default 1 s interval): long enough that a
-burst between two beats does not swing the balancer, short enough to follow a shift."""
+"""Heartbeats (after steps) the window spans (10 s of work at the default 1 s interval):
+long enough that a burst between two beats does not swing the balancer, short enough to
+follow a shift."""
 
 
 class ExpertLoadWindow:
@@ -31,6 +34,7 @@ class ExpertLoadWindow:
         totals = np.asarray(tokens_per_expert, dtype=np.int64)
         if not self._totals:  # the window's first edge is the engine's start
             self._totals.append((0, np.zeros_like(totals)))
-        self._totals.append((num_steps, totals))
+        if num_steps != self._totals[-1][0]:
+            self._totals.append((num_steps, totals))
         first_steps, first = self._totals[0]
         return ExpertLoad.from_expert_counts(totals - first, num_steps - first_steps)

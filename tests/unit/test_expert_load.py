@@ -50,14 +50,15 @@ def test_the_heartbeat_carries_per_layer_mean_max_and_balancedness() -> None:
     assert not mesh_pb2.Load.FromString(mesh_pb2.Load(num_running=1).SerializeToString()).HasField("expert_load")
 
 
-def test_the_workers_window_spans_the_last_beats_of_running_totals() -> None:
+def test_the_workers_window_spans_the_last_beats_after_steps() -> None:
     window = ExpertLoadWindow(num_beats=2)
     assert window.observe(None, 5) is None  # a dense model
     # Running totals since start [layer][expert], and steps since start, at each beat.
     assert window.observe([[1, 2]], 1) == ExpertLoad([[3]], 1)  # from the engine's start
     assert window.observe([[4, 2]], 3) == ExpertLoad([[6]], 3)
     assert window.observe([[4, 9]], 4) == ExpertLoad([[10]], 3)  # beats 1..3: the start fell out
-    assert window.observe([[4, 9]], 4) == ExpertLoad([[7]], 1)  # beats 2..4: idle since beat 3
+    assert window.observe([[4, 9]], 4) == ExpertLoad([[10]], 3)  # no step since: the window stays
+    assert window.observe([[6, 9]], 6) == ExpertLoad([[9]], 3)  # beats 2..4 that followed steps
     with pytest.raises(ValueError):
         ExpertLoadWindow(num_beats=0)
 
