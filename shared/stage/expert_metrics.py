@@ -8,7 +8,9 @@ Labelled by layer only, not by (layer, rank): at DeepSeek-V3's decode EP that wo
 busiest rank is ahead. A dashboard plots `min by (pod) (..._eplb_balancedness)` (the
 worst layer, the one the balancer routes by) and the layers as a heatmap.
 
-Only an MoE engine creates them (a dense model exports none)."""
+`layer` counts the model's MoE layers from 0, in model order (a model's dense layers
+have no number), as the heartbeat's list does. Only an MoE engine creates them (a
+dense model exports none)."""
 
 from shared.engine.expert_load import ExpertLoad
 from shared.runtime.metrics import Metrics
