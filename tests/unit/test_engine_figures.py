@@ -66,3 +66,21 @@ def test_preemptions_reach_the_load_and_the_counter(tmp_path):
     assert engine.load().num_preemptions == engine.scheduler.num_preemptions
     assert _value(registry, "vllm:num_preemptions_total") == engine.scheduler.num_preemptions
     assert set(queued) == {"a", "b"} and all(q is not None and q >= 0 for q in queued.values())
+
+
+def test_each_step_drained_counts_once_toward_the_expert_load_window():
+    from collections import deque
+
+    from shared.engine.outputs import EngineLoad
+
+    steps: deque[int] = deque([3, 5])
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, "tiny", steps)
+    idle = EngineLoad(num_running=0, num_waiting=0, num_free_kv_blocks=4, num_total_kv_blocks=4, num_queued_tokens=0)
+    metrics.update(idle)
+    assert metrics.num_steps == 2 and not steps
+    steps.append(7)
+    metrics.update(idle)
+    metrics.update(idle)  # nothing stepped since: the count stays
+    assert metrics.num_steps == 3
+    assert _value(registry, "vllm:iteration_tokens_total_count") == 3
