@@ -216,13 +216,14 @@ def test_requests_that_end_without_finishing_count_as_abort_or_error():
     def count(name: str, **labels: str) -> float:
         return registry.get_sample_value(name, {"model_name": "tiny", **labels}) or 0.0
 
-    async def generation(end: str) -> None:
+    async def generation(end: str, tokens_sent: asyncio.Event | None = None) -> None:
         async with stats.clock(time.monotonic(), num_prompt_tokens=7) as clock:
             clock.tokens(1)
             clock.tokens(2)
             if end == "error":
                 raise RuntimeError("the generator failed")
             if end == "abort":
+                tokens_sent.set()
                 await asyncio.sleep(10)  # cancelled here, as when the client leaves
             clock.finished("length", Usage(7, 3, 0))
 
@@ -230,7 +231,9 @@ def test_requests_that_end_without_finishing_count_as_abort_or_error():
         await generation("finish")
         with pytest.raises(RuntimeError):
             await generation("error")
-        task = asyncio.create_task(generation("abort"))
+        tokens_sent = asyncio.Event()
+        task = asyncio.create_task(generation("abort", tokens_sent))
+        await tokens_sent.wait()  # 0.05 s after its tokens, however late a loaded machine ran the task
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
