@@ -17,7 +17,7 @@ kv=$(( ${KV_GIB:-5} << 30 ))
 run() { echo "\$ $*"; "$@" 2>&1; }
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -m tools.bench.raw_file --command "STAGES='$stages' KV_GIB=${KV_GIB:-5} MPS=${MPS:-0} TESTS=${TESTS:-peer} CONC8K='${CONC8K:-1 4}' NREQ8K='${NREQ8K:-2 4}' bash tools/bench/device_kv_share.sh"
+  python3 -m tools.bench.raw_file --command "STAGES='$stages' KV_GIB=${KV_GIB:-5} MPS=${MPS:-0} TESTS=${TESTS:-peer} CONC1K='${CONC1K:-1 16 64}' CONC8K='${CONC8K:-1 4}' NREQ8K='${NREQ8K:-2 4}' bash tools/bench/device_kv_share.sh"
 } | tee "$out/header.txt"
 mps_start() {  # once, before the first mesh stage (tests/gpu runs without it)
   [ "${MPS:-0}" = 1 ] && [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
@@ -45,7 +45,7 @@ for stage in $stages; do
     mps_start
     model=models/llama3-8b
     [ -f $model/config.json ] || run python3 -m tools.cli make-model $model --preset llama3-8b --dtype bfloat16 --device cuda | tail -2
-    if [ $stage = mesh ]; then len=(--prompt-len 1024 --concurrency 1 16 64 --num-requests 4 32 64); else
+    if [ $stage = mesh ]; then len=(--prompt-len 1024 --concurrency ${CONC1K:-1 16 64} --num-requests ${NREQ1K:-4 32 64}); else
       len=(--prompt-len 8192 --concurrency ${CONC8K:-1 4} --num-requests ${NREQ8K:-2 4}); fi
     rm -rf /tmp/kv-share /tmp/mesh-state
     INFERMESH_ENGINE__KV_SHARE_DIR=/tmp/kv-share run timeout ${MESH_S:-400} python3 -m tools.cli bench-mesh \
