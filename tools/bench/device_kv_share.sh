@@ -17,7 +17,7 @@ kv=$(( ${KV_GIB:-5} << 30 ))
 run() { echo "\$ $*"; "$@" 2>&1; }
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -m tools.bench.raw_file --command "STAGES='$stages' KV_GIB=${KV_GIB:-5} MPS=${MPS:-0} TESTS=${TESTS:-peer} CONC1K='${CONC1K:-1 16 64}' CONC8K='${CONC8K:-1 4}' NREQ8K='${NREQ8K:-2 4}' bash tools/bench/device_kv_share.sh"
+  python3 -m tools.bench.raw_file --command "STAGES='$stages' KV_GIB=${KV_GIB:-5} MPS=${MPS:-0} TESTS=${TESTS:-peer} CONC1K='${CONC1K:-1 16 64}' NREQ1K='${NREQ1K:-4 32 64}' CONC8K='${CONC8K:-1 4}' NREQ8K='${NREQ8K:-2 4}' bash tools/bench/device_kv_share.sh"
 } | tee "$out/header.txt"
 mps_start() {  # once, before the first mesh stage (tests/gpu runs without it)
   [ "${MPS:-0}" = 1 ] && [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
