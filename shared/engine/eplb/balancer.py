@@ -45,7 +45,9 @@ class ExpertBalancer:
         self._computing: Future[Placement] | None = None
         self._target: Placement | None = None
         self._steps_since_placement = 0
+        self._moves_toward_target = 0
         self.num_rebalances = 0
+        """Placements that moved at least one layer, every layer of them applied."""
         self.num_layer_moves = 0
 
     def record(self, counts: np.ndarray) -> None:
@@ -68,13 +70,15 @@ class ExpertBalancer:
 
     def _move_toward(self, target: Placement) -> ExpertMove | None:
         changed = np.flatnonzero((self.placement.phy_to_log != target.phy_to_log).any(axis=1))
-        if changed.size == 0:  # every layer there (or nothing changed at all)
+        if changed.size == 0:  # every layer there (or the new placement is the one running)
             self._target = None
-            self.num_rebalances += 1
+            self.num_rebalances += self._moves_toward_target > 0
+            self._moves_toward_target = 0
             return None
         layer = int(changed[0])
         self.placement = with_layer(self.placement, layer, target.phy_to_log[layer])
         self.num_layer_moves += 1
+        self._moves_toward_target += 1
         return ExpertMove(layer, tuple(int(e) for e in target.phy_to_log[layer]))
 
     def expert_load(self) -> ExpertLoad:

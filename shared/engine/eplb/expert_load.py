@@ -21,6 +21,7 @@ class ExpertLoad:
     """[MoE layer]: mean / max of that layer's tokens_per_rank; 1.0 is perfect, and a
     layer with no tokens yet counts as balanced."""
     num_rebalances: int
-    """New placements fully applied (every layer moved) since the engine started."""
+    """New placements fully handed out to the ranks (each that changed a layer) since the
+    engine started."""
     num_redundant_experts: int
     """Slots beyond one per expert, over all ranks."""
