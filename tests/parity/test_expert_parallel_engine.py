@@ -47,7 +47,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-def _generate(model: str, params: SamplingParams = GREEDY, **settings: Any) -> tuple[list[list[int]], list[list[float]]]:
+def _generate(model: str, params: SamplingParams = GREEDY, **settings: Any) -> tuple[list[list[int]], list[list[float]]]:  # noqa: E501
     llm = LLM(model, **ENGINE, **settings)
     try:
         outputs = llm.generate(PROMPTS, params)

@@ -32,8 +32,8 @@ def _drain(balancer: ExpertBalancer, steps: int) -> list[int]:
 
 
 def test_a_new_placement_is_applied_one_layer_per_step_and_balances_the_load() -> None:
-    balancer = ExpertBalancer(LAYERS, EXPERTS, RANKS, EplbConfig(window_size=4, step_interval=3, num_redundant_experts=2),
-                              rebalance=True)  # fmt: skip
+    settings = EplbConfig(window_size=4, step_interval=3, num_redundant_experts=2)
+    balancer = ExpertBalancer(LAYERS, EXPERTS, RANKS, settings, rebalance=True)
     before = balancer.expert_load()
     assert before.window_steps == 0 and before.num_redundant_experts == 2
     start = balancer.placement.phy_to_log.copy()
@@ -65,19 +65,20 @@ def test_with_eplb_off_the_placement_never_moves() -> None:
     assert load.tokens_per_rank[0] == (5.0 * SKEWED[0, :4].sum(), 5.0 * SKEWED[0, 4:].sum())
 
 
+EP = dict(tensor_parallel_size=2, enable_expert_parallel=True)
+EPLB = dict(EP, enable_eplb=True)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
         (dict(enable_expert_parallel=True), "set it > 1"),
         (dict(tensor_parallel_size=2, enable_eplb=True), "set enable_expert_parallel"),
-        (dict(tensor_parallel_size=2, enable_expert_parallel=True, eplb_config='{"window_size": 5}'),
-         "enable_eplb is off"),
-        (dict(tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, eplb_config='{"window": 5}'),
-         r"unknown keys \['window'\]"),
-        (dict(tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, eplb_config='{"step_interval": 0}'),
-         "step_interval must be >= 1"),
-        (dict(tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, eplb_config='{"window_size": "5"}'),
-         "whole number"),
+        (dict(EP, eplb_config='{"window_size": 5}'), "enable_eplb is off"),
+        (dict(EPLB, eplb_config='{"window": 5}'), r"unknown keys \['window'\]"),
+        (dict(EPLB, eplb_config='{"step_interval": 0}'), "step_interval must be >= 1"),
+        (dict(EPLB, eplb_config='{"window_size": "5"}'), "whole number"),
+        (dict(EPLB, eplb_config='[1, 2]'), "a JSON object"),
     ],
 )
 def test_expert_parallel_settings_that_mean_nothing_are_refused(settings: dict, message: str) -> None:
@@ -86,7 +87,6 @@ def test_expert_parallel_settings_that_mean_nothing_are_refused(settings: dict, 
 
 
 def test_eplb_config_reads_vllm_keys() -> None:
-    config = EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True, enable_eplb=True,
-                          eplb_config='{"window_size": 10, "step_interval": 20, "num_redundant_experts": 4}')  # fmt: skip
+    config = EngineConfig(**EPLB, eplb_config='{"window_size": 10, "step_interval": 20, "num_redundant_experts": 4}')
     assert config.eplb_settings() == EplbConfig(window_size=10, step_interval=20, num_redundant_experts=4)
     assert EngineConfig().eplb_settings() == EplbConfig()
