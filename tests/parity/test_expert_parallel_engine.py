@@ -9,7 +9,8 @@ tokens is routed and computed by per-row-invariant kernels, wherever its experts
 live; the all-gather is a copy. Default mode (and DeepSeek-V4, which has no
 batch-invariant table): a rank's router and experts run matmuls over other row
 counts than one process does (BLAS picks its reduction order by shape), so the
-logprobs agree within LOGPROB_TOLERANCE (measured here: at most ~1e-6) and the
+logprobs agree within LOGPROB_TOLERANCE (measured here: 4.8e-7 for Qwen3-MoE and
+DeepSeek-V4 alike, never 0) and the
 greedy tokens of these seeded prompts are equal.
 """
 
