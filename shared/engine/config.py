@@ -17,7 +17,8 @@ the HTTP layer, KV events for the mesh, a progress bar while loading) is a
 parameter of LLMEngine, not a field here.
 """
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # The values of `kernels`. shared/model/kernels resolves the switch and keeps
@@ -139,8 +140,26 @@ class EngineConfig:
     """Ranks one instance's model is split over (tensor parallelism: attention heads, MLP
     columns and the vocabulary divided between them), one process per rank on one host,
     meeting through torch.distributed (NCCL on CUDA, ranks on cuda:N.. from the configured
-    card; gloo on the CPU). Dense Llama-family models; not yet with speculative decoding,
-    CUDA graphs, kept quantized weights or the mesh's KV handoff (each refused by name)."""
+    card; gloo on the CPU). Dense Llama-family models; MoE models with
+    enable_expert_parallel. Not yet with speculative decoding, CUDA graphs, kept
+    quantized weights or the mesh's KV handoff (each refused by name)."""
+    enable_expert_parallel: bool = False
+    """MoE models over the tensor_parallel_size ranks (vLLM's flag: the MoE layers become
+    expert-parallel over the ranks): each rank holds 1/N of every MoE layer's experts,
+    each MoE layer splits the step's tokens over the ranks and all-to-alls them to their
+    experts. The attention and dense layers are replicated on every rank (computed for
+    the whole step on each: not yet data-parallel attention). Qwen3-MoE, GPT-OSS,
+    DeepSeek-V4."""
+    enable_eplb: bool = False
+    """Expert-parallel load balancing (with enable_expert_parallel): a window of the
+    tokens per expert feeds a new placement every eplb_config step_interval steps,
+    computed off the step loop, with redundant replicas of the hot experts; the
+    weights then move one MoE layer per step, between steps. Outputs do not change."""
+    eplb_config: str = ""
+    """EPLB's settings as JSON, vLLM's keys: {"window_size": steps of counts placed from
+    (1000), "step_interval": steps between placements (3000), "num_redundant_experts":
+    slots beyond one per expert, over all ranks (0; the experts plus these must divide
+    over the ranks)}. "": the defaults."""
 
     def step_sizes(self) -> tuple[int, int]:
         """(max_num_batched_tokens, prefill_chunk_size), the device's defaults where unset."""
@@ -186,6 +205,18 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("enable_expert_parallel splits the experts over tensor_parallel_size ranks: set it > 1")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb places experts across expert-parallel ranks: set enable_expert_parallel")
+        if self.eplb_config and not self.enable_eplb:
+            raise ValueError("eplb_config is given but enable_eplb is off: set enable_eplb, or drop eplb_config")
+        self.eplb_settings()  # a malformed eplb_config fails here, not at the first rebalance
+
+    def eplb_settings(self) -> "EplbConfig":
+        """eplb_config parsed (the defaults with EPLB off, where it must be empty: no
+        redundant experts, and the window only measures)."""
+        return EplbConfig.from_json(self.eplb_config)
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not run yet, refused by name rather than ignored."""
@@ -197,3 +228,30 @@ class EngineConfig:
         for what, asked, off in refused:
             if asked:
                 raise ValueError(f"not implemented yet: {what} with tensor_parallel_size > 1; set {off}")
+
+
+@dataclass(frozen=True, slots=True)
+class EplbConfig:
+    """EngineConfig.eplb_config, parsed (its docstring says what each means)."""
+
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+
+    @classmethod
+    def from_json(cls, text: str) -> "EplbConfig":
+        """From the JSON object of eplb_config ("" for the defaults); unknown keys refused."""
+        values = json.loads(text) if text.strip() else {}
+        if not isinstance(values, dict):
+            raise ValueError(f"eplb_config must be a JSON object, got {text!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"eplb_config: unknown keys {unknown}; known: {sorted(known)}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
+            raise ValueError(f"eplb_config: every value is a whole number, got {values}")
+        config = cls(**values)
+        if config.window_size < 1 or config.step_interval < 1 or config.num_redundant_experts < 0:
+            raise ValueError(f"eplb_config: window_size and step_interval must be >= 1, "
+                             f"num_redundant_experts >= 0; got {config}")  # fmt: skip
+        return config

@@ -12,6 +12,9 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.dtypes import torch_dtype
 from shared.engine.engine_request import EngineRequest
+from shared.engine.eplb.balancer import ExpertBalancer
+from shared.engine.eplb.expert_load import ExpertLoad
+from shared.engine.eplb.placement import PlacementSpec
 from shared.engine.executor.base import Executor, UniProcExecutor
 from shared.engine.executor.multiproc import MultiprocExecutor
 from shared.engine.executor.rank import RunnerSetup, build_runner, checkpoint_recipe, load_rank_model, rank_device
@@ -80,7 +83,10 @@ class LLMEngine:
 
         With config.tensor_parallel_size N > 1 the engine starts N - 1 worker processes
         (shared/engine/executor/multiproc.py), each holding its slice of the model; this
-        process is rank 0 and schedules for all. close() stops them."""
+        process is rank 0 and schedules for all. close() stops them. With
+        config.enable_expert_parallel the ranks hold the MoE layers' experts split
+        between them (shared/model/expert_parallel_model.py), and with config.enable_eplb
+        the engine moves them as the load shifts (shared/engine/eplb/balancer.py)."""
         self.config = config
         self.detokenize = detokenize
         dtype = torch_dtype(config.dtype)
@@ -174,6 +180,13 @@ class LLMEngine:
             None if counts is None else torch.zeros(counts.shape, dtype=torch.int64)
         )
         """The steps' tokens per expert summed on the host (EngineLoad.tokens_per_expert)."""
+        self._experts: ExpertBalancer | None = None
+        """Expert parallelism's placement and its window of counts (expert_load); it
+        rebalances with config.enable_eplb."""
+        if config.enable_expert_parallel:
+            assert counts is not None  # _start_ranks refused a model without MoE layers
+            self._experts = ExpertBalancer(counts.shape[0], counts.shape[1], config.tensor_parallel_size,
+                                           config.eplb_settings(), rebalance=config.enable_eplb)  # fmt: skip
         log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
@@ -250,6 +263,8 @@ class LLMEngine:
         """Stop the connector's background work; unmap the shared cache."""
         if self.kv_transfer is not None:
             self.kv_transfer.connector.close()
+        if self._experts is not None:
+            self._experts.close()
         self.executor.close()
         self.runner.kv_region.close()
 
@@ -359,6 +374,11 @@ class LLMEngine:
     def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         if result.expert_counts is not None and self._tokens_per_expert is not None:
             self._tokens_per_expert += result.expert_counts
+            if self._experts is not None:
+                self._experts.record(result.expert_counts.numpy())
+                move = self._experts.next_move()
+                if move is not None:
+                    self.executor.queue_expert_move(move)
         for rid, scored in result.prompt_logprobs.items():
             if rid in self._prompt_logprobs:
                 self._prompt_logprobs[rid].update(scored)
@@ -484,6 +504,11 @@ class LLMEngine:
             **self._spec_load(),
         )
 
+    def expert_load(self) -> ExpertLoad | None:
+        """Per MoE layer, tokens per rank and balancedness over EPLB's window; None unless
+        the engine is expert-parallel."""
+        return None if self._experts is None else self._experts.expert_load()
+
     def _spec_load(self) -> dict[str, Any]:
         if self.speculator is None:
             return {}
@@ -508,7 +533,13 @@ def _start_ranks(
         raise ValueError("not implemented yet: the KV handoff (KV connectors, a shared KV cache) with "
                          "tensor_parallel_size > 1")  # fmt: skip
     model_cfg = read_config(Path(config.model))
-    model_class(model_cfg).check_tensor_parallel(model_cfg, config.tensor_parallel_size)
+    if config.enable_expert_parallel:
+        if model_cfg.moe is None:
+            raise ValueError(f"enable_expert_parallel needs an MoE model: {model_cfg.architecture} has no experts")
+        num_redundant = config.eplb_settings().num_redundant_experts
+        PlacementSpec(config.tensor_parallel_size, num_redundant).check(model_cfg.moe.num_experts)
+    else:
+        model_class(model_cfg).check_tensor_parallel(model_cfg, config.tensor_parallel_size)
     return MultiprocExecutor(config)
 
 

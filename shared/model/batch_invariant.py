@@ -248,7 +248,9 @@ class InvariantExperts:
                 rows, pair_ids, pair_weights, gate_up, down, gate_up_bias, down_bias, activation, swiglu_limit,
                 swiglu_alpha, matmul=invariant_linear,
             )  # fmt: skip
-        return sum_over_choices(per_pair.view(num_tokens, k, -1))
+        # The hidden size spelled out: an expert-parallel rank may receive no pairs at all,
+        # and a view of 0 elements cannot infer a -1.
+        return sum_over_choices(per_pair.view(num_tokens, k, per_pair.shape[-1]))
 
 
 def uses_triton_table(model: torch.nn.Module) -> bool:

@@ -97,8 +97,10 @@ class AllToAllDispatcher:
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
+        # The group's own rank and size: dist.get_rank(group) needs torch.distributed's
+        # default group, which an engine's group (made from its own store) goes without.
+        self.rank = dist.get_rank() if group is None else group.rank()
+        self.num_ranks = dist.get_world_size() if group is None else group.size()
 
     def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))

@@ -13,8 +13,12 @@ projections after them (o_proj, down_proj) sum their partial outputs with one
 all-reduce each, the vocabulary is split for the embedding (all-reduce) and the head
 (all-gather).
 
-Expert parallelism plugs in here: its ranks and group are further fields of this
-context (an ``ep_rank`` / ``ep_size`` and its group), read by the MoE layer only.
+Expert parallelism (shared/model/expert_parallel_model.py) is the context's other
+half: ``ep_rank`` / ``ep_size`` and ``ep_group``, read by the MoE layers only. An
+expert-parallel model is built whole (tp_size 1: attention and dense layers
+replicated on every rank), then its MoE layers are made expert-parallel over the
+group; ``ep_group`` is a ``torch.distributed.ProcessGroup`` because the dispatch is
+an ``all_to_all_single``, which a bare backend does not offer.
 
 ``Shard`` tells the loader which rows (or columns) of a checkpoint tensor a rank's
 parameter holds: the loader reads the whole tensor, checks its full shape, and copies
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 
 class CollectiveGroup(Protocol):
@@ -52,18 +57,30 @@ class Shard:
 
 @dataclass(frozen=True, slots=True)
 class ParallelContext:
-    """This rank's place in its tensor-parallel group. ``group`` is None exactly when
-    tp_size is 1 (no collective ever runs)."""
+    """This rank's place in its tensor-parallel group and in its expert-parallel group.
+    ``group`` is None exactly when tp_size is 1, ``ep_group`` exactly when ep_size is 1
+    (no collective ever runs)."""
 
     tp_rank: int = 0
     tp_size: int = 1
     group: CollectiveGroup | None = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} is not in [0, {self.tp_size})")
         if (self.group is None) != (self.tp_size == 1):
             raise ValueError("a process group is given exactly when tp_size > 1")
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank {self.ep_rank} is not in [0, {self.ep_size})")
+        if (self.ep_group is None) != (self.ep_size == 1):
+            raise ValueError("an expert-parallel group is given exactly when ep_size > 1")
+
+    @property
+    def is_expert_parallel(self) -> bool:
+        return self.ep_size > 1
 
     @property
     def is_parallel(self) -> bool:

@@ -60,6 +60,9 @@ BALANCER_PARTS = ("services.balancer.frontend", "services.balancer.router")
 BALANCER_SEAM = "services.balancer.generation"
 TORCH_FREE = (
     "shared.engine.config",
+    # What an expert-parallel engine reports of its experts' load, for the heartbeat.
+    "shared.engine.eplb.expert_load",
+    "shared.engine.eplb.balancer",
     "shared.engine.outputs",
     "shared.engine.sampling_params",
     "shared.runtime.settings",

@@ -141,6 +141,25 @@ def static_placement(num_layers: int, num_experts: int, num_ranks: int) -> Place
     return _finish(phy_to_log, num_experts, num_ranks, Policy.STATIC)
 
 
+def initial_placement(num_layers: int, num_experts: int, spec: PlacementSpec) -> Placement:
+    """The placement an expert-parallel instance starts on, before any load is known:
+    physical slot s holds expert s % num_experts, so experts 0 .. R-1 get the R redundant
+    slots (vLLM starts the same way). Every later placement has the same slots per
+    rank: the memory the experts take never changes."""
+    spec.check(num_experts)
+    slots = np.arange(spec.num_slots(num_experts), dtype=np.int64) % num_experts
+    phy_to_log = np.broadcast_to(slots, (num_layers, slots.shape[0])).copy()
+    return _finish(phy_to_log, num_experts, spec.num_ranks, Policy.STATIC)
+
+
+def with_layer(placement: Placement, layer: int, slots: np.ndarray) -> Placement:
+    """``placement`` with layer ``layer``'s slot map replaced by ``slots`` (a placement
+    applied layer by layer passes through these)."""
+    phy_to_log = placement.phy_to_log.copy()
+    phy_to_log[layer] = slots
+    return _finish(phy_to_log, placement.num_experts, placement.num_ranks, placement.policy)
+
+
 def compute_placement(load: np.ndarray, spec: PlacementSpec) -> Placement:
     """The placement for a load [layers, experts] (tokens per expert over a window)."""
     load = np.asarray(load, dtype=np.float64)

@@ -13,6 +13,7 @@ same order, since a forward's collectives pair up across ranks); what only reads
 from abc import ABC, abstractmethod
 from enum import Enum
 
+from shared.engine.eplb.balancer import ExpertMove
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
 from shared.engine.step import SchedulerOutput
 
@@ -51,6 +52,11 @@ class Executor(ABC):
     def close(self) -> None:
         """Stop the other ranks (and wait for them); the executor runs nothing after."""
 
+    @abstractmethod
+    def queue_expert_move(self, move: ExpertMove) -> None:
+        """Move one MoE layer's experts (EPLB) on every rank before the next forward
+        (the next execute or launch): the move rides with that step to every rank."""
+
 
 class UniProcExecutor(Executor):
     """One rank: each operation is the runner's own, called straight through."""
@@ -72,3 +78,6 @@ class UniProcExecutor(Executor):
 
     def close(self) -> None:
         pass
+
+    def queue_expert_move(self, move: ExpertMove) -> None:
+        raise ValueError("one rank holds every expert: nothing to move")

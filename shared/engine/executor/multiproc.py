@@ -14,6 +14,10 @@ MultiprocExecutor broadcasts them through a shared-memory ring for the same reas
   device only: a pickled object would go through GPU memory each step);
 - a pipe's end is how a worker learns the engine is gone (EOFError): no orphan ranks.
 
+An EPLB move (one MoE layer's new placement) rides with the next execute or launch
+message, so every rank moves the same layer between the same two steps, before that
+step's forward (expert_parallel_model.move_layer: one all-to-all of the weights).
+
 Every rank samples the same tokens from the same all-gathered logits (vLLM v1 does
 the same), so no tokens cross back; the workers keep their sampling state in step.
 
@@ -35,11 +39,13 @@ from typing import Any, TypeVar
 
 from shared.engine.config import EngineConfig
 from shared.engine.executor.base import Command, Executor
-from shared.engine.executor.process_group import serve_store, tensor_parallel_context
+from shared.engine.eplb.balancer import ExpertMove
+from shared.engine.executor.process_group import instance_context, serve_store
 from shared.engine.executor.rank import RunnerSetup, rank_device
 from shared.engine.executor.worker import run_worker
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
 from shared.engine.step import SchedulerOutput
+from shared.model.expert_parallel_model import move_layer
 from shared.model.parallel import ParallelContext
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,7 @@ class MultiprocExecutor(Executor):
         self._workers: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._closed = False
+        self._pending_move: ExpertMove | None = None
         store = serve_store(self.world_size)
         context = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's threads and CUDA
         for rank in range(1, self.world_size):
@@ -78,8 +85,8 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop, self._workers, self._conns)
         try:
             self._await_all("joined")
-            self.parallel: ParallelContext = tensor_parallel_context(
-                store, 0, self.world_size, rank_device(config.device, 0, self.world_size)
+            self.parallel: ParallelContext = instance_context(
+                store, 0, self.world_size, rank_device(config.device, 0, self.world_size), config.enable_expert_parallel
             )
         except BaseException:
             self.close()
@@ -96,12 +103,30 @@ class MultiprocExecutor(Executor):
     # -- steps ----------------------------------------------------------------
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self._send(Command.EXECUTE, (sched,))
-        return self._guarded(self.runner.execute, sched)
+        move = self._take_move()
+        self._send(Command.EXECUTE, (sched,), move)
+        return self._guarded(self._moved_then, move, self.runner.execute, sched)
 
     def launch(self, sched: SchedulerOutput) -> StepHandle:
-        self._send(Command.LAUNCH, (sched,))
-        return self._guarded(self.runner.launch, sched)
+        move = self._take_move()
+        self._send(Command.LAUNCH, (sched,), move)
+        return self._guarded(self._moved_then, move, self.runner.launch, sched)
+
+    def queue_expert_move(self, move: ExpertMove) -> None:
+        if not self.parallel.is_expert_parallel:
+            raise ValueError("the ranks are not expert-parallel: no experts to move")
+        if self._pending_move is not None:
+            raise ValueError(f"layer {self._pending_move.layer}'s move is still waiting for a step: one per step")
+        self._pending_move = move
+
+    def _take_move(self) -> ExpertMove | None:
+        move, self._pending_move = self._pending_move, None
+        return move
+
+    def _moved_then(self, move: ExpertMove | None, run: Callable[..., T], *args: Any) -> T:
+        if move is not None:
+            move_layer(self.runner.model, move.layer, move.slot_experts, self.parallel)
+        return run(*args)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         self._send(Command.COLLECT, ())
@@ -119,11 +144,11 @@ class MultiprocExecutor(Executor):
 
     # -- the workers ----------------------------------------------------------
 
-    def _send(self, command: Command, args: tuple[Any, ...]) -> None:
+    def _send(self, command: Command, args: tuple[Any, ...], move: ExpertMove | None = None) -> None:
         if self._closed:
             raise WorkerFailed("the tensor-parallel executor is closed")
         self._check_alive()
-        payload = pickle.dumps((command, args), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps((command, args, move), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.send_bytes(payload)
@@ -206,7 +231,7 @@ def _error_text(conn: Connection) -> str:
 
 def _stop(workers: list[BaseProcess], conns: list[Connection]) -> None:
     """Ask every live worker to close, wait, then kill what is left (close() and the finalizer)."""
-    close = pickle.dumps((Command.CLOSE, ()), protocol=pickle.HIGHEST_PROTOCOL)
+    close = pickle.dumps((Command.CLOSE, (), None), protocol=pickle.HIGHEST_PROTOCOL)
     for proc, conn in zip(workers, conns):
         if proc.exitcode is None:
             try:

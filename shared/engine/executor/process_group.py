@@ -1,4 +1,4 @@
-"""The tensor-parallel group of one instance's ranks, made without torch.distributed's
+"""The group of one instance's ranks (tensor- or expert-parallel), made without torch.distributed's
 global default group: a TCP store that rank 0 serves, and a gloo (CPU) or NCCL (CUDA)
 backend built on it, held by the ``ParallelContext`` that is handed to the model.
 Nothing global is set, so several engines (or a test and its engines) live in one
@@ -38,16 +38,44 @@ def tensor_parallel_context(
 ) -> ParallelContext:
     """This rank's context over a new group of every rank: NCCL for a CUDA device, gloo
     otherwise. Returns once every rank has joined."""
+    group = _backend(dist.PrefixStore("tp", store), rank, world_size, device, timeout_s)
+    return ParallelContext(tp_rank=rank, tp_size=world_size, group=group)
+
+
+def expert_parallel_context(
+    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S
+) -> ParallelContext:
+    """This rank's context for an expert-parallel model over every rank (no tensor
+    parallelism: the model is built whole, its MoE layers then split by expert). The
+    backend is wrapped in a ``ProcessGroup`` (still no global registration), which has
+    the ``all_to_all_single`` the dispatch runs; the backend alone does not."""
+    prefixed = dist.PrefixStore("ep", store)
+    backend = _backend(prefixed, rank, world_size, device, timeout_s)
+    group = dist.ProcessGroup(prefixed, rank, world_size)
+    kind = dist.ProcessGroup.BackendType.NCCL if device.type == "cuda" else dist.ProcessGroup.BackendType.GLOO
+    group._set_default_backend(kind)
+    group._register_backend(device, kind, backend)
+    return ParallelContext(ep_rank=rank, ep_size=world_size, ep_group=group)
+
+
+def instance_context(
+    store: dist.Store, rank: int, world_size: int, device: torch.device, expert_parallel: bool
+) -> ParallelContext:
+    """The context every rank of an instance builds alike (rank 0 in the executor, the
+    others in worker.py): expert-parallel or tensor-parallel over all the ranks."""
+    make = expert_parallel_context if expert_parallel else tensor_parallel_context
+    return make(store, rank, world_size, device)
+
+
+def _backend(
+    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float
+) -> "dist.ProcessGroupGloo | dist.ProcessGroupNCCL":  # a string: CPU builds of torch have no NCCL class
     timeout = datetime.timedelta(seconds=timeout_s)
-    prefixed = dist.PrefixStore("tp", store)
-    group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    else:
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=STORE_HOST)]
-        options._timeout = timeout
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-    return ParallelContext(tp_rank=rank, tp_size=world_size, group=group)
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    gloo_options = dist.ProcessGroupGloo._Options()
+    gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=STORE_HOST)]
+    gloo_options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, world_size, gloo_options)

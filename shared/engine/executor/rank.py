@@ -9,9 +9,11 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.dtypes import torch_dtype
+from shared.engine.eplb.placement import PlacementSpec, initial_placement
 from shared.engine.model_runner import ModelRunner
 from shared.engine.structured.setup import make_grammar_compiler
 from shared.model import batch_invariant
+from shared.model.expert_parallel_model import make_expert_parallel
 from shared.model.interface import CausalLM
 from shared.model.kept_weights import kept_formats
 from shared.model.loader import load_model
@@ -41,14 +43,27 @@ def rank_device(device: str, rank: int, tp_size: int) -> torch.device:
 
 def load_rank_model(config: EngineConfig, parallel: ParallelContext, device: torch.device, progress: bool) -> CausalLM:
     """This rank's model: its slice of config.model's checkpoint, with the engine's kernels
-    (the batch-invariant table installed where asked)."""
+    (the batch-invariant table installed where asked). Expert-parallel: loaded whole, then
+    each MoE layer keeps its experts of the initial placement (``initial_placement``, the
+    one the engine's ExpertBalancer starts from) and drops the rest."""
     model = load_model(
         config.model, dtype=torch_dtype(config.dtype), device=device, progress=progress, kernels=config.kernels,
         keep=kept_formats(config.quantized_weights, device), parallel=parallel,
     )  # fmt: skip
     if config.batch_invariant:
         batch_invariant.apply(model)  # the ops table, chosen once for the model's life
+    if parallel.is_expert_parallel:
+        make_expert_parallel(model, expert_placement_rows(config, model), parallel)
     return model
+
+
+def expert_placement_rows(config: EngineConfig, model: CausalLM) -> list[list[int]]:
+    """The initial placement's slot map, one row per MoE layer."""
+    counts = model.expert_counts
+    if counts is None:
+        raise ValueError(f"expert parallelism needs MoE layers: {model.config.architecture} has none")
+    spec = PlacementSpec(config.tensor_parallel_size, config.eplb_settings().num_redundant_experts)
+    return initial_placement(counts.shape[0], counts.shape[1], spec).phy_to_log.tolist()
 
 
 def build_runner(

@@ -6,8 +6,9 @@ Talk with rank 0 is one pipe, in this order:
 
 1. the worker sends ``("joined", None)`` once it reached the store, then joins the group;
 2. rank 0 sends the ``RunnerSetup``; the worker sends ``("ready", None)`` once built;
-3. rank 0 sends each step as pickled ``(Command, args)``; nothing comes back (rank 0's
-   own runner gives the step's result), until ``CLOSE``.
+3. rank 0 sends each step as pickled ``(Command, args, ExpertMove | None)``; the move
+   (EPLB) is applied before the command's forward; nothing comes back (rank 0's own
+   runner gives the step's result), until ``CLOSE``.
 
 Any failure is sent as ``("error", traceback text)`` before the worker exits non-zero,
 so that rank 0 (whose collective then fails, the peer gone) says why. The pipe's end
@@ -25,9 +26,11 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.executor.base import Command
-from shared.engine.executor.process_group import join_store, tensor_parallel_context
+from shared.engine.executor.process_group import instance_context, join_store
 from shared.engine.executor.rank import RunnerSetup, build_runner, checkpoint_recipe, load_rank_model, rank_device
 from shared.engine.model_runner import ModelRunner, StepHandle
+from shared.model.expert_parallel_model import move_layer
+from shared.model.parallel import ParallelContext
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +46,12 @@ def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig
             torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
         store = join_store(store_port, world_size)
         conn.send(("joined", None))
-        parallel = tensor_parallel_context(store, rank, world_size, device)
+        parallel = instance_context(store, rank, world_size, device, config.enable_expert_parallel)
         model = load_rank_model(config, parallel, device, progress=False)
         setup: RunnerSetup = conn.recv()
         runner = build_runner(setup, model, device, checkpoint_recipe(config.model))
         conn.send(("ready", None))
-        _serve(runner, conn)
+        _serve(runner, parallel, conn)
     except EOFError:
         return  # the engine closed its end: nothing left to serve
     except BaseException:
@@ -61,14 +64,16 @@ def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig
         sys.exit(1)
 
 
-def _serve(runner: ModelRunner, conn: Connection) -> None:
+def _serve(runner: ModelRunner, parallel: ParallelContext, conn: Connection) -> None:
     """Run rank 0's commands in the order they come. Launched steps wait here, oldest
     first, for the COLLECT that rank 0 sends when it collects its own (one in flight)."""
     launched: deque[StepHandle] = deque()
     while True:
-        command, args = pickle.loads(conn.recv_bytes())
+        command, args, move = pickle.loads(conn.recv_bytes())
         if command is Command.CLOSE:
             return
+        if move is not None:
+            move_layer(runner.model, move.layer, move.slot_experts, parallel)
         if command is Command.EXECUTE:
             runner.execute(*args)
         elif command is Command.LAUNCH:

@@ -1,0 +1,133 @@
+"""A whole model made expert-parallel over the ranks of one instance (issue 28), in the
+simplest sound layout: every rank runs the same step (the executor sends each rank
+the same scheduler output), the attention and dense layers are replicated (each rank
+computes them for every token of the step), and each MoE layer splits the step's
+tokens across the ranks: rank r takes its 1/N slice, routes it, dispatches its
+(token, choice) pairs to the ranks holding their experts and combines them back
+(shared/model/expert_parallel.py), adds its shared experts, and the slices are
+all-gathered so every rank again holds the whole step. This is expert parallelism
+*without* data-parallel attention: the attention work is not divided, only the
+experts' (their weights and their FLOPs). DeepSeek's layout (each rank its own
+batch, its own attention) is the next step: it needs a scheduler per rank.
+
+The outputs are the single process's: the all-gather is a copy, and a token's MoE
+output depends on its own row only (bitwise so under batch-invariant mode, whose
+kernels are per-row invariant; within float rounding otherwise, the matmuls seeing
+other row counts).
+
+The per-expert counts: each rank's ``expert_counts`` holds its slice's counts after
+the MoE layers; one all-reduce after the forward (a hook on the model) turns them
+into the whole step's, on every rank. One small collective per step on the device,
+rather than each worker sending its counts to rank 0 (a device-to-host read and a
+pickle per worker per step): the engine's counts (EPLB's window, EngineLoad) are
+then the instance's, as they are with one rank.
+
+``move_layer`` moves one layer's experts to a new placement and switches to it; every
+rank calls it for the same layer between the same two steps (the executor carries
+the layer in the step message).
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shared.model.expert_dispatch import AllToAllDispatcher
+from shared.model.expert_parallel import (
+    ExpertParallelExperts,
+    ExpertShard,
+    install_expert_parallel,
+    move_experts,
+    sparse_blocks,
+)
+from shared.model.interface import CausalLM
+from shared.model.moe import SparseMoE
+from shared.model.parallel import ParallelContext
+
+
+class TokenSplitMoE(nn.Module):
+    """An expert-parallel ``SparseMoE`` (``block``) fed this rank's slice of the step's
+    tokens: the same call as the block (x [T, hidden], the input ids for hash routing,
+    the rows to count), the whole step's output on every rank."""
+
+    def __init__(self, block: SparseMoE, parallel: ParallelContext) -> None:
+        super().__init__()
+        if not parallel.is_expert_parallel:
+            raise ValueError("a token split needs an expert-parallel group (ep_size > 1)")
+        self.block = block
+        self.rank, self.num_ranks, self.group = parallel.ep_rank, parallel.ep_size, parallel.ep_group
+
+    @property
+    def host_sync_free(self) -> bool:
+        """Never: the dispatch reads its split sizes on the host (no CUDA graph)."""
+        return False
+
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None = None, counted: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        per_rank = -(-num_tokens // self.num_ranks)  # equal slices (the last ones short or empty) for one all-gather
+        start = min(self.rank * per_rank, num_tokens)
+        stop = min(start + per_rank, num_tokens)
+        out = self.block(
+            x[start:stop],
+            None if input_ids is None else input_ids[start:stop],
+            None if counted is None else counted[start:stop],
+        )
+        padded = out.new_zeros((per_rank, *out.shape[1:]))
+        padded[: stop - start] = out
+        parts = [torch.empty_like(padded) for _ in range(self.num_ranks)]
+        assert self.group is not None
+        self.group.allgather([parts], [padded]).wait()
+        return torch.cat(parts)[:num_tokens]
+
+
+def make_expert_parallel(model: CausalLM, slot_experts: Sequence[Sequence[int]], parallel: ParallelContext) -> None:
+    """Make ``model`` (built whole) expert-parallel over ``parallel``'s group: MoE layer i
+    keeps the experts of this rank's slots of ``slot_experts[i]`` (an EPLB placement's
+    ``phy_to_log`` rows) and drops the others, and takes its slice of each step's tokens.
+    Every rank calls it with the same placement."""
+    blocks = sparse_blocks(model)
+    counts = model.expert_counts
+    if not blocks or counts is None:
+        raise ValueError(f"expert parallelism needs MoE layers: {model.config.architecture} has none")
+    if counts.shape[0] != len(blocks) or len(slot_experts) != len(blocks):
+        raise ValueError(f"{len(blocks)} MoE blocks, {counts.shape[0]} count rows, {len(slot_experts)} placement rows")
+    dispatcher = AllToAllDispatcher(parallel.ep_group)
+    for block, slots in zip(blocks, slot_experts):
+        device = block.experts.stacked()["gate_up_proj"].device
+        shard = ExpertShard.from_slots(slots, counts.shape[1], parallel.ep_size, parallel.ep_rank, device)
+        install_expert_parallel(block, shard, dispatcher)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, SparseMoE):
+                setattr(parent, name, TokenSplitMoE(child, parallel))
+    group = parallel.ep_group
+    assert group is not None
+
+    def sum_counts_over_ranks(module: nn.Module, args: Any, output: Any) -> None:
+        group.allreduce([counts]).wait()
+
+    model.register_forward_hook(sum_counts_over_ranks)
+
+
+def move_layer(model: CausalLM, layer: int, slot_experts: Sequence[int], parallel: ParallelContext) -> None:
+    """MoE layer ``layer`` moved to the placement ``slot_experts`` (its new ``phy_to_log``
+    row): the rank's new experts gathered from the ranks holding them (one all-to-all),
+    then switched in together with the placement. Between steps, on every rank."""
+    experts = sparse_blocks(model)[layer].experts
+    if not isinstance(experts, ExpertParallelExperts):
+        raise ValueError(f"MoE layer {layer} is not expert-parallel")
+    old = experts.shard
+    new = ExpertShard.from_slots(slot_experts, old.num_experts, old.num_ranks, old.rank, old.slot_experts.device)
+    with torch.inference_mode():  # the weights are inference tensors, like the runner's forward
+        experts.switch(new, move_experts(old, experts.local, new, parallel.ep_group))
+
+
+def layer_slots(model: CausalLM, layer: int) -> list[int]:
+    """The placement MoE layer ``layer`` runs now (its ``phy_to_log`` row)."""
+    experts = sparse_blocks(model)[layer].experts
+    if not isinstance(experts, ExpertParallelExperts):
+        raise ValueError(f"MoE layer {layer} is not expert-parallel")
+    return [int(e) for e in experts.shard.slot_experts.tolist()]
