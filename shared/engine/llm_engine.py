@@ -501,6 +501,7 @@ class LLMEngine:
             num_prefix_query_tokens=self.kv.num_query_tokens,
             num_prefix_hit_tokens=self.kv.num_hit_tokens,
             tokens_per_expert=None if self._tokens_per_expert is None else self._tokens_per_expert.tolist(),
+            expert_load=self.expert_load(),
             **self._spec_load(),
         )
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from shared.kv.block_hash import BlockHash
 from shared.kv.transfer import HeldBlocks
+from shared.engine.eplb.expert_load import ExpertLoad
 
 
 @dataclass(slots=True)
@@ -102,6 +103,10 @@ class EngineLoad:
     over every forward (prefill chunks and replays included), as counted on the device.
     The difference of two loads is the window between them (what expert placement
     and EPLB balance on). None for a dense model."""
+    expert_load: ExpertLoad | None = None
+    """An expert-parallel engine's expert load over EPLB's window (per layer, tokens per
+    rank); None otherwise (a one-process MoE engine's worker makes it from
+    tokens_per_expert)."""
     num_spec_drafted_tokens: int = 0
     """Since start: drafted tokens verified (speculative decoding)."""
     num_spec_accepted_tokens: int = 0

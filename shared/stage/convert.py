@@ -1,6 +1,6 @@
 """Engine dataclasses <-> protobuf messages, in one place."""
 
-from shared.engine.expert_load import ExpertLoad
+from shared.engine.eplb.expert_load import ExpertLoad
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.structured.spec import StructuredSpec
@@ -89,7 +89,7 @@ def expert_load_to_proto(load: ExpertLoad) -> mesh_pb2.ExpertLoad:
     """Per layer the mean and max tokens per rank and their ratio (the heartbeat's
     figures), not every rank's count: mesh.proto's ExpertLoad says why."""
     layers = [
-        mesh_pb2.LayerExpertLoad(mean_tokens_per_rank=mean, max_tokens_per_rank=top, balancedness=balance)
+        mesh_pb2.LayerExpertLoad(mean_tokens_per_rank=mean, max_tokens_per_rank=round(top), balancedness=balance)
         for mean, top, balance in zip(load.mean_tokens_per_rank(), load.max_tokens_per_rank(), load.balancedness())
     ]
     return mesh_pb2.ExpertLoad(num_ranks=load.num_ranks, window_steps=load.window_steps, layers=layers)

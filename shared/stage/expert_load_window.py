@@ -3,15 +3,15 @@ engine's running totals (EngineLoad.tokens_per_expert, since start) taken at eac
 heartbeat the engine stepped before, and the load over the last `num_beats` such
 heartbeats as the newest minus the oldest. An idle engine's window keeps its last
 steps, as the engine's own window of steps (eplb/load_window.py) does: an instance
-that had nothing to do since is no more balanced than it was. One rank: today's MoE engine is one process holding every expert. Once the
-engine's expert-parallel executor keeps its sliding window per rank
-(LLMEngine.expert_load()), the worker reads that instead and this goes."""
+that had nothing to do since is no more balanced than it was. One rank: a
+one-process MoE engine holds every expert. An expert-parallel engine keeps its own
+window per rank (EngineLoad.expert_load, from EPLB's), which the worker reports instead."""
 
 from collections import deque
 
 import numpy as np
 
-from shared.engine.expert_load import ExpertLoad
+from shared.engine.eplb.expert_load import ExpertLoad
 
 NUM_BEATS = 10
 """Heartbeats (after steps) the window spans (10 s of work at the default 1 s interval):

@@ -12,7 +12,7 @@ worst layer, the one the balancer routes by) and the layers as a heatmap.
 have no number), as the heartbeat's list does. Only an MoE engine creates them (a
 dense model exports none)."""
 
-from shared.engine.expert_load import ExpertLoad
+from shared.engine.eplb.expert_load import ExpertLoad
 from shared.runtime.metrics import Metrics
 
 

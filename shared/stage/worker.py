@@ -315,7 +315,7 @@ class Worker:
         self.vllm.update(load)
         if self.spec is not None:
             self.spec.update(load)
-        expert_load = self.expert_window.observe(load.tokens_per_expert, self.vllm.num_steps)
+        expert_load = load.expert_load or self.expert_window.observe(load.tokens_per_expert, self.vllm.num_steps)
         if expert_load is not None and self.expert_metrics is not None:
             self.expert_metrics.update(expert_load)
         return mesh_pb2.Load(

@@ -135,9 +135,9 @@ def test_eplb_moves_experts_mid_generation_and_keeps_the_tokens(models: dict[str
             assert len(slots) == 10 and sorted(set(slots)) == list(range(8))  # 5 slots a rank; no expert lost
         load = engine.expert_load()
         assert load is not None and load.num_ranks == 2 and load.num_redundant_experts == 2
-        assert len(load.balancedness) == 2 and all(0.0 < b <= 1.0 for b in load.balancedness)
+        assert len(load.balancedness()) == 2 and all(0.0 < b <= 1.0 for b in load.balancedness())
         assert all(len(per_rank) == 2 and sum(per_rank) > 0 for per_rank in load.tokens_per_rank)
-        for per_rank, b in zip(load.tokens_per_rank, load.balancedness):
+        for per_rank, b in zip(load.tokens_per_rank, load.balancedness()):
             assert math.isclose(b, sum(per_rank) / 2 / max(per_rank))
     finally:
         llm.engine.close()

@@ -15,7 +15,7 @@ from services.balancer.router.policies import (
     step_balancedness,
 )
 from services.balancer.router.registry import Registry
-from shared.engine.expert_load import ExpertLoad
+from shared.engine.eplb.expert_load import ExpertLoad
 from shared.kv.block_hash import hash_block_chain
 from shared.proto import mesh_pb2
 from shared.stage.convert import expert_load_to_proto

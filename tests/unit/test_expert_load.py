@@ -5,7 +5,7 @@ wire form, and the worker's per-layer gauges, with exact values."""
 import pytest
 
 from shared.engine.eplb.placement import static_placement
-from shared.engine.expert_load import ExpertLoad
+from shared.engine.eplb.expert_load import ExpertLoad
 from shared.proto import mesh_pb2
 from shared.runtime.metrics import Metrics
 from shared.stage.convert import expert_load_to_proto

@@ -18,7 +18,7 @@ import numpy as np
 
 from shared.engine.config import EplbConfig
 from shared.engine.eplb.expert_load import ExpertLoad
-from shared.engine.eplb.load_window import LoadWindow, balancedness
+from shared.engine.eplb.load_window import LoadWindow
 from shared.engine.eplb.placement import Placement, PlacementSpec, compute_placement, initial_placement, with_layer
 
 
@@ -82,16 +82,10 @@ class ExpertBalancer:
         return ExpertMove(layer, tuple(int(e) for e in target.phy_to_log[layer]))
 
     def expert_load(self) -> ExpertLoad:
-        load = self.window.total()
-        per_rank = self.placement.rank_loads(load)
-        return ExpertLoad(
-            num_ranks=self.placement.num_ranks,
-            window_steps=self.window.num_steps,
-            tokens_per_rank=tuple(tuple(float(t) for t in row) for row in per_rank),
-            balancedness=tuple(float(b) for b in balancedness(load, self.placement)),
-            num_rebalances=self.num_rebalances,
-            num_redundant_experts=self.spec.num_redundant_experts,
-        )
+        return ExpertLoad.from_expert_counts(
+            self.window.total(), self.window.num_steps, self.placement,
+            num_rebalances=self.num_rebalances, num_redundant_experts=self.spec.num_redundant_experts,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Stop the placement thread (a computation under way is abandoned)."""
