@@ -27,7 +27,7 @@ routed experts are dequantised by the loader on the CPU into the model's dtype.
 
 import dataclasses
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from types import MappingProxyType
 
 import torch
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.kv.spec import (
-    CacheRow, CompressedSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec, kv_cache_layout_of_specs,
+    CacheRow, CompressedSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec, entries_per_block, kv_cache_layout_of_specs,
 )  # fmt: skip
 from shared.model.compressed_attention import (
     SequenceView, StateRow, attend, compress_windows, entry_slots, index_top_k, last_token_slot_row, rope_interleaved,
@@ -276,8 +276,9 @@ class V4Attention(nn.Module):
         # null block in a replay of cached positions).
         target = last_token_slot_row(cmeta.slot_mapping[closing] // bs, ends, m, bs)
         if live is not None:
-            assert meta.scratch_slot is not None
-            target = torch.where(live, target, meta.scratch_slot)
+            # The scratch slot's block (a raw-token slot of the compressed group) at its row.
+            assert cmeta.scratch_slot is not None
+            target = torch.where(live, target, cmeta.scratch_slot // bs * entries_per_block(m, bs))
         cplane = compressed[0].view(-1, compressed.shape[-1])
         cplane[target, : entry.shape[-1]] = entry.to(compressed.dtype)
 
@@ -566,14 +567,15 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def allocate_kv_cache(
         self,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
         make: TensorMaker | None = None,
     ) -> list[torch.Tensor]:
-        """One [1, num_blocks, block_size, 1, width] tensor per cache (state caches, then
-        compressed caches), each of its own row's width (v4_kv_rows), laid out as every
+        """One [1, num_blocks, rows, 1, width] tensor per cache (state caches, then
+        compressed caches), each of its own row's width (v4_kv_rows) and rows per block
+        (block_size for a state cache, its entries for a compressed one), laid out as every
         CausalLM's: per size class, cache k of every group of the class in its tensor k."""
         for rate in {r for r in self.config.deepseek_v4.compress_rates if r}:  # type: ignore[union-attr]
             if block_size % rate and rate % block_size:
