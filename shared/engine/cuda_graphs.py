@@ -5,7 +5,7 @@ launched one by one from Python, the GPU idles between them. Captured once
 per bucket when the engine starts and replayed, the whole forward is one launch. A batch of B
 sequences runs in the smallest bucket >= B: the extra rows have length 0 (the
 attention kernels return zeros for them) and write their K/V to a scratch
-slot no sequence owns.
+slot no sequence owns (per KV group: its size class's null block).
 
 Everything the graph reads lives in static buffers filled before each replay:
 token ids, positions, sequence lengths, and per KV cache group the KV slots and
@@ -16,6 +16,7 @@ graph: they touch only the rows that sample.
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -49,7 +50,7 @@ class DecodeGraphs:
         block_size: int,
         max_model_len: int,
         max_batch: int,
-        scratch_slot: int,
+        scratch_slots: Sequence[int],
         device: torch.device,
     ) -> None:
         self.model = model
@@ -58,12 +59,16 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         self.width = -(-max_model_len // block_size)
-        self.scratch_slot = scratch_slot
         self.num_groups = G = len(model.kv_layout.groups)
+        if len(scratch_slots) != G:
+            raise ValueError(f"{len(scratch_slots)} scratch slots for {G} KV groups")
+        self.scratch_slots = list(scratch_slots)
+        """Per KV group, the slot padding rows write to."""
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((G, n), scratch_slot, dtype=torch.int64, device=device)
+        self._scratch = torch.tensor(self.scratch_slots, dtype=torch.int64, device=device)[:, None]
+        self.slot_mapping = self._scratch.expand(G, n).clone()
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(G, n, self.width, dtype=torch.int64, device=device)
@@ -106,7 +111,7 @@ class DecodeGraphs:
                 block_size=self.block_size,
                 query_start_loc_tensor=self.query_start_loc[: b + 1],
                 seq_lens_tensor=self.seq_lens[:b],
-                scratch_slot=self.scratch_slot,
+                scratch_slot=self.scratch_slots[g],
             )
             for g in range(self.num_groups)
         ]
@@ -116,7 +121,7 @@ class DecodeGraphs:
 
     def _capture(self, b: int) -> None:
         self.seq_lens.zero_()
-        self.slot_mapping.fill_(self.scratch_slot)
+        self.slot_mapping.copy_(self._scratch.expand_as(self.slot_mapping))
         # Warm up on a side stream first: Triton compiles, allocators settle.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -169,7 +174,7 @@ class DecodeGraphs:
                 positions + [0] * pad,
                 seq_lens + [0] * pad,
                 sources + [-1] * pad,
-                *(group_slots + [self.scratch_slot] * pad for group_slots in slots),
+                *(group_slots + [scratch] * pad for group_slots, scratch in zip(slots, self.scratch_slots)),
             ],
             dtype=torch.int64,
         )

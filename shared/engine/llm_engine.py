@@ -30,7 +30,9 @@ from shared.engine.step import SchedulerOutput
 from shared.engine.structured.setup import check_structured
 from shared.kv.block_hash import BlockHash, kv_fingerprint
 from shared.kv.connectors.base import KVConnector
-from shared.kv.memory.coordinator import KVCacheCoordinator, blocks_for_one_request
+from shared.kv.memory.coordinator import (
+    KVCacheCoordinator, blocks_for_one_request, blocks_in_budget, blocks_per_class,
+)  # fmt: skip
 from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.model.fingerprint import model_fingerprint
 from shared.model import batch_invariant
@@ -121,6 +123,11 @@ class LLMEngine:
         )
         max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         num_blocks = self._num_kv_blocks(max_model_len)
+        # A sliding-window class (V4's state caches) gets the blocks its requests can hold
+        # at once, not one per token: the budget's rest goes to the persistent classes.
+        class_blocks = blocks_per_class(
+            self.model.kv_layout, num_blocks, config.block_size, config.max_num_seqs, config.step_sizes()[0]
+        )
         # The KV bytes depend on the weights and on the cache dtype: both name the chain.
         weights = model_fingerprint(config.model) if loaded else self.model.config.fingerprint()
         self.fingerprint = kv_fingerprint(weights, config.dtype)
@@ -132,7 +139,7 @@ class LLMEngine:
         swa_replay = config.swa_replay_for(arch_traits(model_cfg.architecture).trained_for_bounded_replay)
         self.kv = KVCacheCoordinator(
             self.model.kv_layout,
-            num_blocks,
+            class_blocks,
             config.block_size,
             self.fingerprint,
             config.enable_prefix_caching,
@@ -140,7 +147,7 @@ class LLMEngine:
             swa_replay=swa_replay,  # type: ignore[arg-type]
             state_cache=state_cache,
         )
-        setup = RunnerSetup(config, num_blocks, max_model_len, self.eos_token_ids)
+        setup = RunnerSetup(config, class_blocks, max_model_len, self.eos_token_ids)
         self.runner = build_runner(setup, self.model, device, self.recipe, share_kv)
         """Rank 0's runner: its KV region and structured matchers are the engine's to read;
         steps go through the executor, which runs them on every rank."""
@@ -187,15 +194,18 @@ class LLMEngine:
             assert counts is not None  # _start_ranks refused a model without MoE layers
             self._experts = ExpertBalancer(counts.shape[0], counts.shape[1], config.tensor_parallel_size,
                                            config.eplb_settings(), rebalance=config.enable_eplb)  # fmt: skip
-        log.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
+        log.info("engine ready: KV blocks of %d tokens, per size class %s", config.block_size, class_blocks)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = self.model.kv_bytes_per_block(cfg.block_size, torch_dtype(cfg.dtype))
-        at_least = blocks_for_one_request(self.model.kv_layout, max_model_len, cfg.block_size)
-        return max(cfg.kv_cache_memory_bytes // per_block, at_least)
+        layout = self.model.kv_layout
+        class_bytes = self.model.kv_class_bytes_per_block(cfg.block_size, torch_dtype(cfg.dtype))
+        in_budget = blocks_in_budget(
+            layout, class_bytes, cfg.kv_cache_memory_bytes, cfg.block_size, cfg.max_num_seqs, cfg.step_sizes()[0]
+        )
+        return max(in_budget, blocks_for_one_request(layout, max_model_len, cfg.block_size))
 
     @property
     def max_model_len(self) -> int:

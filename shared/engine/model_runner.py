@@ -8,6 +8,7 @@ or stopping rules.
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +93,7 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         block_size: int,
         kv_dtype: torch.dtype,
         device: torch.device,
@@ -113,9 +114,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kv_layout = model.kv_layout
-        # One block more than the pool hands out: the pool's null block (id num_blocks),
-        # where dropped sliding-window blocks point and writes that must not land go.
-        self.null_block = num_blocks
+        # Per size class one block more than the pool hands out: the class's null block (id
+        # its num_blocks), where dropped sliding-window blocks point and writes that must
+        # not land go. num_blocks: every class's, or per class (coordinator.blocks_per_class).
+        num_classes = len(self.kv_layout.size_classes)
+        counts = [num_blocks] * num_classes if isinstance(num_blocks, int) else list(num_blocks)
+        self.null_blocks = [counts[c] for c in self.kv_layout.size_class_of_group]
+        """Per KV group, its class's null block id."""
+        with_null = [n + 1 for n in counts]
         # A CPU cache a peer can map is made in shared memory; a GPU one is shared by CUDA IPC,
         # or, for peers in other PID namespaces, made by CUDA's VMM API with fd handles.
         allocator: Allocator | None = None
@@ -125,7 +131,7 @@ class ModelRunner:
             allocator = CudaVmmAllocator(device.index if device.index is not None else torch.cuda.current_device(),
                                          kv_share_dir)  # fmt: skip
         try:
-            self.kv_caches = model.allocate_kv_cache(num_blocks + 1, block_size, kv_dtype, device, allocator)
+            self.kv_caches = model.allocate_kv_cache(with_null, block_size, kv_dtype, device, allocator)
         except OSError as exc:
             if allocator is None:
                 raise
@@ -133,7 +139,7 @@ class ModelRunner:
                         "CUDA IPC in one PID namespace, NIXL or kvcache" if device.type == "cuda" else "kvcache")
             allocator.close()
             allocator = None
-            self.kv_caches = model.allocate_kv_cache(num_blocks + 1, block_size, kv_dtype, device)
+            self.kv_caches = model.allocate_kv_cache(with_null, block_size, kv_dtype, device)
         self.kv_region = KVRegion(self.kv_caches, self.kv_layout, allocator)
         """The cache as blocks that KV connectors and the state cache read and write."""
         self.shares_kv = share_kv and (allocator is not None or device.type == "cuda")
@@ -145,7 +151,7 @@ class ModelRunner:
         if cuda_graphs and device.type == "cuda" and model.supports_cuda_graphs:
             graphs = DecodeGraphs(
                 model, self.kv_caches, block_size, max_model_len, max_batch * max_graph_query,
-                self.null_block * block_size, device,
+                [n * block_size for n in self.null_blocks], device,
             )  # fmt: skip
             try:
                 seconds = graphs.capture_all()
@@ -262,7 +268,7 @@ class ModelRunner:
         graph where a step of that many tokens would be, else eager. One sequence whose
         KV goes to the null block: nothing the pool hands out is touched."""
         num_blocks = -(-num_tokens // self.block_size)
-        tables = [[self.null_block] * num_blocks for _ in self._groups]
+        tables = [[self.null_blocks[g]] * num_blocks for g in self._groups]
         sched = SchedulerOutput(chunks=[ScheduledChunk("sps-profile", [0] * num_tokens, 0, tables, sample=True)])
         input_ids, positions, meta, _, _ = self._prepare(sched)
         graphed = self.graphs is not None and self.graphs.can_run(num_tokens, num_blocks)
@@ -443,4 +449,4 @@ class ModelRunner:
         self, sched: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int], list[str]]:
         """The eager forward's inputs (eager_inputs); placeholders still in the ids."""
-        return eager_inputs(sched, self.block_size, self.null_block, self._skips_replay, self.device)
+        return eager_inputs(sched, self.block_size, self.null_blocks, self._skips_replay, self.device)

@@ -55,7 +55,7 @@ def placeholder_sources(token_lists: list[tuple[str, list[int]]], last_rows: dic
 def eager_inputs(
     sched: SchedulerOutput,
     block_size: int,
-    null_block: int,
+    null_blocks: Sequence[int],
     skips_replay: Sequence[bool],
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int], list[str]]:
@@ -63,9 +63,9 @@ def eager_inputs(
     AttentionMetadata per KV cache group, and the rows that sample with their
     requests. skips_replay: one entry per KV cache group, whether positions an SWA
     replay recomputes already hold its KV (all but sliding groups): those write to
-    the null block (id null_block). Placeholders are left in the input ids."""
+    the group's null block (null_blocks, one id per group: its size class's).
+    Placeholders are left in the input ids."""
     bs = block_size
-    null_slot = null_block * bs
     groups = range(len(skips_replay))
     input_ids: list[int] = []
     positions: list[int] = []
@@ -84,10 +84,11 @@ def eager_inputs(
             ids = chunk.block_ids[g]
             if skips_replay[g] and chunk.replay_until > chunk.start_pos:
                 # Cached persistent KV is never overwritten: replayed positions write to the null block.
+                null_slot = null_blocks[g] * bs
                 slots[g] += [null_slot if p < chunk.replay_until else ids[p // bs] * bs + p % bs for p in pos]
             else:
                 slots[g] += [ids[p // bs] * bs + p % bs for p in pos]
-            tables[g].append(ids + [null_block] * (widths[g] - len(ids)))
+            tables[g].append(ids + [null_blocks[g]] * (widths[g] - len(ids)))
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(chunk.start_pos + n)
         floors.append(chunk.sliding_floor)

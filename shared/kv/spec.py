@@ -20,9 +20,13 @@ caches' rows differ (DeepSeek-V4: state rows carry the compressor's planes,
 compressed entries the indexer's key) declares each cache's ``CacheRow``; then
 every group is a *size class* of its own, with its own tensors of its own rows and
 its own block ids (SGLang's separate pools): nothing is padded to the widest row,
-and a token costs the sum of its caches' rows. Every class has the same number of
-blocks (one null block id for all), so two groups of equal rows do not share a
-class: sharing would give each half the blocks. No torch here.
+and a token costs the sum of its caches' rows. A compressed group's block then holds
+only its entries (block_size / rate rows, ``block_rows``), not a row per raw token.
+A persistent group's class has as many blocks as the pool (num_blocks); a sliding-window
+group's class only what its requests hold of the window at once
+(shared/kv/memory/coordinator.py's ``blocks_per_class``); each class has its own null
+block (id: its block count). Two groups of equal rows do not share a class: sharing
+would give each half the blocks. No torch here.
 """
 
 from collections.abc import Sequence
@@ -75,6 +79,10 @@ class FullAttentionSpec:
     def page(self, block_size: int) -> Page:
         return Page(2, block_size, None)
 
+    def rows_per_block(self, block_size: int) -> int:
+        """Rows a block of this group's cache tensors holds: one per token."""
+        return block_size
+
     @property
     def window(self) -> None:
         return None
@@ -97,6 +105,10 @@ class SlidingWindowSpec:
     def page(self, block_size: int) -> Page:
         return Page(2, block_size, None)
 
+    def rows_per_block(self, block_size: int) -> int:
+        """Rows a block of this group's cache tensors holds: one per token."""
+        return block_size
+
 
 @dataclass(frozen=True, slots=True)
 class CompressedSpec:
@@ -104,9 +116,11 @@ class CompressedSpec:
     raw tokens (CSA's entries carry the lightning indexer's key too). Kept for every
     past token like full attention, addressed like it (an entry sits in the block of
     its window's last raw token: block_size and the rate divide one another), persisted.
-    Its page is plane 0's first block_size / rate rows (one row when the rate exceeds the
-    block: the entry of a window ending in that block, or nothing) and ``entry_width``
-    channels, so a block persists only its entries."""
+    A block holds ``rows_per_block`` rows, block_size / rate (one when the rate exceeds the
+    block: the entry of a window ending in that block, or nothing), where the model's cache
+    tensors are sized by them (a layout with declared rows: every group a size class of its
+    own); its page is plane 0's rows and ``entry_width`` channels, so a block persists only
+    its entries."""
 
     compress_rate: int
     entry_width: int | None = None
@@ -123,7 +137,11 @@ class CompressedSpec:
         return True
 
     def page(self, block_size: int) -> Page:
-        return Page(1, max(1, block_size // self.compress_rate), self.entry_width)
+        return Page(1, self.rows_per_block(block_size), self.entry_width)
+
+    def rows_per_block(self, block_size: int) -> int:
+        """Entries a block of block_size raw tokens holds (at least one row)."""
+        return entries_per_block(self.compress_rate, block_size)
 
     @property
     def window(self) -> None:
@@ -131,6 +149,13 @@ class CompressedSpec:
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | CompressedSpec
+
+
+def entries_per_block(compress_rate: int, block_size: int) -> int:
+    """Rows a compressed cache keeps per block of block_size raw tokens: one entry per
+    compress_rate tokens, and one row when the rate exceeds the block (a block holding the
+    entry of a window ending in it, or nothing)."""
+    return max(1, block_size // compress_rate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,10 +222,24 @@ class KVCacheLayout:
         one = row if self.rows is None else self.rows[0]
         return [(one,) * self.group_size if r is None else r for r in self.size_classes]  # type: ignore[misc]
 
+    def block_rows(self, size_class: int, block_size: int) -> int:
+        """Rows a block of the class's tensors holds: block_size (a row per token), but for a
+        class of a compressed group, its entries (CompressedSpec.rows_per_block). A class
+        shared by groups (no rows declared) keeps a row per token."""
+        if self.size_classes == (None,):
+            return block_size
+        return self.groups[self.size_class_of_group.index(size_class)].spec.rows_per_block(block_size)
+
+    def class_elements_per_block(self, block_size: int, row: CacheRow | None = None) -> list[int]:
+        """Elements a block of each size class takes (its tensors' rows at its block_rows)."""
+        return [
+            self.block_rows(c, block_size) * sum(r.elements for r in rows) for c, rows in enumerate(self.class_rows(row))
+        ]
+
     def elements_per_block(self, block_size: int, row: CacheRow | None = None) -> int:
-        """Elements one block id takes in every size class together (each class has the
-        pool's num_blocks blocks): what the cache spends per block, as class_rows."""
-        return block_size * sum(r.elements for rows in self.class_rows(row) for r in rows)
+        """Elements one block id takes in every size class together: what the cache spends
+        per block where every class has the same number of blocks."""
+        return sum(self.class_elements_per_block(block_size, row))
 
     def groups_of_class(self, size_class: int) -> int:
         return sum(1 for c in self.size_class_of_group if c == size_class)

@@ -16,8 +16,9 @@ request lives in two caches of the engine's block pool (shared/kv/spec.py):
   (a block of block_size raw tokens holds block_size / m entries, or for m larger
   than the block one entry every m / block_size blocks).
 
-Both are ``[1, blocks, block_size, 1, width]`` tensors, the shape every engine cache
-has with one plane, each of its own width (a state row holds plane 0 then plane 1), so
+Both are ``[1, blocks, rows, 1, width]`` tensors, the shape every engine cache has with
+one plane, each of its own width (a state row holds plane 0 then plane 1) and rows per
+block (a state block block_size, a compressed block its entries: ``entries_per_block``), so
 the block pool, the state cache, the KV connectors and peers move V4 blocks like any
 other; caches of different widths take their blocks from different size classes of
 the pool (shared/kv/spec.py), so none is padded to the widest row.
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.kv.spec import entries_per_block
 from shared.model.forward_batch import AttentionMetadata
 
 
@@ -63,15 +65,16 @@ def slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int
 
 def entry_slots(block_table: torch.Tensor, entries: torch.Tensor, rate: int, block_size: int) -> torch.Tensor:
     """Flat rows of compressed entries: entry e (raw tokens e*m .. (e+1)*m - 1) sits in the
-    block of its last raw token p, at row (p mod block_size) / m (block_size a multiple
-    of m: block_size / m entries per block; or m a multiple of block_size: one entry
-    in every (m / block_size)-th block)."""
+    block of its last raw token p, at row (p mod block_size) / m of the block's
+    entries_per_block rows (block_size a multiple of m: block_size / m entries per block;
+    or m a multiple of block_size: one entry in every (m / block_size)-th block)."""
     return last_token_slot_row(block_table[((entries + 1) * rate - 1) // block_size], (entries + 1) * rate - 1, rate, block_size)
 
 
 def last_token_slot_row(blocks: torch.Tensor, last: torch.Tensor, rate: int, block_size: int) -> torch.Tensor:
-    """The flat row of the entries whose last raw tokens are ``last``, in ``blocks``."""
-    return blocks * block_size + (last % block_size) // rate
+    """The flat row of the compressed cache [blocks * entries_per_block, width] of the
+    entries whose last raw tokens are ``last``, in ``blocks``."""
+    return blocks * entries_per_block(rate, block_size) + (last % block_size) // rate
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.model.compressed_attention import last_token_slot_row
 from shared.model.forward_batch import AttentionMetadata
 
 GATHER_BUDGET = 1 << 27
@@ -91,7 +92,7 @@ def entry_rows(tables: torch.Tensor, rows: TokenRows, rate: int, block_size: int
     ids = torch.arange(num_entries, device=rows.pos.device)
     last = (ids + 1) * rate - 1
     col = (last // block_size).clamp(max=tables.shape[1] - 1)
-    flat = tables[rows.seq[:, None], col[None, :]] * block_size + (last % block_size)[None, :] // rate
+    flat = last_token_slot_row(tables[rows.seq[:, None], col[None, :]], last[None, :], rate, block_size)
     causal = ids[None, :] < ((rows.pos + 1) // rate)[:, None]
     return flat, causal
 

@@ -21,7 +21,7 @@ collects them; nothing else keeps a list of architectures.
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,15 +138,17 @@ class CausalLM(nn.Module, ABC):
 
     def allocate_kv_cache(
         self,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
         make: TensorMaker | None = None,
     ) -> list[torch.Tensor]:
         """The KV cache of every cache layer: per size class (``kv_layout.size_classes``;
-        one for a model whose caches are alike) zeroed tensors ``[planes, num_blocks,
-        block_size, heads, channels]`` of its rows, layer k of each group of the class
+        one for a model whose caches are alike; ``num_blocks`` blocks each, or per class)
+        zeroed tensors ``[planes, num_blocks,
+        block_rows, heads, channels]`` of its rows (block_rows: block_size, or a compressed
+        group's entries per block, ``KVCacheLayout.block_rows``), layer k of each group of the class
         using the class's tensor k (a block id of the class names the same memory
         whichever of its groups holds it). A class of one row shape is views of one
         tensor ``[tensors, planes, num_blocks, ...]`` (their ``_base``), so a block of
@@ -161,20 +163,29 @@ class CausalLM(nn.Module, ABC):
         def zeros(shape: tuple[int, ...]) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device) if make is None else make(shape, dtype)
 
+        class_rows = layout.class_rows(self._default_row())
+        counts = [num_blocks] * len(class_rows) if isinstance(num_blocks, int) else list(num_blocks)
+        if len(counts) != len(class_rows):
+            raise ValueError(f"{len(counts)} block counts for {len(class_rows)} size classes")
         tensors: list[torch.Tensor] = []
-        for rows in layout.class_rows(self._default_row()):
+        for size_class, (rows, n) in enumerate(zip(class_rows, counts)):
+            block_rows = layout.block_rows(size_class, block_size)
             if len(set(rows)) == 1:
                 row = rows[0]
-                tensors += zeros((len(rows), row.planes, num_blocks, block_size, row.heads, row.channels)).unbind(0)
+                tensors += zeros((len(rows), row.planes, n, block_rows, row.heads, row.channels)).unbind(0)
             else:
-                tensors += [zeros((r.planes, num_blocks, block_size, r.heads, r.channels)) for r in rows]
+                tensors += [zeros((r.planes, n, block_rows, r.heads, r.channels)) for r in rows]
         return [tensors[layout.tensor_index(i)] for i in range(layout.num_layers)]
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block id takes in every size class together (a class has as many
-        blocks as the pool's num_blocks): the cache's bytes per block."""
+        """Bytes one block id takes in every size class together: the cache's bytes per
+        block where every class has as many blocks."""
+        return sum(self.kv_class_bytes_per_block(block_size, dtype))
+
+    def kv_class_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> list[int]:
+        """Bytes a block of each size class takes."""
         element_size = torch.empty((), dtype=dtype).element_size()
-        return self.kv_layout.elements_per_block(block_size, self._default_row()) * element_size
+        return [e * element_size for e in self.kv_layout.class_elements_per_block(block_size, self._default_row())]
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,10 @@ class Ops:
     fused_moe_mxfp4: Kernel | None = None
     """The routed experts with MXFP4 weights decoded in registers (kernels/fused_moe_mxfp4.py);
     None: dequantised, then the PyTorch experts."""
+    compressed_attention: Kernel | None = None
+    """DeepSeek-V4's attention of query rows over their sliding window and chosen compressed
+    entries, read in place from the paged caches (kernels/compressed_attention.py); None:
+    the keys gathered per row, then ``compressed_batch.attend_rows``."""
 
 
 TORCH_OPS = Ops("torch", triton=False)
@@ -80,6 +84,7 @@ def triton_ops() -> Ops:
         hyper_connection=triton_module("hyper_connection").hyper_connection,
         fp8_linear=triton_module("fp8_gemm").fp8_linear,
         fused_moe_mxfp4=triton_module("fused_moe_mxfp4").fused_moe_mxfp4,
+        compressed_attention=triton_module("compressed_attention").compressed_attention,
     )
 
 

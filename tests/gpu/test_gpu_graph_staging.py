@@ -32,7 +32,7 @@ def test_a_replay_below_the_largest_bucket_does_not_wait_for_the_device():
         torch.cuda._sleep(200_000_000)  # ~0.1 s of device time queued ahead of the replay
         start = time.perf_counter()
         graphs.run(
-            input_ids=[1] * b, positions=[0] * b, slots=[[graphs.scratch_slot] * b for _ in range(groups)],
+            input_ids=[1] * b, positions=[0] * b, slots=[[graphs.scratch_slots[g]] * b for g in range(groups)],
             seq_lens=[0] * b, tables=[[[] for _ in range(b)] for _ in range(groups)],
         )  # fmt: skip
         host = time.perf_counter() - start

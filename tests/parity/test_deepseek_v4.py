@@ -128,6 +128,27 @@ def test_engine_greedy_equals_transformers_generate(mixed: str) -> None:
     assert llm.engine.scheduler.num_preemptions > 0  # the three batched requests did not all fit
 
 
+def test_engine_with_state_pools_sized_by_the_window_equals_generate(mixed: str) -> None:
+    """As above with at most 3 requests at once: each state cache's class gets the blocks
+    3 requests hold of a 16-token window (coordinator.blocks_per_class: 3 * (1 + 2) + 2 *
+    ceil(48 / 16) = 15), not one per token like the compressed classes' 50, so its block
+    ids and null block (id 15) differ from theirs (id 50). Preemption, replay and the
+    prefix hit still equal generate."""
+    prompts = random_prompts([300, 311, 305], vocab=500, seed=1)
+    hit = prompts[1][:256] + random_prompts([50], vocab=500, seed=7)[0]
+    llm = LLM(mixed, block_size=BLOCK, prefill_chunk_size=37, max_num_batched_tokens=48, num_kv_blocks=50, max_model_len=400,
+              max_num_seqs=3, swa_replay="exact")  # fmt: skip
+    kv, runner = llm.engine.kv, llm.engine.runner
+    layout = kv.layout
+    counts = [kv.pool.blocks_per_class[c] for c in layout.size_class_of_group]
+    assert [counts[g] for g in layout.sliding_groups] == [15] * len(layout.sliding_groups)
+    assert [counts[g] for g in layout.persistent_groups] == [50] * len(layout.persistent_groups)
+    assert runner.null_blocks == counts
+    assert all(kv_cache.shape[1] == counts[layout.group_of_layer(i)] + 1 for i, kv_cache in enumerate(runner.kv_caches))
+    check_greedy_then_prefix_hit(llm, mixed, prompts, hit, num_hit_tokens=256, num_new=NUM_NEW)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
 SAVE = KVTransferParams(load=True, save=True)
 LOAD = KVTransferParams(load=True)
 

@@ -5,7 +5,7 @@ import torch
 
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
-from shared.kv.memory.coordinator import KVCacheCoordinator, blocks_for_one_request
+from shared.kv.memory.coordinator import KVCacheCoordinator, blocks_for_one_request, blocks_in_budget, blocks_per_class
 from shared.kv.memory.region import KVRegion, per_tensor
 from shared.kv.memory.share import SharedMemoryAllocator, open_peer
 from shared.kv.spec import CacheRow, CompressedSpec, SlidingWindowSpec, kv_cache_layout, kv_cache_layout_of_specs
@@ -30,13 +30,19 @@ def test_v4_bytes_per_token_are_the_sum_of_its_true_row_widths(tmp_path) -> None
     assert p is not None
     # What each cache holds per token, from the layers themselves: a state row's plane 0
     # (window K = V, compressor and indexer kv) and plane 1 (their gates); an entry.
+    # A compressed cache keeps an entry per `rate` raw tokens: a block of BLOCK tokens holds
+    # BLOCK / rate rows (one row when the rate exceeds the block), not BLOCK.
     true_width = sum(layer.self_attn.row.plane0 + layer.self_attn.row.plane1 for layer in model.model.layers)
-    true_width += sum(entry_width(config, t) for t in p.layer_types if t != SLIDING)
+    entries = [(entry_width(config, t), r) for t, r in zip(p.layer_types, p.compress_rates) if t != SLIDING]
+    assert any(r > BLOCK for _, r in entries)  # an HCA layer: one row a block
+    block_elements = BLOCK * true_width + sum(width * max(1, BLOCK // r) for width, r in entries)
+    true_width += sum(width for width, _ in entries)
     num_blocks = 10
     caches = model.allocate_kv_cache(num_blocks, BLOCK, torch.float32, "cpu")
     element = 4
-    assert _allocated_bytes(caches) == num_blocks * BLOCK * true_width * element
-    assert model.kv_bytes_per_block(BLOCK, torch.float32) == BLOCK * true_width * element
+    assert _allocated_bytes(caches) == num_blocks * block_elements * element
+    assert model.kv_bytes_per_block(BLOCK, torch.float32) == block_elements * element
+    assert block_elements < BLOCK * true_width
     # The padded layout took a block of every group at two planes of the widest state
     # plane 0 (or entry) in group_size tensors: more than twice as much here.
     widest = max(layer.self_attn.row.plane0 for layer in model.model.layers)
@@ -66,7 +72,9 @@ def test_rows_that_differ_give_every_group_a_class_of_its_own() -> None:
     assert layout.size_class_of_group == (0, 1)
     assert layout.size_classes == ((CacheRow(1, 1, 6), CacheRow(1, 1, 10)), (CacheRow(1, 1, 6),) * 2)
     assert layout.num_tensors == 4 and [layout.tensor_index(i) for i in range(4)] == [0, 1, 2, 3]
-    assert layout.elements_per_block(BLOCK) == BLOCK * (6 + 10 + 6 + 6)
+    # The compressed group (rate 4, BLOCK 4) keeps one entry row a block, not BLOCK.
+    assert [layout.block_rows(c, BLOCK) for c in range(2)] == [BLOCK, 1]
+    assert layout.elements_per_block(BLOCK) == BLOCK * (6 + 10) + (6 + 6)
     assert blocks_for_one_request(layout, 9, BLOCK) == 3  # each class serves one group
 
 
@@ -128,3 +136,56 @@ def test_v4_cache_of_mixed_rows_is_mapped_and_copied_by_a_peer(tmp_path) -> None
         assert torch.equal(t[:, 0], src[:, 4]) and torch.equal(t[:, 2], src[:, 1])
     ours.close()
     theirs.close()
+
+
+def test_a_sliding_class_gets_a_window_of_blocks_per_request_not_one_per_token() -> None:
+    layout = _mixed_layout()  # window 8, blocks of 4
+    # 2 requests * (ceil(8 / 4) + 2) + 2 * ceil(8 step tokens / 4) = 12; the compressed class keeps 100.
+    assert blocks_per_class(layout, 100, BLOCK, max_num_seqs=2, max_step_tokens=8) == (12, 100)
+    assert blocks_per_class(layout, 10, BLOCK, max_num_seqs=2, max_step_tokens=8) == (10, 10)  # never more than tokens
+    assert blocks_per_class(kv_cache_layout([None, 8]), 100, BLOCK, 2, 8) == (100,)  # one class: nothing apart
+
+
+def test_the_budget_the_sliding_class_leaves_goes_to_the_persistent_class() -> None:
+    layout = _mixed_layout()
+    class_bytes = [e * 4 for e in layout.class_elements_per_block(BLOCK)]
+    assert class_bytes == [BLOCK * (6 + 10) * 4, (6 + 6) * 4]
+    budget = 100_000
+    n = blocks_in_budget(layout, class_bytes, budget, BLOCK, max_num_seqs=2, max_step_tokens=8)
+    counts = blocks_per_class(layout, n, BLOCK, 2, 8)
+    spent = sum(c * b for c, b in zip(counts, class_bytes))
+    assert counts[0] == 12 < counts[1] == n
+    assert spent <= budget < spent + class_bytes[1]  # no persistent block more would fit
+    assert n > 6 * (budget // sum(class_bytes))  # 2019 against 328 when every class had n blocks
+
+
+def test_requests_decoding_long_past_the_window_fit_the_sliding_class() -> None:
+    """Two requests, prompts chunked under an 8-token budget, then decoding far past the
+    window with prefix caching on: every step's allocation succeeds in a sliding class of
+    12 blocks (the compressed class grows with the tokens), dropped window blocks point at
+    the sliding class's own null block (id 12, a row its tensors have), and freeing
+    returns every block."""
+    layout = _mixed_layout()
+    counts = blocks_per_class(layout, 60, BLOCK, max_num_seqs=2, max_step_tokens=8)
+    kv = KVCacheCoordinator(layout, counts, BLOCK, "t")
+    assert kv.pool.blocks_per_class == (12, 60)
+    requests = [Request(r, list(range(i, i + 19)), SamplingParams(max_tokens=100)) for i, r in enumerate("ab")]
+    for r in requests:
+        assert kv.allocate_slots(r, 0, kv.find_prefix_hit(r))
+    for step in range(90):
+        budget = 8
+        for r in requests:
+            num_new = min(r.num_tokens - r.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
+            assert kv.allocate_slots(r, num_new), f"step {step}: the sliding class ran short"
+            budget -= num_new
+            r.num_computed_tokens += num_new
+            if r.num_computed_tokens == r.num_tokens:
+                r.append_output_token(1000 + step)
+    window_blocks = [b for b in kv.block_ids("a")[0] if b != 12]
+    assert kv.block_ids("a")[0][0] == 12 and len(window_blocks) <= 8 // BLOCK + 2
+    assert 60 not in kv.block_ids("a")[1] and len(kv.block_ids("a")[1]) == -(-requests[0].num_computed_tokens // BLOCK)
+    for r in requests:
+        kv.free(r)
+    assert [kv.pool.num_free(c) for c in range(2)] == [12, 60]

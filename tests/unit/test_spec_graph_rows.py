@@ -44,7 +44,7 @@ class RowsAsSequences:
         metas = []
         for g, group_slots in enumerate(slots):
             width = max(len(t) for t in tables[g])
-            table = torch.tensor([t + [r.null_block] * (width - len(t)) for t in tables[g]])
+            table = torch.tensor([t + [r.null_blocks[g]] * (width - len(t)) for t in tables[g]])
             metas.append(AttentionMetadata(
                 slot_mapping=torch.tensor(group_slots), block_tables=table, query_start_loc=list(range(n + 1)),
                 seq_lens=list(seq_lens), block_size=r.block_size,

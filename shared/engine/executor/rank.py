@@ -27,7 +27,8 @@ class RunnerSetup:
     each builds the same runner (the same KV pool shape, graphs, sampler seed)."""
 
     config: EngineConfig
-    num_blocks: int
+    num_blocks: tuple[int, ...]
+    """KV blocks per size class (coordinator.blocks_per_class)."""
     max_model_len: int
     eos_token_ids: frozenset[int]
 

@@ -5,8 +5,10 @@ Every KV cache group draws from this one pool; the same chain hash names a
 different block in each group (the groups hold different layers' KV), so the
 index is keyed by both. Groups whose pages differ in size draw from different
 *size classes* of the pool (shared/kv/spec.py): each class has its
-own block ids 0 .. num_blocks - 1 (they index its own tensors) and its own free
-queue; the prefix index and the null block (id num_blocks in every class) are shared.
+own block ids 0 .. n - 1 (they index its own tensors), its own free queue and its own
+null block (id n); the prefix index is shared. Classes may differ in n: a class whose
+groups are all sliding-window ones needs only a window's blocks per request
+(coordinator.blocks_per_class), a persistent group's class as many as tokens.
 
 A freed block keeps its content and its place in the prefix index until it is
 handed out again, so a later request with the same prefix can take it back
@@ -16,6 +18,7 @@ No tensors here: block ids index the model runner's KV tensors.
 """
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.kv.block_hash import BlockHash
@@ -37,23 +40,34 @@ class KVBlock:
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, record_events: bool = False, event_group: int = 0, num_size_classes: int = 1
+        self,
+        num_blocks: int | Sequence[int],
+        record_events: bool = False,
+        event_group: int = 0,
+        num_size_classes: int = 1,
     ) -> None:
-        """num_blocks: blocks of each size class. event_group: the KV group whose index
-        changes are recorded as events (a prefix is usable where that group's blocks
-        are: the first persistent one)."""
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        """num_blocks: blocks of each size class, or per size class. event_group: the KV
+        group whose index changes are recorded as events (a prefix is usable where that
+        group's blocks are: the first persistent one)."""
         if num_size_classes < 1:
             raise ValueError(f"a pool needs at least one size class, got {num_size_classes}")
-        self.num_blocks = num_blocks
+        counts = (num_blocks,) * num_size_classes if isinstance(num_blocks, int) else tuple(num_blocks)
+        if len(counts) != num_size_classes:
+            raise ValueError(f"{len(counts)} block counts for {num_size_classes} size classes")
+        if min(counts) < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        self.blocks_per_class = counts
+        self.num_blocks = max(counts)
+        """The largest class's blocks (with one class, or classes alike, every class's)."""
         self.num_size_classes = num_size_classes
-        self.blocks_of_class = [[KVBlock(i, size_class=c) for i in range(num_blocks)] for c in range(num_size_classes)]
+        self.blocks_of_class = [[KVBlock(i, size_class=c) for i in range(n)] for c, n in enumerate(counts)]
         self.blocks = self.blocks_of_class[0]
-        self.null_block = KVBlock(num_blocks, ref_cnt=1)
-        """A block no request owns and the free queue never holds (the cache tensors have
-        one row more for it): block tables point at it where a sliding window has dropped
-        a block, and writes that must not land anywhere go to it."""
+        self._nulls = [KVBlock(n, ref_cnt=1, size_class=c) for c, n in enumerate(counts)]
+        """Per size class, a block no request owns and the free queue never holds (the
+        class's tensors have one row more for it, id n): block tables point at it where a
+        sliding window has dropped a block, and writes that must not land anywhere go to it."""
+        self.null_block = self._nulls[0]
+        """Size class 0's null block (every class's id, where the classes are alike)."""
         # OrderedDict gives O(1) append, pop-front and removal from the middle
         # (a hit on a free cached block), which a deque cannot.
         self._free_of_class = [OrderedDict((b.block_id, b) for b in blocks) for blocks in self.blocks_of_class]
@@ -75,7 +89,14 @@ class BlockPool:
     @property
     def num_total_blocks(self) -> int:
         """Blocks of every size class."""
-        return self.num_blocks * self.num_size_classes
+        return sum(self.blocks_per_class)
+
+    def null_of(self, size_class: int) -> KVBlock:
+        """The null block of a size class."""
+        return self._nulls[size_class]
+
+    def is_null(self, block: KVBlock) -> bool:
+        return block is self._nulls[block.size_class]
 
     def num_free(self, size_class: int) -> int:
         return len(self._free_of_class[size_class])
@@ -86,7 +107,7 @@ class BlockPool:
 
     def usage(self) -> float:
         """The fullest size class's share in use (the one that stops admission first)."""
-        return 1.0 - min(len(free) for free in self._free_of_class) / self.num_blocks
+        return 1.0 - min(len(free) / n for free, n in zip(self._free_of_class, self.blocks_per_class))
 
     def lookup(self, block_hash: BlockHash, group: int, token_ids: tuple[int, ...]) -> KVBlock | None:
         block = self._cached.get((block_hash, group))
@@ -111,7 +132,7 @@ class BlockPool:
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take a reference on cached blocks found by lookup() (the null block is skipped)."""
         for block in blocks:
-            if block is self.null_block:
+            if self.is_null(block):
                 continue
             if block.ref_cnt == 0:
                 del self._free_of_class[block.size_class][block.block_id]
@@ -122,7 +143,7 @@ class BlockPool:
         queue in the order given (callers pass a sequence's blocks tail first,
         so its tail is evicted before its shared head). The null block is skipped."""
         for block in blocks:
-            if block is self.null_block:
+            if self.is_null(block):
                 continue
             assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
@@ -132,7 +153,7 @@ class BlockPool:
     def cache_block(self, block: KVBlock, block_hash: BlockHash, group: int, token_ids: tuple[int, ...]) -> None:
         """Enter a full block of a group into the prefix index. If another block
         already holds this content, the index keeps the first one (both stay valid)."""
-        if block.block_hash is not None or block is self.null_block:
+        if block.block_hash is not None or self.is_null(block):
             return
         block.block_hash = block_hash
         block.group = group

@@ -15,6 +15,7 @@ it computes again from s = H - R, writing sliding-window KV only (SWA bounded
 replay; see docs/architecture.md). A hit of H <= R is no hit. No tensors here.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,6 +28,52 @@ from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.kv.spec import KVCacheLayout
 
 SwaReplay = Literal["bounded", "exact"]
+
+
+def blocks_per_class(
+    layout: KVCacheLayout, num_blocks: int, block_size: int, max_num_seqs: int, max_step_tokens: int
+) -> tuple[int, ...]:
+    """Blocks of each size class of a pool whose persistent classes have num_blocks.
+
+    A class whose groups are all sliding-window ones (with declared rows, a class per group:
+    DeepSeek-V4's state caches) needs only what its requests hold at once. After a step
+    schedules c tokens of a request, its table keeps the blocks a query at the last block
+    boundary sees (SlidingWindowManager.remove_skipped_blocks) up to its last token: at
+    most ceil((W - 1) / bs) + 1 + ceil(c / bs) blocks. Summed over max_num_seqs requests
+    whose c add up to max_step_tokens: S * (ceil(W / bs) + 2) + ceil(T / bs). One step's
+    tokens more covers requests left unscheduled in a step, which keep their last chunk's
+    blocks until they run again; past that the class is short like any class (admission
+    waits, the scheduler preempts). The window's freed blocks stay in the prefix index
+    only until reused: with a class this small a later hit finds its window in the host
+    state cache or replays it sooner. Capped at num_blocks (never more than the tokens)."""
+    if layout.size_classes == (None,):
+        return (num_blocks,)
+    window = layout.max_window or 0
+    step_blocks = -(-max_step_tokens // block_size)
+    sliding = max_num_seqs * (-(-window // block_size) + 2) + 2 * step_blocks
+    sliding_groups = set(layout.sliding_groups)
+    counts = []
+    for size_class in range(len(layout.size_classes)):
+        groups = {g for g, c in enumerate(layout.size_class_of_group) if c == size_class}
+        counts.append(min(num_blocks, sliding) if groups <= sliding_groups else num_blocks)
+    return tuple(counts)
+
+
+def blocks_in_budget(
+    layout: KVCacheLayout, class_bytes: Sequence[int], budget_bytes: int, block_size: int, max_num_seqs: int,
+    max_step_tokens: int,
+) -> int:
+    """The largest num_blocks (the persistent classes' blocks) whose pool (blocks_per_class)
+    fits budget_bytes, a block of class c taking class_bytes[c]."""
+    num_blocks = budget_bytes // sum(class_bytes)
+    counts = blocks_per_class(layout, num_blocks, block_size, max_num_seqs, max_step_tokens)
+    fixed = [c for c, n in enumerate(counts) if n < num_blocks]
+    if not fixed:
+        return num_blocks
+    # The sliding classes' blocks no longer grow with num_blocks: the rest of the budget
+    # goes to the other classes.
+    rest = budget_bytes - sum(counts[c] * class_bytes[c] for c in fixed)
+    return rest // sum(b for c, b in enumerate(class_bytes) if c not in fixed)
 
 
 def blocks_for_one_request(layout: KVCacheLayout, num_tokens: int, block_size: int) -> int:
@@ -69,7 +116,7 @@ class KVCacheCoordinator:
     def __init__(
         self,
         layout: KVCacheLayout,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         block_size: int,
         model_fingerprint: str,
         enable_prefix_caching: bool = True,
@@ -198,13 +245,13 @@ class KVCacheCoordinator:
         state = self._saved_state(request, num_blocks)
         if state is not None:
             for m in self._sliding:
-                tables[m.group] = [self.pool.null_block] * state.first_block
+                tables[m.group] = [self.pool.null_of(m.size_class)] * state.first_block
             return PrefixHit(tables, tokens, tokens, state)
         replay = self.replay_length
         if allow_replay and tokens > replay:
             start = tokens - replay
             for m in self._sliding:
-                tables[m.group] = [self.pool.null_block] * (start // self.block_size)
+                tables[m.group] = [self.pool.null_of(m.size_class)] * (start // self.block_size)
             return PrefixHit(tables, tokens, start)
         return None
 
@@ -393,10 +440,9 @@ class KVCacheCoordinator:
             return None
         first = self._sliding[0].first_needed_block(num_blocks * self.block_size)
         save = StateSave(request.block_hashes[num_blocks - 1], num_blocks, first)
-        null = self.pool.null_block
         for m in self._sliding:
             blocks = m.table(request.request_id)[first:num_blocks]
-            if len(blocks) < num_blocks - first or any(b is null for b in blocks):
+            if len(blocks) < num_blocks - first or any(self.pool.is_null(b) for b in blocks):
                 return None
             save.block_ids[m.group] = [b.block_id for b in blocks]
         return save

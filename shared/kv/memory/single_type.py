@@ -122,7 +122,7 @@ class SlidingWindowManager(SingleTypeKVManager):
             if block is None:
                 return None
             window.append(block)
-        return [self.pool.null_block] * first + window
+        return [self.pool.null_of(self.size_class)] * first + window
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         # Keep what a query at the start of the current block sees, not only at
@@ -133,7 +133,7 @@ class SlidingWindowManager(SingleTypeKVManager):
         table = self.tables.get(request_id)
         if not table:
             return
-        null = self.pool.null_block
+        null = self.pool.null_of(self.size_class)
         for i in range(min(num_skipped, len(table)) - 1, -1, -1):
             if table[i] is null:
                 break  # everything before was dropped already

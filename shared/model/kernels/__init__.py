@@ -15,6 +15,8 @@ shapes, dtypes, strides and devices before launch and beside its PyTorch referen
 - ``fp8_gemm``: y = x @ W.T with W FP8 e4m3 in 128 x 128 scaled tiles, x quantised to
   FP8 per token per 128 columns (``Fp8Linear``'s product when FP8 is kept).
 - ``fused_moe_mxfp4``: ``fused_moe`` with MXFP4 weights decoded in registers (GPT-OSS kept packed).
+- ``compressed_attention``: DeepSeek-V4's attention of query rows over their sliding
+  window and chosen compressed entries, read in place from the paged caches, with sinks.
 - ``attention``: the per-forward plan and the choice between the two attention kernels.
 - ``reference``: the PyTorch references, which are the model's own CPU path.
 

@@ -27,7 +27,7 @@ routed experts are dequantised by the loader on the CPU into the model's dtype.
 
 import dataclasses
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from types import MappingProxyType
 
 import torch
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.kv.spec import (
-    CacheRow, CompressedSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec, kv_cache_layout_of_specs,
+    CacheRow, CompressedSpec, KVCacheLayout, KVCacheSpec, SlidingWindowSpec, entries_per_block, kv_cache_layout_of_specs,
 )  # fmt: skip
 from shared.model.compressed_attention import (
     SequenceView, StateRow, attend, compress_windows, entry_slots, index_top_k, last_token_slot_row, rope_interleaved,
@@ -132,7 +132,9 @@ class Indexer(Compressor):
 
 
 class V4Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS
+    ) -> None:
         super().__init__()
         p = config.deepseek_v4
         assert p is not None
@@ -159,6 +161,9 @@ class V4Attention(nn.Module):
             if self.kind == CSA:
                 self.compressor.indexer = Indexer(config, p, self.rate, dtype, device)
         self.row = state_row(config, self.kind)
+        self.attend_kernel = ops.compressed_attention
+        """The batched path's attention over each row's window and entries, read in place
+        (the Triton table's kernel); None: keys gathered per row, then attend_rows."""
         self.batched = True
         """Whole-batch gathers (compressed_batch: no loop over sequences, no host read, CUDA
         graph safe); False: the per-sequence reference (compressed_attention), for tests."""
@@ -276,8 +281,9 @@ class V4Attention(nn.Module):
         # null block in a replay of cached positions).
         target = last_token_slot_row(cmeta.slot_mapping[closing] // bs, ends, m, bs)
         if live is not None:
-            assert meta.scratch_slot is not None
-            target = torch.where(live, target, meta.scratch_slot)
+            # The scratch slot's block (a raw-token slot of the compressed group) at its row.
+            assert cmeta.scratch_slot is not None
+            target = torch.where(live, target, cmeta.scratch_slot // bs * entries_per_block(m, bs))
         cplane = compressed[0].view(-1, compressed.shape[-1])
         cplane[target, : entry.shape[-1]] = entry.to(compressed.dtype)
 
@@ -299,7 +305,9 @@ class V4Attention(nn.Module):
         indexer = self.indexer
         num_entries = rows.max_len // self.rate if cplane is not None and cmeta is not None else 0
         picks = num_entries if indexer is None else min(indexer.top_k, num_entries)
-        per_row = (self.window + picks) * (hd + self.num_heads)  # keys [K, hd], scores [heads, K]
+        # What a row materialises: its keys and scores where they are gathered (no kernel),
+        # its entries' indexer scores for CSA.
+        per_row = (self.window + picks) * (hd + self.num_heads) if self.attend_kernel is None else 1
         if indexer is not None and num_entries:
             cos, sin = index_rope
             index_q, index_w = indexer.queries(x, q_residual, cos, sin)
@@ -307,7 +315,7 @@ class V4Attention(nn.Module):
         out = torch.empty_like(q)
         for lo, hi in row_chunks(num_tokens, per_row):
             chunk = rows.rows(lo, hi)
-            keys, visible = window_keys(plane0, meta.block_tables, chunk, self.window, bs, hd)
+            flat = causal = None
             if num_entries:
                 assert cplane is not None and cmeta is not None
                 flat, causal = entry_rows(cmeta.block_tables, chunk, self.rate, bs)
@@ -317,6 +325,15 @@ class V4Attention(nn.Module):
                                                 indexer.head_dim)  # fmt: skip
                         picked, causal = top_k_entries(scores, causal, indexer.top_k)
                         flat = flat.gather(1, picked)
+            if self.attend_kernel is not None:
+                out[lo:hi] = self.attend_kernel(
+                    q[lo:hi], plane0, meta.block_tables, chunk.seq, chunk.pos, chunk.floor, self.window, bs,
+                    cplane if num_entries else None, flat, causal, self.sinks, hd**-0.5,
+                )  # fmt: skip
+                continue
+            keys, visible = window_keys(plane0, meta.block_tables, chunk, self.window, bs, hd)
+            if flat is not None and causal is not None:
+                assert cplane is not None
                 keys = torch.cat([keys, cplane[flat, :hd]], dim=1)
                 visible = torch.cat([visible, causal], dim=1)
             out[lo:hi] = attend_rows(q[lo:hi], keys, visible, hd**-0.5, self.sinks)
@@ -374,7 +391,7 @@ class V4DecoderLayer(nn.Module):
         super().__init__()
         p, moe = config.deepseek_v4, config.moe
         assert p is not None and moe is not None
-        self.self_attn = V4Attention(config, layer_idx, dtype, device)
+        self.self_attn = V4Attention(config, layer_idx, dtype, device, ops)
         self.mlp = v4_moe(config, layer_idx, dtype, device, ops)
         self.input_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.post_attention_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
@@ -477,8 +494,9 @@ def v4_kv_layout(config: ModelConfig) -> KVCacheLayout:
 
 class DeepseekV4ForCausalLM(CausalLM):
     """The engine's CausalLM interface (shared/model/interface.py) for V4.
-    On CUDA (the Triton table) the routed experts run the fused MoE and mHC its fused
-    kernel; the attention, compressors and indexer run batched PyTorch
+    On CUDA (the Triton table) the routed experts run the fused MoE, mHC its fused
+    kernel and the attention core the compressed-attention kernel (each row's window and
+    entries read in place); the compressors and indexer run batched PyTorch
     (compressed_batch), so that a decode step is captured in a CUDA graph."""
 
     def __init__(
@@ -496,8 +514,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         # loader's "no lm_head.weight" guess of a tied head does not apply; the config says.
         super().__init__(config, dtype, config.tie_word_embeddings)
         device = torch.device(device)
-        # The routed experts take the fused Triton MoE and mHC its fused kernel where kernels
-        # resolve to Triton (CUDA): no host sync. The attention is batched PyTorch either way.
+        # The routed experts take the fused Triton MoE, mHC its fused kernel and the attention
+        # core its kernel where kernels resolve to Triton (CUDA): no host sync. The
+        # compressors and the indexer are batched PyTorch either way.
         self.ops = resolve_ops(kernels, device)
         self.model = DeepseekV4Model(config, dtype, device, ops=self.ops)
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
@@ -566,14 +585,15 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def allocate_kv_cache(
         self,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
         make: TensorMaker | None = None,
     ) -> list[torch.Tensor]:
-        """One [1, num_blocks, block_size, 1, width] tensor per cache (state caches, then
-        compressed caches), each of its own row's width (v4_kv_rows), laid out as every
+        """One [1, num_blocks, rows, 1, width] tensor per cache (state caches, then
+        compressed caches), each of its own row's width (v4_kv_rows) and rows per block
+        (block_size for a state cache, its entries for a compressed one), laid out as every
         CausalLM's: per size class, cache k of every group of the class in its tensor k."""
         for rate in {r for r in self.config.deepseek_v4.compress_rates if r}:  # type: ignore[union-attr]
             if block_size % rate and rate % block_size:
