@@ -123,9 +123,9 @@ def test_eplb_moves_experts_mid_generation_and_keeps_the_tokens(models: dict[str
         start = initial_placement(2, 8, PlacementSpec(2, 2)).phy_to_log
         assert balancer.num_layer_moves >= 2, "no expert moved during the generation"
         assert (balancer.placement.phy_to_log != start).any()
-        # The balancer counts a move from when it hands it out; the last one may still wait
-        # in the executor for a next step that never came.
-        pending = engine.executor._pending_move  # type: ignore[attr-defined]
+        # The balancer counts a move from when it hands it out; the last one may still be in
+        # flight, waiting for a next step to switch at that never came.
+        pending = engine.executor.moves.in_flight  # type: ignore[attr-defined]
         for layer in range(balancer.placement.num_layers):
             slots = layer_slots(engine.model, layer)
             if pending is not None and pending.layer == layer:
