@@ -49,10 +49,15 @@ class MoveSchedule:
     def in_flight(self) -> ExpertMove | None:
         return self._in_flight
 
+    @property
+    def unswitched(self) -> ExpertMove | None:
+        """The move handed to the executor and not switched yet (queued or in flight)."""
+        return self._queued or self._in_flight
+
     def queue(self, move: ExpertMove) -> None:
         """The move to start with the next step."""
         if not self.accepting:
-            busy = self._queued or self._in_flight
+            busy = self.unswitched
             assert busy is not None
             raise ValueError(f"layer {busy.layer}'s move is not switched yet: one move at a time")
         self._queued = move
