@@ -17,7 +17,7 @@ greedy tokens of these seeded prompts are equal.
 import json
 import math
 import multiprocessing
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import pytest
 
 from shared.engine.eplb.placement import PlacementSpec, initial_placement
 from shared.engine.executor import expert_mover
+from shared.engine.executor.move_schedule import MoveSchedule
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.expert_parallel_model import layer_slots
@@ -150,12 +151,13 @@ def test_eplb_moves_experts_mid_generation_and_keeps_the_tokens(models: dict[str
 def test_eplb_moves_run_beside_the_steps_and_switch_on_every_rank_at_one_step(
     models: dict[str, str], monkeypatch: pytest.MonkeyPatch, blocking: bool
 ) -> None:
-    """Rank 0's moves are slowed (0.25 s before each all-to-all, and so every rank's: the
-    all-to-all waits for rank 0), so the steps outrun them: in the background, steps run
-    while a move is in flight, the tokens and logprobs stay bitwise those of EP without
-    EPLB, which they would not were any rank to switch a layer at another step than the
-    others (its slots would hold other experts than rank 0 dispatches to). Blocking
-    moves (``blocking_moves``) keep the tokens too, but no step runs beside a move."""
+    """In the background, rank 0's move of a layer is held until rank 0 ordered the step
+    after the one that started it (and so is every rank's: the all-to-all waits for
+    rank 0), so each move runs beside at least one step, whatever the machine's speed.
+    The tokens and logprobs stay bitwise those of EP without EPLB, which they would not
+    were any rank to switch a layer at another step than the others (its slots would
+    hold other experts than rank 0 dispatches to). Blocking moves (``blocking_moves``)
+    keep the tokens too, and no step runs beside a move."""
     model = models["qwen3_moe"]
     prompts = random_prompts([5, 17, 33, 9], vocab=500, seed=4)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -166,13 +168,25 @@ def test_eplb_moves_run_beside_the_steps_and_switch_on_every_rank_at_one_step(
     finally:
         plain.engine.close()
 
-    move_layer_weights = expert_mover.move_layer_weights
+    if not blocking:  # rank 0 is this process: its step orders are counted, its mover held
+        orders = threading.Condition()
+        ordered = [0]
+        order, move_layer_weights = MoveSchedule.order, expert_mover.move_layer_weights
 
-    def slow_move(*args: Any) -> Any:
-        time.sleep(0.25)
-        return move_layer_weights(*args)
+        def counted_order(self: MoveSchedule, moved_everywhere: bool) -> Any:
+            with orders:  # the caller read moved_everywhere (False while held) before this call
+                ordered[0] += 1
+                orders.notify_all()
+            return order(self, moved_everywhere)
 
-    monkeypatch.setattr(expert_mover, "move_layer_weights", slow_move)  # rank 0's (this process's) mover
+        def held_move(*args: Any) -> Any:
+            with orders:  # started once the starting step's order was made: wait for the next one
+                began = ordered[0]
+                orders.wait_for(lambda: ordered[0] > began, timeout=10.0)  # the last move may see none
+            return move_layer_weights(*args)
+
+        monkeypatch.setattr(MoveSchedule, "order", counted_order)
+        monkeypatch.setattr(expert_mover, "move_layer_weights", held_move)
     settings = {"window_size": 4, "step_interval": 3, "num_redundant_experts": 2, "blocking_moves": blocking}
     llm = LLM(model, enable_eplb=True, eplb_config=json.dumps(settings), **common)
     try:
