@@ -39,7 +39,7 @@ from tools.make_model import make_model
 TARGETS = ("off", "background", "blocking")
 RANKS = 2
 CONCURRENCY = 8
-REQUESTS = 32
+REQUESTS = 16
 """Requests per run (CONCURRENCY at a time)."""
 PROMPT_TOKENS = 24
 MAX_TOKENS = 48
