@@ -154,12 +154,14 @@ class EngineConfig:
     """Expert-parallel load balancing (with enable_expert_parallel): a window of the
     tokens per expert feeds a new placement every eplb_config step_interval steps,
     computed off the step loop, with redundant replicas of the hot experts; the
-    weights then move one MoE layer per step, between steps. Outputs do not change."""
+    weights then move one MoE layer at a time in the background, each layer switched
+    between two steps on every rank. Outputs do not change."""
     eplb_config: str = ""
     """EPLB's settings as JSON, vLLM's keys: {"window_size": steps of counts placed from
     (1000), "step_interval": steps between placements (3000), "num_redundant_experts":
     slots beyond one per expert, over all ranks (0; the experts plus these must divide
-    over the ranks)}. "": the defaults."""
+    over the ranks), "blocking_moves": move on the step's path rather than in the
+    background (false)}. "": the defaults."""
 
     def step_sizes(self) -> tuple[int, int]:
         """(max_num_batched_tokens, prefill_chunk_size), the device's defaults where unset."""
@@ -237,6 +239,10 @@ class EplbConfig:
     window_size: int = 1000
     step_interval: int = 3000
     num_redundant_experts: int = 0
+    blocking_moves: bool = False
+    """Move a layer's weights on the step's path (every rank waits for the move before
+    the next forward), as vLLM's EPLB does, rather than in the background: kept to
+    measure what the background moves save (tools/bench/eplb_live_bench.py)."""
 
     @classmethod
     def from_json(cls, text: str) -> "EplbConfig":
@@ -248,8 +254,9 @@ class EplbConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"eplb_config: unknown keys {unknown}; known: {sorted(known)}")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
-            raise ValueError(f"eplb_config: every value is a whole number, got {values}")
+        flags = {f.name for f in fields(cls) if f.type in (bool, "bool")}
+        if not all(isinstance(v, bool) == (k in flags) and isinstance(v, int) for k, v in values.items()):
+            raise ValueError(f"eplb_config: {sorted(flags)} are true or false, the others whole numbers; got {values}")
         config = cls(**values)
         if config.window_size < 1 or config.step_interval < 1 or config.num_redundant_experts < 0:
             raise ValueError(f"eplb_config: window_size and step_interval must be >= 1, "

@@ -386,9 +386,10 @@ class LLMEngine:
             self._tokens_per_expert += result.expert_counts
             if self._experts is not None:
                 self._experts.record(result.expert_counts.numpy())
-                move = self._experts.next_move()
-                if move is not None:
-                    self.executor.queue_expert_move(move)
+                if self.executor.accepts_expert_move:  # one move at a time, each in the background
+                    move = self._experts.next_move()
+                    if move is not None:
+                        self.executor.queue_expert_move(move)
         for rid, scored in result.prompt_logprobs.items():
             if rid in self._prompt_logprobs:
                 self._prompt_logprobs[rid].update(scored)

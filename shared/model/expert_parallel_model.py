@@ -22,15 +22,18 @@ rather than each worker sending its counts to rank 0 (a device-to-host read and 
 pickle per worker per step): the engine's counts (EPLB's window, EngineLoad) are
 then the instance's, as they are with one rank.
 
-``move_layer`` moves one layer's experts to a new placement and switches to it; every
-rank calls it for the same layer between the same two steps (the executor carries
-the layer in the step message).
+``move_layer_weights`` gathers one layer's experts for a new placement into new buffers
+while the layer runs on with its old ones; ``switch_layer`` then swaps them in. Every
+rank moves the same layer, and switches it before the same step (the executor's
+mover, shared/engine/executor/expert_mover.py).
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shared.model.expert_dispatch import AllToAllDispatcher
@@ -42,7 +45,7 @@ from shared.model.expert_parallel import (
     sparse_blocks,
 )
 from shared.model.interface import CausalLM
-from shared.model.moe import SparseMoE
+from shared.model.moe import Experts, SparseMoE
 from shared.model.parallel import ParallelContext
 
 
@@ -112,22 +115,45 @@ def make_expert_parallel(model: CausalLM, slot_experts: Sequence[Sequence[int]],
     model.register_forward_hook(sum_counts_over_ranks)
 
 
-def move_layer(model: CausalLM, layer: int, slot_experts: Sequence[int], parallel: ParallelContext) -> None:
-    """MoE layer ``layer`` moved to the placement ``slot_experts`` (its new ``phy_to_log``
-    row): the rank's new experts gathered from the ranks holding them (one all-to-all),
-    then switched in together with the placement. Between steps, on every rank."""
-    experts = sparse_blocks(model)[layer].experts
-    if not isinstance(experts, ExpertParallelExperts):
-        raise ValueError(f"MoE layer {layer} is not expert-parallel")
+@dataclass(frozen=True, slots=True)
+class MovedLayer:
+    """One MoE layer's experts gathered for a new placement, in new buffers beside the
+    ones the layer runs (which stay in use until ``switch_layer``)."""
+
+    layer: int
+    shard: ExpertShard
+    local: Experts
+
+
+def move_layer_weights(
+    model: CausalLM, layer: int, slot_experts: Sequence[int], group: dist.ProcessGroup | None
+) -> MovedLayer:
+    """MoE layer ``layer``'s experts for the placement ``slot_experts`` (its new
+    ``phy_to_log`` row), gathered from the ranks holding them (one all-to-all on
+    ``group``) into new buffers; the layer goes on running its old ones. Every rank
+    calls it for the same layer; it may run beside steps (the executor's mover thread),
+    since it only reads the layer's weights. Costs one layer's rank slots of new
+    weights, plus the all-to-all's send and receive copies, until the old ones are freed."""
+    experts = _expert_parallel(model, layer)
     old = experts.shard
     new = ExpertShard.from_slots(slot_experts, old.num_experts, old.num_ranks, old.rank, old.slot_experts.device)
     with torch.inference_mode():  # the weights are inference tensors, like the runner's forward
-        experts.switch(new, move_experts(old, experts.local, new, parallel.ep_group))
+        return MovedLayer(layer, new, move_experts(old, experts.local, new, group))
+
+
+def switch_layer(model: CausalLM, moved: MovedLayer) -> None:
+    """The layer takes its new placement and weights together: between steps, the same
+    step on every rank (the old weights are freed once the last forward that read them is)."""
+    _expert_parallel(model, moved.layer).switch(moved.shard, moved.local)
 
 
 def layer_slots(model: CausalLM, layer: int) -> list[int]:
     """The placement MoE layer ``layer`` runs now (its ``phy_to_log`` row)."""
+    return [int(e) for e in _expert_parallel(model, layer).shard.slot_experts.tolist()]
+
+
+def _expert_parallel(model: CausalLM, layer: int) -> ExpertParallelExperts:
     experts = sparse_blocks(model)[layer].experts
     if not isinstance(experts, ExpertParallelExperts):
         raise ValueError(f"MoE layer {layer} is not expert-parallel")
-    return [int(e) for e in experts.shard.slot_experts.tolist()]
+    return experts

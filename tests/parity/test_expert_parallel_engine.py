@@ -1,7 +1,7 @@
 """Expert parallelism through the engine (issue 28): MoE models run over 2 (and 4) real
 gloo worker processes with ``enable_expert_parallel`` generate the single process's
 tokens and logprobs, and with ``enable_eplb`` the experts move between the ranks
-mid-generation without changing a token.
+mid-generation, in the background beside the steps, without changing a token.
 
 Batch-invariant mode (Qwen3-MoE, GPT-OSS): tokens and logprobs bitwise equal. The
 replicated attention sees the same inputs on every rank; each MoE layer's slice of
@@ -14,14 +14,18 @@ DeepSeek-V4 alike, never 0) and the
 greedy tokens of these seeded prompts are equal.
 """
 
+import json
 import math
 import multiprocessing
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shared.engine.eplb.placement import PlacementSpec, initial_placement
+from shared.engine.executor import expert_mover
+from shared.engine.executor.move_schedule import MoveSchedule
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.expert_parallel_model import layer_slots
@@ -124,8 +128,8 @@ def test_eplb_moves_experts_mid_generation_and_keeps_the_tokens(models: dict[str
         assert balancer.num_layer_moves >= 2, "no expert moved during the generation"
         assert (balancer.placement.phy_to_log != start).any()
         # The balancer counts a move from when it hands it out; the last one may still wait
-        # in the executor for a next step that never came.
-        pending = engine.executor._pending_move  # type: ignore[attr-defined]
+        # to start, or be in flight, for a next step that never came.
+        pending = engine.executor.moves.unswitched  # type: ignore[attr-defined]
         for layer in range(balancer.placement.num_layers):
             slots = layer_slots(engine.model, layer)
             if pending is not None and pending.layer == layer:
@@ -141,6 +145,66 @@ def test_eplb_moves_experts_mid_generation_and_keeps_the_tokens(models: dict[str
             assert math.isclose(b, sum(per_rank) / 2 / max(per_rank))
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_eplb_moves_run_beside_the_steps_and_switch_on_every_rank_at_one_step(
+    models: dict[str, str], monkeypatch: pytest.MonkeyPatch, blocking: bool
+) -> None:
+    """In the background, rank 0's move of a layer is held until rank 0 ordered the step
+    after the one that started it (and so is every rank's: the all-to-all waits for
+    rank 0), so each move runs beside at least one step, whatever the machine's speed.
+    The tokens and logprobs stay bitwise those of EP without EPLB, which they would not
+    were any rank to switch a layer at another step than the others (its slots would
+    hold other experts than rank 0 dispatches to). Blocking moves (``blocking_moves``)
+    keep the tokens too, and no step runs beside a move."""
+    model = models["qwen3_moe"]
+    prompts = random_prompts([5, 17, 33, 9], vocab=500, seed=4)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=1)
+    common = dict(tensor_parallel_size=2, enable_expert_parallel=True, batch_invariant=True, **ENGINE)
+    plain = LLM(model, **common)
+    try:
+        expected = plain.generate(prompts, params)
+    finally:
+        plain.engine.close()
+
+    if not blocking:  # rank 0 is this process: its step orders are counted, its mover held
+        orders = threading.Condition()
+        ordered = [0]
+        order, move_layer_weights = MoveSchedule.order, expert_mover.move_layer_weights
+
+        def counted_order(self: MoveSchedule, moved_everywhere: bool) -> Any:
+            with orders:  # the caller read moved_everywhere (False while held) before this call
+                ordered[0] += 1
+                orders.notify_all()
+            return order(self, moved_everywhere)
+
+        def held_move(*args: Any) -> Any:
+            with orders:  # started once the starting step's order was made: wait for the next one
+                began = ordered[0]
+                orders.wait_for(lambda: ordered[0] > began, timeout=10.0)  # the last move may see none
+            return move_layer_weights(*args)
+
+        monkeypatch.setattr(MoveSchedule, "order", counted_order)
+        monkeypatch.setattr(expert_mover, "move_layer_weights", held_move)
+    settings = {"window_size": 4, "step_interval": 3, "num_redundant_experts": 2, "blocking_moves": blocking}
+    llm = LLM(model, enable_eplb=True, eplb_config=json.dumps(settings), **common)
+    try:
+        got = llm.generate(prompts, params)
+        engine = llm.engine
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert [_chosen_logprobs(o) for o in got] == [_chosen_logprobs(o) for o in expected]
+        moves = engine.executor.moves  # type: ignore[attr-defined]
+        balancer = engine._experts
+        assert balancer is not None and moves.num_switches >= 2
+        assert moves.num_switches == balancer.num_layer_moves - (moves.unswitched is not None)
+        if blocking:
+            assert moves.steps_beside_moves == 0
+        else:
+            assert moves.steps_beside_moves >= moves.num_switches  # each move outlived at least one step
+    finally:
+        llm.engine.close()
+    assert multiprocessing.active_children() == []
 
 
 def test_what_expert_parallelism_does_not_run_is_refused_before_any_rank_starts(

@@ -79,6 +79,8 @@ EPLB = dict(EP, enable_eplb=True)
         (dict(EPLB, eplb_config='{"step_interval": 0}'), "step_interval must be >= 1"),
         (dict(EPLB, eplb_config='{"window_size": "5"}'), "whole number"),
         (dict(EPLB, eplb_config='[1, 2]'), "a JSON object"),
+        (dict(EPLB, eplb_config='{"blocking_moves": 1}'), r"\['blocking_moves'\] are true or false"),
+        (dict(EPLB, eplb_config='{"window_size": true}'), "whole number"),
     ],
 )
 def test_expert_parallel_settings_that_mean_nothing_are_refused(settings: dict, message: str) -> None:
@@ -90,3 +92,5 @@ def test_eplb_config_reads_vllm_keys() -> None:
     config = EngineConfig(**EPLB, eplb_config='{"window_size": 10, "step_interval": 20, "num_redundant_experts": 4}')
     assert config.eplb_settings() == EplbConfig(window_size=10, step_interval=20, num_redundant_experts=4)
     assert EngineConfig().eplb_settings() == EplbConfig()
+    blocking = EngineConfig(**EPLB, eplb_config='{"blocking_moves": true}').eplb_settings()
+    assert blocking.blocking_moves and not EplbConfig().blocking_moves

@@ -5,9 +5,10 @@ The engine calls ``record`` with each step's tokens per expert (the whole instan
 the ranks all-reduce them) and then ``next_move``. Every ``step_interval`` recorded
 steps a new placement is computed from the window on a background thread (numpy
 releases the GIL in its array work, so the step loop runs on meanwhile); once it is
-ready, ``next_move`` hands out one changed MoE layer per step, which the executor
-applies on every rank before the next forward (its weights move, then the layer
-switches at once). A request never sees a half-moved layer: each layer's placement
+ready, ``next_move`` hands out one changed MoE layer at a time (the engine asks
+whenever the executor takes one), whose weights the executor's ranks move in the
+background while steps run on, then switch before one same step
+(shared/engine/executor/move_schedule.py). A request never sees a half-moved layer: each layer's placement
 is whole, old or new, in every forward. Torch-free.
 """
 
@@ -25,7 +26,7 @@ from shared.engine.eplb.placement import Placement, PlacementSpec, compute_place
 @dataclass(frozen=True, slots=True)
 class ExpertMove:
     """One MoE layer's new placement: the logical expert of each physical slot (its
-    ``phy_to_log`` row). Sent to every rank with a step, applied before its forward."""
+    ``phy_to_log`` row). Sent to every rank with a step, moved beside the following ones."""
 
     layer: int
     slot_experts: tuple[int, ...]
@@ -38,7 +39,7 @@ class ExpertBalancer:
     def __init__(self, num_layers: int, num_experts: int, num_ranks: int, config: EplbConfig, rebalance: bool) -> None:
         self.spec = PlacementSpec(num_ranks, config.num_redundant_experts)
         self.placement: Placement = initial_placement(num_layers, num_experts, self.spec)
-        """What the ranks run (or will, before the next forward: a handed-out move counts)."""
+        """What the ranks run (or will, once the move in flight switches: a handed-out move counts)."""
         self.window = LoadWindow(num_layers, num_experts, config.window_size)
         self.step_interval = config.step_interval
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="eplb-placement") if rebalance else None
@@ -56,7 +57,7 @@ class ExpertBalancer:
         self._steps_since_placement += 1
 
     def next_move(self) -> ExpertMove | None:
-        """The layer to move before the next step, if any (at most one per step)."""
+        """The next layer to move, if any (the executor takes one at a time)."""
         if self._pool is None:
             return None
         if self._target is None and self._computing is not None and self._computing.done():

@@ -52,10 +52,17 @@ class Executor(ABC):
     def close(self) -> None:
         """Stop the other ranks (and wait for them); the executor runs nothing after."""
 
+    @property
+    @abstractmethod
+    def accepts_expert_move(self) -> bool:
+        """Whether queue_expert_move may be called: the ranks are expert-parallel and no
+        move is waiting or in flight."""
+
     @abstractmethod
     def queue_expert_move(self, move: ExpertMove) -> None:
-        """Move one MoE layer's experts (EPLB) on every rank before the next forward
-        (the next execute or launch): the move rides with that step to every rank."""
+        """Move one MoE layer's experts (EPLB) on every rank, in the background from the
+        next forward on (execute or launch); every rank switches the layer before one
+        later forward, the same on all (multiproc.py, move_schedule.py)."""
 
 
 class UniProcExecutor(Executor):
@@ -78,6 +85,10 @@ class UniProcExecutor(Executor):
 
     def close(self) -> None:
         pass
+
+    @property
+    def accepts_expert_move(self) -> bool:
+        return False
 
     def queue_expert_move(self, move: ExpertMove) -> None:
         raise ValueError("one rank holds every expert: nothing to move")

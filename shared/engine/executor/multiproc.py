@@ -14,9 +14,11 @@ MultiprocExecutor broadcasts them through a shared-memory ring for the same reas
   device only: a pickled object would go through GPU memory each step);
 - a pipe's end is how a worker learns the engine is gone (EOFError): no orphan ranks.
 
-An EPLB move (one MoE layer's new placement) rides with the next execute or launch
-message, so every rank moves the same layer between the same two steps, before that
-step's forward (expert_parallel_model.move_layer: one all-to-all of the weights).
+EPLB's weight moves ride with the execute and launch messages as ``MoveOrder``s
+(move_schedule.py): one step's message has every rank start moving a layer on its
+mover thread (expert_mover.py, over a second group kept for moves), and the steps run
+on with the old placement; once rank 0 learns every rank finished, the next message
+has them all switch that layer before the same forward.
 
 Every rank samples the same tokens from the same all-gathered logits (vLLM v1 does
 the same), so no tokens cross back; the workers keep their sampling state in step.
@@ -40,12 +42,13 @@ from typing import Any, TypeVar
 from shared.engine.config import EngineConfig
 from shared.engine.executor.base import Command, Executor
 from shared.engine.eplb.balancer import ExpertMove
-from shared.engine.executor.process_group import instance_context, serve_store
+from shared.engine.executor.expert_mover import ExpertMover
+from shared.engine.executor.move_schedule import MoveOrder, MoveSchedule
+from shared.engine.executor.process_group import expert_move_group, instance_context, serve_store
 from shared.engine.executor.rank import RunnerSetup, rank_device
 from shared.engine.executor.worker import run_worker
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
 from shared.engine.step import SchedulerOutput
-from shared.model.expert_parallel_model import move_layer
 from shared.model.parallel import ParallelContext
 
 log = logging.getLogger(__name__)
@@ -70,7 +73,8 @@ class MultiprocExecutor(Executor):
         self._workers: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._closed = False
-        self._pending_move: ExpertMove | None = None
+        self.moves = MoveSchedule(blocking=config.eplb_settings().blocking_moves)
+        self._mover: ExpertMover | None = None
         store = serve_store(self.world_size)
         context = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's threads and CUDA
         for rank in range(1, self.world_size):
@@ -85,8 +89,12 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop, self._workers, self._conns)
         try:
             self._await_all("joined")
+            device = rank_device(config.device, 0, self.world_size)
             self.parallel: ParallelContext = instance_context(
-                store, 0, self.world_size, rank_device(config.device, 0, self.world_size), config.enable_expert_parallel
+                store, 0, self.world_size, device, config.enable_expert_parallel
+            )
+            self._move_group = (
+                expert_move_group(store, 0, self.world_size, device) if config.enable_expert_parallel else None
             )
         except BaseException:
             self.close()
@@ -96,6 +104,8 @@ class MultiprocExecutor(Executor):
     def start(self, setup: RunnerSetup, runner: ModelRunner) -> None:
         """Have every worker build its runner as rank 0 built ``runner``; returns once all did."""
         self.runner = runner
+        if self._move_group is not None:
+            self._mover = ExpertMover(runner.model, self._move_group, runner.device)
         for conn in self._conns:
             conn.send(setup)
         self._await_all("ready")
@@ -103,29 +113,31 @@ class MultiprocExecutor(Executor):
     # -- steps ----------------------------------------------------------------
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        move = self._take_move()
-        self._send(Command.EXECUTE, (sched,), move)
-        return self._guarded(self._moved_then, move, self.runner.execute, sched)
+        order = self._move_order()
+        self._send(Command.EXECUTE, (sched,), order)
+        return self._guarded(self._ordered_then, order, self.runner.execute, sched)
 
     def launch(self, sched: SchedulerOutput) -> StepHandle:
-        move = self._take_move()
-        self._send(Command.LAUNCH, (sched,), move)
-        return self._guarded(self._moved_then, move, self.runner.launch, sched)
+        order = self._move_order()
+        self._send(Command.LAUNCH, (sched,), order)
+        return self._guarded(self._ordered_then, order, self.runner.launch, sched)
+
+    @property
+    def accepts_expert_move(self) -> bool:
+        return self._mover is not None and self.moves.accepting
 
     def queue_expert_move(self, move: ExpertMove) -> None:
-        if not self.parallel.is_expert_parallel:
+        if self._mover is None:
             raise ValueError("the ranks are not expert-parallel: no experts to move")
-        if self._pending_move is not None:
-            raise ValueError(f"layer {self._pending_move.layer}'s move is still waiting for a step: one per step")
-        self._pending_move = move
+        self.moves.queue(move)
 
-    def _take_move(self) -> ExpertMove | None:
-        move, self._pending_move = self._pending_move, None
-        return move
+    def _move_order(self) -> MoveOrder | None:
+        return None if self._mover is None else self.moves.order(moved_everywhere=self._mover.finished)
 
-    def _moved_then(self, move: ExpertMove | None, run: Callable[..., T], *args: Any) -> T:
-        if move is not None:
-            move_layer(self.runner.model, move.layer, move.slot_experts, self.parallel)
+    def _ordered_then(self, order: MoveOrder | None, run: Callable[..., T], *args: Any) -> T:
+        if order is not None:
+            assert self._mover is not None
+            self._mover.apply(order)
         return run(*args)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
@@ -144,11 +156,11 @@ class MultiprocExecutor(Executor):
 
     # -- the workers ----------------------------------------------------------
 
-    def _send(self, command: Command, args: tuple[Any, ...], move: ExpertMove | None = None) -> None:
+    def _send(self, command: Command, args: tuple[Any, ...], order: MoveOrder | None = None) -> None:
         if self._closed:
             raise WorkerFailed("the tensor-parallel executor is closed")
         self._check_alive()
-        payload = pickle.dumps((command, args, move), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps((command, args, order), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.send_bytes(payload)

@@ -46,16 +46,34 @@ def expert_parallel_context(
     store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S
 ) -> ParallelContext:
     """This rank's context for an expert-parallel model over every rank (no tensor
-    parallelism: the model is built whole, its MoE layers then split by expert). The
-    backend is wrapped in a ``ProcessGroup`` (still no global registration), which has
-    the ``all_to_all_single`` the dispatch runs; the backend alone does not."""
-    prefixed = dist.PrefixStore("ep", store)
+    parallelism: the model is built whole, its MoE layers then split by expert)."""
+    group = _process_group("ep", store, rank, world_size, device, timeout_s)
+    return ParallelContext(ep_rank=rank, ep_size=world_size, ep_group=group)
+
+
+def expert_move_group(
+    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S
+) -> dist.ProcessGroup:
+    """A second group over the same ranks for EPLB's weight moves alone: a move's
+    all-to-all runs on a mover thread while the steps' collectives run on the step's
+    group, and two threads must never issue collectives on one group (their order
+    would differ between ranks). Only a move in flight uses it: an idle engine trips
+    no timeout."""
+    return _process_group("epmove", store, rank, world_size, device, timeout_s)
+
+
+def _process_group(
+    prefix: str, store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float
+) -> dist.ProcessGroup:
+    """A backend wrapped in a ``ProcessGroup`` (still no global registration), which has
+    the ``all_to_all_single`` the dispatch and the moves run; the backend alone does not."""
+    prefixed = dist.PrefixStore(prefix, store)
     backend = _backend(prefixed, rank, world_size, device, timeout_s)
     group = dist.ProcessGroup(prefixed, rank, world_size)
     kind = dist.ProcessGroup.BackendType.NCCL if device.type == "cuda" else dist.ProcessGroup.BackendType.GLOO
     group._set_default_backend(kind)
     group._register_backend(device, kind, backend)
-    return ParallelContext(ep_rank=rank, ep_size=world_size, ep_group=group)
+    return group
 
 
 def instance_context(

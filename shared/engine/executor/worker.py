@@ -6,9 +6,10 @@ Talk with rank 0 is one pipe, in this order:
 
 1. the worker sends ``("joined", None)`` once it reached the store, then joins the group;
 2. rank 0 sends the ``RunnerSetup``; the worker sends ``("ready", None)`` once built;
-3. rank 0 sends each step as pickled ``(Command, args, ExpertMove | None)``; the move
-   (EPLB) is applied before the command's forward; nothing comes back (rank 0's own
-   runner gives the step's result), until ``CLOSE``.
+3. rank 0 sends each step as pickled ``(Command, args, MoveOrder | None)``; the order
+   (EPLB: switch a moved layer, start moving one on the mover thread) is applied before
+   the command's forward; nothing comes back (rank 0's own runner gives the step's
+   result), until ``CLOSE``.
 
 Any failure is sent as ``("error", traceback text)`` before the worker exits non-zero,
 so that rank 0 (whose collective then fails, the peer gone) says why. The pipe's end
@@ -26,11 +27,10 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.executor.base import Command
-from shared.engine.executor.process_group import instance_context, join_store
+from shared.engine.executor.expert_mover import ExpertMover
+from shared.engine.executor.process_group import expert_move_group, instance_context, join_store
 from shared.engine.executor.rank import RunnerSetup, build_runner, checkpoint_recipe, load_rank_model, rank_device
 from shared.engine.model_runner import ModelRunner, StepHandle
-from shared.model.expert_parallel_model import move_layer
-from shared.model.parallel import ParallelContext
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,12 @@ def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig
         store = join_store(store_port, world_size)
         conn.send(("joined", None))
         parallel = instance_context(store, rank, world_size, device, config.enable_expert_parallel)
+        move_group = expert_move_group(store, rank, world_size, device) if config.enable_expert_parallel else None
         model = load_rank_model(config, parallel, device, progress=False)
         setup: RunnerSetup = conn.recv()
         runner = build_runner(setup, model, device, checkpoint_recipe(config.model))
         conn.send(("ready", None))
-        _serve(runner, parallel, conn)
+        _serve(runner, None if move_group is None else ExpertMover(model, move_group, device), conn)
     except EOFError:
         return  # the engine closed its end: nothing left to serve
     except BaseException:
@@ -64,16 +65,17 @@ def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig
         sys.exit(1)
 
 
-def _serve(runner: ModelRunner, parallel: ParallelContext, conn: Connection) -> None:
+def _serve(runner: ModelRunner, mover: ExpertMover | None, conn: Connection) -> None:
     """Run rank 0's commands in the order they come. Launched steps wait here, oldest
     first, for the COLLECT that rank 0 sends when it collects its own (one in flight)."""
     launched: deque[StepHandle] = deque()
     while True:
-        command, args, move = pickle.loads(conn.recv_bytes())
+        command, args, order = pickle.loads(conn.recv_bytes())
         if command is Command.CLOSE:
             return
-        if move is not None:
-            move_layer(runner.model, move.layer, move.slot_experts, parallel)
+        if order is not None:
+            assert mover is not None, "an expert move order for ranks that are not expert-parallel"
+            mover.apply(order)
         if command is Command.EXECUTE:
             runner.execute(*args)
         elif command is Command.LAUNCH:
