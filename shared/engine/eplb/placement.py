@@ -34,14 +34,7 @@ whatever the number)."""
 _PAIR_SHIFTS = (0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8)
 _PAIR_ROUNDS = 6
 """The refinement's pair rounds and the rotation of each (see _refine)."""
-_HEAVIEST_ROUNDS = 2
-_MULTI_ROUNDS = 3
-_MULTI_HEAVY = 4
-_MULTI_LIGHT = 16
-"""The multi rounds (see _refine): each row's _MULTI_HEAVY heaviest packs against its
-_MULTI_LIGHT lightest. 6 pair + 3 multi + 2 heaviest rounds balance at least as well
-as the 6 pair + 8 heaviest before them (tools/bench/eplb_placement_speed.py), in 11
-rounds instead of 14."""
+_HEAVIEST_ROUNDS = 8
 """Bound on the heaviest-pack rounds, each lowering one pack per layer. Both counts
 are bounded by the placement's time budget, not by convergence (at 48 x 128 x EP64,
 1 redundant per rank, more rounds still help a little); each round costs some
@@ -396,10 +389,8 @@ def _refine(w_all: np.ndarray, k_all: np.ndarray, apart: bool) -> None:
     First pair rounds: the packs sorted by load, the k-th heaviest meets the
     (k + shift)-th lightest (shift from _PAIR_SHIFTS, one per round, so that a heavy
     pack the lightest could not help meets others), every pair making its best trade
-    at once. Then multi rounds: each row's _MULTI_HEAVY heaviest packs make their best
-    trade with one of its _MULTI_LIGHT lightest, a light pack going to the heaviest
-    that chose it (the trades of a round touch distinct packs). Then heaviest rounds:
-    each row's heaviest pack makes its best trade with any pack, the one that lowers the max, while one helps.
+    at once. Then heaviest rounds: each row's heaviest pack makes its best trade with
+    any pack, the one that lowers the max, while one helps.
 
     Every row goes through every round (a row with nothing to trade costs arithmetic
     only; numpy's per-call cost, not the arithmetic, is what these shapes pay for)."""
@@ -410,7 +401,7 @@ def _refine(w_all: np.ndarray, k_all: np.ndarray, apart: bool) -> None:
     plane = rows * num_packs
     slot_off = (np.arange(per_pack) * plane)[:, None]
     pack_base = (np.arange(rows) * num_packs)[:, None]
-    scratch = tuple(np.empty(per_pack * per_pack * rows * max(num_packs, min(_MULTI_HEAVY, num_packs // 2) * _MULTI_LIGHT), dtype=w_all.dtype) for _ in range(2))
+    scratch = tuple(np.empty(per_pack * per_pack * plane, dtype=w_all.dtype) for _ in range(2))
     # Per round, the columns of the packs sorted by load: the lightest half, rotated by
     # the round's shift, then the heaviest half, heaviest first.
     heaviest = np.arange(num_packs - 1, num_packs - 1 - half, -1)
@@ -429,30 +420,6 @@ def _refine(w_all: np.ndarray, k_all: np.ndarray, apart: bool) -> None:
             continue
         a, b = np.divmod(pair_max[:, c].argmin(0), per_pack)
         _swap(cells, a * plane + src[c], b * plane + dst[c])
-    k_heavy = min(_MULTI_HEAVY, half)
-    n_light = min(_MULTI_LIGHT, num_packs - k_heavy)
-    cols = np.concatenate([np.arange(n_light), np.arange(num_packs - 1, num_packs - 1 - k_heavy, -1)])
-    earlier = np.tri(k_heavy, k=-1, dtype=bool)  # [k, j]: j before k
-    for _ in range(_MULTI_ROUNDS if k_heavy and n_light else 0):
-        loads = _slot_sum(w_all).reshape(-1)
-        packs = _argsort_rows(loads.reshape(rows, num_packs))[:, cols] + pack_base
-        src = np.repeat(packs[:, n_light:], n_light, axis=1).ravel()  # [rows, heavy, light] flat
-        dst = np.tile(packs[:, :n_light], (1, k_heavy)).ravel()
-        top = loads.take(src)
-        at_src, at_dst = slot_off + src, slot_off + dst
-        pair_max = _pair_max(flat_w.take(at_src), flat_w.take(at_dst), flat_k.take(at_src), flat_k.take(at_dst),
-                             top, loads.take(dst), apart, scratch).reshape(per_pack * per_pack, -1)
-        best = pair_max.min(0).reshape(rows, k_heavy, n_light)
-        partner = best.argmin(2)
-        pair = (np.arange(rows * k_heavy) * n_light + partner.ravel())
-        ok = (best.reshape(-1).take(pair) < top.take(pair) * (1 - _MIN_GAIN)).reshape(rows, k_heavy)
-        # A light pack that a heavier pack trades with is not given to a lighter one.
-        ok &= ~((partner[:, :, None] == partner[:, None, :]) & earlier & ok[:, None, :]).any(2)
-        pair = pair[ok.ravel()]
-        if not len(pair):
-            break
-        a, b = np.divmod(pair_max[:, pair].argmin(0), per_pack)
-        _swap(cells, a * plane + src[pair], b * plane + dst[pair])
     all_rows = np.arange(rows)
     for _ in range(_HEAVIEST_ROUNDS):
         loads = _slot_sum(w_all)
