@@ -12,7 +12,9 @@ by ``model.safetensors.index.json``. Loading goes in three steps:
    transformers'), and sets aside what is not the model's (V4's ``mtp.*``);
 3. each tensor is read from the memory-mapped files and copied into parameters already
    allocated in the target dtype and device, one at a time, so the peak memory is the
-   model plus one tensor (in float32, for a quantised one).
+   model plus one tensor (in float32, for a quantised one). A tensor-parallel rank reads
+   only its slice of each split tensor, an expert-parallel rank only the experts of its
+   slots (shared/model/expert_loading.py), so N ranks read the checkpoint about once.
 
 Every mismatch between checkpoint and config is a ``CheckpointError`` that names the
 file or tensor. Quantised weights are dequantised to the model dtype, unless ``keep``
