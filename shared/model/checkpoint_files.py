@@ -255,18 +255,29 @@ class CheckpointReader:
         except ValueError as e:
             raise CheckpointError(f"{where}: {e}") from e
 
-    def read(self, source: TensorSource) -> torch.Tensor:
-        """The logical tensor: stored as is, or dequantised to float32."""
-        data = self._slice(source.data, source.file)[:]
+    def read(self, source: TensorSource, region: tuple[slice, ...] = ()) -> torch.Tensor:
+        """The logical tensor, or only ``region`` of it (ranges of its leading dims, as a
+        tensor-parallel shard or an expert-parallel rank's experts): stored as is, or
+        dequantised to float32. Safetensors' slices read only their range of the mapped
+        file, so a plain tensor's region is all that is read; so is a quantised one's when
+        the region cuts only dim 0 of a stack ([E, ...] experts: data and scales are cut
+        alike). Any other quantised region (its scale tiles need not line up with the cut)
+        is cut from the whole tensor once dequantised."""
+        data_slice = self._slice(source.data, source.file)
         if source.scale is None or source.scale_file is None:
-            return data
-        scale = self._slice(source.scale, source.scale_file)[:]
+            return data_slice[region] if region else data_slice[:]
+        scale_slice = self._slice(source.scale, source.scale_file)
+        stack_cut = len(region) == 1 and len(data_slice.get_shape()) >= 3
+        data = data_slice[region] if stack_cut else data_slice[:]
+        scale = scale_slice[region] if stack_cut else scale_slice[:]
         try:
             if source.mxfp4:
-                return quantized.dequantize_mxfp4(data, scale).transpose(-1, -2)
-            if data.dtype in (torch.int8, torch.uint8):
-                return quantized.dequantize_fp4_groups(data, scale)
-            assert self.scheme is not None and self.scheme.block is not None
-            return quantized.dequantize_fp8_blocks(data, scale, self.scheme.block)
+                whole = quantized.dequantize_mxfp4(data, scale).transpose(-1, -2)
+            elif data.dtype in (torch.int8, torch.uint8):
+                whole = quantized.dequantize_fp4_groups(data, scale)
+            else:
+                assert self.scheme is not None and self.scheme.block is not None
+                whole = quantized.dequantize_fp8_blocks(data, scale, self.scheme.block)
         except ValueError as e:
             raise CheckpointError(f"{self.folder / source.file}: {source.data} with {source.scale}: {e}") from e
+        return whole if stack_cut or not region else whole[region]

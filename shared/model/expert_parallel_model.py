@@ -115,6 +115,17 @@ def make_expert_parallel(model: CausalLM, slot_experts: Sequence[Sequence[int]],
     model.register_forward_hook(sum_counts_over_ranks)
 
 
+def rank_experts(slot_experts: Sequence[Sequence[int]], parallel: ParallelContext) -> list[list[int]]:
+    """The experts of this rank's slots in each MoE layer (``slot_experts``: the
+    placement's ``phy_to_log`` rows): what the loader reads for it (``load_model``'s
+    ``held_experts``) before ``make_expert_parallel`` keeps them."""
+    out: list[list[int]] = []
+    for row in slot_experts:
+        per_rank = len(row) // parallel.ep_size
+        out.append([int(e) for e in row[parallel.ep_rank * per_rank : (parallel.ep_rank + 1) * per_rank]])
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class MovedLayer:
     """One MoE layer's experts gathered for a new placement, in new buffers beside the

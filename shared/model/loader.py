@@ -12,7 +12,9 @@ by ``model.safetensors.index.json``. Loading goes in three steps:
    transformers'), and sets aside what is not the model's (V4's ``mtp.*``);
 3. each tensor is read from the memory-mapped files and copied into parameters already
    allocated in the target dtype and device, one at a time, so the peak memory is the
-   model plus one tensor (in float32, for a quantised one).
+   model plus one tensor (in float32, for a quantised one). A tensor-parallel rank reads
+   only its slice of each split tensor, an expert-parallel rank only the experts of its
+   slots (shared/model/expert_loading.py), so N ranks read the checkpoint about once.
 
 Every mismatch between checkpoint and config is a ``CheckpointError`` that names the
 file or tensor. Quantised weights are dequantised to the model dtype, unless ``keep``
@@ -22,7 +24,7 @@ are rebuilt quantised, and the stored data and scales are copied in unconverted.
 """
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 import logging
 import sys
 from pathlib import Path
@@ -34,6 +36,7 @@ from shared.model.checkpoint_files import (
     INDEX_FILE, SINGLE_FILE, CheckpointError, CheckpointReader, TensorSource, logical_tensors, quant_scheme, tensor_files,
 )  # fmt: skip
 from shared.model.config import ModelConfig
+from shared.model.expert_loading import ExpertReads, expert_reads, runs
 from shared.model.kept_weights import KeptFormats, KeptTarget, keep_quantized
 from shared.model.ops import resolve_ops
 from shared.model.models import build_model, model_entry
@@ -57,12 +60,18 @@ def load_model(
     kernels: str = "auto",
     keep: KeptFormats = KeptFormats(),
     parallel: ParallelContext | None = None,
+    held_experts: Callable[[CausalLM], Sequence[Collection[int]]] | None = None,
 ) -> CausalLM:
     """``kernels``: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
     ``keep``: the quantised forms held as stored rather than dequantised (``kept_formats``
     of the engine's ``quantized_weights`` and the device; none by default).
     ``parallel``: load this rank's slice of a tensor-parallel model: each split tensor is
-    checked at its full shape, then its slice (``CausalLM.checkpoint_shards``) copied."""
+    checked at its full shape (from the file header), then only its slice
+    (``CausalLM.checkpoint_shards``) read and copied.
+    ``held_experts``: for an expert-parallel rank, the built model -> the experts each MoE
+    layer keeps on this rank (its slots'); only those experts' bytes are read, the other
+    rows of the stacked experts are left as allocated, for ``make_expert_parallel`` to
+    drop. None: every expert is read."""
     if keep.any and parallel is not None and parallel.is_parallel:
         raise ValueError("not implemented yet: quantized weights kept as stored with tensor parallelism")
     folder = Path(path)
@@ -82,6 +91,7 @@ def load_model(
             kept = keep_quantized(model, sources, reader.stored_dtype, keep, block, resolve_ops(kernels, device))
         params = model.checkpoint_tensors(set(sources))
         shards = model.checkpoint_shards()
+        picks = expert_reads(model, params, held_experts(model)) if held_experts is not None else ExpertReads({}, frozenset())
         _check_names(folder, set(params), set(sources) - _mtp_names(folder, config, sources), tie)
         # File by file (sorted), so the pages of one shard are read together.
         order = sorted((name for name in sources if name in params), key=lambda n: (sources[n].file, sources[n].data))
@@ -96,8 +106,17 @@ def load_model(
                     f"{folder / source.file}: tensor {source.data} has shape {shape}, expected "
                     f"{_full_shape(param, shard)} from config.json"
                 )
+            if name in picks.skipped:
+                continue  # an expert held by another rank
+            if name in picks.rows:
+                for start, stop in runs(picks.rows[name]):
+                    param[start:stop].copy_(reader.read(source, (slice(start, stop),)))
+                continue
             # copy_ casts to the parameter's dtype and moves it to its device, one tensor at a time.
-            _copy(param, reader.read(source), shard)
+            if shard is None:
+                param.copy_(reader.read(source))
+            else:
+                param.narrow(shard.dim, 0, shard.size).copy_(reader.read(source, shard.region()))
     return model.eval()
 
 

@@ -54,6 +54,10 @@ class Shard:
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.narrow(self.dim, self.start, self.size)
 
+    def region(self) -> tuple[slice, ...]:
+        """The slice as an index of the checkpoint tensor: what the loader reads of the file."""
+        return (slice(None),) * self.dim + (slice(self.start, self.start + self.size),)
+
 
 @dataclass(frozen=True, slots=True)
 class ParallelContext:

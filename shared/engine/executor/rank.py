@@ -13,7 +13,7 @@ from shared.engine.eplb.placement import PlacementSpec, initial_placement
 from shared.engine.model_runner import ModelRunner
 from shared.engine.structured.setup import make_grammar_compiler
 from shared.model import batch_invariant
-from shared.model.expert_parallel_model import make_expert_parallel
+from shared.model.expert_parallel_model import make_expert_parallel, rank_experts
 from shared.model.interface import CausalLM
 from shared.model.kept_weights import kept_formats
 from shared.model.loader import load_model
@@ -46,10 +46,16 @@ def load_rank_model(config: EngineConfig, parallel: ParallelContext, device: tor
     """This rank's model: its slice of config.model's checkpoint, with the engine's kernels
     (the batch-invariant table installed where asked). Expert-parallel: loaded whole, then
     each MoE layer keeps its experts of the initial placement (``initial_placement``, the
-    one the engine's ExpertBalancer starts from) and drops the rest."""
+    one the engine's ExpertBalancer starts from): only those are read from the files,
+    and the rest of each layer's stacked experts is dropped."""
+
+    def held_experts(model: CausalLM) -> list[list[int]]:
+        return rank_experts(expert_placement_rows(config, model), parallel)
+
     model = load_model(
         config.model, dtype=torch_dtype(config.dtype), device=device, progress=progress, kernels=config.kernels,
         keep=kept_formats(config.quantized_weights, device), parallel=parallel,
+        held_experts=held_experts if parallel.is_expert_parallel else None,
     )  # fmt: skip
     if config.batch_invariant:
         batch_invariant.apply(model)  # the ops table, chosen once for the model's life
