@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shared.model.kernels.compressed_attention import compressed_attention
+from tools.bench.gpu_bench import _time
 from tests.helpers.compressed_attention_cases import kernel_case, reference, relative_error, run_kernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -29,18 +30,6 @@ def test_kernel_equals_the_gathered_torch_path(heads: int, head_dim: int, picks:
     case = kernel_case(heads, head_dim, picks, floor, dtype, seed=heads + picks, device="cuda")
     want, got = reference(case), run_kernel(compressed_attention, case)
     assert relative_error(got, want) <= TOLERANCE[dtype]
-
-
-def _timed(fn, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def test_an_8k_prefill_layer_at_v4_flash_shape() -> None:
@@ -77,4 +66,4 @@ def test_an_8k_prefill_layer_at_v4_flash_shape() -> None:
 
     assert relative_error(kernel(), gathered()) <= TOLERANCE[dtype]
     print(f"\n8k prefill, one CSA layer's attention (64 x 512, window 128, 512 picks): "
-          f"kernel {_timed(kernel):.2f} ms, gathered PyTorch {_timed(gathered):.2f} ms")  # fmt: skip
+          f"kernel {_time(kernel, 1, 5) * 1e3:.2f} ms, gathered PyTorch {_time(gathered, 1, 5) * 1e3:.2f} ms")  # fmt: skip
