@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="eplb_placement_speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline-rev", default=None,
-                   help="git revision whose placement.py is the baseline (default: where this branch left main)")
+                   help="git revision whose placement.py is the baseline (default: where this branch left main); "
+                        "'none' where there is no git (the device machine's copy): this tree's code is timed twice")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--experts", type=int, nargs="+", default=[128])
     p.add_argument("--repeats", type=int, default=30)
@@ -84,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline_rev is None:
         args.baseline_rev = subprocess.run(["git", "-C", str(ROOT), "merge-base", "HEAD", "main"], capture_output=True,
                                            text=True, check=True).stdout.strip()
-    base = load_baseline(args.baseline_rev)
-    base_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline_rev],
-                                 capture_output=True, text=True, check=True).stdout.strip()
+    if args.baseline_rev == "none":
+        base, base_commit = current, "none: this tree's code, timed twice"
+    else:
+        base = load_baseline(args.baseline_rev)
+        base_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline_rev],
+                                     capture_output=True, text=True, check=True).stdout.strip()
 
     with tee_stdout(args.out):
         print(f"# baseline: {PLACEMENT} at {args.baseline_rev} ({base_commit}); new: this tree's")
