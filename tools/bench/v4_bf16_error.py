@@ -1,0 +1,65 @@
+"""Where tests/gpu/test_gpu_deepseek_v4.py's bf16 error comes from: the tiny seeded V4
+checkpoint's greedy decode in bfloat16, each chosen token's logprob against
+transformers' float32 (the truth), with our kernels as chosen ("auto": Triton, the
+fused MoE) and with PyTorch's ("torch"), beside transformers' own bf16 error on the
+same tokens. The test asks ours <= 1.5x transformers' mean per prompt; this prints
+the two means per prompt and per kernel table, so that a kernel that rounds worse
+than the reference path shows as a gap between the two tables' rows.
+
+  python -m tools.bench.v4_bf16_error --variant mixed        # on the device machine
+"""
+
+import argparse
+import sys
+import tempfile
+
+import torch
+
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from tests.helpers.deepseek_v4_models import save_tiny_v4
+
+
+def prompts(lengths=(5, 17, 40, 70), seed: int = 0) -> list[list[int]]:
+    """The test's prompts (tests/gpu/test_gpu_deepseek_v4.py)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="v4_bf16_error", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", default="mixed")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_v4(args.variant, tempfile.mkdtemp(), seed=args.seed)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    print(f"# variant {args.variant} seed {args.seed}: mean |logprob - float32's| of the chosen tokens, per prompt")
+    for kernels in ("auto", "torch"):
+        llm = LLM(str(path), dtype="bfloat16", device=args.device, block_size=16, prefill_chunk_size=32, kernels=kernels)
+        for p_ids, out in zip(prompts(), llm.generate(prompts(), params)):
+            seq = torch.tensor([p_ids + out.token_ids], device=args.device)
+            chosen = torch.tensor(out.token_ids, device=args.device)[:, None]
+            with torch.inference_mode():
+                theirs = torch.log_softmax(hf(seq).logits[0, len(p_ids) - 1 : -1].float(), -1).gather(1, chosen)[:, 0]
+                truth = torch.log_softmax(hf32(seq).logits[0, len(p_ids) - 1 : -1].float(), -1).gather(1, chosen)[:, 0]
+            ours = torch.tensor([lp.logprob for lp in out.logprobs], device=args.device)
+            ours_err, hf_err = (ours - truth).abs(), (theirs - truth).abs()
+            print(f"kernels={kernels:<5} prompt {len(p_ids):>3}: ours mean {ours_err.mean():.4f} max {ours_err.max():.4f}"
+                  f"  transformers bf16 mean {hf_err.mean():.4f} max {hf_err.max():.4f}"
+                  f"  ratio {ours_err.mean() / hf_err.mean():.2f}")
+        if hasattr(llm, "close"):
+            llm.close()
+        del llm
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
