@@ -52,12 +52,16 @@ class TokenEvent:
 
 
 class GenerationError(Exception):
-    """A request could not be served. status is the HTTP status to answer with."""
+    """A request could not be served. status is the HTTP status to answer with; param
+    the request parameter at fault, where the engine named one (InvalidParam)."""
 
-    def __init__(self, message: str, status: int = 503, error_type: str = "service_unavailable") -> None:
+    def __init__(
+        self, message: str, status: int = 503, error_type: str = "service_unavailable", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.error_type = error_type
+        self.param = param
 
 
 class Generator(Protocol):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
 from shared.engine.config import EngineConfig
+from shared.engine.sampling_params import InvalidParam
 
 if TYPE_CHECKING:
     from shared.engine.async_engine import AsyncEngine
@@ -66,5 +67,7 @@ class LocalGenerator:
                     yield TokenEvent(out.new_token_ids, out.new_logprobs, out.finish_reason, usage, out.prompt_logprobs)
             except EngineDead as exc:
                 raise GenerationError(f"the engine is not running: {exc}", 503, "service_unavailable") from exc
-            except ValueError as exc:  # the engine refused the request (add_request's checks)
+            except InvalidParam as exc:  # the engine refused one of the request's parameters
+                raise GenerationError(exc.message, 400, "invalid_request_error", param=exc.param) from exc
+            except ValueError as exc:  # the engine refused the request (add_request's other checks)
                 raise GenerationError(str(exc), 400, "invalid_request_error") from exc

@@ -33,12 +33,13 @@ import grpc
 from opentelemetry import trace
 
 from services.kvcache.nixl_get import NixlServer
-from services.kvcache.store import BlockStore, LandedOutcome, PutOutcome, StoreStats
+from services.kvcache.store import BlockStore, LandedOutcome, PutOutcome
 from shared.kv.block_hash import HASH_BYTES, BlockHash
 from shared.kv.events import kv_event_messages
 from shared.kv.wire.block_stream import AssembledBlock, BlockAssembler, check_chunk_bytes, iter_chunks
 from shared.kv.wire.nixl_plane import NixlRefused, TargetRef
 from shared.kv.wire.shm import MappedSegment, SegmentCache, SegmentRef, ShmUnavailable, place
+from shared.kv.wire.stats import KVCacheStats
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc
 from shared.runtime import subjects
 from shared.runtime.bus import Bus
@@ -128,9 +129,9 @@ class KVCacheMetrics:
         self.nixl_refused = metrics.counter("nixl_refused", "Gets naming a NIXL landing buffer this service could "
                                             "not use, or whose write failed: served (the rest) as bytes.")
         self.nixl_peers = metrics.gauge("nixl_peers", "Clients' NIXL agents whose metadata this service holds.")
-        self._last = StoreStats(0, 0, 0, 0, 0, 0, 0, 0)
+        self._last = KVCacheStats(0, 0, 0, 0, 0, 0, 0, 0)
 
-    def update(self, stats: StoreStats) -> None:
+    def update(self, stats: KVCacheStats) -> None:
         self.blocks.set(stats.num_blocks)
         self.bytes.set(stats.num_bytes)
         self.capacity.set(stats.capacity_bytes)
@@ -407,11 +408,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                     context: grpc.aio.ServicerContext) -> kvcache_pb2.StatsReply:
         stats = await asyncio.to_thread(self.store.stats)
         self.metrics.update(stats)
-        return kvcache_pb2.StatsReply(
-            num_blocks=stats.num_blocks, num_bytes=stats.num_bytes, capacity_bytes=stats.capacity_bytes,
-            num_evicted=stats.num_evicted, num_expired=stats.num_expired, num_corrupt=stats.num_corrupt,
-            num_hits=stats.num_hits, num_misses=stats.num_misses,
-        )
+        return stats.to_proto()
 
     async def sweep(self) -> int:
         """One expiry pass (the service runs it periodically): purge, flush to

@@ -50,6 +50,7 @@ from services.kvcache.block_format import (
     verify_view,
 )
 from shared.kv.block_hash import HASH_BYTES, BlockHash
+from shared.kv.wire.stats import KVCacheStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,18 +106,6 @@ class LandedOutcome:
     """The block's layout when its data was copied into the destination; None: not served."""
     removed: bool = False
     """The block was held but expired or corrupt, and has now been deleted."""
-
-
-@dataclass(slots=True, frozen=True)
-class StoreStats:
-    num_blocks: int
-    num_bytes: int
-    capacity_bytes: int
-    num_evicted: int
-    num_expired: int
-    num_corrupt: int
-    num_hits: int
-    num_misses: int
 
 
 @dataclass(slots=True)
@@ -323,14 +312,14 @@ class BlockStore:
             self._count(num_expired=len(removed))
         return removed
 
-    def stats(self) -> StoreStats:
+    def stats(self) -> KVCacheStats:
         with self._op(), self._env.begin() as txn:
             num_blocks = txn.stat(self._index)["entries"]
             num_bytes = self._read_num_bytes(txn)
         with self._counters_lock:
             c = self._counters
-            return StoreStats(num_blocks, num_bytes, self.capacity_bytes, c.num_evicted, c.num_expired,
-                              c.num_corrupt, c.num_hits, c.num_misses)
+            return KVCacheStats(num_blocks, num_bytes, self.capacity_bytes, c.num_evicted, c.num_expired,
+                                c.num_corrupt, c.num_hits, c.num_misses)
 
     def sync(self) -> None:
         """Flush to disk now (sync=False leaves that to the OS otherwise)."""

@@ -35,7 +35,6 @@ from shared.kv.memory.coordinator import (
 )  # fmt: skip
 from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.model.fingerprint import model_fingerprint
-from shared.model import batch_invariant
 from shared.model.loader import read_config
 from shared.model.models import arch_traits, model_class
 from shared.model.interface import CausalLM
@@ -112,8 +111,10 @@ class LLMEngine:
             self.model = load_rank_model(config, parallel, device, load_progress)
         else:
             self.model = model
-            if config.batch_invariant:
-                batch_invariant.apply(self.model)  # the ops table, chosen once for the model's life
+            if model.batch_invariant != config.batch_invariant:
+                # Its ops table was chosen when it was built; the engine does not swap it.
+                raise ValueError(f"the model was built with batch_invariant={model.batch_invariant}, the config "
+                                 f"says {config.batch_invariant}: build it with build_model(..., batch_invariant=...)")
         # A checkpoint saved by transformers alone has no tokenizer: the engine
         # then takes token ids only and returns no text.
         self.recipe: Recipe | None = checkpoint_recipe(config.model) if loaded else None

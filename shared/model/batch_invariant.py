@@ -25,7 +25,7 @@ product, underlies the Triton table below (checked on an H200 by
 tests/gpu/test_gpu_batch_invariant.py, and by tests/gpu/test_gpu_invariant_matmul.py
 for the matmul's tiles of every M bucket).
 
-apply(model) installs a table on a built Llama-family model (dense, Qwen3-MoE, GPT-OSS)
+apply(model) installs a table on a Llama-family model as build_model builds it (dense, Qwen3-MoE, GPT-OSS)
 by swapping the kernel objects its modules already dispatch to: Linear's row kernel,
 RMSNorm's kernel module, attention's rotary and attention modules, the model's
 attention planner, and for MoE layers the router's row kernel and the experts' kernel
@@ -279,8 +279,9 @@ def invariant_ops(triton: bool) -> Ops:
 
 
 def apply(model: torch.nn.Module) -> None:
-    """Install the table on a built model (see the module docstring), for the model's life:
-    its kernels, taken from ``invariant_ops``, in the slots its modules already dispatch to."""
+    """Install the table on a model just built (see the module docstring), for its life:
+    its kernels, taken from ``invariant_ops``, in the slots its modules already dispatch to.
+    ``build_model(..., batch_invariant=True)`` calls it, the one place that chooses a table."""
     from shared.model.models.llama import Attention, LlamaForCausalLM
 
     if not isinstance(model, LlamaForCausalLM) or not all(
@@ -294,6 +295,7 @@ def apply(model: torch.nn.Module) -> None:
     model._triton_attention = ops.attention
     model._gemv = ops.gemv  # the logits' product (lm_head or the tied embeddings)
     install(model, ops)
+    model.batch_invariant = True
 
 
 def install(module: torch.nn.Module, ops: Ops) -> None:

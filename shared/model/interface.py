@@ -75,6 +75,8 @@ class CausalLM(nn.Module, ABC):
         with a non-blocking copy after the step. None for a dense model."""
         self._gemv: Callable[..., torch.Tensor] | None = None
         """The logits' product kernel (None: PyTorch's)."""
+        self.batch_invariant = False
+        """Whether ``build_model`` installed the batch-invariant ops table (shared/model/batch_invariant.py)."""
 
     @classmethod
     def check_tensor_parallel(cls, config: ModelConfig, tp_size: int) -> None:

@@ -61,6 +61,7 @@ def load_model(
     keep: KeptFormats = KeptFormats(),
     parallel: ParallelContext | None = None,
     held_experts: Callable[[CausalLM], Sequence[Collection[int]]] | None = None,
+    batch_invariant: bool = False,
 ) -> CausalLM:
     """``kernels``: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".
     ``keep``: the quantised forms held as stored rather than dequantised (``kept_formats``
@@ -71,7 +72,11 @@ def load_model(
     ``held_experts``: for an expert-parallel rank, the built model -> the experts each MoE
     layer keeps on this rank (its slots'); only those experts' bytes are read, the other
     rows of the stacked experts are left as allocated, for ``make_expert_parallel`` to
-    drop. None: every expert is read."""
+    drop. None: every expert is read.
+    ``batch_invariant``: build it with the batch-invariant ops table (``build_model``)."""
+    if keep.any and batch_invariant:
+        # Kept weights get their own kernels after the build (FP8 GEMM, MXFP4 experts), not invariant ones.
+        raise ValueError("batch_invariant runs float weights only: load quantized weights dequantised with it")
     if keep.any and parallel is not None and parallel.is_parallel:
         raise ValueError("not implemented yet: quantized weights kept as stored with tensor parallelism")
     folder = Path(path)
@@ -83,7 +88,8 @@ def load_model(
     tie = config.tie_word_embeddings or not {"lm_head.weight", "head.weight"} & set(sources)
     if tie and not config.tie_word_embeddings:
         logger.warning("%s has no lm_head.weight: tying it to model.embed_tokens.weight", folder)
-    model = build_model(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels, parallel=parallel)
+    model = build_model(config, dtype=dtype, device=device, tie_word_embeddings=tie, kernels=kernels, parallel=parallel,
+                        batch_invariant=batch_invariant)
     with CheckpointReader(folder, scheme) as reader, torch.no_grad():
         kept: dict[str, KeptTarget] = {}
         if keep.any:

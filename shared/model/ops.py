@@ -7,7 +7,8 @@ kernels are tested against: shared/model/kernels/reference.py). Three tables:
 - PyTorch (``TORCH_OPS``): every slot None, the CPU's default;
 - Triton (``triton_ops()``): shared/model/kernels, the CUDA default;
 - batch-invariant (shared/model/batch_invariant.py's ``invariant_ops``, a PyTorch and
-  a Triton variant), installed by ``batch_invariant.apply`` on a built dense model.
+  a Triton variant), which ``build_model(..., batch_invariant=True)`` installs over the first two
+  (``batch_invariant.apply``) on a Llama-family model.
 
 ``resolve_ops`` turns ``EngineConfig.kernels`` ("auto", "triton", "torch"; see
 shared/model/kernels) and the device into the first two. The Triton kernel modules are

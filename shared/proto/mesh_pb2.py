@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmesh.proto\x12\x0cinfermesh.v1\"\xe5\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x12\n\x05top_k\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x04H\x02\x88\x01\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.infermesh.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\r\x12)\n\tbad_words\x18\x10 \x03(\x0b\x32\x16.infermesh.v1.TokenIds\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x03\x88\x01\x01\x12\x32\n\nstructured\x18\x12 \x01(\x0b\x32\x1e.infermesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_kB\x0b\n\t_logprobsB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"A\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07\x63ompact\x18\x03 \x01(\x08\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"d\n\x03\x41\x63k\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12%\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x17.infermesh.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"\x9b\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x05 \x01(\t\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\x93\x03\n\rDecodeHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x33\n\x0e\x66irst_logprobs\x18\t \x01(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12\x18\n\x10prefill_instance\x18\n \x01(\t\x12)\n\tkv_source\x18\x0b \x01(\x0b\x32\x16.infermesh.v1.KvSource\x12\x34\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1b.infermesh.v1.TokenLogprobsJ\x04\x08\x08\x10\tR\x0fgenerator_state\"\xc1\x01\n\x08KvSource\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x1b\n\x13lease_deadline_unix\x18\x05 \x01(\x01\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x14\n\x0cwindow_first\x18\x07 \x01(\r\x12\x18\n\x10window_block_ids\x18\x08 \x03(\r\x12\x0c\n\x04nixl\x18\t \x01(\x0c\"\x15\n\x13NixlMetadataRequest\"/\n\x0cNixlMetadata\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\"\x1f\n\tKvRelease\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x8b\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1b\n\x13spec_drafted_tokens\x18\x04 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\x05 \x01(\r\"\xc0\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.infermesh.v1.Usage\x12+\n\nerror_code\x18\x08 \x01(\x0e\x32\x17.infermesh.v1.ErrorCode\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x34\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\",\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xb3\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x03 \x01(\r\x12\x1b\n\x13num_total_kv_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\x12-\n\x0b\x65xpert_load\x18\x06 \x01(\x0b\x32\x18.infermesh.v1.ExpertLoad\"d\n\nExpertLoad\x12\x11\n\tnum_ranks\x18\x01 \x01(\r\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\r\x12-\n\x06layers\x18\x03 \x03(\x0b\x32\x1d.infermesh.v1.LayerExpertLoad\"b\n\x0fLayerExpertLoad\x12\x1c\n\x14mean_tokens_per_rank\x18\x01 \x01(\x01\x12\x1b\n\x13max_tokens_per_rank\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61lancedness\x18\x03 \x01(\x01\"\xa6\x01\n\tHeartbeat\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\tunix_time\x18\x04 \x01(\x01\x12 \n\x04load\x18\x05 \x01(\x0b\x32\x12.infermesh.v1.Load\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\ninterval_s\x18\x07 \x01(\x01\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\"]\n\x07KvEvent\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x0f\n\x07\x63leared\x18\x05 \x01(\x08*\x99\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\x19\n\x15\x45RROR_CODE_OVERLOADED\x10\x02\x12\x1c\n\x18\x45RROR_CODE_SHUTTING_DOWN\x10\x03\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmesh.proto\x12\x0cinfermesh.v1\"\xe5\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x12\n\x05top_k\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x04H\x02\x88\x01\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.infermesh.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\r\x12)\n\tbad_words\x18\x10 \x03(\x0b\x32\x16.infermesh.v1.TokenIds\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x03\x88\x01\x01\x12\x32\n\nstructured\x18\x12 \x01(\x0b\x32\x1e.infermesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_kB\x0b\n\t_logprobsB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"A\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07\x63ompact\x18\x03 \x01(\x08\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"s\n\x03\x41\x63k\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12%\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x17.infermesh.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\r\n\x05param\x18\x05 \x01(\t\"\x9b\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x05 \x01(\t\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\x93\x03\n\rDecodeHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.infermesh.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x33\n\x0e\x66irst_logprobs\x18\t \x01(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12\x18\n\x10prefill_instance\x18\n \x01(\t\x12)\n\tkv_source\x18\x0b \x01(\x0b\x32\x16.infermesh.v1.KvSource\x12\x34\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1b.infermesh.v1.TokenLogprobsJ\x04\x08\x08\x10\tR\x0fgenerator_state\"\xc1\x01\n\x08KvSource\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x1b\n\x13lease_deadline_unix\x18\x05 \x01(\x01\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x14\n\x0cwindow_first\x18\x07 \x01(\r\x12\x18\n\x10window_block_ids\x18\x08 \x03(\r\x12\x0c\n\x04nixl\x18\t \x01(\x0c\"\x15\n\x13NixlMetadataRequest\"/\n\x0cNixlMetadata\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\"\x1f\n\tKvRelease\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x8b\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1b\n\x13spec_drafted_tokens\x18\x04 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\x05 \x01(\r\"\xc0\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.infermesh.v1.Usage\x12+\n\nerror_code\x18\x08 \x01(\x0e\x32\x17.infermesh.v1.ErrorCode\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x34\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1b.infermesh.v1.TokenLogprobs\",\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xb3\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x03 \x01(\r\x12\x1b\n\x13num_total_kv_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\x12-\n\x0b\x65xpert_load\x18\x06 \x01(\x0b\x32\x18.infermesh.v1.ExpertLoad\"d\n\nExpertLoad\x12\x11\n\tnum_ranks\x18\x01 \x01(\r\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\r\x12-\n\x06layers\x18\x03 \x03(\x0b\x32\x1d.infermesh.v1.LayerExpertLoad\"b\n\x0fLayerExpertLoad\x12\x1c\n\x14mean_tokens_per_rank\x18\x01 \x01(\x01\x12\x1b\n\x13max_tokens_per_rank\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61lancedness\x18\x03 \x01(\x01\"\xa6\x01\n\tHeartbeat\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x11\n\tunix_time\x18\x04 \x01(\x01\x12 \n\x04load\x18\x05 \x01(\x0b\x32\x12.infermesh.v1.Load\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\ninterval_s\x18\x07 \x01(\x01\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\"]\n\x07KvEvent\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x0f\n\x07\x63leared\x18\x05 \x01(\x08*\x99\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\x19\n\x15\x45RROR_CODE_OVERLOADED\x10\x02\x12\x1c\n\x18\x45RROR_CODE_SHUTTING_DOWN\x10\x03\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_ERRORCODE']._serialized_start=2980
-  _globals['_ERRORCODE']._serialized_end=3133
+  _globals['_ERRORCODE']._serialized_start=2995
+  _globals['_ERRORCODE']._serialized_end=3148
   _globals['_SAMPLINGPARAMS']._serialized_start=29
   _globals['_SAMPLINGPARAMS']._serialized_end=642
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=542
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=711
   _globals['_TOKENIDS']._serialized_end=740
   _globals['_ACK']._serialized_start=742
-  _globals['_ACK']._serialized_end=842
-  _globals['_PREFILLREQUEST']._serialized_start=845
-  _globals['_PREFILLREQUEST']._serialized_end=1000
-  _globals['_TOKENLOGPROBS']._serialized_start=1002
-  _globals['_TOKENLOGPROBS']._serialized_end=1111
-  _globals['_DECODEHANDOFF']._serialized_start=1114
-  _globals['_DECODEHANDOFF']._serialized_end=1517
-  _globals['_KVSOURCE']._serialized_start=1520
-  _globals['_KVSOURCE']._serialized_end=1713
-  _globals['_NIXLMETADATAREQUEST']._serialized_start=1715
-  _globals['_NIXLMETADATAREQUEST']._serialized_end=1736
-  _globals['_NIXLMETADATA']._serialized_start=1738
-  _globals['_NIXLMETADATA']._serialized_end=1785
-  _globals['_KVRELEASE']._serialized_start=1787
-  _globals['_KVRELEASE']._serialized_end=1818
-  _globals['_USAGE']._serialized_start=1821
-  _globals['_USAGE']._serialized_end=1960
-  _globals['_TOKENCHUNK']._serialized_start=1963
-  _globals['_TOKENCHUNK']._serialized_end=2283
-  _globals['_CANCEL']._serialized_start=2285
-  _globals['_CANCEL']._serialized_end=2329
-  _globals['_LOAD']._serialized_start=2332
-  _globals['_LOAD']._serialized_end=2511
-  _globals['_EXPERTLOAD']._serialized_start=2513
-  _globals['_EXPERTLOAD']._serialized_end=2613
-  _globals['_LAYEREXPERTLOAD']._serialized_start=2615
-  _globals['_LAYEREXPERTLOAD']._serialized_end=2713
-  _globals['_HEARTBEAT']._serialized_start=2716
-  _globals['_HEARTBEAT']._serialized_end=2882
-  _globals['_KVEVENT']._serialized_start=2884
-  _globals['_KVEVENT']._serialized_end=2977
+  _globals['_ACK']._serialized_end=857
+  _globals['_PREFILLREQUEST']._serialized_start=860
+  _globals['_PREFILLREQUEST']._serialized_end=1015
+  _globals['_TOKENLOGPROBS']._serialized_start=1017
+  _globals['_TOKENLOGPROBS']._serialized_end=1126
+  _globals['_DECODEHANDOFF']._serialized_start=1129
+  _globals['_DECODEHANDOFF']._serialized_end=1532
+  _globals['_KVSOURCE']._serialized_start=1535
+  _globals['_KVSOURCE']._serialized_end=1728
+  _globals['_NIXLMETADATAREQUEST']._serialized_start=1730
+  _globals['_NIXLMETADATAREQUEST']._serialized_end=1751
+  _globals['_NIXLMETADATA']._serialized_start=1753
+  _globals['_NIXLMETADATA']._serialized_end=1800
+  _globals['_KVRELEASE']._serialized_start=1802
+  _globals['_KVRELEASE']._serialized_end=1833
+  _globals['_USAGE']._serialized_start=1836
+  _globals['_USAGE']._serialized_end=1975
+  _globals['_TOKENCHUNK']._serialized_start=1978
+  _globals['_TOKENCHUNK']._serialized_end=2298
+  _globals['_CANCEL']._serialized_start=2300
+  _globals['_CANCEL']._serialized_end=2344
+  _globals['_LOAD']._serialized_start=2347
+  _globals['_LOAD']._serialized_end=2526
+  _globals['_EXPERTLOAD']._serialized_start=2528
+  _globals['_EXPERTLOAD']._serialized_end=2628
+  _globals['_LAYEREXPERTLOAD']._serialized_start=2630
+  _globals['_LAYEREXPERTLOAD']._serialized_end=2728
+  _globals['_HEARTBEAT']._serialized_start=2731
+  _globals['_HEARTBEAT']._serialized_end=2897
+  _globals['_KVEVENT']._serialized_start=2899
+  _globals['_KVEVENT']._serialized_end=2992
 # @@protoc_insertion_point(module_scope)

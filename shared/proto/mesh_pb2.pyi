@@ -84,16 +84,18 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("accepted", "code", "message", "instance_id")
+    __slots__ = ("accepted", "code", "message", "instance_id", "param")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     code: ErrorCode
     message: str
     instance_id: str
-    def __init__(self, accepted: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    param: str
+    def __init__(self, accepted: _Optional[bool] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., instance_id: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "decode_instance")

@@ -32,7 +32,7 @@ from opentelemetry.trace import Span
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import KVTransferReport
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import InvalidParam, SamplingParams
 from shared.kv.connectors.chain import connector_chain
 from shared.kv.connectors.kvcache import KVCacheConnector, LookupOutcome
 from shared.kv.connectors.nixl import NixlConnector
@@ -207,7 +207,10 @@ class Worker:
                 check()
         except ValueError as exc:
             on_invalid()
-            return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, message=str(exc))
+            # The field at fault travels beside the text, so the balancer never reads it out of the text.
+            param = exc.param if isinstance(exc, InvalidParam) else ""
+            code = mesh_pb2.ERROR_CODE_INVALID_REQUEST
+            return mesh_pb2.Ack(accepted=False, code=code, message=str(exc), param=param)
         self.spawn(request_id, run(params))
         return mesh_pb2.Ack(accepted=True, instance_id=self.ctx.instance_id)
 

@@ -53,7 +53,7 @@ def running_mesh(model_dir: str, state_dir: Path, timeout_s: float = 240.0, **op
 
 
 def kv_stats(mesh: Mesh) -> Any:
-    """kvcache's stats (its StatsReply) through a client of its own."""
+    """kvcache's stats (KVCacheStats) through a client of its own."""
     async def go():
         client = KVCacheClient(mesh.kv_address)
         try:

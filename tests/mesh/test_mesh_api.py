@@ -95,9 +95,11 @@ def test_constraints_through_the_mesh(mesh: Any, model_name: str) -> None:
     allowed = complete(mesh, model_name, **{**base, "temperature": 1.0}, allowed_token_ids=[50, 60], seed=1)
     assert set(allowed["choices"][0]["token_ids"]) <= {50, 60}
     vocab = httpx.get(mesh.api_url.removesuffix("/v1") + "/tokenizer_info").json()["vocab_size"]
-    refused = httpx.post(mesh.api_url + "/completions", timeout=60,
-                         json={"model": model_name, **base, "allowed_token_ids": [vocab + 10**5]})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids", refused.text
+    # Refused by prefill's engine check; the field named by the Ack's param, not read from the text.
+    for field, value in (("allowed_token_ids", [vocab + 10**5]), ("logit_bias", {str(vocab + 10**5): 1})):
+        body = {"model": model_name, **base, field: value}
+        refused = httpx.post(mesh.api_url + "/completions", timeout=60, json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
 
 
 def test_request_id_continuous_usage_and_endpoints(mesh: Any, model_name: str, recipe: Recipe) -> None:

@@ -163,3 +163,19 @@ async def test_after_every_instance_failed_the_client_gets_a_503_without_interna
     with pytest.raises(GenerationError) as err:
         await mesh.run()
     assert err.value.status == 503 and "127.0.0.1" not in str(err.value) and "prefill failed" not in str(err.value)
+
+
+async def test_a_refused_parameter_reaches_the_client_by_name_and_is_not_retried(mesh):
+    refusals: list[str] = []
+
+    async def refuse(req: mesh_pb2.PrefillRequest) -> mesh_pb2.Ack:
+        refusals.append(req.request_id)
+        return mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_INVALID_REQUEST, param="logit_bias",
+                            message="logit_bias names token ids past the vocabulary (512 tokens): [99999]")
+
+    for iid in ("p0", "p1"):
+        await mesh.bus.subscribe(subjects.prefill_run(iid), mesh_pb2.PrefillRequest, refuse)
+    with pytest.raises(GenerationError) as err:
+        await mesh.run()
+    # The field comes from the Ack's param, not from the text (which a refusal may word otherwise).
+    assert (err.value.status, err.value.param) == (400, "logit_bias") and refusals == ["r"]

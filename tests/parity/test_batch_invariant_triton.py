@@ -267,13 +267,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_tiny_hf_model("llama", tmp_path_factory.mktemp("bit")))
 
 
-def test_apply_installs_the_triton_table_only_where_it_runs(model: str) -> None:
-    triton_model = load_model(model, kernels="triton")
-    batch_invariant.apply(triton_model)
+def test_the_build_installs_the_triton_table_only_where_it_runs(model: str) -> None:
+    triton_model = load_model(model, kernels="triton", batch_invariant=True)
     assert triton_model._gemv is invariant_matmul and triton_model._triton_attention is ia
     assert triton_model.model.layers[0].self_attn.qkv_proj._gemv is invariant_matmul
-    torch_model = load_model(model, kernels="torch")
-    batch_invariant.apply(torch_model)  # the plain CPU: the PyTorch table
+    torch_model = load_model(model, kernels="torch", batch_invariant=True)  # the plain CPU: the PyTorch table
     assert torch_model._gemv is batch_invariant.invariant_linear and not torch_model.use_triton
 
 

@@ -7,9 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared.engine.config import EngineConfig
 from shared.engine.llm import LLM
+from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.model.batch_invariant import InvariantNorm, invariant_linear
+from shared.model.kept_weights import KeptFormats
+from shared.model.loader import load_model
+from tests.helpers.engine_helpers import generate
 from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
 
 TARGET = random_prompts([37], vocab=500, seed=77)[0]
@@ -62,6 +67,24 @@ def test_logprobs_bitwise_equal_alone_and_in_a_batch(model: str, size: int) -> N
     assert alone[0] == normal[0]
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(alone[1], normal[1]))
     assert _in_batch(model, True, size) == alone
+
+
+def test_the_build_chooses_the_table_and_an_engine_keeps_it(model: str) -> None:
+    built = load_model(model, batch_invariant=True)
+    plain = load_model(model)
+    assert built.batch_invariant and built.model.layers[0].self_attn.qkv_proj._gemv is invariant_linear
+    assert not plain.batch_invariant and plain.model.layers[0].self_attn.qkv_proj._gemv is not invariant_linear
+    # A model built by the caller runs the table it was built with, as one the engine loads itself.
+    out, logprobs = generate(LLMEngine(EngineConfig(model="(in memory)", batch_invariant=True), built), "a", TARGET, PARAMS)
+    assert (out.token_ids, logprobs) == _alone(model, invariant=True)
+    # The engine swaps no table: a config that asks for the other one is refused.
+    with pytest.raises(ValueError, match="built with batch_invariant=False"):
+        LLMEngine(EngineConfig(model="(in memory)", batch_invariant=True), plain)
+    with pytest.raises(ValueError, match="built with batch_invariant=True"):
+        LLMEngine(EngineConfig(model="(in memory)"), built)
+    # Kept quantised weights would bring their own kernels after the build.
+    with pytest.raises(ValueError, match="float weights only"):
+        load_model(model, keep=KeptFormats(fp8=True), batch_invariant=True)
 
 
 def test_the_normal_mode_is_not_invariant(model: str) -> None:

@@ -8,6 +8,8 @@ import pytest
 
 from services.kvcache.store import BLOCKS_DB, BlockStore, StoreClosed
 from shared.kv.block_hash import BlockHash
+from shared.kv.wire.stats import KVCacheStats
+from shared.proto import kvcache_pb2
 from tests.helpers.clock import Clock
 
 T0 = 1_800_000_000.0  # unix seconds; the tests move this clock by hand
@@ -40,6 +42,16 @@ def test_put_get_roundtrip(tmp_path, clock):
         assert not again.is_new
         stats = store.stats()
         assert (stats.num_blocks, stats.num_bytes, stats.num_hits, stats.num_misses) == (1, 5000, 1, 1)
+
+
+def test_the_stats_cross_the_wire_field_by_field() -> None:
+    # The store's stats are what the Stats RPC carries and the client returns: one type, each
+    # field to the proto field of its name (distinct values, so a swap shows).
+    names = [f.name for f in kvcache_pb2.StatsReply.DESCRIPTOR.fields]
+    stats = KVCacheStats(*range(1, len(names) + 1))
+    reply = stats.to_proto()
+    assert [getattr(reply, n) for n in names] == [getattr(stats, n) for n in names] == list(range(1, len(names) + 1))
+    assert KVCacheStats.from_proto(reply) == stats
 
 
 def test_put_rejects_bad_blocks(tmp_path, clock):

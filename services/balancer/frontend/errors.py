@@ -18,8 +18,6 @@ from services.balancer.generation import GenerationError
 
 log = logging.getLogger(__name__)
 
-_ENGINE_CHECKED_FIELDS = frozenset({"logit_bias", "allowed_token_ids", "bad_words"})
-"""Request fields only the engine can check (token ids against the model's vocabulary)."""
 _CLIENT_GONE = 499  # nginx's "client closed request": seen only in metrics, the client has left
 
 
@@ -43,6 +41,12 @@ class APIError(Exception):
 
     def response(self) -> Response:
         return Response(self.body(), status_code=self.status, media_type="application/json")
+
+    @classmethod
+    def of_generation(cls, exc: GenerationError) -> "APIError":
+        """A generator's failure as the client sees it, the parameter at fault included
+        where the engine named one (a token id past the vocabulary)."""
+        return cls(exc.status, str(exc), exc.error_type, param=exc.param)
 
 
 class ClientGone(Exception):
@@ -88,10 +92,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     async def generation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, GenerationError)
-        # The engine's refusals name the field first (SamplingParams.check_vocab): say which.
-        field = str(exc).split(" ", 1)[0]
-        param = field if exc.status == 400 and field in _ENGINE_CHECKED_FIELDS else None
-        return APIError(exc.status, str(exc), exc.error_type, param=param).response()
+        return APIError.of_generation(exc).response()
 
     async def validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

@@ -236,7 +236,7 @@ class OpenAIServer:
                 if call.include_usage and usages:
                     yield sse(shaper.usage_chunk(usage_of(call, usages)))
             except GenerationError as exc:
-                yield sse_error(APIError(exc.status, str(exc), exc.error_type))
+                yield sse_error(APIError.of_generation(exc))
             except Exception:
                 log.exception("stream %s failed", call.id)
                 yield sse_error(APIError(500, "Internal server error.", "server_error"))

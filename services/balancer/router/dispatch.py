@@ -188,7 +188,7 @@ class Dispatcher:
                     return Route(pid, did)
             # Refused: given back above.
             if ack.code not in RETRYABLE:
-                raise GenerationError(ack.message, status=400, error_type="invalid_request_error")
+                raise _refused(ack)
             last_error = f"prefill instance {pid} refused: {ack.message}"
 
     async def _dispatch_local(self, req: GenerationRequest, decode: Instance, span: Span) -> Route:
@@ -205,7 +205,7 @@ class Dispatcher:
                                  cause="handoff") from None
         if not ack.accepted:
             if ack.code not in RETRYABLE:
-                raise GenerationError(ack.message, status=400, error_type="invalid_request_error")
+                raise _refused(ack)
             raise InstanceFailed(f"decode instance {did} refused: {ack.message}", did, cause="handoff")
         return Route(did, did)
 
@@ -232,6 +232,12 @@ class Dispatcher:
         reply = ack.result()
         self.registry.touch(instance_id)  # it answered: alive
         return reply
+
+
+def _refused(ack: mesh_pb2.Ack) -> GenerationError:
+    """An instance's refusal of the request itself (not retried elsewhere): a 400 naming
+    the parameter at fault where the engine named one."""
+    return GenerationError(ack.message, status=400, error_type="invalid_request_error", param=ack.param or None)
 
 
 def _prefill_request(req: GenerationRequest, decode_instance: str) -> mesh_pb2.PrefillRequest:

@@ -12,7 +12,6 @@ from shared.engine.dtypes import torch_dtype
 from shared.engine.eplb.placement import PlacementSpec, initial_placement
 from shared.engine.model_runner import ModelRunner
 from shared.engine.structured.setup import make_grammar_compiler
-from shared.model import batch_invariant
 from shared.model.expert_parallel_model import make_expert_parallel, rank_experts
 from shared.model.interface import CausalLM
 from shared.model.kept_weights import kept_formats
@@ -55,10 +54,8 @@ def load_rank_model(config: EngineConfig, parallel: ParallelContext, device: tor
     model = load_model(
         config.model, dtype=torch_dtype(config.dtype), device=device, progress=progress, kernels=config.kernels,
         keep=kept_formats(config.quantized_weights, device), parallel=parallel,
-        held_experts=held_experts if parallel.is_expert_parallel else None,
+        held_experts=held_experts if parallel.is_expert_parallel else None, batch_invariant=config.batch_invariant,
     )  # fmt: skip
-    if config.batch_invariant:
-        batch_invariant.apply(model)  # the ops table, chosen once for the model's life
     if parallel.is_expert_parallel:
         make_expert_parallel(model, expert_placement_rows(config, model), parallel)
     return model

@@ -59,6 +59,7 @@ from shared.kv.wire.block_stream import (
 )
 from shared.kv.wire.nixl_plane import LandingBuffer
 from shared.kv.wire.shm import DATA_OFFSET, DEFAULT_SHM_BYTES, Segment, place
+from shared.kv.wire.stats import KVCacheStats
 from shared.kv.wire.targets import AgentFactory, NixlCounters, OnSegment, Plane, ShmCounters, Targets
 from shared.runtime.rpc import check_health, open_channel
 
@@ -81,18 +82,6 @@ class PutSummary:
     num_existing: int
     """Already held: refreshed, not rewritten."""
     num_bytes: int
-
-
-@dataclass(slots=True, frozen=True)
-class KVCacheStats:
-    num_blocks: int
-    num_bytes: int
-    capacity_bytes: int
-    num_evicted: int
-    num_expired: int
-    num_corrupt: int
-    num_hits: int
-    num_misses: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -391,8 +380,7 @@ class KVCacheClient:
 
     async def stats(self) -> KVCacheStats:
         r = await self._stub.Stats(kvcache_pb2.StatsRequest(), timeout=self.timeout_s)
-        return KVCacheStats(r.num_blocks, r.num_bytes, r.capacity_bytes, r.num_evicted, r.num_expired,
-                            r.num_corrupt, r.num_hits, r.num_misses)
+        return KVCacheStats.from_proto(r)
 
     async def probe(self, timeout_s: float = 0.5) -> bool:
         """Whether the service answers its health check now, asked on a fresh channel."""

@@ -84,15 +84,26 @@ def build_model(
     tie_word_embeddings: bool | None = None,
     kernels: str = "auto",
     parallel: "ParallelContext | None" = None,
+    batch_invariant: bool = False,
 ) -> "CausalLM":
     """The model class of ``config.architecture``, built empty in ``dtype`` (default
     float32) on ``device``; ``parallel``: this rank's slice of a tensor-parallel model
-    (None or one rank: the whole model, built exactly as without it)."""
+    (None or one rank: the whole model, built exactly as without it).
+
+    The one place a model's ops table is chosen, for its life: ``kernels`` ("auto",
+    "triton", "torch"), or with ``batch_invariant`` the batch-invariant table over it
+    (shared/model/batch_invariant.py; Llama-family models only, a ValueError otherwise)."""
     import torch
 
     cls = model_class(config)
     dtype = torch.float32 if dtype is None else dtype
     if parallel is None or not parallel.is_parallel:
-        return cls(config, dtype, device, tie_word_embeddings, kernels)
-    cls.check_tensor_parallel(config, parallel.tp_size)
-    return cls(config, dtype, device, tie_word_embeddings, kernels, parallel=parallel)  # type: ignore[call-arg]
+        model = cls(config, dtype, device, tie_word_embeddings, kernels)
+    else:
+        cls.check_tensor_parallel(config, parallel.tp_size)
+        model = cls(config, dtype, device, tie_word_embeddings, kernels, parallel=parallel)  # type: ignore[call-arg]
+    if batch_invariant:
+        from shared.model import batch_invariant as invariant  # imports torch: only for the model that asks
+
+        invariant.apply(model)
+    return model

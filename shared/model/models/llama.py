@@ -214,7 +214,7 @@ class LlamaForCausalLM(CausalLM):
         device = torch.device(device)
         ops = resolve_ops(kernels, device)
         self.use_triton = ops.triton
-        """Whether the forward runs Triton kernels (batch_invariant.apply may swap the table after)."""
+        """Whether the forward runs Triton kernels (build_model's batch_invariant may swap in its table)."""
         self.parallel = parallel
         if parallel.is_parallel:
             type(self).check_tensor_parallel(config, parallel.tp_size)
