@@ -189,11 +189,13 @@ class LLMEngine:
         )
         """The steps' tokens per expert summed on the host (EngineLoad.tokens_per_expert)."""
         self._experts: ExpertBalancer | None = None
-        """Expert parallelism's placement and its window of counts (expert_load); it
-        rebalances with config.enable_eplb."""
-        if config.enable_expert_parallel:
-            assert counts is not None  # _start_ranks refused a model without MoE layers
-            self._experts = ExpertBalancer(counts.shape[0], counts.shape[1], config.tensor_parallel_size,
+        """An MoE engine's placement and its window of counts (expert_load), whether its
+        experts are on one rank or spread over the expert-parallel ones; it rebalances
+        with config.enable_eplb. None for a dense model."""
+        if counts is not None:
+            # Without expert parallelism every rank holds (a slice of) every expert: one EP rank.
+            num_ranks = config.tensor_parallel_size if config.enable_expert_parallel else 1
+            self._experts = ExpertBalancer(counts.shape[0], counts.shape[1], num_ranks,
                                            config.eplb_settings(), rebalance=config.enable_eplb)  # fmt: skip
         log.info("engine ready: KV blocks of %d tokens, per size class %s", config.block_size, class_blocks)
 
@@ -518,8 +520,8 @@ class LLMEngine:
         )
 
     def expert_load(self) -> ExpertLoad | None:
-        """Per MoE layer, tokens per rank and balancedness over EPLB's window; None unless
-        the engine is expert-parallel."""
+        """Per MoE layer, tokens per rank and balancedness over the window of the last
+        steps (one rank unless the engine is expert-parallel); None for a dense model."""
         return None if self._experts is None else self._experts.expert_load()
 
     def _spec_load(self) -> dict[str, Any]:

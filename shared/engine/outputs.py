@@ -101,12 +101,11 @@ class EngineLoad:
     tokens_per_expert: list[list[int]] | None = None
     """Per sparse layer, per expert: the (token, choice) pairs routed to it since start,
     over every forward (prefill chunks and replays included), as counted on the device.
-    The difference of two loads is the window between them (what expert placement
-    and EPLB balance on). None for a dense model."""
+    The difference of two loads is the counts between them (expert_load is the
+    engine's own window of the last steps). None for a dense model."""
     expert_load: ExpertLoad | None = None
-    """An expert-parallel engine's expert load over EPLB's window (per layer, tokens per
-    rank); None otherwise (a one-process MoE engine's worker makes it from
-    tokens_per_expert)."""
+    """An MoE engine's expert load over its window of the last steps (per layer, tokens
+    per rank: one rank unless expert-parallel); None for a dense model."""
     num_spec_drafted_tokens: int = 0
     """Since start: drafted tokens verified (speculative decoding)."""
     num_spec_accepted_tokens: int = 0

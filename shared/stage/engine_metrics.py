@@ -61,8 +61,6 @@ class EngineMetrics:
                          (MODEL_NAME, *cache_info), registry=r)  # fmt: skip
             info.labels(m, *cache_info.values()).set(1)
         self._last: EngineLoad | None = None
-        self.num_steps = 0
-        """Engine steps drained from step_tokens since start (the expert-load window's length)."""
 
     def update(self, load: EngineLoad) -> None:
         """Gauges to the load's figures; counters by what its running totals grew since
@@ -78,4 +76,3 @@ class EngineMetrics:
         steps = self._step_tokens
         while steps:
             self.iteration_tokens.observe(steps.popleft())
-            self.num_steps += 1

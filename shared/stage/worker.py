@@ -45,7 +45,6 @@ from shared.runtime.service import ServiceContext
 from shared.runtime.vllm_metrics import served_model_name
 from shared.stage.convert import expert_load_to_proto, params_from_proto
 from shared.stage.engine_metrics import EngineMetrics, cache_config_info
-from shared.stage.expert_load_window import ExpertLoadWindow
 from shared.stage.expert_metrics import ExpertLoadMetrics
 from shared.stage.spec_metrics import SpecMetrics
 
@@ -139,7 +138,6 @@ class Worker:
             else SpecMetrics(m, served_model_name(settings.balancer.model_name, settings.engine.model), speculator.num_tokens)
         )
         moe = engine.model.expert_counts is not None
-        self.expert_window = ExpertLoadWindow()
         self.expert_metrics = ExpertLoadMetrics(m) if moe else None
         """An MoE engine's per-layer expert load (what the EP balancer routes by); None for a dense one."""
 
@@ -318,7 +316,7 @@ class Worker:
         self.vllm.update(load)
         if self.spec is not None:
             self.spec.update(load)
-        expert_load = load.expert_load or self.expert_window.observe(load.tokens_per_expert, self.vllm.num_steps)
+        expert_load = load.expert_load
         if expert_load is not None and self.expert_metrics is not None:
             self.expert_metrics.update(expert_load)
         return mesh_pb2.Load(

@@ -60,7 +60,7 @@ def test_decode_reports_per_layer_expert_load_in_heartbeats_and_metrics(tmp_path
         name = client.models.list().data[0].id
         ids = [client.completions.create(model=name, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
                                          extra_body={"ignore_eos": True}).id for p in PROMPTS]  # fmt: skip
-        # The window spans the last 10 beats after engine steps: the requests' steps are in it.
+        # The engine's window spans its last 1000 steps: the requests' steps are in it.
         beats = decode_heartbeats(mesh.nats_url, 1.0)
         assert beats and all(hb.load.HasField("expert_load") for hb in beats)
         load = beats[-1].load.expert_load

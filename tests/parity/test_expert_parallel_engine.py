@@ -17,6 +17,8 @@ greedy tokens of these seeded prompts are equal.
 import json
 import math
 import multiprocessing
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
 
 pytest.importorskip("transformers")
 
+ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOLERANCE = 1e-4
 """|EP - single| of a sampled token's logprob, default mode (module docstring)."""
 ENGINE = dict(block_size=4, prefill_chunk_size=8, max_num_batched_tokens=24)
@@ -205,6 +208,17 @@ def test_eplb_moves_run_beside_the_steps_and_switch_on_every_rank_at_one_step(
     finally:
         llm.engine.close()
     assert multiprocessing.active_children() == []
+
+
+def test_closing_mid_move_waits_for_the_movers_and_exits_cleanly(models: dict[str, str]) -> None:
+    """An engine closed while every rank's mover is in its move's collectives (rank 0's
+    held until close() began: tests/helpers/eplb_close_mid_move.py) exits 0, and no rank
+    aborts at exit: close() waits for the movers before the ranks and their groups go."""
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.eplb_close_mid_move", models["qwen3_moe"]],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "closed mid-move" in done.stdout
+    assert "terminate called" not in done.stderr, done.stderr
 
 
 def test_what_expert_parallelism_does_not_run_is_refused_before_any_rank_starts(

@@ -68,7 +68,7 @@ def test_preemptions_reach_the_load_and_the_counter(tmp_path):
     assert set(queued) == {"a", "b"} and all(q is not None and q >= 0 for q in queued.values())
 
 
-def test_each_step_drained_counts_once_toward_the_expert_load_window():
+def test_each_step_drained_is_observed_once():
     from collections import deque
 
     from shared.engine.outputs import EngineLoad
@@ -78,9 +78,9 @@ def test_each_step_drained_counts_once_toward_the_expert_load_window():
     metrics = EngineMetrics(registry, "tiny", steps)
     idle = EngineLoad(num_running=0, num_waiting=0, num_free_kv_blocks=4, num_total_kv_blocks=4, num_queued_tokens=0)
     metrics.update(idle)
-    assert metrics.num_steps == 2 and not steps
+    assert _value(registry, "vllm:iteration_tokens_total_count") == 2 and not steps
     steps.append(7)
     metrics.update(idle)
     metrics.update(idle)  # nothing stepped since: the count stays
-    assert metrics.num_steps == 3
     assert _value(registry, "vllm:iteration_tokens_total_count") == 3
+    assert _value(registry, "vllm:iteration_tokens_total_sum") == 3 + 5 + 7

@@ -10,6 +10,7 @@ import pytest
 
 from shared.engine.config import EngineConfig, EplbConfig
 from shared.engine.eplb.balancer import ExpertBalancer
+from shared.engine.eplb.expert_load import ExpertLoad
 from shared.engine.eplb.load_window import balancedness
 from shared.engine.eplb.placement import compute_placement
 
@@ -63,6 +64,20 @@ def test_with_eplb_off_the_placement_never_moves() -> None:
     assert load.num_rebalances == 0 and load.window_steps == 5
     # The static split: rank 0 holds experts 0-3, rank 1 experts 4-7.
     assert load.tokens_per_rank[0] == (5.0 * SKEWED[0, :4].sum(), 5.0 * SKEWED[0, 4:].sum())
+
+
+def test_one_rank_reports_the_windows_tokens_and_the_oldest_step_drops_out() -> None:
+    """A one-rank engine's balancer (no expert parallelism) only measures: every layer's
+    tokens over the last window_size steps, on its one rank."""
+    balancer = ExpertBalancer(2, 3, 1, EplbConfig(window_size=2), rebalance=False)
+    assert balancer.expert_load() == ExpertLoad([[0.0], [0.0]], 0)
+    for step in ([[1, 2, 0], [0, 0, 4]], [[0, 5, 0], [1, 1, 1]], [[7, 0, 0], [0, 2, 0]]):
+        balancer.record(np.array(step))
+        assert balancer.next_move() is None
+    # Steps 2 and 3 in the window; step 1 fell out.
+    assert balancer.expert_load() == ExpertLoad([[12.0], [5.0]], 2)
+    assert balancer.expert_load().balancedness() == [1.0, 1.0]
+    balancer.close()
 
 
 EP = dict(tensor_parallel_size=2, enable_expert_parallel=True)

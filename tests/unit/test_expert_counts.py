@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.engine.engine_request import EngineRequest
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.moe import Router, SparseMoE
@@ -61,3 +62,27 @@ def test_dense_model_reports_no_expert_counts(tmp_path: Path) -> None:
     llm = LLM(str(save_tiny_hf_model("qwen3", tmp_path)), block_size=4)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
     assert llm.engine.load().tokens_per_expert is None
+
+
+def test_a_one_rank_engine_reports_its_windowed_expert_load(checkpoint: Path) -> None:
+    """Without expert parallelism the engine still keeps its window of counts: expert_load
+    (what the heartbeat and the per-layer metrics report) is one rank holding every
+    expert, with every step since start in the window (shorter than its 1000 steps)."""
+    llm = LLM(str(checkpoint), block_size=4, prefill_chunk_size=8, max_num_batched_tokens=16, async_scheduling=False)
+    engine = llm.engine
+    empty = engine.load().expert_load
+    assert empty is not None and empty.window_steps == 0 and empty.num_ranks == 1
+    prompts = random_prompts([5, 17], vocab=500, seed=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(str(i), prompt, params))
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_steps += 1
+    load = engine.load()
+    assert load.expert_load == engine.expert_load()
+    assert load.expert_load is not None and load.tokens_per_expert is not None
+    assert load.expert_load.window_steps == num_steps > 1
+    assert load.expert_load.tokens_per_rank == tuple((float(sum(row)),) for row in load.tokens_per_expert)
+    assert load.expert_load.balancedness() == [1.0] * len(load.tokens_per_expert)

@@ -1,6 +1,7 @@
 """An MoE instance's expert load on its way to the balancer (issue 28, the EP balancer):
-ExpertLoad's per-layer figures, the worker's window over heartbeats, the heartbeat's
-wire form, and the worker's per-layer gauges, with exact values."""
+ExpertLoad's per-layer figures, the heartbeat's wire form, and the worker's per-layer
+gauges, with exact values. The window the load covers is the engine's
+(test_eplb_balancer.py, test_expert_counts.py)."""
 
 import pytest
 
@@ -9,7 +10,6 @@ from shared.engine.eplb.expert_load import ExpertLoad
 from shared.proto import mesh_pb2
 from shared.runtime.metrics import Metrics
 from shared.stage.convert import expert_load_to_proto
-from shared.stage.expert_load_window import ExpertLoadWindow
 from shared.stage.expert_metrics import ExpertLoadMetrics
 
 # Layer 0 even over 4 ranks; layer 1 with one hot rank; layer 2 got no tokens.
@@ -25,7 +25,7 @@ def test_balancedness_is_mean_over_max_per_layer_and_one_for_an_idle_layer() -> 
 
 def test_from_expert_counts_sums_each_ranks_experts_under_the_placement() -> None:
     counts = [[1, 2, 3, 4], [8, 0, 0, 0]]  # [layer][expert]
-    one_process = ExpertLoad.from_expert_counts(counts, window_steps=3)
+    one_process = ExpertLoad.from_expert_counts(counts, window_steps=3, placement=static_placement(2, 4, 1))
     assert one_process == ExpertLoad([[10], [8]], 3)
     assert one_process.balancedness() == [1.0, 1.0]
     # Experts 0-1 on rank 0, 2-3 on rank 1.
@@ -33,7 +33,7 @@ def test_from_expert_counts_sums_each_ranks_experts_under_the_placement() -> Non
     assert two_ranks == ExpertLoad([[3, 7], [8, 0]], 3)
     assert two_ranks.balancedness() == [5 / 7, 0.5]
     with pytest.raises(ValueError, match="layers, experts"):
-        ExpertLoad.from_expert_counts([1, 2, 3], window_steps=1)
+        ExpertLoad.from_expert_counts([1, 2, 3], window_steps=1, placement=static_placement(1, 3, 1))
 
 
 def test_the_heartbeat_carries_per_layer_mean_max_and_balancedness() -> None:
@@ -48,19 +48,6 @@ def test_the_heartbeat_carries_per_layer_mean_max_and_balancedness() -> None:
     assert [layer.balancedness for layer in layers] == [1.0, 15 / 40, 1.0]
     # A dense model's load says nothing of experts.
     assert not mesh_pb2.Load.FromString(mesh_pb2.Load(num_running=1).SerializeToString()).HasField("expert_load")
-
-
-def test_the_workers_window_spans_the_last_beats_after_steps() -> None:
-    window = ExpertLoadWindow(num_beats=2)
-    assert window.observe(None, 5) is None  # a dense model
-    # Running totals since start [layer][expert], and steps since start, at each beat.
-    assert window.observe([[1, 2]], 1) == ExpertLoad([[3]], 1)  # from the engine's start
-    assert window.observe([[4, 2]], 3) == ExpertLoad([[6]], 3)
-    assert window.observe([[4, 9]], 4) == ExpertLoad([[10]], 3)  # beats 1..3: the start fell out
-    assert window.observe([[4, 9]], 4) == ExpertLoad([[10]], 3)  # no step since: the window stays
-    assert window.observe([[6, 9]], 6) == ExpertLoad([[9]], 3)  # beats 2..4 that followed steps
-    with pytest.raises(ValueError):
-        ExpertLoadWindow(num_beats=0)
 
 
 def test_the_gauges_say_each_layers_figures() -> None:

@@ -1,5 +1,9 @@
-"""Live EPLB for one expert-parallel engine (issue 28): the placement its ranks run
-now, the window of per-step expert counts it is judged on, and the rebalancing.
+"""Live EPLB for one MoE engine (issue 28): the placement its ranks run now, the
+window of per-step expert counts it is judged on, and the rebalancing. Every MoE
+engine keeps one, so that its expert load (``expert_load``, the heartbeat's and the
+metrics') comes from this one window: a one-rank engine's (one process, or tensor
+parallel without expert parallelism) only measures, its placement one rank holding
+every expert.
 
 The engine calls ``record`` with each step's tokens per expert (the whole instance's:
 the ranks all-reduce them) and then ``next_move``. Every ``step_interval`` recorded
@@ -34,7 +38,7 @@ class ExpertMove:
 
 class ExpertBalancer:
     """``rebalance`` False: the placement stays the initial one, and the balancer only
-    measures (EngineConfig.enable_eplb off)."""
+    measures (EngineConfig.enable_eplb off, or one rank)."""
 
     def __init__(self, num_layers: int, num_experts: int, num_ranks: int, config: EplbConfig, rebalance: bool) -> None:
         self.spec = PlacementSpec(num_ranks, config.num_redundant_experts)

@@ -4,9 +4,8 @@ took over a window of engine steps, and the layer's balancedness, mean over max 
 per rank. Per layer, never summed over layers: a layer's all-to-all waits for that
 layer's busiest rank.
 
-Made by the expert-parallel engine's EPLB window (`LLMEngine.expert_load`, through
-eplb/balancer.py), or, for a one-process MoE engine, by the worker from the engine's
-running expert counts (`from_expert_counts`, one rank)."""
+Made by the engine from the window of counts every MoE engine keeps
+(`LLMEngine.expert_load`, through eplb/balancer.py), one-rank engines included."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,14 +55,13 @@ class ExpertLoad:
 
     @classmethod
     def from_expert_counts(
-        cls, tokens_per_expert: Sequence[Sequence[int]] | np.ndarray, window_steps: int, placement: Placement | None = None,
+        cls, tokens_per_expert: Sequence[Sequence[int]] | np.ndarray, window_steps: int, placement: Placement,
         **counters: int,
     ) -> "ExpertLoad":  # fmt: skip
         """From tokens per expert over the window [layer][logical expert]: summed per rank
-        under the placement (an expert's tokens split evenly over its replicas), or, with
-        no placement, one rank holding every expert (a one-process engine)."""
+        under the placement (an expert's tokens split evenly over its replicas; a one-rank
+        placement holds every expert)."""
         counts = np.asarray(tokens_per_expert, dtype=np.int64)
         if counts.ndim != 2:
             raise ValueError(f"tokens per expert must be [layers, experts], got shape {counts.shape}")
-        per_rank = counts.sum(-1, keepdims=True) if placement is None else placement.rank_loads(counts)
-        return cls(per_rank.tolist(), window_steps, **counters)
+        return cls(placement.rank_loads(counts).tolist(), window_steps, **counters)

@@ -9,8 +9,14 @@ the main thread and the move run at once (on the CPU they share its cores; on CU
 the move's copies run on a side stream, beside the step's kernels). A move ends with
 a one-element all-reduce on the move group: once it returns on rank 0, every rank has
 finished its copies, and rank 0 may order the switch.
+
+Closing waits for the move in flight (``close``): every rank started it at the same
+step, so each finishes it while the others do; a process that exits with its mover
+still inside a collective has the group torn down under it and aborts ("terminate
+called without an active exception").
 """
 
+import logging
 import threading
 from concurrent.futures import Future
 from contextlib import nullcontext
@@ -23,6 +29,12 @@ from shared.engine.executor.move_schedule import MoveOrder
 from shared.model.expert_parallel_model import MovedLayer, move_layer_weights, switch_layer
 from shared.model.interface import CausalLM
 
+log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 10.0
+"""How long close() waits for the move in flight (a tiny layer's move takes milliseconds;
+a peer that died breaks the collective at once over gloo)."""
+
 
 class ExpertMover:
     def __init__(self, model: CausalLM, group: dist.ProcessGroup, device: torch.device) -> None:
@@ -31,6 +43,8 @@ class ExpertMover:
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._moving: tuple[int, Future[MovedLayer]] | None = None
+        self._thread: threading.Thread | None = None
+        """The mover thread of the move in flight (or of the last one), joined by close()."""
 
     @property
     def finished(self) -> bool:
@@ -51,9 +65,11 @@ class ExpertMover:
         if self._moving is not None:
             raise ValueError(f"layer {self._moving[0]} is still moving: one move at a time")
         future: Future[MovedLayer] = Future()
-        # A daemon thread: an engine closed mid-move must not wait for the move's collective.
-        threading.Thread(target=self._move, args=(move, future), name=f"eplb-move-layer{move.layer}",
-                         daemon=True).start()  # fmt: skip
+        # A daemon thread all the same: should close() give up on it (a peer hung), the
+        # process must still be able to exit.
+        self._thread = threading.Thread(target=self._move, args=(move, future), name=f"eplb-move-layer{move.layer}",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
         self._moving = (move.layer, future)
 
     def _move(self, move: ExpertMove, future: Future[MovedLayer]) -> None:
@@ -68,6 +84,17 @@ class ExpertMover:
             future.set_result(moved)
         except BaseException as e:  # handed to the step that switches: the instance fails loudly there
             future.set_exception(e)
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Wait for the move in flight to end on this rank (done or failed; never
+        switched), before the ranks and their groups go away. Every rank closes its
+        mover: rank 0 before it stops the workers, each worker when told to stop."""
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.warning("EPLB move %s still running after %.0f s: closing without it", thread.name, timeout_s)
 
     def _switch(self, layer: int) -> None:
         if self._moving is None or self._moving[0] != layer:

@@ -152,6 +152,8 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        if self._mover is not None:  # the workers' movers need rank 0's in their collectives
+            self._mover.close()
         self._finalizer()
 
     # -- the workers ----------------------------------------------------------

@@ -9,7 +9,7 @@ Talk with rank 0 is one pipe, in this order:
 3. rank 0 sends each step as pickled ``(Command, args, MoveOrder | None)``; the order
    (EPLB: switch a moved layer, start moving one on the mover thread) is applied before
    the command's forward; nothing comes back (rank 0's own runner gives the step's
-   result), until ``CLOSE``.
+   result), until ``CLOSE`` (the worker then waits for its move in flight, if any, and exits).
 
 Any failure is sent as ``("error", traceback text)`` before the worker exits non-zero,
 so that rank 0 (whose collective then fails, the peer gone) says why. The pipe's end
@@ -72,6 +72,8 @@ def _serve(runner: ModelRunner, mover: ExpertMover | None, conn: Connection) -> 
     while True:
         command, args, order = pickle.loads(conn.recv_bytes())
         if command is Command.CLOSE:
+            if mover is not None:  # a mover still in its collective would abort the exit
+                mover.close()
             return
         if order is not None:
             assert mover is not None, "an expert move order for ranks that are not expert-parallel"
