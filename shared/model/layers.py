@@ -242,7 +242,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         super().__init__(rope, head_dim, device)
         if sum(sections) != head_dim // 2:
             raise ValueError(f"M-RoPE sections {sections} must sum to head_dim / 2 = {head_dim // 2}")
-        axis = torch.repeat_interleave(torch.arange(3, device=device), torch.tensor(sections, device=device))
+        axis = torch.tensor([a for a, n in enumerate(sections) for _ in range(n)], device=device)
         self.axis_of_pair: torch.Tensor
         self.register_buffer("axis_of_pair", axis, persistent=False)
 

@@ -115,3 +115,27 @@ def hf_inputs(prompt: VLPrompt, extra: Sequence[int] = ()) -> dict[str, torch.Te
             mm_token_type_ids=(ids == IMAGE_PAD).to(torch.int32),
         )  # fmt: skip
     return inputs
+
+
+def folder_chat_prompt(folder: str | Path, messages: list[dict[str, Any]], images: Sequence[Any]) -> VLPrompt:
+    """A chat prompt as transformers' Qwen2_5_VLProcessor makes it from a make-model
+    folder, offline: the folder's chat template and tokenizer, its image processor
+    (preprocessor_config.json), and each image's <|image_pad|> repeated once per merged
+    patch. (AutoProcessor itself needs torchvision for its video processor, which is
+    not installed here; this is its image path step for step.)"""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pad = "<|image_pad|>"
+    pixels = processor(images=list(images), return_tensors="pt") if images else None
+    grid = None if pixels is None else pixels["image_grid_thw"]
+    pieces = text.split(pad)
+    assert len(pieces) == len(images) + 1, "one <|image_pad|> per image in the rendered template"
+    expanded = pieces[0]
+    for i, piece in enumerate(pieces[1:]):
+        assert grid is not None
+        expanded += pad * (int(grid[i].prod()) // processor.merge_size**2) + piece
+    ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    return VLPrompt(ids, None if pixels is None else pixels["pixel_values"], grid)

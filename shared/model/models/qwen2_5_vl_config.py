@@ -144,7 +144,9 @@ def hf_test_config(model_type: str, config: dict[str, Any], preset: Mapping[str,
     token ids at the top level (``preset["token_ids"]``, make-model's tokenizer's)."""
     if sliding_window is not None:
         raise ValueError("Qwen2.5-VL test models have no sliding-window layers")
-    vl = preset["vision_language"]
+    # A shape preset of any family (tiny...) gets tiny-vl's tower, sections in Qwen2.5-VL's
+    # proportions (16/24/24 of 64 pairs); without a tokenizer, the released token ids.
+    vl = preset.get("vision_language") or _default_vision(preset)
     token_ids = preset.get("token_ids") or {}
     num_layers = preset["num_hidden_layers"]
     text = {k: config[k] for k in (
@@ -153,6 +155,7 @@ def hf_test_config(model_type: str, config: dict[str, Any], preset: Mapping[str,
         "num_key_value_heads", "pad_token_id", "rms_norm_eps", "use_cache", "vocab_size",
     )}  # fmt: skip
     text.update(
+        dtype=config["dtype"],
         layer_types=["full_attention"] * num_layers,
         max_window_layers=num_layers,
         model_type="qwen2_5_vl_text",
@@ -172,6 +175,7 @@ def hf_test_config(model_type: str, config: dict[str, Any], preset: Mapping[str,
         "video_token_id": token_ids.get("<|video_pad|>", 151656),
         "vision_config": {
             "depth": tower["depth"],
+            "dtype": config["dtype"],
             "fullatt_block_indexes": list(tower["fullatt_block_indexes"]),
             "hidden_act": "silu",
             "hidden_size": tower["hidden_size"],
@@ -230,6 +234,13 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         ),
     }
 )
+
+
+def _default_vision(preset: Mapping[str, Any]) -> Mapping[str, Any]:
+    pairs = preset["hidden_size"] // preset["num_attention_heads"] // 2
+    temporal = pairs // 4
+    height = (pairs - temporal) // 2
+    return {**PRESETS["tiny-vl"]["vision_language"], "mrope_section": (temporal, height, pairs - temporal - height)}
 
 
 CONFIG = ArchConfig(
