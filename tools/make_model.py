@@ -114,8 +114,9 @@ def make_model(
     tokenizer_vocab_size: int | None = None,
 ) -> int:
     """Write config.json, the weights, generation_config.json and (with ``tokenizer``)
-    the tokenizer files into ``path``; return the number of parameters. GPT-OSS and
-    DeepSeek-V4 get their released chat format's tokens and template (chat_formats.py).
+    the tokenizer files into ``path``; return the number of parameters. GPT-OSS,
+    DeepSeek-V4 and Qwen2.5-VL get their released chat format's tokens and template
+    (chat_formats.py); Qwen2.5-VL also its image processor's preprocessor_config.json.
 
     ``tokenizer=False`` leaves bos/eos ids null. ``sliding_window``: see hf_config_dict
     (the weights do not change with it). ``tokenizer_vocab_size``: how many tokens the
@@ -160,7 +161,8 @@ def make_model(
     if arch == "qwen2_5_vl" and tokenizer:
         # config.json names the image tokens by the tokenizer's ids; the image processor's settings beside them.
         dims = {**dims, "token_ids": _vision_token_ids(out)}
-        _write_json(out / "preprocessor_config.json", _preprocessor_config(dims.get("vision_language") or PRESETS["tiny-vl"]["vision_language"]))
+        vision = dims.get("vision_language") or PRESETS["tiny-vl"]["vision_language"]
+        _write_json(out / "preprocessor_config.json", _preprocessor_config(vision))
     config = hf_config_dict(arch, dims, _DTYPE_NAMES[dtype], bos, eos, sliding_window)
     _write_json(out / "config.json", config)
     generation = {"bos_token_id": bos, "eos_token_id": stops or None}
