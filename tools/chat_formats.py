@@ -7,6 +7,11 @@ and its chat template, so the seeded folder chats (and calls tools) as the real 
   generation stopping at `<|return|>`, `<|call|>` or `<|endoftext|>` (gpt-oss's
   generation_config), no bos added by encode, and ``chat_template.jinja`` as openai/gpt-oss
   ships it (templates/gpt_oss_chat_template.jinja: the released text, byte for byte).
+- Qwen2.5-VL: Qwen2's special tokens with the vision ones (`<|vision_start|>`,
+  `<|vision_end|>`, `<|image_pad|>`, `<|video_pad|>`...), eos `<|im_end|>`, generation
+  stopping at `<|im_end|>` or `<|endoftext|>`, no bos added by encode, and
+  ``chat_template.jinja`` as Qwen/Qwen2.5-VL ships it in chat_template.json
+  (templates/qwen2_5_vl_chat_template.jinja), which the processor expands per image.
 - DeepSeek-V4: bos `<｜begin▁of▁sentence｜>` (added by encode) and eos
   `<｜end▁of▁sentence｜>` special; `<｜User｜>`, `<｜Assistant｜>`, `<think>`, `</think>`
   single tokens that decode as text, as DeepSeek's tokenizer has them; no template:
@@ -59,6 +64,16 @@ FORMATS: dict[str, ChatFormat] = {
         adds_bos=False,
         template_file="gpt_oss_chat_template.jinja",
     ),
+    "qwen2_5_vl": ChatFormat(
+        special_tokens=("<|endoftext|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+                        "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                        "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"),
+        text_tokens=(),
+        bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        adds_bos=False,
+        template_file="qwen2_5_vl_chat_template.jinja",
+    ),
     "deepseek_v4": ChatFormat(
         special_tokens=v4.SPECIAL_TOKENS,
         text_tokens=v4.ADDED_TOKENS,
@@ -78,6 +93,7 @@ def apply_chat_format(folder: Path, chat_format: ChatFormat) -> tuple[int, int, 
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in chat_format.special_tokens])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in chat_format.text_tokens])
     ids = {t: tokenizer.token_to_id(t) for t in (*chat_format.special_tokens, *chat_format.text_tokens)}
+    ids.update({t: tokenizer.token_to_id(t) for t in (chat_format.eos_token, *chat_format.stop_tokens)})
     steps = [processors.ByteLevel(trim_offsets=False)]
     if chat_format.adds_bos:
         bos = chat_format.bos_token

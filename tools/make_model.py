@@ -114,8 +114,9 @@ def make_model(
     tokenizer_vocab_size: int | None = None,
 ) -> int:
     """Write config.json, the weights, generation_config.json and (with ``tokenizer``)
-    the tokenizer files into ``path``; return the number of parameters. GPT-OSS and
-    DeepSeek-V4 get their released chat format's tokens and template (chat_formats.py).
+    the tokenizer files into ``path``; return the number of parameters. GPT-OSS,
+    DeepSeek-V4 and Qwen2.5-VL get their released chat format's tokens and template
+    (chat_formats.py); Qwen2.5-VL also its image processor's preprocessor_config.json.
 
     ``tokenizer=False`` leaves bos/eos ids null. ``sliding_window``: see hf_config_dict
     (the weights do not change with it). ``tokenizer_vocab_size``: how many tokens the
@@ -157,6 +158,11 @@ def make_model(
     else:
         bos, eos = None, None
 
+    if arch == "qwen2_5_vl" and tokenizer:
+        # config.json names the image tokens by the tokenizer's ids; the image processor's settings beside them.
+        dims = {**dims, "token_ids": _vision_token_ids(out)}
+        vision = dims.get("vision_language") or PRESETS["tiny-vl"]["vision_language"]
+        _write_json(out / "preprocessor_config.json", _preprocessor_config(vision))
     config = hf_config_dict(arch, dims, _DTYPE_NAMES[dtype], bos, eos, sliding_window)
     _write_json(out / "config.json", config)
     generation = {"bos_token_id": bos, "eos_token_id": stops or None}
@@ -287,6 +293,37 @@ def _write_tokenizer(out: Path, vocab_size: int, corpus_bytes: int | None) -> tu
     if None in ids:
         raise ValueError(f"tokenizer in {out} lacks one of {BOS_TOKEN}, {EOS_TOKEN}, {END_OF_TURN_TOKEN}")
     return ids[0], ids[1], ids[2]
+
+
+def _vision_token_ids(out: Path) -> dict[str, int]:
+    """The ids of the image tokens (VISION_TOKENS) in the folder's tokenizer."""
+    from tokenizers import Tokenizer
+
+    from shared.model.models.qwen2_5_vl_config import VISION_TOKENS
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
+    missing = [t for t, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"tokenizer in {out} lacks {missing}")
+    return ids
+
+
+def _preprocessor_config(vision_language: Mapping[str, Any]) -> dict[str, Any]:
+    """preprocessor_config.json as Qwen/Qwen2.5-VL ships it (what transformers' processor
+    reads), with the preset's pixel bounds."""
+    tower = vision_language["vision_config"]
+    return {
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "max_pixels": vision_language["max_pixels"],
+        "merge_size": 2,
+        "min_pixels": vision_language["min_pixels"],
+        "patch_size": tower["patch_size"],
+        "processor_class": "Qwen2_5_VLProcessor",
+        "temporal_patch_size": 2,
+    }
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

@@ -45,9 +45,19 @@ HfTestConfig = Callable[[str, dict[str, Any], Mapping[str, Any], "int | None"], 
 sliding_window) -> config.json as transformers 5.24 writes it for that architecture."""
 
 
+ConfigView = Callable[[Mapping[str, Any]], Mapping[str, Any]]
+"""config.json -> the mapping the shared reader reads (a vision-language model's
+``text_config`` brought up beside its top-level keys)."""
+
+
 def no_fields(d: Mapping[str, Any], num_layers: int, head_dim: int, max_pos: int) -> Mapping[str, Any]:
     """The dense families' parser: every field is the shared reading."""
     return {}
+
+
+def same_view(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text-only families' view: config.json as it is."""
+    return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +71,9 @@ class ArchConfig:
     parse: FieldParser = no_fields
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
     """make-model presets only this family can draw (each names its ``arch``)."""
+    view: ConfigView = same_view
+    """What the shared reader and ``parse`` read: config.json itself, or for a
+    vision-language family its language model's keys at the top level."""
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")

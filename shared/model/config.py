@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # torch only where a dtype is asked for: the balancer reads c
     import torch
 
     from shared.model.models.deepseek_v4_config import DeepseekV4Params
+    from shared.model.models.qwen2_5_vl_config import VisionLanguageParams
 
 
 
@@ -77,6 +78,9 @@ class ModelConfig:
     """DeepSeek-V4: the rotary of compressed layers, their compressors and indexer
     (``rope`` is then the "main" one, of sliding-only layers); both rotate only
     ``deepseek_v4.rope_head_dim`` channels."""
+    vision_language: "VisionLanguageParams | None" = None
+    """A vision-language model's vision tower, image tokens and multimodal rotary
+    (M-RoPE) sections; None: a text-only model."""
 
     def mlp_layer_type(self, layer_idx: int) -> MlpLayerType:
         return self.mlp_layer_types[layer_idx] if self.mlp_layer_types else "dense"
@@ -129,6 +133,7 @@ class ModelConfig:
         architecture = _architecture(d, ARCH_CONFIGS, ARCHITECTURE_OF_MODEL_TYPE)
         family = ARCH_CONFIGS[architecture]
         traits = family.architectures[architecture]
+        d = family.view(d)
         hidden_act = d.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
@@ -176,7 +181,8 @@ class ModelConfig:
 
 # The fields added with the MoE families and their dense defaults (see fingerprint).
 _ADDED_DEFAULTS: Mapping[str, Any] = MappingProxyType(
-    {"moe": None, "mlp_layer_types": (), "attention_sinks": False, "deepseek_v4": None, "compress_rope": None}
+    {"moe": None, "mlp_layer_types": (), "attention_sinks": False, "deepseek_v4": None, "compress_rope": None,
+     "vision_language": None}
 )
 _ADDED_ROPE_FIELDS = ("beta_fast", "beta_slow", "truncate", "attention_factor")
 

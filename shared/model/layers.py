@@ -231,6 +231,31 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary (M-RoPE, Qwen2-VL's and Qwen2.5-VL's): positions [3, T]
+    (temporal, height, width; shared/model/vision/mrope.py), the first ``sections[0]``
+    frequency pairs turned by the temporal position, the next ``sections[1]`` by the
+    height, the last by the width (contiguous sections), as Qwen2_5_VLRotaryEmbedding.
+    Positions [T] (every axis alike: text, decode) are the plain rope."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, sections: tuple[int, int, int], device: torch.device) -> None:
+        super().__init__(rope, head_dim, device)
+        if sum(sections) != head_dim // 2:
+            raise ValueError(f"M-RoPE sections {sections} must sum to head_dim / 2 = {head_dim // 2}")
+        axis = torch.tensor([a for a, n in enumerate(sections) for _ in range(n)], device=device)
+        self.axis_of_pair: torch.Tensor
+        self.register_buffer("axis_of_pair", axis, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, dtype)
+        # Pair i reads its axis's position: the same products transformers takes before it
+        # picks each section from the axis's table.
+        freqs = positions[self.axis_of_pair].t().float() * self.inv_freq.float()  # [T, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -8,6 +8,7 @@ import torch
 
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.interface import CausalLM
+from shared.model.multimodal import InputEmbeddings
 
 
 class PagedDriver:
@@ -35,8 +36,18 @@ class PagedDriver:
         self.blocks: list[list[list[int]]] = [[[] for _ in range(num_seqs)] for _ in range(self.num_groups)]
         self.lens = [0] * num_seqs
 
-    def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Feed ``new_tokens[s]`` to sequence s (all in one forward); logits [n, vocab] per sequence."""
+    def step(
+        self,
+        new_tokens: dict[int, list[int]],
+        rope_positions: dict[int, list[list[int]]] | None = None,
+        embeds: dict[int, tuple[list[int], torch.Tensor]] | None = None,
+    ) -> dict[int, torch.Tensor]:
+        """Feed ``new_tokens[s]`` to sequence s (all in one forward); logits [n, vocab] per sequence.
+
+        A vision-language model's step: ``rope_positions[s]`` [3][n] the rotary positions
+        of sequence s's new tokens (others: their sequence positions on every axis), and
+        ``embeds[s]`` (rows among its new tokens, embeddings [rows, hidden]) what replaces
+        their input embeddings; with either, positions go to the model as [3, T]."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[list[int]] = [[] for _ in range(self.num_groups)]
@@ -70,9 +81,26 @@ class PagedDriver:
                     block_size=self.block_size,
                 )
             )
-        hidden = self.model(
-            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, metas
-        )
+        if rope_positions is None and embeds is None:
+            hidden = self.model(
+                torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, metas
+            )
+        else:
+            axes: list[list[int]] = [[], [], []]
+            for row, s in enumerate(order):
+                given = (rope_positions or {}).get(s)
+                for a in range(3):
+                    axes[a] += given[a] if given is not None else positions[starts[row] : starts[row + 1]]
+            rows = [starts[order.index(s)] + r for s, (local, _) in (embeds or {}).items() for r in local]
+            merged = None
+            if rows:
+                merged = InputEmbeddings(
+                    torch.tensor(rows, device=self.device), torch.cat([e for _, e in (embeds or {}).values()])
+                )
+            hidden = self.model(  # type: ignore[call-arg]
+                torch.tensor(ids, device=self.device), torch.tensor(axes, device=self.device), self.kv_caches, metas,
+                embeddings=merged,
+            )
         logits = self.model.compute_logits(hidden)
         return {s: logits[starts[row] : starts[row + 1]] for row, s in enumerate(order)}
 

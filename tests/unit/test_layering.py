@@ -71,6 +71,8 @@ TORCH_FREE = (
     "shared.model.arch_config",
     # The model registry, which imports every family's config parser (models/<name>_config.py).
     "shared.model.models",
+    # M-RoPE positions: computed where a request's prompt is built, before any device.
+    "shared.model.vision.mrope",
     *KV_VOCABULARY,
     "shared.kv.connectors.base",
     "shared.kv.wire.client",

@@ -196,7 +196,9 @@ def test_make_model_is_deterministic_and_transformers_agrees(arch: str, tmp_path
     make_model(tmp_path / "c", arch=arch, seed=4, tokenizer=False)
     assert (tmp_path / "a/model.safetensors").read_bytes() != (tmp_path / "c/model.safetensors").read_bytes()
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32)
+    # A vision-language model is transformers' image-text-to-text class (text only here).
+    auto = transformers.AutoModelForImageTextToText if arch == "qwen2_5_vl" else transformers.AutoModelForCausalLM
+    hf = auto.from_pretrained(tmp_path / "a", dtype=torch.float32)
     # config.json is exactly what transformers itself writes for this model.
     hf.save_pretrained(tmp_path / "resaved")
     written = json.loads((tmp_path / "a/config.json").read_text())

@@ -10,7 +10,8 @@
 
 Today: ``llama`` (Llama, Qwen2, Qwen3, Mistral: one transformer, differences are data),
 ``qwen3_moe``, ``gpt_oss``, ``deepseek_v4`` (compressed attention, mHC; its own KV
-groups). Everything else derives from the list: the supported architectures, config
+groups), ``qwen2_5_vl`` (Qwen2's decoder, a vision tower, multimodal rotary
+positions). Everything else derives from the list: the supported architectures, config
 parsing, the model classes, make-model's architectures and presets, the CLI's choices.
 Adding an architecture is its two files and one line here.
 
@@ -37,6 +38,7 @@ FAMILIES: tuple[str, ...] = (
     "qwen3_moe",
     "gpt_oss",
     "deepseek_v4",
+    "qwen2_5_vl",
 )
 """The model files, by module name (``shared/model/models/<name>.py`` and ``<name>_config.py``)."""
 

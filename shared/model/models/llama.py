@@ -312,17 +312,31 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         """metas: the attention metadata of each KV cache group (``kv_layout.groups``):
         the groups share the batch and differ in block tables and slots."""
+        if positions.dim() != 1:
+            raise ValueError(f"positions {tuple(positions.shape)} must be one per token")
+        return self.run_layers(self.model.embed_tokens(input_ids), input_ids, positions, kv_caches, metas)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metas: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        """The decoder over input embeddings ``x`` [T, hidden] (the token embeddings, or a
+        vision-language model's with its images merged in); ``positions``: the rotary
+        positions, [T] (or [3, T] for a multimodal rotary, ``rotary_emb`` reads them)."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
         if len(metas) != len(self.kv_layout.groups):
             raise ValueError(f"got attention metadata for {len(metas)} KV groups, the model has {len(self.kv_layout.groups)}")
         meta = metas[0]
-        if input_ids.shape[0] != meta.query_start_loc[-1] or positions.shape != input_ids.shape:
+        if input_ids.shape[0] != meta.query_start_loc[-1] or positions.shape[-1] != input_ids.shape[0]:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must both have "
                 f"query_start_loc[-1]={meta.query_start_loc[-1]} tokens"
             )
-        x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         plans: list[AttentionPlan] | list[TritonAttentionPlan]
         if self._triton_attention is not None:
