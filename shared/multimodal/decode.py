@@ -58,11 +58,9 @@ def _rgb(image: Image.Image) -> Image.Image:
     """RGB as transformers' image processors make it (convert_rgb): a transparent image
     is laid over white, not stripped of its alpha, which would show what the
     transparent pixels happen to hold."""
-    if image.mode == "RGB":
-        return image
-    has_alpha = "A" in image.getbands() or (image.mode == "P" and "transparency" in image.info)
-    if not has_alpha:
-        return image.convert("RGB")
+    # has_transparency_data: an alpha band, or a palette's or PNG's transparent colour (tRNS).
+    if not image.has_transparency_data:
+        return image if image.mode == "RGB" else image.convert("RGB")
     rgba = image.convert("RGBA")
     background = Image.new("RGBA", rgba.size, _WHITE + (255,))
     background.alpha_composite(rgba)

@@ -4,11 +4,13 @@ be bad is refused with the reason and the request field it came from; the defaul
 settings never reach a loopback address."""
 
 import asyncio
+import io
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from shared.multimodal import address
 from shared.multimodal.errors import (
@@ -247,3 +249,21 @@ async def test_loading_is_off_the_event_loop() -> None:
     await loader().load([ImageRef(big, PARAM)])
     ticker.cancel()
     assert ticks > 3
+
+
+async def test_every_kind_of_transparency_is_laid_over_white() -> None:
+    """An alpha band (RGBA, LA), a palette's transparent entry and PNG's transparent colour key alike."""
+    red = np.zeros((1, 2, 3), dtype=np.uint8)
+    red[0, 0] = (200, 10, 10)  # pixel 1 is black, declared transparent below
+    keyed = encode(red, transparency=(0, 0, 0))  # an RGB PNG with a tRNS colour key
+    paletted = Image.new("P", (2, 1))
+    paletted.putpalette([200, 10, 10, 0, 0, 0])
+    paletted.putdata([0, 1])
+    out = io.BytesIO()
+    paletted.save(out, "PNG", transparency=1)  # palette entry 1 is transparent
+    gray = np.array([[[90, 255], [90, 0]]], dtype=np.uint8)  # L with alpha: opaque, then transparent
+    out_la = io.BytesIO()
+    Image.fromarray(gray, "LA").save(out_la, "PNG")
+    for data, opaque in ((keyed, [200, 10, 10]), (out.getvalue(), [200, 10, 10]), (out_la.getvalue(), [90, 90, 90])):
+        [image] = await loader().load([ImageRef(data_url(data), PARAM)])
+        assert image.pixels[0, 0].tolist() == opaque and image.pixels[0, 1].tolist() == [255, 255, 255]
