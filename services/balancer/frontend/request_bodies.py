@@ -205,8 +205,8 @@ class ImagePart(StrictBody):
     def _the_image_itself(cls, image_url: ImageURL | None) -> ImageURL:
         # vLLM lets a uuid alone name an image its cache still holds; we keep no such cache yet.
         if image_url is None:
-            raise ValueError("the image is needed (a uuid alone names no image here: this server keeps no "
-                             "image cache to look it up in)")
+            raise ValueError('needed: {"url": <a data: URL or an http(s) URL>} (a uuid alone names no image '
+                             "here: this server keeps no image cache to look it up in)")
         return image_url
 
 
