@@ -25,6 +25,8 @@ class ModelImages:
 
 
 class ImageIntake:
+    """The front door's images: the model's stance on them and a loader for its requests'."""
+
     def __init__(self, settings: ImageSettings, model_name: str, model: ModelImages) -> None:
         self.model_name = model_name
         self.model = model
