@@ -14,6 +14,7 @@ from typing import Protocol
 
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
+from shared.multimodal.image import LoadedImage
 
 
 @dataclass(slots=True)
@@ -25,6 +26,13 @@ class GenerationRequest:
     cache_salt: str | None = None
     priority: int = 0
     """Lower goes first where requests wait for a place (the balancer's queue)."""
+    images: list[LoadedImage] = field(default_factory=list)
+    """The chat request's images in the order they appear, loaded and named by their hash
+    (only for a model whose architecture accepts images). Here the front door's part
+    ends: neither generator carries them further yet (issue 29: the vision stage encodes
+    them, the prompt's image placeholders are expanded for them, and the block hashes of
+    the blocks they touch carry (image hash, offset)), so both refuse a request that has them
+    rather than answer it without its images."""
 
 
 @dataclass(slots=True)
@@ -62,6 +70,16 @@ class GenerationError(Exception):
         self.status = status
         self.error_type = error_type
         self.param = param
+
+
+def refuse_images(request: GenerationRequest) -> None:
+    """Where a generator's path for images ends today: at its door. A 501, not a reply
+    made without the images the client sent (see GenerationRequest.images)."""
+    if request.images:
+        raise GenerationError(
+            f"{len(request.images)} image(s) reached a generator that does not carry images to the model yet "
+            "(issue 29: the vision stage); refused rather than answered without them", 501, "not_implemented",
+        )
 
 
 class Generator(Protocol):

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
+from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage, refuse_images
 from shared.engine.config import EngineConfig
 from shared.engine.sampling_params import InvalidParam
 
@@ -54,6 +54,7 @@ class LocalGenerator:
 
         from shared.engine.engine_request import EngineRequest
 
+        refuse_images(request)  # the engine takes token ids only: images stop here until issue 29's vision stage
         outputs = self.engine.generate(
             EngineRequest(request.request_id, request.prompt_token_ids, request.params, request.cache_salt)
         )

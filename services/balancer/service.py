@@ -21,6 +21,7 @@ what it would have loaded, so /ready stays 200 and says {"status": "degraded",
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
@@ -32,12 +33,14 @@ from prometheus_client import Gauge
 from fastapi.responses import JSONResponse
 
 from services.balancer.frontend.api import create_app
+from services.balancer.frontend.images import ModelImages
 from services.balancer.router.departures import instance_departed, parse_advisory
 from services.balancer.router.orchestrator import MeshGenerator
 from services.balancer.router.registry import STAGES, SWEEP_INTERVAL_S, Registry
 from shared.kv.block_hash import kv_fingerprint
 from shared.model.config import ModelConfig
 from shared.model.fingerprint import model_fingerprint
+from shared.model.models import arch_traits
 from shared.proto import mesh_pb2
 from shared.recipe import Recipe
 from shared.runtime import subjects
@@ -70,6 +73,15 @@ async def _sweep(registry: Registry, bus: Bus) -> None:
                 registry.sweep()
         except Exception:
             log.exception("sweeping the registry failed")
+
+
+def _model_images(model_dir: str, model_config: ModelConfig) -> ModelImages:
+    """Whether the model takes images (its architecture's trait) and its image processor's
+    settings as transformers keeps them (preprocessor_config.json), which every image's hash covers."""
+    accepts = arch_traits(model_config.architecture).accepts_images
+    path = Path(model_dir) / "preprocessor_config.json"
+    processor = json.loads(path.read_text()) if accepts and path.is_file() else {}
+    return ModelImages(accepts, processor)
 
 
 class _KVCacheProbe:
@@ -212,6 +224,8 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         settings=settings.balancer,
         metrics=ctx.metrics,
         tracer=ctx.tracer,
+        images=settings.images,
+        model_images=_model_images(model_dir, model_config),
     )
     g_instances = ctx.metrics.gauge("live_instances", "Live instances per stage", ("stage",))
 

@@ -34,6 +34,10 @@ class ArchTraits:
     """Trained to resume from SWA bounded replay (DeepSeek-V4): the engine's swa_replay
     then defaults to "bounded". Any other model defaults to "exact", since bounded
     replay drifts on a model not trained for it (docs/architecture.md)."""
+    accepts_images: bool = False
+    """A vision-language model: chat requests may carry image content parts, which the
+    balancer loads and passes on (shared/multimodal/). A text-only model's request with
+    an image is refused with a 400 naming the part, before any image is fetched."""
 
 
 FieldParser = Callable[[Mapping[str, Any], int, int, int], Mapping[str, Any]]

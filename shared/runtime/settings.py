@@ -236,6 +236,32 @@ class BalancerSettings:
 
 
 @dataclass(slots=True)
+class ImageSettings:
+    """Images of chat requests (image_url content parts): what the balancer loads
+    before it dispatches a request (shared/multimodal/)."""
+
+    max_per_request: int = 8
+    """A request with more image parts than this is refused with a 400 before any is loaded."""
+    max_bytes: int = 20 << 20
+    """An image's encoded bytes, downloaded or decoded from a data: URL, at most this
+    many (a download is cut off as soon as it passes them). A data: URL also counts
+    against balancer.max_request_bytes, the whole body's limit."""
+    max_pixels: int = 1 << 24
+    """An image of more pixels (width x height) than this is refused before its pixel
+    data is decoded: a small file can declare a huge image (a decompression bomb).
+    2**24 is 4096 x 4096, 48 MiB as RGB."""
+    fetch_timeout_s: float = 10.0
+    """An http(s) image not fully downloaded within this (redirects included) is refused."""
+    max_redirects: int = 3
+    """Redirects followed per image; each hop's address is checked as the first one's. 0 follows none."""
+    fetch_private: bool = False
+    """Fetch image URLs whose host resolves to a private, loopback, link-local or
+    otherwise non-public address. Off, such a URL (or a redirect to one) is refused:
+    the balancer sits inside the mesh's network and must not be a client's way into
+    it. On only where the images are served inside that network (tests, a local store)."""
+
+
+@dataclass(slots=True)
 class Settings:
     nats: NatsSettings = field(default_factory=NatsSettings)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
@@ -244,6 +270,7 @@ class Settings:
     kvcache: KVCacheSettings = field(default_factory=KVCacheSettings)
     kv_transfer: KVTransferSettings = field(default_factory=KVTransferSettings)
     balancer: BalancerSettings = field(default_factory=BalancerSettings)
+    images: ImageSettings = field(default_factory=ImageSettings)
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:

@@ -81,6 +81,8 @@ TORCH_FREE = (
     "shared.kv.wire.nixl",
     "shared.kv.wire.nixl_plane",
     "shared.kv.wire.targets",
+    # Request images: the balancer loads them (the vision stage takes the pixels on).
+    "shared.multimodal.loader",
 )
 
 

@@ -310,8 +310,12 @@ def test_bad_requests_get_400(mesh: Mesh) -> None:
     # The engine's own refusal (a token id past the vocabulary), streamed or not.
     assert_error(post(mesh.main, "/v1/completions", {**base, "prompt": [10**6]}), 400)
     assert_error(post(mesh.main, "/v1/completions", {**base, "prompt": [10**6], "stream": True}), 400)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}
+    assert_error(post(mesh.main, "/v1/chat/completions", chat), 400,
+                 "messages.0.content.0: Input tag 'input_audio' found using 'type' does not match")
+    # An image part without its image; with one, this text-only model refuses it (tests/unit/test_image_api.py).
     chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
-    assert_error(post(mesh.main, "/v1/chat/completions", chat), 400, "messages.0.content.0.type: Input should be 'text")
+    assert_error(post(mesh.main, "/v1/chat/completions", chat), 400, "messages.0.content.0.image_url: needed")
     assert_error(post(mesh.main, "/v1/chat/completions", {**chat, "messages": []}), 400, "messages")
     ok = post(mesh.main, "/v1/completions", base)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1

@@ -21,7 +21,8 @@ define them), errors.py (the OpenAI error body and the exception handlers),
 guard.py (API key, body size, requests counter), http_metrics.py (the HTTP layer's
 Prometheus series), serving.py (one request's flow: check, admit, generate,
 answer), jobs.py (a request as the mesh's jobs), pump.py (generation in a task of
-its own), event_stream.py (the SSE body and disconnects) and chat_template.py;
+its own), event_stream.py (the SSE body and disconnects), chat_template.py and
+images.py (a chat request's images: refused for a text-only model, else loaded);
 this file puts them together in create_app.
 """
 
@@ -41,10 +42,11 @@ from services.balancer.frontend.errors import APIError, add_error_handlers
 from services.balancer.generation import Generator
 from services.balancer.frontend.guard import Guard
 from services.balancer.frontend.http_metrics import HttpMetrics
+from services.balancer.frontend.images import ModelImages
 from services.balancer.frontend.serving import OpenAIServer, json_response
 from shared.recipe import Recipe
 from shared.runtime.metrics import Metrics
-from shared.runtime.settings import BalancerSettings
+from shared.runtime.settings import BalancerSettings, ImageSettings
 
 MAX_CONTEXT_TOKENS = 1 << 17
 """The longest context served. A prompt (with the tokens so far, when a request
@@ -69,14 +71,21 @@ def create_app(
     settings: BalancerSettings,
     metrics: Metrics | None = None,
     tracer: Tracer | None = None,
+    images: ImageSettings | None = None,
+    model_images: ModelImages | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over generator. metrics' registry gets the
     balancer's series (create one app per Metrics) and is served on /metrics;
     without it the series are kept privately and /metrics answers 404. tracer
-    makes one SERVER span per generation request, parent of the generator's spans."""
+    makes one SERVER span per generation request, parent of the generator's spans.
+    images: the limits on a chat request's images; model_images: whether the model
+    takes images (default: it does not, and a request with one is a 400)."""
     max_model_len = min(max_model_len, MAX_CONTEXT_TOKENS)  # a 400 that names the limit, not a 5xx from NATS
     stats = HttpMetrics(metrics or Metrics("balancer"), model_name, max_model_len)
-    server = OpenAIServer(generator, recipe, model_name, max_model_len, settings, stats, tracer or trace.NoOpTracer())
+    server = OpenAIServer(
+        generator, recipe, model_name, max_model_len, settings, stats, tracer or trace.NoOpTracer(),
+        images or ImageSettings(), model_images or ModelImages(),
+    )
     # FastAPI's own telemetry would add a second root span per request from the global
     # tracer provider; ours is explicit (the tracer given) and parents the generator's spans.
     telemetry: Any = {"tracing": False, "metrics": False, "logs": False}

@@ -24,6 +24,8 @@ MAX_PROMPTS = 64
 MAX_CHOICES = 16
 """n and best_of: samples per prompt."""
 MAX_REQUEST_ID_CHARS = 128
+MAX_IMAGE_UUID_CHARS = 256
+"""A client's name for an image (the uuid of an image_url part); it goes into the image's hash."""
 
 
 class StrictBody(BaseModel):

@@ -25,8 +25,7 @@ def encode_chat(recipe: Recipe, body: p.ChatCompletionRequest | p.TokenizeChatRe
 def _open_final_message(text: str, last: p.ChatMessage, add_generation_prompt: bool) -> str:
     """The rendered conversation cut right after the last message's content, so the
     reply continues it (transformers' continue_final_message)."""
-    content = last.content if isinstance(last.content, str) else "".join(part.text for part in last.content or [])
-    content = content.strip()
+    content = last.text.strip()
     at = text.rfind(content) if content else -1
     if at < 0:
         raise APIError(400, "continue_final_message: the chat template does not render the last message's "

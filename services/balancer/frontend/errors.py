@@ -54,8 +54,12 @@ class ClientGone(Exception):
 
 
 def _where(error: dict[str, Any]) -> str:
-    """The field's dotted path (messages.0.content), without pydantic's union tags (list[int], ...)."""
-    return ".".join(str(x) for x in error.get("loc", ()) if x != "body" and "[" not in str(x))
+    """The field's dotted path (messages.0.content), without pydantic's union tags (list[int], ...)
+    nor a tagged union's member tag (messages.0.content.1, not messages.0.content.1.image_url)."""
+    loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+    # After "tagged-union[...]" comes the member's tag; after "list[tagged-union[...]]", the index, then the tag.
+    tags = {i + (2 if x.startswith("list[") else 1) for i, x in enumerate(loc) if "tagged-union[" in x}
+    return ".".join(x for i, x in enumerate(loc) if "[" not in x and i not in tags)
 
 
 def _wrong_type(error: dict[str, Any]) -> bool:

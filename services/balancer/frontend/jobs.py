@@ -12,6 +12,7 @@ from services.balancer.frontend.errors import APIError
 from services.balancer.generation import GenerationRequest
 from services.balancer.frontend.seeds import draw_seed
 from shared.engine.sampling_params import InvalidParam
+from shared.multimodal.image import LoadedImage
 from shared.recipe import Recipe
 
 MAX_PROMPT_LOGPROB_BYTES = 512 << 10
@@ -40,6 +41,7 @@ class JobPlanner:
         logprobs: int | None,
         prompt_k: int | None,
         keep_special_tokens: bool = False,
+        images: list[LoadedImage] | None = None,
     ) -> Call:
         """The jobs of one request: per prompt, num_samples generations (seed + i each,
         the first alone scoring the prompt when prompt logprobs are asked). A body
@@ -104,7 +106,8 @@ class JobPlanner:
                 except ValueError as exc:  # the detokenizer's (stop strings): no one field
                     raise APIError(400, str(exc)) from exc
                 rid = internal or f"{call_id.split('-', 1)[0]}-{uuid.uuid4().hex}"
-                request = GenerationRequest(rid, prompt_ids, params, cache_salt=body.cache_salt, priority=body.priority)
+                request = GenerationRequest(rid, prompt_ids, params, cache_salt=body.cache_salt, priority=body.priority,
+                                            images=list(images or ()))
                 job = Job(request, detokenizer, prompt_index, sample, prompt_index * (body.n or 1) + sample, after=first)
                 first = first or job
                 jobs.append(job)

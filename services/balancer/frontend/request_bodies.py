@@ -19,6 +19,7 @@ from services.balancer.frontend.body_fields import (
     MAX_BAD_WORDS,
     MAX_CACHE_SALT_CHARS,
     MAX_CHOICES,
+    MAX_IMAGE_UUID_CHARS,
     MAX_PROMPTS,
     MAX_STOP_TOKEN_IDS,
     ChatTemplateKwargs,
@@ -183,9 +184,40 @@ class TextPart(StrictBody):
     text: Text
 
 
+class ImageURL(StrictBody):
+    url: Annotated[str, Field(min_length=1), AfterValidator(valid_unicode)]
+    """A base64 data: URL (data:image/png;base64,...) or an http(s) URL the balancer
+    fetches (frontend/images.py; limits in the images settings)."""
+    detail: Literal["auto", "low", "high"] = "auto"
+    """OpenAI's; passed on with the image to models that have a notion of it (vLLM
+    ignores it for every model it serves)."""
+
+
+class ImagePart(StrictBody):
+    type: Literal["image_url"]
+    image_url: Annotated[ImageURL | None, Field(validate_default=True)] = None
+    uuid: Annotated[str, Field(min_length=1, max_length=MAX_IMAGE_UUID_CHARS), AfterValidator(valid_unicode)] | None = None
+    """vLLM's: the client's own stable name for the image, which then names it (its hash
+    is over this, not the pixels): the client vouches that one uuid is one image."""
+
+    @field_validator("image_url")
+    @classmethod
+    def _the_image_itself(cls, image_url: ImageURL | None) -> ImageURL:
+        # vLLM lets a uuid alone name an image its cache still holds; we keep no such cache yet.
+        if image_url is None:
+            raise ValueError('needed: {"url": <a data: URL or an http(s) URL>} (a uuid alone names no image '
+                             "here: this server keeps no image cache to look it up in)")
+        return image_url
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+"""A chat message's content part, told apart by its type."""
+
+
 class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
+    """Text, or parts: text and images (several per message, in order)."""
     name: Text | None = None
     """OpenAI's; passed to the chat template, as are the other fields."""
     reasoning_content: Text | None = None
@@ -212,8 +244,30 @@ class ChatMessage(StrictBody):
             raise ValueError("only tool messages answer a call")
         return call_id
 
+    @property
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """(index in content, part) of each image, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part) for j, part in enumerate(self.content) if isinstance(part, ImagePart)]
+
+    @property
+    def text(self) -> str:
+        """The content's text, its text parts joined (images left out)."""
+        if not isinstance(self.content, list):
+            return self.content or ""
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
     def for_template(self) -> dict[str, Any]:
-        message = self.model_dump(exclude_none=True, exclude={"tool_calls"})
+        message = self.model_dump(exclude_none=True, exclude={"tool_calls", "content"})
+        if isinstance(self.content, list):
+            # An image is {"type": "image"} to the template, as vLLM renders it (VL templates
+            # write their image placeholder for it): its URL, megabytes maybe, is no text.
+            message["content"] = [
+                part.model_dump() if isinstance(part, TextPart) else {"type": "image"} for part in self.content
+            ]
+        elif self.content is not None:
+            message["content"] = self.content
         if message["role"] == "developer":  # OpenAI's newer name for the system role
             message["role"] = "system"
         if self.tool_calls is not None:

@@ -28,13 +28,14 @@ from services.balancer.frontend.errors import APIError
 from services.balancer.frontend.event_stream import DONE, EventStream, json_response, sse, sse_error, unless_disconnected
 from services.balancer.generation import GenerationError, Generator, Usage
 from services.balancer.frontend.http_metrics import HttpMetrics
+from services.balancer.frontend.images import ImageIntake, ModelImages
 from services.balancer.frontend.jobs import JobPlanner
 from services.balancer.frontend.pump import Pump, merge_deltas
 from services.balancer.frontend.seeds import SEED_HEADER
 from services.balancer.frontend.structured_outputs import check_structured
 from services.balancer.frontend.tool_output import ToolSupport
 from shared.recipe import Recipe
-from shared.runtime.settings import BalancerSettings
+from shared.runtime.settings import BalancerSettings, ImageSettings
 from shared.runtime.telemetry import extract_context
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class OpenAIServer:
         settings: BalancerSettings,
         stats: HttpMetrics,
         tracer: Tracer,
+        images: ImageSettings,
+        model_images: ModelImages,
     ) -> None:
         self.generator = generator
         self.recipe = recipe
@@ -66,6 +69,7 @@ class OpenAIServer:
         self.gate = PriorityGate(settings.max_dispatched_requests)
         self.planner = JobPlanner(recipe, model_name, max_model_len)
         self.tools = ToolSupport(settings.tool_call_parser, recipe)
+        self.images = ImageIntake(images, model_name, model_images)
 
     # -- the two endpoints ---------------------------------------------------------
 
@@ -99,20 +103,25 @@ class OpenAIServer:
         self._check(body)
         await check_structured(body)
         tools = await self.tools.plan(body)
+        image_refs = self.images.refs(body)  # refused before admission and before any download
         async with AsyncExitStack() as stack:
-            self._admit(stack)
+            self._admit(stack)  # first: loading takes time and memory, so a loading request counts in flight
+            images = await self.images.load(image_refs)
             prompt_ids = await asyncio.to_thread(encode_chat, self.recipe, body)
             call = self.planner.plan(
                 body, http, [prompt_ids], chat=True, what="messages", max_tokens=body.requested_max_tokens,
                 logprobs=body.num_logprobs, prompt_k=body.prompt_logprobs,
-                keep_special_tokens=tools is not None and tools.keeps_special_tokens,
+                keep_special_tokens=tools is not None and tools.keeps_special_tokens, images=images,
             )
             if tools is not None:
                 attach_tools(call, tools, bool(body.stream))
             return await self._respond(call, bool(body.stream), http, stack)
 
-    def encode_chat(self, body: p.ChatCompletionRequest | p.TokenizeChatRequest) -> list[int]:
-        """The conversation's tokens (chat_template.py); /tokenize uses it too."""
+    def encode_chat(self, body: p.TokenizeChatRequest) -> list[int]:
+        """/tokenize's count of a conversation: the tokens chat would make of it (chat_template.py),
+        its images refused as chat refuses them (for a model that takes images, the count
+        holds one placeholder per image: its expansion is the vision stage's, issue 29)."""
+        self.images.refs(body)
         return encode_chat(self.recipe, body)
 
     # -- checks and preparation ----------------------------------------------------

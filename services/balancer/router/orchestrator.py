@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 
 from opentelemetry.trace import Span, Tracer
 
-from services.balancer.generation import GenerationRequest, TokenEvent
+from services.balancer.generation import GenerationRequest, TokenEvent, refuse_images
 from services.balancer.router.attempt import Attempts
 from services.balancer.router.cancels import Cancels
 from services.balancer.router.dispatch import Dispatcher
@@ -73,6 +73,8 @@ class MeshGenerator:
         self._attempts.reject_chunk(reason, chunk, span, tally)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        # The mesh's messages carry token ids only: images stop here until the vision stage (issue 29).
+        refuse_images(request)
         self._in_flight += 1
         try:
             async for event in self._migrations.run(request):
