@@ -275,7 +275,7 @@ class Worker:
             span.set_attribute("kv.kvcache", "unused" if outcome is None else outcome.value)
             if outcome is not None and outcome is not LookupOutcome.OK:
                 self.m_kvcache_bypassed.labels(outcome.value).inc()
-        block_bytes = self.llm_engine.runner.kv_region.block_bytes
+        block_bytes = self.llm_engine.kv_region.block_bytes
         loaded, stored = report.num_loaded_blocks * block_bytes, report.num_saved_blocks * block_bytes
         self.m_kv_loaded_bytes.inc(loaded)
         self.m_kv_stored_bytes.inc(stored)
