@@ -34,7 +34,7 @@ import pytest
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from tests.helpers.mesh import running_mesh
+from tests.helpers.mesh import kv_blocks_settled, running_mesh
 from tests.helpers.mesh_procs import span_attributes
 from tests.helpers.metrics import balancer_metric
 from tools.make_model import make_model
@@ -77,6 +77,8 @@ def _serves_the_one_process_tokens(mesh, model: str) -> None:  # noqa: ANN001
     attrs = span_attributes(mesh.trace_dir, first.id, "decode")
     assert attrs["kv.path"] == "peer" and attrs["kv.load_failed"] is False
     assert attrs["kv.loaded_blocks"] == first.usage.prompt_tokens // BLOCK > 0
+    # Written behind to kvcache by the writer process, which maps every rank's cache: the one-rank bytes.
+    assert kv_blocks_settled(mesh, at_least=first.usage.prompt_tokens // BLOCK) >= first.usage.prompt_tokens // BLOCK
     second = client.chat.completions.create(model=name, messages=CHATS[1], max_tokens=MAX_TOKENS, temperature=0)
     assert second.choices[0].message.content == expected[1].text
     assert second.usage.prompt_tokens_details.cached_tokens >= len(SYSTEM) // 8  # the system prompt's blocks, at least
