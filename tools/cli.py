@@ -228,12 +228,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
             print(f"making the default model in {args.model}", file=sys.stderr)
             make_model(args.model)
-    tp_size = args.tensor_parallel_size
-    if tp_size is None:  # the services read the engine's settings from the same environment
-        from shared.runtime.settings import load_settings
-
-        tp_size = load_settings().engine.tensor_parallel_size
-    return up(args.model, args.prefill, args.decode, args.port, args.state_dir, args.demo, tp_size)
+    return up(args.model, args.prefill, args.decode, args.port, args.state_dir, args.demo,
+              args.tensor_parallel_size, args.enable_expert_parallel)  # fmt: skip
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -386,8 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default=".infermesh", help="logs, traces, the kvcache LMDB and NATS data")
     p.add_argument("--demo", action="store_true", help="send one streaming chat, show its trace, then stop")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
-                   help="ranks per instance (EngineConfig.tensor_parallel_size; not implemented in the mesh yet: "
-                        "refused above 1)")  # fmt: skip
+                   help="ranks (processes) per prefill and decode instance: EngineConfig.tensor_parallel_size "
+                        "(default: INFERMESH_ENGINE__TENSOR_PARALLEL_SIZE, else 1)")  # fmt: skip
+    p.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="an MoE model's experts split over those ranks, attention replicated: "
+                        "EngineConfig.enable_expert_parallel (default: INFERMESH_ENGINE__ENABLE_EXPERT_PARALLEL)")
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("trace", help="print a request's spans as a waterfall")

@@ -53,12 +53,21 @@ _Command = _Add | _Abort | _Call | _Stop
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
+        on_crash: Callable[[BaseException], None] | None = None,
+    ) -> None:  # fmt: skip
+        """on_crash(error): called on the event loop when the step loop dies of an error
+        (a rank of the instance died, a bug), after the requests in flight were failed."""
         self.engine = engine
+        self._on_crash = on_crash
         self._loop = loop
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}
         self._stopped = threading.Event()
+        self._intake = threading.Lock()
+        """Held while a command that waits for an answer is queued, and while the loop,
+        stopping, fails what is queued: no such command is left unanswered."""
         self._error: BaseException | None = None
         self.last_load: EngineLoad = engine.load()
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
@@ -79,11 +88,9 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes. Leaving the iteration early
         (the caller was cancelled or broke out) aborts the request."""
-        if self._stopped.is_set():
-            raise EngineDead("the engine is stopped")
         sink: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()
-        self._commands.put(_Add(request, sink, added))
+        self._put(_Add(request, sink, added))
         await added  # raises the engine's ValueError for a bad request
         finished = False
         try:
@@ -104,11 +111,15 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) on the engine thread between two steps."""
-        if self._stopped.is_set():
-            raise EngineDead("the engine is stopped")
         future = self._loop.create_future()
-        self._commands.put(_Call(fn, future))
+        self._put(_Call(fn, future))
         return await future
+
+    def _put(self, command: _Add | _Call) -> None:
+        with self._intake:
+            if self._stopped.is_set():
+                raise EngineDead("the engine is stopped")
+            self._commands.put(command)
 
     # -- engine thread -------------------------------------------------------
 
@@ -142,23 +153,28 @@ class AsyncEngine:
                 self._resolve(cmd.future, error=exc)
 
     def _run(self) -> None:
+        commands: list[_Command] = []
+        """Taken off the queue and not yet applied (the one being applied included)."""
         try:
             while True:
-                commands: list[_Command] = []
+                commands = []
                 if not self.engine.has_unfinished_requests():
                     try:  # idle: sleep until a command comes
                         commands.append(self._commands.get(timeout=0.5))
                     except queue.Empty:
+                        self.engine.check_ranks()  # a rank that died while idle ends the loop now
                         continue
                 while True:
                     try:
                         commands.append(self._commands.get_nowait())
                     except queue.Empty:
                         break
-                for cmd in commands:
+                while commands:
+                    cmd = commands[0]
                     if isinstance(cmd, _Stop):
                         return
                     self._apply(cmd)
+                    commands.pop(0)
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         sink = self._sinks.get(out.request_id)
@@ -171,9 +187,22 @@ class AsyncEngine:
             log.exception("engine step loop crashed")
             self._error = exc
         finally:
-            self._stopped.set()
-            # Whatever is still in flight fails loudly rather than waiting forever.
             reason = self._error or EngineDead("the engine was shut down")
+            with self._intake:
+                self._stopped.set()
+                # Requests and calls queued but never applied (the balancer may have sent one
+                # after the engine died) fail too: their callers would otherwise wait forever.
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+            for cmd in commands:
+                if isinstance(cmd, (_Add, _Call)):
+                    self._resolve(cmd.future, error=EngineDead(f"the engine stopped: {reason}"))
+            # Whatever is still in flight fails loudly rather than waiting forever.
             for sink in self._sinks.values():
                 self._loop.call_soon_threadsafe(sink.put_nowait, reason)
             self._sinks.clear()
+            if self._error is not None and self._on_crash is not None:
+                self._loop.call_soon_threadsafe(self._on_crash, self._error)

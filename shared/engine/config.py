@@ -141,8 +141,9 @@ class EngineConfig:
     columns and the vocabulary divided between them), one process per rank on one host,
     meeting through torch.distributed (NCCL on CUDA, ranks on cuda:N.. from the configured
     card; gloo on the CPU). Dense Llama-family models; MoE models with
-    enable_expert_parallel. Not yet with speculative decoding, CUDA graphs, kept
-    quantized weights or the mesh's KV handoff (each refused by name)."""
+    enable_expert_parallel. In the mesh an instance of N ranks is still one instance whose
+    connector moves every rank's KV (shared/kv/memory/ranked_region.py). Not yet with
+    speculative decoding, CUDA graphs or kept quantized weights (each refused by name)."""
     enable_expert_parallel: bool = False
     """MoE models over the tensor_parallel_size ranks (vLLM's flag: the MoE layers become
     expert-parallel over the ranks): each rank holds 1/N of every MoE layer's experts,

@@ -14,10 +14,11 @@ from shared.engine.dtypes import torch_dtype
 from shared.engine.engine_request import EngineRequest
 from shared.engine.eplb.balancer import ExpertBalancer
 from shared.engine.eplb.expert_load import ExpertLoad
-from shared.engine.eplb.placement import PlacementSpec
 from shared.engine.executor.base import Executor, UniProcExecutor
 from shared.engine.executor.multiproc import MultiprocExecutor
-from shared.engine.executor.rank import RunnerSetup, build_runner, checkpoint_recipe, load_rank_model, rank_device
+from shared.engine.executor.rank import (
+    RunnerSetup, build_runner, check_split, checkpoint_recipe, load_rank_model, rank_device,
+)  # fmt: skip
 from shared.engine.kv_transfer import KVTransfer
 from shared.engine.model_runner import RunnerOutput, StepHandle
 from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput, TokenLogprobs
@@ -33,10 +34,11 @@ from shared.kv.connectors.base import KVConnector
 from shared.kv.memory.coordinator import (
     KVCacheCoordinator, blocks_for_one_request, blocks_in_budget, blocks_per_class,
 )  # fmt: skip
+from shared.kv.memory.region import KVRegion
 from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.model.fingerprint import model_fingerprint
 from shared.model.loader import read_config
-from shared.model.models import arch_traits, model_class
+from shared.model.models import arch_traits
 from shared.model.interface import CausalLM
 from shared.model.parallel import SINGLE
 from shared.recipe import IncrementalDetokenizer, Recipe
@@ -94,7 +96,7 @@ class LLMEngine:
         tp_size = config.tensor_parallel_size
         device = rank_device(config.device, 0, tp_size)
         loaded = model is None
-        multiproc = _start_ranks(config, model, kv_connector, share_kv) if tp_size > 1 else None
+        multiproc = _start_ranks(config, model) if tp_size > 1 else None
         try:
             self._init(config, model, loaded, dtype, device, multiproc, record_kv_events, load_progress,
                        kv_connector, share_kv)  # fmt: skip
@@ -148,14 +150,22 @@ class LLMEngine:
             swa_replay=swa_replay,  # type: ignore[arg-type]
             state_cache=state_cache,
         )
-        setup = RunnerSetup(config, class_blocks, max_model_len, self.eos_token_ids)
+        # With a connector, the other ranks' caches are made mappable: rank 0's connector moves their blocks too.
+        setup = RunnerSetup(config, class_blocks, max_model_len, self.eos_token_ids, share_kv=kv_connector is not None)
         self.runner = build_runner(setup, self.model, device, self.recipe, share_kv)
-        """Rank 0's runner: its KV region and structured matchers are the engine's to read;
-        steps go through the executor, which runs them on every rank."""
+        """Rank 0's runner: its structured matchers are the engine's to read; steps go
+        through the executor, which runs them on every rank."""
         self.executor: Executor
+        self.kv_region: KVRegion = self.runner.kv_region
+        """The instance's KV cache as its connector moves it (and peers map it): rank 0's
+        region with one rank; with several, one region over every rank's cache
+        (shared/kv/memory/ranked_region.py), so that every rank's KV moves."""
         if multiproc is not None:
             multiproc.start(setup, self.runner)
             self.executor = multiproc
+            if kv_connector is not None:
+                heads = None if config.enable_expert_parallel else model_cfg.num_key_value_heads
+                self.kv_region = multiproc.kv_region(heads)
         else:
             self.executor = UniProcExecutor(self.runner)
         self.speculator: Speculator | None = None
@@ -169,7 +179,7 @@ class LLMEngine:
         )
         self.kv_transfer: KVTransfer | None = None
         if kv_connector is not None:
-            kv_connector.register_kv_region(self.runner.kv_region)
+            kv_connector.register_kv_region(self.kv_region)
             # What recomputing a prefix costs here, so a slow source can decline a hit.
             chunk = min(config.step_sizes()[1], max_model_len)
             kv_connector.register_recompute_rate(chunk / self.executor.time_step(chunk, repeats=1), config.block_size)
@@ -272,6 +282,12 @@ class LLMEngine:
             or (self.kv_transfer is not None and self.kv_transfer.busy)  # its blocks come back when it reports
         )
 
+    def check_ranks(self) -> None:
+        """Raise WorkerFailed (naming the rank) if one of the instance's other ranks died;
+        nothing with one rank. The step loop asks while idle, so a dead rank takes the
+        instance down at once rather than at its next request."""
+        self.executor.check_alive()
+
     def close(self) -> None:
         """Stop the connector's background work; unmap the shared cache."""
         if self.kv_transfer is not None:
@@ -279,7 +295,7 @@ class LLMEngine:
         if self._experts is not None:
             self._experts.close()
         self.executor.close()
-        self.runner.kv_region.close()
+        self.kv_region.close()
 
     # -- the step ------------------------------------------------------------
 
@@ -537,24 +553,12 @@ class LLMEngine:
         }
 
 
-def _start_ranks(
-    config: EngineConfig, model: CausalLM | None, kv_connector: KVConnector | None, share_kv: bool
-) -> MultiprocExecutor:
+def _start_ranks(config: EngineConfig, model: CausalLM | None) -> MultiprocExecutor:
     """The other ranks of a tensor-parallel engine, started (and joined in one group)
     once what they cannot run is refused: before any process starts."""
     if model is not None:
         raise ValueError("a model built by the caller runs in one process: tensor_parallel_size must be 1 with it")
-    if kv_connector is not None or share_kv:
-        raise ValueError("not implemented yet: the KV handoff (KV connectors, a shared KV cache) with "
-                         "tensor_parallel_size > 1")  # fmt: skip
-    model_cfg = read_config(Path(config.model))
-    if config.enable_expert_parallel:
-        if model_cfg.moe is None:
-            raise ValueError(f"enable_expert_parallel needs an MoE model: {model_cfg.architecture} has no experts")
-        num_redundant = config.eplb_settings().num_redundant_experts
-        PlacementSpec(config.tensor_parallel_size, num_redundant).check(model_cfg.moe.num_experts)
-    else:
-        model_class(model_cfg).check_tensor_parallel(model_cfg, config.tensor_parallel_size)
+    check_split(config, read_config(Path(config.model)))
     return MultiprocExecutor(config)
 
 

@@ -34,18 +34,29 @@ def column_shard(full: int, parallel: ParallelContext, what: str) -> Shard:
 
 
 def kv_head_shard(num_kv_heads: int, head_dim: int, parallel: ParallelContext) -> Shard:
-    """This rank's KV heads as rows of k_proj / v_proj. With fewer KV heads than ranks each
-    KV head is replicated on tp_size / num_kv_heads ranks (as vLLM does): rank r keeps KV
-    head r // (tp_size / num_kv_heads), the one its query heads read."""
-    tp = parallel.tp_size
-    if num_kv_heads >= tp:
-        return column_shard(num_kv_heads * head_dim, parallel, "num_key_value_heads")
-    if tp % num_kv_heads:
+    """This rank's KV heads as rows of k_proj / v_proj (``kv_heads_of_rank``)."""
+    start, size = kv_heads_of_rank(num_kv_heads, parallel.tp_rank, parallel.tp_size)
+    return Shard(0, start * head_dim, size * head_dim, num_kv_heads * head_dim)
+
+
+def kv_heads_of_rank(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(first, count) of the KV heads rank ``tp_rank`` of ``tp_size`` holds. With fewer KV
+    heads than ranks each KV head is replicated on tp_size / num_kv_heads ranks (as vLLM
+    does): rank r keeps KV head r // (tp_size / num_kv_heads), the one its query heads
+    read. A plain function of the three numbers, so that who moves an instance's KV (its
+    region over every rank, shared/kv/memory/ranked_region.py) splits it as the model did."""
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ValueError(
+                f"num_key_value_heads ({num_kv_heads}) is not divisible by tensor_parallel_size ({tp_size})"
+            )
+        size = num_kv_heads // tp_size
+        return tp_rank * size, size
+    if tp_size % num_kv_heads:
         raise ValueError(
-            f"tensor_parallel_size ({tp}) must divide num_key_value_heads ({num_kv_heads}) or be a multiple of it"
+            f"tensor_parallel_size ({tp_size}) must divide num_key_value_heads ({num_kv_heads}) or be a multiple of it"
         )
-    head = parallel.tp_rank // (tp // num_kv_heads)
-    return Shard(0, head * head_dim, head_dim, num_kv_heads * head_dim)
+    return tp_rank // (tp_size // num_kv_heads), 1
 
 
 class MergedColumnParallelLinear(MergedLinear):

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -43,6 +44,17 @@ class ServiceContext:
     tracer: Tracer
     metrics: Metrics
     stop: asyncio.Event
+    failure: str | None = None
+    """Why the service stops on its own (``fail``); None while it runs, or stops on a signal."""
+
+    def fail(self, reason: str) -> None:
+        """What the service serves is gone (its engine died): stop as on SIGTERM (the
+        stack unwinds: NOT_SERVING, drain, NATS last, so the balancer sees the instance
+        leave), then exit non-zero, so that a supervisor restarts it."""
+        if self.failure is None:
+            log.error("%s fails: %s", self.instance_id, reason)
+            self.failure = reason
+        self.stop.set()
 
 
 Setup = Callable[[ServiceContext, AsyncExitStack], Awaitable[None]]
@@ -53,7 +65,8 @@ def default_instance_id(stage: str) -> str:
     return f"{stage}-{host}-{os.getpid()}"
 
 
-async def run_service(stage: str, setup: Setup, settings: Settings | None = None) -> None:
+async def run_service(stage: str, setup: Setup, settings: Settings | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (exit code 0) or until the service fails (ctx.fail: 1)."""
     settings = settings or load_settings()
     instance_id = check_token(settings.worker.instance_id or default_instance_id(stage))
     provider = setup_telemetry(stage, instance_id, settings.telemetry)
@@ -87,7 +100,8 @@ async def run_service(stage: str, setup: Setup, settings: Settings | None = None
             log.info("%s stopping", instance_id)
     finally:
         provider.shutdown()
+    return 0 if ctx.failure is None else 1
 
 
 def main(stage: str, setup: Setup) -> None:
-    asyncio.run(run_service(stage, setup))
+    sys.exit(asyncio.run(run_service(stage, setup)))

@@ -45,7 +45,7 @@ def held_kv_source(
     NixlConnector.describe()), empty without."""
     if held is None or not held.num_blocks:
         return None
-    region = engine.runner.kv_region
+    region = engine.kv_region  # every rank's cache, for a multi-rank instance
     return mesh_pb2.KvSource(
         instance_id=instance_id,
         region=region.share() if engine.runner.shares_kv else b"",

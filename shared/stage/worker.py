@@ -79,7 +79,7 @@ class Worker:
         self.kvcache = kvcache
         self.nixl = nixl
         self._kvcache_up: bool | None = None
-        self.engine = AsyncEngine(engine, asyncio.get_running_loop())
+        self.engine = AsyncEngine(engine, asyncio.get_running_loop(), on_crash=self._engine_crashed)
         self.grpc: GrpcServer | None = None
         self.draining = False
         self._tasks: list[asyncio.Task] = []
@@ -154,6 +154,13 @@ class Worker:
         stack.push_async_callback(self.stop)
         await self.grpc.set_serving(True)
         log.info("%s: gRPC health on :%d", self.ctx.instance_id, self.grpc.port)
+
+    def _engine_crashed(self, error: BaseException) -> None:
+        """The step loop died (a rank of the instance died, a bug): its requests were
+        failed (the balancer moves them); the instance stops and exits non-zero rather
+        than stay registered with no engine, so that no further request reaches it and
+        a supervisor starts it again."""
+        self.ctx.fail(f"the engine stopped: {type(error).__name__}: {error}")
 
     def not_ready(self) -> str | None:
         """/ready's answer (on the metrics port): None once the engine is loaded (a
@@ -275,7 +282,7 @@ class Worker:
             span.set_attribute("kv.kvcache", "unused" if outcome is None else outcome.value)
             if outcome is not None and outcome is not LookupOutcome.OK:
                 self.m_kvcache_bypassed.labels(outcome.value).inc()
-        block_bytes = self.llm_engine.runner.kv_region.block_bytes
+        block_bytes = self.llm_engine.kv_region.block_bytes
         loaded, stored = report.num_loaded_blocks * block_bytes, report.num_saved_blocks * block_bytes
         self.m_kv_loaded_bytes.inc(loaded)
         self.m_kv_stored_bytes.inc(stored)

@@ -1,10 +1,13 @@
 """What tensor parallelism does not run yet is refused by name where it is configured
-(EngineConfig, `infermesh up`'s preflight), never ignored: torch-free checks."""
+(EngineConfig, `infermesh up`'s preflight), never ignored."""
+
+import json
+from pathlib import Path
 
 import pytest
 
 from shared.engine.config import EngineConfig
-from tools.launch.preflight import PreflightError, check_tensor_parallel
+from tools.launch.preflight import PreflightError, check_parallel
 
 
 @pytest.mark.parametrize(
@@ -31,7 +34,26 @@ def test_a_size_below_one_is_refused() -> None:
         EngineConfig(tensor_parallel_size=0)
 
 
-def test_the_mesh_refuses_tensor_parallel_instances_before_starting() -> None:
-    check_tensor_parallel(1)
-    with pytest.raises(PreflightError, match=r"not implemented yet: --tensor-parallel-size 2 in the mesh"):
-        check_tensor_parallel(2)
+def test_the_mesh_checks_how_instances_split_before_starting(tmp_path: Path) -> None:
+    """`infermesh up --tensor-parallel-size N [--enable-expert-parallel]` runs instances of
+    N ranks; what no instance could start with is one line before anything starts."""
+    dense = _config(tmp_path / "dense", num_attention_heads=4, num_key_value_heads=2)
+    check_parallel(dense, 1, False)
+    check_parallel(dense, 2, False)  # each rank one KV head
+    check_parallel(dense, 4, False)  # KV heads replicated on two ranks each
+    with pytest.raises(PreflightError, match=r"--tensor-parallel-size 3: num_attention_heads \(4\) is not divisible"):
+        check_parallel(dense, 3, False)
+    with pytest.raises(PreflightError, match=r"--tensor-parallel-size 2: enable_expert_parallel needs an MoE model"):
+        check_parallel(dense, 2, True)
+    with pytest.raises(PreflightError, match=r"--tensor-parallel-size 1: enable_expert_parallel splits the experts"):
+        check_parallel(dense, 1, True)
+
+
+def _config(folder: Path, **dims: int) -> str:
+    """A Llama config.json (no weights: the split is decided from the config alone)."""
+    folder.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256, "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 128, **dims}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)

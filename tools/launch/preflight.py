@@ -1,7 +1,7 @@
 """What `infermesh up` checks before it starts anything, each failure one line
 that says what is wrong and what to do: the instance counts, the model folder
 (config.json the mesh can read, safetensors weights, the tokenizer the balancer
-needs), the API port free, nats-server installed. A process started later finds
+needs), how its instances split over ranks, the API port free, nats-server installed. A process started later finds
 none of these problems, so its log is never the first place a user has to look."""
 
 import errno
@@ -21,15 +21,30 @@ def check_instances(num_prefill: int, num_decode: int) -> None:
             )
 
 
-def check_tensor_parallel(tensor_parallel_size: int) -> None:
-    """The mesh's instances run on one rank each: the KV handoff between prefill and
-    decode (connectors, the direct copy) moves one cache, and a tensor-parallel instance
-    keeps its KV heads spread over its ranks' caches."""
-    if tensor_parallel_size > 1:
-        raise PreflightError(
-            f"not implemented yet: --tensor-parallel-size {tensor_parallel_size} in the mesh (its KV handoff moves "
-            "one rank's cache); `infermesh generate --tensor-parallel-size N` runs it in one process group"
-        )
+def check_parallel(model: str, tensor_parallel_size: int, enable_expert_parallel: bool) -> None:
+    """Instances of several ranks (--tensor-parallel-size N, --enable-expert-parallel)
+    run in the mesh: each instance's connector moves every rank's KV (rank 0 maps the
+    others' caches, shared/kv/memory/ranked_region.py), so a handoff between two of them,
+    or to and from kvcache, carries the whole KV. Refused here, before anything starts,
+    is what an instance would refuse at start: a model that does not split over N
+    ranks (its heads, its experts), expert parallelism without an MoE model or over
+    one rank. Runs after check_model (the config is readable). Not refused, with a
+    line in the instance's log: NIXL, which reads one process's cache and so cannot
+    carry rank shards, turns itself off for a multi-rank instance (KV across
+    namespaces then comes from kvcache); a direct copy between instances of different
+    splits is declined (the decode side loads from kvcache)."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.executor.rank import check_split
+    from shared.model.loader import read_config
+
+    flag = f"--tensor-parallel-size {tensor_parallel_size}"
+    try:
+        config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size,
+                              enable_expert_parallel=enable_expert_parallel)  # fmt: skip
+        if tensor_parallel_size > 1:
+            check_split(config, read_config(Path(model)))
+    except ValueError as exc:
+        raise PreflightError(f"{flag}: {exc}") from None
 
 
 def check_model(model: str) -> None:
@@ -73,14 +88,15 @@ def check_port(host: str, port: int) -> None:
             raise PreflightError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-def preflight(model: str, num_prefill: int, num_decode: int, host: str, port: int, tensor_parallel_size: int = 1) -> None:
+def preflight(model: str, num_prefill: int, num_decode: int, host: str, port: int, tensor_parallel_size: int = 1,
+              enable_expert_parallel: bool = False) -> None:  # fmt: skip
     """Every check, cheapest first; raises PreflightError at the first failure."""
     from tools.launch.up import find_nats_server
 
     check_instances(num_prefill, num_decode)
-    check_tensor_parallel(tensor_parallel_size)
     check_port(host, port)
     check_model(model)
+    check_parallel(model, tensor_parallel_size, enable_expert_parallel)
     try:
         find_nats_server()
     except FileNotFoundError as exc:

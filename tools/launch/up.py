@@ -406,6 +406,17 @@ class Mesh:
             self.procs.clear()
 
 
+def parallel_env(tensor_parallel_size: int | None, enable_expert_parallel: bool | None) -> dict[str, str]:
+    """The INFERMESH_ENGINE__ variables that give every engine instance the flags' split
+    (a flag not given leaves the environment's, else the default)."""
+    env = {}
+    if tensor_parallel_size is not None:
+        env["INFERMESH_ENGINE__TENSOR_PARALLEL_SIZE"] = str(tensor_parallel_size)
+    if enable_expert_parallel is not None:
+        env["INFERMESH_ENGINE__ENABLE_EXPERT_PARALLEL"] = "true" if enable_expert_parallel else "false"
+    return env
+
+
 def _port_open(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.2):
@@ -448,18 +459,25 @@ def run_demo(mesh: Mesh) -> None:
 
 
 def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str, demo: bool,
-       tensor_parallel_size: int = 1) -> int:  # fmt: skip
+       tensor_parallel_size: int | None = None, enable_expert_parallel: bool | None = None) -> int:  # fmt: skip
     """Check, start with progress bars, serve until Ctrl-C or SIGTERM. A failure is
     one line on stderr (and, for a process that failed, the end of its log), not a
     traceback: exit code 2 for what was checked before starting, 1 after.
-    tensor_parallel_size: the engine's (the flag's, else INFERMESH_ENGINE__...), checked
-    here: the mesh runs one rank per instance today."""
+    tensor_parallel_size, enable_expert_parallel: how each prefill and decode instance
+    splits over ranks (the flags; None: INFERMESH_ENGINE__... or the default), checked
+    here and handed to every instance in its environment."""
     from tools.launch.preflight import PreflightError, preflight
     from tools.launch.progress import StartProgress
 
-    mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True)
+    parallel = parallel_env(tensor_parallel_size, enable_expert_parallel)
+    mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True, extra_env=parallel)
     try:
-        preflight(model, num_prefill, num_decode, mesh.host, port, tensor_parallel_size)
+        try:  # the engine settings every instance will read (EngineConfig's own checks run here)
+            engine = load_settings(env={**os.environ, **parallel}).engine
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from None
+        preflight(model, num_prefill, num_decode, mesh.host, port, engine.tensor_parallel_size,
+                  engine.enable_expert_parallel)  # fmt: skip
     except PreflightError as exc:
         print(f"infermesh: error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,9 @@ knows whether other ranks exist.
 
 The operations are the runner's that run the model (every rank must run them, in the
 same order, since a forward's collectives pair up across ranks); what only reads rank
-0's state (its KV region, its structured matchers) the engine reads off ``runner``.
+0's state (its structured matchers) the engine reads off ``runner``. KV that enters or
+leaves the instance moves in every rank's cache at once, through one region over all
+of them in rank 0's process (MultiprocExecutor.kv_region, shared/kv/memory/ranked_region.py).
 """
 
 from abc import ABC, abstractmethod
@@ -52,6 +54,11 @@ class Executor(ABC):
     def close(self) -> None:
         """Stop the other ranks (and wait for them); the executor runs nothing after."""
 
+    @abstractmethod
+    def check_alive(self) -> None:
+        """Raise (WorkerFailed, naming it) if a rank died: the engine's loop asks while
+        idle too, so a dead rank takes the instance down before the next request."""
+
     @property
     @abstractmethod
     def accepts_expert_move(self) -> bool:
@@ -85,6 +92,9 @@ class UniProcExecutor(Executor):
 
     def close(self) -> None:
         pass
+
+    def check_alive(self) -> None:
+        pass  # the one rank is this process
 
     @property
     def accepts_expert_move(self) -> bool:

@@ -49,7 +49,9 @@ from shared.engine.executor.rank import RunnerSetup, rank_device
 from shared.engine.executor.worker import run_worker
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
 from shared.engine.step import SchedulerOutput
+from shared.kv.memory.ranked_region import RankedKVRegion, open_region
 from shared.model.parallel import ParallelContext
+from shared.model.parallel_layers import kv_heads_of_rank
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,28 @@ class MultiprocExecutor(Executor):
             self._mover = ExpertMover(runner.model, self._move_group, runner.device)
         for conn in self._conns:
             conn.send(setup)
-        self._await_all("ready")
+        shares = self._await_all("ready")
+        self._kv_shares = [shares[rank] for rank in range(1, self.world_size)]
+        """Each worker's KV cache description (setup.share_kv), rank after rank."""
+
+    def kv_region(self, num_kv_heads: int | None) -> RankedKVRegion:
+        """The instance's KV over every rank, for its connector: rank 0's region and the
+        workers' caches mapped here (started with setup.share_kv). num_kv_heads: the
+        model's, split over the ranks as its attention splits them (tensor parallelism);
+        None: every rank holds the whole KV (expert parallelism)."""
+        first = self.runner.kv_region
+        others = []
+        for rank, description in enumerate(self._kv_shares, start=1):
+            if not description:
+                raise ValueError(f"rank {rank}'s KV cache is not shared: start the workers with RunnerSetup.share_kv")
+            others.append(open_region(description, first.kv_layout, first.device))
+        if num_kv_heads is None:
+            return RankedKVRegion([first, *others])
+        heads = [kv_heads_of_rank(num_kv_heads, rank, self.world_size) for rank in range(self.world_size)]
+        return RankedKVRegion([first, *others], heads, num_kv_heads)
+
+    def check_alive(self) -> None:
+        self._check_alive()
 
     # -- steps ----------------------------------------------------------------
 
@@ -205,8 +228,10 @@ class MultiprocExecutor(Executor):
         message = f"tensor-parallel worker rank {rank} {what}; exit code {proc.exitcode}"
         return WorkerFailed(message + (f"; its error:\n{detail}" if detail else ""))
 
-    def _await_all(self, stage: str) -> None:
-        """Wait until every worker sent ``stage``; WorkerFailed if one fails first."""
+    def _await_all(self, stage: str) -> dict[int, Any]:
+        """Wait until every worker sent ``stage``; what each sent with it, by rank.
+        WorkerFailed if one fails first."""
+        sent: dict[int, Any] = {}
         pending = set(range(1, self.world_size))
         while pending:
             for rank in sorted(pending):
@@ -221,8 +246,10 @@ class MultiprocExecutor(Executor):
                         raise WorkerFailed(f"tensor-parallel worker rank {rank} failed to start:\n{payload}")
                     assert kind == stage, f"worker rank {rank} sent {kind!r} while starting, expected {stage!r}"
                     pending.discard(rank)
+                    sent[rank] = payload
                 elif proc.exitcode is not None:
                     raise self._failure(rank, f"exited before it was {stage}")
+        return sent
 
 
 def _has_error(conn: Connection) -> bool:

@@ -15,7 +15,9 @@ from shared.engine.structured.setup import make_grammar_compiler
 from shared.model.expert_parallel_model import make_expert_parallel, rank_experts
 from shared.model.interface import CausalLM
 from shared.model.kept_weights import kept_formats
+from shared.model.config import ModelConfig
 from shared.model.loader import load_model
+from shared.model.models import model_class
 from shared.model.parallel import ParallelContext
 from shared.recipe import Recipe
 
@@ -30,6 +32,9 @@ class RunnerSetup:
     """KV blocks per size class (coordinator.blocks_per_class)."""
     max_model_len: int
     eos_token_ids: frozenset[int]
+    share_kv: bool = False
+    """Make the rank's KV cache mappable on this host, for rank 0 to map (the instance has a
+    KV connector: it moves every rank's blocks through rank 0's process, ranked_region.py)."""
 
 
 def rank_device(device: str, rank: int, tp_size: int) -> torch.device:
@@ -39,6 +44,20 @@ def rank_device(device: str, rank: int, tp_size: int) -> torch.device:
     if tp_size == 1 or base.type != "cuda":
         return base
     return torch.device("cuda", (base.index or 0) + rank)
+
+
+def check_split(config: EngineConfig, model_cfg: ModelConfig) -> None:
+    """A ValueError saying why the model cannot split over config.tensor_parallel_size
+    ranks as configured (expert parallelism: an MoE model whose experts divide over the
+    ranks; else tensor parallelism: its family's check_tensor_parallel). Called before
+    any rank starts, and by `infermesh up` before any instance starts."""
+    if config.enable_expert_parallel:
+        if model_cfg.moe is None:
+            raise ValueError(f"enable_expert_parallel needs an MoE model: {model_cfg.architecture} has no experts")
+        num_redundant = config.eplb_settings().num_redundant_experts
+        PlacementSpec(config.tensor_parallel_size, num_redundant).check(model_cfg.moe.num_experts)
+    else:
+        model_class(model_cfg).check_tensor_parallel(model_cfg, config.tensor_parallel_size)
 
 
 def load_rank_model(config: EngineConfig, parallel: ParallelContext, device: torch.device, progress: bool) -> CausalLM:

@@ -5,7 +5,9 @@ same runner as rank 0 (rank.py) and then runs whatever rank 0 sends, step by ste
 Talk with rank 0 is one pipe, in this order:
 
 1. the worker sends ``("joined", None)`` once it reached the store, then joins the group;
-2. rank 0 sends the ``RunnerSetup``; the worker sends ``("ready", None)`` once built;
+2. rank 0 sends the ``RunnerSetup``; the worker sends ``("ready", description)`` once
+   built: with ``setup.share_kv``, how rank 0 maps its KV cache (KVRegion.share()),
+   else empty;
 3. rank 0 sends each step as pickled ``(Command, args, MoveOrder | None)``; the order
    (EPLB: switch a moved layer, start moving one on the mover thread) is applied before
    the command's forward; nothing comes back (rank 0's own runner gives the step's
@@ -50,8 +52,9 @@ def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig
         move_group = expert_move_group(store, rank, world_size, device) if config.enable_expert_parallel else None
         model = load_rank_model(config, parallel, device, progress=False)
         setup: RunnerSetup = conn.recv()
-        runner = build_runner(setup, model, device, checkpoint_recipe(config.model))
-        conn.send(("ready", None))
+        runner = build_runner(setup, model, device, checkpoint_recipe(config.model), share_kv=setup.share_kv)
+        # Rank 0's connector moves this rank's blocks through this mapping (ranked_region.py).
+        conn.send(("ready", runner.kv_region.share() if setup.share_kv else b""))
         _serve(runner, None if move_group is None else ExpertMover(model, move_group, device), conn)
     except EOFError:
         return  # the engine closed its end: nothing left to serve

@@ -141,17 +141,13 @@ class KVWriter:
 
 
 def _child_region(description: bytes, layout, device: str):  # noqa: ANN001, ANN202
-    """The engine's cache, mapped here, as a KVRegion (its read_blocks gives the payloads)."""
+    """The engine's cache (every rank's, for a multi-rank instance), mapped here as a
+    KVRegion (its read_blocks gives the payloads)."""
     import torch
 
-    from shared.kv.memory.region import KVRegion, per_tensor
-    from shared.kv.memory.share import open_peer
+    from shared.kv.memory.ranked_region import open_region
 
-    _, allocations = open_peer(description, torch.device(device))
-    # The cache's allocations, as KVRegion.allocations lists them: tensors in layout.tensor_index order.
-    tensors = per_tensor(allocations)
-    kv_caches = [tensors[layout.tensor_index(layer)] for layer in range(layout.num_layers)]
-    return KVRegion(kv_caches, layout)
+    return open_region(description, layout, torch.device(device))
 
 
 async def _serve(conn: Connection) -> None:

@@ -49,8 +49,8 @@ class PeerConnector(PeerLink):
         tensors = self._peers.get(source.region)
         if tensors is None:
             layout, tensors = open_peer(source.region, self.region.device)
-            if layout != self.region.layout:
-                raise ValueError(f"the peer's layout {layout} is not ours ({self.region.layout})")
+            if layout != self.region.peer_layout:  # a multi-rank peer's names its split: ranks copy rank to rank
+                raise ValueError(f"the peer's layout {layout} is not ours ({self.region.peer_layout})")
             self._peers[source.region] = tensors
         return tensors
 

@@ -31,10 +31,13 @@ from shared.kv.spec import KVCacheLayout
 
 class KVRegion:
     def __init__(
-        self, kv_caches: list[torch.Tensor], layout: KVCacheLayout, allocator: Allocator | None = None
-    ) -> None:
+        self, kv_caches: list[torch.Tensor], layout: KVCacheLayout, allocator: Allocator | None = None,
+        description: bytes | None = None,
+    ) -> None:  # fmt: skip
         """allocator: what made the tensors when the cache is shared with peers by its memory
-        (a CPU cache; a GPU cache handed across PID namespaces)."""
+        (a CPU cache; a GPU cache handed across PID namespaces). description: for a cache
+        mapped from another process (its owner's share()), that description: share() gives
+        it on (rank 0 describes its workers' caches to peers so, ranked_region.py)."""
         self.kv_caches = kv_caches
         self.kv_layout = layout
         tensors: list[torch.Tensor | None] = [None] * layout.num_tensors
@@ -77,8 +80,11 @@ class KVRegion:
         """block_bytes: bytes of one block's payload. layout: its dtype and shape, [layers of
         the persistent groups, k/v, block_size, kv_heads, head_dim] for whole blocks, else
         [layers, planes, rows, kv_heads, channels] of each persistent group's page, '+' between."""
+        self.peer_layout = self.layout
+        """What a peer's cache must be for copy_from_peer (the layout it describes in share()):
+        the payload's layout here; a multi-rank instance's names its split too (ranked_region.py)."""
         self._allocator = allocator
-        self._description: bytes | None = None
+        self._description: bytes | None = description
 
     def share(self) -> bytes:
         """How a peer on this host maps this cache (see kv_share)."""

@@ -164,6 +164,8 @@ def open_peer(data: bytes, device: torch.device) -> tuple[str, list[torch.Tensor
     cannot map them (another host, another device kind, a dead peer, bad data)."""
     try:
         desc = json.loads(data)
+        if isinstance(desc, dict) and "ranks" in desc:
+            return _open_ranks(desc, device)
         dtype = getattr(torch, desc["dtype"])
         count = len({"shm": desc.get("paths"), "cuda": desc.get("storages"), "cuda_vmm": desc.get("sizes")}[desc["kind"]])
         shapes = [tuple(int(n) for n in shape) for shape in desc.get("shapes", [desc["shape"]] * count)]
@@ -222,6 +224,18 @@ def open_peer(data: bytes, device: torch.device) -> tuple[str, list[torch.Tensor
             tensors.append(torch.empty(0, dtype=dtype, device=f"cuda:{int(s['device'])}").set_(storage, 0, shape))
         return desc["layout"], tensors
     raise ValueError(f"unknown KV region kind {kind!r}")
+
+
+def _open_ranks(desc: dict, device: torch.device) -> tuple[str, list[torch.Tensor]]:
+    """A multi-rank instance's cache (shared/kv/memory/ranked_region.py): every rank's
+    tensors, rank after rank, under the description's layout (which names the split)."""
+    ranks = desc["ranks"]
+    if not isinstance(ranks, list) or not ranks or not isinstance(desc["layout"], str):
+        raise ValueError("unreadable multi-rank KV region description")
+    tensors: list[torch.Tensor] = []
+    for rank in ranks:
+        tensors += open_peer(json.dumps(rank).encode(), device)[1]
+    return desc["layout"], tensors
 
 
 def _open_handed(desc: dict, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

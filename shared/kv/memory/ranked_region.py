@@ -1,0 +1,210 @@
+"""One instance's KV cache over its N ranks, as the one region its KV connector moves.
+
+An instance of N ranks (tensor or expert parallelism, shared/engine/executor) is one
+process per rank, each with a paged cache of the same blocks (rank 0's scheduler
+hands out one block id for all). The connector lives in rank 0's process and sees
+one region, this one; every rank's cache is mapped into rank 0's process (shared
+memory on the CPU, CUDA IPC on a GPU: the ranks share a host, shared/kv/memory/share.py),
+so a load or a save moves every rank's part on the connector's own thread, in rank
+0's process, with no collective on the ranks' step path and no extra copy of the cache.
+
+- **Tensor parallelism**: rank r holds KV heads [first_r, first_r + count_r) of every
+  layer (``kv_heads_of_rank``; heads replicated where there are fewer than ranks).
+  A block's payload, what a store keeps, is the whole block with every head in order,
+  the same bytes and layout a one-rank engine of the model has: read, each head is
+  taken from the first rank that holds it; written, each rank gets its heads. So the
+  kvcache service and the host tier hold one form of a block whatever the instances'
+  sizes. A direct copy out of a peer's cache goes rank to rank (the peer's rank r
+  into ours), so it needs the peer's split: ``peer_layout`` names it, and a peer of
+  another size is not mapped (the load then comes from kvcache).
+- **Expert parallelism** (attention replicated): every rank holds the whole KV, equal
+  on every rank (the same attention on the same inputs). Reads come from rank 0,
+  writes and copies go to every rank; to peers and stores the instance looks like
+  one rank (its description is rank 0's), so an expert-parallel instance and a
+  one-rank instance of the model hand off to each other directly.
+
+Not carried: NIXL, which registers one process's cache memory and writes into it
+alone (``tensors`` and ``allocations`` raise, and the NIXL link turns itself off with
+that reason: across namespaces KV comes from kvcache), and the sliding-window state
+cache (``gather``/``scatter``; the engine keeps none with several ranks).
+
+Why here and not in the ranks: a connector per rank (each rank moving its own
+shard, as vLLM's NixlConnector does per worker) needs a NATS and kvcache client per
+rank and a join of N reports per load; the ranks of one instance are on one host, so
+rank 0 can reach every rank's memory itself, and one connector keeps one report
+per load and one lease per handoff.
+"""
+
+import json
+import math
+
+import torch
+
+from shared.kv.memory.region import KVRegion, _runs, per_tensor
+from shared.kv.memory.share import open_peer
+from shared.kv.spec import KVCacheLayout
+
+
+class RankedKVRegion(KVRegion):
+    """The instance's ranks' regions as one (rank 0's first). ``heads``: per rank,
+    (first, count) of the KV heads it holds of ``num_kv_heads`` (tensor parallelism);
+    None when every rank holds the whole KV (expert parallelism).
+
+    A KVRegion for the connectors (same methods); its own state is the ranks' regions
+    alone, each with its lock and (on a GPU) its copy stream."""
+
+    def __init__(self, ranks: list[KVRegion], heads: list[tuple[int, int]] | None = None, num_kv_heads: int = 0) -> None:
+        # KVRegion.__init__ is not run: this region owns no tensors, only the ranks' regions.
+        if len(ranks) < 2:
+            raise ValueError("a ranked KV region joins at least two ranks")
+        first = ranks[0]
+        self.ranks = ranks
+        self.heads = heads
+        self.num_kv_heads = num_kv_heads
+        self.kv_layout = first.kv_layout
+        self.device = first.device
+        self.persistent_groups = first.persistent_groups
+        self.kv_caches = first.kv_caches
+        self.stacked = None
+        if heads is None:
+            self.layout = first.layout
+            self.block_bytes = first.block_bytes
+            self.peer_layout = first.peer_layout
+            return
+        if len(heads) != len(ranks):
+            raise ValueError(f"{len(heads)} head ranges for {len(ranks)} ranks")
+        if not all(r._whole_blocks for r in ranks):
+            raise ValueError("not implemented yet: moving a tensor-parallel instance's KV whose pages are not "
+                             "whole blocks (compressed caches)")  # fmt: skip
+        self._readers = _covering(heads, num_kv_heads)
+        """Per rank that is read, the heads taken from it: each head from the first rank holding it."""
+        planes, _, bs, _, dim = first.kv_caches[0].shape
+        layers = sum(len(self.kv_layout.groups[g].layers) for g in self.persistent_groups)
+        self._block_shape = (layers, planes, bs, num_kv_heads, dim)
+        self._dtype = first.kv_caches[0].dtype
+        self.block_bytes = math.prod(self._block_shape) * first.kv_caches[0].element_size()
+        dtype = str(self._dtype).removeprefix("torch.")
+        self.layout = f"{dtype}:{layers}x{planes}x{bs}x{num_kv_heads}x{dim}"
+        """The payload's layout: a one-rank engine's of the model (module docstring)."""
+        self.peer_layout = f"{self.layout}|tp{len(ranks)}"
+        """What a peer's cache must be for a rank-to-rank direct copy: the same split."""
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.heads is not None
+
+    # -- for peers on this host -------------------------------------------------
+
+    def share(self) -> bytes:
+        """Tensor parallel: every rank's description, with the split (open_peer maps them
+        all, rank after rank); expert parallel: rank 0's, the whole KV."""
+        if not self.tensor_parallel:
+            return self.ranks[0].share()
+        return json.dumps({
+            "layout": self.peer_layout, "ranks": [json.loads(r.share()) for r in self.ranks],
+            "heads": [list(h) for h in self.heads or ()], "num_kv_heads": self.num_kv_heads,
+        }).encode()  # fmt: skip
+
+    def copy_from_peer(self, peer: list[torch.Tensor], src: dict[int, list[int]], dst: dict[int, list[int]]) -> None:
+        """Tensor parallel: ``peer`` is a peer of our split's tensors, rank after rank (open_peer
+        of its share()), each rank's copied into ours; expert parallel: one whole cache,
+        copied into every rank."""
+        if not self.tensor_parallel:
+            for rank in self.ranks:
+                rank.copy_from_peer(peer, src, dst)
+            return
+        per_rank, left = divmod(len(peer), len(self.ranks))
+        if left:
+            raise ValueError(f"{len(peer)} peer tensors for {len(self.ranks)} ranks")
+        for r, rank in enumerate(self.ranks):
+            rank.copy_from_peer(peer[r * per_rank : (r + 1) * per_rank], src, dst)
+
+    # -- payloads (stores, the host tier) -----------------------------------------
+
+    def read_payloads(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
+        if not self.tensor_parallel:
+            return self.ranks[0].read_payloads(block_ids)
+        parts = []
+        for r, (first, count) in self._readers:
+            data = self.ranks[r].read_payloads(block_ids)
+            if not data.numel():
+                return torch.empty(0, self.block_bytes, dtype=torch.uint8)
+            layers, planes, bs, _, dim = self._block_shape
+            own = self.heads[r][1]  # type: ignore[index]
+            shaped = data.view(self._dtype).view(data.shape[0], layers, planes, bs, own, dim)
+            offset = first - self.heads[r][0]  # type: ignore[index]
+            parts.append(shaped[..., offset : offset + count, :])
+        whole = torch.cat(parts, dim=4).contiguous()
+        return whole.view(torch.uint8).view(whole.shape[0], self.block_bytes)
+
+    def write_payloads(self, block_ids: dict[int, list[int]], payloads: torch.Tensor) -> None:
+        if not self.tensor_parallel:
+            for rank in self.ranks:
+                rank.write_payloads(block_ids, payloads)
+            return
+        num = payloads.shape[0]
+        whole = payloads.contiguous().view(self._dtype).view(num, *self._block_shape)
+        for rank, (first, count) in zip(self.ranks, self.heads or ()):
+            part = whole[..., first : first + count, :].contiguous()
+            rank.write_payloads(block_ids, part.view(torch.uint8).view(num, -1))
+
+    @torch.inference_mode()
+    def copy_out(self, block_ids: dict[int, list[int]], dst: torch.Tensor, rows: list[int]) -> None:
+        data = self.read_payloads(block_ids)
+        for start, row, length in _runs(rows):
+            dst[row : row + length].copy_(data[start : start + length])
+
+    @torch.inference_mode()
+    def copy_in(self, block_ids: dict[int, list[int]], src: torch.Tensor, rows: list[int]) -> None:
+        staging = src.index_select(0, torch.tensor(rows, dtype=torch.long, device=src.device))
+        self.write_payloads({g: ids[: len(rows)] for g, ids in block_ids.items()}, staging)
+
+    # -- not carried ---------------------------------------------------------------
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:  # type: ignore[override]
+        raise ValueError("NIXL cannot move a multi-rank instance's KV (it reads and writes one process's cache)")
+
+    @property
+    def allocations(self) -> list[torch.Tensor]:
+        raise ValueError("NIXL cannot move a multi-rank instance's KV (it reads and writes one process's cache)")
+
+    def gather(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
+        raise ValueError("no sliding-window state cache with several ranks")
+
+    def scatter(self, block_ids: dict[int, list[int]], data: torch.Tensor) -> None:
+        raise ValueError("no sliding-window state cache with several ranks")
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+
+
+def _covering(heads: list[tuple[int, int]], num_kv_heads: int) -> list[tuple[int, tuple[int, int]]]:
+    """(rank, (first head, count)) runs that take each of num_kv_heads once, in order,
+    each from the first rank holding it."""
+    runs: list[tuple[int, tuple[int, int]]] = []
+    head = 0
+    while head < num_kv_heads:
+        rank = next((r for r, (first, count) in enumerate(heads) if first <= head < first + count), None)
+        if rank is None:
+            raise ValueError(f"no rank holds KV head {head}")
+        first, count = heads[rank]
+        runs.append((rank, (head, first + count - head)))
+        head = first + count
+    return runs
+
+
+def open_region(description: bytes, layout: KVCacheLayout, device: torch.device) -> KVRegion:
+    """A cache another process on this host described (KVRegion.share(), or a
+    RankedKVRegion's), mapped here as a region: what the write-behind process and rank
+    0 (for the other ranks' caches) read and write. ValueError if it cannot be mapped."""
+    desc = json.loads(description)
+    if "ranks" not in desc:
+        _, allocations = open_peer(description, device)
+        # The cache's allocations, as KVRegion.allocations lists them: tensors in layout.tensor_index order.
+        tensors = per_tensor(allocations)
+        caches = [tensors[layout.tensor_index(layer)] for layer in range(layout.num_layers)]
+        return KVRegion(caches, layout, description=description)
+    ranks = [open_region(json.dumps(r).encode(), layout, device) for r in desc["ranks"]]
+    return RankedKVRegion(ranks, [(int(a), int(b)) for a, b in desc["heads"]], int(desc["num_kv_heads"]))
