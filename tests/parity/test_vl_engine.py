@@ -81,10 +81,12 @@ def _check(out: CompletionOutput, case: Case) -> None:
     torch.testing.assert_close(torch.tensor(got), torch.tensor(case.chosen), rtol=0, atol=LOGPROB_TOLERANCE)
 
 
-def test_images_batched_with_text_equal_transformers(vl: Fixture, cases: dict[str, Case]) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_images_batched_with_text_equal_transformers(vl: Fixture, cases: dict[str, Case], overlap: bool) -> None:
     """0, 1 and 2 images and text-only prompts in one continuous batch, chunks small
-    enough that decode steps mix with prefill chunks."""
-    llm = LLM(str(vl.path), block_size=4, prefill_chunk_size=8, max_num_batched_tokens=64)
+    enough that decode steps mix with prefill chunks; also with overlapped steps (the
+    GPU's default: a step is launched before the last one's tokens are read back)."""
+    llm = LLM(str(vl.path), block_size=4, prefill_chunk_size=8, max_num_batched_tokens=64, async_scheduling=overlap)
     order = ["text", "one", "two", "text2"]
     outs = llm.generate([cases[k].prompt.token_ids for k in order], PARAMS, images=[cases[k].images for k in order])
     for out, key in zip(outs, order):
@@ -190,3 +192,49 @@ def test_abort_drops_the_images(vl: Fixture, cases: dict[str, Case]) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert not engine.runner.image_embeds and not engine.runner.prompt_images
+
+
+class RowGraphs:
+    """A CPU stand-in for DecodeGraphs: runs the rows the runner hands a graph replay
+    (graph_rows: one row per token, positions as given) through the model eagerly, so
+    the graphed path's inputs, the rope delta among them, are checked without a GPU."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.num_replays = 0
+
+    def can_run(self, num_tokens: int, max_blocks: int) -> bool:
+        return True
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[list[int]], seq_lens: list[int],
+            tables: list[list[list[int]]], placeholder_sources: list[int] | None = None,
+            last_tokens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        from shared.engine.step_inputs import fill_placeholders
+        from shared.model.forward_batch import AttentionMetadata
+
+        self.num_replays += 1
+        ids = torch.tensor(input_ids)
+        if placeholder_sources is not None and last_tokens is not None:
+            ids = fill_placeholders(ids, torch.tensor(placeholder_sources), last_tokens)
+        n = len(input_ids)
+        metas = []
+        for group_slots, group_tables in zip(slots, tables):
+            width = max(len(t) for t in group_tables)
+            padded = [t + [0] * (width - len(t)) for t in group_tables]
+            metas.append(AttentionMetadata(torch.tensor(group_slots), torch.tensor(padded), list(range(n + 1)),
+                                           list(seq_lens), self.runner.block_size))  # fmt: skip
+        return self.runner.model(ids, torch.tensor(positions), self.runner.kv_caches, metas)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_decode_through_the_graph_rows_equals_transformers(vl: Fixture, cases: dict[str, Case], overlap: bool) -> None:
+    """Decode steps take the graph path (prefill chunks holding image tokens never do):
+    its 1-row positions shifted by each request's rope delta give transformers' tokens."""
+    llm = LLM(str(vl.path), block_size=4, async_scheduling=overlap)
+    graphs = RowGraphs(llm.engine.runner)
+    llm.engine.runner.graphs = graphs  # type: ignore[assignment]
+    order = ["one", "two", "text"]
+    outs = llm.generate([cases[k].prompt.token_ids for k in order], PARAMS, images=[cases[k].images for k in order])
+    assert graphs.num_replays >= NUM_NEW - 1
+    for out, key in zip(outs, order):
+        _check(out, cases[key])
