@@ -28,11 +28,10 @@ class GenerationRequest:
     """Lower goes first where requests wait for a place (the balancer's queue)."""
     images: list[LoadedImage] = field(default_factory=list)
     """The chat request's images in the order they appear, loaded and named by their hash
-    (only for a model whose architecture accepts images). Here the front door's part
-    ends: neither generator carries them further yet (issue 29: the vision stage encodes
-    them, the prompt's image placeholders are expanded for them, and the block hashes of
-    the blocks they touch carry (image hash, offset)), so both refuse a request that has them
-    rather than answer it without its images."""
+    (only for a model whose architecture accepts images); prompt_token_ids holds each
+    one's placeholder run, expanded by the front door. The local generator runs the
+    model's image processor and hands them to its engine; the mesh does not carry them
+    to prefill yet, and refuses them (refuse_images)."""
 
 
 @dataclass(slots=True)
@@ -73,11 +72,11 @@ class GenerationError(Exception):
 
 
 def refuse_images(request: GenerationRequest) -> None:
-    """Where a generator's path for images ends today: at its door. A 501, not a reply
-    made without the images the client sent (see GenerationRequest.images)."""
+    """Where the mesh's path for images ends today: at its door (the prefill request does
+    not carry them yet). A 501, not a reply made without the images the client sent."""
     if request.images:
         raise GenerationError(
-            f"{len(request.images)} image(s) reached a generator that does not carry images to the model yet "
+            f"{len(request.images)} image(s) reached the mesh, which does not carry images to prefill yet "
             "(issue 29: the vision stage); refused rather than answered without them", 501, "not_implemented",
         )
 

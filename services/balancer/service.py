@@ -81,7 +81,8 @@ def _model_images(model_dir: str, model_config: ModelConfig) -> ModelImages:
     accepts = arch_traits(model_config.architecture).accepts_images
     path = Path(model_dir) / "preprocessor_config.json"
     processor = json.loads(path.read_text()) if accepts and path.is_file() else {}
-    return ModelImages(accepts, processor)
+    vl = model_config.vision_language
+    return ModelImages(accepts, processor, vl.image_token_id if accepts and vl is not None else None)
 
 
 class _KVCacheProbe:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shared.engine.engine_request import EngineRequest
+from shared.engine.images import EncodedImages
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import EngineLoad, RequestOutput
 
@@ -31,6 +32,7 @@ class _Add:
     request: EngineRequest
     sink: asyncio.Queue
     future: asyncio.Future
+    encoded: EncodedImages | None = None
 
 
 @dataclass(slots=True)
@@ -88,9 +90,14 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes. Leaving the iteration early
         (the caller was cancelled or broke out) aborts the request."""
+        if self._stopped.is_set():
+            raise EngineDead("the engine is stopped")
+        # The vision tower runs on a worker thread, beside the step loop rather than in it:
+        # a step waits for no image. Its refusals (InvalidParam) reach the caller from here.
+        encoded = await asyncio.to_thread(self.engine.encode_images, request) if request.images is not None else None
         sink: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()
-        self._put(_Add(request, sink, added))
+        self._put(_Add(request, sink, added, encoded))
         await added  # raises the engine's ValueError for a bad request
         finished = False
         try:
@@ -140,7 +147,7 @@ class AsyncEngine:
             self._sinks.pop(cmd.request_id, None)
         elif isinstance(cmd, _Add):
             try:
-                self.engine.add_request(cmd.request)
+                self.engine.add_request(cmd.request, cmd.encoded)
             except ValueError as exc:
                 self._resolve(cmd.future, error=exc)
                 return

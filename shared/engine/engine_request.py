@@ -3,13 +3,31 @@
 A service resumes a request another instance started (decode after prefill)
 with the tokens generated so far and the seeded sampler's state; KV-transfer
 parameters say what the engine moves in or out for it. Nothing travels as
-``**kwargs``. No torch here.
+``**kwargs``. No torch here (images hold tensors, but this module names their type only).
 """
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.transfer import KVTransferParams
+
+if TYPE_CHECKING:
+    from shared.model.multimodal import ImageInputs
+
+
+@dataclass(frozen=True, slots=True)
+class RequestImages:
+    """A prompt's images, as the model's image processor made them, and their names."""
+
+    inputs: "ImageInputs"
+    hashes: tuple[bytes, ...]
+    """One per image, in order: its identity (shared/multimodal/identity.py, or a content
+    hash, shared/engine/images.py's content_hashes), which the block hashes carry."""
+
+    def __post_init__(self) -> None:
+        if len(self.hashes) != len(self.inputs.grids) or not all(self.hashes):
+            raise ValueError(f"{len(self.inputs.grids)} images need as many non-empty hashes, got {len(self.hashes)}")
 
 
 @dataclass(slots=True)
@@ -25,3 +43,6 @@ class EngineRequest:
     kv_transfer: KVTransferParams | None = None
     trace_carrier: dict[str, str] | None = None
     """W3C trace headers of the request: the connector's calls join its trace."""
+    images: RequestImages | None = None
+    """The prompt's images, for a vision-language model: its placeholder tokens (one run
+    per image, the processor's count) stand where each image goes."""

@@ -2,16 +2,19 @@
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine_request import EngineRequest
+from shared.engine.engine_request import EngineRequest, RequestImages
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import TokenLogprobs
+from shared.engine.images import content_hashes
 from shared.engine.sampling_params import SamplingParams
+from shared.model.multimodal import ImageInputs
 
 
 @dataclass(slots=True)
@@ -43,19 +46,26 @@ class LLM:
         prompts: list[str | list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        images: Sequence[ImageInputs | RequestImages | None] | None = None,
     ) -> list[CompletionOutput]:
-        """Run all prompts as one continuous batch; results in prompt order."""
+        """Run all prompts as one continuous batch; results in prompt order. images: per
+        prompt, its images as the model's image processor gives them (ImageInputs, named
+        by their content) or with their names (RequestImages); the prompt holds each
+        image's placeholder tokens where it goes."""
         if params is None:
             params = SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        per_images = list(images) if images is not None else [None] * len(prompts)
+        if len(per_images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_images)} entries of images")
         results: dict[str, CompletionOutput] = {}
         order: list[str] = []
         try:
-            for prompt, p in zip(prompts, per_prompt):
+            for prompt, p, given in zip(prompts, per_prompt, per_images):
                 rid = str(next(self._ids))
-                prompt_ids = self.engine.add_request(EngineRequest(rid, prompt, p))
+                prompt_ids = self.engine.add_request(EngineRequest(rid, prompt, p, images=_named(given)))
                 results[rid] = CompletionOutput(rid, prompt_ids)
                 order.append(rid)
         except ValueError:
@@ -87,3 +97,9 @@ class LLM:
             raise ValueError("chat needs a tokenizer with a chat template; this checkpoint has none")
         prompts: list[str | list[int]] = [self.recipe.encode_chat(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm)
+
+
+def _named(images: ImageInputs | RequestImages | None) -> RequestImages | None:
+    if images is None or isinstance(images, RequestImages):
+        return images
+    return RequestImages(images, content_hashes(images))

@@ -19,11 +19,12 @@ from shared.engine.executor.multiproc import MultiprocExecutor
 from shared.engine.executor.rank import (
     RunnerSetup, build_runner, check_split, checkpoint_recipe, load_rank_model, rank_device,
 )  # fmt: skip
+from shared.engine.images import EncodedImages, check_prompt_tokens, encode
 from shared.engine.kv_transfer import KVTransfer
 from shared.engine.model_runner import RunnerOutput, StepHandle
 from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput, TokenLogprobs
 from shared.engine.request import Request, RequestStatus
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import InvalidParam, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.spec.setup import make_speculator
 from shared.engine.spec.speculator import Speculator
@@ -226,18 +227,19 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------
 
-    def add_request(self, req: EngineRequest) -> list[int]:
-        """Queue a request; returns its prompt token ids."""
+    def add_request(self, req: EngineRequest, encoded: EncodedImages | None = None) -> list[int]:
+        """Queue a request; returns its prompt token ids. A request with images has them
+        encoded here unless the caller did (``encoded``: encode_images, on a thread of
+        its own, as AsyncEngine does)."""
         params = req.sampling_params
-        if isinstance(req.prompt, str):
-            if self.recipe is None:
-                raise ValueError(f"{self.config.model} has no tokenizer.json: give the prompt as token ids")
-            prompt_ids = self.recipe.encode(req.prompt)
-        else:
-            prompt_ids = list(req.prompt)
+        prompt_ids = self._prompt_ids(req)
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if req.images is None:
+            check_prompt_tokens(self.model, prompt_ids, has_images=False)
+        elif encoded is None:
+            encoded = self.encode_images(req)
         request = Request(
             req.request_id,
             prompt_ids,
@@ -246,6 +248,7 @@ class LLMEngine:
             cache_salt=req.cache_salt,
             kv_transfer=req.kv_transfer,
             trace_carrier=req.trace_carrier,
+            images=encoded.prompt if encoded is not None else None,
         )
         for token in req.resume_token_ids:
             request.append_output_token(token)
@@ -254,6 +257,8 @@ class LLMEngine:
         params.check_vocab(vocab)
         check_structured(params, self.runner.structured.compiler)  # compiles (cached): a bad grammar fails here
         self.scheduler.add_request(request)
+        if encoded is not None:
+            self.runner.add_images(req.request_id, encoded.embeds)
         if params.prompt_logprobs is not None and not req.resume_token_ids:
             self._prompt_logprobs[req.request_id] = {}
         if self.recipe is not None and self.detokenize:
@@ -265,8 +270,26 @@ class LLMEngine:
             )
         return prompt_ids
 
+    def _prompt_ids(self, req: EngineRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            if self.recipe is None:
+                raise ValueError(f"{self.config.model} has no tokenizer.json: give the prompt as token ids")
+            return self.recipe.encode(req.prompt)
+        return list(req.prompt)
+
+    def encode_images(self, req: EngineRequest) -> EncodedImages | None:
+        """The request's images checked against its prompt and run through the vision
+        tower (shared/engine/images.py); None without images. It reads only the model,
+        so any thread may run it while the step loop runs (AsyncEngine does, off the loop)."""
+        if req.images is None:
+            return None
+        if self.config.tensor_parallel_size > 1:  # the tower runs here; other ranks would lack the rows
+            raise InvalidParam("images", "are not supported with tensor_parallel_size > 1 yet")
+        return encode(self.model, self._prompt_ids(req), req.images, self.config.speculative)
+
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.runner.drop_images(request_id)  # one the runner never saw is no finished id of a step
         if self.speculator is not None:
             self.speculator.forget(request_id)
         self._prompt_logprobs.pop(request_id, None)
@@ -435,6 +458,8 @@ class LLMEngine:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = detok.stop_reason
             finished = request.status.is_finished
+            if finished:
+                self.runner.drop_images(rid)  # now, not with the next step: an idle engine keeps none
             if finished and self.speculator is not None:
                 self.speculator.forget(rid)
             if finished and detok:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.prompt_images import PromptImages
 from shared.engine.prompt_logprobs import chunk_targets, score_prompt
 from shared.kv.memory.region import KVRegion
 from shared.kv.memory.share import Allocator, CudaVmmAllocator, SharedMemoryAllocator
@@ -21,10 +22,13 @@ from shared.kv.memory.share import Allocator, CudaVmmAllocator, SharedMemoryAllo
 from shared.engine.sampler import LogprobTensors, Sampler, SamplingState, TokenLogprobs, logprob_tensors
 from shared.engine.spec.verify import verify_batch
 from shared.engine.step import ScheduledChunk, SchedulerOutput
-from shared.engine.step_inputs import eager_inputs, fill_placeholders, graph_rows, placeholder_sources, to_device
+from shared.engine.step_inputs import (
+    eager_inputs, fill_placeholders, graph_rows, placeholder_sources, step_image_rows, to_device,
+)  # fmt: skip
 from shared.engine.structured.apply import StructuredRows
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.interface import CausalLM
+from shared.model.multimodal import InputEmbeddings
 
 
 log = logging.getLogger(__name__)
@@ -172,12 +176,30 @@ class ModelRunner:
         self.keep_hidden = False
         """Return each chunk's hidden states from execute() (RunnerOutput.hidden): the MTP
         drafter reads them. Off, nothing is kept."""
+        self.prompt_images: dict[str, PromptImages] = {}
+        """Per request with images, where their tokens are and its M-RoPE positions (NewRequestData)."""
+        self.image_embeds: dict[str, torch.Tensor] = {}
+        """Per request with images, the tower's output for all its image tokens, in order
+        (add_images). Kept until the request finishes, not only until its prefill has
+        read them: a preempted request recomputes its prompt, images included, and its
+        pixels are gone by then. They weigh about what a few layers' KV of the same tokens do."""
+
+    def add_images(self, request_id: str, embeds: torch.Tensor) -> None:
+        """A request's image embeddings [its image tokens, hidden], before its first step."""
+        self.image_embeds[request_id] = embeds.to(self.device)
+
+    def drop_images(self, request_id: str) -> None:
+        self.image_embeds.pop(request_id, None)
+        self.prompt_images.pop(request_id, None)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         self.structured.update(sched)
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
+            self.drop_images(rid)
         for new in sched.new_requests:
+            if new.images is not None:
+                self.prompt_images[new.request_id] = new.images
             state = SamplingState.create(new.sampling_params, new.prompt_token_ids, new.eos_token_ids)
             state.output_token_ids += new.output_token_ids
             self.states[new.request_id] = state
@@ -409,6 +431,7 @@ class ModelRunner:
         self.last_step_graphed = False
         if self.graphs is not None and all(
             len(c.token_ids) <= self.max_graph_query and not c.replay_until and not c.sliding_floor
+            and not self._holds_images(c)
             for c in sched.chunks
         ):
             max_blocks = max(len(ids) for c in sched.chunks for ids in c.block_ids)
@@ -424,12 +447,33 @@ class ModelRunner:
         sources = placeholder_sources([(c.request_id, c.token_ids) for c in sched.chunks], self._last_rows)
         if sources is not None:
             input_ids = fill_placeholders(input_ids, to_device(sources, torch.long, self.device), self._last_tokens)
-        return self.model(input_ids, positions, self.kv_caches, meta), sample_rows, sample_ids
+        embeddings = self._image_embeddings(sched)
+        if embeddings is None:  # a text model's forward takes no such argument
+            return self.model(input_ids, positions, self.kv_caches, meta), sample_rows, sample_ids
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, embeddings=embeddings)  # type: ignore[call-arg]
+        return hidden, sample_rows, sample_ids
+
+    def _holds_images(self, chunk: ScheduledChunk) -> bool:
+        images = self.prompt_images.get(chunk.request_id)
+        return images is not None and images.overlaps(chunk.start_pos, chunk.start_pos + len(chunk.token_ids))
+
+    def _image_embeddings(self, sched: SchedulerOutput) -> InputEmbeddings | None:
+        """The step's image rows and their embeddings; None for a step without image tokens."""
+        if not self.prompt_images:
+            return None
+        rows = step_image_rows(sched.chunks, self.prompt_images)
+        if not rows:
+            return None
+        index = [r.row + i for _, r in rows for i in range(r.count)]
+        embeds = torch.cat([self.image_embeds[rid][r.first : r.first + r.count] for rid, r in rows])
+        return InputEmbeddings(to_device(index, torch.long, self.device), embeds)
 
     def _forward_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:
         """The step replayed from the decode graphs, one row per token (graph_rows)."""
         assert self.graphs is not None
-        rows = graph_rows(sched, self.block_size, len(self._groups), self._last_rows)
+        shifts = {c.request_id: self.prompt_images[c.request_id].rope_shift(c.start_pos)
+                  for c in sched.chunks if c.request_id in self.prompt_images}  # fmt: skip
+        rows = graph_rows(sched, self.block_size, len(self._groups), self._last_rows, shifts)
         hidden = self.graphs.run(
             input_ids=rows.input_ids,
             positions=rows.positions,
@@ -449,4 +493,5 @@ class ModelRunner:
         self, sched: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int], list[str]]:
         """The eager forward's inputs (eager_inputs); placeholders still in the ids."""
-        return eager_inputs(sched, self.block_size, self.null_blocks, self._skips_replay, self.device)
+        return eager_inputs(sched, self.block_size, self.null_blocks, self._skips_replay, self.device,
+                            self.prompt_images)  # fmt: skip

@@ -5,8 +5,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from shared.engine.prompt_images import PromptImages
 from shared.engine.sampling_params import SamplingParams
-from shared.kv.block_hash import BlockHash
+from shared.kv.block_hash import BlockHash, ImageSpan
 from shared.kv.transfer import KVTransferParams
 
 
@@ -43,6 +44,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    images: PromptImages | None = None
+    """A prompt with images: where their tokens are, their names, the M-RoPE positions."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -100,6 +103,11 @@ class Request:
             raise ValueError("the prompt must hold at least one token")
         # One list for prompt + output so reading all tokens never copies.
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def image_spans(self) -> tuple[ImageSpan, ...]:
+        """The prompt's image runs, whose (hash, offset) the block hashes carry."""
+        return self.images.spans if self.images is not None else ()
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -337,6 +337,7 @@ class Scheduler:
                     request.sampling_params,
                     request.eos_token_ids,
                     list(request.output_token_ids),
+                    request.images,
                 )
             )
         start = request.num_computed_tokens

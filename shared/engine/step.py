@@ -3,6 +3,7 @@ whole contract between them, as vLLM's SchedulerOutput). Plain lists, no tensors
 
 from dataclasses import dataclass, field
 
+from shared.engine.prompt_images import PromptImages
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.memory.state_cache import SlidingState
 
@@ -21,6 +22,9 @@ class NewRequestData:
     eos_token_ids: frozenset[int]
     output_token_ids: list[int]
     """Tokens generated before this engine saw the request (a prefill handoff)."""
+    images: PromptImages | None = None
+    """A prompt with images: the runner's step positions and image rows come from it
+    (their embeddings reach the runner beside the step, ModelRunner.add_images)."""
 
 
 @dataclass(slots=True)

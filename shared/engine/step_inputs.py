@@ -14,12 +14,13 @@ once warm, and a block is not reused before its copy has run) and an
 asynchronous copy.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from shared.engine.step import PLACEHOLDER, SchedulerOutput
+from shared.engine.prompt_images import ImageRows, PromptImages
+from shared.engine.step import PLACEHOLDER, ScheduledChunk, SchedulerOutput
 from shared.model.forward_batch import AttentionMetadata
 
 
@@ -58,17 +59,20 @@ def eager_inputs(
     null_blocks: Sequence[int],
     skips_replay: Sequence[bool],
     device: torch.device,
+    images: Mapping[str, PromptImages] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int], list[str]]:
     """The eager forward's inputs for the step: input ids, positions, one
     AttentionMetadata per KV cache group, and the rows that sample with their
     requests. skips_replay: one entry per KV cache group, whether positions an SWA
     replay recomputes already hold its KV (all but sliding groups): those write to
     the group's null block (null_blocks, one id per group: its size class's).
-    Placeholders are left in the input ids."""
+    Placeholders are left in the input ids. images: the prompts with images, by
+    request: positions are [3, T] when a chunk holds image tokens (every chunk's
+    rows then, the others' three alike), else [T] (rope_positions)."""
     bs = block_size
     groups = range(len(skips_replay))
     input_ids: list[int] = []
-    positions: list[int] = []
+    positions, axes = rope_positions(sched.chunks, images or {})
     slots: list[list[int]] = [[] for _ in groups]
     query_start_loc = [0]
     seq_lens: list[int] = []
@@ -79,7 +83,6 @@ def eager_inputs(
         n = len(chunk.token_ids)
         input_ids += chunk.token_ids
         pos = range(chunk.start_pos, chunk.start_pos + n)
-        positions += pos
         for g in groups:
             ids = chunk.block_ids[g]
             if skips_replay[g] and chunk.replay_until > chunk.start_pos:
@@ -96,11 +99,12 @@ def eager_inputs(
     # (see to_device: a plain torch.tensor(..., device=cuda) would stall the host).
     num_tokens, num_seqs = len(input_ids), len(seq_lens)
     per_token = to_device(input_ids + positions + [s for group in slots for s in group], torch.int64, device)
+    slots_at = (1 + axes) * num_tokens
     per_seq = to_device(query_start_loc + seq_lens + floors, torch.int32, device)
     has_floor = any(floors)
     metas = [
         AttentionMetadata(
-            slot_mapping=per_token[(2 + g) * num_tokens : (3 + g) * num_tokens],
+            slot_mapping=per_token[slots_at + g * num_tokens : slots_at + (g + 1) * num_tokens],
             block_tables=to_device(tables[g], torch.int64, device),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
@@ -113,7 +117,45 @@ def eager_inputs(
         for g in groups
     ]
     sample_rows, sample_ids = _sample_rows(sched)
-    return per_token[:num_tokens], per_token[num_tokens : 2 * num_tokens], metas, sample_rows, sample_ids
+    rope = per_token[num_tokens:slots_at]
+    rope = rope.view(axes, num_tokens) if axes > 1 else rope
+    return per_token[:num_tokens], rope, metas, sample_rows, sample_ids
+
+
+def rope_positions(chunks: Sequence[ScheduledChunk], images: Mapping[str, PromptImages]) -> tuple[list[int], int]:
+    """The step's rotary positions, flat, and their number of rows: 1 (a chunk's
+    sequence positions, shifted past a prompt's images: PromptImages.rope_shift) unless
+    some chunk holds image tokens, then 3 (M-RoPE), axis after axis."""
+    spans = [(c.start_pos, c.start_pos + len(c.token_ids), images.get(c.request_id)) for c in chunks]
+    if not any(im is not None and im.overlaps(a, b) for a, b, im in spans):
+        return [p + (im.rope_shift(a) if im is not None else 0) for a, b, im in spans for p in range(a, b)], 1
+    rows: list[list[int]] = [[], [], []]
+    for a, b, im in spans:
+        if im is not None and im.overlaps(a, b):
+            chunk_rows = im.rope_rows(a, b)
+        else:
+            shift = im.rope_shift(a) if im is not None else 0
+            chunk_rows = [list(range(a + shift, b + shift))] * 3
+        for axis, values in zip(rows, chunk_rows):
+            axis += values
+    return rows[0] + rows[1] + rows[2], 3
+
+
+def step_image_rows(
+    chunks: Sequence[ScheduledChunk], images: Mapping[str, PromptImages]
+) -> list[tuple[str, ImageRows]]:
+    """The step's rows that take image embeddings (rows counted over the whole step),
+    with their requests; empty for a step without image tokens."""
+    out: list[tuple[str, ImageRows]] = []
+    offset = 0
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        im = images.get(chunk.request_id)
+        if im is not None:
+            for r in im.image_rows(chunk.start_pos, chunk.start_pos + n):
+                out.append((chunk.request_id, ImageRows(offset + r.row, r.first, r.count)))
+        offset += n
+    return out
 
 
 def _sample_rows(sched: SchedulerOutput) -> tuple[list[int], list[str]]:
@@ -149,23 +191,32 @@ class GraphRows:
     sample_ids: list[str]
 
 
-def graph_rows(sched: SchedulerOutput, block_size: int, num_groups: int, last_rows: dict[str, int]) -> GraphRows:
+def graph_rows(
+    sched: SchedulerOutput,
+    block_size: int,
+    num_groups: int,
+    last_rows: dict[str, int],
+    rope_shifts: Mapping[str, int] | None = None,
+) -> GraphRows:
     """The step as rows of a decode graph, one row per token: a chunk of n tokens (a
     verify step's last token and its drafts) becomes n rows that share its block
     table, row j with the sequence length start + j + 1. Every row's K/V is written
     before any row attends (paged_attention), so row j sees the chunk's earlier
     tokens as the causal prefill would; the hidden rows come out in the eager path's
     order (chunks concatenated), and the same rows sample. last_rows: each request's
-    row in the last step's samples, for the placeholders."""
+    row in the last step's samples, for the placeholders. rope_shifts: per request
+    past its images' tokens, what its rotary positions add (PromptImages.rope_shift)."""
     bs = block_size
     chunks = sched.chunks
     groups = range(num_groups)
     owners = [c for c in chunks for _ in c.token_ids]
     positions = [c.start_pos + j for c in chunks for j in range(len(c.token_ids))]
+    shifts = rope_shifts or {}
+    rope = [p + shifts.get(c.request_id, 0) for c, p in zip(owners, positions)] if shifts else positions
     rows, ids = _sample_rows(sched)
     return GraphRows(
         input_ids=[max(t, 0) for c in chunks for t in c.token_ids],
-        positions=positions,
+        positions=rope,
         slots=[[c.block_ids[g][p // bs] * bs + p % bs for c, p in zip(owners, positions)] for g in groups],
         seq_lens=[p + 1 for p in positions],
         tables=[[c.block_ids[g] for c in owners] for g in groups],

@@ -3,7 +3,8 @@
 A full block of ``block_size`` tokens is named by a chain hash over
 (parent block's hash, the block's token ids, extra keys). The first block's
 extra keys carry the model fingerprint and the tenant's cache salt, so the
-whole chain depends on them; later blocks may carry image hashes. The same
+whole chain depends on them; a block holding an image's tokens carries that
+image's (hash, offset), since the tokens themselves are one placeholder id. The same
 prefix gives the same hashes in every process and after every restart, which
 is what lets the kvcache service (LMDB key), the balancer (routing key) and
 each worker's prefix index agree. Never Python's ``hash()``: it is salted per
@@ -13,6 +14,7 @@ process.
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)
@@ -53,6 +55,30 @@ def hash_block(
     return BlockHash(h.digest())
 
 
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """An image's run of placeholder tokens in a prompt: they all share one token id,
+    so the ids alone cannot tell two images apart; the image's identity (32 bytes,
+    shared/multimodal/identity.py) goes into the hash of every block the run touches."""
+
+    hash: bytes
+    start: int
+    """The sequence position of its first token."""
+    length: int
+    """Its number of tokens."""
+
+
+def image_extra_keys(images: Sequence[ImageSpan], first: int, end: int) -> tuple[ExtraKey, ...]:
+    """The extra keys of the block over positions [first, end): per image it overlaps,
+    (image hash, offset of the block's first token of it within the image). The offset
+    matters: a block holding tokens 16..31 of an image is not one holding 0..15."""
+    keys: list[ExtraKey] = []
+    for image in images:
+        if image.start < end and first < image.start + image.length:
+            keys += [image.hash, max(first, image.start) - image.start]
+    return tuple(keys)
+
+
 def first_block_extra_keys(model_fingerprint: str, cache_salt: str | None) -> tuple[ExtraKey, ...]:
     """What the first block of every chain mixes in: blocks of another model or
     another tenant's salt never match."""
@@ -67,14 +93,18 @@ def hash_block_chain(
     *,
     start: int = 0,
     parent: BlockHash | None = None,
+    images: Sequence[ImageSpan] = (),
 ) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids``, starting at block ``start``
     (whose parent hash is ``parent``; None for the chain's first block).
-    A trailing partial block has no hash: its content is not final yet."""
+    A trailing partial block has no hash: its content is not final yet. ``images``:
+    the prompt's image runs, whose (hash, offset) the blocks they touch carry."""
     hashes: list[BlockHash] = []
     num_full = len(token_ids) // block_size
     for i in range(start, num_full):
         extra = first_block_extra_keys(model_fingerprint, cache_salt) if i == 0 else ()
+        if images:
+            extra += image_extra_keys(images, i * block_size, (i + 1) * block_size)
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         hashes.append(parent)
     return hashes

@@ -79,3 +79,26 @@ def test_model_fingerprint_tells_seeds_apart(tmp_path):
     make_model(tmp_path / "c", seed=0, tokenizer=False)
     fa, fb, fc = (model_fingerprint(tmp_path / n) for n in "abc")
     assert fa == fc and fa != fb
+
+
+def test_image_keys_name_the_blocks_an_image_touches():
+    """Two prompts of equal ids (one placeholder id per image token) but different
+    images part at the first block that holds image tokens; the blocks before agree, and
+    each block carries its offset in the image, so blocks 16..31 of an image are not 0..15."""
+    from shared.kv.block_hash import ImageSpan, image_extra_keys
+
+    tokens = [7] * 6 + [500] * 20 + [8] * 10  # an image's 20 tokens at positions 6..25
+    a, b = ImageSpan(b"a" * 32, 6, 20), ImageSpan(b"b" * 32, 6, 20)
+    plain = hash_block_chain(tokens, 4, "fp")
+    with_a = hash_block_chain(tokens, 4, "fp", images=[a])
+    with_b = hash_block_chain(tokens, 4, "fp", images=[b])
+    assert with_a[0] == with_b[0] == plain[0]  # positions 0..3: before the image
+    assert all(x != y for x, y in zip(with_a[1:], with_b[1:]))  # from block 1 (4..7) on
+    assert with_a[1] != plain[1]
+    assert image_extra_keys([a], 4, 8) == (a.hash, 0)
+    assert image_extra_keys([a], 8, 12) == (a.hash, 2)
+    assert image_extra_keys([a], 24, 28) == (a.hash, 18)
+    assert image_extra_keys([a], 26, 30) == ()
+    # The chain extended block by block names the blocks as the whole chain does.
+    head = hash_block_chain(tokens[:13], 4, "fp", images=[a])
+    assert head + hash_block_chain(tokens, 4, "fp", start=3, parent=head[-1], images=[a]) == with_a

@@ -72,7 +72,7 @@ def image_server() -> Iterator[ImageServer]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("image-api-model")
-    make_model(base)
+    make_model(base, arch="qwen2_5_vl", preset="tiny-vl")  # a tokenizer with the vision tokens
     vl = tmp_path_factory.mktemp("vl") / "model"
     shutil.copytree(base, vl)
     (vl / "chat_template.jinja").write_text(VL_TEMPLATE, encoding="utf-8")
@@ -95,15 +95,20 @@ def text_only(model_dir: Path) -> Iterator[App]:
     yield from _app(model_dir)
 
 
+def _vl_images(model_dir: Path) -> ModelImages:
+    pad = Recipe.from_pretrained(model_dir).backend.token_to_id("<|image_pad|>")
+    return ModelImages(accepts=True, processor_settings=PROCESSOR, image_token_id=pad)
+
+
 @pytest.fixture(scope="module")
 def vl(model_dir: Path) -> Iterator[App]:
-    yield from _app(model_dir, images=VL_LIMITS, model_images=ModelImages(accepts=True, processor_settings=PROCESSOR))
+    yield from _app(model_dir, images=VL_LIMITS, model_images=_vl_images(model_dir))
 
 
 @pytest.fixture(scope="module")
 def vl_default(model_dir: Path) -> Iterator[App]:
     """Accepts images, with the default image settings: closed to private addresses."""
-    yield from _app(model_dir, model_images=ModelImages(accepts=True, processor_settings=PROCESSOR))
+    yield from _app(model_dir, model_images=_vl_images(model_dir))
 
 
 def text(words: str) -> dict[str, Any]:
@@ -164,9 +169,11 @@ def test_data_and_http_images_reach_the_router_loaded_and_named(vl: App, image_s
     assert np.array_equal(blue.pixels, BLUE) and blue.source == blue_url and blue.detail == "high"
     assert blue.uuid == "blue-1" and blue.hash == image_hash(MODEL, PROCESSOR, BLUE, uuid="blue-1")
     assert np.array_equal(blue_webp.pixels, BLUE) and blue_webp.hash == image_hash(MODEL, PROCESSOR, BLUE)
-    # The template saw each image as a placeholder, in its place, and never its URL.
+    # The template saw each image as a placeholder, in its place, and never its URL; each
+    # placeholder is then repeated once per image token: both images (20x10 and 8x12
+    # pixels) grow to the minimum area, 4x6 and 6x4 patches, 6 tokens after the 2x2 merge.
     prompt = vl.recipe.decode(request.prompt_token_ids, skip_special_tokens=False)
-    slot = "<|vision_start|><|image_pad|><|vision_end|>"
+    slot = "<|vision_start|>" + "<|image_pad|>" * 6 + "<|vision_end|>"
     assert f"Compare {slot} with {slot}" in prompt and f"{slot}?" in prompt
     assert "base64" not in prompt and "127.0.0.1" not in prompt
 
@@ -236,9 +243,15 @@ def test_malformed_image_parts_name_the_field(vl: App, part: dict[str, Any], par
     refused(vl.chat(part), param, why)
 
 
-def test_generators_refuse_images_they_cannot_carry() -> None:
-    """The seam's guard, called by the mesh's and the local generator: a 501, never a
-    reply made without the images."""
+def test_placeholders_that_disagree_with_the_images_are_a_400(vl: App) -> None:
+    """Text spelling the placeholder adds one the images do not fill: refused, not guessed."""
+    response = vl.chat(text("Look <|vision_start|><|image_pad|><|vision_end|> at "), image(data_url(encode(RED))))
+    refused(response, "messages", "2 image placeholder(s) for 1 image(s)")
+
+
+def test_the_mesh_refuses_images_it_cannot_carry() -> None:
+    """The seam's guard, called by the mesh's generator: a 501, never a reply made
+    without the images."""
     request = GenerationRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=1))
     refuse_images(request)  # no images: nothing to refuse
     request.images = [LoadedImage(RED, "data:image/png;base64", image_hash(MODEL, PROCESSOR, RED))]

@@ -81,8 +81,12 @@ TORCH_FREE = (
     "shared.kv.wire.nixl",
     "shared.kv.wire.nixl_plane",
     "shared.kv.wire.targets",
-    # Request images: the balancer loads them (the vision stage takes the pixels on).
+    # Request images: the balancer loads them (the vision stage takes the pixels on), and
+    # counts each one's placeholder tokens where it tokenises.
     "shared.multimodal.loader",
+    "shared.multimodal.grid",
+    # Where a prompt's images are and their positions: on the request state the KV memory reads.
+    "shared.engine.prompt_images",
 )
 
 

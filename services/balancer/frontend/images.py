@@ -1,6 +1,7 @@
 """A chat request's images: found in its messages, refused where the model takes
-none, loaded (shared/multimodal/) where it does, and every image's fault turned into
-an OpenAI 400 naming the content part (messages.<i>.content.<j>) and saying why."""
+none, loaded (shared/multimodal/) where it does, each one's placeholder in the
+tokenised prompt expanded to its number of tokens, and every image's fault turned
+into an OpenAI 400 naming the content part (messages.<i>.content.<j>) and saying why."""
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from typing import Any
 from services.balancer.frontend import protocol as p
 from services.balancer.frontend.errors import APIError
 from shared.multimodal.errors import ImageError
+from shared.multimodal.grid import PatchGrid
 from shared.multimodal.image import ImageRef, LoadedImage
 from shared.multimodal.loader import ImageLoader
 from shared.runtime.settings import ImageSettings
@@ -21,7 +23,15 @@ class ModelImages:
     accepts: bool = False
     """Its architecture is a vision-language one (ArchTraits.accepts_images)."""
     processor_settings: Mapping[str, Any] = field(default_factory=dict)
-    """Its image processor's settings (preprocessor_config.json): part of every image's hash."""
+    """Its image processor's settings (preprocessor_config.json): part of every image's
+    hash, and what decides how many tokens an image takes (PatchGrid)."""
+    image_token_id: int | None = None
+    """The placeholder the chat template writes once per image and the prompt repeats
+    once per image token (config.json's image_token_id); needed where ``accepts``."""
+
+    def __post_init__(self) -> None:
+        if self.accepts and self.image_token_id is None:
+            raise ValueError("a model that accepts images needs its image_token_id")
 
 
 class ImageIntake:
@@ -31,6 +41,7 @@ class ImageIntake:
         self.model_name = model_name
         self.model = model
         self.loader = ImageLoader(settings, model_name, model.processor_settings)
+        self.grid = PatchGrid.from_settings(model.processor_settings)
 
     def refs(self, body: p.ChatCompletionRequest | p.TokenizeChatRequest) -> list[ImageRef]:
         """The request's images, in order; a 400 when the model takes none or there are too many.
@@ -54,6 +65,32 @@ class ImageIntake:
         """Every image of the request, loaded concurrently; the first bad one is a 400."""
         try:
             return await self.loader.load(refs)
+        except ImageError as exc:
+            raise _refused(exc) from None
+
+
+    def expand(self, prompt_ids: list[int], refs: list[ImageRef], images: list[LoadedImage]) -> list[int]:
+        """The prompt with each image's one placeholder (as the chat template wrote it)
+        repeated once per token the image takes: its patches after the processor's
+        resize, over merge x merge. A 400 where the placeholders and images disagree
+        (a template that dropped an image, or placeholder text in a message)."""
+        token = self.model.image_token_id
+        if not images or token is None:
+            return prompt_ids
+        found = prompt_ids.count(token)
+        if found != len(images):
+            raise APIError(400, f"messages: the conversation renders {found} image placeholder(s) for "
+                           f"{len(images)} image(s): each image part must give one, and text may not spell one",
+                           param="messages")  # fmt: skip
+        counts = iter(self._tokens(refs, images))
+        out: list[int] = []
+        for t in prompt_ids:
+            out += [token] * next(counts) if t == token else [t]
+        return out
+
+    def _tokens(self, refs: list[ImageRef], images: list[LoadedImage]) -> list[int]:
+        try:
+            return [self.grid.num_tokens(*image.size, ref.param) for ref, image in zip(refs, images)]
         except ImageError as exc:
             raise _refused(exc) from None
 

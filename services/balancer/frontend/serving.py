@@ -108,6 +108,7 @@ class OpenAIServer:
             self._admit(stack)  # first: loading takes time and memory, so a loading request counts in flight
             images = await self.images.load(image_refs)
             prompt_ids = await asyncio.to_thread(encode_chat, self.recipe, body)
+            prompt_ids = self.images.expand(prompt_ids, image_refs, images)
             call = self.planner.plan(
                 body, http, [prompt_ids], chat=True, what="messages", max_tokens=body.requested_max_tokens,
                 logprobs=body.num_logprobs, prompt_k=body.prompt_logprobs,

@@ -21,7 +21,7 @@ from typing import Literal
 
 from shared.engine.config import SWA_REPLAY_CHOICES
 from shared.engine.request import Request
-from shared.kv.block_hash import BlockHash, hash_block_chain
+from shared.kv.block_hash import BlockHash, ImageSpan, hash_block_chain
 from shared.kv.memory.block_pool import BlockPool, KVBlock
 from shared.kv.memory.single_type import FullAttentionManager, SlidingWindowManager, make_manager
 from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
@@ -182,9 +182,11 @@ class KVCacheCoordinator:
         """See blocks_for_one_request."""
         return blocks_for_one_request(self.layout, num_tokens, self.block_size)
 
-    def hash_chain(self, token_ids: list[int], cache_salt: str | None = None) -> list[BlockHash]:
+    def hash_chain(
+        self, token_ids: list[int], cache_salt: str | None = None, images: Sequence[ImageSpan] = ()
+    ) -> list[BlockHash]:
         """The chain hashes of the full blocks of token_ids, as this engine names them."""
-        return hash_block_chain(token_ids, self.block_size, self.model_fingerprint, cache_salt)
+        return hash_block_chain(token_ids, self.block_size, self.model_fingerprint, cache_salt, images=images)
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend the request's chain hashes over its newly completed blocks."""
@@ -198,6 +200,7 @@ class KVCacheCoordinator:
                 request.cache_salt,
                 start=known,
                 parent=parent,
+                images=request.image_spans,
             )
 
     def find_prefix_hit(self, request: Request) -> PrefixHit:

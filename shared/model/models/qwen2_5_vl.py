@@ -54,8 +54,9 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
 
     @torch.inference_mode()
     def encode_images(self, images: ImageInputs) -> list[torch.Tensor]:
-        """Each image's embeddings [its image-pad tokens, hidden], in the model dtype."""
-        merged = self.visual(images.pixel_values, images.grids)
+        """Each image's embeddings [its image-pad tokens, hidden], in the model dtype, on
+        its device (the processor's pixels come from the host)."""
+        merged = self.visual(images.pixel_values.to(self.visual.device), images.grids)
         return list(merged.split([self.visual.num_tokens(g) for g in images.grids]))
 
     @torch.inference_mode()

@@ -246,7 +246,8 @@ def _default_vision(preset: Mapping[str, Any]) -> Mapping[str, Any]:
 CONFIG = ArchConfig(
     architectures=MappingProxyType(
         # Qwen2's language model: q/k/v biases, an unbiased o_proj, no q/k norm.
-        {"Qwen2_5_VLForConditionalGeneration": ArchTraits("qwen2_5_vl", True, False, False, False, "qwen", None)}
+        {"Qwen2_5_VLForConditionalGeneration": ArchTraits("qwen2_5_vl", True, False, False, False, "qwen", None,
+                                                           accepts_images=True)}
     ),
     test_config=hf_test_config,
     parse=parse_fields,

@@ -159,6 +159,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.merger.ln_q.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.merger.ln_q.weight.device
+
     def num_tokens(self, grid: GridTHW) -> int:
         """The image's embeddings (image-pad tokens of the prompt)."""
         t, h, w = grid

@@ -1,0 +1,84 @@
+"""A request's images made ready for the engine: checked against its prompt, their
+M-RoPE positions computed and the vision tower run over them (``encode``).
+
+``encode`` reads the model and nothing of the engine's state, so it may run on any
+thread: AsyncEngine runs it on a worker thread before the request reaches the step
+loop (the tower's forward then overlaps the loop's steps instead of stalling them);
+offline, LLMEngine.add_request runs it on the caller's thread.
+"""
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.engine_request import RequestImages
+from shared.engine.prompt_images import PromptImages
+from shared.engine.sampling_params import InvalidParam
+from shared.kv.block_hash import ImageSpan
+from shared.model.interface import CausalLM
+from shared.model.multimodal import ImageInputs
+from shared.model.vision.mrope import mrope_positions
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedImages:
+    prompt: PromptImages
+    embeds: torch.Tensor
+    """[the prompt's image tokens, hidden]: every image's embeddings, in prompt order."""
+
+
+def encode(model: CausalLM, prompt_ids: Sequence[int], images: RequestImages, speculative: str) -> EncodedImages:
+    """The prompt's images, checked and encoded. InvalidParam("images") where the model
+    takes none, speculative decoding is on, or the prompt's placeholder runs do not
+    match the images (count, or tokens per image: the processor's grid / merge**2)."""
+    vl = model.config.vision_language
+    if vl is None or not hasattr(model, "encode_images"):
+        raise InvalidParam("images", f"are not accepted by {model.config.architecture} (a text-only model)")
+    if speculative != "none":
+        raise InvalidParam("images", f"are not supported with speculative decoding yet (speculative={speculative!r})")
+    check_prompt_tokens(model, prompt_ids, has_images=True)
+    try:
+        positions = mrope_positions(prompt_ids, images.inputs.grids, vl.image_token_id, vl.vision.spatial_merge_size)
+    except ValueError as exc:
+        raise InvalidParam("images", f"do not match the prompt's image placeholders: {exc}") from None
+    ids = list(prompt_ids)
+    spans: list[ImageSpan] = []
+    at = 0
+    for identity, (t, h, w) in zip(images.hashes, images.inputs.grids):
+        at = ids.index(vl.image_token_id, at)  # the runs are where mrope_positions found them
+        count = t * (h // vl.vision.spatial_merge_size) * (w // vl.vision.spatial_merge_size)
+        spans.append(ImageSpan(identity, at, count))
+        at += count
+    embeds = model.encode_images(images.inputs)  # type: ignore[attr-defined]
+    return EncodedImages(PromptImages(tuple(spans), positions), torch.cat(embeds))
+
+
+def check_prompt_tokens(model: CausalLM, prompt_ids: Sequence[int], has_images: bool) -> None:
+    """Refuse what a vision-language prompt may hold that we do not serve: video
+    placeholders, and image placeholders with no image to fill them."""
+    vl = model.config.vision_language
+    if vl is None:
+        return
+    if vl.video_token_id in prompt_ids:
+        raise InvalidParam("prompt", f"holds video placeholder tokens ({vl.video_token_id}): video input is not "
+                           "implemented")  # fmt: skip
+    if not has_images and vl.image_token_id in prompt_ids:
+        raise InvalidParam("prompt", f"holds image placeholder tokens ({vl.image_token_id}) but the request has "
+                           "no images")  # fmt: skip
+
+
+def content_hashes(inputs: ImageInputs) -> tuple[bytes, ...]:
+    """Each image named by what the tower reads of it (its grid and its patches), for
+    images given without an identity (offline generation): the same pixels through the
+    same processor get the same name, so their KV is shared."""
+    hashes = []
+    for grid, patches in zip(inputs.grids, inputs.pixel_values.split([t * h * w for t, h, w in inputs.grids])):
+        h = hashlib.blake2b(digest_size=32, person=b"infermesh-patch1")
+        h.update(struct.pack("<3Q", *grid))
+        h.update(str(patches.dtype).encode())
+        h.update(patches.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        hashes.append(h.digest())
+    return tuple(hashes)
