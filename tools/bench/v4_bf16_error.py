@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--kernels", nargs="+", default=["auto", "torch"],
+                   help="kernel tables to compare (\"triton\" on the CPU under TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     print(f"# variant {args.variant} seed {args.seed}: mean |logprob - float32's| of the chosen tokens, per prompt")
-    for kernels in ("auto", "torch"):
+    for kernels in args.kernels:
         llm = LLM(str(path), dtype="bfloat16", device=args.device, block_size=16, prefill_chunk_size=32, kernels=kernels)
         for p_ids, out in zip(prompts(), llm.generate(prompts(), params)):
             seq = torch.tensor([p_ids + out.token_ids], device=args.device)
