@@ -32,7 +32,7 @@ class DyingEngine:
         if self.rank_died:
             raise WorkerFailed("tensor-parallel worker rank 1 died; exit code -9")
 
-    def add_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineRequest, encoded: object = None) -> None:
         raise WorkerFailed("tensor-parallel worker rank 1 could not be sent a step")
 
 
