@@ -5,10 +5,15 @@ gets the images in the handoff and re-encodes what it recomputes. Checked: a cha
 image gives the in-process engine's tokens and logprobs; two prompts that differ only in
 their image share no KV past it; the same image in a later turn is a prefix hit, found by
 the balancer's routing keys; the trace holds the request's spans; an image too large for
-a mesh message is a 400 naming it."""
+a mesh message is a 400 naming it; a decode instance SIGKILLed mid-stream lets the
+request move on with its images (a mesh of two decode instances) and the tokens are still
+the in-process engine's."""
 
 import io
 import json
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +28,13 @@ from shared.engine.engine_request import RequestImages
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.vision.processor import ImageProcessor
+from shared.proto import mesh_pb2
+from shared.runtime import subjects
 from tests.helpers.image_files import data_url, noise
 from tests.helpers.mesh import running_mesh
 from tests.helpers.mesh_procs import span_attributes
+from tests.helpers.metrics import balancer_metric as metric
+from tests.helpers.nats_listener import Listener
 from tests.helpers.vlm_models import synthetic_images
 from tools.make_model import make_model
 from tools.launch.up import Mesh
@@ -83,12 +92,12 @@ def cached(body: dict[str, Any]) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def in_process(folder: Path, prompt: list[int], images: list[Any]) -> tuple[list[int], list[float]]:
+def in_process(folder: Path, prompt: list[int], images: list[Any], num_new: int = NUM_NEW) -> tuple[list[int], list[float]]:
     """The in-process engine on the same prompt ids and images (the model's processor)."""
     llm = LLM(str(folder), block_size=BLOCK, enable_prefix_caching=False)
     inputs = ImageProcessor(folder)([np.asarray(image) for image in images])
     hashes = tuple(bytes([k + 1]) * 32 for k in range(len(images)))
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, logprobs=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, logprobs=0, ignore_eos=True)
     out = llm.generate([prompt], params, images=[RequestImages(inputs, hashes)])[0]
     return out.token_ids, [lp.logprob for lp in out.logprobs]
 
@@ -145,3 +154,62 @@ def test_images_too_large_for_a_mesh_message_are_a_400_naming_the_image(vl_mesh:
     messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, image_part(big)]}]
     body = chat(vl_mesh, messages, status=400)
     assert body["error"]["param"] == "messages.0.content.1" and "lossless PNG" in body["error"]["message"]
+
+
+def test_a_decode_instance_killed_mid_stream_moves_the_request_with_its_images(
+    vl_folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    running: dict[str, int] = {}
+
+    def on_heartbeat(msg) -> None:  # noqa: ANN001
+        hb = mesh_pb2.Heartbeat()
+        hb.ParseFromString(msg.data)
+        running[hb.instance_id] = hb.load.num_running
+
+    heartbeats = Listener(subjects.heartbeats_of("decode"), on_heartbeat)
+    num_new = 200
+    (image,) = synthetic_images([(150, 100)], seed=41)
+    messages = [{"role": "user", "content": [image_part(image), {"type": "text", "text": "Tell me a long story."}]}]
+    with running_mesh(str(vl_folder), tmp_path_factory.mktemp("vl-kill-state"), num_prefill=1, num_decode=2,
+                      extra_env=ENV) as mesh:  # fmt: skip
+        heartbeats.start(mesh.nats_url)
+        body = {"model": mesh_model(mesh), "messages": messages, "max_tokens": num_new, "temperature": 0,
+                "stream": True, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+        prompt: list[int] = []
+        tokens: list[int] = []
+        error: list[BaseException] = []
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", f"{mesh.api_url}/chat/completions", json=body, timeout=120) as response:
+                    assert response.status_code == 200, response.read()
+                    for line in response.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        prompt.extend(chunk.get("prompt_token_ids") or [])
+                        for choice in chunk["choices"]:
+                            tokens.extend(choice.get("token_ids") or [])
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                error.append(exc)
+
+        running.clear()
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.monotonic() + 60
+        victim = None
+        while victim is None:
+            assert time.monotonic() < deadline and reader.is_alive(), "the stream never ran on a decode instance"
+            busy = [iid for iid, n in sorted(running.items()) if n >= 1]
+            victim = busy[0] if busy and len(tokens) >= 4 else None
+            time.sleep(0.01)
+        dict(mesh.procs)[victim].send_signal(signal.SIGKILL)
+        num_before = len(tokens)
+        reader.join(120)
+        assert not error, error
+        assert num_before < num_new // 2  # killed mid-stream, not at its end
+        assert metric(mesh, "migrations_total") >= 1
+    # The survivor re-encoded the image for the continuation (prompt, image and tokens so far).
+    expected, _ = in_process(vl_folder, prompt, [image], num_new)
+    assert tokens == expected
