@@ -123,7 +123,8 @@ class PrefillService:
             except InvalidParam as exc:  # the request's images, refused here or by the engine: not retried elsewhere
                 self.m_requests.labels("invalid").inc()
                 span.record_exception(exc)
-                await fail_stream(self.ctx.bus, rid, self.ctx.instance_id, exc.message, mesh_pb2.ERROR_CODE_INVALID_REQUEST)
+                invalid = mesh_pb2.ERROR_CODE_INVALID_REQUEST
+                await fail_stream(self.ctx.bus, rid, self.ctx.instance_id, exc.message, invalid)
             except _HandoffFailed as exc:
                 log.warning("handoff of %s failed: %s", rid, exc)
                 self.m_requests.labels("handoff_failed").inc()

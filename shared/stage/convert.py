@@ -127,5 +127,6 @@ def image_from_proto(msg: mesh_pb2.ImageData, param: str) -> np.ndarray:
     except ImageError as exc:
         raise ValueError(str(exc)) from None
     if pixels.shape != (msg.height, msg.width, 3):
-        raise ValueError(f"{param}: the PNG is {pixels.shape[1]}x{pixels.shape[0]}, not the {msg.width}x{msg.height} sent")
+        got = f"{pixels.shape[1]}x{pixels.shape[0]}"
+        raise ValueError(f"{param}: the PNG is {got}, not the {msg.width}x{msg.height} sent")
     return pixels

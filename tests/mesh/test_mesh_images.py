@@ -92,7 +92,9 @@ def cached(body: dict[str, Any]) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def in_process(folder: Path, prompt: list[int], images: list[Any], num_new: int = NUM_NEW) -> tuple[list[int], list[float]]:
+def in_process(
+    folder: Path, prompt: list[int], images: list[Any], num_new: int = NUM_NEW
+) -> tuple[list[int], list[float]]:
     """The in-process engine on the same prompt ids and images (the model's processor)."""
     llm = LLM(str(folder), block_size=BLOCK, enable_prefix_caching=False)
     inputs = ImageProcessor(folder)([np.asarray(image) for image in images])

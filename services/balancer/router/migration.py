@@ -64,7 +64,8 @@ class MigrationLoop:
             if migration:
                 attempt = continuation(req, generated, migration)
             try:
-                async for event in self.attempts.run(attempt, images, excluded, root, time.perf_counter(), rejected, migration):
+                events = self.attempts.run(attempt, images, excluded, root, time.perf_counter(), rejected, migration)
+                async for event in events:
                     now = time.perf_counter()
                     if moved and event.token_ids:
                         moved = False
