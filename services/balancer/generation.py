@@ -30,8 +30,8 @@ class GenerationRequest:
     """The chat request's images in the order they appear, loaded and named by their hash
     (only for a model whose architecture accepts images); prompt_token_ids holds each
     one's placeholder run, expanded by the front door. The local generator runs the
-    model's image processor and hands them to its engine; the mesh does not carry them
-    to prefill yet, and refuses them (refuse_images)."""
+    model's image processor and hands them to its engine; the mesh sends them to the
+    prefill instance, which does (router/wire.py)."""
 
 
 @dataclass(slots=True)
@@ -69,16 +69,6 @@ class GenerationError(Exception):
         self.status = status
         self.error_type = error_type
         self.param = param
-
-
-def refuse_images(request: GenerationRequest) -> None:
-    """Where the mesh's path for images ends today: at its door (the prefill request does
-    not carry them yet). A 501, not a reply made without the images the client sent."""
-    if request.images:
-        raise GenerationError(
-            f"{len(request.images)} image(s) reached the mesh, which does not carry images to prefill yet "
-            "(issue 29: the vision stage); refused rather than answered without them", 501, "not_implemented",
-        )
 
 
 class Generator(Protocol):

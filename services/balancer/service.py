@@ -37,10 +37,12 @@ from services.balancer.frontend.images import ModelImages
 from services.balancer.router.departures import instance_departed, parse_advisory
 from services.balancer.router.orchestrator import MeshGenerator
 from services.balancer.router.registry import STAGES, SWEEP_INTERVAL_S, Registry
+from services.balancer.router.wire import ImageLayout
 from shared.kv.block_hash import kv_fingerprint
 from shared.model.config import ModelConfig
 from shared.model.fingerprint import model_fingerprint
 from shared.model.models import arch_traits
+from shared.multimodal.grid import PatchGrid
 from shared.proto import mesh_pb2
 from shared.recipe import Recipe
 from shared.runtime import subjects
@@ -85,6 +87,14 @@ def _model_images(model_dir: str, model_config: ModelConfig) -> ModelImages:
     return ModelImages(accepts, processor, vl.image_token_id if accepts and vl is not None else None)
 
 
+def _image_layout(model: ModelImages) -> ImageLayout | None:
+    """Where the mesh places a request's images in its prompt (routing keys), by the
+    front door's arithmetic; None for a model that takes none."""
+    if not model.accepts or model.image_token_id is None:
+        return None
+    return ImageLayout(model.image_token_id, PatchGrid.from_settings(model.processor_settings))
+
+
 class _KVCacheProbe:
     """kvcache's health as the balancer sees it (grpc.health.v1, which needs no token)."""
 
@@ -113,6 +123,7 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     model_dir = settings.engine.model
     model_config = ModelConfig.from_pretrained(model_dir)
     recipe = Recipe.from_pretrained(model_dir)
+    model_images = _model_images(model_dir, model_config)
     registry = Registry(
         misses=settings.balancer.heartbeat_misses, max_interval_s=settings.balancer.max_heartbeat_interval_s
     )
@@ -124,6 +135,7 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         block_size=settings.engine.block_size,
         kv_fingerprint=kv_fingerprint(model_fingerprint(model_dir), settings.engine.dtype),
         metrics=ctx.metrics,
+        image_layout=_image_layout(model_images),
     )
     m_refused = ctx.metrics.counter(
         "heartbeats_refused_total", "Heartbeats refused: an interval beyond max_heartbeat_interval_s, another "
@@ -226,7 +238,7 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         metrics=ctx.metrics,
         tracer=ctx.tracer,
         images=settings.images,
-        model_images=_model_images(model_dir, model_config),
+        model_images=model_images,
     )
     g_instances = ctx.metrics.gauge("live_instances", "Live instances per stage", ("stage",))
 

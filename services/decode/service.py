@@ -5,7 +5,15 @@ loads the prompt's full blocks into the local paged cache: straight out of
 prefill's cache where it can map it (the persistent KV groups and the
 sliding-window blocks a query at the handoff sees, so nothing is replayed), else
 from kvcache (the persistent groups; sliding-window KV is then replayed). The
-engine recomputes only the partial last block and the first token, then generates. Every token goes out
+engine recomputes only the partial last block and the first token, then generates.
+A prompt's images come in the handoff, as the balancer sent them to prefill, and are
+made ready and encoded here again: decode may have to recompute any of the prompt (the
+partial last block, every block after a failed load, a preempted request) and its
+positions past the prompt follow the images' M-RoPE table. Re-encoding from the
+pixels, rather than carrying the tower's output, keeps the handoff one NATS message
+(embeddings are hidden-size floats per image token, megabytes for a real model) and
+costs decode the tower's time once per request; moving embeddings by the KV transfer
+paths is the vision stage's (issue 29). Every token goes out
 on the request's stream subject with a sequence number; the last chunk says
 why it ended and carries usage. A cancel message aborts the request, which
 frees its blocks.
@@ -28,7 +36,7 @@ from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import InvalidParam, SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import StreamPublisher
@@ -83,6 +91,7 @@ class DecodeService:
         with self.ctx.tracer.start_as_current_span("decode") as span:
             span.set_attribute("request.id", rid)
             span.set_attribute("prompt.tokens", len(prompt))
+            span.set_attribute("images.count", len(h.images))
             try:
                 # The first token, at once: the client's time to first token
                 # should not wait for the KV transfer.
@@ -110,6 +119,7 @@ class DecodeService:
                     resume_token_ids=list(h.output_token_ids),
                     kv_transfer=handoff_transfer(self.engine, h),
                     trace_carrier=inject_headers(),
+                    images=await self.worker.images.request_images(h.images, self.ctx.tracer),
                 )
                 await self._stream(request, pub, span, h.num_cached_tokens)
                 self.m_requests.labels("ok").inc()
@@ -128,12 +138,14 @@ class DecodeService:
             span.set_attribute("request.id", rid)
             span.set_attribute("prompt.tokens", len(prompt))
             span.set_attribute("prefill.local", True)
+            span.set_attribute("images.count", len(req.images))
             self.m_local.inc()
             try:
                 # What prefill does, kvcache read and written behind, then decoding in the same engine.
                 transfer = whole_request_transfer()
+                images = await self.worker.images.request_images(req.images, self.ctx.tracer)
                 request = EngineRequest(rid, prompt, params, req.cache_salt or None, kv_transfer=transfer,
-                                        trace_carrier=inject_headers())  # fmt: skip
+                                        trace_carrier=inject_headers(), images=images)  # fmt: skip
                 final = await self._stream(request, pub, span, None)
                 if final.queued_seconds is not None:
                     self.worker.vllm.queue_time.observe(final.queued_seconds)
@@ -194,14 +206,17 @@ class DecodeService:
         return out
 
     async def _fail(self, rid: str, pub: StreamPublisher, span: Span, exc: Exception) -> None:
-        """End the request's stream with the error: the balancer moves it or answers."""
+        """End the request's stream with the error: the balancer moves it, or answers (a
+        400 where the request itself was refused: its images, InvalidParam)."""
         log.exception("decode of %s failed", rid)
         self.m_requests.labels("error").inc()
         span.record_exception(exc)
+        invalid = isinstance(exc, InvalidParam)
         error = mesh_pb2.TokenChunk(
-            request_id=rid, final=True, error_code=mesh_pb2.ERROR_CODE_INTERNAL,
-            error=f"decode failed: {exc}", instance_id=self.ctx.instance_id,
-        )
+            request_id=rid, final=True,
+            error_code=mesh_pb2.ERROR_CODE_INVALID_REQUEST if invalid else mesh_pb2.ERROR_CODE_INTERNAL,
+            error=exc.message if invalid else f"decode failed: {exc}", instance_id=self.ctx.instance_id,
+        )  # fmt: skip
         await pub.send(error)
 
     def _stops_at_first_token(self, h: mesh_pb2.DecodeHandoff, params: SamplingParams) -> str | None:

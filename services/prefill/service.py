@@ -7,7 +7,10 @@ decode. With direct transfer (kv_direct_transfer, the default) the prompt's
 blocks stay held in this engine's cache under a lease and the handoff says
 where, so decode copies them straight across; kvcache is written behind, off
 the time to first token. Without it, the last output waits for the store and
-decode reads kvcache. The service moves no KV itself. A failure at any point
+decode reads kvcache. The service moves no KV itself. A request's images (PNG on
+the wire) are decoded and run through the model's image processor off the event loop
+(shared/stage/images.py), the engine encodes them off its step loop, and they go on
+to decode in the handoff as they came. A failure at any point
 ends the request's stream with an error: never lost silently. A handoff that
 decode refuses or does not answer ends it with a retryable code (OVERLOADED), so
 the balancer charges decode, not this instance, and moves the request.
@@ -23,7 +26,7 @@ import nats.errors
 from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import InvalidParam, SamplingParams
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.service import ServiceContext
@@ -66,11 +69,14 @@ class PrefillService:
         with self.ctx.tracer.start_as_current_span("prefill") as span:
             span.set_attribute("request.id", rid)
             span.set_attribute("prompt.tokens", len(prompt))
+            span.set_attribute("images.count", len(req.images))
             try:
                 # The first token only: decode generates the rest.
                 first = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
                 transfer = prefill_transfer(self.engine, nixl=self.worker.nixl is not None)
-                request = EngineRequest(rid, prompt, first, salt, kv_transfer=transfer, trace_carrier=inject_headers())
+                images = await self.worker.images.request_images(req.images, self.ctx.tracer)
+                request = EngineRequest(rid, prompt, first, salt, kv_transfer=transfer, trace_carrier=inject_headers(),
+                                        images=images)  # fmt: skip
                 final: RequestOutput | None = None
                 async for out in self.worker.engine.generate(request):
                     final = out
@@ -97,6 +103,7 @@ class PrefillService:
                     block_hashes=final.kv.block_hashes if final.kv.save_error is None else [],
                     num_cached_tokens=final.num_cached_tokens,
                     prefill_instance=self.ctx.instance_id,
+                    images=req.images,  # decode recomputes what it must (its docstring says what): as they came
                 )
                 if final.new_logprobs:
                     handoff.first_logprobs.CopyFrom(logprobs_to_proto(final.new_logprobs[0]))
@@ -113,6 +120,11 @@ class PrefillService:
             except asyncio.CancelledError:
                 self.m_requests.labels("cancelled").inc()
                 raise
+            except InvalidParam as exc:  # the request's images, refused here or by the engine: not retried elsewhere
+                self.m_requests.labels("invalid").inc()
+                span.record_exception(exc)
+                invalid = mesh_pb2.ERROR_CODE_INVALID_REQUEST
+                await fail_stream(self.ctx.bus, rid, self.ctx.instance_id, exc.message, invalid)
             except _HandoffFailed as exc:
                 log.warning("handoff of %s failed: %s", rid, exc)
                 self.m_requests.labels("handoff_failed").inc()

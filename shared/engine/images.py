@@ -17,7 +17,7 @@ import torch
 from shared.engine.engine_request import RequestImages
 from shared.engine.prompt_images import PromptImages
 from shared.engine.sampling_params import InvalidParam
-from shared.kv.block_hash import ImageSpan
+from shared.kv.block_hash import image_spans
 from shared.model.interface import CausalLM
 from shared.model.multimodal import ImageInputs
 from shared.model.vision.mrope import mrope_positions
@@ -44,14 +44,10 @@ def encode(model: CausalLM, prompt_ids: Sequence[int], images: RequestImages, sp
         positions = mrope_positions(prompt_ids, images.inputs.grids, vl.image_token_id, vl.vision.spatial_merge_size)
     except ValueError as exc:
         raise InvalidParam("images", f"do not match the prompt's image placeholders: {exc}") from None
-    ids = list(prompt_ids)
-    spans: list[ImageSpan] = []
-    at = 0
-    for identity, (t, h, w) in zip(images.hashes, images.inputs.grids):
-        at = ids.index(vl.image_token_id, at)  # the runs are where mrope_positions found them
-        count = t * (h // vl.vision.spatial_merge_size) * (w // vl.vision.spatial_merge_size)
-        spans.append(ImageSpan(identity, at, count))
-        at += count
+    merge = vl.vision.spatial_merge_size
+    lengths = [t * (h // merge) * (w // merge) for t, h, w in images.inputs.grids]
+    # The runs are where mrope_positions found them (it checked their counts).
+    spans = image_spans(prompt_ids, vl.image_token_id, images.hashes, lengths)
     embeds = model.encode_images(images.inputs)  # type: ignore[attr-defined]
     return EncodedImages(PromptImages(tuple(spans), positions), torch.cat(embeds))
 

@@ -68,6 +68,31 @@ class ImageSpan:
     """Its number of tokens."""
 
 
+def image_spans(
+    token_ids: Sequence[int], image_token_id: int, hashes: Sequence[bytes], lengths: Sequence[int]
+) -> list[ImageSpan]:
+    """Where each image's placeholder run sits in a prompt: image k (named hashes[k])
+    takes lengths[k] tokens from the first placeholder after image k-1's run. The engine
+    (lengths from the processor's grids) and the balancer (from the front door's
+    arithmetic, for routing keys) place them with this one function, so their block
+    hashes agree. ValueError where a run is missing or short."""
+    if len(hashes) != len(lengths):
+        raise ValueError(f"{len(hashes)} image hashes for {len(lengths)} lengths")
+    ids = list(token_ids)
+    spans: list[ImageSpan] = []
+    at = 0
+    for identity, length in zip(hashes, lengths):
+        try:
+            at = ids.index(image_token_id, at)
+        except ValueError:
+            raise ValueError(f"no placeholder run for image {len(spans)}") from None
+        if ids[at : at + length] != [image_token_id] * length:
+            raise ValueError(f"image {len(spans)}'s placeholder run at {at} is shorter than its {length} tokens")
+        spans.append(ImageSpan(identity, at, length))
+        at += length
+    return spans
+
+
 def image_extra_keys(images: Sequence[ImageSpan], first: int, end: int) -> tuple[ExtraKey, ...]:
     """The extra keys of the block over positions [first, end): per image it overlaps,
     (image hash, offset of the block's first token of it within the image). The offset

@@ -36,6 +36,9 @@ class LoadedImage:
     """32 bytes: identity.image_hash over the model, the processor settings and the pixels (or the uuid)."""
     detail: Detail = "auto"
     uuid: str | None = None
+    param: str = "messages"
+    """Where in the request it came from (``messages.0.content.1``, the ImageRef's): a
+    refusal after loading (too large for the mesh's messages) names it."""
 
     @property
     def size(self) -> tuple[int, int]:

@@ -65,7 +65,7 @@ class ImageLoader:
     def _decode(self, data: bytes, ref: ImageRef, source: str) -> LoadedImage:
         pixels = decode_image(data, ref.param, self.settings.max_pixels)
         identity = image_hash(self.model, self.processor_settings, pixels, ref.uuid)
-        return LoadedImage(pixels, source, identity, ref.detail, ref.uuid)
+        return LoadedImage(pixels, source, identity, ref.detail, ref.uuid, ref.param)
 
 
 def _is_data_url(url: str) -> bool:

@@ -1,9 +1,17 @@
 """Engine dataclasses <-> protobuf messages, in one place."""
 
+import io
+
+import numpy as np
+from PIL import Image
+
 from shared.engine.eplb.expert_load import ExpertLoad
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.structured.spec import StructuredSpec
+from shared.kv.block_hash import HASH_BYTES
+from shared.multimodal.decode import decode_image
+from shared.multimodal.errors import ImageError
 from shared.proto import mesh_pb2
 
 
@@ -93,3 +101,32 @@ def expert_load_to_proto(load: ExpertLoad) -> mesh_pb2.ExpertLoad:
         for mean, top, balance in zip(load.mean_tokens_per_rank(), load.max_tokens_per_rank(), load.balancedness())
     ]
     return mesh_pb2.ExpertLoad(num_ranks=load.num_ranks, window_steps=load.window_steps, layers=layers)
+
+
+def image_to_proto(pixels: np.ndarray, identity: bytes) -> mesh_pb2.ImageData:
+    """An image for the wire: its RGB pixels (uint8, height x width x 3) as a PNG, lossless
+    so the receiver's processor sees the very pixels the identity names. Milliseconds
+    per image: call it off the event loop."""
+    height, width, channels = pixels.shape
+    if pixels.dtype != np.uint8 or channels != 3:
+        raise ValueError(f"pixels must be uint8 height x width x 3, got {pixels.dtype} {pixels.shape}")
+    out = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(pixels), "RGB").save(out, "PNG")
+    return mesh_pb2.ImageData(png=out.getvalue(), height=height, width=width, hash=identity)
+
+
+def image_from_proto(msg: mesh_pb2.ImageData, param: str) -> np.ndarray:
+    """The image's pixels (uint8, height x width x 3, read-only), decoded by the front
+    door's own decoder. ValueError naming param for an identity that is not 32 bytes or
+    a PNG that is not the height x width the message says (a sender's bug, refused
+    rather than encoded into another image's KV). Call it off the event loop."""
+    if len(msg.hash) != HASH_BYTES:
+        raise ValueError(f"{param}: an image's identity is {HASH_BYTES} bytes, got {len(msg.hash)}")
+    try:
+        pixels = decode_image(msg.png, param, max_pixels=msg.height * msg.width)
+    except ImageError as exc:
+        raise ValueError(str(exc)) from None
+    if pixels.shape != (msg.height, msg.width, 3):
+        got = f"{pixels.shape[1]}x{pixels.shape[0]}"
+        raise ValueError(f"{param}: the PNG is {got}, not the {msg.width}x{msg.height} sent")
+    return pixels

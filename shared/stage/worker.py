@@ -46,6 +46,7 @@ from shared.runtime.vllm_metrics import served_model_name
 from shared.stage.convert import expert_load_to_proto, params_from_proto
 from shared.stage.engine_metrics import EngineMetrics, cache_config_info
 from shared.stage.expert_metrics import ExpertLoadMetrics
+from shared.stage.images import StageImages
 from shared.stage.spec_metrics import SpecMetrics
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,13 @@ class Worker:
 
     def __init__(
         self, ctx: ServiceContext, engine: LLMEngine, kvcache: KVCacheConnector | None = None,
-        nixl: NixlConnector | None = None,
+        nixl: NixlConnector | None = None, images: StageImages | None = None,
     ) -> None:  # fmt: skip
-        """nixl: the engine's NIXL link, when its agent started (peers read held blocks through it)."""
+        """nixl: the engine's NIXL link, when its agent started (peers read held blocks through it);
+        images: the model's image processor where requests' images are made ready (none: a
+        text-only model)."""
         self.ctx = ctx
+        self.images = images or StageImages(None)
         self.kvcache = kvcache
         self.nixl = nixl
         self._kvcache_up: bool | None = None
@@ -450,7 +454,8 @@ async def serve_engine_stage(
     stack.callback(engine.close)  # after the drain below has stopped the engine thread
     # Only an engine that holds blocks for peers offers them through NIXL (decode's link reads).
     nixl = chain.nixl if share_kv and chain.nixl is not None and chain.nixl.ready else None
-    worker = Worker(ctx, engine, chain.kvcache, nixl)
+    images = await StageImages.load(ctx.settings.engine.model, engine.model.config.vision_language is not None)
+    worker = Worker(ctx, engine, chain.kvcache, nixl, images)
     routes = list(make_dispatch(worker))
     await worker.start(stack)
     routes.append(Dispatch(subjects.CANCEL, mesh_pb2.Cancel, worker.on_cancel))

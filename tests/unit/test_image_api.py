@@ -18,10 +18,7 @@ from fastapi.testclient import TestClient
 
 from services.balancer.frontend.api import create_app
 from services.balancer.frontend.images import ModelImages
-from services.balancer.generation import GenerationError, GenerationRequest, refuse_images
-from shared.engine.sampling_params import SamplingParams
 from shared.multimodal.identity import image_hash
-from shared.multimodal.image import LoadedImage
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings, ImageSettings
 from tests.helpers.image_files import ImageServer, Route, data_url, encode, noise, png_header_only
@@ -169,6 +166,9 @@ def test_data_and_http_images_reach_the_router_loaded_and_named(vl: App, image_s
     assert np.array_equal(blue.pixels, BLUE) and blue.source == blue_url and blue.detail == "high"
     assert blue.uuid == "blue-1" and blue.hash == image_hash(MODEL, PROCESSOR, BLUE, uuid="blue-1")
     assert np.array_equal(blue_webp.pixels, BLUE) and blue_webp.hash == image_hash(MODEL, PROCESSOR, BLUE)
+    # Each names its part, for a refusal after loading (too large for the mesh's messages).
+    assert [red.param, blue.param, blue_webp.param] == ["messages.0.content.1", "messages.0.content.3",
+                                                        "messages.2.content.0"]
     # The template saw each image as a placeholder, in its place, and never its URL; each
     # placeholder is then repeated once per image token: both images (20x10 and 8x12
     # pixels) grow to the minimum area, 4x6 and 6x4 patches, 6 tokens after the 2x2 merge.
@@ -247,14 +247,3 @@ def test_placeholders_that_disagree_with_the_images_are_a_400(vl: App) -> None:
     """Text spelling the placeholder adds one the images do not fill: refused, not guessed."""
     response = vl.chat(text("Look <|vision_start|><|image_pad|><|vision_end|> at "), image(data_url(encode(RED))))
     refused(response, "messages", "2 image placeholder(s) for 1 image(s)")
-
-
-def test_the_mesh_refuses_images_it_cannot_carry() -> None:
-    """The seam's guard, called by the mesh's generator: a 501, never a reply made
-    without the images."""
-    request = GenerationRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=1))
-    refuse_images(request)  # no images: nothing to refuse
-    request.images = [LoadedImage(RED, "data:image/png;base64", image_hash(MODEL, PROCESSOR, RED))]
-    with pytest.raises(GenerationError) as caught:
-        refuse_images(request)
-    assert caught.value.status == 501 and "1 image(s)" in str(caught.value)

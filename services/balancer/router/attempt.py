@@ -26,6 +26,7 @@ from services.balancer.router.failures import RETRYABLE, InstanceFailed
 from services.balancer.router.instance_watch import InstanceWatch
 from services.balancer.router.outage import OutageRecovery
 from services.balancer.router.registry import Registry
+from services.balancer.router.wire import WireImages
 from shared.proto import mesh_pb2
 from shared.runtime.bus import Bus, StreamLost, StreamReader, StreamTimeout
 from shared.runtime.metrics import Metrics
@@ -76,10 +77,10 @@ class Attempts:
                 span.set_attribute("stream.rejected_chunks", tally[0])
 
     async def run(
-        self, req: GenerationRequest, excluded: set[str], root: Span, started: float, rejected: list[int],
-        migration: int = 0,
+        self, req: GenerationRequest, images: WireImages, excluded: set[str], root: Span, started: float,
+        rejected: list[int], migration: int = 0,
     ) -> AsyncIterator[TokenEvent]:
-        """Dispatch req (avoiding the excluded instances where others are live) and
+        """Dispatch req with its images (avoiding the excluded instances where others are live) and
         stream its events; root is the request's span, rejected its running count of
         dropped chunks; migration the moves so far."""
         rid = req.request_id
@@ -90,7 +91,7 @@ class Attempts:
 
         # A chunk that passed the checks is proof of life, as it arrives (its heartbeat may be late).
         async with StreamReader(self.bus, rid, on_rejected, lambda chunk: self.registry.touch(chunk.instance_id)) as reader:
-            route = await self.dispatcher.dispatch(req, excluded, reader)
+            route = await self.dispatcher.dispatch(req, images, excluded, reader)
             if migration:  # handed to its new instances: when, to line up with a death
                 root.set_attribute("migration.dispatched_unix", time.time())
             # Not the current span: this generator yields, and a span made current

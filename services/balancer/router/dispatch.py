@@ -37,13 +37,13 @@ from services.balancer.router.policies import (
 from services.balancer.router.registry import Instance, Registry
 from services.balancer.router.reservations import Reservation
 from services.balancer.router.route import Route
+from services.balancer.router.wire import WireImages, prefill_request
 from shared.kv.block_hash import BlockHash, hash_block_chain
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import Bus, StreamReader
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings
-from shared.stage.convert import params_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +90,16 @@ class Dispatcher:
         (still live: worth one more try rather than a certain failure)."""
         return [i for i in candidates if i.instance_id not in excluded] or candidates
 
-    async def dispatch(self, req: GenerationRequest, excluded: set[str], reader: StreamReader) -> Route:
-        """Choose the instances, listen to their streams and hand the request to
-        prefill. Retries other prefill instances that refuse because they are busy
-        or draining, or do not answer. Instances that failed this request before
+    async def dispatch(
+        self, req: GenerationRequest, images: WireImages, excluded: set[str], reader: StreamReader
+    ) -> Route:
+        """Choose the instances, listen to their streams and hand the request, with its
+        images, to prefill. Retries other prefill instances that refuse because they are
+        busy or draining, or do not answer. Instances that failed this request before
         are chosen again only when no other is live."""
-        hashes = hash_block_chain(req.prompt_token_ids, self.block_size, self.kv_fingerprint, req.cache_salt)
+        # The workers' block hashes carry each image's identity: so do the routing keys.
+        hashes = hash_block_chain(req.prompt_token_ids, self.block_size, self.kv_fingerprint, req.cache_salt,
+                                  images=images.spans)  # fmt: skip
         deadline = time.monotonic() + OUTAGE_WAIT_S
         with self.tracer.start_as_current_span("route") as span:
             span.set_attribute("request.id", req.request_id)
@@ -122,13 +126,13 @@ class Dispatcher:
             # routed meanwhile must see it (choose_decode_by_cache would send a whole burst
             # sharing a prefix to the one instance holding it); given back if this fails.
             with Reservation(decode.instance, requests=1) as reservation:
-                route = await self._dispatch_to(req, hashes, decode, excluded, reader, span, deadline)
+                route = await self._dispatch_to(req, images, hashes, decode, excluded, reader, span, deadline)
                 reservation.keep()
                 return route
 
     async def _dispatch_to(
-        self, req: GenerationRequest, hashes: list[BlockHash], decode: Choice, excluded: set[str],
-        reader: StreamReader, span: Span, deadline: float,
+        self, req: GenerationRequest, images: WireImages, hashes: list[BlockHash], decode: Choice,
+        excluded: set[str], reader: StreamReader, span: Span, deadline: float,
     ) -> Route:
         """dispatch once its decode instance is chosen: where the prompt is computed, then
         to that decode instance or to a prefill instance that takes it."""
@@ -148,7 +152,7 @@ class Dispatcher:
         span.set_attribute("prefill.queued_tokens", site.queued_tokens)
         if site.local:
             self.m_prefill_site.labels("local", site.reason).inc()
-            return await self._dispatch_local(req, decode.instance, span)
+            return await self._dispatch_local(req, images, decode.instance, span)
         tried: set[str] = set()
         last_error = "no live prefill instance"
         while True:
@@ -174,7 +178,7 @@ class Dispatcher:
                 span.set_attribute("prefill.scores", list(prefill.scores.values()))
                 span.set_attribute("prefill.choice", pid)
                 span.set_attribute("prefill.reason", prefill.reason)
-                msg = _prefill_request(req, did)
+                msg = prefill_request(req, images.messages, did)
                 await reader.listen(pid, source=False)  # prefill may only end the stream with an error
                 await self.outage.wait_for_bus(span)
                 try:
@@ -191,12 +195,12 @@ class Dispatcher:
                 raise _refused(ack)
             last_error = f"prefill instance {pid} refused: {ack.message}"
 
-    async def _dispatch_local(self, req: GenerationRequest, decode: Instance, span: Span) -> Route:
+    async def _dispatch_local(self, req: GenerationRequest, images: WireImages, decode: Instance, span: Span) -> Route:
         """Hand the whole request to its decode instance, which prefills it too (the
         route's two stages are then one instance). A decode instance that refuses or does
         not answer fails this attempt, charged to it: the request moves."""
         did = decode.instance_id
-        msg = _prefill_request(req, did)
+        msg = prefill_request(req, images.messages, did)
         await self.outage.wait_for_bus(span)
         try:
             ack = await self._request_unless_gone(did, subjects.decode_run(did), msg)
@@ -238,14 +242,3 @@ def _refused(ack: mesh_pb2.Ack) -> GenerationError:
     """An instance's refusal of the request itself (not retried elsewhere): a 400 naming
     the parameter at fault where the engine named one."""
     return GenerationError(ack.message, status=400, error_type="invalid_request_error", param=ack.param or None)
-
-
-def _prefill_request(req: GenerationRequest, decode_instance: str) -> mesh_pb2.PrefillRequest:
-    """The request as a prefill instance, or its decode instance prefilling it, takes it."""
-    return mesh_pb2.PrefillRequest(
-        request_id=req.request_id,
-        prompt_token_ids=req.prompt_token_ids,
-        sampling=params_to_proto(req.params),
-        cache_salt=req.cache_salt or "",
-        decode_instance=decode_instance,
-    )

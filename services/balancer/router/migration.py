@@ -15,6 +15,7 @@ from services.balancer.generation import GenerationError, GenerationRequest, Tok
 from services.balancer.router.attempt import Attempts
 from services.balancer.router.failures import InstanceFailed
 from services.balancer.router.outage import OUTAGE_MOVES, OutageRecovery
+from services.balancer.router.wire import WireImages
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings
 
@@ -38,8 +39,10 @@ class MigrationLoop:
             "(or its start) to its first token after the move"
         )
 
-    async def run(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Run the request; when an instance fails it after accepting it, migrate:
+    async def run(self, req: GenerationRequest, images: WireImages) -> AsyncIterator[TokenEvent]:
+        """Run the request with its images (every move resends them: the image
+        tokens stay in the continuation's prompt, and its new instances recompute or
+        reload their KV by the same image hashes); when an instance fails it after accepting it, migrate:
         re-dispatch prompt + tokens generated so far to other instances and go
         on streaming (up to migration_limit times, plus OUTAGE_MOVES for a NATS
         outage's losses), as Dynamo does. Greedy output
@@ -61,7 +64,8 @@ class MigrationLoop:
             if migration:
                 attempt = continuation(req, generated, migration)
             try:
-                async for event in self.attempts.run(attempt, excluded, root, time.perf_counter(), rejected, migration):
+                events = self.attempts.run(attempt, images, excluded, root, time.perf_counter(), rejected, migration)
+                async for event in events:
                     now = time.perf_counter()
                     if moved and event.token_ids:
                         moved = False
@@ -109,5 +113,6 @@ def continuation(req: GenerationRequest, generated: list[int], migration: int) -
         prompt_logprobs=p.prompt_logprobs if not generated else None,
     )
     return GenerationRequest(
-        f"{req.request_id}-m{migration}", req.prompt_token_ids + generated, params, req.cache_salt, req.priority
+        f"{req.request_id}-m{migration}", req.prompt_token_ids + generated, params, req.cache_salt, req.priority,
+        req.images,
     )

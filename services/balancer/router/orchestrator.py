@@ -6,6 +6,8 @@ into TokenEvents. MeshGenerator composes the parts, one file each:
                      accepting it moves, with its tokens so far, to other instances;
   attempt.py         one attempt: dispatch, then the stream, each failure charged to
                      the instance at fault;
+  wire.py            the request's messages: its images as PNG, placed in the prompt for
+                     routing, checked to fit a NATS message (once per request);
   dispatch.py        choosing the instances (policies.py) and handing the request over,
                      retrying prefill instances that refuse or do not answer;
   reservations.py    the load a choice adds to an instance until its next heartbeat;
@@ -25,7 +27,7 @@ from collections.abc import AsyncIterator
 
 from opentelemetry.trace import Span, Tracer
 
-from services.balancer.generation import GenerationRequest, TokenEvent, refuse_images
+from services.balancer.generation import GenerationRequest, TokenEvent
 from services.balancer.router.attempt import Attempts
 from services.balancer.router.cancels import Cancels
 from services.balancer.router.dispatch import Dispatcher
@@ -33,6 +35,7 @@ from services.balancer.router.instance_watch import InstanceWatch
 from services.balancer.router.migration import MigrationLoop
 from services.balancer.router.outage import OutageRecovery
 from services.balancer.router.registry import Registry
+from services.balancer.router.wire import NO_IMAGES, ImageLayout, wire_images
 from shared.proto import mesh_pb2
 from shared.runtime.bus import Bus
 from shared.runtime.metrics import Metrics
@@ -50,8 +53,14 @@ class MeshGenerator:
         kv_fingerprint: str,
         rng: random.Random | None = None,
         metrics: Metrics | None = None,
+        image_layout: ImageLayout | None = None,
     ) -> None:
+        """image_layout: how the served model lays images into a prompt (None: a text-only
+        model, whose requests the front door lets no image through)."""
         metrics = metrics or Metrics("balancer")
+        self._bus = bus
+        self._block_size = block_size
+        self._image_layout = image_layout
         self._in_flight = 0
         watch = InstanceWatch(registry)
         outage = OutageRecovery(bus, registry)
@@ -73,11 +82,13 @@ class MeshGenerator:
         self._attempts.reject_chunk(reason, chunk, span, tally)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        # The mesh's messages carry token ids only: images stop here until the vision stage (issue 29).
-        refuse_images(request)
+        # Once per request, before any dispatch: a request too large for the mesh's messages is a 400 here.
+        images = NO_IMAGES
+        if request.images:  # the server's max_payload, as the connection learnt it
+            images = await wire_images(request, self._image_layout, self._bus.nc.max_payload, self._block_size)
         self._in_flight += 1
         try:
-            async for event in self._migrations.run(request):
+            async for event in self._migrations.run(request, images):
                 yield event
         finally:
             self._in_flight -= 1
