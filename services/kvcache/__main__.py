@@ -84,7 +84,8 @@ async def cancel_task(task: asyncio.Task[None]) -> None:
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     kv = ctx.settings.kvcache
     port = bind_port(ctx.settings)
-    store = await asyncio.to_thread(BlockStore, kv.path, kv.capacity_bytes, kv.ttl_s)
+    store = await asyncio.to_thread(BlockStore, kv.path, kv.capacity_bytes, kv.ttl_s,
+                                    blob_capacity_bytes=kv.blob_capacity_bytes)
     stack.callback(store.close)  # unwinds last: after the server stopped and the sweep ended
     transfer = ctx.settings.kv_transfer
     backends = tuple(b.strip() for b in transfer.nixl_backends.split(",") if b.strip())

@@ -129,6 +129,10 @@ class KVCacheMetrics:
         self.nixl_refused = metrics.counter("nixl_refused", "Gets naming a NIXL landing buffer this service could "
                                             "not use, or whose write failed: served (the rest) as bytes.")
         self.nixl_peers = metrics.gauge("nixl_peers", "Clients' NIXL agents whose metadata this service holds.")
+        self.blobs = metrics.gauge("blobs", "Keyed blobs held (the vision stage's image embeddings).")
+        self.blob_bytes = metrics.gauge("blob_bytes", "Data bytes of the keyed blobs held.")
+        self.blob_hits = metrics.counter("blob_hits", "Blobs served by GetBlobs.")
+        self.blob_misses = metrics.counter("blob_misses", "Blobs asked for by GetBlobs and not served.")
         self._last = KVCacheStats(0, 0, 0, 0, 0, 0, 0, 0)
 
     def update(self, stats: KVCacheStats) -> None:
@@ -141,6 +145,10 @@ class KVCacheMetrics:
         self.evicted.inc(stats.num_evicted - last.num_evicted)
         self.expired.inc(stats.num_expired - last.num_expired)
         self.corrupt.inc(stats.num_corrupt - last.num_corrupt)
+        self.blobs.set(stats.num_blobs)
+        self.blob_bytes.set(stats.blob_bytes)
+        self.blob_hits.inc(stats.num_blob_hits - last.num_blob_hits)
+        self.blob_misses.inc(stats.num_blob_misses - last.num_blob_misses)
 
 
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
@@ -395,6 +403,57 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             if running:
                 await asyncio.to_thread(concurrent.futures.wait, running)
 
+    async def PutBlobs(self, request_iterator: AsyncIterator[kvcache_pb2.PutRequest],
+                       context: grpc.aio.ServicerContext) -> kvcache_pb2.PutReply:
+        """Keyed blobs with a ttl (blob_store.py), chunked as Put's blocks. No KV event:
+        a blob is no block any worker's prefix cache could hold."""
+        assembler = BlockAssembler(capacity_bytes=self.store.blobs.capacity_bytes)
+        ttl_s = 0.0
+        num_stored = num_existing = num_bytes = 0
+        async for request in request_iterator:
+            if request.WhichOneof("item") == "header":
+                ttl_s = request.header.ttl_s
+            try:
+                blob = _feed_put(assembler, request)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if blob is None:
+                continue
+            is_new = await asyncio.to_thread(self.store.blobs.put, blob.block_hash, blob.layout, blob.data, ttl_s)
+            num_stored += is_new
+            num_existing += not is_new
+            num_bytes += len(blob.data)
+        try:
+            assembler.finish()
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.metrics.put_bytes.inc(num_bytes)
+        await self.refresh_metrics()
+        return kvcache_pb2.PutReply(num_stored=num_stored, num_existing=num_existing, num_bytes=num_bytes)
+
+    async def GetBlobs(self, request: kvcache_pb2.GetRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[kvcache_pb2.GetReply]:
+        """Each blob asked for as a header and its chunks, or `missing` (the stream goes on)."""
+        await self._check_hashes(request.block_hashes, context)
+        num_bytes = 0
+        try:
+            for key in request.block_hashes:
+                if context.cancelled():
+                    break
+                found = await asyncio.to_thread(self.store.blobs.get, key)
+                if found is None:
+                    yield kvcache_pb2.GetReply(missing=key)
+                    continue
+                layout, data = found
+                yield kvcache_pb2.GetReply(header=kvcache_pb2.BlockHeader(block_hash=key, num_bytes=len(data),
+                                                                          layout=layout))
+                for chunk in iter_chunks(data, self.chunk_bytes):
+                    yield kvcache_pb2.GetReply(data=chunk)
+                num_bytes += len(data)
+        finally:
+            self.metrics.get_bytes.inc(num_bytes)
+            await self.refresh_metrics()
+
     async def Lookup(self, request: kvcache_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kvcache_pb2.LookupReply:
         await self._check_hashes(request.block_hashes, context)
@@ -414,6 +473,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         """One expiry pass (the service runs it periodically): purge, flush to
         disk, announce. Returns the number of blocks purged."""
         removed = await asyncio.to_thread(self.store.purge_expired)
+        await asyncio.to_thread(self.store.blobs.purge_expired)
         await asyncio.to_thread(self.store.sync)
         await self._after_rpc([], removed)
         if removed:

@@ -41,6 +41,7 @@ import lmdb
 
 import numpy as np
 
+from services.kvcache.blob_store import NUM_DBS as BLOB_DBS, BlobStore
 from services.kvcache.block_format import (
     FORMAT_VERSION,
     READABLE_VERSIONS,
@@ -134,9 +135,11 @@ class BlockStore:
         *,
         clock: Callable[[], float] = time.time,
         map_size: int | None = None,
+        blob_capacity_bytes: int = 1 << 30,
     ) -> None:
         """clock: unix time in seconds (wall clock, since times outlive the
-        process); tests inject their own."""
+        process); tests inject their own. blob_capacity_bytes: the keyed blobs'
+        own bound (``blobs``, blob_store.py), apart from the blocks'."""
         if capacity_bytes <= 0:
             raise ValueError(f"kvcache capacity_bytes must be positive, got {capacity_bytes}")
         if ttl_s <= 0:
@@ -155,8 +158,8 @@ class BlockStore:
         self.path.mkdir(parents=True, exist_ok=True)
         self._env = lmdb.open(
             str(self.path),
-            map_size=map_size or default_map_size(capacity_bytes),
-            max_dbs=4,
+            map_size=map_size or default_map_size(capacity_bytes + blob_capacity_bytes),
+            max_dbs=4 + BLOB_DBS,
             writemap=True,
             sync=False,
         )
@@ -166,6 +169,8 @@ class BlockStore:
         self._lru = self._env.open_db(LRU_DB)
         self._meta = self._env.open_db(META_DB)
         self._check_version()
+        self.blobs = BlobStore(self._env, self._meta, blob_capacity_bytes, ttl_s, clock, self._op)
+        """Keyed blobs with a ttl in the same folder (the vision stage's embeddings)."""
         evicted = self._enforce_capacity()
         if evicted:
             log.info("evicted %d blocks at open: capacity is %d bytes", len(evicted), capacity_bytes)
@@ -316,10 +321,13 @@ class BlockStore:
         with self._op(), self._env.begin() as txn:
             num_blocks = txn.stat(self._index)["entries"]
             num_bytes = self._read_num_bytes(txn)
+        num_blobs, blob_bytes = self.blobs.sizes()
+        blobs = self.blobs.snapshot()
         with self._counters_lock:
             c = self._counters
             return KVCacheStats(num_blocks, num_bytes, self.capacity_bytes, c.num_evicted, c.num_expired,
-                                c.num_corrupt, c.num_hits, c.num_misses)
+                                c.num_corrupt, c.num_hits, c.num_misses, num_blobs, blob_bytes, blobs.num_hits,
+                                blobs.num_misses)
 
     def sync(self) -> None:
         """Flush to disk now (sync=False leaves that to the OS otherwise)."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvcache.proto\x12\x0cinfermesh.v1\"D\n\x0b\x42lockHeader\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06layout\x18\x03 \x01(\t\"Q\n\nPutRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.infermesh.v1.BlockHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04item\"\\\n\x08PutReply\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cnum_existing\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bshm_refused\x18\x04 \x01(\t\"7\n\nShmSegment\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05nonce\x18\x03 \x01(\x0c\"[\n\nNixlTarget\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\r\n\x05token\x18\x05 \x01(\x0c\"E\n\x08ShmBlock\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.infermesh.v1.BlockHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"^\n\rPutShmRequest\x12%\n\x03shm\x18\x01 \x01(\x0b\x32\x18.infermesh.v1.ShmSegment\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.infermesh.v1.ShmBlock\"q\n\nGetRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12%\n\x03shm\x18\x02 \x01(\x0b\x32\x18.infermesh.v1.ShmSegment\x12&\n\x04nixl\x18\x03 \x01(\x0b\x32\x18.infermesh.v1.NixlTarget\"\xd3\x01\n\x08GetReply\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.infermesh.v1.BlockHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x11\n\x07missing\x18\x03 \x01(\x0cH\x00\x12(\n\x06landed\x18\x04 \x01(\x0b\x32\x16.infermesh.v1.ShmBlockH\x00\x12\x16\n\x0csegment_full\x18\x05 \x01(\x0cH\x00\x12\x15\n\x0bshm_refused\x18\x06 \x01(\tH\x00\x12\x16\n\x0cnixl_refused\x18\x07 \x01(\tH\x00\x42\x06\n\x04item\"%\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\"\n\x0bLookupReply\x12\x13\n\x0bnum_leading\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xb0\x01\n\nStatsReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bnum_evicted\x18\x04 \x01(\x04\x12\x13\n\x0bnum_expired\x18\x05 \x01(\x04\x12\x13\n\x0bnum_corrupt\x18\x06 \x01(\x04\x12\x10\n\x08num_hits\x18\x07 \x01(\x04\x12\x12\n\nnum_misses\x18\x08 \x01(\x04\x32\xbf\x02\n\x07KVCache\x12\x39\n\x03Put\x12\x18.infermesh.v1.PutRequest\x1a\x16.infermesh.v1.PutReply(\x01\x12=\n\x06PutShm\x12\x1b.infermesh.v1.PutShmRequest\x1a\x16.infermesh.v1.PutReply\x12\x39\n\x03Get\x12\x18.infermesh.v1.GetRequest\x1a\x16.infermesh.v1.GetReply0\x01\x12@\n\x06Lookup\x12\x1b.infermesh.v1.LookupRequest\x1a\x19.infermesh.v1.LookupReply\x12=\n\x05Stats\x12\x1a.infermesh.v1.StatsRequest\x1a\x18.infermesh.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvcache.proto\x12\x0cinfermesh.v1\"S\n\x0b\x42lockHeader\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06layout\x18\x03 \x01(\t\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"Q\n\nPutRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.infermesh.v1.BlockHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04item\"\\\n\x08PutReply\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cnum_existing\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bshm_refused\x18\x04 \x01(\t\"7\n\nShmSegment\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05nonce\x18\x03 \x01(\x0c\"[\n\nNixlTarget\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\r\n\x05token\x18\x05 \x01(\x0c\"E\n\x08ShmBlock\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.infermesh.v1.BlockHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"^\n\rPutShmRequest\x12%\n\x03shm\x18\x01 \x01(\x0b\x32\x18.infermesh.v1.ShmSegment\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.infermesh.v1.ShmBlock\"q\n\nGetRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12%\n\x03shm\x18\x02 \x01(\x0b\x32\x18.infermesh.v1.ShmSegment\x12&\n\x04nixl\x18\x03 \x01(\x0b\x32\x18.infermesh.v1.NixlTarget\"\xd3\x01\n\x08GetReply\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.infermesh.v1.BlockHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x11\n\x07missing\x18\x03 \x01(\x0cH\x00\x12(\n\x06landed\x18\x04 \x01(\x0b\x32\x16.infermesh.v1.ShmBlockH\x00\x12\x16\n\x0csegment_full\x18\x05 \x01(\x0cH\x00\x12\x15\n\x0bshm_refused\x18\x06 \x01(\tH\x00\x12\x16\n\x0cnixl_refused\x18\x07 \x01(\tH\x00\x42\x06\n\x04item\"%\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\"\n\x0bLookupReply\x12\x13\n\x0bnum_leading\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\x87\x02\n\nStatsReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bnum_evicted\x18\x04 \x01(\x04\x12\x13\n\x0bnum_expired\x18\x05 \x01(\x04\x12\x13\n\x0bnum_corrupt\x18\x06 \x01(\x04\x12\x10\n\x08num_hits\x18\x07 \x01(\x04\x12\x12\n\nnum_misses\x18\x08 \x01(\x04\x12\x11\n\tnum_blobs\x18\t \x01(\x04\x12\x12\n\nblob_bytes\x18\n \x01(\x04\x12\x15\n\rnum_blob_hits\x18\x0b \x01(\x04\x12\x17\n\x0fnum_blob_misses\x18\x0c \x01(\x04\x32\xbf\x03\n\x07KVCache\x12\x39\n\x03Put\x12\x18.infermesh.v1.PutRequest\x1a\x16.infermesh.v1.PutReply(\x01\x12=\n\x06PutShm\x12\x1b.infermesh.v1.PutShmRequest\x1a\x16.infermesh.v1.PutReply\x12\x39\n\x03Get\x12\x18.infermesh.v1.GetRequest\x1a\x16.infermesh.v1.GetReply0\x01\x12@\n\x06Lookup\x12\x1b.infermesh.v1.LookupRequest\x1a\x19.infermesh.v1.LookupReply\x12=\n\x05Stats\x12\x1a.infermesh.v1.StatsRequest\x1a\x18.infermesh.v1.StatsReply\x12>\n\x08PutBlobs\x12\x18.infermesh.v1.PutRequest\x1a\x16.infermesh.v1.PutReply(\x01\x12>\n\x08GetBlobs\x12\x18.infermesh.v1.GetRequest\x1a\x16.infermesh.v1.GetReply0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BLOCKHEADER']._serialized_start=31
-  _globals['_BLOCKHEADER']._serialized_end=99
-  _globals['_PUTREQUEST']._serialized_start=101
-  _globals['_PUTREQUEST']._serialized_end=182
-  _globals['_PUTREPLY']._serialized_start=184
-  _globals['_PUTREPLY']._serialized_end=276
-  _globals['_SHMSEGMENT']._serialized_start=278
-  _globals['_SHMSEGMENT']._serialized_end=333
-  _globals['_NIXLTARGET']._serialized_start=335
-  _globals['_NIXLTARGET']._serialized_end=426
-  _globals['_SHMBLOCK']._serialized_start=428
-  _globals['_SHMBLOCK']._serialized_end=497
-  _globals['_PUTSHMREQUEST']._serialized_start=499
-  _globals['_PUTSHMREQUEST']._serialized_end=593
-  _globals['_GETREQUEST']._serialized_start=595
-  _globals['_GETREQUEST']._serialized_end=708
-  _globals['_GETREPLY']._serialized_start=711
-  _globals['_GETREPLY']._serialized_end=922
-  _globals['_LOOKUPREQUEST']._serialized_start=924
-  _globals['_LOOKUPREQUEST']._serialized_end=961
-  _globals['_LOOKUPREPLY']._serialized_start=963
-  _globals['_LOOKUPREPLY']._serialized_end=997
-  _globals['_STATSREQUEST']._serialized_start=999
-  _globals['_STATSREQUEST']._serialized_end=1013
-  _globals['_STATSREPLY']._serialized_start=1016
-  _globals['_STATSREPLY']._serialized_end=1192
-  _globals['_KVCACHE']._serialized_start=1195
-  _globals['_KVCACHE']._serialized_end=1514
+  _globals['_BLOCKHEADER']._serialized_end=114
+  _globals['_PUTREQUEST']._serialized_start=116
+  _globals['_PUTREQUEST']._serialized_end=197
+  _globals['_PUTREPLY']._serialized_start=199
+  _globals['_PUTREPLY']._serialized_end=291
+  _globals['_SHMSEGMENT']._serialized_start=293
+  _globals['_SHMSEGMENT']._serialized_end=348
+  _globals['_NIXLTARGET']._serialized_start=350
+  _globals['_NIXLTARGET']._serialized_end=441
+  _globals['_SHMBLOCK']._serialized_start=443
+  _globals['_SHMBLOCK']._serialized_end=512
+  _globals['_PUTSHMREQUEST']._serialized_start=514
+  _globals['_PUTSHMREQUEST']._serialized_end=608
+  _globals['_GETREQUEST']._serialized_start=610
+  _globals['_GETREQUEST']._serialized_end=723
+  _globals['_GETREPLY']._serialized_start=726
+  _globals['_GETREPLY']._serialized_end=937
+  _globals['_LOOKUPREQUEST']._serialized_start=939
+  _globals['_LOOKUPREQUEST']._serialized_end=976
+  _globals['_LOOKUPREPLY']._serialized_start=978
+  _globals['_LOOKUPREPLY']._serialized_end=1012
+  _globals['_STATSREQUEST']._serialized_start=1014
+  _globals['_STATSREQUEST']._serialized_end=1028
+  _globals['_STATSREPLY']._serialized_start=1031
+  _globals['_STATSREPLY']._serialized_end=1294
+  _globals['_KVCACHE']._serialized_start=1297
+  _globals['_KVCACHE']._serialized_end=1744
 # @@protoc_insertion_point(module_scope)

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BlockHeader(_message.Message):
-    __slots__ = ("block_hash", "num_bytes", "layout")
+    __slots__ = ("block_hash", "num_bytes", "layout", "ttl_s")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     num_bytes: int
     layout: str
-    def __init__(self, block_hash: _Optional[bytes] = ..., num_bytes: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+    ttl_s: float
+    def __init__(self, block_hash: _Optional[bytes] = ..., num_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -121,7 +123,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("num_blocks", "num_bytes", "capacity_bytes", "num_evicted", "num_expired", "num_corrupt", "num_hits", "num_misses")
+    __slots__ = ("num_blocks", "num_bytes", "capacity_bytes", "num_evicted", "num_expired", "num_corrupt", "num_hits", "num_misses", "num_blobs", "blob_bytes", "num_blob_hits", "num_blob_misses")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,10 @@ class StatsReply(_message.Message):
     NUM_CORRUPT_FIELD_NUMBER: _ClassVar[int]
     NUM_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_MISSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOBS_FIELD_NUMBER: _ClassVar[int]
+    BLOB_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOB_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOB_MISSES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_bytes: int
     capacity_bytes: int
@@ -138,4 +144,8 @@ class StatsReply(_message.Message):
     num_corrupt: int
     num_hits: int
     num_misses: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_expired: _Optional[int] = ..., num_corrupt: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ...) -> None: ...
+    num_blobs: int
+    blob_bytes: int
+    num_blob_hits: int
+    num_blob_misses: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_expired: _Optional[int] = ..., num_corrupt: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ..., num_blobs: _Optional[int] = ..., blob_bytes: _Optional[int] = ..., num_blob_hits: _Optional[int] = ..., num_blob_misses: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,16 @@ class KVCacheStub:
                 request_serializer=kvcache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvcache__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.PutBlobs = channel.stream_unary(
+                '/infermesh.v1.KVCache/PutBlobs',
+                request_serializer=kvcache__pb2.PutRequest.SerializeToString,
+                response_deserializer=kvcache__pb2.PutReply.FromString,
+                _registered_method=True)
+        self.GetBlobs = channel.unary_stream(
+                '/infermesh.v1.KVCache/GetBlobs',
+                request_serializer=kvcache__pb2.GetRequest.SerializeToString,
+                response_deserializer=kvcache__pb2.GetReply.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -103,6 +113,23 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutBlobs(self, request_iterator, context):
+        """Keyed blobs with a time to live, beside the blocks (the vision stage's image
+        embeddings, keyed by the image's 256-bit identity): a stream of blobs, each a
+        header (block_hash: the key, ttl_s) followed by its data chunks, as Put.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBlobs(self, request, context):
+        """The blobs asked for, in order: each a header then its data chunks, or `missing`
+        with its key (the stream goes on: blobs stand alone, unlike a chain's blocks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +157,16 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvcache__pb2.StatsRequest.FromString,
                     response_serializer=kvcache__pb2.StatsReply.SerializeToString,
+            ),
+            'PutBlobs': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutBlobs,
+                    request_deserializer=kvcache__pb2.PutRequest.FromString,
+                    response_serializer=kvcache__pb2.PutReply.SerializeToString,
+            ),
+            'GetBlobs': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetBlobs,
+                    request_deserializer=kvcache__pb2.GetRequest.FromString,
+                    response_serializer=kvcache__pb2.GetReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +304,60 @@ class KVCache:
             '/infermesh.v1.KVCache/Stats',
             kvcache__pb2.StatsRequest.SerializeToString,
             kvcache__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBlobs(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/infermesh.v1.KVCache/PutBlobs',
+            kvcache__pb2.PutRequest.SerializeToString,
+            kvcache__pb2.PutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBlobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/infermesh.v1.KVCache/GetBlobs',
+            kvcache__pb2.GetRequest.SerializeToString,
+            kvcache__pb2.GetReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -114,16 +114,44 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_instance: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageData, _Mapping]]] = ...) -> None: ...
 
 class ImageData(_message.Message):
-    __slots__ = ("png", "height", "width", "hash")
+    __slots__ = ("png", "height", "width", "hash", "embedded")
     PNG_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDED_FIELD_NUMBER: _ClassVar[int]
     png: bytes
     height: int
     width: int
     hash: bytes
-    def __init__(self, png: _Optional[bytes] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., hash: _Optional[bytes] = ...) -> None: ...
+    embedded: bool
+    def __init__(self, png: _Optional[bytes] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., hash: _Optional[bytes] = ..., embedded: _Optional[bool] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "images")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[ImageData]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageData, _Mapping]]] = ...) -> None: ...
+
+class EncodeReply(_message.Message):
+    __slots__ = ("ok", "error", "num_encoded", "num_cache_hits", "num_kvcache_hits", "instance_id", "code_param")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KVCACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_PARAM_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    num_encoded: int
+    num_cache_hits: int
+    num_kvcache_hits: int
+    instance_id: str
+    code_param: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., num_encoded: _Optional[int] = ..., num_cache_hits: _Optional[int] = ..., num_kvcache_hits: _Optional[int] = ..., instance_id: _Optional[str] = ..., code_param: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "rank", "top_token_ids", "top_logprobs")
@@ -292,7 +320,7 @@ class LayerExpertLoad(_message.Message):
     def __init__(self, mean_tokens_per_rank: _Optional[float] = ..., max_tokens_per_rank: _Optional[int] = ..., balancedness: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("stage", "instance_id", "seq", "unix_time", "load", "model", "interval_s", "draining")
+    __slots__ = ("stage", "instance_id", "seq", "unix_time", "load", "model", "interval_s", "draining", "image_hashes")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +329,7 @@ class Heartbeat(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     stage: str
     instance_id: str
     seq: int
@@ -309,7 +338,8 @@ class Heartbeat(_message.Message):
     model: str
     interval_s: float
     draining: bool
-    def __init__(self, stage: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., unix_time: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., model: _Optional[str] = ..., interval_s: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+    image_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, stage: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., unix_time: _Optional[float] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., model: _Optional[str] = ..., interval_s: _Optional[float] = ..., draining: _Optional[bool] = ..., image_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("instance_id", "seq", "stored", "removed", "cleared")

@@ -129,7 +129,11 @@ class KVCacheSettings:
     capacity_bytes: int = 4 << 30
     """Evict least recently used blocks beyond this."""
     ttl_s: float = 7 * 24 * 3600.0
-    """Blocks unused for this long expire."""
+    """Blocks unused for this long expire (and the longest ttl a blob may ask for)."""
+    blob_capacity_bytes: int = 1 << 30
+    """Keyed blobs (the vision stage's image embeddings, PutBlobs) beyond this many data
+    bytes are evicted, those due to expire soonest first; counted apart from the blocks'
+    capacity_bytes, so that embeddings and KV do not evict each other."""
     chunk_bytes: int = 8 << 20
     """Size of the data chunks of a streamed block (at most gRPC's message limit less framing)."""
     shm_bytes: int = DEFAULT_SHM_BYTES

@@ -367,6 +367,47 @@ class KVCacheClient:
         """The leading blocks the service holds (all of them, or up to the first missing)."""
         return [block async for block in self.iter_blocks(hashes)]
 
+    # -- keyed blobs (the vision stage's image embeddings) ---------------------------
+
+    async def put_blobs(self, blobs: Sequence[Block], ttl_s: float) -> PutSummary:
+        """Store blobs under their 32-byte keys, each expiring ttl_s after its last use
+        (the service caps it at its kvcache.ttl_s); always on the byte stream: blobs are
+        few and written once, off any request's critical token path."""
+        if not blobs:
+            return PutSummary(0, 0, 0)
+        for key, _, data in blobs:
+            if len(key) != HASH_BYTES or not data:
+                raise ValueError(f"a blob needs a {HASH_BYTES}-byte key and data; got {len(key)} and {len(data)} bytes")
+
+        def requests() -> Iterator[kvcache_pb2.PutRequest]:
+            for key, layout, data in blobs:
+                header = kvcache_pb2.BlockHeader(block_hash=key, num_bytes=len(data), layout=layout, ttl_s=ttl_s)
+                yield kvcache_pb2.PutRequest(header=header)
+                for chunk in iter_chunks(data, self.chunk_bytes):
+                    yield kvcache_pb2.PutRequest(data=chunk)
+
+        reply = await self._stub.PutBlobs(requests(), timeout=self.timeout_s)
+        return PutSummary(reply.num_stored, reply.num_existing, reply.num_bytes)
+
+    async def get_blobs(self, keys: Sequence[bytes], timeout_s: float | None = None) -> dict[bytes, tuple[str, bytes]]:
+        """The blobs the service holds among keys: {key: (layout, data)} (a missing one is absent)."""
+        if not keys:
+            return {}
+        call = self._stub.GetBlobs(kvcache_pb2.GetRequest(block_hashes=keys), timeout=timeout_s or self.timeout_s)
+        assembler = BlockAssembler()
+        found: dict[bytes, tuple[str, bytes]] = {}
+        try:
+            async for reply in call:
+                if reply.WhichOneof("item") == "missing":
+                    continue
+                blob = _feed(assembler, reply)
+                if blob is not None:
+                    found[bytes(blob.block_hash)] = (blob.layout, bytes(blob.data))
+            _feed(assembler, None)
+        finally:
+            call.cancel()
+        return found
+
     # -- the rest ----------------------------------------------------------------
 
     async def lookup(self, hashes: Sequence[BlockHash], timeout_s: float | None = None) -> int:

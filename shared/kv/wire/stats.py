@@ -27,6 +27,14 @@ class KVCacheStats:
     """Blocks served by Get."""
     num_misses: int
     """Get reads that found no servable block (a Get ends at its first)."""
+    num_blobs: int = 0
+    """Keyed blobs held now (GetBlobs/PutBlobs: the vision stage's image embeddings)."""
+    blob_bytes: int = 0
+    """Data bytes of the blobs held now."""
+    num_blob_hits: int = 0
+    """Blobs served by GetBlobs."""
+    num_blob_misses: int = 0
+    """Blobs asked for by GetBlobs and not held (or expired, or corrupt)."""
 
     def to_proto(self) -> kvcache_pb2.StatsReply:
         return kvcache_pb2.StatsReply(**asdict(self))
