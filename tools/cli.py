@@ -229,7 +229,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print(f"making the default model in {args.model}", file=sys.stderr)
             make_model(args.model)
     return up(args.model, args.prefill, args.decode, args.port, args.state_dir, args.demo,
-              args.tensor_parallel_size, args.enable_expert_parallel)  # fmt: skip
+              args.tensor_parallel_size, args.enable_expert_parallel, num_vision=args.vision)  # fmt: skip
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -378,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint folder (default: models/default, made if missing)")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--vision", type=int, default=0,
+                   help="vision instances (E/P/D: they encode images for prefill and decode); 0: prefill encodes")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
     p.add_argument("--state-dir", default=".infermesh", help="logs, traces, the kvcache LMDB and NATS data")
     p.add_argument("--demo", action="store_true", help="send one streaming chat, show its trace, then stop")

@@ -136,6 +136,7 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         kv_fingerprint=kv_fingerprint(model_fingerprint(model_dir), settings.engine.dtype),
         metrics=ctx.metrics,
         image_layout=_image_layout(model_images),
+        vision=settings.vision,
     )
     m_refused = ctx.metrics.counter(
         "heartbeats_refused_total", "Heartbeats refused: an interval beyond max_heartbeat_interval_s, another "

@@ -13,14 +13,16 @@ from shared.engine.sampling_params import SamplingParams
 from shared.kv.transfer import KVTransferParams
 
 if TYPE_CHECKING:
-    from shared.model.multimodal import ImageInputs
+    from shared.model.multimodal import ImageEmbeddings, ImageInputs
 
 
 @dataclass(frozen=True, slots=True)
 class RequestImages:
-    """A prompt's images, as the model's image processor made them, and their names."""
+    """A prompt's images, as the model's image processor made them (or as a vision
+    instance encoded them: ImageEmbeddings, which the engine takes instead of running
+    the tower), and their names."""
 
-    inputs: "ImageInputs"
+    inputs: "ImageInputs | ImageEmbeddings"
     hashes: tuple[bytes, ...]
     """One per image, in order: its identity (shared/multimodal/identity.py, or a content
     hash, shared/engine/images.py's content_hashes), which the block hashes carry."""

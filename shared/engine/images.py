@@ -19,7 +19,7 @@ from shared.engine.prompt_images import PromptImages
 from shared.engine.sampling_params import InvalidParam
 from shared.kv.block_hash import image_spans
 from shared.model.interface import CausalLM
-from shared.model.multimodal import ImageInputs
+from shared.model.multimodal import ImageEmbeddings, ImageInputs
 from shared.model.vision.mrope import mrope_positions
 
 
@@ -48,8 +48,27 @@ def encode(model: CausalLM, prompt_ids: Sequence[int], images: RequestImages, sp
     lengths = [t * (h // merge) * (w // merge) for t, h, w in images.inputs.grids]
     # The runs are where mrope_positions found them (it checked their counts).
     spans = image_spans(prompt_ids, vl.image_token_id, images.hashes, lengths)
-    embeds = model.encode_images(images.inputs)  # type: ignore[attr-defined]
+    if isinstance(images.inputs, ImageEmbeddings):  # encoded by a vision instance (E/P/D): no tower here
+        embeds = fetched_embeddings(model, images.inputs, lengths)
+    else:
+        embeds = model.encode_images(images.inputs)  # type: ignore[attr-defined]
     return EncodedImages(PromptImages(tuple(spans), positions), torch.cat(embeds))
+
+
+def fetched_embeddings(model: CausalLM, images: ImageEmbeddings, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Embeddings another instance encoded, checked against what this model's tower
+    would make of the same grids (tokens per image, hidden size: a vision instance of
+    another model would otherwise feed rows of the wrong width), on the model's device
+    and in its dtype."""
+    hidden = model.config.hidden_size
+    weight = model.model.embed_tokens.weight  # where and in what the forward adds them
+    out = []
+    for k, (embeds, length) in enumerate(zip(images.embeds, lengths)):
+        if tuple(embeds.shape) != (length, hidden):
+            raise InvalidParam("images", f"{k}: embeddings of shape {tuple(embeds.shape)} where this model takes "
+                               f"({length}, {hidden})")  # fmt: skip
+        out.append(embeds.to(device=weight.device, dtype=weight.dtype))
+    return out
 
 
 def check_prompt_tokens(model: CausalLM, prompt_ids: Sequence[int], has_images: bool) -> None:

@@ -40,6 +40,21 @@ class ImageInputs:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageEmbeddings:
+    """One request's images already encoded elsewhere (the vision stage, E/P/D): each
+    image's tower output [its image-pad tokens, hidden] and its (t, h, w) grid, which
+    the M-RoPE positions need. The engine takes them in place of ``ImageInputs`` and
+    runs no tower (shared/engine/images.py)."""
+
+    embeds: tuple[torch.Tensor, ...]
+    grids: tuple[GridTHW, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.embeds) != len(self.grids) or any(e.dim() != 2 for e in self.embeds):
+            raise ValueError(f"{len(self.embeds)} embeddings (each [tokens, hidden]) for {len(self.grids)} grids")
+
+
+@dataclass(frozen=True, slots=True)
 class InputEmbeddings:
     """``embeds`` [N, hidden] replace the input embeddings of the step's token rows
     ``rows`` [N] (int64, on the model's device)."""

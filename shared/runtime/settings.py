@@ -266,6 +266,40 @@ class ImageSettings:
 
 
 @dataclass(slots=True)
+class VisionSettings:
+    """The vision stage (services/vision, E/P/D): vision instances run the model's image
+    processor and tower, keep the embeddings by image identity and store them in kvcache,
+    which prefill and decode read. Without a live vision instance the mesh encodes on
+    prefill (E/PD), as it does with `enabled` off."""
+
+    enabled: bool = True
+    """The balancer sends a request's images to a vision instance when one is live; off:
+    always encoded on prefill (E/PD). `infermesh up --vision N` starts N instances."""
+    encode_timeout_s: float = 30.0
+    """How long the balancer waits for a vision instance to encode a request's images
+    before it asks another one (or, with none left, lets prefill encode them)."""
+    max_batch_images: int = 16
+    """At most this many images (of any requests) through the tower in one batch."""
+    batch_wait_s: float = 0.005
+    """How long a batch waits for more images after its first: images of concurrent
+    requests share a tower forward."""
+    cache_device_bytes: int = 256 << 20
+    """Embeddings kept on the instance's device, least recently used beyond this moved
+    to host memory."""
+    cache_host_bytes: int = 1 << 30
+    """Embeddings kept in host memory; least recently used beyond this are dropped (kvcache
+    still holds them for embedding_ttl_s)."""
+    embedding_ttl_s: float = 24 * 3600.0
+    """How long kvcache keeps an image's embeddings after their last use (at most kvcache.ttl_s)."""
+    fetch_timeout_s: float = 5.0
+    """Prefill and decode give up fetching embeddings from kvcache after this and encode
+    the images themselves."""
+    heartbeat_hashes: int = 1024
+    """At most this many image identities (the most recently used) in a vision
+    instance's heartbeat: the balancer's cache affinity."""
+
+
+@dataclass(slots=True)
 class Settings:
     nats: NatsSettings = field(default_factory=NatsSettings)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
@@ -275,6 +309,7 @@ class Settings:
     kv_transfer: KVTransferSettings = field(default_factory=KVTransferSettings)
     balancer: BalancerSettings = field(default_factory=BalancerSettings)
     images: ImageSettings = field(default_factory=ImageSettings)
+    vision: VisionSettings = field(default_factory=VisionSettings)
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:

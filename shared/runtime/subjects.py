@@ -40,6 +40,11 @@ def decode_run(instance_id: str) -> str:
     return f"{PREFIX}.decode.{instance_id}.run"
 
 
+def vision_encode(instance_id: str) -> str:
+    """Where the balancer asks a vision instance to encode a request's images (EncodeRequest)."""
+    return f"{PREFIX}.vision.{instance_id}.encode"
+
+
 def kv_release(instance_id: str) -> str:
     """Where a decode instance tells the prefill instance it copied a request's KV from
     that the blocks may go (KvRelease)."""

@@ -1,10 +1,16 @@
 """A mesh request's images where an engine stage runs them (prefill, and decode, which
-re-encodes what it must recompute): the wire's lossless PNGs decoded and run through
+needs them for what it recomputes): the wire's lossless PNGs decoded and run through
 the model's image processor off the event loop, named by the identities the balancer
 sent, as the RequestImages an EngineRequest takes. The engine then runs the vision
-tower on a worker thread of its own (AsyncEngine), also off the step loop."""
+tower on a worker thread of its own (AsyncEngine), also off the step loop.
+
+E/P/D: images a vision instance encoded (ImageData.embedded) are fetched from kvcache
+by their identities instead (shared/stage/embeddings.py, a "transfer" span), and the
+engine runs no tower for them. A fetch that misses or fails (kvcache down, the blob
+evicted) falls back to the PNGs: the request is never lost for it."""
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,23 +23,54 @@ from shared.proto import mesh_pb2
 from shared.stage.convert import image_from_proto
 
 if TYPE_CHECKING:
+    from shared.kv.wire.client import KVCacheClient
     from shared.model.vision.processor import ImageProcessor
+
+log = logging.getLogger(__name__)
 
 
 class StageImages:
-    def __init__(self, processor: "ImageProcessor | None") -> None:
-        """processor: the model's image processor; None for a text-only model."""
+    def __init__(self, processor: "ImageProcessor | None", kvcache: "KVCacheClient | None" = None,
+                 fetch_timeout_s: float = 5.0) -> None:  # fmt: skip
+        """processor: the model's image processor; None for a text-only model. kvcache:
+        where embeddings a vision instance stored are fetched (None: never)."""
         self.processor = processor
+        self.kvcache = kvcache
+        self.fetch_timeout_s = fetch_timeout_s
 
     @classmethod
-    async def load(cls, model_dir: str | Path, vision_language: bool) -> "StageImages":
+    async def load(cls, model_dir: str | Path, vision_language: bool, kvcache: "KVCacheClient | None" = None,
+                   fetch_timeout_s: float = 5.0) -> "StageImages":  # fmt: skip
         """The model's processor for a vision-language model (importing transformers takes
         seconds: on a worker thread), none for another."""
         if not vision_language:
             return cls(None)
         from shared.model.vision.processor import ImageProcessor
 
-        return cls(await asyncio.to_thread(ImageProcessor, model_dir))
+        return cls(await asyncio.to_thread(ImageProcessor, model_dir), kvcache, fetch_timeout_s)
+
+    async def _fetched(self, messages: Sequence[mesh_pb2.ImageData], tracer: Tracer) -> RequestImages | None:
+        """The images' embeddings from kvcache, under a "transfer" span; None when any is
+        not there or kvcache fails (the caller encodes them from their PNGs)."""
+        from shared.stage.embeddings import fetch_embeddings
+
+        assert self.kvcache is not None
+        hashes = tuple(msg.hash for msg in messages)
+        with tracer.start_as_current_span("transfer") as span:
+            span.set_attribute("transfer.what", "image_embeddings")
+            span.set_attribute("transfer.path", "kvcache")
+            span.set_attribute("images.count", len(messages))
+            try:
+                embeddings = await fetch_embeddings(self.kvcache, hashes, self.fetch_timeout_s)
+            except Exception as exc:  # kvcache down or slow: encode here instead
+                log.warning("fetching image embeddings from kvcache failed (%s): encoding them here", exc)
+                span.set_attribute("transfer.outcome", "failed")
+                return None
+            span.set_attribute("transfer.outcome", "hit" if embeddings is not None else "miss")
+            if embeddings is None:
+                return None
+            span.set_attribute("transfer.bytes", sum(e.numel() * e.element_size() for e in embeddings.embeds))
+            return RequestImages(embeddings, hashes)
 
     async def request_images(self, messages: Sequence[mesh_pb2.ImageData], tracer: Tracer) -> RequestImages | None:
         """The request's images for its EngineRequest (None without any), under an
@@ -44,6 +81,10 @@ class StageImages:
         processor = self.processor
         if processor is None:
             raise InvalidParam("images", "are not accepted by this model (a text-only model)")
+        if self.kvcache is not None and all(msg.embedded for msg in messages):
+            fetched = await self._fetched(messages, tracer)
+            if fetched is not None:
+                return fetched
 
         def process() -> RequestImages:
             pixels = [image_from_proto(msg, f"images.{k}") for k, msg in enumerate(messages)]

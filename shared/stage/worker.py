@@ -454,7 +454,16 @@ async def serve_engine_stage(
     stack.callback(engine.close)  # after the drain below has stopped the engine thread
     # Only an engine that holds blocks for peers offers them through NIXL (decode's link reads).
     nixl = chain.nixl if share_kv and chain.nixl is not None and chain.nixl.ready else None
-    images = await StageImages.load(ctx.settings.engine.model, engine.model.config.vision_language is not None)
+    vision_language = engine.model.config.vision_language is not None
+    embeddings = None
+    if vision_language:  # embeddings a vision instance stored (E/P/D) come from kvcache, on this loop
+        from shared.kv.wire.client import KVCacheClient
+
+        embeddings = KVCacheClient(ctx.settings.kvcache.address, chunk_bytes=ctx.settings.kvcache.chunk_bytes,
+                                   timeout_s=ctx.settings.vision.fetch_timeout_s, shm_bytes=0)
+        stack.push_async_callback(embeddings.close)
+    images = await StageImages.load(ctx.settings.engine.model, vision_language, embeddings,
+                                    ctx.settings.vision.fetch_timeout_s)
     worker = Worker(ctx, engine, chain.kvcache, nixl, images)
     routes = list(make_dispatch(worker))
     await worker.start(stack)

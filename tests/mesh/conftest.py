@@ -18,6 +18,7 @@ SERIAL = {
     "test_local_prefill.py": "heartbeats every 0.2 s decide where prefill runs; kills a decode",
     "test_mesh_seeded.py": "kills a decode instance mid-stream",
     "test_mesh_images.py": "kills a decode instance mid-stream",
+    "test_mesh_vision.py": "kills a vision instance mid-request, with a bound",
     "test_stream_integrity.py": "bounds on a heartbeat's timing",
     "test_trust.py": "runs `infermesh up` itself and kills it; counts what listens",
     "test_kvcache_shm.py": "an error, not a wait: under 5 s",

@@ -7,9 +7,10 @@ the users that answer requests may publish to reply subjects):
 
 | user        | publishes                                              | subscribes                                  |
 |-------------|--------------------------------------------------------|---------------------------------------------|
-| balancer    | prefill dispatch (im.prefill.*.run), cancels           | heartbeats, KV events, every token stream, departures |
+| balancer    | prefill dispatch (im.prefill.*.run), encode requests (im.vision.*.encode), cancels | heartbeats, KV events, every token stream, departures |
 | prefill X   | decode handoffs, X's heartbeats, KV events and streams | X's dispatch, cancels, X's KV releases, X's NIXL metadata asks |
 | decode X    | X's heartbeats, KV events and streams, KV releases, NIXL metadata asks | X's handoffs, cancels       |
+| vision X    | X's heartbeats                                         | X's encode requests (answers them)          |
 | kvcache     | its KV events (im.kv.events)                           | nothing                                     |
 | monitor     | nothing                                                | heartbeats, KV events (load figures only)   |
 | admin       | anything                                               | anything (`up`'s operator only)             |
@@ -52,7 +53,7 @@ from pathlib import Path
 from shared.runtime import subjects
 
 ANY = "__ANY__"  # stands for a wildcard while a subject helper builds a pattern
-ROLES = ("balancer", "prefill", "decode", "kvcache", "monitor")
+ROLES = ("balancer", "prefill", "decode", "kvcache", "monitor", "vision")
 
 
 def _pattern(subject: str, wildcard: str = "*") -> str:
@@ -93,7 +94,8 @@ def permissions(role: str, instance: str = "*") -> Permissions:
         # STREAM_OLD_FORM (im.stream.<request>): the balancer listens there only to
         # count forgeries of the subject form before streams named their instance.
         return Permissions(
-            publish=(_any(subjects.prefill_run), _any(subjects.decode_run), subjects.CANCEL),
+            publish=(_any(subjects.prefill_run), _any(subjects.decode_run), _any(subjects.vision_encode),
+                     subjects.CANCEL),
             subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS_ALL, stream_subjects("*"),
                        subjects.STREAM_OLD_FORM, subjects.CLIENT_DISCONNECTED),
         )
@@ -113,6 +115,9 @@ def permissions(role: str, instance: str = "*") -> Permissions:
             subscribe=(own(subjects.decode_admit), own(subjects.decode_run), subjects.CANCEL),
             allow_responses=True,
         )
+    if role == "vision":  # answers the balancer's encode requests; its data goes to kvcache over gRPC
+        return Permissions(publish=(own(lambda i: subjects.heartbeat(role, i)),),
+                           subscribe=(own(subjects.vision_encode),), allow_responses=True)
     if role == "kvcache":
         return Permissions(publish=(subjects.KV_EVENTS,), subscribe=())
     if role == "monitor":

@@ -163,6 +163,9 @@ class Mesh:
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """Each service's Prometheus /metrics port, by process name (kvcache, prefill-0, ..., balancer;
     the balancer also serves its series on the API port's /metrics)."""
+    num_vision: int = 0
+    """Vision instances (E/P/D: they encode requests' images for prefill and decode); 0
+    leaves the encoding to prefill (E/PD)."""
     placements: dict[str, Placement] = field(default_factory=dict)
     """Where each process runs, by name (nats, kvcache, prefill-0, decode-0, ...,
     balancer); one not named runs here on loopback. The balancer's API listens on
@@ -291,6 +294,10 @@ class Mesh:
 
         return checked
 
+    def _stages(self) -> tuple[tuple[str, int], ...]:
+        """(stage, instances) of the worker stages, in start order."""
+        return (("prefill", self.num_prefill), ("decode", self.num_decode), ("vision", self.num_vision))
+
     def _make_credentials(self, nats_port: int) -> None:
         """One NATS user per instance (its own subjects only), the balancer, kvcache,
         a read-only monitor and the operator's admin; random passwords; the config
@@ -298,7 +305,7 @@ class Mesh:
         creds = MeshCredentials()
         for role in ("balancer", "kvcache", "monitor", "admin"):
             creds.add(role, role)
-        for stage, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+        for stage, count in self._stages():
             for i in range(count):
                 creds.add(f"{stage}-{i}", stage, instance=f"{stage}-{i}")
         creds.write_config(self.nats_config, self._at("nats").host, nats_port)
@@ -335,7 +342,7 @@ class Mesh:
     def _start_workers_and_balancer(self, timeout_s: float) -> None:
         py = [sys.executable, "-m"]
         health: list[Callable[[], bool]] = []
-        for stage, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+        for stage, count in self._stages():
             for i in range(count):
                 grpc_port = free_port()
                 name = f"{stage}-{i}"
@@ -347,7 +354,7 @@ class Mesh:
         self._start("balancer", py + ["services.balancer"],
                     self._env("balancer", **self._metrics_env("balancer"), **self._bind_env("balancer")))
         # Every worker checked at each round (not all(), which stops at the first still loading).
-        self._wait("prefill and decode", lambda: sum(check() for check in health) == len(health), timeout_s)
+        self._wait("prefill, decode and vision" if self.num_vision else "prefill and decode", lambda: sum(check() for check in health) == len(health), timeout_s)
         ready = f"http://{self.host}:{self.port}/ready"
         self._wait("balancer", self._until_healthy("balancer", lambda: http_ok(ready)), timeout_s)
         if self.supervise:
@@ -459,7 +466,8 @@ def run_demo(mesh: Mesh) -> None:
 
 
 def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str, demo: bool,
-       tensor_parallel_size: int | None = None, enable_expert_parallel: bool | None = None) -> int:  # fmt: skip
+       tensor_parallel_size: int | None = None, enable_expert_parallel: bool | None = None,
+       num_vision: int = 0) -> int:  # fmt: skip
     """Check, start with progress bars, serve until Ctrl-C or SIGTERM. A failure is
     one line on stderr (and, for a process that failed, the end of its log), not a
     traceback: exit code 2 for what was checked before starting, 1 after.
@@ -470,7 +478,8 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
     from tools.launch.progress import StartProgress
 
     parallel = parallel_env(tensor_parallel_size, enable_expert_parallel)
-    mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True, extra_env=parallel)
+    mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True, extra_env=parallel,
+                num_vision=num_vision)
     try:
         try:  # the engine settings every instance will read (EngineConfig's own checks run here)
             engine = load_settings(env={**os.environ, **parallel}).engine
@@ -489,10 +498,11 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    progress = StartProgress(num_prefill + num_decode, 3 + num_prefill + num_decode)
+    progress = StartProgress(num_prefill + num_decode, 3 + num_prefill + num_decode + num_vision)
     mesh.on_wait = progress.update
     try:
-        print(f"starting the mesh: {num_prefill} prefill, {num_decode} decode, model {model}", file=sys.stderr)
+        print(f"starting the mesh: {num_prefill} prefill, {num_decode} decode, {num_vision} vision, model {model}",
+              file=sys.stderr)
         try:
             mesh.start()
         finally:

@@ -8,6 +8,8 @@ into TokenEvents. MeshGenerator composes the parts, one file each:
                      the instance at fault;
   wire.py            the request's messages: its images as PNG, placed in the prompt for
                      routing, checked to fit a NATS message (once per request);
+  vision.py          E/P/D: a vision instance encodes the images into kvcache first
+                     (once per request); without one, prefill encodes them (E/PD);
   dispatch.py        choosing the instances (policies.py) and handing the request over,
                      retrying prefill instances that refuse or do not answer;
   reservations.py    the load a choice adds to an instance until its next heartbeat;
@@ -35,11 +37,12 @@ from services.balancer.router.instance_watch import InstanceWatch
 from services.balancer.router.migration import MigrationLoop
 from services.balancer.router.outage import OutageRecovery
 from services.balancer.router.registry import Registry
+from services.balancer.router.vision import VisionStage
 from services.balancer.router.wire import NO_IMAGES, ImageLayout, wire_images
 from shared.proto import mesh_pb2
 from shared.runtime.bus import Bus
 from shared.runtime.metrics import Metrics
-from shared.runtime.settings import BalancerSettings
+from shared.runtime.settings import BalancerSettings, VisionSettings
 
 
 class MeshGenerator:
@@ -54,6 +57,7 @@ class MeshGenerator:
         rng: random.Random | None = None,
         metrics: Metrics | None = None,
         image_layout: ImageLayout | None = None,
+        vision: VisionSettings | None = None,
     ) -> None:
         """image_layout: how the served model lays images into a prompt (None: a text-only
         model, whose requests the front door lets no image through)."""
@@ -69,6 +73,8 @@ class MeshGenerator:
             bus, registry, tracer, settings, block_size, kv_fingerprint, rng or random.Random(), watch, outage,
             cancels, metrics,
         )  # fmt: skip
+        self._vision = VisionStage(bus, registry, tracer, vision or VisionSettings(), watch, metrics,
+                                   rng or random.Random())
         self._attempts = Attempts(bus, registry, tracer, settings, dispatcher, watch, outage, cancels, metrics)
         self._migrations = MigrationLoop(self._attempts, outage, settings, metrics)
 
@@ -86,6 +92,7 @@ class MeshGenerator:
         images = NO_IMAGES
         if request.images:  # the server's max_payload, as the connection learnt it
             images = await wire_images(request, self._image_layout, self._bus.nc.max_payload, self._block_size)
+            images = await self._vision.encode(request.request_id, images)
         self._in_flight += 1
         try:
             async for event in self._migrations.run(request, images):

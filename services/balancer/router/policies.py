@@ -15,6 +15,9 @@ figures it chose by, which go on the request's trace span.
   the balancedness of its steps (choose_expert_parallel, for decode; prefill's
   least-loaded fallback divides its queued tokens the same way). An instance
   whose experts sit unevenly on its ranks waits each layer for its busiest rank.
+- vision (choose_vision, E/P/D): the instance with the least image work for this
+  request: its images the instance's embedding cache lacks (from its heartbeat)
+  plus the images queued and in its tower (cache affinity weighed against load).
 - where the prompt is computed (choose_prefill_site): on a prefill instance, or
   on the decode instance when the prompt is short or prefill is the bottleneck
   (conditional disaggregation; off unless its settings are set).
@@ -188,3 +191,21 @@ def choose_prefill_site(
     if 0 < max_queue_tokens <= queued:
         return PrefillSite(True, "prefill_queue", queued)
     return PrefillSite(False, "disaggregated", queued)
+
+
+def choose_vision(candidates: Sequence[Instance], image_hashes: Sequence[bytes], rng: random.Random) -> Choice:
+    """The vision instance with the least image work for this request: the request's
+    images its cache does not hold (each an encode there) plus the images waiting or
+    in its tower, and those sent to it since its last heartbeat. An instance holding
+    them all wins unless it is busier by more than the request's images."""
+    if not candidates:
+        raise LookupError("no live vision instance")
+    wanted = set(image_hashes)
+
+    def cost(c: Instance) -> float:
+        return float(len(wanted - c.images) + c.load.num_running + c.load.num_waiting + c.in_flight)
+
+    costs = {c.instance_id: cost(c) for c in candidates}
+    inst = _pick(candidates, lambda c: costs[c.instance_id], rng)
+    held = len(wanted & inst.images)
+    return Choice(inst, "cache_affinity" if held else "least_loaded", costs)

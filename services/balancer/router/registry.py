@@ -60,7 +60,7 @@ MIN_INTERVAL_S = 0.05
 then noticed no sooner than misses * 50 ms)."""
 SWEEP_INTERVAL_S = 0.1
 """How often the service looks for silent instances."""
-STAGES = ("prefill", "decode")
+STAGES = ("prefill", "decode", "vision")
 
 
 @dataclass(slots=True)
@@ -79,6 +79,8 @@ class Instance:
     """The last heartbeat's seq (0: unnumbered)."""
     connection: str = ""
     """The NATS connection its last heartbeat came on (`<server id>/<client id>`; "": not said)."""
+    images: frozenset[bytes] = frozenset()
+    """A vision instance's embedding cache, by image identity (its last heartbeat's)."""
 
 
 Removed = Callable[[Instance, str], None]
@@ -161,6 +163,7 @@ class Registry:
         inst.interval_s = interval
         inst.draining = hb.draining
         inst.seq = hb.seq or inst.seq
+        inst.images = frozenset(bytes(h) for h in hb.image_hashes)
         if connection:
             inst.connection = connection
         inst.in_flight = 0  # the heartbeat's figures now include what we sent

@@ -1,0 +1,121 @@
+"""The vision stage as the balancer uses it (E/P/D): before a request with images is
+dispatched, one vision instance encodes them and stores their embeddings in kvcache
+(services/vision); the images then go to prefill marked `embedded`, and prefill and
+decode fetch the embeddings by the images' identities instead of running the tower.
+
+The instance is chosen by embedding-cache affinity and load (policies.choose_vision).
+One that refuses, fails, does not answer within vision.encode_timeout_s or leaves the
+mesh meanwhile (its NATS connection closed: a kill is heard within milliseconds) is
+passed over and the next one asked; with none left, or none live, or vision.enabled
+off, the request goes on as E/PD: prefill encodes its images from the PNGs it carries
+anyway. So a vision fault costs time, never the request.
+
+Once per request, before its first attempt: a migration resends the same messages,
+whose embeddings kvcache still holds (or, evicted meanwhile, prefill encodes)."""
+
+import asyncio
+import logging
+import random
+
+import nats.errors
+from opentelemetry.trace import Tracer
+
+from services.balancer.router.instance_watch import InstanceWatch
+from services.balancer.router.policies import choose_vision
+from services.balancer.router.registry import Registry
+from services.balancer.router.reservations import Reservation
+from services.balancer.router.wire import WireImages
+from shared.proto import mesh_pb2
+from shared.runtime import subjects
+from shared.runtime.bus import Bus
+from shared.runtime.metrics import Metrics
+from shared.runtime.settings import VisionSettings
+
+log = logging.getLogger(__name__)
+
+
+class VisionStage:
+    def __init__(self, bus: Bus, registry: Registry, tracer: Tracer, settings: VisionSettings, watch: InstanceWatch,
+                 metrics: Metrics, rng: random.Random) -> None:  # fmt: skip
+        self.bus = bus
+        self.registry = registry
+        self.tracer = tracer
+        self.settings = settings
+        self.watch = watch
+        self.rng = rng
+        self.m_encodes = metrics.counter(
+            "vision_encodes_total", "Requests' images by where they were encoded (vision: a vision instance; "
+            "prefill: no vision instance live, disabled, or every one failed)", ("site",)
+        )
+        self.m_failures = metrics.counter("vision_failures_total", "Encode requests a vision instance failed, "
+                                          "by cause (error, timeout, left_mesh, no_responders)", ("cause",))
+
+    async def encode(self, request_id: str, images: WireImages) -> WireImages:
+        """The images, marked embedded when a vision instance encoded and stored them; as
+        they were otherwise (prefill encodes them)."""
+        if not images.messages or not self.settings.enabled or not self.registry.live("vision"):
+            if images.messages:
+                self.m_encodes.labels("prefill").inc()
+            return images
+        hashes = [bytes(m.hash) for m in images.messages]
+        tried: set[str] = set()
+        with self.tracer.start_as_current_span("vision") as span:
+            span.set_attribute("request.id", request_id)
+            span.set_attribute("images.count", len(hashes))
+            while True:
+                live = [i for i in self.registry.live("vision") if i.instance_id not in tried]
+                if not live:
+                    span.set_attribute("vision.site", "prefill")
+                    self.m_encodes.labels("prefill").inc()
+                    log.warning("request %s: no vision instance encoded its images (tried %s): prefill encodes them",
+                                request_id, sorted(tried))
+                    return images
+                choice = choose_vision(live, hashes, self.rng)
+                vid = choice.instance.instance_id
+                tried.add(vid)
+                span.set_attribute("vision.candidates", list(choice.scores))
+                span.set_attribute("vision.scores", list(choice.scores.values()))
+                span.set_attribute("vision.choice", vid)
+                span.set_attribute("vision.reason", choice.reason)
+                with Reservation(choice.instance, requests=len(hashes)):
+                    cause = await self._ask(vid, request_id, images)
+                if cause is None:
+                    span.set_attribute("vision.site", "vision")
+                    self.m_encodes.labels("vision").inc()
+                    return WireImages(tuple(_embedded(m) for m in images.messages), images.spans)
+                self.m_failures.labels(cause).inc()
+                span.add_event("vision_failed", {"instance": vid, "cause": cause})
+
+    async def _ask(self, vid: str, request_id: str, images: WireImages) -> str | None:
+        """None once vid encoded and stored the images; else why not. Stops waiting as soon
+        as vid leaves the registry (its process died)."""
+        gone = self.watch.leaving(vid)
+        msg = mesh_pb2.EncodeRequest(request_id=request_id, images=images.messages)
+        ask = asyncio.ensure_future(self.bus.request(subjects.vision_encode(vid), msg, mesh_pb2.EncodeReply,
+                                                     timeout=self.settings.encode_timeout_s))  # fmt: skip
+        try:
+            await asyncio.wait((ask, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.watch.forget(vid, gone)
+            if not ask.done():
+                ask.cancel()
+        if not ask.done() or ask.cancelled():
+            return "left_mesh"
+        try:
+            reply = ask.result()
+        except nats.errors.NoRespondersError:
+            return "no_responders"
+        except nats.errors.TimeoutError:
+            return "timeout"
+        if not reply.ok:
+            log.warning("request %s: vision instance %s failed: %s", request_id, vid, reply.error)
+            return "error"
+        self.registry.touch(vid)
+        return None
+
+
+def _embedded(msg: mesh_pb2.ImageData) -> mesh_pb2.ImageData:
+    out = mesh_pb2.ImageData()
+    out.CopyFrom(msg)
+    out.embedded = True
+    return out

@@ -1,0 +1,287 @@
+"""The vision stage: encodes requests' images for prefill and decode (E/P/D).
+
+The balancer sends a request's images (EncodeRequest, the wire's lossless PNGs and
+their identities) to one vision instance and waits for the reply. For each image the
+instance looks, in order, in its own embedding cache (device, then host memory: a
+hit), in kvcache (a restarted instance, or one the balancer did not pick last time:
+no encode), and otherwise decodes the PNG and queues it for the tower. Queued images
+of concurrent requests go through the processor and the tower together, in batches
+of up to vision.max_batch_images (off the event loop). The embeddings of newly
+encoded images are stored in kvcache under the image's identity, with a ttl, before
+the reply: prefill and decode fetch them from there by that identity
+(shared/stage/embeddings.py). kvcache is the path every deployment has; the
+same-namespace copy and NIXL are not used for embeddings yet.
+
+An instance that dies mid-request answers nothing: the balancer asks another one or,
+with none left, lets prefill encode (services/balancer/router/vision.py). Heartbeats
+carry the load (images queued and in the tower) and the identities the cache holds
+(the balancer's affinity); /metrics has images encoded, batch sizes, encode seconds
+and cache hits by tier; each request's work is an "encode" span of its trace.
+
+The model is loaded whole (load_model); a loader of the tower alone is for later."""
+
+import asyncio
+import contextlib
+import logging
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shared.engine.dtypes import torch_dtype
+from shared.kv.wire.client import KVCacheClient
+from shared.model.vision.mrope import GridTHW
+from shared.proto import mesh_pb2
+from shared.runtime import subjects
+from shared.runtime.bus import CONNECTION_HEADER
+from shared.runtime.rpc import GrpcServer, start_grpc_server
+from shared.runtime.service import ServiceContext
+from shared.stage.convert import image_from_proto
+from shared.stage.embeddings import from_blob, to_blob
+from services.vision.cache import EmbeddingCache
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(slots=True)
+class _Queued:
+    """An image waiting for the tower, and who waits for its embeddings."""
+
+    key: bytes
+    pixels: np.ndarray
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Encoder:
+    """The processor and the tower over batches of queued images (one batch at a time:
+    a second would only contend for the same cores or device)."""
+
+    def __init__(self, model: torch.nn.Module, processor, max_batch: int, wait_s: float, metrics) -> None:  # noqa: ANN001
+        self.model = model
+        self.processor = processor
+        self.max_batch = max_batch
+        self.wait_s = wait_s
+        self.queue: asyncio.Queue[_Queued] = asyncio.Queue()
+        self.running = 0
+        self.m_batch = metrics.histogram("batch_images", "Images per tower batch", buckets=BATCH_BUCKETS)
+        self.m_seconds = metrics.histogram("encode_seconds", "Processor and tower time per batch")
+        self.m_encoded = metrics.counter("images_encoded_total", "Images run through the vision tower")
+
+    @property
+    def waiting(self) -> int:
+        return self.queue.qsize()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self.queue.get()]
+            deadline = loop.time() + self.wait_s
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), max(deadline - loop.time(), 0.0)))
+                except TimeoutError:
+                    break
+            batch = [q for q in batch if not q.done.done()]  # its requests gave up
+            if not batch:
+                continue
+            self.running = len(batch)
+            started = time.perf_counter()
+            try:
+                results = await asyncio.to_thread(self._encode, [q.pixels for q in batch])
+            except Exception as exc:  # every waiter hears it; the loop goes on
+                log.exception("encoding a batch of %d images failed", len(batch))
+                for q in batch:
+                    if not q.done.done():
+                        q.done.set_exception(exc)
+                continue
+            finally:
+                self.running = 0
+            self.m_seconds.observe(time.perf_counter() - started)
+            self.m_batch.observe(len(batch))
+            self.m_encoded.inc(len(batch))
+            for q, result in zip(batch, results):
+                if not q.done.done():
+                    q.done.set_result(result)
+
+    def _encode(self, pixels: list[np.ndarray]) -> list[tuple[torch.Tensor, GridTHW]]:
+        inputs = self.processor(pixels)
+        with torch.inference_mode():
+            embeds = self.model.encode_images(inputs)
+        return list(zip(embeds, inputs.grids))
+
+
+class VisionService:
+    def __init__(self, ctx: ServiceContext, encoder: Encoder, kvcache: KVCacheClient) -> None:
+        self.ctx = ctx
+        self.encoder = encoder
+        self.kvcache = kvcache
+        v = ctx.settings.vision
+        self.cache = EmbeddingCache(v.cache_device_bytes, v.cache_host_bytes)
+        self._in_flight: dict[bytes, asyncio.Future] = {}
+        self.draining = False
+        self._hb_seq = 0
+        self._registered = False
+        self._tasks: list[asyncio.Task] = []
+        self._beats: set[asyncio.Task] = set()
+        m = ctx.metrics
+        self.m_requests = m.counter("requests_total", "Encode requests by outcome", ("outcome",))
+        self.m_lookups = m.counter("cache_lookups_total", "Images looked up, by where they were found "
+                                   "(memory: this instance's cache; kvcache; miss: encoded)", ("result",))
+        self.m_cache_images = m.gauge("cache_images", "Images whose embeddings this instance holds")
+        self.m_cache_bytes = m.gauge("cache_bytes", "Bytes of embeddings held, by tier", ("tier",))
+        self.m_store_failures = m.counter("kvcache_store_failures_total", "Embeddings kvcache did not take")
+
+    async def on_encode(self, req: mesh_pb2.EncodeRequest) -> mesh_pb2.EncodeReply:
+        reply = mesh_pb2.EncodeReply(instance_id=self.ctx.instance_id)
+        if self.draining:
+            reply.error = "draining"
+            return reply
+        with self.ctx.tracer.start_as_current_span("encode") as span:
+            span.set_attribute("request.id", req.request_id)
+            span.set_attribute("images.count", len(req.images))
+            try:
+                await self._encode(req, reply)
+                reply.ok = True
+                self.m_requests.labels("ok").inc()
+            except Exception as exc:  # the balancer moves on (another instance, or prefill encodes)
+                log.warning("encoding the images of %s failed: %s", req.request_id, exc)
+                span.record_exception(exc)
+                reply.error = str(exc)
+                self.m_requests.labels("error").inc()
+            span.set_attribute("images.cache_hits", reply.num_cache_hits)
+            span.set_attribute("images.kvcache_hits", reply.num_kvcache_hits)
+            span.set_attribute("images.encoded", reply.num_encoded)
+        self._report_cache()
+        return reply
+
+    async def _encode(self, req: mesh_pb2.EncodeRequest, reply: mesh_pb2.EncodeReply) -> None:
+        keys = [bytes(msg.hash) for msg in req.images]
+        missing = [k for k in dict.fromkeys(keys) if self.cache.get(k) is None]
+        reply.num_cache_hits = len(keys) - len([k for k in keys if k in missing])
+        self.m_lookups.labels("memory").inc(reply.num_cache_hits)
+        if missing:  # held by kvcache already (a restart, another instance's work): no encode
+            try:
+                found = await self.kvcache.get_blobs(missing, timeout_s=self.ctx.settings.vision.fetch_timeout_s)
+            except Exception as exc:  # kvcache down: encode; the store below will say so too
+                log.warning("looking up embeddings in kvcache failed: %s", exc)
+                found = {}
+            for key, (layout, data) in found.items():
+                embeds, grid = await asyncio.to_thread(from_blob, layout, data)
+                self.cache.put(key, embeds, grid)
+            reply.num_kvcache_hits = len(found)
+            self.m_lookups.labels("kvcache").inc(len(found))
+            missing = [k for k in missing if k not in found]
+        if not missing:
+            return
+        by_key = {bytes(msg.hash): msg for msg in req.images}
+        waits, mine = [], []
+        for key in missing:
+            pending = self._in_flight.get(key)  # the same image of a concurrent request: encoded once
+            if pending is None:
+                pixels = await asyncio.to_thread(image_from_proto, by_key[key], f"images.{keys.index(key)}")
+                queued = _Queued(key, pixels)
+                self._in_flight[key] = pending = queued.done
+                self.encoder.queue.put_nowait(queued)
+                mine.append(key)
+            waits.append((key, pending))
+        self.m_lookups.labels("miss").inc(len(mine))
+        try:
+            results = {key: await pending for key, pending in waits}
+        finally:
+            for key in mine:
+                self._in_flight.pop(key, None)
+        for key in mine:
+            self.cache.put(key, *results[key])
+        reply.num_encoded = len(mine)
+        # Before the reply: prefill fetches them as soon as the balancer hears it.
+        blobs = await asyncio.to_thread(lambda: [(k, *to_blob(*results[k])) for k in missing])
+        try:
+            await self.kvcache.put_blobs(blobs, self.ctx.settings.vision.embedding_ttl_s)
+        except Exception:
+            self.m_store_failures.inc()
+            raise
+
+    def _report_cache(self) -> None:
+        self.m_cache_images.set(len(self.cache))
+        self.m_cache_bytes.labels("device").set(self.cache.used_device)
+        self.m_cache_bytes.labels("host").set(self.cache.used_host)
+
+    # -- registration, as the engine stages (shared/stage/worker.py) ----------------
+
+    def start(self) -> None:
+        self.ctx.bus.on_reconnected.append(self._beat_now)
+        self._tasks = [asyncio.create_task(self.encoder.run(), name="encoder"),
+                       asyncio.create_task(self._heartbeat_loop(), name="heartbeat")]  # fmt: skip
+
+    async def stop(self) -> None:
+        """Drain: say so, let requests in the tower finish (bounded), then stop."""
+        self.draining = True
+        await self._send_heartbeat()
+        deadline = time.monotonic() + self.ctx.settings.worker.drain_timeout_s
+        while (self.encoder.waiting or self.encoder.running or self._in_flight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in self._tasks:
+            task.cancel()
+
+    def not_ready(self) -> str | None:
+        if self.draining:
+            return "draining"
+        if not self.ctx.bus.nc.is_connected:
+            return "not connected to NATS"
+        return None if self._registered else "not registered on the bus yet"
+
+    async def _send_heartbeat(self) -> None:
+        self._hb_seq += 1
+        settings = self.ctx.settings
+        load = mesh_pb2.Load(num_running=self.encoder.running, num_waiting=self.encoder.waiting)
+        hb = mesh_pb2.Heartbeat(
+            stage=self.ctx.stage, instance_id=self.ctx.instance_id, seq=self._hb_seq, unix_time=time.time(),
+            load=load, model=settings.engine.model, interval_s=settings.worker.heartbeat_interval_s,
+            draining=self.draining, image_hashes=self.cache.recent(settings.vision.heartbeat_hashes),
+        )  # fmt: skip
+        bus = self.ctx.bus
+        with contextlib.suppress(Exception):  # NATS down: the next beat retries
+            await bus.publish(subjects.heartbeat(self.ctx.stage, self.ctx.instance_id), hb,
+                              headers={CONNECTION_HEADER: bus.connection_id()})  # fmt: skip
+            self._registered = True
+
+    def _beat_now(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_heartbeat())
+        self._beats.add(task)
+        task.add_done_callback(self._beats.discard)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self._send_heartbeat()
+            await asyncio.sleep(self.ctx.settings.worker.heartbeat_interval_s)
+
+
+async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
+    from shared.model.loader import load_model
+    from shared.model.vision.processor import ImageProcessor
+
+    engine = ctx.settings.engine
+    model = await asyncio.to_thread(load_model, engine.model, torch_dtype(engine.dtype), engine.device)
+    if model.config.vision_language is None or not hasattr(model, "encode_images"):
+        raise SystemExit(f"{engine.model} is not a vision-language model: a vision instance has nothing to encode")
+    processor = await asyncio.to_thread(ImageProcessor, engine.model)
+    v = ctx.settings.vision
+    encoder = Encoder(model, processor, v.max_batch_images, v.batch_wait_s, ctx.metrics)
+    kv = ctx.settings.kvcache
+    kvcache = KVCacheClient(kv.address, chunk_bytes=kv.chunk_bytes, timeout_s=v.encode_timeout_s, shm_bytes=0)
+    stack.push_async_callback(kvcache.close)
+    service = VisionService(ctx, encoder, kvcache)
+    grpc: GrpcServer = await start_grpc_server(ctx.settings.worker.grpc_port, [], [ctx.stage])
+    stack.push_async_callback(grpc.stop, 1.0)
+    service.start()
+    stack.push_async_callback(service.stop)  # unwinds after intake stops (below), before gRPC
+    sub = await ctx.bus.subscribe(subjects.vision_encode(ctx.instance_id), mesh_pb2.EncodeRequest, service.on_encode)
+    stack.push_async_callback(sub.unsubscribe)
+    await grpc.set_serving(True)
+    ctx.metrics.set_readiness(service.not_ready)
+    log.info("%s: vision tower loaded (%s on %s), gRPC health on :%d", ctx.instance_id, engine.dtype, engine.device,
+             grpc.port)
