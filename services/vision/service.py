@@ -67,13 +67,15 @@ class Encoder:
         self.wait_s = wait_s
         self.queue: asyncio.Queue[_Queued] = asyncio.Queue()
         self.running = 0
+        self.gathering = 0
+        """Images taken for the next batch while it waits for more (queued still, as load)."""
         self.m_batch = metrics.histogram("batch_images", "Images per tower batch", buckets=BATCH_BUCKETS)
         self.m_seconds = metrics.histogram("encode_seconds", "Processor and tower time per batch")
         self.m_encoded = metrics.counter("images_encoded_total", "Images run through the vision tower")
 
     @property
     def waiting(self) -> int:
-        return self.queue.qsize()
+        return self.queue.qsize() + self.gathering
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -81,10 +83,12 @@ class Encoder:
             batch = [await self.queue.get()]
             deadline = loop.time() + self.wait_s
             while len(batch) < self.max_batch:
+                self.gathering = len(batch)
                 try:
                     batch.append(await asyncio.wait_for(self.queue.get(), max(deadline - loop.time(), 0.0)))
                 except TimeoutError:
                     break
+            self.gathering = 0
             batch = [q for q in batch if not q.done.done()]  # its requests gave up
             if not batch:
                 continue
