@@ -139,7 +139,7 @@ def test_a_heartbeat_claiming_an_interval_beyond_the_bound_is_refused_and_counte
         hb = mesh_pb2.Heartbeat(stage="decode", instance_id=iid, seq=1, interval_s=interval)
         assert reg.on_heartbeat(hb) == "interval"
     assert reg.on_heartbeat(mesh_pb2.Heartbeat(stage="decode", instance_id="a.b", seq=1)) == "instance_id"
-    assert reg.on_heartbeat(mesh_pb2.Heartbeat(stage="vision", instance_id="v", seq=1)) == "stage"
+    assert reg.on_heartbeat(mesh_pb2.Heartbeat(stage="embedder", instance_id="v", seq=1)) == "stage"  # no such stage
     # The subject names the stage: a decode heartbeat on prefill's subject is refused.
     assert reg.on_heartbeat(mesh_pb2.Heartbeat(stage="decode", instance_id="d", seq=1), stage="prefill") == "stage"
     assert reg.num_refused == {"interval": 4, "instance_id": 1, "stage": 2}
