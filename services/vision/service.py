@@ -26,6 +26,7 @@ import logging
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,11 +37,15 @@ from shared.model.vision.mrope import GridTHW
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import CONNECTION_HEADER
+from shared.runtime.metrics import Metrics
 from shared.runtime.rpc import GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
 from shared.stage.convert import image_from_proto
 from shared.stage.embeddings import from_blob, to_blob
 from services.vision.cache import EmbeddingCache
+
+if TYPE_CHECKING:
+    from shared.model.vision.processor import ImageProcessor
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,8 @@ class Encoder:
     """The processor and the tower over batches of queued images (one batch at a time:
     a second would only contend for the same cores or device)."""
 
-    def __init__(self, model: torch.nn.Module, processor, max_batch: int, wait_s: float, metrics) -> None:  # noqa: ANN001
+    def __init__(self, model: torch.nn.Module, processor: "ImageProcessor", max_batch: int, wait_s: float,
+                 metrics: Metrics) -> None:  # fmt: skip
         self.model = model
         self.processor = processor
         self.max_batch = max_batch
