@@ -28,7 +28,7 @@ from tests.helpers.mesh_procs import span_attributes
 from tests.helpers.metrics import balancer_metric
 from tests.helpers.nats_listener import Listener
 from tests.helpers.vlm_models import synthetic_images
-from tests.mesh.test_mesh_images import ENV, chat, image_part, in_process, logprobs, prompt_ids
+from tests.helpers.vl_mesh import ENV, chat, image_part, in_process, logprobs, prompt_ids
 from tools.launch.up import Mesh
 from tools.make_model import make_model
 
