@@ -1,0 +1,137 @@
+"""Live EPLB through the mesh (issue 28, points 3-5): `infermesh up --tensor-parallel-size 2
+--enable-expert-parallel --enable-eplb --eplb-config JSON` (up's parallel_env, as `up`
+hands it to every instance) on make-model's tiny Qwen3-MoE (3 MoE layers of 8 experts,
+top 2), prefill and decode each over two gloo ranks, two redundant expert slots, a new
+placement every few steps; batch-invariant mode, under which expert parallelism gives the
+one-process logits bitwise (tests/parity/test_expert_parallel_engine.py).
+
+Under a steady load of concurrent streaming requests (a closed loop: each stream sends
+its next request when the last ends):
+
+- every request completes, with the greedy tokens of the same requests run by one
+  process without EPLB (no expert parallelism at all), although
+- experts moved while they ran, on both instances: each instance's log has moves
+  started in the background and switched on every rank, and the decode instance's
+  heartbeat and infermesh_decode_eplb_rebalances_total count applied placements;
+- the heartbeats carry the instance's per-layer expert load over its two ranks, with the
+  redundant slots, and /metrics the same per layer (infermesh_<stage>_eplb_balancedness);
+- the balancer routed every request by the EP policy (route span decode.reason
+  "expert_balance") on the heartbeat's balancedness: a cost of (requests + 1) over a step
+  balancedness below 1 is not a whole number."""
+
+import json
+import re
+import threading
+
+import openai
+import pytest
+
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from tests.helpers.mesh import running_mesh
+from tests.helpers.mesh_procs import span_attributes
+from tests.helpers.metrics import scrape
+from tests.mesh.test_mesh_expert_load import decode_heartbeats, moe_layers
+from tools.launch.up import parallel_env
+from tools.make_model import make_model
+
+BLOCK = 16
+EPLB = {"window_size": 8, "step_interval": 4, "num_redundant_experts": 2}
+"""A placement every 4 steps from the last 8: the load's first seconds already move experts."""
+ENV = {
+    **parallel_env(2, True, True, json.dumps(EPLB)),
+    "INFERMESH_ENGINE__BLOCK_SIZE": str(BLOCK),
+    "INFERMESH_ENGINE__BATCH_INVARIANT": "true",
+    "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
+}
+STREAMS = 6
+REQUESTS = 18
+MAX_TOKENS = 32
+PROMPTS = [[(37 * i + 11 * j) % 4000 + 10 for j in range(20 + 3 * i)] for i in range(REQUESTS)]
+"""Token-id prompts of 20 to 71 tokens (two to five blocks), each its own: prefill steps enough to move experts too."""
+MOVE_STARTED = re.compile(r"EPLB: layer (\d+) moving, in the background")
+MOVE_SWITCHED = re.compile(r"EPLB: layer (\d+) switched on every rank \(steps beside its move: (\d+)\)")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = str(tmp_path_factory.mktemp("qwen3_moe"))
+    make_model(folder, arch="qwen3_moe", seed=0)
+    return folder
+
+
+def _one_process_tokens(model: str) -> list[list[int]]:
+    """The requests' greedy tokens from one process: no expert parallelism, no EPLB."""
+    offline = LLM(model, block_size=BLOCK, batch_invariant=True)
+    try:
+        outputs = offline.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    finally:
+        offline.engine.close()
+    return [o.token_ids for o in outputs]
+
+
+def _steady_load(client: openai.OpenAI) -> tuple[dict[int, list[int]], dict[int, str], list[str]]:
+    """REQUESTS streamed greedy completions, STREAMS at a time: each request's token ids
+    (from the stream's chunks), its id, and the errors."""
+    name = client.models.list().data[0].id
+    tokens: dict[int, list[int]] = {}
+    ids: dict[int, str] = {}
+    errors: list[str] = []
+
+    def stream(first: int) -> None:
+        for i in range(first, REQUESTS, STREAMS):
+            got: list[int] = []
+            try:
+                chunks = client.completions.create(model=name, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+                for chunk in chunks:
+                    ids[i] = chunk.id
+                    if chunk.choices and chunk.choices[0].token_ids:
+                        got += chunk.choices[0].token_ids
+            except Exception as exc:  # noqa: BLE001  (counted)
+                errors.append(f"request {i}: {type(exc).__name__}: {exc}")
+            tokens[i] = got
+
+    threads = [threading.Thread(target=stream, args=(s,)) for s in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return tokens, ids, errors
+
+
+def test_experts_move_under_load_and_every_request_keeps_its_tokens(model: str, tmp_path_factory) -> None:  # noqa: ANN001
+    expected = _one_process_tokens(model)
+    num_layers = moe_layers(model)
+    with running_mesh(model, tmp_path_factory.mktemp("eplb-mesh"), extra_env=ENV) as mesh:
+        client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=300)
+        tokens, ids, errors = _steady_load(client)
+        assert errors == []
+        assert [tokens[i] for i in range(REQUESTS)] == expected
+
+        # Experts moved in the background and switched while the requests ran, on both instances.
+        for stage in ("prefill", "decode"):
+            log = (mesh.state_dir / "logs" / f"{stage}-0.log").read_text()
+            started, switched = MOVE_STARTED.findall(log), MOVE_SWITCHED.findall(log)
+            assert len(switched) >= 1 and len(started) >= len(switched), stage
+            assert {int(layer) for layer in started} <= set(range(num_layers))
+
+        beat = decode_heartbeats(mesh.nats_url, 1.0)[-1].load.expert_load
+        assert (beat.num_ranks, len(beat.layers), beat.num_redundant_experts) == (2, num_layers, 2)
+        assert beat.num_rebalances >= 1  # every layer of a changed placement switched on both ranks
+        assert all(0.5 <= layer.balancedness <= 1.0 and layer.max_tokens_per_rank > 0 for layer in beat.layers)
+        for stage in ("prefill", "decode"):
+            samples = scrape(f"http://127.0.0.1:{mesh.metrics_ports[f'{stage}-0']}/metrics")
+            assert samples[(f"infermesh_{stage}_expert_parallel_ranks", frozenset())] == 2.0
+            # A placement counts once a step after its last switch asks for the next move:
+            # prefill's last placement may wait for a next request, decode's many steps count.
+            assert samples[(f"infermesh_{stage}_eplb_rebalances_total", frozenset())] >= (stage == "decode")
+            for index in range(num_layers):
+                balance = samples[(f"infermesh_{stage}_eplb_balancedness", frozenset({("layer", str(index))}))]
+                assert 0.5 <= balance <= 1.0, (stage, index)  # mean / max over two ranks
+
+        # The EP load balancer chose decode for every request from the heartbeats' expert load.
+        routes = [span_attributes(mesh.trace_dir, ids[i], "route") for i in range(REQUESTS)]
+        assert {route["decode.reason"] for route in routes} == {"expert_balance"}
+        costs = [cost for route in routes for cost in route["decode.scores"]]
+        assert any(cost != round(cost) for cost in costs), costs  # (requests + 1) / balancedness < 1
