@@ -13,7 +13,7 @@ old synchronous move, kept to measure what the background one saves).
 
 Each start and switch is logged (INFO, MOVE_STARTED / MOVE_SWITCHED / MOVE_BLOCKING):
 an operator sees when experts moved, and the mesh's live benchmark
-(tools/bench/eplb_live_bench.py --target mesh) reads from the decode instance's log when
+(tools/bench/eplb_live_mesh_bench.py) reads from the decode instance's log when
 each move was in flight, to class the inter-token gaps a client saw.
 """
 
