@@ -17,17 +17,28 @@ its next request when the last ends):
   redundant slots, and /metrics the same per layer (infermesh_<stage>_eplb_balancedness);
 - the balancer routed every request by the EP policy (route span decode.reason
   "expert_balance") on the heartbeat's balancedness: a cost of (requests + 1) over a step
-  balancedness below 1 is not a whole number."""
+  balancedness below 1 is not a whole number.
+
+With two such decode instances, the EP load balancer (policies.choose_expert_parallel)
+routes each request by what the instances' own heartbeats say: requests sent one at a
+time, each when both instances are idle, are each charged 1 / the instance's step
+balancedness (the sum over MoE layers of the mean tokens per rank over the sum of the
+busiest rank's, from its last heartbeat), and go to the cheaper one. Least-loaded
+routing would tie the two idle instances and pick at random: the second request goes
+to the instance that has seen no token yet (balancedness 1), whichever took the first."""
 
 import json
 import re
 import threading
+import time
+from collections.abc import Sequence
 
 import openai
 import pytest
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from shared.proto import mesh_pb2
 from tests.helpers.mesh import running_mesh
 from tests.helpers.mesh_procs import span_attributes
 from tests.helpers.metrics import scrape
@@ -135,3 +146,45 @@ def test_experts_move_under_load_and_every_request_keeps_its_tokens(model: str, 
         assert {route["decode.reason"] for route in routes} == {"expert_balance"}
         costs = [cost for route in routes for cost in route["decode.scores"]]
         assert any(cost != round(cost) for cost in costs), costs  # (requests + 1) / balancedness < 1
+
+
+def _step_balancedness(load: mesh_pb2.ExpertLoad) -> float:
+    """Sum over layers of the mean tokens per rank over the sum of the busiest rank's (1: no tokens)."""
+    busiest = sum(layer.max_tokens_per_rank for layer in load.layers)
+    return sum(layer.mean_tokens_per_rank for layer in load.layers) / busiest if busiest else 1.0
+
+
+def _idle_heartbeats(mesh, instances: Sequence[str], timeout_s: float = 30.0) -> dict[str, mesh_pb2.Heartbeat]:  # noqa: ANN001
+    """The last heartbeat of each decode instance, once each says it runs and queues
+    nothing: the balancer then charges no request to either (a heartbeat clears what it
+    sent since the one before)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        last = {hb.instance_id: hb for hb in decode_heartbeats(mesh.nats_url, 0.6)}
+        if set(last) == set(instances) and all(hb.load.num_running == hb.load.num_waiting == 0 for hb in last.values()):
+            time.sleep(0.1)  # the balancer heard the same beats
+            return last
+    raise AssertionError(f"the decode instances {instances} were not idle within {timeout_s} s")
+
+
+def test_the_ep_balancer_routes_each_request_by_the_heartbeats_balancedness(model: str, tmp_path_factory) -> None:  # noqa: ANN001
+    with running_mesh(model, tmp_path_factory.mktemp("eplb-two-decode"), num_decode=2, extra_env=ENV) as mesh:
+        client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+        instances = sorted({hb.instance_id for hb in decode_heartbeats(mesh.nats_url, 1.0)})
+        assert len(instances) == 2
+        chosen: list[str] = []
+        for prompt in PROMPTS[:6]:
+            beats = _idle_heartbeats(mesh, instances)
+            expected = {iid: 1 / _step_balancedness(beats[iid].load.expert_load) for iid in instances}
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+            assert out.usage.completion_tokens == 8
+            route = span_attributes(mesh.trace_dir, out.id, "route")
+            assert route["decode.reason"] == "expert_balance"
+            costs = dict(zip(route["decode.candidates"], route["decode.scores"]))
+            assert costs == pytest.approx(expected, rel=1e-12)
+            if expected[instances[0]] != expected[instances[1]]:
+                assert route["decode.choice"] == min(instances, key=expected.__getitem__)
+            chosen.append(route["decode.choice"])
+        assert chosen[1] != chosen[0]  # the first made its instance's balancedness < 1; the other's is 1
