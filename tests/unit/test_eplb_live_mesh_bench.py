@@ -9,7 +9,7 @@ import pytest
 
 from shared.engine.eplb.balancer import ExpertMove
 from shared.engine.executor.move_schedule import MoveSchedule
-from tools.bench.eplb_live_mesh_bench import Move, moves_in_log, split_gaps
+from tools.bench.eplb_live_mesh_bench import Move, moves_in_log, split_gaps, start_offsets_ms
 
 
 def _logged(caplog: pytest.LogCaptureFixture) -> str:
@@ -38,10 +38,15 @@ def test_the_moves_are_read_back_from_the_lines_the_schedule_logs(caplog: pytest
     assert found[2].start == times[2]
 
 
-def test_a_gap_is_during_a_move_when_it_overlaps_one() -> None:
+def test_a_gap_is_during_a_move_when_its_step_began_during_one() -> None:
+    """Placed by where it starts (within the tolerance), not by its length: the long gap
+    11.0-19.95 spans no move start and is outside; the short one 19.95-20.1 began as the
+    blocking move's step did."""
     moves = [Move(0, 10.0, 10.5), Move(1, 20.0, 20.0)]
-    arrivals = [[9.0, 9.9, 10.2, 10.6, 11.0], [19.5, 19.9, 20.1, 20.4]]
-    during, outside = split_gaps(arrivals, moves)
-    # Request 0: 9.9-10.2 and 10.2-10.6 overlap the move; request 1: 19.9-20.1 holds the instant.
-    assert during == pytest.approx([300.0, 400.0, 200.0])
-    assert outside == pytest.approx([900.0, 400.0, 400.0, 300.0])
+    arrivals = [[9.0, 9.995, 10.2, 10.51, 11.0, 19.95], [19.985, 20.1, 20.4]]
+    during, outside = split_gaps(arrivals, moves, tolerance_s=0.02)
+    # Request 0: the gaps from 9.995 (the start step), 10.2 (beside) and 10.51 (the switch step).
+    # Request 1: the gap from 19.985 (the blocking move's step).
+    assert during == pytest.approx([205.0, 310.0, 490.0, 115.0])
+    assert outside == pytest.approx([995.0, 8950.0, 300.0])
+    assert start_offsets_ms(arrivals, moves) == pytest.approx([5.0, 15.0])

@@ -11,20 +11,27 @@ instances each over RANKS gloo ranks with expert parallelism): ``off`` (no EPLB)
 with ``blocking_moves``). A run keeps CONCURRENCY greedy streams going over HTTP (a
 closed loop: each that ends is replaced) until REQUESTS have run. A token's arrival is
 when its SSE chunk reached the client; its ITL is the gap since the request's
-previous token. When experts moved is read from the decode instance's log, whose
-lines each move's start and switch (shared/engine/executor/move_schedule.py): a gap
-is *during a rebalance* when it overlaps a move (from the step message that started
-it to the one that switched it, so the start step and the switch step count, as the
-in-engine bench counts them; a blocking move is an instant inside its step), else
-*outside*. Per round and target: p99 during / p99 outside, and the failed requests (an
+previous token. When experts moved is read from the decode instance's log, which
+lines each move's start and switch (shared/engine/executor/move_schedule.py) as the
+step message that starts or switches it is made, right as that step begins. A gap is
+*during a rebalance* when the step that ended it began during a move: its start
+(the previous token's arrival, within TOLERANCE_S) lies between a move's start and
+its switch, both ends included, so the start step, the steps beside the move and the
+switch step count, as the in-engine bench counts them (a blocking move is an instant
+that marks its own step); else *outside*. A gap is placed by where it starts, not by
+whether it overlaps a move: overlapping would class the long gaps (a stall of the
+shared machine) as during more often than the short ones, whatever the moves cost.
+Per round and target: p99 during / p99 outside, and the failed requests (an
 error, or fewer tokens than asked). Every mesh is warmed with one dropped run; the
 targets take turns, round r starting at target r mod 3 (tools/bench/rounds.py);
 ratios are per round, then their median and min-max. The machine's load average is
 printed with each round: on a shared CPU it is most of the noise.
 
 Clock: the log's timestamps (milliseconds, local time) and the client's time.time()
-are the same host's clock; a chunk's trip from the decode step to the client (NATS,
-the balancer, HTTP) is a few milliseconds, against steps of tens to hundreds."""
+are the same host's clock. A step begins as the previous one's tokens leave for the
+client (NATS, the balancer, HTTP: milliseconds), against steps of tens to hundreds of
+milliseconds; each run prints how far each move's start is from the nearest arrival
+(the median and the largest), which says whether TOLERANCE_S holds."""
 
 import argparse
 import datetime
@@ -52,6 +59,9 @@ CONCURRENCY = 8
 REQUESTS = 24
 """Requests per run (CONCURRENCY at a time)."""
 PROMPT_TOKENS = 24
+TOLERANCE_S = 0.02
+"""How far a step's first moment (its order, logged) may be from the client's arrival of
+the previous step's tokens: the trip to the client minus the engine's turn between steps."""
 MAX_TOKENS = 48
 _LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+ shared\.engine\.executor\.move_schedule: "
                        r"EPLB: layer (\d+) (moving, in the background|switched on every rank|moving and switched)")  # fmt: skip
@@ -90,16 +100,32 @@ def moves_in_log(text: str) -> list[Move]:
     return moves
 
 
-def split_gaps(arrivals: Sequence[Sequence[float]], moves: Sequence[Move]) -> tuple[list[float], list[float]]:
-    """Each request's gaps between token arrivals (ms), during a move (the gap overlaps
-    one: it began before the move ended and ended after it began) or outside one."""
+def split_gaps(
+    arrivals: Sequence[Sequence[float]], moves: Sequence[Move], tolerance_s: float = TOLERANCE_S
+) -> tuple[list[float], list[float]]:
+    """Each request's gaps between token arrivals (ms), during a move (the gap began
+    between a move's start and its switch, within tolerance_s) or outside one."""
     during: list[float] = []
     outside: list[float] = []
     for times in arrivals:
         for prev, now in zip(times, times[1:]):
-            overlaps = any(prev < move.end and now > move.start for move in moves)
-            (during if overlaps else outside).append((now - prev) * 1000)
+            moving = any(move.start - tolerance_s <= prev <= move.end + tolerance_s for move in moves)
+            (during if moving else outside).append((now - prev) * 1000)
     return during, outside
+
+
+def start_offsets_ms(arrivals: Sequence[Sequence[float]], moves: Sequence[Move]) -> list[float]:
+    """Per move, how far its start (logged as its first step began) is from the nearest
+    token arrival (ms): the classing's error, to set against TOLERANCE_S."""
+    every = np.sort(np.concatenate([np.asarray(t, dtype=np.float64) for t in arrivals if t] or [np.zeros(0)]))
+    if every.size == 0:
+        return []
+    offsets = []
+    for move in moves:
+        i = int(np.searchsorted(every, move.start))
+        near = [abs(every[j] - move.start) for j in (i - 1, i) if 0 <= j < every.size]
+        offsets.append(min(near) * 1000)
+    return offsets
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +135,7 @@ class RunResult:
     failed: int
     moves: int
     errors: list[str]
+    start_offsets_ms: list[float]
 
 
 def _env(target: str) -> dict[str, str]:
@@ -172,7 +199,7 @@ def run(mesh: Mesh, model: str, seed: int) -> RunResult:
     moves = [m for m in moves if m.start < ended and m.end > began]
     during, outside = split_gaps(arrivals, moves)
     failed = len(errors) + sum(len(times) != MAX_TOKENS for times in arrivals)
-    return RunResult(during, outside, failed, len(moves), errors)
+    return RunResult(during, outside, failed, len(moves), errors, start_offsets_ms(arrivals, moves))
 
 
 def load_average() -> str:
@@ -222,7 +249,8 @@ def main() -> None:
                     vs_off[target].append(p99(res.during_ms + res.outside_ms) / off_p99)
                     line.append(f"{target}: p99 during {during:.2f} ms ({len(res.during_ms)} gaps) / outside "
                                 f"{outside:.2f} ms ({len(res.outside_ms)}) = {during / outside:.3f}; "
-                                f"{res.moves} layer moves")  # fmt: skip
+                                f"{res.moves} layer moves (start to nearest arrival: median "
+                                f"{np.median(res.start_offsets_ms):.1f} ms, max {max(res.start_offsets_ms):.1f})")  # fmt: skip
                 print("; ".join(line), flush=True)
                 for target, res in results.items():
                     for error in res.errors[:3]:
