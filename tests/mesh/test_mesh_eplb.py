@@ -47,8 +47,8 @@ from tools.launch.up import parallel_env
 from tools.make_model import make_model
 
 BLOCK = 16
-EPLB = {"window_size": 8, "step_interval": 4, "num_redundant_experts": 2}
-"""A placement every 4 steps from the last 8: the load's first seconds already move experts."""
+EPLB = {"window_size": 4, "step_interval": 2, "num_redundant_experts": 2}
+"""A placement every 2 steps from the last 4: prefill, which steps once or so per request, moves experts too."""
 ENV = {
     **parallel_env(2, True, True, json.dumps(EPLB)),
     "INFERMESH_ENGINE__BLOCK_SIZE": str(BLOCK),
