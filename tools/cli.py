@@ -229,7 +229,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print(f"making the default model in {args.model}", file=sys.stderr)
             make_model(args.model)
     return up(args.model, args.prefill, args.decode, args.port, args.state_dir, args.demo,
-              args.tensor_parallel_size, args.enable_expert_parallel, num_vision=args.vision)  # fmt: skip
+              args.tensor_parallel_size, args.enable_expert_parallel, args.enable_eplb, args.eplb_config,
+              num_vision=args.vision)  # fmt: skip
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -389,6 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="an MoE model's experts split over those ranks, attention replicated: "
                         "EngineConfig.enable_expert_parallel (default: INFERMESH_ENGINE__ENABLE_EXPERT_PARALLEL)")
+    p.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --enable-expert-parallel, rebalance the experts over the ranks live: "
+                        "EngineConfig.enable_eplb (default: INFERMESH_ENGINE__ENABLE_EPLB)")
+    p.add_argument("--eplb-config", default=None, metavar="JSON",
+                   help='EPLB\'s settings, vLLM\'s keys: {"window_size": ..., "step_interval": ..., '
+                        '"num_redundant_experts": ...}: EngineConfig.eplb_config (default: INFERMESH_ENGINE__EPLB_CONFIG)')
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("trace", help="print a request's spans as a waterfall")

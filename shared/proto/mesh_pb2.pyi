@@ -300,14 +300,18 @@ class Load(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_total_kv_blocks: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., expert_load: _Optional[_Union[ExpertLoad, _Mapping]] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
-    __slots__ = ("num_ranks", "window_steps", "layers")
+    __slots__ = ("num_ranks", "window_steps", "layers", "num_rebalances", "num_redundant_experts")
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REBALANCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_REDUNDANT_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     num_ranks: int
     window_steps: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerExpertLoad]
-    def __init__(self, num_ranks: _Optional[int] = ..., window_steps: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerExpertLoad, _Mapping]]] = ...) -> None: ...
+    num_rebalances: int
+    num_redundant_experts: int
+    def __init__(self, num_ranks: _Optional[int] = ..., window_steps: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerExpertLoad, _Mapping]]] = ..., num_rebalances: _Optional[int] = ..., num_redundant_experts: _Optional[int] = ...) -> None: ...
 
 class LayerExpertLoad(_message.Message):
     __slots__ = ("mean_tokens_per_rank", "max_tokens_per_rank", "balancedness")

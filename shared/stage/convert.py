@@ -100,7 +100,8 @@ def expert_load_to_proto(load: ExpertLoad) -> mesh_pb2.ExpertLoad:
         mesh_pb2.LayerExpertLoad(mean_tokens_per_rank=mean, max_tokens_per_rank=round(top), balancedness=balance)
         for mean, top, balance in zip(load.mean_tokens_per_rank(), load.max_tokens_per_rank(), load.balancedness())
     ]
-    return mesh_pb2.ExpertLoad(num_ranks=load.num_ranks, window_steps=load.window_steps, layers=layers)
+    return mesh_pb2.ExpertLoad(num_ranks=load.num_ranks, window_steps=load.window_steps, layers=layers,
+                               num_rebalances=load.num_rebalances, num_redundant_experts=load.num_redundant_experts)
 
 
 def image_to_proto(pixels: np.ndarray, identity: bytes) -> mesh_pb2.ImageData:

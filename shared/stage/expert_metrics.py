@@ -30,6 +30,11 @@ class ExpertLoadMetrics:
         )
         self.num_ranks = metrics.gauge("expert_parallel_ranks", "Ranks the experts are spread over (1: one process)")
         self.window_steps = metrics.gauge("eplb_window_steps", "Engine steps the expert-load window holds")
+        self.rebalances = metrics.counter(
+            "eplb_rebalances", "EPLB placements applied that moved experts (every changed layer switched on every rank)"
+        )
+        self._rebalances_counted = 0
+        """The engine's count (ExpertLoad.num_rebalances) the counter holds: it is advanced by the difference."""
 
     def update(self, load: ExpertLoad) -> None:
         for layer, (balance, mean, top) in enumerate(
@@ -41,3 +46,6 @@ class ExpertLoadMetrics:
             self.max_tokens.labels(name).set(top)
         self.num_ranks.set(load.num_ranks)
         self.window_steps.set(load.window_steps)
+        if load.num_rebalances > self._rebalances_counted:
+            self.rebalances.inc(load.num_rebalances - self._rebalances_counted)
+            self._rebalances_counted = load.num_rebalances

@@ -5,16 +5,11 @@ load per MoE layer (one rank today: the engine is one process, so every layer is
 balanced), its /metrics say the same per layer, and the balancer routes decode by the
 EP policy (the route span's decode.reason)."""
 
-import asyncio
-import json
-import time
-from pathlib import Path
 
 import openai
 import pytest
 
-from shared.proto import mesh_pb2
-from shared.runtime import subjects
+from tests.helpers.expert_mesh import decode_heartbeats, moe_layers
 from tests.helpers.mesh_procs import span_attributes
 from tests.helpers.metrics import scrape
 from tools.make_model import make_model
@@ -22,31 +17,6 @@ from tools.make_model import make_model
 ENV = {"INFERMESH_ENGINE__BLOCK_SIZE": "16", "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2"}
 PROMPTS = ["the quick brown fox jumps over the lazy dog " * 3, "count: one two three four five six"]
 MAX_TOKENS = 8
-
-
-def moe_layers(model: str) -> int:
-    config = json.loads((Path(model) / "config.json").read_text())
-    return config["num_hidden_layers"] - len(config["mlp_only_layers"])
-
-
-def decode_heartbeats(nats_url: str, seconds: float) -> list[mesh_pb2.Heartbeat]:
-    """The decode instances' heartbeats heard over `seconds`."""
-    import nats
-
-    async def go() -> list[mesh_pb2.Heartbeat]:
-        nc = await nats.connect(nats_url)
-        sub = await nc.subscribe(subjects.heartbeats_of("decode"))
-        beats, deadline = [], time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                msg = await sub.next_msg(timeout=left)
-            except asyncio.TimeoutError:
-                break
-            beats.append(mesh_pb2.Heartbeat.FromString(msg.data))
-        await nc.close()
-        return beats
-
-    return asyncio.run(go())
 
 
 def test_decode_reports_per_layer_expert_load_in_heartbeats_and_metrics(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -3,6 +3,8 @@ a queued move starts with the next step, steps run beside it until every rank fi
 and the switch is named in exactly one step's order, after the start's; one move at a
 time. Blocking moves start and switch with the same step, none beside it."""
 
+import logging
+
 import pytest
 
 from shared.engine.eplb.balancer import ExpertMove
@@ -48,3 +50,22 @@ def test_a_blocking_move_starts_and_switches_before_the_same_step() -> None:
     assert moves.order(moved_everywhere=False) == MoveOrder(start=LAYER1, wait=True)
     assert moves.in_flight is None and moves.accepting and moves.num_switches == 1 and moves.moving
     assert moves.order(moved_everywhere=False) is None and moves.steps_beside_moves == 0 and not moves.moving
+
+
+def test_each_start_and_switch_is_logged_with_its_layer(caplog: pytest.LogCaptureFixture) -> None:
+    """The log lines an operator (and the mesh's live benchmark) reads the moves from:
+    a background move's start and its switch, a blocking move's one line."""
+    caplog.set_level(logging.INFO, logger="shared.engine.executor.move_schedule")
+    moves = MoveSchedule(blocking=False)
+    moves.queue(LAYER1)
+    moves.order(moved_everywhere=False)
+    moves.order(moved_everywhere=False)
+    moves.order(moved_everywhere=True)
+    blocking = MoveSchedule(blocking=True)
+    blocking.queue(LAYER0)
+    blocking.order(moved_everywhere=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "EPLB: layer 1 moving, in the background (slots [3, 2, 1, 0])",
+        "EPLB: layer 1 switched on every rank (steps beside its move: 1)",
+        "EPLB: layer 0 moving and switched before one step, blocking it (slots [0, 1, 2, 3])",
+    ]

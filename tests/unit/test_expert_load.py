@@ -46,6 +46,10 @@ def test_the_heartbeat_carries_per_layer_mean_max_and_balancedness() -> None:
     assert [layer.mean_tokens_per_rank for layer in layers] == [10.0, 15.0, 0.0]
     assert [layer.max_tokens_per_rank for layer in layers] == [10, 40, 0]
     assert [layer.balancedness for layer in layers] == [1.0, 15 / 40, 1.0]
+    assert (back.expert_load.num_rebalances, back.expert_load.num_redundant_experts) == (0, 0)
+    rebalanced = ExpertLoad(LOAD.tokens_per_rank, 7, num_rebalances=3, num_redundant_experts=4)
+    wire = mesh_pb2.ExpertLoad.FromString(expert_load_to_proto(rebalanced).SerializeToString())
+    assert (wire.num_rebalances, wire.num_redundant_experts) == (3, 4)
     # A dense model's load says nothing of experts.
     assert not mesh_pb2.Load.FromString(mesh_pb2.Load(num_running=1).SerializeToString()).HasField("expert_load")
 
@@ -65,3 +69,19 @@ def test_the_gauges_say_each_layers_figures() -> None:
     assert (value("expert_parallel_ranks"), value("eplb_window_steps")) == (4.0, 7.0)
     gauges.update(ExpertLoad([[5, 5, 5, 5], [5, 5, 5, 5], [20, 0, 0, 0]], 2))  # the next window's figures replace them
     assert [value("eplb_balancedness", layer=str(i)) for i in range(3)] == [1.0, 1.0, 0.25]
+
+
+def test_the_rebalance_counter_follows_the_engines_count() -> None:
+    """The engine counts its applied placements since it started; the counter advances by
+    what is new at each heartbeat, and a repeated count adds nothing."""
+    metrics = Metrics("prefill")
+    gauges = ExpertLoadMetrics(metrics)
+
+    def rebalances() -> float | None:
+        return metrics.registry.get_sample_value("infermesh_prefill_eplb_rebalances_total", {})
+
+    gauges.update(LOAD)
+    assert rebalances() == 0.0
+    for engine_count in (2, 2, 5):
+        gauges.update(ExpertLoad(LOAD.tokens_per_rank, 7, num_rebalances=engine_count))
+    assert rebalances() == 5.0

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from shared.engine.config import EngineConfig
+from shared.runtime.settings import load_settings
 from tools.launch.preflight import PreflightError, check_parallel
+from tools.launch.up import parallel_env
 
 
 @pytest.mark.parametrize(
@@ -57,3 +59,16 @@ def _config(folder: Path, **dims: int) -> str:
               "max_position_embeddings": 128, **dims}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
     return str(folder)
+
+
+def test_up_hands_its_eplb_flags_to_every_instance_as_engine_settings() -> None:
+    """`infermesh up ... --enable-expert-parallel --enable-eplb --eplb-config JSON`: the
+    environment every instance starts with reads back as those engine settings, and
+    EPLB without expert parallelism is refused where up checks the settings."""
+    eplb = '{"window_size": 8, "step_interval": 6, "num_redundant_experts": 2}'
+    engine = load_settings(env=parallel_env(2, True, True, eplb)).engine
+    assert (engine.tensor_parallel_size, engine.enable_expert_parallel, engine.enable_eplb) == (2, True, True)
+    assert (engine.eplb_settings().window_size, engine.eplb_settings().num_redundant_experts) == (8, 2)
+    assert load_settings(env=parallel_env(2, True)).engine.enable_eplb is False  # not given: the default
+    with pytest.raises(ValueError, match="enable_eplb places experts across expert-parallel ranks"):
+        load_settings(env=parallel_env(2, False, True))

@@ -6,6 +6,9 @@ outside one.
 
     python -m tools.bench.eplb_live_bench --rounds 5 --out docs/perf/eplb_live_cpu_<date>.txt
 
+The same through the whole mesh, as a client's HTTP stream sees it:
+tools/bench/eplb_live_mesh_bench.py.
+
 Targets, each its own engine built once and kept: ``off`` (EP without EPLB),
 ``background`` (EPLB, moves beside the steps: the default) and ``blocking`` (EPLB with
 ``blocking_moves``: each move on the step's path, as before). A token's arrival is

@@ -10,11 +10,23 @@ time: the new weights of one layer are the only extra memory.
 
 ``blocking``: the move is started and waited for before the same step's forward (the
 old synchronous move, kept to measure what the background one saves).
+
+Each start and switch is logged (INFO, MOVE_STARTED / MOVE_SWITCHED / MOVE_BLOCKING):
+an operator sees when experts moved, and the mesh's live benchmark
+(tools/bench/eplb_live_mesh_bench.py) reads from the decode instance's log when
+each move was in flight, to class the inter-token gaps a client saw.
 """
 
+import logging
 from dataclasses import dataclass
 
 from shared.engine.eplb.balancer import ExpertMove
+
+log = logging.getLogger(__name__)
+
+MOVE_STARTED = "EPLB: layer %d moving, in the background (slots %s)"
+MOVE_SWITCHED = "EPLB: layer %d switched on every rank (steps beside its move: %d)"
+MOVE_BLOCKING = "EPLB: layer %d moving and switched before one step, blocking it (slots %s)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +51,8 @@ class MoveSchedule:
         self.steps_beside_moves = 0
         """Steps whose forward ran while a move was in flight, started at an earlier step
         (never with blocking moves): the background path at work."""
+        self._steps_beside_this = 0
+        """Of those, the steps beside the move in flight (for its log line)."""
 
     @property
     def accepting(self) -> bool:
@@ -70,14 +84,19 @@ class MoveSchedule:
             if moved_everywhere:
                 switch, self._in_flight = self._in_flight.layer, None
                 self.num_switches += 1
+                log.info(MOVE_SWITCHED, switch, self._steps_beside_this)
             else:
                 self.steps_beside_moves += 1
+                self._steps_beside_this += 1
         start, self._queued = self._queued, None
         if start is not None and self.blocking:
             self.num_switches += 1
+            log.info(MOVE_BLOCKING, start.layer, list(start.slot_experts))
             order: MoveOrder | None = MoveOrder(switch, start, wait=True)
         else:
-            self._in_flight = start if start is not None else self._in_flight
+            if start is not None:
+                self._in_flight, self._steps_beside_this = start, 0
+                log.info(MOVE_STARTED, start.layer, list(start.slot_experts))
             order = None if switch is None and start is None else MoveOrder(switch, start)
         self.moving = order is not None or self._in_flight is not None
         return order
