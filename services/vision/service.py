@@ -78,6 +78,9 @@ class Encoder:
         self.m_batch = metrics.histogram("batch_images", "Images per tower batch", buckets=BATCH_BUCKETS)
         self.m_seconds = metrics.histogram("encode_seconds", "Processor and tower time per batch")
         self.m_encoded = metrics.counter("images_encoded_total", "Images run through the vision tower")
+        # What the heartbeat's load says (images queued, gathered and in the tower): the HPA's queue.
+        self.m_queued = metrics.gauge("queued_images", "Images waiting for the tower or in it")
+        self.m_queued.set_function(lambda: self.waiting + self.running)
 
     @property
     def waiting(self) -> int:
