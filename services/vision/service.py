@@ -50,6 +50,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+REFUSED_CODE = "invalid_image"
+"""The code of EncodeReply.code_param (`<code>:images.<k>`) for an image no instance could read."""
+
+
+class RefusedImage(Exception):
+    """An image of the request that cannot be read (a damaged PNG, another size than the
+    message says, an identity that is not 32 bytes): the same on every instance, so the
+    reply says so (code_param) and the balancer answers 400 instead of asking another."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -160,6 +172,12 @@ class VisionService:
                 await self._encode(req, reply)
                 reply.ok = True
                 self.m_requests.labels("ok").inc()
+            except RefusedImage as exc:  # the request's fault: no other instance would read it either
+                log.info("refused the images of %s: %s", req.request_id, exc)
+                span.set_attribute("images.refused", exc.param)
+                reply.error = str(exc)
+                reply.code_param = f"{REFUSED_CODE}:{exc.param}"
+                self.m_requests.labels("refused").inc()
             except Exception as exc:  # the balancer moves on (another instance, or prefill encodes)
                 log.warning("encoding the images of %s failed: %s", req.request_id, exc)
                 span.record_exception(exc)
@@ -191,11 +209,17 @@ class VisionService:
         if not missing:
             return
         by_key = {bytes(msg.hash): msg for msg in req.images}
+        # Every image read before any is queued: one that cannot be read refuses the request
+        # with nothing of it left in the tower's queue.
+        unread = [k for k in missing if k not in self._in_flight]
+        decoded = await asyncio.to_thread(_read_images, {k: (by_key[k], f"images.{keys.index(k)}") for k in unread})
         waits, mine = [], []
         for key in missing:
             pending = self._in_flight.get(key)  # the same image of a concurrent request: encoded once
             if pending is None:
-                pixels = await asyncio.to_thread(image_from_proto, by_key[key], f"images.{keys.index(key)}")
+                pixels = decoded.get(key)
+                if pixels is None:  # another request had it in flight, and it finished meanwhile
+                    pixels = await asyncio.to_thread(image_from_proto, by_key[key], f"images.{keys.index(key)}")
                 queued = _Queued(key, pixels)
                 self._in_flight[key] = pending = queued.done
                 self.encoder.queue.put_nowait(queued)
@@ -271,6 +295,17 @@ class VisionService:
         while True:
             await self._send_heartbeat()
             await asyncio.sleep(self.ctx.settings.worker.heartbeat_interval_s)
+
+
+def _read_images(images: dict[bytes, tuple[mesh_pb2.ImageData, str]]) -> dict[bytes, np.ndarray]:
+    """Each image's pixels by identity; RefusedImage naming the first that cannot be read."""
+    out = {}
+    for key, (msg, param) in images.items():
+        try:
+            out[key] = image_from_proto(msg, param)
+        except ValueError as exc:
+            raise RefusedImage(param, str(exc)) from None
+    return out
 
 
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
