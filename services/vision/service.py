@@ -191,10 +191,11 @@ class VisionService:
 
     async def _encode(self, req: mesh_pb2.EncodeRequest, reply: mesh_pb2.EncodeReply) -> None:
         keys = [bytes(msg.hash) for msg in req.images]
-        missing = [k for k in dict.fromkeys(keys) if self.cache.get(k) is None]
+        reuse = self.ctx.settings.vision.reuse_embeddings
+        missing = [k for k in dict.fromkeys(keys) if not reuse or self.cache.get(k) is None]
         reply.num_cache_hits = len(keys) - len([k for k in keys if k in missing])
         self.m_lookups.labels("memory").inc(reply.num_cache_hits)
-        if missing:  # held by kvcache already (a restart, another instance's work): no encode
+        if missing and reuse:  # held by kvcache already (a restart, another instance's work): no encode
             try:
                 found = await self.kvcache.get_blobs(missing, timeout_s=self.ctx.settings.vision.fetch_timeout_s)
             except Exception as exc:  # kvcache down: encode; the store below will say so too

@@ -143,3 +143,19 @@ async def test_an_instance_that_fails_otherwise_is_passed_over_for_the_next() ->
     vision, bus, _ = stage({"v0": failed, "v1": mesh_pb2.EncodeReply(ok=True, instance_id="v1")})
     out = await vision.encode("r1", WireImages(tuple(images())), PARTS)
     assert bus.asked == ["v0", "v1"] and all(m.embedded for m in out.messages)
+
+
+async def test_reuse_embeddings_off_encodes_every_image_again() -> None:
+    """vision.reuse_embeddings off (the benchmark's no-cache baseline): a repeat is encoded again."""
+    service, towered = vision_service(FakeKVCache())
+    runner = asyncio.create_task(service.encoder.run())
+    try:
+        first = await service.on_encode(mesh_pb2.EncodeRequest(request_id="r1", images=images()))
+        again = await service.on_encode(mesh_pb2.EncodeRequest(request_id="r2", images=images()))
+        assert (first.num_encoded, again.num_encoded, again.num_cache_hits) == (2, 0, 2)
+        service.ctx.settings.vision.reuse_embeddings = False
+        third = await service.on_encode(mesh_pb2.EncodeRequest(request_id="r3", images=images()))
+        assert third.ok and (third.num_encoded, third.num_cache_hits, third.num_kvcache_hits) == (2, 0, 0)
+        assert sum(towered) == 4
+    finally:
+        runner.cancel()
