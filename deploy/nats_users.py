@@ -33,9 +33,9 @@ COMPOSE_CONF = DEPLOY / "compose" / "nats" / "auth.conf"
 
 ROLE_USERS = ("balancer", "kvcache", "monitor")
 """Users shared by every replica of a role: their permissions name no instance."""
-INSTANCE_ROLES = ("prefill", "decode")
+INSTANCE_ROLES = ("prefill", "decode", "vision")
 """Stages whose every instance gets a user of its own."""
-COMPOSE_INSTANCES = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+COMPOSE_INSTANCES = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode", "vision-0": "vision"}
 """compose.yaml's worker instances (its services prefill-0, decode-0, ... and their -gpu twins)."""
 
 INSTANCE = "__INSTANCE__"

@@ -63,12 +63,15 @@ class GenerationError(Exception):
     the request parameter at fault, where the engine named one (InvalidParam)."""
 
     def __init__(
-        self, message: str, status: int = 503, error_type: str = "service_unavailable", param: str | None = None
+        self, message: str, status: int = 503, error_type: str = "service_unavailable", param: str | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.error_type = error_type
         self.param = param
+        self.code = code
+        """OpenAI's error code for the body, where one says more than the type (invalid_image)."""
 
 
 class Generator(Protocol):

@@ -50,6 +50,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+REFUSED_CODE = "invalid_image"
+"""The code of EncodeReply.code_param (`<code>:images.<k>`) for an image no instance could read."""
+
+
+class RefusedImage(Exception):
+    """An image of the request that cannot be read (a damaged PNG, another size than the
+    message says, an identity that is not 32 bytes): the same on every instance, so the
+    reply says so (code_param) and the balancer answers 400 instead of asking another."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -78,6 +90,9 @@ class Encoder:
         self.m_batch = metrics.histogram("batch_images", "Images per tower batch", buckets=BATCH_BUCKETS)
         self.m_seconds = metrics.histogram("encode_seconds", "Processor and tower time per batch")
         self.m_encoded = metrics.counter("images_encoded_total", "Images run through the vision tower")
+        # What the heartbeat's load says (images queued, gathered and in the tower): the HPA's queue.
+        self.m_queued = metrics.gauge("queued_images", "Images waiting for the tower or in it")
+        self.m_queued.set_function(lambda: self.waiting + self.running)
 
     @property
     def waiting(self) -> int:
@@ -157,6 +172,12 @@ class VisionService:
                 await self._encode(req, reply)
                 reply.ok = True
                 self.m_requests.labels("ok").inc()
+            except RefusedImage as exc:  # the request's fault: no other instance would read it either
+                log.info("refused the images of %s: %s", req.request_id, exc)
+                span.set_attribute("images.refused", exc.param)
+                reply.error = str(exc)
+                reply.code_param = f"{REFUSED_CODE}:{exc.param}"
+                self.m_requests.labels("refused").inc()
             except Exception as exc:  # the balancer moves on (another instance, or prefill encodes)
                 log.warning("encoding the images of %s failed: %s", req.request_id, exc)
                 span.record_exception(exc)
@@ -170,10 +191,11 @@ class VisionService:
 
     async def _encode(self, req: mesh_pb2.EncodeRequest, reply: mesh_pb2.EncodeReply) -> None:
         keys = [bytes(msg.hash) for msg in req.images]
-        missing = [k for k in dict.fromkeys(keys) if self.cache.get(k) is None]
+        reuse = self.ctx.settings.vision.reuse_embeddings
+        missing = [k for k in dict.fromkeys(keys) if not reuse or self.cache.get(k) is None]
         reply.num_cache_hits = len(keys) - len([k for k in keys if k in missing])
         self.m_lookups.labels("memory").inc(reply.num_cache_hits)
-        if missing:  # held by kvcache already (a restart, another instance's work): no encode
+        if missing and reuse:  # held by kvcache already (a restart, another instance's work): no encode
             try:
                 found = await self.kvcache.get_blobs(missing, timeout_s=self.ctx.settings.vision.fetch_timeout_s)
             except Exception as exc:  # kvcache down: encode; the store below will say so too
@@ -188,11 +210,17 @@ class VisionService:
         if not missing:
             return
         by_key = {bytes(msg.hash): msg for msg in req.images}
+        # Every image read before any is queued: one that cannot be read refuses the request
+        # with nothing of it left in the tower's queue.
+        unread = [k for k in missing if k not in self._in_flight]
+        decoded = await asyncio.to_thread(_read_images, {k: (by_key[k], f"images.{keys.index(k)}") for k in unread})
         waits, mine = [], []
         for key in missing:
             pending = self._in_flight.get(key)  # the same image of a concurrent request: encoded once
             if pending is None:
-                pixels = await asyncio.to_thread(image_from_proto, by_key[key], f"images.{keys.index(key)}")
+                pixels = decoded.get(key)
+                if pixels is None:  # another request had it in flight, and it finished meanwhile
+                    pixels = await asyncio.to_thread(image_from_proto, by_key[key], f"images.{keys.index(key)}")
                 queued = _Queued(key, pixels)
                 self._in_flight[key] = pending = queued.done
                 self.encoder.queue.put_nowait(queued)
@@ -268,6 +296,17 @@ class VisionService:
         while True:
             await self._send_heartbeat()
             await asyncio.sleep(self.ctx.settings.worker.heartbeat_interval_s)
+
+
+def _read_images(images: dict[bytes, tuple[mesh_pb2.ImageData, str]]) -> dict[bytes, np.ndarray]:
+    """Each image's pixels by identity; RefusedImage naming the first that cannot be read."""
+    out = {}
+    for key, (msg, param) in images.items():
+        try:
+            out[key] = image_from_proto(msg, param)
+        except ValueError as exc:
+            raise RefusedImage(param, str(exc)) from None
+    return out
 
 
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:

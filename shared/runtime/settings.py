@@ -297,6 +297,10 @@ class VisionSettings:
     heartbeat_hashes: int = 1024
     """At most this many image identities (the most recently used) in a vision
     instance's heartbeat: the balancer's cache affinity."""
+    reuse_embeddings: bool = True
+    """A vision instance looks an image up in its memory and in kvcache before encoding
+    it; off: it encodes every image it is sent (the no-cache baseline of
+    tools/bench/vision_bench.py), storing the embeddings for prefill and decode as ever."""
 
 
 @dataclass(slots=True)

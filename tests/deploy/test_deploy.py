@@ -65,6 +65,12 @@ CRD_API_VERSIONS = ("monitoring.coreos.com/v1",)
 # deploy/compose/secrets.env as `python -m deploy.nats_users --env` makes it (compose requires each).
 COMPOSE_SECRETS = compose_secrets()
 WORKER_STATEFULSETS = ("mesh-infermesh-prefill", "mesh-infermesh-decode")
+# compose's instances of the engine stages (the default profile's workers); vision-0 runs under `vision`.
+ENGINE_INSTANCES = {n for n, role in COMPOSE_INSTANCES.items() if role != "vision"}
+# The vision stage on (E/P/D), with the seeded tiny vision-language model as the demo model.
+VISION_VALUES = {"stages": {"vision": {"enabled": True}}, "model": {"demo": {"arch": "qwen2_5_vl", "preset": "tiny-vl"}}}
+# compose's profiles by name: the engine workers, and the vision encoder beside them.
+COMPOSE_PROFILES = {"cpu": (), "gpu": ("gpu",), "vision": ("cpu", "vision"), "gpu-vision": ("gpu", "vision-gpu")}
 
 
 # -- the metric names a PromQL expression selects -------------------------------------------
@@ -121,8 +127,19 @@ def rdma_values() -> dict:
     return merged(gpu_values(), yaml.safe_load(RDMA_VALUES.read_text()))
 
 
+def gpu_vision_values() -> dict:
+    """values-gpu.yaml (a model volume) with the vision stage on GPUs, autoscaled."""
+    vision = {"enabled": True, "gpus": 1, "image": {"tag": "0.1.0-cuda"}, "settings": {"engine": {"device": "cuda"}},
+              "autoscaling": {"enabled": True}}
+    return merged(gpu_values(), {"stages": {"vision": vision}})
+
+
 def chart_values(name: str) -> dict | None:
-    return {"default": lambda: None, "gpu": gpu_values, "rdma": rdma_values}[name]()
+    return {"default": lambda: None, "gpu": gpu_values, "rdma": rdma_values, "vision": lambda: VISION_VALUES,
+            "gpu-vision": gpu_vision_values}[name]()
+
+
+CHART_VALUES = ["default", "gpu", "rdma", "vision", "gpu-vision"]
 
 
 # -- the Helm chart ----------------------------------------------------------------------------
@@ -141,14 +158,14 @@ def assert_manifests_valid(docs: list[dict]) -> None:
                             f" at {'.'.join(map(str, exc.absolute_path))}")
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
+@pytest.mark.parametrize("values_name", CHART_VALUES)
 def test_chart_renders_and_every_manifest_validates_strictly(values_name):
     docs = render_chart(chart_values(values_name))
     assert {"ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget"} <= {d["kind"] for d in docs}
     assert_manifests_valid(docs)
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
+@pytest.mark.parametrize("values_name", CHART_VALUES)
 def test_chart_lints_clean(values_name):
     values = chart_values(values_name)
     for chart, values_of_chart in ((CHART, values), (CHART / "charts" / "nats", None)):  # the bundled NATS subchart too
@@ -158,7 +175,7 @@ def test_chart_lints_clean(values_name):
         assert [m for m in report["messages"] if m["severity"] >= 2] == [], chart
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu", "rdma"])
+@pytest.mark.parametrize("values_name", CHART_VALUES)
 def test_chart_references_resolve(values_name):
     """What the schemas cannot see: names that point at other objects."""
     docs = render_chart(chart_values(values_name))
@@ -228,6 +245,9 @@ def test_chart_default_values_shape():
     assert settings["INFERMESH_KVCACHE__ADDRESS"] == "mesh-infermesh-kvcache:50051"
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in settings
     assert not kinds(docs, "HorizontalPodAutoscaler")
+    # The demo model takes no images: no vision stage, and no NATS users for one.
+    assert "mesh-infermesh-vision" not in pods and "mesh-infermesh-vision" not in kinds(docs, "NetworkPolicy")
+    assert "mesh-infermesh-vision-" not in json.dumps(kinds(docs, "Secret")["mesh-infermesh-nats"])
 
 
 def test_chart_gpu_values_scale_and_request_gpus():
@@ -441,6 +461,87 @@ def test_chart_refuses_kv_transfer_values_that_cannot_work():
             render_chart(bad)
 
 
+def test_chart_runs_the_vision_stage_apart_fenced_to_nats_and_kvcache():
+    """stages.vision: a StatefulSet of its own running services.vision, each pod logged in
+    to NATS as itself with the vision role's permissions (its own encode subject and
+    heartbeat), its own certificate, an HPA on its image queue; it moves no KV, so it has
+    no kv_transfer/UCX settings, no kv-share mount (even with kvShare.hostPath) and no UCX
+    rule names it. Its NetworkPolicy fences it both ways: nothing in but its metrics port;
+    out, only NATS, kvcache's gRPC and DNS (and the OTLP collector's port when set). A
+    vision stage on the text-only demo model is refused."""
+    values = merged(VISION_VALUES, {"stages": {"vision": {"autoscaling": {"enabled": True, "maxReplicas": 3}}},
+                                    "kvShare": {"hostPath": "/run/infermesh/kv-share"}})
+    docs = render_chart(values)
+    assert_manifests_valid(docs)
+    pods, policies = workloads(docs), kinds(docs, "NetworkPolicy")
+    vision = pods["mesh-infermesh-vision"]
+    assert vision["kind"] == "StatefulSet" and "replicas" not in vision["spec"]
+    pod = vision["spec"]["template"]["spec"]
+    (main,) = pod["containers"]
+    assert main["name"] == "vision" and main["command"] == ["python", "-m", "services.vision"]
+    env = container_envs(docs)["mesh-infermesh-vision/vision"]
+    settings = load_settings(env={k: v for k, v in env.items() if k.startswith("INFERMESH_")})
+    assert settings.nats.user == settings.worker.instance_id == "mesh-infermesh-vision-0"
+    assert settings.nats.password_file and settings.worker.grpc_token and settings.nats.tls_cert
+    assert settings.kvcache.address == "mesh-infermesh-kvcache:50051"
+    assert not kv_transfer_env(pod) and "kv-share" not in json.dumps(vision) and "KV_SHARE_DIR" not in json.dumps(env)
+    assert [c["name"] for c in pod["initContainers"]] == ["nats-credentials", "make-model"]
+    assert pod["initContainers"][1]["command"][-1].endswith("--arch qwen2_5_vl --preset tiny-vl")
+    (tls,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert {i["key"] for i in tls["secret"]["items"]} == {"ca.crt", "vision.crt", "vision.key"}
+    # NATS: a user per ordinal up to the HPA's maximum, each with the vision role's permissions and no more.
+    conf = kinds(docs, "Secret")["mesh-infermesh-nats"]["stringData"]["auth.conf"]
+    users = re.findall(r'user: "(mesh-infermesh-vision-\d+)"', conf)
+    assert users == [f"mesh-infermesh-vision-{i}" for i in range(3)]
+    block = conf[conf.index('user: "mesh-infermesh-vision-1"'):].split("}}", 1)[0]
+    assert 'publish: {allow: ["im.heartbeat.vision.mesh-infermesh-vision-1"]}' in block
+    assert 'subscribe: {allow: ["im.vision.mesh-infermesh-vision-1.encode", "_INBOX.mesh-infermesh-vision-1.>"]}' in block
+    (hpa,) = [h for n, h in kinds(docs, "HorizontalPodAutoscaler").items() if n.endswith("vision")]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                             "name": "mesh-infermesh-vision"}
+    assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]] == ["infermesh_vision_queued_images"]
+    assert "mesh-infermesh-vision" in kinds(docs, "PodDisruptionBudget")
+    # No UCX rule anywhere names vision; the engine stages' and kvcache's peers are what they were.
+    for name, policy in policies.items():
+        for rule in ucx_rules(policy):
+            (peer,) = rule["from"]
+            assert "vision" not in peer["podSelector"]["matchExpressions"][0]["values"], name
+    # The fence: in, metrics only (kubelet's probes pass policies by); out, NATS, kvcache and DNS only.
+    policy = policies["mesh-infermesh-vision"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/instance": "mesh",
+                                                    "app.kubernetes.io/component": "vision"}
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["ingress"] == [{"ports": [{"port": 9090, "protocol": "TCP"}]}]
+    nats = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nats", "app.kubernetes.io/instance": "mesh"}}}
+    kvcache = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "mesh",
+                                               "app.kubernetes.io/component": "kvcache"}}}
+    dns = {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+    assert policy["egress"] == [{"to": [nats], "ports": [{"port": 4222, "protocol": "TCP"}]},
+                                {"to": [kvcache], "ports": [{"port": 50051, "protocol": "TCP"}]}, dns]
+    # The selectors pick exactly the NATS and kvcache pods.
+    for peer, target in ((nats, "mesh-nats"), (kvcache, "mesh-infermesh-kvcache")):
+        picked = [n for n, w in pods.items()
+                  if peer["podSelector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert picked == [target], (peer, picked)
+    # And NATS and kvcache let it in (their ingress admits the mesh's pods, vision's labels among them).
+    labels = vision["spec"]["template"]["metadata"]["labels"]
+    for target in ("mesh-nats", "mesh-infermesh-kvcache"):
+        target_policy = policies[target.replace("mesh-nats", "mesh-infermesh-nats")]["spec"]
+        assert any(all(labels.get(k) == v for k, v in p["podSelector"]["matchLabels"].items())
+                   for r in target_policy["ingress"] for p in r.get("from", [])), target
+    # Traces to a collector, an external NATS: their ports, and nothing else added.
+    docs = render_chart(merged(values, {"otlp": {"endpoint": "http://otel.observability:4318"},
+                                        "nats": {"enabled": False, "url": "nats://nats.nats.svc:4333"}}))
+    egress = kinds(docs, "NetworkPolicy")["mesh-infermesh-vision"]["spec"]["egress"]
+    assert egress == [{"ports": [{"port": 4333, "protocol": "TCP"}]},
+                      {"to": [kvcache], "ports": [{"port": 50051, "protocol": "TCP"}]}, dns,
+                      {"ports": [{"port": 4318, "protocol": "TCP"}]}]
+    # The text-only demo model has no tower to run.
+    with pytest.raises(helm.HelmError, match=r"stages\.vision\.enabled: the demo model .* takes no images"):
+        render_chart({"stages": {"vision": {"enabled": True}}})
+    render_chart({"stages": {"vision": {"enabled": True}}, "model": {"volume": {"emptyDir": {}}}})  # yours: taken
+
+
 def test_chart_values_schema_refuses_typos():
     for bad, where in (({"stages": {"decode": {"gpu": 1}}}, "'gpu' not allowed"),
                        ({"settings": {"engin": {"dtype": "bfloat16"}}}, "engin"),
@@ -477,14 +578,15 @@ def container_envs(docs: list[dict]) -> dict[str, dict[str, str]]:
             for c in containers(wl["spec"]["template"]["spec"]) if not c["image"].startswith("nats:")}
 
 
-@pytest.mark.parametrize("source", ["chart", "chart-gpu", "chart-rdma", "compose", "compose-gpu"])
+@pytest.mark.parametrize("source", ["chart", "chart-gpu", "chart-rdma", "chart-vision", "chart-gpu-vision", "compose",
+                                    "compose-gpu", "compose-vision", "compose-gpu-vision"])
 def test_every_container_env_is_valid_settings(source):
     """Each variable names a real setting with a readable value (what a
     service checks when it starts), also where this file starts nothing."""
     if source.startswith("chart"):
         envs = container_envs(render_chart(chart_values({"chart": "default"}.get(source, source.removeprefix("chart-")))))
     else:
-        services = compose_config(*(["gpu"] if source == "compose-gpu" else []))["services"]
+        services = compose_config(*COMPOSE_PROFILES[source.removeprefix("compose").lstrip("-") or "cpu"])["services"]
         envs = {n: {**image_env(), **s.get("environment", {})} for n, s in services.items() if "build" in s}
     assert len(envs) >= 4
     for name, env in envs.items():
@@ -494,7 +596,10 @@ def test_every_container_env_is_valid_settings(source):
             assert settings.balancer.host == "0.0.0.0", name
         if "nats-credentials" in name:
             continue  # the one-shot that copies a worker's password: joins no plane
-        if source.endswith(("gpu", "rdma")) and name.split("/")[0].endswith(("prefill", "decode", "prefill-gpu-0", "decode-gpu-0")):
+        gpu_workers = ("prefill", "decode", "prefill-gpu-0", "decode-gpu-0", "vision-gpu-0")
+        if "gpu" in source or "rdma" in source:
+            gpu_workers += ("vision",) if source == "chart-gpu-vision" else ()
+        if ("gpu" in source or "rdma" in source) and name.split("/")[0].endswith(gpu_workers):
             assert settings.engine.device == "cuda", name
         if any(one_shot in name for one_shot in ("make-model", "model-init", "nats-credentials", "certs")):
             continue  # a one-shot that joins no plane
@@ -502,9 +607,10 @@ def test_every_container_env_is_valid_settings(source):
         # compose name), with a password, TLS to NATS, the gRPC token, and (containers
         # and pods being reached by others) the non-loopback bind set explicitly.
         # (values-gpu.yaml dials an existing NATS: its TLS is the operator's to set.)
-        assert (settings.nats.tls_ca or source in ("chart-gpu", "chart-rdma")) and settings.worker.tls_ca, name
+        assert (settings.nats.tls_ca or source in ("chart-gpu", "chart-rdma", "chart-gpu-vision")) and settings.worker.tls_ca, name
         # ... and a client certificate of the mesh's CA: the files' NATS asks for one.
-        assert (settings.nats.tls_cert and settings.nats.tls_key) or source in ("chart-gpu", "chart-rdma"), name
+        assert (settings.nats.tls_cert and settings.nats.tls_key) or source in ("chart-gpu", "chart-rdma",
+                                                                                 "chart-gpu-vision"), name
         role = next((r for r in ROLE_USERS if r in name.split("/")[-1]), None)
         if role is not None:
             assert settings.nats.user == role and settings.nats.password, name
@@ -521,7 +627,7 @@ def test_nats_auth_files_are_the_ones_generated_from_the_subjects():
     """Helm's NATS pieces and compose's auth.conf must say what `python -m
     deploy.nats_users --write` says today (regenerate them when a subject changes)."""
     files = generated()
-    assert len(files) == 4
+    assert len(files) == 5  # Helm's auth.conf and one instance file per stage (prefill, decode, vision); compose's
     for path, text in files.items():
         assert path.read_text() == text, f"{path} is stale: python -m deploy.nats_users --write"
     compose_conf = files[DEPLOY / "compose" / "nats" / "auth.conf"]
@@ -530,7 +636,7 @@ def test_nats_auth_files_are_the_ones_generated_from_the_subjects():
 
 
 def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
-    docs = render_chart()
+    docs = render_chart(VISION_VALUES)  # every stage, the vision encoder's pods too
     secret = kinds(docs, "Secret")["mesh-infermesh-auth"]
     keys = {f"NATS_{r.upper()}_PASSWORD" for r in ROLE_USERS} | {"INFERMESH_GRPC_TOKEN", "INFERMESH_API_KEY"}
     assert set(secret["data"]) == keys
@@ -573,7 +679,8 @@ def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
 
 
 TLS_COMPONENTS = {"mesh-infermesh-kvcache": "kvcache", "mesh-infermesh-prefill": "prefill",
-                  "mesh-infermesh-decode": "decode", "mesh-infermesh-balancer": "balancer"}
+                  "mesh-infermesh-decode": "decode", "mesh-infermesh-vision": "vision",
+                  "mesh-infermesh-balancer": "balancer"}
 
 
 def test_chart_runs_grpc_over_mutual_tls_with_certificates_of_its_own_ca(tmp_path):
@@ -581,7 +688,7 @@ def test_chart_runs_grpc_over_mutual_tls_with_certificates_of_its_own_ca(tmp_pat
     that CA for the names its clients dial; every component mounts its own and points
     worker.tls_* at it; gRPC probes ask through the image's health check (kubelet's
     speaks no TLS). Off, or with your Secret, as asked."""
-    docs = render_chart()
+    docs = render_chart(VISION_VALUES)
     data = {k: base64.b64decode(v) for k, v in kinds(docs, "Secret")["mesh-infermesh-tls"]["data"].items()}
     assert set(data) == {"ca.crt"} | {f"{c}.{ext}" for c in (*TLS_COMPONENTS.values(), "nats") for ext in ("crt", "key")}
     (tmp_path / "nats.crt").write_bytes(data["nats.crt"])
@@ -620,7 +727,7 @@ def test_chart_runs_grpc_over_mutual_tls_with_certificates_of_its_own_ca(tmp_pat
                 assert c[probe]["exec"]["command"][:4] == ["python", "deploy/docker/healthcheck.py", "grpc",
                                                            c[probe]["exec"]["command"][3]], (name, probe)
     # Off: kubelet's gRPC probes, no certificates anywhere.
-    docs = render_chart({"tls": {"enabled": False}})
+    docs = render_chart(merged(VISION_VALUES, {"tls": {"enabled": False}}))
     assert not {"mesh-infermesh-tls", "mesh-infermesh-ca"} & set(kinds(docs, "Secret"))
     assert "INFERMESH_WORKER__TLS" not in json.dumps(docs) and "INFERMESH_NATS__TLS" not in json.dumps(docs)
     assert all("grpc" in workloads(docs)[n]["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]
@@ -688,7 +795,7 @@ def test_chart_keeps_its_ca_certificates_and_passwords_across_upgrades(tmp_path)
 
 
 def test_compose_publishes_on_loopback_only_and_needs_its_secrets():
-    for profile in ((), ("gpu",)):
+    for profile in COMPOSE_PROFILES.values():
         services = compose_config(*profile)["services"]
         for name, svc in services.items():
             for port in svc.get("ports", []):
@@ -722,14 +829,16 @@ def test_compose_gives_each_service_its_own_certificate_and_keeps_them(tmp_path)
     certificate of the compose CA for its name, for server and client use. Run again it
     changes nothing; a missing folder is made again under the same CA; a volume of the
     one-certificate layout keeps its CA and loses the shared certificate."""
-    services = {**compose_config()["services"], **compose_config("gpu")["services"]}
+    services = {**compose_config(*COMPOSE_PROFILES["vision"])["services"],
+                **compose_config(*COMPOSE_PROFILES["gpu-vision"])["services"]}
     mounted = {}
     for name, svc in services.items():
         for v in svc.get("volumes", []):
             if v["source"] == "tls" and name != "certs":
                 assert v.get("read_only") and v.get("volume", {}).get("subpath") == name, (name, v)
                 mounted[name] = v
-    assert set(mounted) == {"nats", "kvcache", "balancer", *COMPOSE_INSTANCES, "prefill-gpu-0", "decode-gpu-0"}
+    assert set(mounted) == {"nats", "kvcache", "balancer", *COMPOSE_INSTANCES, "prefill-gpu-0", "decode-gpu-0",
+                            "vision-gpu-0"}
     volumes = run_compose_certs(services, tmp_path / "first")
     tls = volumes["tls"]
     assert sorted(p.name for p in tls.iterdir() if p.is_dir()) == sorted(mounted)
@@ -780,12 +889,15 @@ def test_autoscaling_metrics_exist_in_the_code():
     (decode): series the services really export."""
     series = code_metric_series()
     on = {"enabled": True}
-    for values in ({"stages": {"prefill": {"autoscaling": on}, "decode": {"autoscaling": on}}}, gpu_values()):
+    every = {"infermesh_prefill_queued_tokens", "infermesh_decode_running_requests", "infermesh_decode_kv_usage_ratio",
+             "infermesh_vision_queued_images"}
+    all_on = merged(VISION_VALUES, {"stages": {s: {"autoscaling": on} for s in ("prefill", "decode", "vision")}})
+    for values, wanted in ((all_on, every), (gpu_values(), every - {"infermesh_vision_queued_images"}),
+                           (gpu_vision_values(), every)):
         hpas = kinds(render_chart(values), "HorizontalPodAutoscaler")
         metrics = [m for h in hpas.values() for m in h["spec"]["metrics"]]
         names = {m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"}
-        assert {"infermesh_prefill_queued_tokens", "infermesh_decode_running_requests",
-                "infermesh_decode_kv_usage_ratio"} <= names
+        assert wanted <= names
         assert names <= series
     # prometheus-adapter serves each of them through the custom metrics API.
     adapter = yaml.safe_load((DEPLOY / "helm" / "prometheus-adapter-values.yaml").read_text())
@@ -798,12 +910,16 @@ def test_autoscaling_metrics_exist_in_the_code():
 # -- docker-compose and the image ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("profile", [None, "gpu"])
+COMPOSE_WORKERS = {"cpu": ENGINE_INSTANCES, "gpu": {"prefill-gpu-0", "decode-gpu-0"},
+                   "vision": set(COMPOSE_INSTANCES), "gpu-vision": {"prefill-gpu-0", "decode-gpu-0", "vision-gpu-0"}}
+
+
+@pytest.mark.parametrize("profile", list(COMPOSE_PROFILES))
 def test_compose_file_validates(profile):
-    profiles = (profile,) if profile else ()
+    profiles = COMPOSE_PROFILES[profile]
     compose_config(*profiles, quiet=True)
     services = compose_config(*profiles)["services"]
-    workers = set(COMPOSE_INSTANCES) if profile is None else {"prefill-gpu-0", "decode-gpu-0"}
+    workers = COMPOSE_WORKERS[profile]
     assert set(services) == {"certs", "nats", "model-init", "kvcache", "balancer", "jaeger", "prometheus",
                              "grafana"} | workers
     for name in workers:
@@ -815,7 +931,11 @@ def test_compose_file_validates(profile):
         assert {d: c["condition"] for d, c in svc["depends_on"].items()} == {
             "certs": "service_completed_successfully", "nats": "service_healthy", "kvcache": "service_healthy",
             "model-init": "service_completed_successfully", "jaeger": "service_started"}
-        if profile == "gpu":
+        if name.startswith("vision"):  # the encoder: moves no KV
+            assert svc["command"] == ["python", "-m", "services.vision"], name
+            assert not [k for k in svc["environment"] if k.startswith(("UCX_", "INFERMESH_KV_TRANSFER__"))], name
+            assert "INFERMESH_ENGINE__KV_SHARE_DIR" not in svc["environment"], name
+        if profile.startswith("gpu"):
             assert svc["environment"]["INFERMESH_ENGINE__DEVICE"] == "cuda"
             assert svc["build"]["args"]["VARIANT"] == "cuda"
             assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
@@ -865,15 +985,16 @@ def test_compose_runs_prefill_and_decode_apart_and_moves_kv_through_nixl(profile
         "false", "rc,ud,sm,self", "mlx5_0:1")
 
 
-@pytest.mark.parametrize("profile", [None, "gpu"])
+@pytest.mark.parametrize("profile", list(COMPOSE_PROFILES))
 def test_compose_workers_share_the_kv_share_volume_for_the_direct_copy(profile):
     """Compose runs on one host: every worker (and nothing else) mounts the one `kv-share`
     volume at the directory INFERMESH_ENGINE__KV_SHARE_DIR names, so that decode copies
     prefill's KV directly across their containers' PID namespaces. The volume is in memory
     and belongs to the image's user (which binds the socket there), closed to others."""
-    config = compose_config(*((profile,) if profile else ()))
+    config = compose_config(*COMPOSE_PROFILES[profile])
     services = config["services"]
-    workers = set(COMPOSE_INSTANCES) if profile is None else {"prefill-gpu-0", "decode-gpu-0"}
+    # The engine stages' workers; the vision encoder (which moves no KV) is none of them.
+    workers = {n for n in COMPOSE_WORKERS[profile] if not n.startswith("vision")}
     for name, svc in services.items():
         mounts = [v for v in svc.get("volumes", []) if v["source"] == "kv-share"]
         env = svc.get("environment") or {}
@@ -893,12 +1014,13 @@ def test_compose_workers_share_the_kv_share_volume_for_the_direct_copy(profile):
 
 
 def test_prometheus_scrapes_every_service_on_its_metrics_port():
-    services = {**compose_config()["services"], **compose_config("gpu")["services"]}
+    services = {**compose_config(*COMPOSE_PROFILES["vision"])["services"],
+                **compose_config(*COMPOSE_PROFILES["gpu-vision"])["services"]}
     scrape = yaml.safe_load((DEPLOY / "compose" / "prometheus" / "prometheus.yml").read_text())
     targets = {(name, sd["port"]) for job in scrape["scrape_configs"] for sd in job["dns_sd_configs"]
                for name in sd["names"]}
     ours = {n: s for n, s in services.items() if (s.get("command") or [])[:2] == ["python", "-m"]}
-    assert len(ours) == 7
+    assert len(ours) == 9  # kvcache, the balancer, prefill-0, decode-0/1, vision-0 and the three -gpu twins
     for name, svc in ours.items():
         assert (name, int(svc["environment"]["INFERMESH_WORKER__METRICS_PORT"])) in targets, name
 

@@ -348,7 +348,8 @@ def compose_specs(services: dict, local: Local, tmp: Path, models_dir: Path, sca
     """The compose services in depends_on order, `scale` containers of a
     service as `--scale` makes them; jaeger is the OTLP receiver, Prometheus
     and Grafana are not ours to start."""
-    order = ["certs", "nats", "model-init", "kvcache", *COMPOSE_INSTANCES, "balancer"]
+    # The workers of the profiles given (vision-0 only under `vision`).
+    order = ["certs", "nats", "model-init", "kvcache", *(n for n in COMPOSE_INSTANCES if n in services), "balancer"]
     assert set(services) - {"jaeger", "prometheus", "grafana"} == set(order)
     started = {"jaeger"}
     specs = []

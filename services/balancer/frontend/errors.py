@@ -46,7 +46,7 @@ class APIError(Exception):
     def of_generation(cls, exc: GenerationError) -> "APIError":
         """A generator's failure as the client sees it, the parameter at fault included
         where the engine named one (a token id past the vocabulary)."""
-        return cls(exc.status, str(exc), exc.error_type, param=exc.param)
+        return cls(exc.status, str(exc), exc.error_type, param=exc.param, code=exc.code)
 
 
 class ClientGone(Exception):

@@ -92,7 +92,7 @@ class MeshGenerator:
         images = NO_IMAGES
         if request.images:  # the server's max_payload, as the connection learnt it
             images = await wire_images(request, self._image_layout, self._bus.nc.max_payload, self._block_size)
-            images = await self._vision.encode(request.request_id, images)
+            images = await self._vision.encode(request.request_id, images, [image.param for image in request.images])
         self._in_flight += 1
         try:
             async for event in self._migrations.run(request, images):

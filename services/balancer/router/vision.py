@@ -8,7 +8,10 @@ One that refuses, fails, does not answer within vision.encode_timeout_s or leave
 mesh meanwhile (its NATS connection closed: a kill is heard within milliseconds) is
 passed over and the next one asked; with none left, or none live, or vision.enabled
 off, the request goes on as E/PD: prefill encodes its images from the PNGs it carries
-anyway. So a vision fault costs time, never the request.
+anyway. So a vision fault costs time, never the request. An instance that refuses the
+images themselves (one it cannot read: EncodeReply.code_param) ends the request at
+once with a 400 naming the content part: every other instance, and prefill, would
+refuse it the same way.
 
 Once per request, before its first attempt: a migration resends the same messages,
 whose embeddings kvcache still holds (or, evicted meanwhile, prefill encodes)."""
@@ -16,6 +19,7 @@ whose embeddings kvcache still holds (or, evicted meanwhile, prefill encodes).""
 import asyncio
 import logging
 import random
+from collections.abc import Sequence
 
 import nats.errors
 from opentelemetry.trace import Tracer
@@ -24,6 +28,7 @@ from services.balancer.router.instance_watch import InstanceWatch
 from services.balancer.router.policies import choose_vision
 from services.balancer.router.registry import Registry
 from services.balancer.router.reservations import Reservation
+from services.balancer.generation import GenerationError
 from services.balancer.router.wire import WireImages
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
@@ -49,10 +54,13 @@ class VisionStage:
         )
         self.m_failures = metrics.counter("vision_failures_total", "Encode requests a vision instance failed, "
                                           "by cause (error, timeout, left_mesh, no_responders)", ("cause",))
+        self.m_refused = metrics.counter("vision_refused_total", "Requests whose images a vision instance "
+                                         "could not read (a 400, not retried)")
 
-    async def encode(self, request_id: str, images: WireImages) -> WireImages:
+    async def encode(self, request_id: str, images: WireImages, parts: Sequence[str] = ()) -> WireImages:
         """The images, marked embedded when a vision instance encoded and stored them; as
-        they were otherwise (prefill encodes them)."""
+        they were otherwise (prefill encodes them). parts: each image's content part (its
+        param in a 400). GenerationError 400 when an instance refused an image itself."""
         if not images.messages or not self.settings.enabled or not self.registry.live("vision"):
             if images.messages:
                 self.m_encodes.labels("prefill").inc()
@@ -78,7 +86,7 @@ class VisionStage:
                 span.set_attribute("vision.choice", vid)
                 span.set_attribute("vision.reason", choice.reason)
                 with Reservation(choice.instance, requests=len(hashes)):
-                    cause = await self._ask(vid, request_id, images)
+                    cause = await self._ask(vid, request_id, images, parts)
                 if cause is None:
                     span.set_attribute("vision.site", "vision")
                     self.m_encodes.labels("vision").inc()
@@ -86,9 +94,10 @@ class VisionStage:
                 self.m_failures.labels(cause).inc()
                 span.add_event("vision_failed", {"instance": vid, "cause": cause})
 
-    async def _ask(self, vid: str, request_id: str, images: WireImages) -> str | None:
+    async def _ask(self, vid: str, request_id: str, images: WireImages, parts: Sequence[str]) -> str | None:
         """None once vid encoded and stored the images; else why not. Stops waiting as soon
-        as vid leaves the registry (its process died)."""
+        as vid leaves the registry (its process died). GenerationError 400 when vid refused
+        an image itself."""
         gone = self.watch.leaving(vid)
         msg = mesh_pb2.EncodeRequest(request_id=request_id, images=images.messages)
         ask = asyncio.ensure_future(self.bus.request(subjects.vision_encode(vid), msg, mesh_pb2.EncodeReply,
@@ -107,11 +116,25 @@ class VisionStage:
             return "no_responders"
         except nats.errors.TimeoutError:
             return "timeout"
+        if not reply.ok and reply.code_param:
+            self.registry.touch(vid)
+            self.m_refused.inc()
+            raise _refusal(reply, parts)
         if not reply.ok:
             log.warning("request %s: vision instance %s failed: %s", request_id, vid, reply.error)
             return "error"
         self.registry.touch(vid)
         return None
+
+
+def _refusal(reply: mesh_pb2.EncodeReply, parts: Sequence[str]) -> GenerationError:
+    """The 400 of a refused image: code_param is `<code>:images.<k>`; the error names the
+    request's k-th image part (reply.error starts with `images.<k>`, which becomes it)."""
+    code, _, where = reply.code_param.partition(":")
+    index = where.removeprefix("images.")
+    part = parts[int(index)] if index.isdigit() and int(index) < len(parts) else "messages"
+    message = reply.error.replace(where, part, 1) if where and reply.error.startswith(where) else f"{part}: {reply.error}"
+    return GenerationError(message, 400, "invalid_request_error", param=part, code=code or None)
 
 
 def _embedded(msg: mesh_pb2.ImageData) -> mesh_pb2.ImageData:

@@ -141,6 +141,13 @@ affinity:
 {{- include "infermesh.rdmaPod" . }}
 {{- end -}}
 
+{{/* The vision stage needs a vision-language model: without a volume, the demo one. */}}
+{{- define "infermesh.visionModelCheck" -}}
+{{- if and (dig "vision" "enabled" false .Values.stages) (not .Values.model.volume) (not (hasSuffix "_vl" .Values.model.demo.arch)) }}
+{{- fail (printf "stages.vision.enabled: the demo model (model.demo.arch %s) takes no images; give model.volume with a vision-language checkpoint, or set model.demo to {arch: qwen2_5_vl, preset: tiny-vl}" .Values.model.demo.arch) }}
+{{- end }}
+{{- end -}}
+
 {{/* The init container that writes the demo model when no model volume is given. */}}
 {{- define "infermesh.modelInit" -}}
 {{- if not .root.Values.model.volume }}
@@ -157,7 +164,7 @@ initContainers:
   command:
     - sh
     - -c
-    - test -f "$INFERMESH_ENGINE__MODEL/config.json" || exec infermesh make-model "$INFERMESH_ENGINE__MODEL"
+    - test -f "$INFERMESH_ENGINE__MODEL/config.json" || exec infermesh make-model "$INFERMESH_ENGINE__MODEL" --arch {{ .root.Values.model.demo.arch }} --preset {{ .root.Values.model.demo.preset }}
   envFrom:
     - configMapRef:
         name: {{ include "infermesh.fullname" .root }}-settings

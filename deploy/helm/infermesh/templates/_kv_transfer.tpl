@@ -2,9 +2,10 @@
 kvTransfer over it). Only the components that move KV use these: kvcache and
 the engine stages. */}}
 
-{{/* True ("true") when the component moves KV: kvcache or an engine stage. */}}
+{{/* True ("true") when the component moves KV: kvcache or an engine stage
+(vision, the encoder, moves none: its embeddings go to kvcache over gRPC). */}}
 {{- define "infermesh.movesKV" -}}
-{{- if or (eq .component "kvcache") (hasKey .root.Values.stages .component) -}}true{{- end -}}
+{{- if or (eq .component "kvcache") (and (hasKey .root.Values.stages .component) (ne .component "vision")) -}}true{{- end -}}
 {{- end -}}
 
 {{/* src's keys set on dst, maps merged key by key, so a false or "" in src wins
