@@ -27,7 +27,7 @@ from shared.runtime.service import ServiceContext
 from shared.runtime.settings import Settings, VisionSettings
 from shared.stage.convert import image_to_proto
 from tests.helpers.clock import Clock
-from tests.unit.test_vision_stage import beat
+from tests.helpers.vision_heartbeats import beat
 
 PARTS = ["messages[0].content[0]", "messages[0].content[2]"]
 

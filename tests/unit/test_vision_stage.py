@@ -9,16 +9,10 @@ import torch
 from services.balancer.router.policies import choose_vision
 from services.balancer.router.registry import Registry
 from services.vision.cache import EmbeddingCache
-from shared.proto import mesh_pb2
 from tests.helpers.clock import Clock
+from tests.helpers.vision_heartbeats import beat
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
-
-
-def beat(reg: Registry, iid: str, hashes: list[bytes], running: int = 0, waiting: int = 0) -> None:
-    hb = mesh_pb2.Heartbeat(stage="vision", instance_id=iid, interval_s=0.5, image_hashes=hashes,
-                            load=mesh_pb2.Load(num_running=running, num_waiting=waiting))  # fmt: skip
-    assert reg.on_heartbeat(hb) is None
 
 
 def test_vision_goes_to_the_instance_holding_the_images_unless_it_is_busier_than_they_cost() -> None:
