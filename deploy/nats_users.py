@@ -5,7 +5,7 @@ a worker can publish only on its own heartbeat, KV event and stream subjects.
 Helm names pods (StatefulSet ordinals) only at render time, so it gets the
 pieces, which its templates fill in (templates/nats-users.yaml):
 
-  helm/infermesh/files/nats/auth.conf         the accounts, the role users
+  helm/infermesh/files/nats/auth.conf         the limits (max_payload), the accounts, the role users
                                               (balancer, kvcache, monitor) and
                                               a line that the instances replace
   helm/infermesh/files/nats/instance-<role>.conf   one instance's user, its name
@@ -25,7 +25,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tools.launch.nats_auth import ENV_SECRETS, User, authorization_block, new_password, password_variable
+from tools.launch.nats_auth import (ENV_SECRETS, User, authorization_block, new_password, password_variable,
+                                    server_config)
 
 DEPLOY = Path(__file__).resolve().parent
 HELM_NATS = DEPLOY / "helm" / "infermesh" / "files" / "nats"
@@ -56,8 +57,7 @@ def _user_lines(block: str) -> list[str]:
 
 
 def helm_files() -> dict[Path, str]:
-    block = authorization_block(role_users())
-    lines = block.splitlines()
+    lines = server_config(role_users()).splitlines()
     end = lines.index("    ]")
     auth = HEADER + "\n".join([*lines[:end], INSTANCES_MARKER, *lines[end:]]) + "\n"
     files = {HELM_NATS / "auth.conf": auth}
@@ -75,7 +75,7 @@ def instance_user(name: str, role: str, password: str) -> User:
 def compose_conf() -> str:
     users = role_users() + [instance_user(name, role, "$" + password_variable(name))
                             for name, role in COMPOSE_INSTANCES.items()]
-    return HEADER + authorization_block(users)
+    return HEADER + server_config(users)
 
 
 def generated() -> dict[Path, str]:

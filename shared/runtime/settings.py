@@ -209,8 +209,13 @@ class BalancerSettings:
     """At most this many generations dispatched to the mesh at once; the rest wait
     in the balancer, lower `priority` first, then by arrival (0: dispatch at once,
     and a request's priority must be 0)."""
-    max_request_bytes: int = 4 << 20
-    """Bodies larger than this are refused with 413."""
+    max_request_bytes: int = 50 << 20
+    """Bodies larger than this are refused with 413. Images sent inline (base64 data:
+    URLs, 4/3 of their bytes) count against it, so it bounds a request's inline images
+    together, as OpenAI's 50 MB payload limit does: the default admits one image of
+    images.max_bytes (20 MiB, ~27 MiB as base64) beside the conversation, or about
+    37 MiB of images in all. images.max_per_request x images.max_bytes is the bound
+    only for http(s) URLs, which the balancer downloads."""
     first_token_timeout_s: float = 60.0
     """A request with no token from decode after this long fails (and is cancelled)."""
     token_timeout_s: float = 30.0
@@ -248,8 +253,10 @@ class ImageSettings:
     """A request with more image parts than this is refused with a 400 before any is loaded."""
     max_bytes: int = 20 << 20
     """An image's encoded bytes, downloaded or decoded from a data: URL, at most this
-    many (a download is cut off as soon as it passes them). A data: URL also counts
-    against balancer.max_request_bytes, the whole body's limit."""
+    many (a download is cut off as soon as it passes them); OpenAI's per-image limit.
+    A data: URL also counts, as base64, against balancer.max_request_bytes (the whole
+    body's limit, which bounds a request's inline images together): keep that above
+    4/3 of this, or an image this allows cannot be sent inline."""
     max_pixels: int = 1 << 24
     """An image of more pixels (width x height) than this is refused before its pixel
     data is decoded: a small file can declare a huge image (a decompression bomb).

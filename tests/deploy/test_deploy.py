@@ -20,7 +20,9 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import dockerfile
@@ -51,7 +53,9 @@ from tests.helpers.deploy_harness import (
 )
 from tests.helpers.helm_chart import CHART, live_secrets, render_chart
 from tests.helpers.mesh_procs import ROOT, stop_process
-from deploy.nats_users import COMPOSE_INSTANCES, ROLE_USERS, compose_secrets, generated
+from deploy.nats_users import COMPOSE_INSTANCES, COMPOSE_CONF, ROLE_USERS, compose_secrets, generated
+from tools.launch.nats_auth import MAX_PAYLOAD, MeshCredentials
+from tools.launch.up import find_nats_server, free_port
 
 DEPLOY = ROOT / "deploy"
 GPU_VALUES = CHART / "values-gpu.yaml"
@@ -633,6 +637,49 @@ def test_nats_auth_files_are_the_ones_generated_from_the_subjects():
     compose_conf = files[DEPLOY / "compose" / "nats" / "auth.conf"]
     assert set(re.findall(r"\$(NATS_\w+_PASSWORD)", compose_conf)) == {
         "NATS_" + u.upper().replace("-", "_") + "_PASSWORD" for u in (*ROLE_USERS, *COMPOSE_INSTANCES)}
+
+
+def nats_info(conf: Path, port: int, env: dict[str, str]) -> dict:
+    """The INFO a nats-server started on conf sends a client: what nats-py learns max_payload from."""
+    proc = subprocess.Popen([find_nats_server(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port)],
+                            env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                    line = s.makefile("rb").readline()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                assert time.monotonic() < deadline, "nats-server did not listen"
+                time.sleep(0.05)
+        assert line.startswith(b"INFO "), line
+        return json.loads(line[5:])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_every_deployments_nats_takes_the_mesh_message_size(tmp_path):
+    """compose's, Helm's and `up`'s nats-server configs all raise max_payload to the
+    mesh's MAX_PAYLOAD (a prefill request carries its images as PNG): the line is
+    top-level in the generated files and the rendered chart, and a nats-server started
+    on compose's file or on up's announces it to its clients."""
+    assert MAX_PAYLOAD == 8 << 20  # nats-server's recommended maximum, 8x its default
+    line = re.compile(rf"^max_payload: {MAX_PAYLOAD}$", re.M)
+    files = generated()
+    helm_conf = kinds(render_chart(), "Secret")["mesh-infermesh-nats"]["stringData"]["auth.conf"]
+    for text in (files[CHART / "files" / "nats" / "auth.conf"], files[COMPOSE_CONF], helm_conf):
+        assert len(line.findall(text)) == 1, text[:200]
+    nats = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["nats"]  # compose's server reads that file
+    assert "./nats/auth.conf:/etc/nats/auth.conf:ro" in nats["volumes"] and "/etc/nats/auth.conf" in nats["command"]
+    assert nats_info(COMPOSE_CONF, free_port(), COMPOSE_SECRETS)["max_payload"] == MAX_PAYLOAD
+    creds = MeshCredentials()
+    creds.add("balancer", "balancer")
+    up_conf, port = tmp_path / "nats-auth.conf", free_port()
+    creds.write_config(up_conf, "127.0.0.1", port)
+    assert nats_info(up_conf, port, {})["max_payload"] == MAX_PAYLOAD
 
 
 def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():

@@ -4,8 +4,9 @@ lossless PNG on the prefill request, prefill runs the processor and the tower, d
 gets the images in the handoff and re-encodes what it recomputes. Checked: a chat with an
 image gives the in-process engine's tokens and logprobs; two prompts that differ only in
 their image share no KV past it; the same image in a later turn is a prefix hit, found by
-the balancer's routing keys; the trace holds the request's spans; an image too large for
-a mesh message is a 400 naming it; a decode instance SIGKILLed mid-stream lets the
+the balancer's routing keys; the trace holds the request's spans; a photo-sized image
+(~1.5 MB of PNG, past nats-server's default 1 MiB) goes through, and one too large for a
+mesh message (MAX_PAYLOAD) is a 400 naming it; a decode instance SIGKILLed mid-stream lets the
 request move on with its images (a mesh of two decode instances) and the tokens are still
 the in-process engine's."""
 
@@ -29,7 +30,9 @@ from tests.helpers.mesh_procs import span_attributes
 from tests.helpers.metrics import balancer_metric as metric
 from tests.helpers.nats_listener import Listener
 from tests.helpers.vlm_models import synthetic_images
-from tests.helpers.vl_mesh import BLOCK, ENV, cached, chat, image_part, in_process, logprobs, mesh_model, prompt_ids
+from tests.helpers.vl_mesh import (BLOCK, ENV, NUM_NEW, cached, chat, image_part, in_process, logprobs, mesh_model,
+                                  prompt_ids)
+from tools.launch.nats_auth import MAX_PAYLOAD
 from tools.launch.up import Mesh
 from tools.make_model import make_model
 
@@ -94,11 +97,25 @@ def test_another_image_shares_no_kv_and_the_same_image_is_a_prefix_hit(vl_mesh: 
     assert route_held(vl_mesh, c["id"]) >= len(prompt) // BLOCK
 
 
+def test_a_photo_sized_image_crosses_the_mesh(vl_mesh: Mesh) -> None:
+    # Noise does not compress: 720x720 is ~1.55 MB of PNG, a 1024x768 photo's size, past
+    # nats-server's default 1 MiB and within the mesh's MAX_PAYLOAD.
+    photo = Image.fromarray(noise(720, 720, seed=6))
+    part = image_part(photo)
+    assert len(part["image_url"]["url"]) * 3 // 4 > 1 << 20
+    body = chat(vl_mesh, [{"role": "user", "content": [{"type": "text", "text": "Look:"}, part]}])
+    assert len(body["choices"][0]["token_ids"]) == NUM_NEW
+    assert span_attributes(vl_mesh.trace_dir, body["id"], "prefill")["images.count"] == 1
+
+
 def test_images_too_large_for_a_mesh_message_are_a_400_naming_the_image(vl_mesh: Mesh) -> None:
-    big = Image.fromarray(noise(640, 640, seed=5))  # noise does not compress: ~1.2 MB of PNG
+    side = int((MAX_PAYLOAD / 3) ** 0.5) + 16  # 3 bytes a pixel of noise: a PNG just past MAX_PAYLOAD
+    big = Image.fromarray(noise(side, side, seed=5))
     messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, image_part(big)]}]
     body = chat(vl_mesh, messages, status=400)
-    assert body["error"]["param"] == "messages.0.content.1" and "lossless PNG" in body["error"]["message"]
+    message = body["error"]["message"]
+    assert body["error"]["param"] == "messages.0.content.1" and "lossless PNG" in message
+    assert f"the {MAX_PAYLOAD} bytes one mesh message holds" in message  # the server's limit, learnt from it
 
 
 def test_a_decode_instance_killed_mid_stream_moves_the_request_with_its_images(

@@ -76,11 +76,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return vl
 
 
-def _app(model_dir: Path, **kw: Any) -> Iterator[App]:
+def _app(model_dir: Path, max_model_len: int = 1024, **kw: Any) -> Iterator[App]:
     recipe = Recipe.from_pretrained(model_dir)
     generator = Scripted(recipe)
     generator.reply = "A picture."
-    app = create_app(generator=generator, recipe=recipe, model_name=MODEL, max_model_len=1024,
+    app = create_app(generator=generator, recipe=recipe, model_name=MODEL, max_model_len=max_model_len,
                      settings=BalancerSettings(), **kw)
     with TestClient(app, base_url="http://balancer") as http:
         yield App(http, generator, recipe)
@@ -104,8 +104,9 @@ def vl(model_dir: Path) -> Iterator[App]:
 
 @pytest.fixture(scope="module")
 def vl_default(model_dir: Path) -> Iterator[App]:
-    """Accepts images, with the default image settings: closed to private addresses."""
-    yield from _app(model_dir, model_images=_vl_images(model_dir))
+    """Accepts images, with the default image and body settings: closed to private
+    addresses; a context long enough for a photo's tokens."""
+    yield from _app(model_dir, max_model_len=4096, model_images=_vl_images(model_dir))
 
 
 def text(words: str) -> dict[str, Any]:
@@ -225,6 +226,16 @@ def test_the_default_settings_refuse_a_loopback_url(vl_default: App, image_serve
                         "images.fetch_private")
         assert error["code"] == "image_url_refused"
     assert len(image_server.hits) == hits
+
+
+def test_the_default_body_limit_admits_an_image_of_images_max_bytes_inline(vl_default: App) -> None:
+    photo = noise(1300, 1300, seed=7)  # noise does not compress: ~5 MB of PNG, ~6.8 MB as a data: URL
+    response = vl_default.chat(image(data_url(encode(photo))), text("?"))
+    assert response.status_code == 200, response.text  # the old 4 MiB body limit answered 413
+    assert np.array_equal(vl_default.generator.requests[-1].images[0].pixels, photo)
+    # The largest image images.max_bytes lets through fits the body as a data: URL, with the conversation.
+    inline = len(data_url(b"\0" * ImageSettings().max_bytes))
+    assert inline + (1 << 20) <= BalancerSettings().max_request_bytes
 
 
 @pytest.mark.parametrize("part, param, why", [

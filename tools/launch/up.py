@@ -6,7 +6,8 @@ services first (they drain), NATS last.
 
 Closed by default: the mesh's NATS takes only the users `up` writes into
 <state_dir>/nats-auth.conf (mode 0600), one per instance with random
-passwords and the subject permissions of tools/launch/nats_auth.py; gRPC
+passwords and the subject permissions of tools/launch/nats_auth.py (the file
+also raises max_payload to the mesh's, as compose's and Helm's do); gRPC
 calls carry a token made here; every service binds loopback. gRPC runs
 without TLS here (every process on one host, on loopback): mutual TLS is
 Helm's, or given through the worker.tls_* settings (extra_env), which the
@@ -41,7 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.runtime.rpc import TlsFiles
 from shared.runtime.settings import load_settings
-from tools.launch.nats_auth import MeshCredentials, new_password
+from tools.launch.nats_auth import MeshCredentials, new_password, server_limits
 
 # Run by the child before it execs its command: die with the thread that
 # started it (prctl(PR_SET_PDEATHSIG, SIGKILL)), and give up if that parent is
@@ -326,9 +327,11 @@ class Mesh:
         nats_args = [find_nats_server()]
         if self.auth:
             self._make_credentials(nats_port)
-            nats_args += ["-c", str(self.nats_config)]
             user, password = self.credentials("admin")
             self.nats_url = f"nats://{user}:{password}@{nats_host}:{nats_port}"
+        else:  # an open mesh still takes the mesh's message size
+            self.nats_config.write_text(server_limits())
+        nats_args += ["-c", str(self.nats_config)]
         nats_args += ["-a", nats_host, "-p", str(nats_port), "-js", "-sd", str(self.state_dir / "nats")]
         self._start("nats", nats_args, dict(os.environ))
         self._wait("nats-server", self._until_healthy("nats", lambda: _port_open(nats_host, nats_port)), 10)

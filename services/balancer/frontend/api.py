@@ -51,7 +51,9 @@ from shared.runtime.settings import BalancerSettings, ImageSettings
 MAX_CONTEXT_TOKENS = 1 << 17
 """The longest context served. A prompt (with the tokens so far, when a request
 migrates) crosses NATS whole, balancer to prefill and prefill to decode, and a
-NATS message holds at most 1 MiB (nats-server's max_payload). The handoff to
+NATS message holds at most 1 MiB (nats-server's default max_payload: the mesh's own
+servers take more, tools/launch/nats_auth.py MAX_PAYLOAD, for images, but a NATS
+the chart is pointed at may keep the default). The handoff to
 decode is the larger: per token at most 5 bytes of id (a uint32 varint), per
 block of 16 tokens (the default) a 34-byte hash and a block id per KV group. At
 2**17 tokens, with every other field at its limit, that is ~1,000 KiB
