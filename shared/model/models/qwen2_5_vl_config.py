@@ -13,9 +13,12 @@ whose "mrope" transformers reads as the default rope with sections.
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.model.arch_config import ArchConfig, ArchTraits, parse_rope
+
+if TYPE_CHECKING:
+    from shared.model.models.qwen3_vl_config import Qwen3VisionTowerParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +55,10 @@ class VisionTowerParams:
 
 @dataclass(frozen=True, slots=True)
 class VisionLanguageParams:
-    """What a vision-language model adds to its language model's config."""
+    """What a vision-language model adds to its language model's config (Qwen2.5-VL's,
+    Qwen3-VL's: the same image tokens and M-RoPE, each family its own tower)."""
 
-    vision: VisionTowerParams
+    vision: "VisionTowerParams | Qwen3VisionTowerParams"
     image_token_id: int
     """The placeholder the processor repeats once per merged patch of an image."""
     video_token_id: int
@@ -63,6 +67,9 @@ class VisionLanguageParams:
     mrope_section: tuple[int, int, int]
     """Rotary channel pairs (head_dim / 2 in all) turned by the temporal, height and
     width positions, in that order (contiguous sections, Qwen2-VL's layout)."""
+    mrope_interleaved: bool = False
+    """Qwen3-VL's layout: pair i is the height's where i % 3 == 1 (below 3 x sections[1]),
+    the width's where i % 3 == 2 (below 3 x sections[2]), the temporal's otherwise."""
 
 
 def _text_view(d: Mapping[str, Any]) -> Mapping[str, Any]:
