@@ -12,11 +12,11 @@ engine cuts per step (chunked prefill) carry their deepstack features with them;
 forward splits the columns again.
 
 Checkpoint names: transformers 5.24 saves (and the released checkpoints hold)
-``model.language_model.*``, ``model.visual.*`` and ``lm_head``; ``checkpoint_names``
-maps them onto ours (``model.*``, ``visual.*``, ``lm_head``).
+``model.language_model.*``, ``model.visual.*`` and ``lm_head``; ``checkpoint_tensors``
+names our modules (``model.*``, ``visual.*``) so.
 """
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from types import MappingProxyType
 
 import torch
@@ -31,19 +31,15 @@ from shared.model.multimodal import ImageInputs, InputEmbeddings
 from shared.model.parallel import SINGLE, ParallelContext
 from shared.model.vision.qwen3_vision import Qwen3VisionTransformer
 
-_RELEASED_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+# Our module prefixes -> the released (and save_pretrained's) ones.
+_RELEASED_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."))
 
 
-def qwen3_vl_checkpoint_names(names: Collection[str]) -> Mapping[str, str | None]:
-    """The released (and save_pretrained's) names -> ours; ``lm_head.*`` as it is."""
-    out: dict[str, str | None] = {}
-    for name in names:
-        out[name] = name
-        for released, ours in _RELEASED_PREFIXES:
-            if name.startswith(released):
-                out[name] = ours + name[len(released) :]
-                break
-    return out
+def _released_name(name: str) -> str:
+    for ours, released in _RELEASED_PREFIXES:
+        if name.startswith(ours):
+            return released + name[len(ours) :]
+    return name  # lm_head.*
 
 
 class Qwen3VLForConditionalGeneration(LlamaForCausalLM):
@@ -71,6 +67,11 @@ class Qwen3VLForConditionalGeneration(LlamaForCausalLM):
         """The columns of an image-pad row's embedding: the input embedding, then one
         deepstack feature per deepstack layer."""
         return self.config.hidden_size * (1 + self.num_deepstack)
+
+    def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """The Llama family's targets under the released names (transformers 5.24 saves
+        these too): what the loader, load_weights(state_dict) and make-model use."""
+        return {_released_name(name): t for name, t in super().checkpoint_tensors(available).items()}
 
     @classmethod
     def check_tensor_parallel(cls, config: ModelConfig, tp_size: int) -> None:
@@ -108,5 +109,4 @@ ENTRY = ModelEntry(
     config=CONFIG,
     model_classes=MappingProxyType({"Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration}),
     kv_layout=llama_kv_layout,
-    checkpoint_names=qwen3_vl_checkpoint_names,
 )

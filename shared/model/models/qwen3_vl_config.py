@@ -179,10 +179,13 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                                 num_position_embeddings=64, deepstack_visual_indexes=(0, 2),
                             )
                         ),
-                        # The image processor's bounds (preprocessor_config.json): at most
-                        # 512 x 512 pixels, 256 image tokens.
+                        # The image processor (preprocessor_config.json): at most 512 x 512
+                        # pixels, 256 image tokens; Qwen3-VL's normalisation and processor.
                         min_pixels=4096,
                         max_pixels=262144,
+                        image_mean=(0.5, 0.5, 0.5),
+                        image_std=(0.5, 0.5, 0.5),
+                        processor_class="Qwen3VLProcessor",
                     )
                 ),
             )
