@@ -299,7 +299,7 @@ def _vision_token_ids(out: Path) -> dict[str, int]:
     """The ids of the image tokens (VISION_TOKENS) in the folder's tokenizer."""
     from tokenizers import Tokenizer
 
-    from shared.model.models.qwen2_5_vl_config import VISION_TOKENS
+    from shared.model.vision_language_config import VISION_TOKENS
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}

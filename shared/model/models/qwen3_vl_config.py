@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from shared.model.arch_config import ArchConfig, ArchTraits
-from shared.model.models.qwen2_5_vl_config import VisionLanguageParams, _mrope, _text_view
+from shared.model.vision_language_config import VisionLanguageParams, mrope_fields, text_view
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class Qwen3VisionTowerParams:
 
 
 def parse_fields(d: Mapping[str, Any], num_layers: int, head_dim: int, max_pos: int) -> Mapping[str, Any]:
-    fields, section = _mrope(d, max_pos, head_dim)
+    fields, section = mrope_fields(d, max_pos, head_dim)
     v = d.get("vision_config") or {}
     hidden_act = v.get("hidden_act", "gelu_pytorch_tanh")
     if hidden_act != "gelu_pytorch_tanh":
@@ -212,5 +212,5 @@ CONFIG = ArchConfig(
     test_config=hf_test_config,
     parse=parse_fields,
     presets=PRESETS,
-    view=_text_view,
+    view=text_view,
 )
