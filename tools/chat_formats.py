@@ -74,6 +74,19 @@ FORMATS: dict[str, ChatFormat] = {
         adds_bos=False,
         template_file="qwen2_5_vl_chat_template.jinja",
     ),
+    # Qwen3-VL: the same tokens for images and turns. Its released chat template (tools,
+    # no default system prompt) is not reproduced yet: the folder gets Qwen2.5-VL's,
+    # whose image parts render the same <|vision_start|><|image_pad|><|vision_end|>.
+    "qwen3_vl": ChatFormat(
+        special_tokens=("<|endoftext|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+                        "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                        "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"),
+        text_tokens=(),
+        bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        adds_bos=False,
+        template_file="qwen2_5_vl_chat_template.jinja",
+    ),
     "deepseek_v4": ChatFormat(
         special_tokens=v4.SPECIAL_TOKENS,
         text_tokens=v4.ADDED_TOKENS,

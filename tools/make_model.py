@@ -115,8 +115,8 @@ def make_model(
 ) -> int:
     """Write config.json, the weights, generation_config.json and (with ``tokenizer``)
     the tokenizer files into ``path``; return the number of parameters. GPT-OSS,
-    DeepSeek-V4 and Qwen2.5-VL get their released chat format's tokens and template
-    (chat_formats.py); Qwen2.5-VL also its image processor's preprocessor_config.json.
+    DeepSeek-V4, Qwen2.5-VL and Qwen3-VL get their chat format's tokens and template
+    (chat_formats.py); the VL ones also their image processor's preprocessor_config.json.
 
     ``tokenizer=False`` leaves bos/eos ids null. ``sliding_window``: see hf_config_dict
     (the weights do not change with it). ``tokenizer_vocab_size``: how many tokens the
@@ -158,10 +158,10 @@ def make_model(
     else:
         bos, eos = None, None
 
-    if arch == "qwen2_5_vl" and tokenizer:
+    if arch in _VISION_PRESETS and tokenizer:
         # config.json names the image tokens by the tokenizer's ids; the image processor's settings beside them.
         dims = {**dims, "token_ids": _vision_token_ids(out)}
-        vision = dims.get("vision_language") or PRESETS["tiny-vl"]["vision_language"]
+        vision = dims.get("vision_language") or PRESETS[_VISION_PRESETS[arch]]["vision_language"]
         _write_json(out / "preprocessor_config.json", _preprocessor_config(vision))
     config = hf_config_dict(arch, dims, _DTYPE_NAMES[dtype], bos, eos, sliding_window)
     _write_json(out / "config.json", config)
@@ -299,7 +299,7 @@ def _vision_token_ids(out: Path) -> dict[str, int]:
     """The ids of the image tokens (VISION_TOKENS) in the folder's tokenizer."""
     from tokenizers import Tokenizer
 
-    from shared.model.models.qwen2_5_vl_config import VISION_TOKENS
+    from shared.model.vision_language_config import VISION_TOKENS
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
@@ -309,19 +309,25 @@ def _vision_token_ids(out: Path) -> dict[str, int]:
     return ids
 
 
+# The vision-language archs, each with the preset whose tower (and image processor) a
+# shape preset of another family gets.
+_VISION_PRESETS: Mapping[str, str] = MappingProxyType({"qwen2_5_vl": "tiny-vl", "qwen3_vl": "tiny-qwen3-vl"})
+
+
 def _preprocessor_config(vision_language: Mapping[str, Any]) -> dict[str, Any]:
     """preprocessor_config.json as Qwen/Qwen2.5-VL ships it (what transformers' processor
-    reads), with the preset's pixel bounds."""
+    reads), with the preset's pixel bounds; a preset naming its own normalisation and
+    processor class (tiny-qwen3-vl: Qwen3-VL's mean and std of 0.5) gets those."""
     tower = vision_language["vision_config"]
     return {
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_mean": list(vision_language.get("image_mean", (0.48145466, 0.4578275, 0.40821073))),
         "image_processor_type": "Qwen2VLImageProcessor",
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_std": list(vision_language.get("image_std", (0.26862954, 0.26130258, 0.27577711))),
         "max_pixels": vision_language["max_pixels"],
         "merge_size": 2,
         "min_pixels": vision_language["min_pixels"],
         "patch_size": tower["patch_size"],
-        "processor_class": "Qwen2_5_VLProcessor",
+        "processor_class": vision_language.get("processor_class", "Qwen2_5_VLProcessor"),
         "temporal_patch_size": 2,
     }
 

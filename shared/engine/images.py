@@ -60,7 +60,9 @@ def fetched_embeddings(model: CausalLM, images: ImageEmbeddings, lengths: Sequen
     would make of the same grids (tokens per image, hidden size: a vision instance of
     another model would otherwise feed rows of the wrong width), on the model's device
     and in its dtype."""
-    hidden = model.config.hidden_size
+    # A row's width: the hidden size, or more where the model's rows carry more than the
+    # input embedding (Qwen3-VL's deepstack features beside it).
+    hidden = getattr(model, "image_embedding_width", model.config.hidden_size)
     weight = model.model.embed_tokens.weight  # where and in what the forward adds them
     out = []
     for k, (embeds, length) in enumerate(zip(images.embeds, lengths)):

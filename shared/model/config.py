@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # torch only where a dtype is asked for: the balancer reads c
     import torch
 
     from shared.model.models.deepseek_v4_config import DeepseekV4Params
-    from shared.model.models.qwen2_5_vl_config import VisionLanguageParams
+    from shared.model.vision_language_config import VisionLanguageParams
 
 
 

@@ -235,14 +235,16 @@ class MRotaryEmbedding(RotaryEmbedding):
     """Multimodal rotary (M-RoPE, Qwen2-VL's and Qwen2.5-VL's): positions [3, T]
     (temporal, height, width; shared/model/vision/mrope.py), the first ``sections[0]``
     frequency pairs turned by the temporal position, the next ``sections[1]`` by the
-    height, the last by the width (contiguous sections), as Qwen2_5_VLRotaryEmbedding.
+    height, the last by the width (contiguous sections), as Qwen2_5_VLRotaryEmbedding;
+    ``interleaved``: Qwen3-VL's layout instead (``mrope_axes``).
     Positions [T] (every axis alike: text, decode) are the plain rope."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, sections: tuple[int, int, int], device: torch.device) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, sections: tuple[int, int, int], device: torch.device,
+                 interleaved: bool = False) -> None:  # fmt: skip
         super().__init__(rope, head_dim, device)
         if sum(sections) != head_dim // 2:
             raise ValueError(f"M-RoPE sections {sections} must sum to head_dim / 2 = {head_dim // 2}")
-        axis = torch.tensor([a for a, n in enumerate(sections) for _ in range(n)], device=device)
+        axis = torch.tensor(mrope_axes(sections, interleaved), device=device)
         self.axis_of_pair: torch.Tensor
         self.register_buffer("axis_of_pair", axis, persistent=False)
 
@@ -254,6 +256,20 @@ class MRotaryEmbedding(RotaryEmbedding):
         freqs = positions[self.axis_of_pair].t().float() * self.inv_freq.float()  # [T, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def mrope_axes(sections: tuple[int, int, int], interleaved: bool) -> list[int]:
+    """The axis (0 temporal, 1 height, 2 width) of each rotary pair. Contiguous: the
+    sections one after another. Interleaved (Qwen3VLTextRotaryEmbedding's
+    recomposition): pairs 1, 4, 7... below 3 x sections[1] are the height's, pairs 2, 5,
+    8... below 3 x sections[2] the width's, every other pair the temporal's."""
+    if not interleaved:
+        return [a for a, n in enumerate(sections) for _ in range(n)]
+    axes = [0] * sum(sections)
+    for axis in (1, 2):
+        for i in range(axis, min(3 * sections[axis], len(axes)), 3):
+            axes[i] = axis
+    return axes
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -79,13 +79,16 @@ class VLPrompt:
     image_grid_thw: torch.Tensor | None
 
 
-def vl_prompt(images: Sequence[Any], seed: int, text_lens: Sequence[int] | None = None) -> VLPrompt:
+def vl_prompt(
+    images: Sequence[Any], seed: int, text_lens: Sequence[int] | None = None, processor: Any = None
+) -> VLPrompt:
     """Text, then each image as <vision_start> <image_pad> x tokens <vision_end> followed by
-    text, as the processor expands a chat prompt; text ids seeded from [3, TEXT_HIGH)."""
+    text, as the processor expands a chat prompt; text ids seeded from [3, TEXT_HIGH).
+    ``processor``: the image processor (default: Qwen2.5-VL's, ``image_processor()``)."""
     g = torch.Generator().manual_seed(seed)
     lens = list(text_lens) if text_lens is not None else [5 + 2 * i for i in range(len(images) + 1)]
     if images:
-        out = image_processor()(images=list(images), return_tensors="pt")
+        out = (processor or image_processor())(images=list(images), return_tensors="pt")
         pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
     else:
         pixel_values, grid = None, None
@@ -139,3 +142,57 @@ def folder_chat_prompt(folder: str | Path, messages: list[dict[str, Any]], image
         expanded += pad * (int(grid[i].prod()) // processor.merge_size**2) + piece
     ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
     return VLPrompt(ids, None if pixels is None else pixels["pixel_values"], grid)
+
+
+# Tiny seeded Qwen3-VL: a 3-layer Qwen3 of width 64 (head_dim 16: interleaved M-RoPE
+# sections 2/3/3 of 8 pairs), a 3-block tower of width 32 on 16 px patches, a 6 x 6
+# position table, blocks 0 and 2 feeding deepstack features into decoder layers 0 and 1.
+QWEN3_TEXT_CONFIG: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=1,
+    eos_token_id=2,
+    rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 5000000.0,
+                     "mrope_interleaved": True},
+)  # fmt: skip
+QWEN3_VISION_CONFIG: dict[str, Any] = dict(
+    depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+    num_position_embeddings=36, deepstack_visual_indexes=[0, 2],
+)  # fmt: skip
+# Qwen3-VL's image processor: 16 px patches (32 px per merged token), mean/std 0.5.
+QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 4096, 262144
+
+
+def save_tiny_qwen3_vl_model(path: str | Path, seed: int = 0) -> Path:
+    import transformers
+
+    config = transformers.Qwen3VLConfig(
+        text_config=dict(QWEN3_TEXT_CONFIG), vision_config=dict(QWEN3_VISION_CONFIG), image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            is_norm_weight = "norm" in name and name.endswith("weight")
+            param.copy_(1.0 + 0.1 * noise if is_norm_weight else 0.05 * noise)
+    out = Path(path)
+    model.save_pretrained(out)
+    return out
+
+
+def qwen3_image_processor() -> Any:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS}, patch_size=16,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )  # fmt: skip
+
+
+def hf_qwen3_vl_model(path: str | Path) -> Any:
+    import transformers
+
+    return transformers.Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()

@@ -51,7 +51,11 @@ KV_MEMORY_READS_OF_THE_ENGINE = ("shared.engine.request", "shared.engine.config"
 """The request state the managers update and the config's choices: torch-free, and
 themselves importing no KV memory."""
 ENGINE_SEES_OF_THE_CONNECTORS = ("shared.kv.connectors.base",)
-FAMILY_CONFIGS_BUILD_ON = ("shared.model.arch_config", "shared.model.moe_config")
+FAMILY_CONFIGS_BUILD_ON = (
+    "shared.model.arch_config",
+    "shared.model.moe_config",
+    "shared.model.vision_language_config",
+)
 """Of the model, all a family's config module (models/<name>_config.py) may import.
 Not shared.model.config: ModelConfig names DeepSeek-V4's parameters, so a family config
 that imported it would close a circle (arch_config was cut out of config.py for that)."""

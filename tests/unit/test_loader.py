@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.model.config import ModelConfig
 from shared.model.loader import CheckpointError, load_model
+from shared.model.models import arch_traits
 from tools.make_model import ARCHITECTURES, make_model
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.numerics import rel_err
@@ -197,7 +198,8 @@ def test_make_model_is_deterministic_and_transformers_agrees(arch: str, tmp_path
     assert (tmp_path / "a/model.safetensors").read_bytes() != (tmp_path / "c/model.safetensors").read_bytes()
 
     # A vision-language model is transformers' image-text-to-text class (text only here).
-    auto = transformers.AutoModelForImageTextToText if arch == "qwen2_5_vl" else transformers.AutoModelForCausalLM
+    vision = arch_traits(ARCHITECTURES[arch]).accepts_images
+    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
     hf = auto.from_pretrained(tmp_path / "a", dtype=torch.float32)
     # config.json is exactly what transformers itself writes for this model.
     hf.save_pretrained(tmp_path / "resaved")

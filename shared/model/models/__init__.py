@@ -11,8 +11,10 @@
 Today: ``llama`` (Llama, Qwen2, Qwen3, Mistral: one transformer, differences are data),
 ``qwen3_moe``, ``gpt_oss``, ``deepseek_v4`` (compressed attention, mHC; its own KV
 groups), ``qwen2_5_vl`` (Qwen2's decoder, a vision tower, multimodal rotary
-positions). Everything else derives from the list: the supported architectures, config
-parsing, the model classes, make-model's architectures and presets, the CLI's choices.
+positions), ``qwen3_vl`` (Qwen3's decoder, its tower's deepstack features added after
+the first layers, interleaved multimodal rotary). Everything else derives from the
+list: the supported architectures, config parsing, the model classes, make-model's
+architectures and presets, the CLI's choices.
 Adding an architecture is its two files and one line here.
 
 This module imports no torch (config parsing runs in the balancer, which has none): the
@@ -39,6 +41,7 @@ FAMILIES: tuple[str, ...] = (
     "gpt_oss",
     "deepseek_v4",
     "qwen2_5_vl",
+    "qwen3_vl",
 )
 """The model files, by module name (``shared/model/models/<name>.py`` and ``<name>_config.py``)."""
 

@@ -11,7 +11,7 @@ goes, so loading a checkpoint is still a name lookup. Architecture differences c
 layer, tied embeddings.
 """
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
@@ -34,6 +34,7 @@ from shared.kv.spec import KVCacheLayout, kv_cache_layout
 
 if TYPE_CHECKING:  # the kernel modules are imported only when a model selects them
     from shared.model.kernels.attention import TritonAttentionPlan
+    from shared.model.multimodal import InputEmbeddings
 
 
 def llama_kv_layout(config: ModelConfig) -> KVCacheLayout:
@@ -323,10 +324,14 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metas: list[AttentionMetadata],
+        added: "Sequence[InputEmbeddings]" = (),
     ) -> torch.Tensor:
         """The decoder over input embeddings ``x`` [T, hidden] (the token embeddings, or a
         vision-language model's with its images merged in); ``positions``: the rotary
-        positions, [T] (or [3, T] for a multimodal rotary, ``rotary_emb`` reads them)."""
+        positions, [T] (or [3, T] for a multimodal rotary, ``rotary_emb`` reads them).
+        ``added[i]``: rows whose hidden state after layer i gets those embeddings added
+        (Qwen3-VL's deepstack: the tower's intermediate features at the image rows of
+        the first layers); empty for every other model, whose loop is unchanged."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
         if len(metas) != len(self.kv_layout.groups):
@@ -347,8 +352,14 @@ class LlamaForCausalLM(CausalLM):
             plans = [plan_attention(m, w, x.device) for m, w in zip(metas, self._group_windows)]
         residual: torch.Tensor | None = None
         counted = counted_tokens(meta, input_ids.shape[0]) if self._sparse_blocks else None
-        for layer, kv_cache, g in zip(self.model.layers, kv_caches, self._group_of_layer):
+        for i, (layer, kv_cache, g) in enumerate(zip(self.model.layers, kv_caches, self._group_of_layer)):
             x, residual = layer(x, residual, cos, sin, kv_cache, metas[g], plans[g], input_ids, counted)
+            if i < len(added):
+                # The layer's output summed into the stream (as the next norm's fused add
+                # would), the rows added to, and handed on as a fresh stream: the same
+                # adds, in the same order, as transformers' decoder loop.
+                assert residual is not None
+                x, residual = (x + residual).index_add(0, added[i].rows, added[i].embeds.to(x.dtype)), None
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm.fused_add(x, residual)[0]

@@ -1,7 +1,7 @@
 """Qwen2.5-VL's config (torch-free, beside models/qwen2_5_vl.py): its language model is
 Qwen2's (q/k/v biases, the Llama family's layers) read from ``text_config`` (v5) or the
 top level (v4, as the released checkpoints are), its vision tower and image tokens
-(``VisionLanguageParams``, held in ``ModelConfig.vision_language``), the sections of
+(``VisionLanguageParams``, shared/model/vision_language_config.py), the sections of
 its multimodal rotary (M-RoPE), and the config.json make-model writes for it.
 
 Both spellings, as transformers 5.24's ``Qwen2_5_VLConfig`` reads them: v5 nests the
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from shared.model.arch_config import ArchConfig, ArchTraits, parse_rope
+from shared.model.arch_config import ArchConfig, ArchTraits
+from shared.model.vision_language_config import VisionLanguageParams, mrope_fields, text_view
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,50 +51,8 @@ class VisionTowerParams:
         return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
 
 
-@dataclass(frozen=True, slots=True)
-class VisionLanguageParams:
-    """What a vision-language model adds to its language model's config."""
-
-    vision: VisionTowerParams
-    image_token_id: int
-    """The placeholder the processor repeats once per merged patch of an image."""
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-    mrope_section: tuple[int, int, int]
-    """Rotary channel pairs (head_dim / 2 in all) turned by the temporal, height and
-    width positions, in that order (contiguous sections, Qwen2-VL's layout)."""
-
-
-def _text_view(d: Mapping[str, Any]) -> Mapping[str, Any]:
-    """config.json with ``text_config``'s keys at the top level, the top level's own
-    winning where transformers reads them there (architectures, model_type, dtype,
-    the token ids of images), tied embeddings set when either level sets them (as
-    Qwen2_5_VLConfig's backward compatibility does)."""
-    text = d.get("text_config")
-    if not text:
-        return d
-    merged = {**d, **{k: v for k, v in text.items() if k not in ("model_type", "dtype", "torch_dtype")}}
-    merged["tie_word_embeddings"] = bool(d.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings"))
-    return merged
-
-
-def _mrope(d: Mapping[str, Any], max_pos: int, head_dim: int) -> tuple[Mapping[str, Any], tuple[int, int, int]]:
-    params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-    section = params.pop("mrope_section", None)
-    if params.get("rope_type", params.get("type")) == "mrope":  # v4's name for the default rope with sections
-        params.pop("type", None)
-        params["rope_type"] = "default"
-    if section is None or len(section) != 3:
-        raise ValueError(f"Qwen2.5-VL needs rope mrope_section of three ints, got {section!r}")
-    if sum(section) != head_dim // 2:
-        raise ValueError(f"mrope_section {section} must sum to head_dim / 2 = {head_dim // 2}")
-    rope = parse_rope({**d, "rope_scaling": None, "rope_parameters": params}, max_pos)
-    return {"rope": rope}, (int(section[0]), int(section[1]), int(section[2]))
-
-
 def parse_fields(d: Mapping[str, Any], num_layers: int, head_dim: int, max_pos: int) -> Mapping[str, Any]:
-    fields, section = _mrope(d, max_pos, head_dim)
+    fields, section = mrope_fields(d, max_pos, head_dim)
     v = d.get("vision_config") or {}
     hidden_act = v.get("hidden_act", "silu")
     if hidden_act != "silu":
@@ -131,11 +90,6 @@ def parse_fields(d: Mapping[str, Any], num_layers: int, head_dim: int, max_pos: 
         mrope_section=section,
     )
     return {**fields, "vision_language": params}
-
-
-# The image tokens make-model's tokenizer gets (tools/chat_formats.py): the names the
-# released tokenizer has. hf_test_config reads their ids from the preset's arguments.
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def hf_test_config(model_type: str, config: dict[str, Any], preset: Mapping[str, Any], sliding_window: int | None) -> dict[str, Any]:
@@ -252,5 +206,5 @@ CONFIG = ArchConfig(
     test_config=hf_test_config,
     parse=parse_fields,
     presets=PRESETS,
-    view=_text_view,
+    view=text_view,
 )

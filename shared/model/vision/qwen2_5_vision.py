@@ -18,27 +18,15 @@ Parameter names are transformers' under ``visual.`` (the checkpoint's).
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shared.model.layers import MLP, Linear, RMSNorm, rotate_half
+from shared.model.layers import MLP, Linear, RMSNorm
 from shared.model.models.qwen2_5_vl_config import VisionTowerParams
-
-GridTHW = tuple[int, int, int]
-"""An image's (temporal, height, width) patches: a row of the processor's ``image_grid_thw``."""
+from shared.model.vision.tower import (
+    GridTHW, PatchEmbed, VisionAttention, axial_inv_freq, axial_rotary, image_bounds, vision_positions,
+)  # fmt: skip
 
 _NORM_EPS = 1e-6  # hard-coded in transformers' vision blocks and merger
-
-
-def vision_positions(grids: Sequence[GridTHW], merge: int) -> torch.Tensor:
-    """(row, column) of every patch [patches, 2], in the processor's patch order: 2x2
-    merge blocks in raster order, the patches of a block in raster order inside it."""
-    rows = []
-    for t, h, w in grids:
-        hpos = torch.arange(h)[:, None].expand(h, w).reshape(h // merge, merge, w // merge, merge).transpose(1, 2)
-        wpos = torch.arange(w)[None, :].expand(h, w).reshape(h // merge, merge, w // merge, merge).transpose(1, 2)
-        rows.append(torch.stack([hpos.flatten(), wpos.flatten()], dim=-1).repeat(t, 1))
-    return torch.cat(rows)
 
 
 def window_order(grids: Sequence[GridTHW], merge: int, window_merged: int) -> tuple[torch.Tensor, list[int]]:
@@ -59,40 +47,6 @@ def window_order(grids: Sequence[GridTHW], merge: int, window_merged: int) -> tu
                     bounds.append(bounds[-1] + cells.numel() * merge * merge)
         base += t * mh * mw
     return torch.cat(order), bounds
-
-
-def image_bounds(grids: Sequence[GridTHW]) -> list[int]:
-    """Cumulative patch counts of every frame: the full-attention blocks' sequences."""
-    bounds = [0]
-    for t, h, w in grids:
-        for _ in range(t):
-            bounds.append(bounds[-1] + h * w)
-    return bounds
-
-
-class VisionAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.qkv = Linear(dim, 3 * dim, True, dtype, device)
-        self.proj = Linear(dim, dim, True, dtype, device)
-
-    def forward(self, x: torch.Tensor, bounds: Sequence[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).permute(1, 0, 2, 3).unbind(0)
-        # The rotary in float32, cast back (transformers' apply_rotary_pos_emb_vision).
-        c, s = cos[:, None, :].float(), sin[:, None, :].float()
-        q = (q.float() * c + rotate_half(q.float()) * s).to(x.dtype)
-        k = (k.float() * c + rotate_half(k.float()) * s).to(x.dtype)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, head_dim]
-        # Each sequence (window or image) on its own, as transformers' SDPA path does.
-        outs = [
-            F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], scale=self.head_dim**-0.5)
-            for a, b in zip(bounds[:-1], bounds[1:])
-            if b > a
-        ]
-        return self.proj(torch.cat(outs, dim=1).transpose(0, 1).reshape(n, -1))
 
 
 class VisionBlock(nn.Module):
@@ -124,22 +78,6 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))
 
 
-class PatchEmbed(nn.Module):
-    def __init__(self, p: VisionTowerParams, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.params = p
-        kernel = (p.temporal_patch_size, p.patch_size, p.patch_size)
-        # A convolution whose stride is its kernel (each patch alone), as transformers has
-        # it: the same op, so the same float32 rounding.
-        self.proj = nn.Conv3d(p.in_channels, p.hidden_size, kernel, stride=kernel, bias=False, device=device, dtype=dtype)
-        self.proj.weight.requires_grad_(False)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        x = pixels.view(-1, p.in_channels, p.temporal_patch_size, p.patch_size, p.patch_size)
-        return self.proj(x.to(self.proj.weight.dtype)).view(-1, p.hidden_size)
-
-
 class Qwen2_5_VisionTransformer(nn.Module):
     """``visual.``: ``forward(pixel_values, grids)`` -> [merged patches, out_hidden_size],
     the images one after another, each in raster order of its merged patches."""
@@ -147,11 +85,11 @@ class Qwen2_5_VisionTransformer(nn.Module):
     def __init__(self, p: VisionTowerParams, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.params = p
-        self.patch_embed = PatchEmbed(p, dtype, device)
+        self.patch_embed = PatchEmbed(p.in_channels, p.temporal_patch_size, p.patch_size, p.hidden_size, False, dtype,
+                                      device)  # fmt: skip
         self.blocks = nn.ModuleList(VisionBlock(p, dtype, device) for _ in range(p.depth))
         self.merger = PatchMerger(p, dtype, device)
-        spatial = p.head_dim // 2
-        inv_freq = 1.0 / (p.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial))
+        inv_freq = axial_inv_freq(p.head_dim, p.rope_theta, device)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -186,10 +124,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
             return t.reshape(-1, unit, t.shape[-1])[order].reshape(t.shape[0], -1)
 
         x = windowed(self.patch_embed(pixel_values))
-        freqs = vision_positions(grids, merge).to(device)[..., None].float() * self.inv_freq  # [n, 2, pairs]
-        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = windowed(emb.cos()), windowed(emb.sin())
+        cos, sin = axial_rotary(vision_positions(grids, merge).to(device), self.inv_freq)
+        cos, sin = windowed(cos), windowed(sin)
         for i, block in enumerate(self.blocks):
             x = block(x, full_bounds if i in p.fullatt_block_indexes else window_bounds, cos, sin)
         return self.merger(x)[torch.argsort(order)]

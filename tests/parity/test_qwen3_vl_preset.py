@@ -1,0 +1,89 @@
+"""make-model's tiny-qwen3-vl preset: a Qwen3-VL folder transformers reads as it wrote it
+(config.json equal to its own re-save, weights under the released names), with a
+tokenizer holding the vision tokens whose ids config.json names, a chat template and
+Qwen3-VL's preprocessor config (16 px patches, mean and std 0.5); a chat prompt with
+two images renders offline, and our greedy tokens and logprobs (deepstack included)
+equal transformers' on it."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.model.multimodal import ImageInputs
+from shared.model.vision.mrope import mrope_positions
+from tests.helpers.paged_driver import PagedDriver
+from tests.helpers.vlm_models import folder_chat_prompt, hf_qwen3_vl_model, synthetic_images
+
+transformers = pytest.importorskip("transformers")
+
+NUM_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tools.make_model import make_model
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_vl")
+    make_model(path, arch="qwen3_vl", preset="tiny-qwen3-vl", seed=3)
+    return path
+
+
+def test_config_is_what_transformers_writes(folder: Path, tmp_path: Path) -> None:
+    transformers.AutoConfig.from_pretrained(folder).save_pretrained(tmp_path)
+    assert json.loads((folder / "config.json").read_text()) == json.loads((tmp_path / "config.json").read_text())
+
+
+def test_vision_token_ids_are_the_tokenizers(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    names = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+             "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}  # fmt: skip
+    for key, token in names.items():
+        assert config[key] == tokenizer.convert_tokens_to_ids(token) < config["text_config"]["vocab_size"]
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_preprocessor_is_qwen3_vls(folder: Path) -> None:
+    processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    assert processor.patch_size == 16 and list(processor.image_mean) == [0.5, 0.5, 0.5]
+
+
+def test_chat_with_two_images_matches_transformers(folder: Path) -> None:
+    from shared.model.loader import load_model
+
+    images = synthetic_images([(150, 100), (70, 90)], seed=9)
+    messages = [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "Compare these two pictures:"}, {"type": "image"},
+    ]}]  # fmt: skip
+    prompt = folder_chat_prompt(folder, messages, images)
+    config = json.loads((folder / "config.json").read_text())
+    image_token = config["image_token_id"]
+    assert prompt.pixel_values is not None and prompt.image_grid_thw is not None
+    ids = torch.tensor([prompt.token_ids])
+    hf_inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=prompt.pixel_values,
+                     image_grid_thw=prompt.image_grid_thw, mm_token_type_ids=(ids == image_token).to(torch.int32))  # fmt: skip
+    hf = hf_qwen3_vl_model(folder)
+    with torch.no_grad():
+        greedy = hf.generate(**hf_inputs, max_new_tokens=NUM_NEW, do_sample=False)[0, ids.shape[1] :].tolist()
+        full = torch.tensor([prompt.token_ids + greedy])
+        hf_inputs.update(input_ids=full, attention_mask=torch.ones_like(full),
+                         mm_token_type_ids=(full == image_token).to(torch.int32))  # fmt: skip
+        reference = torch.log_softmax(hf(**hf_inputs).logits[0].float(), dim=-1)
+
+    model = load_model(folder)
+    grids = [tuple(g) for g in prompt.image_grid_thw.tolist()]
+    positions = mrope_positions(prompt.token_ids, grids, image_token, 2)
+    embeds = torch.cat(model.encode_images(ImageInputs.from_processor(prompt.pixel_values, prompt.image_grid_thw)))  # type: ignore[operator]
+    rows = [i for i, t in enumerate(prompt.token_ids) if t == image_token]
+    n = len(prompt.token_ids)
+    driver = PagedDriver(model, num_seqs=1, block_size=8)
+    out = driver.step({0: prompt.token_ids}, rope_positions={0: positions.rows(0, n)}, embeds={0: (rows, embeds)})[0]
+    logprobs, tokens = [torch.log_softmax(out, dim=-1)], [int(out[-1].argmax())]
+    for k in range(NUM_NEW - 1):
+        step = driver.step({0: [tokens[-1]]}, rope_positions={0: positions.rows(n + k, n + k + 1)})[0]
+        logprobs.append(torch.log_softmax(step, dim=-1))
+        tokens.append(int(step[-1].argmax()))
+    assert tokens == greedy
+    torch.testing.assert_close(torch.cat(logprobs), reference[: n + NUM_NEW - 1], rtol=0, atol=1e-4)
