@@ -11,7 +11,7 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from tests.helpers.deepseek_v4_models import save_tiny_v4
+from tests.helpers.deepseek_v4_models import save_tiny_v4, seeded_prompts as prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -19,11 +19,6 @@ MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.05}
 """How far below transformers' top logit our greedy token may be."""
 LOGPROB_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.05}
 NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
-
-def prompts(lengths=(5, 17, 40, 70), seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=["mixed", "csa_only"])

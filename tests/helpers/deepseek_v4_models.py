@@ -87,3 +87,10 @@ def save_tiny_v4(variant: str, path: str | Path, seed: int = 0, strong_mhc: bool
     out = Path(path)
     model.save_pretrained(out, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     return out
+
+
+def seeded_prompts(lengths: tuple[int, ...] = (5, 17, 40, 70), seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of these lengths, drawn from the tiny V4's vocabulary (ids 3-511):
+    the prompts tests/gpu/test_gpu_deepseek_v4.py and tools/bench/v4_bf16_error.py share."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]

@@ -17,13 +17,7 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
-from tests.helpers.deepseek_v4_models import save_tiny_v4
-
-
-def prompts(lengths=(5, 17, 40, 70), seed: int = 0) -> list[list[int]]:
-    """The test's prompts (tests/gpu/test_gpu_deepseek_v4.py)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+from tests.helpers.deepseek_v4_models import save_tiny_v4, seeded_prompts as prompts
 
 
 def main(argv: list[str] | None = None) -> int:
