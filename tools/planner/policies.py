@@ -81,21 +81,19 @@ class PlannerPolicy:
         """Intervals whose plan was infeasible (the allocation was held)."""
 
     def _correct(self, seen: Seen) -> None:
-        """measured / predicted at the load each instance saw; an interval with a
-        backlog measures the queue, not the model, and is left out."""
+        """measured / predicted, the prediction at the concurrency and batch each
+        instance ran at (gauges the mesh exports; Dynamo predicts ITL at the observed
+        KV load the same way), so the ratio is the model's error, not the load's. An
+        interval with a backlog measures the queue, not the model, and is left out."""
         o, a, pct = seen.outcome, seen.arrivals, self.targets.percentile
-        isl_p, isl_mean = float(np.percentile(a.input_tokens, pct)), float(a.input_tokens.mean())
-        osl_p, osl_mean = float(np.percentile(a.output_tokens, pct)), float(a.output_tokens.mean())
-        miss = 1.0 - self.prefix_hit
+        isl_p = float(np.percentile(a.input_tokens, pct))
+        osl_p = float(np.percentile(a.output_tokens, pct))
         if o.prefill_backlog == 0 and seen.backlog_before[0] == 0:
-            op = self.model.prefill.at_load(isl_p * miss, isl_mean * miss, o.prefill_demand_per_instance)
-            if op is not None:
-                kv_ms = isl_p * self.prefix_hit * self.kv_s_per_token * 1000
-                self.corrections["prefill"].observe(o.ttft_ms - kv_ms, op.ttft_ms)
+            kv_ms = isl_p * self.prefix_hit * self.kv_s_per_token * 1000
+            predicted = self.model.prefill.ttft_ms(isl_p * (1.0 - self.prefix_hit), o.prefill_concurrency)
+            self.corrections["prefill"].observe(o.ttft_ms - kv_ms, predicted)
         if o.decode_backlog == 0 and seen.backlog_before[1] == 0:
-            op = self.model.decode.at_load(isl_p + osl_p / 2, isl_mean + osl_mean / 2, o.decode_demand_per_instance)
-            if op is not None:
-                self.corrections["decode"].observe(o.itl_ms, op.itl_ms)
+            self.corrections["decode"].observe(o.itl_ms, self.model.decode.itl_ms(o.decode_batch, isl_p + osl_p / 2))
 
     def factors(self) -> dict[str, float]:
         return {s: c.factor for s, c in self.corrections.items()}

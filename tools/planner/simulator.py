@@ -139,7 +139,7 @@ def compare(profile: Profile, spec: SimSpec, trace_spec: TraceSpec) -> dict[str,
 def _idle(arrivals: Interval):
     from tools.planner.true_system import Outcome
 
-    return Outcome(0.0, 0.0, 0.0, arrivals.requests, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    return Outcome(0.0, 0.0, 0.0, arrivals.requests, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0)
 
 
 def report(result: dict[str, object], profile: Profile) -> str:

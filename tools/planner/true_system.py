@@ -43,6 +43,10 @@ class Outcome:
     """Output tokens waiting for a batch slot at the interval's end."""
     prefill_demand_per_instance: float
     decode_demand_per_instance: float
+    prefill_concurrency: float
+    """Prompts in flight per prefill instance (a gauge the mesh exports)."""
+    decode_batch: float
+    """Running requests per decode instance."""
 
 
 def _first_over(f, limit: float, hi: float) -> float:
@@ -110,4 +114,5 @@ class TrueMesh:
         return Outcome(ttft_ms=ttft(isl_p), itl_ms=itl(ctx_p), over_target=over * arrivals.requests,
                        requests=arrivals.requests, prefill_utilisation=p_demand / (p_cap_each * max(prefill, 1)),
                        decode_utilisation=d_demand / (d_cap_each * max(decode, 1)), prefill_backlog=p_end,
-                       decode_backlog=d_end, prefill_demand_per_instance=p_each, decode_demand_per_instance=d_each)
+                       decode_backlog=d_end, prefill_demand_per_instance=p_each, decode_demand_per_instance=d_each,
+                       prefill_concurrency=p_level, decode_batch=d_batch)
