@@ -46,8 +46,9 @@ class Holt:
         return self.level + steps * self.trend
 
     def upper(self, steps: int = 1, z: float = 1.2816) -> float:
-        """The forecast plus z one-step error deviations (z 1.28: a one-sided 90 % band)."""
-        return self.forecast(steps) + z * math.sqrt(self.error_var)
+        """The forecast plus z error deviations `steps` ahead (z 1.28: a one-sided 90 %
+        band); the one-step error's variance grows with the horizon as a random walk's."""
+        return self.forecast(steps) + z * math.sqrt(self.error_var * steps)
 
 
 @dataclass(frozen=True, slots=True)

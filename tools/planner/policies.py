@@ -107,11 +107,20 @@ class PlannerPolicy:
         # p90/mean of the last interval carries the lengths' shape onto the forecast means.
         isl_ratio = float(np.percentile(a.input_tokens, 90)) / isl_mean
         osl_ratio = float(np.percentile(a.output_tokens, 90)) / osl_mean
-        workload = Workload(f.requests_per_s, Lengths(f.input_tokens_mean, f.input_tokens_mean * isl_ratio),
-                            Lengths(f.output_tokens_mean, f.output_tokens_mean * osl_ratio), self.prefix_hit)
-        try:
-            planned = plan(corrected(self.profile, self.factors()), workload, self.targets, self.gpu_hour_usd)
-        except InfeasibleTarget:
-            self.infeasible += 1
-            return dict(seen.allocated)
-        return {s: planned.replicas[s] for s in SIM_STAGES}
+        # A backlog is load too (the mesh exports queued tokens): drained over one interval
+        # once new instances are ready, on the stage that holds it, as extra requests/s.
+        o, miss = seen.outcome, 1.0 - self.prefix_hit
+        extra = {"prefill": o.prefill_backlog / (seen.interval_s * max(f.input_tokens_mean * miss, 1.0)),
+                 "decode": o.decode_backlog / (seen.interval_s * f.output_tokens_mean)}
+        profile = corrected(self.profile, self.factors())
+        out = {}
+        for stage in SIM_STAGES:
+            workload = Workload(f.requests_per_s + extra[stage],
+                                Lengths(f.input_tokens_mean, f.input_tokens_mean * isl_ratio),
+                                Lengths(f.output_tokens_mean, f.output_tokens_mean * osl_ratio), self.prefix_hit)
+            try:
+                out[stage] = plan(profile, workload, self.targets, self.gpu_hour_usd).replicas[stage]
+            except InfeasibleTarget:
+                self.infeasible += 1
+                out[stage] = seen.allocated[stage]
+        return out

@@ -8,10 +8,11 @@ tokens/s settles where its throughput covers D (the least concurrency or batch t
 does: StageModels' at_load), so latency rises with load as the profile's sweep shows.
 Demand beyond the stage's capacity (its instances at the most load the profile
 measured) is carried over as a backlog, and every request of the interval waits the
-mean backlog's drain time: in its TTFT for prefill, and for decode (a request waiting
-for a batch slot) in its TTFT too. A request is over target when its TTFT or its ITL
-is; lengths come from the interval's samples, so the share over target is exact for
-them (latency is monotone in length: one threshold length per stage).
+mean backlog's drain time: in its TTFT for prefill; for decode, a request waiting for
+a batch slot waits between its first token (prefill's) and its second, which its mean
+inter-token latency carries. A request is over target when its TTFT or its ITL is;
+lengths come from the interval's samples (TTFT is monotone in length: one threshold
+length, found by bisection).
 """
 
 from dataclasses import dataclass
@@ -102,16 +103,17 @@ class TrueMesh:
         d_end, d_wait = self._queue(rps * osl_mean, decode_backlog, d_cap_each * decode)
 
         def ttft(n: float) -> float:
-            return p.ttft_ms(n * miss, p_level) + n * self.prefix_hit * self.kv_s_per_token * 1000 + p_wait + d_wait
+            return p.ttft_ms(n * miss, p_level) + n * self.prefix_hit * self.kv_s_per_token * 1000 + p_wait
 
-        def itl(ctx: float) -> float:
-            return d.itl_ms(d_batch, ctx)
-
+        # Per request ITL is its mean gap between tokens (vLLM's TPOT): the batch's step
+        # time at its context, plus the wait for a batch slot spread over its tokens
+        # (prefill sampled the first token, so decode's queue delays the second).
         ctx = isl + osl / 2
+        grid = np.geomspace(1.0, max(float(ctx.max()), 2.0), 24)
+        itl = np.interp(np.log(ctx), np.log(grid), [d.itl_ms(d_batch, g) for g in grid]) + d_wait / osl
         isl_star = _first_over(ttft, self.ttft_target, float(isl.max()))
-        ctx_star = _first_over(itl, self.itl_target, float(ctx.max()))
-        over = float(np.mean((isl > isl_star) | (ctx > ctx_star)))
-        return Outcome(ttft_ms=ttft(isl_p), itl_ms=itl(ctx_p), over_target=over * arrivals.requests,
+        over = float(np.mean((isl > isl_star) | (itl > self.itl_target)))
+        return Outcome(ttft_ms=ttft(isl_p), itl_ms=float(np.percentile(itl, self.percentile)), over_target=over * arrivals.requests,
                        requests=arrivals.requests, prefill_utilisation=p_demand / (p_cap_each * max(prefill, 1)),
                        decode_utilisation=d_demand / (d_cap_each * max(decode, 1)), prefill_backlog=p_end,
                        decode_backlog=d_end, prefill_demand_per_instance=p_each, decode_demand_per_instance=d_each,
