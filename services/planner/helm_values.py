@@ -1,7 +1,9 @@
 """A Helm values file (YAML text) that deploys a plan with deploy/helm/infermesh: each
 stage's replica count, its GPUs per pod, and the stage's HPA off (the plan sizes the
 stage; an HPA would fight it). Only the keys the plan decides are written, so the
-file layers over the operator's own values (`helm install -f theirs.yaml -f plan.yaml`).
+file layers over the operator's own values (`helm install -f theirs.yaml -f plan.yaml`);
+a GPU profile's plan over deploy/helm/infermesh/values-gpu.yaml or the operator's copy
+of it (the CUDA image and UCX transports a GPU stage needs are not the plan's to set).
 
 A stage the plan gives no replicas is disabled (vision without images). The chart
 refuses the vision stage on its demo model (a text model): the operator's values
