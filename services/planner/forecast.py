@@ -78,3 +78,12 @@ class LoadForecaster:
         return Load(requests_per_s=max(self.rate.upper(steps, self.z), 1e-6),
                     input_tokens_mean=max(self.input_tokens.forecast(steps), 1.0),
                     output_tokens_mean=max(self.output_tokens.forecast(steps), 1.0))
+
+    def peak(self, steps: int) -> Load:
+        """The most load of the next 1..`steps` intervals, each part at its own worst.
+        What to size for when removing an instance takes effect at once and adding one
+        takes `steps`: on a falling trend the far forecast alone would shed instances
+        the nearer intervals still need. (The trend is linear: the ends bound it.)"""
+        near, far = self.forecast(1), self.forecast(steps)
+        return Load(max(near.requests_per_s, far.requests_per_s), max(near.input_tokens_mean, far.input_tokens_mean),
+                    max(near.output_tokens_mean, far.output_tokens_mean))

@@ -11,6 +11,7 @@ allocation from what the mesh's metrics showed in the interval just ended:
 """
 
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import numpy as np
 
@@ -68,11 +69,13 @@ class ThresholdPolicy:
 
 class PlannerPolicy:
     def __init__(self, profile: Profile, targets: Targets, prefix_hit: float, lookahead: int,
-                 gpu_hour_usd: float = 1.0) -> None:
+                 gpu_hour_usd: float = 1.0, share: float = 0.99) -> None:
         self.profile, self.targets, self.prefix_hit = profile, targets, prefix_hit
         self.lookahead, self.gpu_hour_usd = lookahead, gpu_hour_usd
         self.model = StageModels.from_profile(profile)
-        self.forecaster = LoadForecaster()
+        # Plan for the forecast's band of the same coverage as the share of intervals the
+        # target must hold in: at a 90 % band one interval in ten is under-forecast.
+        self.forecaster = LoadForecaster(z=NormalDist().inv_cdf(share))
         self.corrections = {s: Correction() for s in SIM_STAGES}
         rates = profile.transfer
         self.kv_s_per_token = (rates.kv_bytes_per_token / (rates.kvcache_gb_s * 1e9)
@@ -103,7 +106,7 @@ class PlannerPolicy:
         isl_mean, osl_mean = float(a.input_tokens.mean()), float(a.output_tokens.mean())
         self.forecaster.observe(Load(a.requests / seen.interval_s, isl_mean, osl_mean))
         self._correct(seen)
-        f = self.forecaster.forecast(self.lookahead)
+        f = self.forecaster.peak(self.lookahead)
         # p90/mean of the last interval carries the lengths' shape onto the forecast means.
         isl_ratio = float(np.percentile(a.input_tokens, 90)) / isl_mean
         osl_ratio = float(np.percentile(a.output_tokens, 90)) / osl_mean
