@@ -197,7 +197,8 @@ def plan(profile: Profile, workload: Workload, targets: Targets, gpu_hour_usd: f
         if op is None:
             continue
         prefill_replicas = max(1, math.ceil(rps * shape.uncached_mean / op.tokens_per_s))
-        vision_replicas = 0 if vision_op is None else math.ceil(rps * workload.images_per_request / vision_op.images_per_s)
+        vision_replicas = (0 if vision_op is None
+                           else math.ceil(rps * workload.images_per_request / vision_op.images_per_s))
         gpus = prefill_replicas * per.get("prefill", 1) + vision_replicas * per.get("vision", 1)
         key = (gpus, op.ttft_ms + vision_ms)
         if best is None or key < best[:2]:
@@ -211,7 +212,8 @@ def plan(profile: Profile, workload: Workload, targets: Targets, gpu_hour_usd: f
     _, _, prefill_max, prefill_replicas, vision_op, vision_replicas = best
 
     # Where instances actually run: the planned load spread over the replicas (ceil leaves slack).
-    prefill_at = models.prefill.at_load(shape.uncached_p, shape.uncached_mean, rps * shape.uncached_mean / prefill_replicas)
+    prefill_at = models.prefill.at_load(shape.uncached_p, shape.uncached_mean,
+                                        rps * shape.uncached_mean / prefill_replicas)
     decode_at = models.decode.at_load(shape.context_p, shape.context_mean,
                                       rps * workload.output_tokens.mean / decode_replicas)
     assert prefill_at is not None and decode_at is not None, "the load per replica is within the chosen operating point"
@@ -250,5 +252,6 @@ def _price(workload: Workload, shape: _Shape, gpus: dict[str, int], prefill_op: 
     total = sum(gpus.values())
     return {name: TokenClass(tokens_per_hour=tokens[name], gpus_charged=charged[name],
                              tokens_per_gpu_hour=tokens[name] / total,
-                             usd_per_million=charged[name] * gpu_hour_usd * 1e6 / tokens[name] if tokens[name] else None)
+                             usd_per_million=(charged[name] * gpu_hour_usd * 1e6 / tokens[name]
+                                              if tokens[name] else None))
             for name in TOKEN_CLASSES}

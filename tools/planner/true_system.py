@@ -113,7 +113,8 @@ class TrueMesh:
         itl = np.interp(np.log(ctx), np.log(grid), [d.itl_ms(d_batch, g) for g in grid]) + d_wait / osl
         isl_star = _first_over(ttft, self.ttft_target, float(isl.max()))
         over = float(np.mean((isl > isl_star) | (itl > self.itl_target)))
-        return Outcome(ttft_ms=ttft(isl_p), itl_ms=float(np.percentile(itl, self.percentile)), over_target=over * arrivals.requests,
+        return Outcome(ttft_ms=ttft(isl_p), itl_ms=float(np.percentile(itl, self.percentile)),
+                       over_target=over * arrivals.requests,
                        requests=arrivals.requests, prefill_utilisation=p_demand / (p_cap_each * max(prefill, 1)),
                        decode_utilisation=d_demand / (d_cap_each * max(decode, 1)), prefill_backlog=p_end,
                        decode_backlog=d_end, prefill_demand_per_instance=p_each, decode_demand_per_instance=d_each,
