@@ -172,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="the raw file (header: commit, device, command)")
     parser.add_argument("--intervals", type=int, default=TraceSpec().intervals)
     parser.add_argument("--seed", type=int, default=TraceSpec().seed)
+    parser.add_argument("--bursts", type=int, default=TraceSpec().bursts, help="bursts in the trace (0: diurnal only)")
     args = parser.parse_args(argv)
     profile = Profile.load(args.profile)
     with tee_stdout(args.out, run_header() if args.out else None):
-        print(report(compare(profile, SimSpec(), TraceSpec(intervals=args.intervals, seed=args.seed)), profile))
+        print(report(compare(profile, SimSpec(), TraceSpec(intervals=args.intervals, seed=args.seed, bursts=args.bursts)), profile))
     return 0
 
 
