@@ -254,6 +254,32 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.planner.helm_values import helm_values, options_for
+    from services.planner.plan import InfeasibleTarget, Lengths, Targets, Workload, plan
+    from services.planner.plan_text import describe
+    from services.planner.profile import Profile
+
+    profile = Profile.load(args.profile)
+    workload = Workload(args.rps, Lengths(args.isl, args.isl_p90), Lengths(args.osl, args.osl_p90), args.prefix_hit,
+                        args.images_per_request)
+    targets = Targets(args.ttft_ms, args.itl_ms, args.percentile)
+    try:
+        planned = plan(profile, workload, targets, args.gpu_hour_usd)
+    except InfeasibleTarget as exc:
+        print(f"infermesh plan: infeasible: {exc}", file=sys.stderr)
+        return 3
+    print(describe(planned, targets, args.gpu_hour_usd))
+    if args.values_out:
+        header = f"infermesh plan for {profile.model} on {profile.device}, profile {args.profile}"
+        Path(args.values_out).write_text(helm_values(planned, options_for(profile.devices_per_instance, profile.device),
+                                                     header))
+        print(f"wrote {args.values_out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infermesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -403,6 +429,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'last' (the last request), a request id, or a trace id (a prefix is enough)")
     p.add_argument("--trace-dir", default=None, help="default: the telemetry.trace_dir setting")
     p.set_defaults(func=_cmd_trace)
+
+    p = sub.add_parser("plan", help="replicas per stage, predicted latency and $/Mtok for a load, from a profile")
+    p.add_argument("--profile", required=True, help="a profile file (infermesh profile writes one)")
+    p.add_argument("--rps", type=float, required=True, help="requests per second")
+    p.add_argument("--isl", type=float, required=True, help="mean input tokens per request")
+    p.add_argument("--isl-p90", type=float, help="p90 input tokens (default: every request --isl)")
+    p.add_argument("--osl", type=float, required=True, help="mean output tokens per request")
+    p.add_argument("--osl-p90", type=float, help="p90 output tokens (default: every request --osl)")
+    p.add_argument("--prefix-hit", type=float, default=0.0, help="share of input tokens already cached, 0..1")
+    p.add_argument("--images-per-request", type=float, default=0.0)
+    p.add_argument("--ttft-ms", type=float, required=True, help="time-to-first-token target at --percentile")
+    p.add_argument("--itl-ms", type=float, required=True, help="inter-token latency target at --percentile")
+    p.add_argument("--percentile", type=float, default=90.0, help="the targets' percentile")
+    p.add_argument("--gpu-hour-usd", type=float, required=True, help="price of one GPU-hour")
+    p.add_argument("--values-out", help="write a Helm values file that deploys the plan here")
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("config", help="print every setting, its env var and current value")
     p.set_defaults(func=_cmd_config)

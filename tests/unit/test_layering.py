@@ -91,6 +91,15 @@ TORCH_FREE = (
     "shared.multimodal.grid",
     # Where a prompt's images are and their positions: on the request state the KV memory reads.
     "shared.engine.prompt_images",
+    # The planner: profile, stage models, plan, forecast, correction, Helm values; the
+    # live planner service runs beside the mesh on a node with no accelerator.
+    "services.planner.profile",
+    "services.planner.stage_model",
+    "services.planner.plan",
+    "services.planner.plan_text",
+    "services.planner.forecast",
+    "services.planner.correction",
+    "services.planner.helm_values",
 )
 
 
