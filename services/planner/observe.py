@@ -25,6 +25,8 @@ OUTPUT_TOKENS = "infermesh_balancer_completion_tokens_total"
 CACHED_TOKENS = "infermesh_balancer_cached_tokens_total"
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
+PROMPT_LENGTHS = "vllm:request_prompt_tokens"
+OUTPUT_LENGTHS = "vllm:request_generation_tokens"
 
 
 def parse(text: str) -> Series:
@@ -74,6 +76,12 @@ def quantile(before: Series, after: Series, name: str, q: float) -> float | None
     return lower_le
 
 
+def mean(before: Series, after: Series, name: str) -> float | None:
+    """A histogram's mean over the interval (its _sum and _count deltas); None when empty."""
+    count = total(after, f"{name}_count") - total(before, f"{name}_count")
+    return (total(after, f"{name}_sum") - total(before, f"{name}_sum")) / count if count > 0 else None
+
+
 @dataclass(slots=True, frozen=True)
 class Observation:
     """One interval of the mesh, as its clients saw it."""
@@ -89,6 +97,14 @@ class Observation:
     ttft_ms: float | None
     """At the percentile asked; None with no request finished."""
     itl_ms: float | None
+    ttft_mean_ms: float | None
+    itl_mean_ms: float | None
+    input_p90: float
+    """Prompt tokens per request at p90 (vllm:request_prompt_tokens' buckets); the mean when empty."""
+    output_p90: float
+    input_at_percentile: float
+    """Prompt tokens per request at the percentile asked."""
+    output_at_percentile: float
 
 
 def observe(before: Series, after: Series, interval_s: float, percentile: float) -> Observation:
@@ -99,13 +115,27 @@ def observe(before: Series, after: Series, interval_s: float, percentile: float)
     prompt = delta(PROMPT_TOKENS)
     ttft = quantile(before, after, TTFT, percentile / 100)
     itl = quantile(before, after, ITL, percentile / 100)
+    ttft_mean, itl_mean = mean(before, after, TTFT), mean(before, after, ITL)
+    input_mean = prompt / requests if requests else 0.0
+    output_mean = delta(OUTPUT_TOKENS) / requests if requests else 0.0
+
+    def length(name: str, q: float, fallback: float) -> float:
+        value = quantile(before, after, name, q)
+        return fallback if value is None else value
+
     return Observation(
         interval_s=interval_s,
         requests=int(requests),
         requests_per_s=requests / interval_s if interval_s > 0 else 0.0,
-        input_tokens=prompt / requests if requests else 0.0,
-        output_tokens=delta(OUTPUT_TOKENS) / requests if requests else 0.0,
+        input_tokens=input_mean,
+        output_tokens=output_mean,
         prefix_hit_rate=delta(CACHED_TOKENS) / prompt if prompt else 0.0,
         ttft_ms=None if ttft is None else ttft * 1e3,
         itl_ms=None if itl is None else itl * 1e3,
+        ttft_mean_ms=None if ttft_mean is None else ttft_mean * 1e3,
+        itl_mean_ms=None if itl_mean is None else itl_mean * 1e3,
+        input_p90=length(PROMPT_LENGTHS, 0.9, input_mean),
+        output_p90=length(OUTPUT_LENGTHS, 0.9, output_mean),
+        input_at_percentile=length(PROMPT_LENGTHS, percentile / 100, input_mean),
+        output_at_percentile=length(OUTPUT_LENGTHS, percentile / 100, output_mean),
     )

@@ -320,6 +320,9 @@ class PlannerSettings:
     """The stage profile `infermesh profile` wrote (JSON); the planner refuses to start without one."""
     interval_s: float = 60.0
     """How often it plans (and how long a window of load each decision is based on)."""
+    startup_s: float = 60.0
+    """How long a new instance takes to serve (start, load, warm up): the planner sizes
+    for the most load it forecasts that far ahead."""
     metrics_url: str = ""
     """The balancer's Prometheus /metrics; "": http://<balancer.host>:<balancer.port>/metrics."""
     ttft_ms: float = 1000.0

@@ -173,6 +173,9 @@ class Mesh:
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """Each service's Prometheus /metrics port, by process name (kvcache, prefill-0, ..., balancer;
     the balancer also serves its series on the API port's /metrics)."""
+    planner_profile: str = ""
+    """A stage profile (`infermesh profile`): run the live planner (services/planner) on it,
+    scaling the worker stages through the replicas file (needs supervise); "": no planner."""
     num_vision: int = 0
     """Vision instances (E/P/D: they encode requests' images for prefill and decode); 0
     leaves the encoding to prefill (E/PD)."""
@@ -387,9 +390,26 @@ class Mesh:
         self._wait("prefill, decode and vision" if self.num_vision else "prefill and decode", lambda: sum(check() for check in health) == len(health), timeout_s)
         ready = f"http://{self.host}:{self.port}/ready"
         self._wait("balancer", self._until_healthy("balancer", lambda: http_ok(ready)), timeout_s)
+        if self.planner_profile:
+            self._start_planner()
         if self.supervise:
             self._supervisor = threading.Thread(target=self._supervise, name="mesh-supervisor", daemon=True)
             self._supervisor.start()
+
+    def _start_planner(self) -> None:
+        """The live planner, deciding through this supervisor's replicas file. It logs in
+        to no NATS (it reads the balancer's /metrics): no user is made for it."""
+        if not self.supervise:
+            raise StartFailed("the planner scales through the supervisor: start the mesh with supervise on")
+        env = {**self._env("monitor"), **self._metrics_env("planner"),
+               "INFERMESH_PLANNER__PROFILE": str(Path(self.planner_profile).resolve()),
+               "INFERMESH_PLANNER__BACKEND": "up",
+               "INFERMESH_PLANNER__REPLICAS_FILE": str(self.replicas_file.resolve()),
+               "INFERMESH_PLANNER__METRICS_URL": f"http://{self.host}:{self.port}/metrics"}
+        for key in ("INFERMESH_NATS__USER", "INFERMESH_NATS__PASSWORD", "INFERMESH_WORKER__GRPC_TOKEN"):
+            env.pop(key, None)  # it needs none of the mesh's credentials
+        env.update({k: v for k, v in self.extra_env.items() if k.startswith("INFERMESH_PLANNER__")})
+        self._start("planner", [sys.executable, "-m", "services.planner"], env)
 
     def _supervise(self) -> None:
         """Restart what dies, with backoff. The thread lives until stop() is done:
@@ -578,20 +598,22 @@ def run_demo(mesh: Mesh) -> None:
 
 def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str, demo: bool,
        tensor_parallel_size: int | None = None, enable_expert_parallel: bool | None = None,
-       enable_eplb: bool | None = None, eplb_config: str | None = None, num_vision: int = 0) -> int:  # fmt: skip
+       enable_eplb: bool | None = None, eplb_config: str | None = None, num_vision: int = 0,
+       planner_profile: str = "") -> int:  # fmt: skip
     """Check, start with progress bars, serve until Ctrl-C or SIGTERM. A failure is
     one line on stderr (and, for a process that failed, the end of its log), not a
     traceback: exit code 2 for what was checked before starting, 1 after.
     tensor_parallel_size, enable_expert_parallel, enable_eplb, eplb_config: how each
     prefill and decode instance splits over ranks and balances its experts (the flags;
     None: INFERMESH_ENGINE__... or the default), checked here (EngineConfig's checks)
-    and handed to every instance in its environment."""
+    and handed to every instance in its environment. planner_profile: run the live
+    planner on that profile (the mesh then scales itself)."""
     from tools.launch.preflight import PreflightError, preflight
     from tools.launch.progress import StartProgress
 
     parallel = parallel_env(tensor_parallel_size, enable_expert_parallel, enable_eplb, eplb_config)
     mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True, extra_env=parallel,
-                num_vision=num_vision)
+                num_vision=num_vision, planner_profile=planner_profile)
     try:
         try:  # the engine settings every instance will read (EngineConfig's own checks run here)
             engine = load_settings(env={**os.environ, **parallel}).engine
@@ -599,6 +621,13 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
             raise PreflightError(str(exc)) from None
         preflight(model, num_prefill, num_decode, mesh.host, port, engine.tensor_parallel_size,
                   engine.enable_expert_parallel)  # fmt: skip
+        if planner_profile:
+            from services.planner.profile import Profile
+
+            try:
+                Profile.load(planner_profile)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise PreflightError(f"--planner {planner_profile}: not a stage profile ({exc})") from None
     except PreflightError as exc:
         print(f"infermesh: error: {exc}", file=sys.stderr)
         return 2
