@@ -1,0 +1,129 @@
+"""One round at one operating point of one stage, through the balancer's OpenAI API
+as a user gets it, and the figures a round gives. The requests are sent by
+tools/bench/openai_stream.py (timed as `vllm bench serve` times them) and made by
+tools/bench/workloads.py (seeded random token ids), each with a cache_salt of its
+own, so no block of any prompt is ever a prefix-cache or kvcache hit: the figures are
+uncached prefill and decode, what the planner sizes from.
+
+prefill  `concurrency` prompts of `input_tokens` sent at once, max_tokens 1:
+         TTFT per request (its median), and the uncached prompt tokens of the round
+         over the time to the last first token;
+decode   `batch` streams of a `context`-token prompt sent at once, ignore_eos and
+         `max_tokens` each, logprobs on so every token is counted: the figures are
+         taken over the window in which every stream is decoding (after the last
+         first token, before the first last token), so prefill and the ramp are out;
+         where that window is under half a stream's decode (prefills spread out), over
+         each stream's own decode instead.
+"""
+
+import asyncio
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from tools.bench.openai_stream import RequestResult, send
+from tools.bench.workloads import WorkloadConfig, make_sessions
+
+_SALTS = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRound:
+    ttft_ms: float
+    """Median over the round's requests."""
+    tokens_per_s: float
+    wall_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRound:
+    itl_ms: float
+    """Over the streams, the median of each one's window over its tokens in it: the
+    mean gap between its tokens (SSE chunks may arrive back to back, and carry several
+    tokens when the mesh speculates, so single gaps are not the decode step)."""
+    tokens_per_s: float
+    """Output tokens of every stream in the window over its length."""
+    mean_context: float
+    wall_s: float
+
+
+class RoundFailed(RuntimeError):
+    """A request of the round failed: the point cannot be measured as asked."""
+
+
+def _specs(input_tokens: int, count: int, max_tokens: int, seed: int, salt: str, extra: dict) -> list:
+    config = WorkloadConfig(input_len=input_tokens, output_len=max_tokens, extra_body={"temperature": 0.0, **extra})
+    specs = [session.turns[0]([]) for session in make_sessions(config, count, seed)]
+    for i, spec in enumerate(specs):
+        spec.extra_body["cache_salt"] = f"{salt}-{next(_SALTS)}-{i}"
+    return specs
+
+
+async def _wave(client: httpx.AsyncClient, model: str, specs: list) -> tuple[list[RequestResult], float, float]:
+    """All at once; (results, start on the perf_counter clock, wall)."""
+    start = time.perf_counter()
+    results = await asyncio.gather(*(send(client, model, spec, start) for spec in specs))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RoundFailed(f"{len(failed)} of {len(results)} requests failed, e.g. {failed[0]}")
+    return list(results), start, time.perf_counter() - start
+
+
+async def prefill_round(client: httpx.AsyncClient, model: str, input_tokens: int, concurrency: int, seed: int,
+                        salt: str) -> PrefillRound:  # fmt: skip
+    specs = _specs(input_tokens, concurrency, 1, seed, salt, {})
+    results, _, wall = await _wave(client, model, specs)
+    return prefill_figures(results, input_tokens, wall)
+
+
+def prefill_figures(results: list[RequestResult], input_tokens: int, wall_s: float) -> PrefillRound:
+    """One wave's figures: median TTFT; its prompt tokens over the time to its last first token."""
+    last_first = max(r.start_s + r.ttft_s for r in results)
+    ttft = statistics.median(r.ttft_s for r in results)
+    return PrefillRound(ttft * 1e3, input_tokens * len(results) / last_first, wall_s)
+
+
+def _token_times(r: RequestResult) -> tuple[list[float], float]:
+    """Chunk arrival times (seconds since the wave started) and tokens per chunk."""
+    times = [r.start_s + r.ttft_s]
+    for gap in r.itl_s:
+        times.append(times[-1] + gap)
+    return times, r.num_output_tokens / len(times)
+
+
+async def decode_round(client: httpx.AsyncClient, model: str, batch: int, context: int, max_tokens: int, seed: int,
+                       salt: str) -> DecodeRound:  # fmt: skip
+    if max_tokens < 4:
+        raise ValueError(f"decode needs max_tokens of at least 4 to time tokens, got {max_tokens}")
+    specs = _specs(context, batch, max_tokens, seed, salt, {"ignore_eos": True, "logprobs": 0})
+    results, _, wall = await _wave(client, model, specs)
+    return decode_figures(results, context, max_tokens, wall)
+
+
+def decode_figures(results: list[RequestResult], context: int, max_tokens: int, wall_s: float) -> DecodeRound:
+    """One wave's decode figures (the module's docstring says which window)."""
+    timed = [_token_times(r) for r in results if len(r.itl_s) > 0]
+    if not timed:
+        raise RoundFailed("no stream carried more than one chunk")
+    lo = max(times[0] for times, _ in timed)
+    hi = min(times[-1] for times, _ in timed)
+    spans = [times[-1] - times[0] for times, _ in timed]
+    if hi - lo < 0.5 * statistics.median(spans):
+        # The streams barely decoded together (their prefills were spread out): each
+        # stream's own decode, and the whole wave's tokens over its decoding time.
+        per_token = [span / ((len(times) - 1) * per_chunk) for span, (times, per_chunk) in zip(spans, timed)]
+        tokens = sum((len(times) - 1) * per_chunk for times, per_chunk in timed)
+        lo, hi = min(times[0] for times, _ in timed), max(times[-1] for times, _ in timed)
+    else:
+        tokens, per_token = 0.0, []
+        for times, per_chunk in timed:
+            num = len([t for t in times if lo < t <= hi]) * per_chunk
+            tokens += num
+            if num:
+                per_token.append((hi - lo) / num)
+    if not per_token or hi <= lo:
+        raise RoundFailed("no token arrived while the streams were decoding")
+    return DecodeRound(statistics.median(per_token) * 1e3, tokens / (hi - lo), context + max_tokens / 2, wall_s)
