@@ -31,13 +31,12 @@ def test_estimate_takes_the_most_pessimistic_rate_and_counts_the_warm_up():
 
 
 def test_budget_gives_each_part_its_share_and_passes_on_what_is_unused():
-    b = Budget(100.0, ("prefill", "decode", "holdout"), start=0.0)
-    assert b.deadline("prefill") == pytest.approx(40.0) and b.deadline("holdout") == pytest.approx(100.0)
-    assert b.fits("prefill", 10.0, now=29.0) and not b.fits("prefill", 10.0, now=31.0)
-    assert b.fits("decode", 10.0, now=31.0)  # prefill's leftover is decode's
-    assert not b.fits("decode", 0.0, now=81.0)
-    no_holdout = Budget(100.0, ("prefill", "decode"), start=0.0)
-    assert no_holdout.deadline("prefill") == pytest.approx(50.0)
+    b = Budget(100.0, ("prefill", "decode"), start=0.0)
+    assert b.deadline("prefill") == pytest.approx(50.0) and b.deadline("decode") == pytest.approx(100.0)
+    assert b.fits("prefill", 10.0, now=39.0) and not b.fits("prefill", 10.0, now=41.0)
+    assert b.fits("decode", 10.0, now=41.0)  # what prefill left is decode's
+    assert not b.fits("decode", 0.0, now=101.0)
+    assert Budget(100.0, ("decode",), start=0.0).deadline("decode") == pytest.approx(100.0)
 
 
 def test_held_out_points_lie_off_the_grid_between_neighbours():
@@ -78,7 +77,7 @@ def test_decode_figures_take_the_window_where_every_stream_decodes():
     b = _stream(0.0, 0.12, [0.01] * 10)  # tokens at 0.12 .. 0.22
     r = decode_figures([a, b], context=128, max_tokens=11, wall_s=0.3)
     assert r.itl_ms == pytest.approx(10.0) and r.tokens_per_s == pytest.approx(200.0)
-    assert r.mean_context == pytest.approx(128 + 5.5)
+    assert r.mean_context == pytest.approx(128 + 5.5) and r.overlapped
 
 
 def test_decode_figures_fall_back_to_each_stream_when_they_barely_overlap():
@@ -86,6 +85,6 @@ def test_decode_figures_fall_back_to_each_stream_when_they_barely_overlap():
     b = _stream(0.0, 0.19, [0.02] * 10)  # 0.19 .. 0.39: overlap 0.01 s, under half a stream's decode
     r = decode_figures([a, b], context=16, max_tokens=11, wall_s=0.4)
     assert r.itl_ms == pytest.approx(15.0)  # the median of 10 and 20 ms
-    assert r.tokens_per_s == pytest.approx(20 / 0.29)
+    assert r.tokens_per_s == pytest.approx(20 / 0.29) and not r.overlapped
     with pytest.raises(RoundFailed):
         decode_figures([_stream(0.0, 0.1, [])], context=16, max_tokens=4, wall_s=0.2)

@@ -5,16 +5,17 @@ A budget scales the grid down rather than the rounds: a point measured once says
 nothing of its noise, so every point keeps its warm-up and its timed rounds, and
 points are dropped instead. They run coarse to fine (the ends of each axis first,
 then the midpoints), so what a short budget leaves out is the grid's interior, and
-what it keeps still spans the range. A point runs only if its estimated time fits
-what is left of its stage's share; time a stage does not use passes to the next.
+what it keeps still spans the range. A point is kept only if its estimated time,
+with that of the points kept before it, fits what is left of its stage's share;
+time a stage does not use passes to the next.
 """
 
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-STAGE_SHARES = {"prefill": 0.4, "decode": 0.4, "holdout": 0.2}
-"""Of the budget, by part (holdout only with --holdout; without it the others take all)."""
+STAGE_SHARES = {"prefill": 0.5, "decode": 0.5}
+"""Of the budget, by stage (held-out points are measured within their stage's share)."""
 
 
 def coarse_to_fine(values: Sequence[int]) -> list[int]:

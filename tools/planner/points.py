@@ -12,11 +12,13 @@ decode   `batch` streams of a `context`-token prompt sent at once, ignore_eos an
          `max_tokens` each, logprobs on so every token is counted: the figures are
          taken over the window in which every stream is decoding (after the last
          first token, before the first last token), so prefill and the ramp are out;
-         where that window is under half a stream's decode (prefills spread out), over
-         each stream's own decode instead.
+         where that window is under half a stream's decode (the prefills spread out
+         against a short decode), the round is sent again with twice the tokens, and
+         after MAX_DOUBLINGS, the figures are each stream's own decode (flagged).
 """
 
 import asyncio
+import dataclasses
 import itertools
 import statistics
 import time
@@ -48,6 +50,17 @@ class DecodeRound:
     """Output tokens of every stream in the window over its length."""
     mean_context: float
     wall_s: float
+    max_tokens: int
+    """Each stream's tokens (more than asked where the streams did not overlap)."""
+    overlapped: bool
+    """The streams decoded together for at least half of one's decode (else the figures
+    are each stream's own: the batch was never whole)."""
+    num_waves: int = 1
+    """Waves sent for the round (one, and one more per doubling)."""
+
+
+MAX_DOUBLINGS = 3
+"""A decode round whose streams did not overlap is sent again with twice the tokens, at most this often."""
 
 
 class RoundFailed(RuntimeError):
@@ -98,9 +111,14 @@ async def decode_round(client: httpx.AsyncClient, model: str, batch: int, contex
                        salt: str) -> DecodeRound:  # fmt: skip
     if max_tokens < 4:
         raise ValueError(f"decode needs max_tokens of at least 4 to time tokens, got {max_tokens}")
-    specs = _specs(context, batch, max_tokens, seed, salt, {"ignore_eos": True, "logprobs": 0})
-    results, _, wall = await _wave(client, model, specs)
-    return decode_figures(results, context, max_tokens, wall)
+    for doubling in range(MAX_DOUBLINGS + 1):
+        specs = _specs(context, batch, max_tokens, seed, salt, {"ignore_eos": True, "logprobs": 0})
+        results, _, wall = await _wave(client, model, specs)
+        figures = decode_figures(results, context, max_tokens, wall)
+        if figures.overlapped or doubling == MAX_DOUBLINGS:
+            return dataclasses.replace(figures, num_waves=doubling + 1)
+        max_tokens *= 2  # the prefills' spread was long against the decode: a longer decode
+    raise AssertionError("unreachable")
 
 
 def decode_figures(results: list[RequestResult], context: int, max_tokens: int, wall_s: float) -> DecodeRound:
@@ -111,7 +129,8 @@ def decode_figures(results: list[RequestResult], context: int, max_tokens: int, 
     lo = max(times[0] for times, _ in timed)
     hi = min(times[-1] for times, _ in timed)
     spans = [times[-1] - times[0] for times, _ in timed]
-    if hi - lo < 0.5 * statistics.median(spans):
+    overlapped = hi - lo >= 0.5 * statistics.median(spans)
+    if not overlapped:
         # The streams barely decoded together (their prefills were spread out): each
         # stream's own decode, and the whole wave's tokens over its decoding time.
         per_token = [span / ((len(times) - 1) * per_chunk) for span, (times, per_chunk) in zip(spans, timed)]
@@ -126,4 +145,5 @@ def decode_figures(results: list[RequestResult], context: int, max_tokens: int, 
                 per_token.append((hi - lo) / num)
     if not per_token or hi <= lo:
         raise RoundFailed("no token arrived while the streams were decoding")
-    return DecodeRound(statistics.median(per_token) * 1e3, tokens / (hi - lo), context + max_tokens / 2, wall_s)
+    return DecodeRound(statistics.median(per_token) * 1e3, tokens / (hi - lo), context + max_tokens / 2, wall_s,
+                       max_tokens, overlapped)

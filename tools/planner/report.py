@@ -28,7 +28,12 @@ def report_text(result: "SweepResult", header: Mapping[str, Any]) -> str:
                   f"{ax:>12} {ay:>11} " + " ".join(f"{n:>28}" for n in _FIGURES[stage]) + "  rounds  held_out"]
         for m in sorted((m for m in result.measured if m.stage == stage), key=lambda m: (m.held_out, m.point)):
             cells = " ".join(f"{_cell(m.median(n), *m.spread(n)):>28}" for n in _FIGURES[stage])
-            lines.append(f"{m.point[0]:>12} {m.point[1]:>11} {cells}  {len(m.rounds):>6}  {'yes' if m.held_out else ''}")
+            extra = ""
+            if stage == "decode":  # how many rounds had every stream decoding together, at what length
+                together = sum(bool(r["overlapped"]) for r in m.rounds)
+                extra = f"  together {together}/{len(m.rounds)}, max_tokens {max(int(r['max_tokens']) for r in m.rounds)}"
+            lines.append(f"{m.point[0]:>12} {m.point[1]:>11} {cells}  {len(m.rounds):>6}  "
+                         f"{'yes' if m.held_out else '':>8}{extra}")
     skipped = [f"{stage} {p}" for stage, p in result.skipped]
     lines += ["", "skipped by the budget: " + (", ".join(skipped) or "none")]
     if result.checks:

@@ -8,9 +8,10 @@ services/planner/profile.py Profile, a raw file of every round, and a plot.
 
 What each point is (tools/planner/points.py), how the budget thins the grid
 (tools/planner/grid.py), the accuracy check (tools/planner/holdout.py). Each point
-is warmed up (one round, dropped), then measured `rounds` times: its figure is the
-median of its rounds, whose min-max the raw file shows. The mesh is measured as
-it runs: one instance per stage gives per-instance figures, which the profile is;
+is warmed up (one round, dropped), then measured `rounds` times, the points of a
+stage taking turns: its figure is the median of its rounds, whose min-max the raw
+file shows. Held-out points (--holdout) take their turns among the grid's. The
+mesh is measured as it runs: one instance per stage gives per-instance figures, which the profile is;
 with more, the figures are the mesh's (the raw file says how many were live).
 
 Transfer rates: the workers count the KV bytes they load (kv_transfer_bytes_total by
@@ -34,6 +35,7 @@ import httpx
 
 from services.planner.profile import DecodePoint, PrefillPoint, Profile, TransferRates
 from tools.bench.raw_file import commit, run_header, write_text
+from tools.bench.rounds import rotation
 from tools.planner import holdout
 from tools.planner.grid import Budget, estimate_s, grid_order
 from tools.planner.mesh_facts import MeshFacts, device, kv_bytes_per_token, read_facts, scrape, series_sum
@@ -101,6 +103,8 @@ class SweepResult:
 
 
 _FIGURES = {"prefill": ("ttft_ms", "tokens_per_s"), "decode": ("itl_ms", "tokens_per_s")}
+_AXES = {"prefill": "(input_tokens, concurrency)", "decode": "(batch, context_tokens)"}
+Point = tuple[int, int]
 
 
 class _Sweep:
@@ -112,6 +116,8 @@ class _Sweep:
         self.skipped: list[tuple[str, tuple[int, int]]] = []
         self._costs: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
         self._num_rounds_run = 0
+        self.num_handoff_tokens = 0
+        """Prompt tokens of every decode wave sent (warm-ups and resent rounds too): what was handed off."""
 
     def _work(self, stage: str, point: tuple[int, int]) -> float:
         if stage == "prefill":
@@ -124,26 +130,37 @@ class _Sweep:
         seed, salt = self.config.seed * 1_000_003 + self._num_rounds_run, f"profile-{os.getpid()}-{time.time_ns()}"
         if stage == "prefill":
             return await prefill_round(self.client, self.model, point[0], point[1], seed, salt)
-        return await decode_round(self.client, self.model, point[0], point[1], self.config.decode_max_tokens, seed, salt)
+        r = await decode_round(self.client, self.model, point[0], point[1], self.config.decode_max_tokens, seed, salt)
+        self.num_handoff_tokens += point[0] * point[1] * r.num_waves
+        return r
 
-    async def point(self, stage: str, point: tuple[int, int], part: str, held_out: bool = False) -> Measured | None:
-        """Warm-up and rounds at one point, if its estimate fits the part's time left."""
-        work = self._work(stage, point)
-        if not self.budget.fits(part, estimate_s(work, self._costs[stage], self.config.rounds)):
-            self.skipped.append((stage, point))
-            print(f"  {stage} {point}: skipped (budget)", flush=True)
-            return None
-        await self._round(stage, point)  # warm-up: a shape seen for the first time pays for it
-        rounds = []
-        for _ in range(self.config.rounds):
-            r = await self._round(stage, point)
-            rounds.append(asdict(r))
-            self._costs[stage].append((work, r.wall_s))
-        m = Measured(stage, point, rounds, held_out)
-        self.measured.append(m)
-        figs = ", ".join(f"{n} {m.median(n):.1f}" for n in _FIGURES[stage])
-        print(f"  {stage} {point}: {figs}", flush=True)
-        return m
+    async def stage(self, stage: str, grid: Sequence[Point], held: Sequence[Point]) -> None:
+        """Warm up each point, coarse to fine, while its rounds fit the stage's time
+        (the warm-up's own time is what the later points' estimates learn from); then
+        the timed rounds, every kept point once a round, round r starting at point r
+        mod n (tools/bench/rounds.py's rotation), so a burst of load from elsewhere
+        on the machine falls on each point in turn, held-out points among them."""
+        kept: list[tuple[Point, bool]] = []
+        committed_s = 0.0  # the timed rounds of the points kept so far, estimated
+        for point, held_out in [*((p, False) for p in grid), *((p, True) for p in held)]:
+            work = self._work(stage, point)
+            if not self.budget.fits(stage, committed_s + estimate_s(work, self._costs[stage], self.config.rounds)):
+                self.skipped.append((stage, point))
+                print(f"  {stage} {point}: skipped (budget)", flush=True)
+                continue
+            warm = await self._round(stage, point)  # a shape seen for the first time pays for it
+            self._costs[stage].append((work, warm.wall_s))
+            committed_s += self.config.rounds * warm.wall_s
+            kept.append((point, held_out))
+        rounds: dict[Point, list[dict[str, float]]] = {p: [] for p, _ in kept}
+        for r in range(self.config.rounds):
+            for point, _ in rotation(kept, r):
+                rounds[point].append(asdict(await self._round(stage, point)))
+        for point, held_out in kept:
+            m = Measured(stage, point, rounds[point], held_out)
+            self.measured.append(m)
+            figs = ", ".join(f"{n} {m.median(n):.1f}" for n in _FIGURES[stage])
+            print(f"  {stage} {point}{' (held out)' if held_out else ''}: {figs}", flush=True)
 
 
 def _grid(measured: Sequence[Measured], stage: str) -> dict[tuple[int, int], dict[str, float]]:
@@ -157,25 +174,16 @@ async def _run(config: SweepConfig, facts: MeshFacts, budget: Budget) -> tuple[_
     async with httpx.AsyncClient(base_url=config.root + "/v1", headers=headers, limits=limits,
                                  timeout=httpx.Timeout(600.0, connect=10.0)) as client:  # fmt: skip
         sweep = _Sweep(config, client, facts.model, budget)
-        print("prefill (input_tokens, concurrency):", flush=True)
-        for p in grid_order(config.prefill_lengths, config.prefill_concurrency):
-            await sweep.point("prefill", p, "prefill")
-        print("decode (batch, context_tokens):", flush=True)
-        for p in grid_order(config.decode_batches, config.decode_contexts):
-            await sweep.point("decode", p, "decode")
+        axes = {"prefill": (config.prefill_lengths, config.prefill_concurrency),
+                "decode": (config.decode_batches, config.decode_contexts)}  # fmt: skip
         checks: list[tuple[str, holdout.Check]] = []
-        if config.holdout:
-            print("held out:", flush=True)
-            axes = {"prefill": (config.prefill_lengths, config.prefill_concurrency),
-                    "decode": (config.decode_batches, config.decode_contexts)}  # fmt: skip
-            for stage, (xs, ys) in axes.items():
-                grid = _grid(sweep.measured, stage)
-                held = {}
-                for p in holdout.held_out_points(xs, ys):
-                    m = await sweep.point(stage, p, "holdout", held_out=True)
-                    if m is not None:
-                        held[p] = {n: m.median(n) for n in _FIGURES[stage]}
-                checks += [(stage, c) for c in holdout.checks(held, holdout.grid_predictor(grid))]
+        for stage, (xs, ys) in axes.items():
+            print(f"{stage} {_AXES[stage]}:", flush=True)
+            held = holdout.held_out_points(xs, ys) if config.holdout else []
+            await sweep.stage(stage, grid_order(xs, ys), held)
+            measured = {m.point: {n: m.median(n) for n in _FIGURES[stage]}
+                        for m in sweep.measured if m.stage == stage and m.held_out}  # fmt: skip
+            checks += [(stage, c) for c in holdout.checks(measured, holdout.grid_predictor(_grid(sweep.measured, stage)))]
         return sweep, checks
 
 
@@ -190,8 +198,7 @@ def run_sweep(config: SweepConfig) -> SweepResult:
     """Measure the mesh at config.url; write config.out (the Profile), config.raw (every
     round, the held-out checks) and the plot beside config.out."""
     header = run_header()  # as the run starts: the commit and the tree that ran
-    parts = ("prefill", "decode", "holdout") if config.holdout else ("prefill", "decode")
-    budget = Budget(config.budget_s, parts)
+    budget = Budget(config.budget_s, ("prefill", "decode"))
     worker_urls = list(config.metrics_urls)
     with httpx.Client(base_url=config.root, timeout=30) as api:
         before = {u: scrape(u) for u in worker_urls}
@@ -228,11 +235,10 @@ def run_sweep(config: SweepConfig) -> SweepResult:
 def _kv_bytes_measured(sweep: _Sweep, before: dict, after: dict) -> int | None:
     """The decode workers' kv_transfer_bytes_total over the sweep (every load: in a
     sweep of uncached prompts, the prefill -> decode handoffs), per prompt token the
-    decode rounds handed off (warm-ups included). Prefill-only rounds (max_tokens 1)
-    hand nothing off."""
+    decode waves handed off. Prefill-only rounds (max_tokens 1) hand nothing off."""
     name = "infermesh_decode_kv_transfer_bytes_total"
     moved = sum(series_sum(after[u], name) - series_sum(before[u], name) for u in before)
-    tokens = sum(m.point[1] * m.point[0] * (len(m.rounds) + 1) for m in sweep.measured if m.stage == "decode")
+    tokens = sweep.num_handoff_tokens
     return round(moved / tokens) if moved > 0 and tokens else None
 
 
