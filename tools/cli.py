@@ -244,7 +244,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         decode_batches=tuple(args.decode_batches), decode_contexts=tuple(args.decode_contexts),
         decode_max_tokens=args.decode_max_tokens, rounds=args.rounds, holdout=args.holdout,
         raw=Path(args.raw) if args.raw else None, plot=not args.no_plot, model_dir=args.model_dir,
-        device=args.device, api_key=args.api_key, seed=args.seed,
+        device=args.device, api_key=args.api_key, seed=args.seed, note=args.note,
     )  # fmt: skip
     run_sweep(config)
     return 0
@@ -443,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="the mesh's hardware in words (default: this machine's GPU or CPU)")
     p.add_argument("--api-key", default=None, help="sent as a bearer token")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--note", default=None, help="said in the raw file and the profile (how the mesh was started, say)")
     p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("trace", help="print a request's spans as a waterfall")

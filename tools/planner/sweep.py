@@ -64,6 +64,8 @@ class SweepConfig:
     device: str | None = None
     api_key: str | None = None
     seed: int = 0
+    note: str | None = None
+    """Said in the raw file and the profile's settings (how the mesh was started, say)."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.budget_s <= 0 or self.decode_max_tokens < 4:
@@ -203,7 +205,8 @@ def run_sweep(config: SweepConfig) -> SweepResult:
     with httpx.Client(base_url=config.root, timeout=30) as api:
         before = {u: scrape(u) for u in worker_urls}
         facts = read_facts(api, before)
-    notes: dict[str, Any] = {"load_average_before": _load_average()}
+    notes: dict[str, Any] = {"note": config.note} if config.note else {}
+    notes["load_average_before"] = _load_average()
     print(f"profiling {facts.model} at {config.root}: instances {facts.instances}, budget {config.budget_s:g} s", flush=True)
     sweep, checks = asyncio.run(_run(config, facts, budget))
     notes["load_average_after"] = _load_average()
@@ -247,7 +250,7 @@ def _profile(config: SweepConfig, facts: MeshFacts, sweep: _Sweep, command: str,
     settings = {
         **facts.settings,
         "sweep.rounds": str(config.rounds), "sweep.budget_s": f"{config.budget_s:g}",
-        "sweep.decode_max_tokens": str(config.decode_max_tokens),
+        "sweep.decode_max_tokens": str(config.decode_max_tokens), **({"note": config.note} if config.note else {}),
         **{k: v for k, v in sorted(os.environ.items()) if k.startswith("INFERMESH_")},
     }  # fmt: skip
     return Profile(
