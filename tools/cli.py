@@ -431,7 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uncached prompt tokens (on a GPU go to 8192 and beyond)")
     p.add_argument("--prefill-concurrency", type=int, nargs="+", default=[1, 4], help="prompts in flight")
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 2, 4, 8], help="streams decoding at once")
-    p.add_argument("--decode-contexts", type=int, nargs="+", default=[128, 1024], help="prompt tokens of each stream")
+    p.add_argument("--decode-contexts", type=int, nargs="+", default=[128, 1024],
+                   help="mean tokens of KV each stream attends to (its prompt, then half its tokens)")
     p.add_argument("--decode-max-tokens", type=int, default=64, help="tokens each decode stream generates")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per point (after one warm-up round)")
     p.add_argument("--holdout", action="store_true",

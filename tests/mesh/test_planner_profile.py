@@ -10,7 +10,7 @@ from services.planner.profile import Profile
 from shared.model.config import ModelConfig
 from tools.cli import main
 
-PREFILL_LENGTHS, DECODE_BATCHES, CONTEXT = (64, 512), (1, 4), 128
+PREFILL_LENGTHS, DECODE_BATCHES, CONTEXT = (64, 512), (1, 4), 1024
 
 
 def test_a_tiny_sweep_writes_a_profile_the_planner_loads(start_mesh, mesh_model_dir, tmp_path, capsys):
@@ -29,7 +29,7 @@ def test_a_tiny_sweep_writes_a_profile_the_planner_loads(start_mesh, mesh_model_
     profile = Profile.load(out)
     assert json.loads(profile.to_json()) == json.loads(out.read_text())  # nothing lost on the way back
     assert [(p.input_tokens, p.concurrency) for p in profile.prefill] == [(64, 1), (512, 1)]
-    assert [(d.batch, d.context_tokens) for d in profile.decode] == [(1, CONTEXT + 12), (4, CONTEXT + 12)]
+    assert [(d.batch, d.context_tokens) for d in profile.decode] == [(1, CONTEXT), (4, CONTEXT)]
     short, long = profile.prefill
     assert long.ttft_ms > short.ttft_ms  # 8x the prompt takes longer to the first token
     one, four = profile.decode

@@ -75,16 +75,16 @@ def test_decode_figures_take_the_window_where_every_stream_decodes():
     # Two streams, 10 ms a token; the second starts 20 ms late. Common window (0.12, 0.20].
     a = _stream(0.0, 0.10, [0.01] * 10)  # tokens at 0.10 .. 0.20
     b = _stream(0.0, 0.12, [0.01] * 10)  # tokens at 0.12 .. 0.22
-    r = decode_figures([a, b], context=128, max_tokens=11, wall_s=0.3)
+    r = decode_figures([a, b], prompt=128, max_tokens=11, wall_s=0.3)
     assert r.itl_ms == pytest.approx(10.0) and r.tokens_per_s == pytest.approx(200.0)
     assert r.mean_context == pytest.approx(128 + 5.5) and r.overlapped
 
 
 def test_decode_figures_fall_back_to_each_stream_when_they_barely_overlap():
     a = _stream(0.0, 0.10, [0.01] * 10)  # 0.10 .. 0.20
-    b = _stream(0.0, 0.19, [0.02] * 10)  # 0.19 .. 0.39: overlap 0.01 s, under half a stream's decode
-    r = decode_figures([a, b], context=16, max_tokens=11, wall_s=0.4)
+    b = _stream(0.0, 0.19, [0.02] * 10)  # 0.19 .. 0.39: overlap 0.01 s, under a quarter of a stream's decode
+    r = decode_figures([a, b], prompt=16, max_tokens=11, wall_s=0.4)
     assert r.itl_ms == pytest.approx(15.0)  # the median of 10 and 20 ms
     assert r.tokens_per_s == pytest.approx(20 / 0.29) and not r.overlapped
     with pytest.raises(RoundFailed):
-        decode_figures([_stream(0.0, 0.1, [])], context=16, max_tokens=4, wall_s=0.2)
+        decode_figures([_stream(0.0, 0.1, [])], prompt=16, max_tokens=4, wall_s=0.2)

@@ -98,4 +98,5 @@ def grid_predictor(grid: Mapping[Point, Figures]) -> Predictor:
 
 def checks(measured: Mapping[Point, Figures], predict: Predictor) -> list[Check]:
     """Every figure of every held-out point, measured against predicted."""
-    return [Check(p, name, value, predict(p, name)) for p, figures in measured.items() for name, value in figures.items()]
+    return [Check(p, name, value, predict(p, name))
+            for p, figures in measured.items() for name, value in figures.items()]

@@ -8,13 +8,15 @@ uncached prefill and decode, what the planner sizes from.
 prefill  `concurrency` prompts of `input_tokens` sent at once, max_tokens 1:
          TTFT per request (its median), and the uncached prompt tokens of the round
          over the time to the last first token;
-decode   `batch` streams of a `context`-token prompt sent at once, ignore_eos and
-         `max_tokens` each, logprobs on so every token is counted: the figures are
+decode   `batch` streams sent at once, each attending to `context` tokens on average
+         (a prompt of context - max_tokens / 2, then ignore_eos and `max_tokens`),
+         logprobs on so every token is counted: the figures are
          taken over the window in which every stream is decoding (after the last
          first token, before the first last token), so prefill and the ramp are out;
-         where that window is under half a stream's decode (the prefills spread out
-         against a short decode), the round is sent again with twice the tokens, and
-         after MAX_DOUBLINGS, the figures are each stream's own decode (flagged).
+         where that window is under OVERLAP of a stream's decode (the prefills spread out
+         against a short decode), the round is sent again with twice the tokens (and a
+         shorter prompt: the same mean context), and where that cannot go on, the
+         figures are each stream's own decode (flagged).
 """
 
 import asyncio
@@ -57,8 +59,13 @@ class DecodeRound:
     are each stream's own: the batch was never whole)."""
     num_waves: int = 1
     """Waves sent for the round (one, and one more per doubling)."""
+    wave_prompts: tuple[int, ...] = ()
+    """Each wave's prompt length (every stream of a wave has it): what prefill handed off to decode."""
 
 
+OVERLAP = 0.25
+"""The streams decoded together when every one was decoding for at least this part of
+a stream's decode (the median's): enough tokens in the window to time."""
 MAX_DOUBLINGS = 3
 """A decode round whose streams did not overlap is sent again with twice the tokens, at most this often."""
 
@@ -109,19 +116,28 @@ def _token_times(r: RequestResult) -> tuple[list[float], float]:
 
 async def decode_round(client: httpx.AsyncClient, model: str, batch: int, context: int, max_tokens: int, seed: int,
                        salt: str) -> DecodeRound:  # fmt: skip
-    if max_tokens < 4:
-        raise ValueError(f"decode needs max_tokens of at least 4 to time tokens, got {max_tokens}")
+    """context: the mean KV each stream attends to while it decodes (the profile's
+    context_tokens): a prompt of context - max_tokens / 2, then max_tokens generated.
+    A round whose streams did not decode together is sent again with twice the
+    tokens and a prompt shorter by as much, the mean kept, while the prompt stays at
+    least half the context."""
+    if max_tokens < 4 or context < 4:
+        raise ValueError(f"decode needs max_tokens and context of at least 4, got {max_tokens} and {context}")
+    max_tokens = min(max_tokens, context)
+    wave_prompts: list[int] = []
     for doubling in range(MAX_DOUBLINGS + 1):
-        specs = _specs(context, batch, max_tokens, seed, salt, {"ignore_eos": True, "logprobs": 0})
+        prompt = context - max_tokens // 2
+        specs = _specs(prompt, batch, max_tokens, seed, salt, {"ignore_eos": True, "logprobs": 0})
         results, _, wall = await _wave(client, model, specs)
-        figures = decode_figures(results, context, max_tokens, wall)
-        if figures.overlapped or doubling == MAX_DOUBLINGS:
-            return dataclasses.replace(figures, num_waves=doubling + 1)
+        wave_prompts.append(prompt)
+        figures = decode_figures(results, prompt, max_tokens, wall)
+        if figures.overlapped or doubling == MAX_DOUBLINGS or max_tokens * 2 > context:
+            return dataclasses.replace(figures, num_waves=doubling + 1, wave_prompts=tuple(wave_prompts))
         max_tokens *= 2  # the prefills' spread was long against the decode: a longer decode
     raise AssertionError("unreachable")
 
 
-def decode_figures(results: list[RequestResult], context: int, max_tokens: int, wall_s: float) -> DecodeRound:
+def decode_figures(results: list[RequestResult], prompt: int, max_tokens: int, wall_s: float) -> DecodeRound:
     """One wave's decode figures (the module's docstring says which window)."""
     timed = [_token_times(r) for r in results if len(r.itl_s) > 0]
     if not timed:
@@ -129,7 +145,7 @@ def decode_figures(results: list[RequestResult], context: int, max_tokens: int, 
     lo = max(times[0] for times, _ in timed)
     hi = min(times[-1] for times, _ in timed)
     spans = [times[-1] - times[0] for times, _ in timed]
-    overlapped = hi - lo >= 0.5 * statistics.median(spans)
+    overlapped = hi - lo >= OVERLAP * statistics.median(spans)
     if not overlapped:
         # The streams barely decoded together (their prefills were spread out): each
         # stream's own decode, and the whole wave's tokens over its decoding time.
@@ -145,5 +161,5 @@ def decode_figures(results: list[RequestResult], context: int, max_tokens: int, 
                 per_token.append((hi - lo) / num)
     if not per_token or hi <= lo:
         raise RoundFailed("no token arrived while the streams were decoding")
-    return DecodeRound(statistics.median(per_token) * 1e3, tokens / (hi - lo), context + max_tokens / 2, wall_s,
+    return DecodeRound(statistics.median(per_token) * 1e3, tokens / (hi - lo), prompt + max_tokens / 2, wall_s,
                        max_tokens, overlapped)

@@ -10,7 +10,8 @@ from services.planner.profile import Profile
 
 
 def _table(profile: Profile) -> str:
-    lines = [f"{profile.model} on {profile.device} ({profile.commit})", "prefill: input_tokens concurrency ttft_ms tokens_per_s"]
+    lines = [f"{profile.model} on {profile.device} ({profile.commit})",
+             "prefill: input_tokens concurrency ttft_ms tokens_per_s"]
     lines += [f"  {p.input_tokens} {p.concurrency} {p.ttft_ms:.2f} {p.tokens_per_s:.1f}" for p in profile.prefill]
     lines.append("decode: batch context_tokens itl_ms tokens_per_s")
     lines += [f"  {d.batch} {d.context_tokens} {d.itl_ms:.2f} {d.tokens_per_s:.1f}" for d in profile.decode]

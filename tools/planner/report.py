@@ -31,7 +31,8 @@ def report_text(result: "SweepResult", header: Mapping[str, Any]) -> str:
             extra = ""
             if stage == "decode":  # how many rounds had every stream decoding together, at what length
                 together = sum(bool(r["overlapped"]) for r in m.rounds)
-                extra = f"  together {together}/{len(m.rounds)}, max_tokens {max(int(r['max_tokens']) for r in m.rounds)}"
+                longest = max(int(r["max_tokens"]) for r in m.rounds)
+                extra = f"  together {together}/{len(m.rounds)}, max_tokens {longest}"
             lines.append(f"{m.point[0]:>12} {m.point[1]:>11} {cells}  {len(m.rounds):>6}  "
                          f"{'yes' if m.held_out else '':>8}{extra}")
     skipped = [f"{stage} {p}" for stage, p in result.skipped]

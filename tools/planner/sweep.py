@@ -118,8 +118,8 @@ class _Sweep:
         self.skipped: list[tuple[str, tuple[int, int]]] = []
         self._costs: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
         self._num_rounds_run = 0
-        self.num_handoff_tokens = 0
-        """Prompt tokens of every decode wave sent (warm-ups and resent rounds too): what was handed off."""
+        self.handoffs: list[tuple[int, int]] = []
+        """(prompt tokens, streams) of every decode wave sent (warm-ups and resent rounds too)."""
 
     def _work(self, stage: str, point: tuple[int, int]) -> float:
         if stage == "prefill":
@@ -133,7 +133,7 @@ class _Sweep:
         if stage == "prefill":
             return await prefill_round(self.client, self.model, point[0], point[1], seed, salt)
         r = await decode_round(self.client, self.model, point[0], point[1], self.config.decode_max_tokens, seed, salt)
-        self.num_handoff_tokens += point[0] * point[1] * r.num_waves
+        self.handoffs += [(prompt, point[0]) for prompt in r.wave_prompts]
         return r
 
     async def stage(self, stage: str, grid: Sequence[Point], held: Sequence[Point]) -> None:
@@ -185,7 +185,8 @@ async def _run(config: SweepConfig, facts: MeshFacts, budget: Budget) -> tuple[_
             await sweep.stage(stage, grid_order(xs, ys), held)
             measured = {m.point: {n: m.median(n) for n in _FIGURES[stage]}
                         for m in sweep.measured if m.stage == stage and m.held_out}  # fmt: skip
-            checks += [(stage, c) for c in holdout.checks(measured, holdout.grid_predictor(_grid(sweep.measured, stage)))]
+            predict = holdout.grid_predictor(_grid(sweep.measured, stage))
+            checks += [(stage, c) for c in holdout.checks(measured, predict)]
         return sweep, checks
 
 
@@ -207,14 +208,15 @@ def run_sweep(config: SweepConfig) -> SweepResult:
         facts = read_facts(api, before)
     notes: dict[str, Any] = {"note": config.note} if config.note else {}
     notes["load_average_before"] = _load_average()
-    print(f"profiling {facts.model} at {config.root}: instances {facts.instances}, budget {config.budget_s:g} s", flush=True)
+    print(f"profiling {facts.model} at {config.root}: instances {facts.instances}, budget {config.budget_s:g} s",
+          flush=True)
     sweep, checks = asyncio.run(_run(config, facts, budget))
     notes["load_average_after"] = _load_average()
     notes["elapsed_s"] = round(time.monotonic() - budget.start, 1)
     after = {u: scrape(u) for u in worker_urls}
     kv_per_token = kv_bytes_per_token(config.model_dir or facts.model, facts.cache_dtype)
     notes["kv_bytes_per_token_from_config"] = kv_per_token
-    notes["kv_bytes_per_token_from_metrics"] = _kv_bytes_measured(sweep, before, after)
+    notes["kv_bytes_per_token_from_metrics"] = _kv_bytes_measured(sweep, facts.block_size, before, after)
     notes["transfer"] = ("kvcache_gb_s, handoff_gb_s: not measured; the workers' /metrics count KV bytes "
                          "loaded but not the time the loads take (only spans carry kv.load_ms)")  # fmt: skip
     if facts.instances.get("vision"):
@@ -235,13 +237,16 @@ def run_sweep(config: SweepConfig) -> SweepResult:
     return result
 
 
-def _kv_bytes_measured(sweep: _Sweep, before: dict, after: dict) -> int | None:
+def _kv_bytes_measured(sweep: _Sweep, block_size: int | None, before: dict, after: dict) -> int | None:
     """The decode workers' kv_transfer_bytes_total over the sweep (every load: in a
     sweep of uncached prompts, the prefill -> decode handoffs), per prompt token the
-    decode waves handed off. Prefill-only rounds (max_tokens 1) hand nothing off."""
+    decode waves handed off in full blocks (a prompt's last, partial block is not
+    handed off). Prefill-only rounds (max_tokens 1) hand nothing off."""
     name = "infermesh_decode_kv_transfer_bytes_total"
     moved = sum(series_sum(after[u], name) - series_sum(before[u], name) for u in before)
-    tokens = sweep.num_handoff_tokens
+    if block_size is None:
+        return None
+    tokens = sum(prompt // block_size * block_size * streams for prompt, streams in sweep.handoffs)
     return round(moved / tokens) if moved > 0 and tokens else None
 
 
@@ -258,7 +263,7 @@ def _profile(config: SweepConfig, facts: MeshFacts, sweep: _Sweep, command: str,
         created_unix=time.time(), settings=settings,
         prefill=[PrefillPoint(m.point[0], m.point[1], m.median("ttft_ms"), m.median("tokens_per_s"))
                  for m in grid if m.stage == "prefill"],
-        decode=[DecodePoint(m.point[0], round(statistics.median(r["mean_context"] for r in m.rounds)),
-                            m.median("itl_ms"), m.median("tokens_per_s")) for m in grid if m.stage == "decode"],
+        decode=[DecodePoint(m.point[0], m.point[1], m.median("itl_ms"), m.median("tokens_per_s"))
+                for m in grid if m.stage == "decode"],
         transfer=TransferRates(kv_bytes_per_token=kv_per_token),
     )  # fmt: skip
