@@ -233,6 +233,23 @@ def _cmd_up(args: argparse.Namespace) -> int:
               num_vision=args.vision, planner_profile=args.planner)  # fmt: skip
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tools.planner.sweep import SweepConfig, run_sweep
+
+    config = SweepConfig(
+        url=args.url, out=Path(args.out), metrics_urls=tuple(args.metrics_url or ()), budget_s=args.budget_s,
+        prefill_lengths=tuple(args.prefill_lengths), prefill_concurrency=tuple(args.prefill_concurrency),
+        decode_batches=tuple(args.decode_batches), decode_contexts=tuple(args.decode_contexts),
+        decode_max_tokens=args.decode_max_tokens, rounds=args.rounds, holdout=args.holdout,
+        raw=Path(args.raw) if args.raw else None, plot=not args.no_plot, model_dir=args.model_dir,
+        device=args.device, api_key=args.api_key, seed=args.seed, note=args.note,
+    )  # fmt: skip
+    run_sweep(config)
+    return 0
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     from tools.launch.trace_view import load_spans, pick_trace, render_waterfall
     from shared.runtime.settings import load_settings
@@ -426,6 +443,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help='EPLB\'s settings, vLLM\'s keys: {"window_size": ..., "step_interval": ..., '
                         '"num_redundant_experts": ...}: EngineConfig.eplb_config (default: INFERMESH_ENGINE__EPLB_CONFIG)')
     p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser(
+        "profile", help="measure each stage of a running mesh (start it with `infermesh up`) into a planner profile",
+        description="A bounded sweep through the balancer's OpenAI API: prefill TTFT and uncached tokens/s against "
+        "prompt length and concurrency, decode ITL and tokens/s against batch and context; writes the profile "
+        "JSON (services/planner/profile.py), a plot beside it and, with --raw, every round.",
+    )
+    p.add_argument("--url", required=True, help="the balancer, e.g. http://127.0.0.1:8000")
+    p.add_argument("--out", required=True, help="the profile JSON to write (the plot goes beside it)")
+    p.add_argument("--metrics-url", action="append", metavar="URL",
+                   help="a worker's /metrics (repeat): its settings and KV bytes go into the profile")
+    p.add_argument("--budget-s", type=float, default=600.0, help="time for the whole sweep: points that would not "
+                   "fit are left out, interior first")
+    p.add_argument("--prefill-lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048],
+                   help="uncached prompt tokens (on a GPU go to 8192 and beyond)")
+    p.add_argument("--prefill-concurrency", type=int, nargs="+", default=[1, 4], help="prompts in flight")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 2, 4, 8], help="streams decoding at once")
+    p.add_argument("--decode-contexts", type=int, nargs="+", default=[128, 1024],
+                   help="mean tokens of KV each stream attends to (its prompt, then half its tokens)")
+    p.add_argument("--decode-max-tokens", type=int, default=64, help="tokens each decode stream generates")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per point (after one warm-up round)")
+    p.add_argument("--holdout", action="store_true",
+                   help="also measure three points per stage off the grid, against the grid's interpolation")
+    p.add_argument("--raw", default=None, help="the raw file: every point's rounds, held-out checks, load average")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--model-dir", default=None, help="the checkpoint, for KV bytes per token (default: the model id, "
+                   "when it is a folder here)")
+    p.add_argument("--device", default=None, help="the mesh's hardware in words (default: this machine's GPU or CPU)")
+    p.add_argument("--api-key", default=None, help="sent as a bearer token")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--note", default=None, help="said in the raw file and the profile (how the mesh was started, say)")
+    p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("trace", help="print a request's spans as a waterfall")
     p.add_argument("which", nargs="?", default="last",

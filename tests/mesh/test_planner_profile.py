@@ -1,0 +1,53 @@
+"""`infermesh profile` against a real mesh (nats-server, kvcache, prefill, decode and
+the balancer as processes): a tiny sweep from the command line writes a profile the
+planner can load, with the points asked for, figures that move the way the work
+does (gross ratios only: the machine is shared), and where it came from."""
+
+import json
+from pathlib import Path
+
+from services.planner.profile import Profile
+from shared.model.config import ModelConfig
+from tools.cli import main
+
+PREFILL_LENGTHS, DECODE_BATCHES, CONTEXT = (64, 512), (1, 4), 1024
+
+
+def test_a_tiny_sweep_writes_a_profile_the_planner_loads(start_mesh, mesh_model_dir, tmp_path, capsys):
+    mesh = start_mesh()
+    metrics = [f"http://127.0.0.1:{port}/metrics" for name, port in mesh.metrics_ports.items()
+               if name.startswith(("prefill", "decode"))]  # fmt: skip
+    out, raw = tmp_path / "profile.json", tmp_path / "profile.txt"
+    args = ["profile", "--url", mesh.api_url, "--out", str(out), "--raw", str(raw), "--budget-s", "90",
+            "--prefill-lengths", *map(str, PREFILL_LENGTHS), "--prefill-concurrency", "1",
+            "--decode-batches", *map(str, DECODE_BATCHES), "--decode-contexts", str(CONTEXT),
+            "--decode-max-tokens", "24", "--rounds", "3", "--model-dir", mesh_model_dir]  # fmt: skip
+    for url in metrics:
+        args += ["--metrics-url", url]
+    assert main(args) == 0
+
+    profile = Profile.load(out)
+    assert json.loads(profile.to_json()) == json.loads(out.read_text())  # nothing lost on the way back
+    assert [(p.input_tokens, p.concurrency) for p in profile.prefill] == [(64, 1), (512, 1)]
+    assert [(d.batch, d.context_tokens) for d in profile.decode] == [(1, CONTEXT), (4, CONTEXT)]
+    short, long = profile.prefill
+    assert long.ttft_ms > short.ttft_ms  # 8x the prompt takes longer to the first token
+    one, four = profile.decode
+    assert four.tokens_per_s > one.tokens_per_s  # a batch of 4 decodes more tokens a second than 1
+    assert all(p.ttft_ms > 0 and p.tokens_per_s > 0 for p in profile.prefill)
+    assert all(d.itl_ms > 0 for d in profile.decode)
+
+    assert profile.commit and profile.commit != "unknown" and profile.device and "profile" in profile.command
+    assert profile.model == Path(mesh_model_dir).name  # the balancer's model id
+    assert profile.settings["decode.speculation"] == "off" and profile.settings["sweep.rounds"] == "3"
+    config = ModelConfig.from_pretrained(mesh_model_dir)
+    assert profile.transfer.kv_bytes_per_token == (
+        config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2 * 4  # float32
+    )
+    text = raw.read_text()
+    assert text.startswith("# commit: ") and "kv_bytes_per_token_from_metrics" in text
+    # The handoffs' bytes over the handed-off prompt tokens agree with the config's formula.
+    measured = next(line for line in text.splitlines() if line.startswith("kv_bytes_per_token_from_metrics"))
+    assert measured.split(": ")[1] == str(profile.transfer.kv_bytes_per_token)
+    assert "skipped by the budget: none" in text
+    assert out.with_suffix(".png").exists() or out.with_suffix(".txt").exists()

@@ -1,0 +1,269 @@
+"""`infermesh profile`: a bounded sweep of a running mesh, stage by stage, through
+its OpenAI API (the balancer) and its Prometheus /metrics, written as a
+services/planner/profile.py Profile, a raw file of every round, and a plot.
+
+    infermesh up &                       # or any mesh; then:
+    infermesh profile --url http://127.0.0.1:8000 --out profile.json --budget-s 600 \
+        --metrics-url http://127.0.0.1:PREFILL_METRICS/metrics --holdout --raw profile.txt
+
+What each point is (tools/planner/points.py), how the budget thins the grid
+(tools/planner/grid.py), the accuracy check (tools/planner/holdout.py). Each point
+is warmed up (one round, dropped), then measured `rounds` times, the points of a
+stage taking turns: its figure is the median of its rounds, whose min-max the raw
+file shows. Held-out points (--holdout) take their turns among the grid's. The
+mesh is measured as it runs: one instance per stage gives per-instance figures, which the profile is;
+with more, the figures are the mesh's (the raw file says how many were live).
+
+Transfer rates: the workers count the KV bytes they load (kv_transfer_bytes_total by
+path, kvcache_load_bytes_total by plane) but no /metrics series times the loads
+(their time is only on the spans, kv.load_ms), so kvcache_gb_s and handoff_gb_s stay
+None; kv_bytes_per_token comes from the checkpoint's config (--model-dir, or the
+model id when it is a local folder), cross-checked against the bytes the decode
+workers' kv_transfer_bytes_total counts for the handoffs, when their /metrics is given.
+"""
+
+import asyncio
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.planner.profile import DecodePoint, PrefillPoint, Profile, TransferRates
+from tools.bench.raw_file import commit, run_header, write_text
+from tools.bench.rounds import rotation
+from tools.planner import holdout
+from tools.planner.grid import Budget, estimate_s, grid_order
+from tools.planner.mesh_facts import MeshFacts, device, kv_bytes_per_token, read_facts, scrape, series_sum
+from tools.planner.points import DecodeRound, PrefillRound, decode_round, prefill_round
+from tools.planner.report import report_text
+
+
+@dataclass(frozen=True, slots=True)
+class SweepConfig:
+    url: str
+    """The balancer, http://HOST:PORT (a trailing /v1 is dropped)."""
+    out: Path
+    metrics_urls: tuple[str, ...] = ()
+    """Workers' /metrics (the balancer's own is read from url)."""
+    budget_s: float = 600.0
+    prefill_lengths: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
+    prefill_concurrency: tuple[int, ...] = (1, 4)
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8)
+    decode_contexts: tuple[int, ...] = (128, 1024)
+    decode_max_tokens: int = 64
+    rounds: int = 3
+    holdout: bool = False
+    raw: Path | None = None
+    plot: bool = True
+    model_dir: str | None = None
+    device: str | None = None
+    api_key: str | None = None
+    seed: int = 0
+    note: str | None = None
+    """Said in the raw file and the profile's settings (how the mesh was started, say)."""
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.budget_s <= 0 or self.decode_max_tokens < 4:
+            raise ValueError("rounds must be at least 1, budget_s positive, decode_max_tokens at least 4")
+        axes = (self.prefill_lengths, self.prefill_concurrency, self.decode_batches, self.decode_contexts)
+        if any(not axis or min(axis) < 1 for axis in axes):
+            raise ValueError("every prefill length, concurrency, decode batch and context must be at least 1")
+
+    @property
+    def root(self) -> str:
+        return self.url.rstrip("/").removesuffix("/v1")
+
+
+@dataclass(slots=True)
+class Measured:
+    """One operating point's rounds (warm-up dropped) and their median figures."""
+
+    stage: str
+    point: tuple[int, int]
+    rounds: list[dict[str, float]]
+    held_out: bool = False
+
+    def median(self, name: str) -> float:
+        return statistics.median(r[name] for r in self.rounds)
+
+    def spread(self, name: str) -> tuple[float, float]:
+        return min(r[name] for r in self.rounds), max(r[name] for r in self.rounds)
+
+
+@dataclass(slots=True)
+class SweepResult:
+    profile: Profile
+    measured: list[Measured]
+    skipped: list[tuple[str, tuple[int, int]]] = field(default_factory=list)
+    checks: list[tuple[str, holdout.Check]] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+_FIGURES = {"prefill": ("ttft_ms", "tokens_per_s"), "decode": ("itl_ms", "tokens_per_s")}
+_AXES = {"prefill": "(input_tokens, concurrency)", "decode": "(batch, context_tokens)"}
+Point = tuple[int, int]
+
+
+class _Sweep:
+    """The measuring loop of one run; holds its client, clock and what it measured."""
+
+    def __init__(self, config: SweepConfig, client: httpx.AsyncClient, model: str, budget: Budget) -> None:
+        self.config, self.client, self.model, self.budget = config, client, model, budget
+        self.measured: list[Measured] = []
+        self.skipped: list[tuple[str, tuple[int, int]]] = []
+        self._costs: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
+        self._num_rounds_run = 0
+        self.handoffs: list[tuple[int, int]] = []
+        """(prompt tokens, streams) of every decode wave sent (warm-ups and resent rounds too)."""
+
+    def _work(self, stage: str, point: tuple[int, int]) -> float:
+        if stage == "prefill":
+            return point[0] * point[1]
+        batch, context = point
+        return batch * context + batch * self.config.decode_max_tokens * 16  # a decode step ~ 16 prompt tokens' time
+
+    async def _round(self, stage: str, point: tuple[int, int]) -> PrefillRound | DecodeRound:
+        self._num_rounds_run += 1
+        seed, salt = self.config.seed * 1_000_003 + self._num_rounds_run, f"profile-{os.getpid()}-{time.time_ns()}"
+        if stage == "prefill":
+            return await prefill_round(self.client, self.model, point[0], point[1], seed, salt)
+        r = await decode_round(self.client, self.model, point[0], point[1], self.config.decode_max_tokens, seed, salt)
+        self.handoffs += [(prompt, point[0]) for prompt in r.wave_prompts]
+        return r
+
+    async def stage(self, stage: str, grid: Sequence[Point], held: Sequence[Point]) -> None:
+        """Warm up each point, coarse to fine, while its rounds fit the stage's time
+        (the warm-up's own time is what the later points' estimates learn from); then
+        the timed rounds, every kept point once a round, round r starting at point r
+        mod n (tools/bench/rounds.py's rotation), so a burst of load from elsewhere
+        on the machine falls on each point in turn, held-out points among them."""
+        kept: list[tuple[Point, bool]] = []
+        committed_s = 0.0  # the timed rounds of the points kept so far, estimated
+        for point, held_out in [*((p, False) for p in grid), *((p, True) for p in held)]:
+            work = self._work(stage, point)
+            if not self.budget.fits(stage, committed_s + estimate_s(work, self._costs[stage], self.config.rounds)):
+                self.skipped.append((stage, point))
+                print(f"  {stage} {point}: skipped (budget)", flush=True)
+                continue
+            warm = await self._round(stage, point)  # a shape seen for the first time pays for it
+            self._costs[stage].append((work, warm.wall_s))
+            committed_s += self.config.rounds * warm.wall_s
+            kept.append((point, held_out))
+        rounds: dict[Point, list[dict[str, float]]] = {p: [] for p, _ in kept}
+        for r in range(self.config.rounds):
+            for point, _ in rotation(kept, r):
+                rounds[point].append(asdict(await self._round(stage, point)))
+        for point, held_out in kept:
+            m = Measured(stage, point, rounds[point], held_out)
+            self.measured.append(m)
+            figs = ", ".join(f"{n} {m.median(n):.1f}" for n in _FIGURES[stage])
+            print(f"  {stage} {point}{' (held out)' if held_out else ''}: {figs}", flush=True)
+
+
+def _grid(measured: Sequence[Measured], stage: str) -> dict[tuple[int, int], dict[str, float]]:
+    return {m.point: {n: m.median(n) for n in _FIGURES[stage]} for m in measured if m.stage == stage and not m.held_out}
+
+
+async def _run(config: SweepConfig, facts: MeshFacts, budget: Budget) -> tuple[_Sweep, list]:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    conc = max(*config.prefill_concurrency, *config.decode_batches)
+    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    async with httpx.AsyncClient(base_url=config.root + "/v1", headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(600.0, connect=10.0)) as client:  # fmt: skip
+        sweep = _Sweep(config, client, facts.model, budget)
+        axes = {"prefill": (config.prefill_lengths, config.prefill_concurrency),
+                "decode": (config.decode_batches, config.decode_contexts)}  # fmt: skip
+        checks: list[tuple[str, holdout.Check]] = []
+        for stage, (xs, ys) in axes.items():
+            print(f"{stage} {_AXES[stage]}:", flush=True)
+            held = holdout.held_out_points(xs, ys) if config.holdout else []
+            await sweep.stage(stage, grid_order(xs, ys), held)
+            measured = {m.point: {n: m.median(n) for n in _FIGURES[stage]}
+                        for m in sweep.measured if m.stage == stage and m.held_out}  # fmt: skip
+            predict = holdout.grid_predictor(_grid(sweep.measured, stage))
+            checks += [(stage, c) for c in holdout.checks(measured, predict)]
+        return sweep, checks
+
+
+def _load_average() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def run_sweep(config: SweepConfig) -> SweepResult:
+    """Measure the mesh at config.url; write config.out (the Profile), config.raw (every
+    round, the held-out checks) and the plot beside config.out."""
+    header = run_header()  # as the run starts: the commit and the tree that ran
+    budget = Budget(config.budget_s, ("prefill", "decode"))
+    worker_urls = list(config.metrics_urls)
+    with httpx.Client(base_url=config.root, timeout=30) as api:
+        before = {u: scrape(u) for u in worker_urls}
+        facts = read_facts(api, before)
+    notes: dict[str, Any] = {"note": config.note} if config.note else {}
+    notes["load_average_before"] = _load_average()
+    print(f"profiling {facts.model} at {config.root}: instances {facts.instances}, budget {config.budget_s:g} s",
+          flush=True)
+    sweep, checks = asyncio.run(_run(config, facts, budget))
+    notes["load_average_after"] = _load_average()
+    notes["elapsed_s"] = round(time.monotonic() - budget.start, 1)
+    after = {u: scrape(u) for u in worker_urls}
+    kv_per_token = kv_bytes_per_token(config.model_dir or facts.model, facts.cache_dtype)
+    notes["kv_bytes_per_token_from_config"] = kv_per_token
+    notes["kv_bytes_per_token_from_metrics"] = _kv_bytes_measured(sweep, facts.block_size, before, after)
+    notes["transfer"] = ("kvcache_gb_s, handoff_gb_s: not measured; the workers' /metrics count KV bytes "
+                         "loaded but not the time the loads take (only spans carry kv.load_ms)")  # fmt: skip
+    if facts.instances.get("vision"):
+        notes["vision"] = "not measured: the sweep does not send images yet"
+    profile = _profile(config, facts, sweep, header["command"],
+                       kv_per_token or notes["kv_bytes_per_token_from_metrics"])  # fmt: skip
+    result = SweepResult(profile, sweep.measured, sweep.skipped, checks, notes)
+    config.out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(config.out)
+    text = report_text(result, {**header, "device": profile.device})
+    print(text)
+    if config.raw is not None:
+        write_text(config.raw, text, {**header, "device": profile.device})
+    if config.plot:
+        from tools.planner.profile_plot import plot_profile
+
+        print(f"plot: {plot_profile(profile, config.out.with_suffix(''))}")
+    return result
+
+
+def _kv_bytes_measured(sweep: _Sweep, block_size: int | None, before: dict, after: dict) -> int | None:
+    """The decode workers' kv_transfer_bytes_total over the sweep (every load: in a
+    sweep of uncached prompts, the prefill -> decode handoffs), per prompt token the
+    decode waves handed off in full blocks (a prompt's last, partial block is not
+    handed off). Prefill-only rounds (max_tokens 1) hand nothing off."""
+    name = "infermesh_decode_kv_transfer_bytes_total"
+    moved = sum(series_sum(after[u], name) - series_sum(before[u], name) for u in before)
+    if block_size is None:
+        return None
+    tokens = sum(prompt // block_size * block_size * streams for prompt, streams in sweep.handoffs)
+    return round(moved / tokens) if moved > 0 and tokens else None
+
+
+def _profile(config: SweepConfig, facts: MeshFacts, sweep: _Sweep, command: str, kv_per_token: int | None) -> Profile:
+    grid = sorted((m for m in sweep.measured if not m.held_out), key=lambda m: m.point)
+    settings = {
+        **facts.settings,
+        "sweep.rounds": str(config.rounds), "sweep.budget_s": f"{config.budget_s:g}",
+        "sweep.decode_max_tokens": str(config.decode_max_tokens), **({"note": config.note} if config.note else {}),
+        **{k: v for k, v in sorted(os.environ.items()) if k.startswith("INFERMESH_")},
+    }  # fmt: skip
+    return Profile(
+        model=facts.model, device=config.device or device(), commit=commit(), command=command,
+        created_unix=time.time(), settings=settings,
+        prefill=[PrefillPoint(m.point[0], m.point[1], m.median("ttft_ms"), m.median("tokens_per_s"))
+                 for m in grid if m.stage == "prefill"],
+        decode=[DecodePoint(m.point[0], m.point[1], m.median("itl_ms"), m.median("tokens_per_s"))
+                for m in grid if m.stage == "decode"],
+        transfer=TransferRates(kv_bytes_per_token=kv_per_token),
+    )  # fmt: skip
