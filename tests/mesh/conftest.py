@@ -28,6 +28,7 @@ SERIAL = {
     "test_nats_tls.py": "waits bounded in time on nats-server under TLS",
     "test_orchestrator_failover.py": "a failure charged long before a 10 s timeout",
     "test_namespaces.py": "freezes and kills instances in their namespaces, with bounds; two meshes",
+    "test_planner_profile.py": "compares the decode throughput of two batch sizes",
     "test_mesh_parallel.py": "instances of two ranks each (eight engine processes); kills a rank, with a bound",
 }
 """Mesh modules kept out of the parallel run, and why (a timing bound a busy machine

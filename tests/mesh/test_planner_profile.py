@@ -18,7 +18,7 @@ def test_a_tiny_sweep_writes_a_profile_the_planner_loads(start_mesh, mesh_model_
     metrics = [f"http://127.0.0.1:{port}/metrics" for name, port in mesh.metrics_ports.items()
                if name.startswith(("prefill", "decode"))]  # fmt: skip
     out, raw = tmp_path / "profile.json", tmp_path / "profile.txt"
-    args = ["profile", "--url", mesh.api_url, "--out", str(out), "--raw", str(raw), "--budget-s", "90",
+    args = ["profile", "--url", mesh.api_url, "--out", str(out), "--raw", str(raw), "--budget-s", "600",
             "--prefill-lengths", *map(str, PREFILL_LENGTHS), "--prefill-concurrency", "1",
             "--decode-batches", *map(str, DECODE_BATCHES), "--decode-contexts", str(CONTEXT),
             "--decode-max-tokens", "24", "--rounds", "3", "--model-dir", mesh_model_dir]  # fmt: skip
