@@ -125,6 +125,11 @@ class Worker:
             "(shm, nixl, stream, or several joined by +)",
             ("plane",),
         )
+        self.m_images_encoded = m.counter(
+            "images_encoded_total", "Images the vision tower ran on here: prompts computed here with images a vision "
+            "instance did not encode (decode after a handoff only when it recomputes an image's rows)",
+        )
+        self._num_images_encoded = 0
         self.m_kvcache_up = m.gauge("kvcache_up", "1 while this worker reaches kvcache, 0 while it computes without it")
         self.m_kvcache_bypassed = m.counter(
             "kvcache_bypassed_total",
@@ -324,6 +329,8 @@ class Worker:
         self.m_kv_usage.set(1 - load.num_free_kv_blocks / max(load.num_total_kv_blocks, 1))
         self.m_kv_store_failures.set(load.num_kv_save_failures)
         self.m_kv_stores_dropped.set(load.num_kv_saves_dropped)
+        self.m_images_encoded.inc(load.num_images_encoded - self._num_images_encoded)
+        self._num_images_encoded = load.num_images_encoded
         self.vllm.update(load)
         if self.spec is not None:
             self.spec.update(load)
