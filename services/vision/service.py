@@ -18,7 +18,8 @@ carry the load (images queued and in the tower) and the identities the cache hol
 (the balancer's affinity); /metrics has images encoded, batch sizes, encode seconds
 and cache hits by tier; each request's work is an "encode" span of its trace.
 
-The model is loaded whole (load_model); a loader of the tower alone is for later."""
+The model's vision tower is loaded alone (shared/model/tower_loader.py): only its
+tensors are read from the checkpoint, and the language model is never built."""
 
 import asyncio
 import logging
@@ -290,13 +291,14 @@ def _read_images(images: dict[bytes, tuple[mesh_pb2.ImageData, str]]) -> dict[by
 
 
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
-    from shared.model.loader import load_model
+    from shared.model.tower_loader import NoVisionTower, load_vision_tower
     from shared.model.vision.processor import ImageProcessor
 
     engine = ctx.settings.engine
-    model = await asyncio.to_thread(load_model, engine.model, torch_dtype(engine.dtype), engine.device)
-    if model.config.vision_language is None or not hasattr(model, "encode_images"):
-        raise SystemExit(f"{engine.model} is not a vision-language model: a vision instance has nothing to encode")
+    try:  # the tower alone: the language model's weights are never read here
+        model = await asyncio.to_thread(load_vision_tower, engine.model, torch_dtype(engine.dtype), engine.device)
+    except NoVisionTower as exc:
+        raise SystemExit(f"{exc}: a vision instance has nothing to encode") from None
     processor = await asyncio.to_thread(ImageProcessor, engine.model)
     v = ctx.settings.vision
     encoder = Encoder(model, processor, v.max_batch_images, v.batch_wait_s, ctx.metrics)

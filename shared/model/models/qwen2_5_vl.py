@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 import torch
 
+from shared.model.config import ModelConfig
 from shared.model.interface import ModelEntry
 from shared.model.models.llama import llama_kv_layout
 from shared.model.models.qwen2_5_vl_config import CONFIG, VisionTowerParams
@@ -30,9 +31,11 @@ class Qwen2_5_VLForConditionalGeneration(QwenVLForConditionalGeneration):
     """The image path, the M-RoPE and the checks are the base's (qwen_vl_base.py); the
     tower is Qwen2.5-VL's (windowed attention, no deepstack)."""
 
-    def build_tower(self, vl: VisionLanguageParams, dtype: torch.dtype, device: torch.device) -> Qwen2_5_VisionTransformer:
+    @classmethod
+    def build_tower(cls, config: ModelConfig, vl: VisionLanguageParams, dtype: torch.dtype,
+                    device: torch.device) -> Qwen2_5_VisionTransformer:  # fmt: skip
         if not isinstance(vl.vision, VisionTowerParams):
-            raise ValueError(f"{self.config.architecture} needs Qwen2.5-VL vision_language parameters (vision_config)")
+            raise ValueError(f"{config.architecture} needs Qwen2.5-VL vision_language parameters (vision_config)")
         return Qwen2_5_VisionTransformer(vl.vision, dtype, device)
 
 

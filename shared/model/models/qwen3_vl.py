@@ -16,11 +16,11 @@ Checkpoint names: transformers 5.24 saves (and the released checkpoints hold)
 names our modules (``model.*``, ``visual.*``) so.
 """
 
-from collections.abc import Collection
 from types import MappingProxyType
 
 import torch
 
+from shared.model.config import ModelConfig
 from shared.model.interface import ModelEntry
 from shared.model.models.llama import llama_kv_layout
 from shared.model.models.qwen3_vl_config import CONFIG, Qwen3VisionTowerParams
@@ -44,9 +44,11 @@ class Qwen3VLForConditionalGeneration(QwenVLForConditionalGeneration):
     the base's (qwen_vl_base.py); the tower is Qwen3-VL's, its rows wider by the
     deepstack features, and the checkpoint names are the released ones."""
 
-    def build_tower(self, vl: VisionLanguageParams, dtype: torch.dtype, device: torch.device) -> Qwen3VisionTransformer:
+    @classmethod
+    def build_tower(cls, config: ModelConfig, vl: VisionLanguageParams, dtype: torch.dtype,
+                    device: torch.device) -> Qwen3VisionTransformer:  # fmt: skip
         if not isinstance(vl.vision, Qwen3VisionTowerParams):
-            raise ValueError(f"{self.config.architecture} needs Qwen3-VL vision_language parameters (vision_config)")
+            raise ValueError(f"{config.architecture} needs Qwen3-VL vision_language parameters (vision_config)")
         return Qwen3VisionTransformer(vl.vision, dtype, device)
 
     def deepstack_features(self, vl: VisionLanguageParams) -> int:
@@ -54,10 +56,10 @@ class Qwen3VLForConditionalGeneration(QwenVLForConditionalGeneration):
         assert isinstance(vl.vision, Qwen3VisionTowerParams)  # build_tower checked it
         return len(vl.vision.deepstack_visual_indexes)
 
-    def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
-        """The Llama family's targets under the released names (transformers 5.24 saves
-        these too): what the loader, load_weights(state_dict) and make-model use."""
-        return {_released_name(name): t for name, t in super().checkpoint_tensors(available).items()}
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        """The released names (transformers 5.24 saves these too)."""
+        return _released_name(name)
 
 
 ENTRY = ModelEntry(

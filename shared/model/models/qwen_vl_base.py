@@ -11,6 +11,8 @@ forward is then transformers' ``masked_scatter`` alone).
 Not a family of its own (no ``ENTRY``, not in ``FAMILIES``): a base the two model
 files subclass, so a fix to the image path is made once."""
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 
@@ -21,6 +23,14 @@ from shared.model.models.llama import LlamaForCausalLM
 from shared.model.multimodal import ImageInputs, InputEmbeddings
 from shared.model.parallel import SINGLE, ParallelContext
 from shared.model.vision_language_config import VisionLanguageParams
+
+
+@torch.inference_mode()
+def encode_with(visual: nn.Module, images: ImageInputs) -> list[torch.Tensor]:
+    """Each image's rows out of a Qwen VL tower (a model's, or a vision instance's tower
+    alone: VisionTower in shared/model/tower_loader.py)."""
+    merged = visual(images.pixel_values.to(visual.device), images.grids)
+    return list(merged.split([visual.num_tokens(g) for g in images.grids]))
 
 
 class QwenVLForConditionalGeneration(LlamaForCausalLM):
@@ -41,16 +51,29 @@ class QwenVLForConditionalGeneration(LlamaForCausalLM):
         vl = config.vision_language
         if vl is None:
             raise ValueError(f"{config.architecture} needs vision_language parameters (vision_config, mrope_section)")
-        device = torch.device(device)
-        self.visual = self.build_tower(vl, dtype, device)
+        self.visual = self.build_tower(config, vl, dtype, torch.device(device))
         self.num_deepstack = self.deepstack_features(vl)
         self.rotary_emb = MRotaryEmbedding(config.rope, config.head_dim, vl.mrope_section, device,
                                            interleaved=vl.mrope_interleaved)  # fmt: skip
 
-    def build_tower(self, vl: VisionLanguageParams, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    @classmethod
+    def build_tower(cls, config: ModelConfig, vl: VisionLanguageParams, dtype: torch.dtype,
+                    device: torch.device) -> nn.Module:  # fmt: skip
         """The family's vision transformer (``visual.``), with ``device``, ``num_tokens(grid)``
-        and ``forward(pixel_values, grids)`` -> [merged patches, image_embedding_width]."""
+        and ``forward(pixel_values, grids)`` -> [merged patches, image_embedding_width]. A
+        class method: a vision instance builds the tower alone (shared/model/tower_loader.py)."""
         raise NotImplementedError
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        """Our tensor name (``visual.*``, ``model.*``, ``lm_head.*``) as the family's
+        released checkpoints spell it: the same by default."""
+        return name
+
+    def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """The Llama family's targets under the family's released names (checkpoint_name):
+        what the loader, load_weights(state_dict) and make-model use."""
+        return {self.checkpoint_name(name): t for name, t in super().checkpoint_tensors(available).items()}
 
     def deepstack_features(self, vl: VisionLanguageParams) -> int:
         """Deepstack features per image row (Qwen3-VL's tower); none by default."""
@@ -67,12 +90,10 @@ class QwenVLForConditionalGeneration(LlamaForCausalLM):
         if tp_size > 1:
             raise ValueError(f"not implemented yet: tensor parallelism for {config.architecture} (its vision tower)")
 
-    @torch.inference_mode()
     def encode_images(self, images: ImageInputs) -> list[torch.Tensor]:
         """Each image's rows [its image-pad tokens, image_embedding_width], in the model
         dtype, on its device (the processor's pixels come from the host)."""
-        merged = self.visual(images.pixel_values.to(self.visual.device), images.grids)
-        return list(merged.split([self.visual.num_tokens(g) for g in images.grids]))
+        return encode_with(self.visual, images)
 
     @torch.inference_mode()
     def forward(
