@@ -148,11 +148,7 @@ class VisionService:
         self.cache = EmbeddingCache(v.cache_device_bytes, v.cache_host_bytes)
         self._in_flight: dict[bytes, asyncio.Future] = {}
         self.draining = False
-        settings = ctx.settings
-        self.heartbeats = Heartbeats(
-            ctx.bus, BeatIdentity(ctx.stage, ctx.instance_id, settings.engine.model, settings.worker.heartbeat_interval_s),
-            self._beat_state,
-        )
+        self.heartbeats = Heartbeats(ctx.bus, BeatIdentity.of(ctx), self._beat_state)
         self._tasks: list[asyncio.Task] = []
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Encode requests by outcome", ("outcome",))

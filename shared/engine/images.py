@@ -35,7 +35,8 @@ class PromptEmbeds:
     """A request's image embeddings, image by image, in prompt order: those encoded (or
     fetched from a vision instance) and those whose tower run waits until a step reads
     their rows (``encode_for``). The step loop calls encode_for and rows; an image's
-    pixels are kept until then, since the request's PNGs are gone by that time."""
+    pixels are kept until then (in host memory: the processor's output), since the
+    request's PNGs are gone by that time."""
 
     __slots__ = ("model", "lengths", "embeds", "pending", "num_encoded")
 
@@ -81,9 +82,9 @@ class PromptEmbeds:
 
 def _subset(pending: Sequence[ImageInputs | None], which: Sequence[int]) -> ImageInputs:
     """The images ``which`` of one-image inputs, as one ImageInputs (one tower call)."""
-    picked = [pending[k] for k in which]
-    assert all(p is not None for p in picked)
-    return ImageInputs(torch.cat([p.pixel_values for p in picked]), tuple(p.grids[0] for p in picked))  # type: ignore[union-attr]
+    picked = [p for p in (pending[k] for k in which) if p is not None]
+    assert len(picked) == len(which), "only pending images"
+    return ImageInputs(torch.cat([p.pixel_values for p in picked]), tuple(p.grids[0] for p in picked))
 
 
 def _split(inputs: ImageInputs) -> list[ImageInputs]:

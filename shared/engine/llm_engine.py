@@ -286,7 +286,8 @@ class LLMEngine:
         if self.config.tensor_parallel_size > 1:  # the tower runs here; other ranks would lack the rows
             raise InvalidParam("images", "are not supported with tensor_parallel_size > 1 yet")
         prompt_ids = self._prompt_ids(req)
-        return encode(self.model, prompt_ids, req.images, self.config.speculative, self._kv_brought(req, len(prompt_ids)))
+        kv_brought = self._kv_brought(req, len(prompt_ids))
+        return encode(self.model, prompt_ids, req.images, self.config.speculative, kv_brought)
 
     def _kv_brought(self, req: EngineRequest, prompt_len: int) -> int:
         """The prompt tokens whose KV a request is expected to load rather than compute:

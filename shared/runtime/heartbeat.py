@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import CONNECTION_HEADER, Bus
+from shared.runtime.service import ServiceContext
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,12 @@ class BeatIdentity:
     instance_id: str
     model: str
     interval_s: float
+
+    @classmethod
+    def of(cls, ctx: ServiceContext) -> "BeatIdentity":
+        """The service's own: its stage, instance, model and worker.heartbeat_interval_s."""
+        settings = ctx.settings
+        return cls(ctx.stage, ctx.instance_id, settings.engine.model, settings.worker.heartbeat_interval_s)
 
 
 class Heartbeats:

@@ -91,8 +91,7 @@ class Worker:
         self._by_request: dict[str, asyncio.Task] = {}
         settings = ctx.settings
         self.heartbeats = Heartbeats(
-            ctx.bus, BeatIdentity(ctx.stage, ctx.instance_id, settings.engine.model, settings.worker.heartbeat_interval_s),
-            lambda: BeatState(self.load(), self.draining), after_beat=self._report_kvcache,
+            ctx.bus, BeatIdentity.of(ctx), lambda: BeatState(self.load(), self.draining), after_beat=self._report_kvcache
         )
         self._subscribed = False  # its dispatch subscription is up: work sent to it arrives
         self._kv_seq = 0

@@ -35,7 +35,8 @@ def test_the_tower_alone_holds_the_towers_tensors_and_encodes_as_the_whole_model
     assert sum(p.numel() for p in params.values()) < num_whole
     vl = whole.config.vision_language
     assert vl is not None
-    pixels = torch.randn(sum(t * h * w for t, h, w in GRIDS), vl.vision.patch_dim, generator=torch.Generator().manual_seed(0))
+    num_patches = sum(t * h * w for t, h, w in GRIDS)
+    pixels = torch.randn(num_patches, vl.vision.patch_dim, generator=torch.Generator().manual_seed(0))
     images = ImageInputs(pixels, GRIDS)
     got, want = tower.encode_images(images), whole.encode_images(images)  # type: ignore[operator]
     assert [tuple(e.shape) for e in got] == [tuple(e.shape) for e in want]
