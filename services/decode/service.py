@@ -7,13 +7,13 @@ sliding-window blocks a query at the handoff sees, so nothing is replayed), else
 from kvcache (the persistent groups; sliding-window KV is then replayed). The
 engine recomputes only the partial last block and the first token, then generates.
 A prompt's images come in the handoff, as the balancer sent them to prefill, and are
-made ready and encoded here again: decode may have to recompute any of the prompt (the
-partial last block, every block after a failed load, a preempted request) and its
-positions past the prompt follow the images' M-RoPE table. Re-encoding from the
-pixels, rather than carrying the tower's output, keeps the handoff one NATS message
-(embeddings are hidden-size floats per image token, megabytes for a real model) and
-costs decode the tower's time once per request; moving embeddings by the KV transfer
-paths is the vision stage's (issue 29). Every token goes out
+made ready here (the processor; or, E/P/D, the vision instance's embeddings from
+kvcache): the positions past the prompt follow the images' M-RoPE table, and decode may
+have to recompute some of the prompt. The vision tower runs here only for the images
+whose rows decode computes (shared/engine/images.py): one that reaches into the partial
+last block at admission; one wholly in the blocks prefill handed over only if a step
+recomputes it (a failed load, a preemption), never otherwise
+(images_encoded_total counts the tower's runs). Every token goes out
 on the request's stream subject with a sequence number; the last chunk says
 why it ended and carries usage. A cancel message aborts the request, which
 frees its blocks.

@@ -18,10 +18,10 @@ carry the load (images queued and in the tower) and the identities the cache hol
 (the balancer's affinity); /metrics has images encoded, batch sizes, encode seconds
 and cache hits by tier; each request's work is an "encode" span of its trace.
 
-The model is loaded whole (load_model); a loader of the tower alone is for later."""
+The model's vision tower is loaded alone (shared/model/tower_loader.py): only its
+tensors are read from the checkpoint, and the language model is never built."""
 
 import asyncio
-import contextlib
 import logging
 import time
 from contextlib import AsyncExitStack
@@ -36,7 +36,7 @@ from shared.kv.wire.client import KVCacheClient
 from shared.model.vision.mrope import GridTHW
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
-from shared.runtime.bus import CONNECTION_HEADER
+from shared.runtime.heartbeat import BeatIdentity, BeatState, Heartbeats
 from shared.runtime.metrics import Metrics
 from shared.runtime.rpc import GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
@@ -148,10 +148,8 @@ class VisionService:
         self.cache = EmbeddingCache(v.cache_device_bytes, v.cache_host_bytes)
         self._in_flight: dict[bytes, asyncio.Future] = {}
         self.draining = False
-        self._hb_seq = 0
-        self._registered = False
+        self.heartbeats = Heartbeats(ctx.bus, BeatIdentity.of(ctx), self._beat_state)
         self._tasks: list[asyncio.Task] = []
-        self._beats: set[asyncio.Task] = set()
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Encode requests by outcome", ("outcome",))
         self.m_lookups = m.counter("cache_lookups_total", "Images looked up, by where they were found "
@@ -251,14 +249,12 @@ class VisionService:
     # -- registration, as the engine stages (shared/stage/worker.py) ----------------
 
     def start(self) -> None:
-        self.ctx.bus.on_reconnected.append(self._beat_now)
-        self._tasks = [asyncio.create_task(self.encoder.run(), name="encoder"),
-                       asyncio.create_task(self._heartbeat_loop(), name="heartbeat")]  # fmt: skip
+        self._tasks = [asyncio.create_task(self.encoder.run(), name="encoder"), self.heartbeats.start()]
 
     async def stop(self) -> None:
         """Drain: say so, let requests in the tower finish (bounded), then stop."""
         self.draining = True
-        await self._send_heartbeat()
+        await self.heartbeats.send()
         deadline = time.monotonic() + self.ctx.settings.worker.drain_timeout_s
         while (self.encoder.waiting or self.encoder.running or self._in_flight) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -270,32 +266,13 @@ class VisionService:
             return "draining"
         if not self.ctx.bus.nc.is_connected:
             return "not connected to NATS"
-        return None if self._registered else "not registered on the bus yet"
+        return None if self.heartbeats.registered else "not registered on the bus yet"
 
-    async def _send_heartbeat(self) -> None:
-        self._hb_seq += 1
-        settings = self.ctx.settings
+    def _beat_state(self) -> BeatState:
+        """The load (images queued and in the tower) and the identities the cache holds."""
         load = mesh_pb2.Load(num_running=self.encoder.running, num_waiting=self.encoder.waiting)
-        hb = mesh_pb2.Heartbeat(
-            stage=self.ctx.stage, instance_id=self.ctx.instance_id, seq=self._hb_seq, unix_time=time.time(),
-            load=load, model=settings.engine.model, interval_s=settings.worker.heartbeat_interval_s,
-            draining=self.draining, image_hashes=self.cache.recent(settings.vision.heartbeat_hashes),
-        )  # fmt: skip
-        bus = self.ctx.bus
-        with contextlib.suppress(Exception):  # NATS down: the next beat retries
-            await bus.publish(subjects.heartbeat(self.ctx.stage, self.ctx.instance_id), hb,
-                              headers={CONNECTION_HEADER: bus.connection_id()})  # fmt: skip
-            self._registered = True
-
-    def _beat_now(self) -> None:
-        task = asyncio.get_running_loop().create_task(self._send_heartbeat())
-        self._beats.add(task)
-        task.add_done_callback(self._beats.discard)
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await self._send_heartbeat()
-            await asyncio.sleep(self.ctx.settings.worker.heartbeat_interval_s)
+        hashes = self.cache.recent(self.ctx.settings.vision.heartbeat_hashes)
+        return BeatState(load, self.draining, hashes)
 
 
 def _read_images(images: dict[bytes, tuple[mesh_pb2.ImageData, str]]) -> dict[bytes, np.ndarray]:
@@ -310,13 +287,14 @@ def _read_images(images: dict[bytes, tuple[mesh_pb2.ImageData, str]]) -> dict[by
 
 
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
-    from shared.model.loader import load_model
+    from shared.model.tower_loader import NoVisionTower, load_vision_tower
     from shared.model.vision.processor import ImageProcessor
 
     engine = ctx.settings.engine
-    model = await asyncio.to_thread(load_model, engine.model, torch_dtype(engine.dtype), engine.device)
-    if model.config.vision_language is None or not hasattr(model, "encode_images"):
-        raise SystemExit(f"{engine.model} is not a vision-language model: a vision instance has nothing to encode")
+    try:  # the tower alone: the language model's weights are never read here
+        model = await asyncio.to_thread(load_vision_tower, engine.model, torch_dtype(engine.dtype), engine.device)
+    except NoVisionTower as exc:
+        raise SystemExit(f"{exc}: a vision instance has nothing to encode") from None
     processor = await asyncio.to_thread(ImageProcessor, engine.model)
     v = ctx.settings.vision
     encoder = Encoder(model, processor, v.max_batch_images, v.batch_wait_s, ctx.metrics)

@@ -285,7 +285,24 @@ class LLMEngine:
             return None
         if self.config.tensor_parallel_size > 1:  # the tower runs here; other ranks would lack the rows
             raise InvalidParam("images", "are not supported with tensor_parallel_size > 1 yet")
-        return encode(self.model, self._prompt_ids(req), req.images, self.config.speculative)
+        prompt_ids = self._prompt_ids(req)
+        kv_brought = self._kv_brought(req, len(prompt_ids))
+        return encode(self.model, prompt_ids, req.images, self.config.speculative, kv_brought)
+
+    def _kv_brought(self, req: EngineRequest, prompt_len: int) -> int:
+        """The prompt tokens whose KV a request is expected to load rather than compute:
+        a resumed request that loads (decode after a handoff) brings its prompt's full
+        blocks, which prefill computed; none otherwise. Only an expectation: the images
+        in them are encoded later if a load fails or a preemption recomputes them."""
+        t = req.kv_transfer
+        if not req.resume_token_ids or t is None or not t.load:
+            return 0
+        return prompt_len // self.config.block_size * self.config.block_size
+
+    @property
+    def num_images_encoded(self) -> int:
+        """Images the vision tower ran on in this engine since it started."""
+        return self.runner.num_images_encoded
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -555,6 +572,7 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             num_prefix_query_tokens=self.kv.num_query_tokens,
             num_prefix_hit_tokens=self.kv.num_hit_tokens,
+            num_images_encoded=self.num_images_encoded,
             tokens_per_expert=None if self._tokens_per_expert is None else self._tokens_per_expert.tolist(),
             expert_load=self.expert_load(),
             **self._spec_load(),

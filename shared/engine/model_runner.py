@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.images import PromptEmbeds
 from shared.engine.prompt_images import PromptImages
 from shared.engine.prompt_logprobs import chunk_targets, score_prompt
 from shared.kv.memory.region import KVRegion
@@ -178,15 +179,21 @@ class ModelRunner:
         drafter reads them. Off, nothing is kept."""
         self.prompt_images: dict[str, PromptImages] = {}
         """Per request with images, where their tokens are and its M-RoPE positions (NewRequestData)."""
-        self.image_embeds: dict[str, torch.Tensor] = {}
-        """Per request with images, the tower's output for all its image tokens, in order
-        (add_images). Kept until the request finishes, not only until its prefill has
-        read them: a preempted request recomputes its prompt, images included, and its
-        pixels are gone by then. They weigh about what a few layers' KV of the same tokens do."""
+        self.image_embeds: dict[str, PromptEmbeds] = {}
+        """Per request with images, the tower's output for its image tokens, in order
+        (add_images), or the pixels of the images whose KV came from another instance
+        (encoded here only if a step recomputes them). Kept until the request finishes,
+        not only until its prefill has read them: a preempted request recomputes its
+        prompt, images included, and its PNGs are gone by then. They weigh about what a
+        few layers' KV of the same tokens do."""
+        self.num_images_encoded = 0
+        """Images the vision tower ran on for this runner's requests, when they were
+        admitted or later (a step that recomputed an image whose KV was loaded)."""
 
-    def add_images(self, request_id: str, embeds: torch.Tensor) -> None:
-        """A request's image embeddings [its image tokens, hidden], before its first step."""
-        self.image_embeds[request_id] = embeds.to(self.device)
+    def add_images(self, request_id: str, embeds: PromptEmbeds) -> None:
+        """A request's image embeddings, before its first step (on the model's device)."""
+        self.image_embeds[request_id] = embeds
+        self.num_images_encoded += embeds.num_encoded
 
     def drop_images(self, request_id: str) -> None:
         self.image_embeds.pop(request_id, None)
@@ -465,7 +472,9 @@ class ModelRunner:
         if not rows:
             return None
         index = [r.row + i for _, r in rows for i in range(r.count)]
-        embeds = torch.cat([self.image_embeds[rid][r.first : r.first + r.count] for rid, r in rows])
+        for rid, r in rows:  # the tower, here, only for images whose loaded KV is recomputed
+            self.num_images_encoded += self.image_embeds[rid].encode_for(r.first, r.count)
+        embeds = torch.cat([self.image_embeds[rid].rows(r.first, r.count) for rid, r in rows]).to(self.device)
         return InputEmbeddings(to_device(index, torch.long, self.device), embeds)
 
     def _forward_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int], list[str]]:

@@ -98,6 +98,9 @@ class EngineLoad:
     """Since start: tokens of the requests looked up in the prefix cache (vLLM's prefix cache queries)."""
     num_prefix_hit_tokens: int = 0
     """Since start: of those, the tokens found cached (vLLM's prefix cache hits)."""
+    num_images_encoded: int = 0
+    """Since start: images the vision tower ran on here (none for those a vision instance
+    encoded, nor for those whose KV a handoff brought and no step recomputed)."""
     tokens_per_expert: list[list[int]] | None = None
     """Per sparse layer, per expert: the (token, choice) pairs routed to it since start,
     over every forward (prefill chunks and replays included), as counted on the device.

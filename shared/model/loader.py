@@ -82,7 +82,7 @@ def load_model(
     folder = Path(path)
     config = read_config(folder)
     scheme = quant_scheme(folder)
-    sources = _model_sources(folder, config, logical_tensors(tensor_files(folder), scheme, folder))
+    sources = model_sources(folder, config, logical_tensors(tensor_files(folder), scheme, folder))
     # Tie when the config says so, or when the checkpoint simply has no lm_head.
     # DeepSeek-V4 checkpoints (as transformers saves them) name the LM head head.weight.
     tie = config.tie_word_embeddings or not {"lm_head.weight", "head.weight"} & set(sources)
@@ -155,7 +155,7 @@ def _copy_kept(folder: Path, reader: CheckpointReader, source: TensorSource, tar
     target.scale.copy_(scale)
 
 
-def _model_sources(folder: Path, config: ModelConfig, sources: Mapping[str, TensorSource]) -> dict[str, TensorSource]:
+def model_sources(folder: Path, config: ModelConfig, sources: Mapping[str, TensorSource]) -> dict[str, TensorSource]:
     """The checkpoint's tensors under the model's names (the family's ``checkpoint_names``);
     the ones it sets aside are logged once."""
     names = model_entry(config.architecture).checkpoint_names(list(sources))

@@ -304,6 +304,13 @@ class VisionSettings:
     heartbeat_hashes: int = 1024
     """At most this many image identities (the most recently used) in a vision
     instance's heartbeat: the balancer's cache affinity."""
+    prefill_max_image_tokens: int = 0
+    """The crossover of the vision policy (encode_on_prefill): a request whose one image
+    takes at most this many tokens (merged patches), and that no vision instance holds,
+    is encoded on prefill, saving the round trip to a vision instance and the fetch of
+    its embeddings. 0 (the default): every image goes to the vision stage. Where the
+    crossover lies depends on the tower, the device and the network: measure it
+    (tools/bench/vision_bench.py) before setting it."""
     reuse_embeddings: bool = True
     """A vision instance looks an image up in its memory and in kvcache before encoding
     it; off: it encodes every image it is sent (the no-cache baseline of

@@ -2,7 +2,8 @@
 needs them for what it recomputes): the wire's lossless PNGs decoded and run through
 the model's image processor off the event loop, named by the identities the balancer
 sent, as the RequestImages an EngineRequest takes. The engine then runs the vision
-tower on a worker thread of its own (AsyncEngine), also off the step loop.
+tower on a worker thread of its own (AsyncEngine), also off the step loop, over the
+images whose rows it computes (decode after a handoff: none whose KV it loads).
 
 E/P/D: images a vision instance encoded (ImageData.embedded) are fetched from kvcache
 by their identities instead (shared/stage/embeddings.py, a "transfer" span), and the

@@ -19,7 +19,6 @@ streamed) and the counter kvcache_load_bytes_total{plane}."""
 import asyncio
 import contextlib
 import logging
-import time
 from contextlib import AsyncExitStack
 
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -39,7 +38,8 @@ from shared.kv.connectors.nixl import NixlConnector
 from shared.kv.events import kv_event_messages
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
-from shared.runtime.bus import CONNECTION_HEADER, Bus, StreamPublisher
+from shared.runtime.bus import Bus, StreamPublisher
+from shared.runtime.heartbeat import BeatIdentity, BeatState, Heartbeats
 from shared.runtime.rpc import NOT_SERVING, SERVING, GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
 from shared.runtime.vllm_metrics import served_model_name
@@ -89,9 +89,10 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._inflight: set[asyncio.Task] = set()
         self._by_request: dict[str, asyncio.Task] = {}
-        self._hb_seq = 0
-        self._inflight_beats: set[asyncio.Task] = set()
-        self._registered = False  # a heartbeat reached NATS: the balancer can know this instance
+        settings = ctx.settings
+        self.heartbeats = Heartbeats(
+            ctx.bus, BeatIdentity.of(ctx), lambda: BeatState(self.load(), self.draining), after_beat=self._report_kvcache
+        )
         self._subscribed = False  # its dispatch subscription is up: work sent to it arrives
         self._kv_seq = 0
         m = ctx.metrics
@@ -123,13 +124,17 @@ class Worker:
             "(shm, nixl, stream, or several joined by +)",
             ("plane",),
         )
+        self.m_images_encoded = m.counter(
+            "images_encoded_total", "Images the vision tower ran on here: prompts computed here with images a vision "
+            "instance did not encode (decode after a handoff only when it recomputes an image's rows)",
+        )
+        self._num_images_encoded = 0
         self.m_kvcache_up = m.gauge("kvcache_up", "1 while this worker reaches kvcache, 0 while it computes without it")
         self.m_kvcache_bypassed = m.counter(
             "kvcache_bypassed_total",
             "Requests computed without kvcache: it was down, failed or slow to answer, or loading was slower (recompute)",
             ("outcome",),
         )
-        settings = ctx.settings
         self.vllm = EngineMetrics(
             m.registry, served_model_name(settings.balancer.model_name, settings.engine.model),
             engine.scheduler.step_tokens, cache_config_info(engine),
@@ -150,9 +155,8 @@ class Worker:
         self.grpc = await start_grpc_server(self.ctx.settings.worker.grpc_port, [], [self.ctx.stage])
         await self._report_kvcache()
         await self._publish_kv_events(snapshot=True)
-        self.ctx.bus.on_reconnected.append(self._beat_now)
         self._tasks = [
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            self.heartbeats.start(),
             asyncio.create_task(self._kv_event_loop(), name="kv-events"),
         ]
         stack.push_async_callback(self.stop)
@@ -174,7 +178,7 @@ class Worker:
             return "draining"
         if not self.ctx.bus.nc.is_connected:
             return "not connected to NATS"
-        if not (self._registered and self._subscribed):
+        if not (self.heartbeats.registered and self._subscribed):
             return "not registered on the bus yet"
         return None
 
@@ -260,7 +264,7 @@ class Worker:
         self.draining = True
         if self.grpc is not None:
             await self.grpc.set_serving(False)
-        await self._send_heartbeat()
+        await self.heartbeats.send()
         if self._inflight:
             _, pending = await asyncio.wait(self._inflight, timeout=self.ctx.settings.worker.drain_timeout_s)
             for task in pending:
@@ -324,6 +328,8 @@ class Worker:
         self.m_kv_usage.set(1 - load.num_free_kv_blocks / max(load.num_total_kv_blocks, 1))
         self.m_kv_store_failures.set(load.num_kv_save_failures)
         self.m_kv_stores_dropped.set(load.num_kv_saves_dropped)
+        self.m_images_encoded.inc(load.num_images_encoded - self._num_images_encoded)
+        self._num_images_encoded = load.num_images_encoded
         self.vllm.update(load)
         if self.spec is not None:
             self.spec.update(load)
@@ -338,39 +344,6 @@ class Worker:
             num_queued_tokens=load.num_queued_tokens,
             expert_load=None if expert_load is None else expert_load_to_proto(expert_load),
         )
-
-    async def _send_heartbeat(self) -> None:
-        self._hb_seq += 1
-        hb = mesh_pb2.Heartbeat(
-            stage=self.ctx.stage,
-            instance_id=self.ctx.instance_id,
-            seq=self._hb_seq,
-            unix_time=time.time(),
-            load=self.load(),
-            model=self.ctx.settings.engine.model,
-            interval_s=self.ctx.settings.worker.heartbeat_interval_s,
-            draining=self.draining,
-        )
-        bus = self.ctx.bus
-        # Which connection this is: a disconnect advisory naming another one (closed before
-        # a reconnect) does not make the balancer drop this instance.
-        headers = {CONNECTION_HEADER: bus.connection_id()}
-        with contextlib.suppress(Exception):  # NATS down: the next beat retries
-            await bus.publish(subjects.heartbeat(self.ctx.stage, self.ctx.instance_id), hb, headers=headers)
-            self._registered = True
-
-    def _beat_now(self) -> None:
-        """A heartbeat at once (NATS is back: say which connection is ours now)."""
-        task = asyncio.get_running_loop().create_task(self._send_heartbeat())
-        self._inflight_beats.add(task)
-        task.add_done_callback(self._inflight_beats.discard)
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await self._send_heartbeat()
-            with contextlib.suppress(Exception):
-                await self._report_kvcache()
-            await asyncio.sleep(self.ctx.settings.worker.heartbeat_interval_s)
 
     async def _publish_kv_events(self, snapshot: bool = False) -> None:
         """What the prefix cache took in and let go since the last call or, with

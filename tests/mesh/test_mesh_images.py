@@ -1,7 +1,8 @@
 """Images through the mesh (real processes: nats-server, kvcache, one prefill, one decode,
 the balancer) on a make-model tiny-vl Qwen2.5-VL: the balancer sends each image as a
 lossless PNG on the prefill request, prefill runs the processor and the tower, decode
-gets the images in the handoff and re-encodes what it recomputes. Checked: a chat with an
+gets the images in the handoff and encodes only an image whose rows it recomputes (none
+for an image wholly in the blocks prefill handed over: its images_encoded_total stays). Checked: a chat with an
 image gives the in-process engine's tokens and logprobs; two prompts that differ only in
 their image share no KV past it; the same image in a later turn is a prefix hit, found by
 the balancer's routing keys; the trace holds the request's spans; a photo-sized image
@@ -28,6 +29,7 @@ from tests.helpers.image_files import noise
 from tests.helpers.mesh import running_mesh
 from tests.helpers.mesh_procs import span_attributes
 from tests.helpers.metrics import balancer_metric as metric
+from tests.helpers.metrics import sample, scrape
 from tests.helpers.nats_listener import Listener
 from tests.helpers.vlm_models import synthetic_images
 from tests.helpers.vl_mesh import (BLOCK, ENV, NUM_NEW, cached, chat, image_part, in_process, logprobs, mesh_model,
@@ -71,6 +73,32 @@ def test_a_chat_with_an_image_equals_the_in_process_engine(vl_mesh: Mesh, vl_fol
     images = span_attributes(vl_mesh.trace_dir, rid, "images")
     assert prefill["images.count"] == 1 and decode["images.count"] == 1 and images["images.count"] == 1
     assert decode["kv.loaded_blocks"] == len(prompt) // BLOCK  # the image's blocks came from prefill
+
+
+def test_decode_runs_no_tower_for_an_image_whose_kv_prefill_handed_over(vl_mesh: Mesh, vl_folder: Path) -> None:
+    (image,) = synthetic_images([(120, 90)], seed=51)
+    text = "Describe the picture above in one careful sentence, please, naming its colours and its shapes."
+    prefill_metrics, decode_metrics = (f"http://127.0.0.1:{vl_mesh.metrics_ports[f'{stage}-0']}/metrics"
+                                       for stage in ("prefill", "decode"))  # fmt: skip
+
+    def encoded(url: str, stage: str) -> float:
+        return sample(scrape(url), f"infermesh_{stage}_images_encoded_total")
+
+    time.sleep(0.5)  # earlier tests' counts reach the series at the next heartbeat (0.2 s)
+    before = encoded(prefill_metrics, "prefill"), encoded(decode_metrics, "decode")
+    body = chat(vl_mesh, [{"role": "user", "content": [image_part(image), {"type": "text", "text": text}]}])
+    prompt = prompt_ids(body)
+    pad = json.loads((vl_folder / "config.json").read_text())["image_token_id"]
+    last_image_token = len(prompt) - 1 - prompt[::-1].index(pad)
+    assert last_image_token < len(prompt) // BLOCK * BLOCK  # the image lies in the full blocks decode loads
+    assert body["choices"][0]["token_ids"] == in_process(vl_folder, prompt, [image])[0]
+    deadline = time.monotonic() + 10
+    while encoded(prefill_metrics, "prefill") < before[0] + 1:
+        assert time.monotonic() < deadline, "prefill's images_encoded_total did not count the image"
+        time.sleep(0.1)
+    time.sleep(0.5)  # a heartbeat later: decode's series would have moved too
+    assert encoded(decode_metrics, "decode") == before[1]
+    assert span_attributes(vl_mesh.trace_dir, body["id"], "decode")["kv.load_failed"] is False  # nothing recomputed
 
 
 def test_another_image_shares_no_kv_and_the_same_image_is_a_prefix_hit(vl_mesh: Mesh, vl_folder: Path) -> None:

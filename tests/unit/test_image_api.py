@@ -258,3 +258,27 @@ def test_placeholders_that_disagree_with_the_images_are_a_400(vl: App) -> None:
     """Text spelling the placeholder adds one the images do not fill: refused, not guessed."""
     response = vl.chat(text("Look <|vision_start|><|image_pad|><|vision_end|> at "), image(data_url(encode(RED))))
     refused(response, "messages", "2 image placeholder(s) for 1 image(s)")
+
+
+def test_tokenize_counts_each_image_at_its_tokens_as_chat_prompts_it(vl: App, image_server: ImageServer) -> None:
+    """/tokenize's count of a conversation with images is the chat's usage.prompt_tokens:
+    each image's placeholder repeated once per merged patch (20x10 and 8x12 pixels grow to
+    the minimum area: 6 tokens each; a 64x64 noise image is 4x4 patches: 4 tokens)."""
+    messages = [{"role": "user", "content": [text("Compare "), image(data_url(encode(RED))), text(" with "),
+                                             image(image_server.url("/blue.png"))]},
+                {"role": "assistant", "content": "They differ."},
+                {"role": "user", "content": [image(data_url(encode(noise(64, 64, seed=8)))), text("?")]}]  # fmt: skip
+    chat = vl.chat(messages=messages)
+    assert chat.status_code == 200, chat.text
+    prompt = vl.generator.requests[-1].prompt_token_ids
+    tokenized = vl.http.post("/tokenize", json={"model": MODEL, "messages": messages})
+    assert tokenized.status_code == 200, tokenized.text
+    body = tokenized.json()
+    assert body["tokens"] == list(prompt)
+    assert body["count"] == chat.json()["usage"]["prompt_tokens"] == len(prompt)
+    pad = vl.recipe.backend.token_to_id("<|image_pad|>")
+    assert body["tokens"].count(pad) == 6 + 6 + 4
+    # A bad image is /tokenize's 400 as it is chat's.
+    bad = [{"role": "user", "content": [image("data:image/png;base64,iVBORw0K!!!")]}]
+    refused(vl.http.post("/tokenize", json={"model": MODEL, "messages": bad}), "messages.0.content.0",
+            "not valid base64")

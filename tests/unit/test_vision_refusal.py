@@ -21,6 +21,7 @@ from services.balancer.router.registry import Registry
 from services.balancer.router.vision import VisionStage
 from services.balancer.router.wire import WireImages
 from services.vision.service import Encoder, VisionService
+from shared.kv.block_hash import ImageSpan
 from shared.proto import mesh_pb2
 from shared.runtime.metrics import Metrics
 from shared.runtime.service import ServiceContext
@@ -112,12 +113,14 @@ class FakeBus:
         return self.replies[instance]
 
 
-def stage(replies: dict[str, mesh_pb2.EncodeReply]) -> tuple[VisionStage, FakeBus, Metrics]:
+def stage(replies: dict[str, mesh_pb2.EncodeReply], settings: VisionSettings | None = None) -> tuple[
+    VisionStage, FakeBus, Metrics
+]:
     registry = Registry(clock=Clock())
     beat(registry, "v0", [bytes([1]) * 32, bytes([2]) * 32])  # holds the images: asked first (cache affinity)
     beat(registry, "v1", [])
     bus, metrics = FakeBus(replies), Metrics("balancer")
-    vision = VisionStage(bus, registry, trace.get_tracer("test"), VisionSettings(), InstanceWatch(registry),  # type: ignore[arg-type]
+    vision = VisionStage(bus, registry, trace.get_tracer("test"), settings or VisionSettings(), InstanceWatch(registry),  # type: ignore[arg-type]
                          metrics, random.Random(0))
     return vision, bus, metrics
 
@@ -159,3 +162,20 @@ async def test_reuse_embeddings_off_encodes_every_image_again() -> None:
         assert sum(towered) == 4
     finally:
         runner.cancel()
+
+
+async def test_a_lone_small_image_is_left_to_prefill_when_the_crossover_is_set() -> None:
+    """vision.prefill_max_image_tokens (policies.encode_on_prefill): a lone image of at
+    most that many tokens that no instance holds is not sent to the vision stage."""
+    ok = {v: mesh_pb2.EncodeReply(ok=True, instance_id=v) for v in ("v0", "v1")}
+    fresh = image_to_proto(np.zeros((28, 28, 3), dtype=np.uint8), bytes([9]) * 32)  # held by neither instance
+    lone = WireImages((fresh,), (ImageSpan(fresh.hash, 3, 16),))
+    vision, bus, metrics = stage(ok, VisionSettings(prefill_max_image_tokens=16))
+    out = await vision.encode("r1", lone, PARTS[:1])
+    assert out is lone and not out.messages[0].embedded and bus.asked == []
+    assert metrics.registry.get_sample_value("infermesh_balancer_vision_encodes_total", {"site": "prefill"}) == 1
+    # One token more than the crossover, or the setting's default (off): the vision stage encodes it.
+    for settings, tokens in ((VisionSettings(prefill_max_image_tokens=16), 17), (VisionSettings(), 16)):
+        vision, bus, _ = stage(ok, settings)
+        out = await vision.encode("r2", WireImages((fresh,), (ImageSpan(fresh.hash, 3, tokens),)), PARTS[:1])
+        assert out.messages[0].embedded and len(bus.asked) == 1

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from services.balancer.router.policies import choose_vision
+from services.balancer.router.policies import choose_vision, encode_on_prefill
 from services.balancer.router.registry import Registry
 from services.vision.cache import EmbeddingCache
 from tests.helpers.clock import Clock
@@ -30,6 +30,19 @@ def test_vision_goes_to_the_instance_holding_the_images_unless_it_is_busier_than
     assert (choice.instance.instance_id, choice.reason) == ("v1", "least_loaded")
     with pytest.raises(LookupError):
         choose_vision([], [C], rng)
+
+
+def test_a_lone_small_image_no_instance_holds_is_encoded_on_prefill() -> None:
+    reg = Registry(clock=Clock())
+    beat(reg, "v0", [A])
+    beat(reg, "v1", [])
+    live = reg.live("vision")
+    assert encode_on_prefill([64], [C], live, max_tokens=64)  # at the limit: prefill
+    assert not encode_on_prefill([65], [C], live, max_tokens=64)  # past it: the vision stage
+    assert not encode_on_prefill([4, 4], [B, C], live, max_tokens=64)  # two images: the vision stage batches them
+    assert not encode_on_prefill([4], [A], live, max_tokens=64)  # v0 holds it: no encode at all there
+    assert not encode_on_prefill([4], [C], live, max_tokens=0)  # the default: the crossover is off
+    assert encode_on_prefill([4], [A], [], max_tokens=64)  # nobody live holds it
 
 
 def test_the_cache_moves_the_least_recently_used_to_host_then_drops_them() -> None:

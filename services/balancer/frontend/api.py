@@ -123,7 +123,7 @@ def create_app(
     async def tokenize(body: p.TokenizeCompletionRequest | p.TokenizeChatRequest) -> Response:
         _check_model(body.model, model_name)
         if isinstance(body, p.TokenizeChatRequest):
-            tokens = await asyncio.to_thread(server.encode_chat, body)
+            tokens = await server.tokenize_chat(body)
         else:
             tokens = await asyncio.to_thread(recipe.encode, body.prompt, body.add_special_tokens)
         strs = [server.token_text(t) for t in tokens] if body.return_token_strs else None

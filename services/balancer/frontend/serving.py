@@ -118,12 +118,20 @@ class OpenAIServer:
                 attach_tools(call, tools, bool(body.stream))
             return await self._respond(call, bool(body.stream), http, stack)
 
-    def encode_chat(self, body: p.TokenizeChatRequest) -> list[int]:
-        """/tokenize's count of a conversation: the tokens chat would make of it (chat_template.py),
-        its images refused as chat refuses them (for a model that takes images, the count
-        holds one placeholder per image: its expansion is the vision stage's, issue 29)."""
-        self.images.refs(body)
-        return encode_chat(self.recipe, body)
+    async def tokenize_chat(self, body: p.TokenizeChatRequest) -> list[int]:
+        """/tokenize's tokens of a conversation: the prompt chat would make of it
+        (chat_template.py), each image's placeholder repeated once per token the image
+        takes (its merged patches, as in the engine's prompt: so the count is the chat's
+        usage.prompt_tokens), its images refused as chat refuses them. The images are
+        loaded to learn their sizes, in flight as a chat's are (loading takes time and
+        memory)."""
+        image_refs = self.images.refs(body)
+        async with AsyncExitStack() as stack:
+            if image_refs:
+                self._admit(stack)
+            images = await self.images.load(image_refs)
+            prompt_ids = await asyncio.to_thread(encode_chat, self.recipe, body)
+            return self.images.expand(prompt_ids, image_refs, images)
 
     # -- checks and preparation ----------------------------------------------------
 

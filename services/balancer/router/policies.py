@@ -18,6 +18,10 @@ figures it chose by, which go on the request's trace span.
 - vision (choose_vision, E/P/D): the instance with the least image work for this
   request: its images the instance's embedding cache lacks (from its heartbeat)
   plus the images queued and in its tower (cache affinity weighed against load).
+- vision's crossover (encode_on_prefill, E/P/D): a lone image of few tokens that no
+  vision instance holds is encoded by prefill itself, where its tower run costs less
+  than a round trip to a vision instance and a fetch of its embeddings (SGLang's
+  adaptive dispatch); off unless vision.prefill_max_image_tokens is set.
 - where the prompt is computed (choose_prefill_site): on a prefill instance, or
   on the decode instance when the prompt is short or prefill is the bottleneck
   (conditional disaggregation; off unless its settings are set).
@@ -191,6 +195,19 @@ def choose_prefill_site(
     if 0 < max_queue_tokens <= queued:
         return PrefillSite(True, "prefill_queue", queued)
     return PrefillSite(False, "disaggregated", queued)
+
+
+def encode_on_prefill(
+    image_tokens: Sequence[int], image_hashes: Sequence[bytes], candidates: Sequence[Instance], max_tokens: int
+) -> bool:
+    """Whether prefill should encode the request's images itself rather than send them to
+    a vision instance: one image only, of at most max_tokens tokens (its merged patches:
+    the tower's work grows with them, the round trip's does not), held by no candidate's
+    embedding cache (a holder answers from memory with no encode at all). max_tokens 0:
+    never (every image goes to the vision stage)."""
+    if max_tokens <= 0 or len(image_tokens) != 1 or image_tokens[0] > max_tokens:
+        return False
+    return not any(h in c.images for c in candidates for h in image_hashes)
 
 
 def choose_vision(candidates: Sequence[Instance], image_hashes: Sequence[bytes], rng: random.Random) -> Choice:

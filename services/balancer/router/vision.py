@@ -8,7 +8,9 @@ One that refuses, fails, does not answer within vision.encode_timeout_s or leave
 mesh meanwhile (its NATS connection closed: a kill is heard within milliseconds) is
 passed over and the next one asked; with none left, or none live, or vision.enabled
 off, the request goes on as E/PD: prefill encodes its images from the PNGs it carries
-anyway. So a vision fault costs time, never the request. An instance that refuses the
+anyway. So a vision fault costs time, never the request. A lone small image no
+instance holds is left to prefill too (policies.encode_on_prefill, with
+vision.prefill_max_image_tokens set): its tower run there is cheaper than the trip. An instance that refuses the
 images themselves (one it cannot read: EncodeReply.code_param) ends the request at
 once with a 400 naming the content part: every other instance, and prefill, would
 refuse it the same way.
@@ -25,7 +27,7 @@ import nats.errors
 from opentelemetry.trace import Tracer
 
 from services.balancer.router.instance_watch import InstanceWatch
-from services.balancer.router.policies import choose_vision
+from services.balancer.router.policies import choose_vision, encode_on_prefill
 from services.balancer.router.registry import Registry
 from services.balancer.router.reservations import Reservation
 from services.balancer.generation import GenerationError
@@ -70,6 +72,12 @@ class VisionStage:
         with self.tracer.start_as_current_span("vision") as span:
             span.set_attribute("request.id", request_id)
             span.set_attribute("images.count", len(hashes))
+            tokens = [s.length for s in images.spans]
+            if encode_on_prefill(tokens, hashes, self.registry.live("vision"), self.settings.prefill_max_image_tokens):
+                span.set_attribute("vision.site", "prefill")
+                span.set_attribute("vision.reason", "small_image")
+                self.m_encodes.labels("prefill").inc()
+                return images
             while True:
                 live = [i for i in self.registry.live("vision") if i.instance_id not in tried]
                 if not live:

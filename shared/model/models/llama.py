@@ -185,6 +185,26 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops, norm_scale_in_float32)
 
 
+def checkpoint_targets(root: nn.Module, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """``root``'s tensors by transformers' names under it: each parameter, the rows of
+    a stacked projection (MergedLinear) by the names of its parts, the experts as
+    stored (``available``: the checkpoint's names, where experts have two spellings).
+    A model's checkpoint_tensors, and a vision instance's tower alone (tower_loader.py)."""
+    merged = {name: m for name, m in root.named_modules() if isinstance(m, MergedLinear)}
+    experts = {name: m for name, m in root.named_modules() if isinstance(m, Experts)}
+    targets: dict[str, torch.Tensor] = {}
+    for module_name, module in experts.items():
+        targets.update(module.checkpoint_targets(module_name, available))
+    for name, param in root.named_parameters():
+        module_name = name.rpartition(".")[0]
+        if module_name not in merged and module_name not in experts:
+            targets[name] = param.detach()
+    for module_name, module in merged.items():
+        parent = module_name.rpartition(".")[0]
+        targets.update({f"{parent}.{part}": view for part, view in module.shard_views().items()})
+    return targets
+
+
 class LlamaForCausalLM(CausalLM):
     """The Llama family's ``CausalLM`` (shared/model/interface.py), and the base of the
     families that only change the MLP (``make_mlp``) or the norms' precision.
@@ -289,19 +309,7 @@ class LlamaForCausalLM(CausalLM):
         a parameter, or its rows of a stacked projection (or a view of stacked experts).
         ``available``: the checkpoint's names, where a layout has two spellings (experts
         per expert or fused); None: the spelling transformers saves."""
-        merged = {name: m for name, m in self.named_modules() if isinstance(m, MergedLinear)}
-        experts = {name: m for name, m in self.named_modules() if isinstance(m, Experts)}
-        targets: dict[str, torch.Tensor] = {}
-        for module_name, module in experts.items():
-            targets.update(module.checkpoint_targets(module_name, available))
-        for name, param in self.named_parameters():
-            module_name = name.rpartition(".")[0]
-            if module_name not in merged and module_name not in experts:
-                targets[name] = param.detach()
-        for module_name, module in merged.items():
-            parent = module_name.rpartition(".")[0]
-            targets.update({f"{parent}.{part}": view for part, view in module.shard_views().items()})
-        return targets
+        return checkpoint_targets(self, available)
 
     @torch.inference_mode()
     def forward(

@@ -16,20 +16,17 @@ Checkpoint names: transformers 5.24 saves (and the released checkpoints hold)
 names our modules (``model.*``, ``visual.*``) so.
 """
 
-from collections.abc import Collection
 from types import MappingProxyType
 
 import torch
 
 from shared.model.config import ModelConfig
-from shared.model.forward_batch import AttentionMetadata
 from shared.model.interface import ModelEntry
-from shared.model.layers import MRotaryEmbedding
-from shared.model.models.llama import LlamaForCausalLM, llama_kv_layout
+from shared.model.models.llama import llama_kv_layout
 from shared.model.models.qwen3_vl_config import CONFIG, Qwen3VisionTowerParams
-from shared.model.multimodal import ImageInputs, InputEmbeddings
-from shared.model.parallel import SINGLE, ParallelContext
+from shared.model.models.qwen_vl_base import QwenVLForConditionalGeneration
 from shared.model.vision.qwen3_vision import Qwen3VisionTransformer
+from shared.model.vision_language_config import VisionLanguageParams
 
 # Our module prefixes -> the released (and save_pretrained's) ones.
 _RELEASED_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."))
@@ -42,67 +39,27 @@ def _released_name(name: str) -> str:
     return name  # lm_head.*
 
 
-class Qwen3VLForConditionalGeneration(LlamaForCausalLM):
-    def __init__(
-        self,
-        config: ModelConfig,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        tie_word_embeddings: bool | None = None,
-        kernels: str = "auto",
-        *,
-        parallel: ParallelContext = SINGLE,
-    ) -> None:
-        super().__init__(config, dtype, device, tie_word_embeddings, kernels, parallel=parallel)
-        vl = config.vision_language
-        if vl is None or not isinstance(vl.vision, Qwen3VisionTowerParams):
-            raise ValueError(f"{config.architecture} needs Qwen3-VL vision_language parameters (vision_config)")
-        device = torch.device(device)
-        self.visual = Qwen3VisionTransformer(vl.vision, dtype, device)
-        self.rotary_emb = MRotaryEmbedding(config.rope, config.head_dim, vl.mrope_section, device, interleaved=True)
-        self.num_deepstack = len(vl.vision.deepstack_visual_indexes)
-
-    @property
-    def image_embedding_width(self) -> int:
-        """The columns of an image-pad row's embedding: the input embedding, then one
-        deepstack feature per deepstack layer."""
-        return self.config.hidden_size * (1 + self.num_deepstack)
-
-    def checkpoint_tensors(self, available: Collection[str] | None = None) -> dict[str, torch.Tensor]:
-        """The Llama family's targets under the released names (transformers 5.24 saves
-        these too): what the loader, load_weights(state_dict) and make-model use."""
-        return {_released_name(name): t for name, t in super().checkpoint_tensors(available).items()}
+class Qwen3VLForConditionalGeneration(QwenVLForConditionalGeneration):
+    """The image path, the M-RoPE (interleaved: the config says so) and the checks are
+    the base's (qwen_vl_base.py); the tower is Qwen3-VL's, its rows wider by the
+    deepstack features, and the checkpoint names are the released ones."""
 
     @classmethod
-    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int) -> None:
-        if tp_size > 1:
-            raise ValueError(f"not implemented yet: tensor parallelism for {config.architecture} (its vision tower)")
+    def build_tower(cls, config: ModelConfig, vl: VisionLanguageParams, dtype: torch.dtype,
+                    device: torch.device) -> Qwen3VisionTransformer:  # fmt: skip
+        if not isinstance(vl.vision, Qwen3VisionTowerParams):
+            raise ValueError(f"{config.architecture} needs Qwen3-VL vision_language parameters (vision_config)")
+        return Qwen3VisionTransformer(vl.vision, dtype, device)
 
-    @torch.inference_mode()
-    def encode_images(self, images: ImageInputs) -> list[torch.Tensor]:
-        """Each image's rows [its image-pad tokens, image_embedding_width], in the model
-        dtype, on its device (the processor's pixels come from the host)."""
-        merged = self.visual(images.pixel_values.to(self.visual.device), images.grids)
-        return list(merged.split([self.visual.num_tokens(g) for g in images.grids]))
+    def deepstack_features(self, vl: VisionLanguageParams) -> int:
+        """One feature per ``deepstack_visual_indexes`` block of the tower."""
+        assert isinstance(vl.vision, Qwen3VisionTowerParams)  # build_tower checked it
+        return len(vl.vision.deepstack_visual_indexes)
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metas: list[AttentionMetadata],
-        embeddings: InputEmbeddings | None = None,
-    ) -> torch.Tensor:
-        """``positions`` [T] or [3, T] (M-RoPE); ``embeddings``: the image rows of this
-        step and their ``encode_images`` rows (None: no image token in the step)."""
-        x = self.model.embed_tokens(input_ids)
-        added: list[InputEmbeddings] = []
-        if embeddings is not None:
-            columns = embeddings.embeds.split(self.config.hidden_size, dim=-1)
-            x = x.index_copy(0, embeddings.rows, columns[0].to(x.dtype))
-            added = [InputEmbeddings(embeddings.rows, feature) for feature in columns[1:]]
-        return self.run_layers(x, input_ids, positions, kv_caches, metas, added)
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        """The released names (transformers 5.24 saves these too)."""
+        return _released_name(name)
 
 
 ENTRY = ModelEntry(

@@ -1,0 +1,100 @@
+"""An instance's heartbeats: what registers it with the balancer and keeps it there.
+
+Every stage that takes work from the balancer (prefill and decode through
+shared/stage/worker.py, vision through services/vision/service.py) beats the same
+way, so it is written once here: a beat every worker.heartbeat_interval_s with a
+rising seq, the time, the model and the interval, and the sender's NATS connection
+as a header (a disconnect advisory naming another connection, closed before a
+reconnect, does not make the balancer drop this instance); a beat at once when NATS
+comes back; a failed publish swallowed (NATS down: the next beat retries). What
+differs by stage is data: its load, whether it drains, the image identities its
+cache holds (``BeatState``), and, for the engine stages, a duty after each beat."""
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from shared.proto import mesh_pb2
+from shared.runtime import subjects
+from shared.runtime.bus import CONNECTION_HEADER, Bus
+from shared.runtime.service import ServiceContext
+
+
+@dataclass(frozen=True, slots=True)
+class BeatState:
+    """What a stage says of itself in one beat."""
+
+    load: mesh_pb2.Load
+    draining: bool
+    image_hashes: Sequence[bytes] = ()
+    """A vision instance's cached image identities (the balancer's affinity); none elsewhere."""
+
+
+@dataclass(frozen=True, slots=True)
+class BeatIdentity:
+    """Who beats, as every beat says it."""
+
+    stage: str
+    instance_id: str
+    model: str
+    interval_s: float
+
+    @classmethod
+    def of(cls, ctx: ServiceContext) -> "BeatIdentity":
+        """The service's own: its stage, instance, model and worker.heartbeat_interval_s."""
+        settings = ctx.settings
+        return cls(ctx.stage, ctx.instance_id, settings.engine.model, settings.worker.heartbeat_interval_s)
+
+
+class Heartbeats:
+    """The beats of one instance on ``bus``. ``state`` is read at every beat (it may
+    update the stage's gauges as it goes); ``after_beat`` runs after each periodic beat,
+    its failures swallowed so that the beats go on."""
+
+    def __init__(
+        self, bus: Bus, identity: BeatIdentity, state: Callable[[], BeatState],
+        after_beat: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:  # fmt: skip
+        self.bus = bus
+        self.identity = identity
+        self.state = state
+        self.after_beat = after_beat
+        self.seq = 0
+        self.registered = False
+        """A beat reached NATS: the balancer can know this instance (readiness waits for it)."""
+        self._beats: set[asyncio.Task] = set()
+
+    def start(self) -> asyncio.Task:
+        """Beat on reconnects and every interval from now; the loop's task, which the
+        owner cancels when it stops."""
+        self.bus.on_reconnected.append(self._beat_now)
+        return asyncio.create_task(self._loop(), name="heartbeat")
+
+    async def send(self) -> None:
+        """One beat now (a drain says so at once)."""
+        self.seq += 1
+        me, state = self.identity, self.state()
+        hb = mesh_pb2.Heartbeat(
+            stage=me.stage, instance_id=me.instance_id, seq=self.seq, unix_time=time.time(), load=state.load,
+            model=me.model, interval_s=me.interval_s, draining=state.draining, image_hashes=state.image_hashes,
+        )  # fmt: skip
+        headers = {CONNECTION_HEADER: self.bus.connection_id()}
+        with contextlib.suppress(Exception):  # NATS down: the next beat retries
+            await self.bus.publish(subjects.heartbeat(me.stage, me.instance_id), hb, headers=headers)
+            self.registered = True
+
+    def _beat_now(self) -> None:
+        """A beat at once (NATS is back: say which connection is ours now)."""
+        task = asyncio.get_running_loop().create_task(self.send())
+        self._beats.add(task)
+        task.add_done_callback(self._beats.discard)
+
+    async def _loop(self) -> None:
+        while True:
+            await self.send()
+            if self.after_beat is not None:
+                with contextlib.suppress(Exception):
+                    await self.after_beat()
+            await asyncio.sleep(self.identity.interval_s)
