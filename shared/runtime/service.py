@@ -41,6 +41,8 @@ class ServiceContext:
     instance_id: str
     settings: Settings
     bus: Bus
+    """The service's NATS connection (None only in a service run with nats=False: the
+    planner, which reads HTTP metrics and never the bus)."""
     tracer: Tracer
     metrics: Metrics
     stop: asyncio.Event
@@ -65,8 +67,10 @@ def default_instance_id(stage: str) -> str:
     return f"{stage}-{host}-{os.getpid()}"
 
 
-async def run_service(stage: str, setup: Setup, settings: Settings | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (exit code 0) or until the service fails (ctx.fail: 1)."""
+async def run_service(stage: str, setup: Setup, settings: Settings | None = None, nats: bool = True) -> int:
+    """Serve until SIGTERM/SIGINT (exit code 0) or until the service fails (ctx.fail: 1).
+    nats=False: no NATS login (a service with nothing to say or hear on the bus needs no
+    user there)."""
     settings = settings or load_settings()
     instance_id = check_token(settings.worker.instance_id or default_instance_id(stage))
     provider = setup_telemetry(stage, instance_id, settings.telemetry)
@@ -78,12 +82,13 @@ async def run_service(stage: str, setup: Setup, settings: Settings | None = None
         loop.add_signal_handler(sig, stop.set)
     try:
         async with AsyncExitStack() as stack:
-            bus = await Bus.connect(settings.nats, name=instance_id)
-            stack.push_async_callback(bus.close)
+            bus = await Bus.connect(settings.nats, name=instance_id) if nats else None
+            if bus is not None:
+                stack.push_async_callback(bus.close)
             metrics = Metrics(stage)
             metrics_port = metrics.serve(settings.worker.metrics_port, host=settings.worker.bind_host)
             stack.callback(metrics.close)
-            ctx = ServiceContext(stage, instance_id, settings, bus, provider.get_tracer(stage), metrics, stop)
+            ctx = ServiceContext(stage, instance_id, settings, bus, provider.get_tracer(stage), metrics, stop)  # type: ignore[arg-type]
             await setup(ctx, stack)
             # What the imports and setup made (the model, the KV block pool, CUDA graphs, the
             # servers) lives as long as the process: frozen, the collector's full passes no
@@ -103,5 +108,5 @@ async def run_service(stage: str, setup: Setup, settings: Settings | None = None
     return 0 if ctx.failure is None else 1
 
 
-def main(stage: str, setup: Setup) -> None:
-    sys.exit(asyncio.run(run_service(stage, setup)))
+def main(stage: str, setup: Setup, nats: bool = True) -> None:
+    sys.exit(asyncio.run(run_service(stage, setup, nats=nats)))

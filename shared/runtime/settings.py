@@ -311,6 +311,45 @@ class VisionSettings:
 
 
 @dataclass(slots=True)
+class PlannerSettings:
+    """The live planner (services/planner): every interval it reads the balancer's
+    /metrics, forecasts the next interval's load, corrects the profile by measured
+    over predicted latency, and sets each stage's replicas (Dynamo's SLA planner)."""
+
+    profile: str = ""
+    """The stage profile `infermesh profile` wrote (JSON); the planner refuses to start without one."""
+    interval_s: float = 60.0
+    """How often it plans (and how long a window of load each decision is based on)."""
+    startup_s: float = 60.0
+    """How long a new instance takes to serve (start, load, warm up): the planner sizes
+    for the most load it forecasts that far ahead."""
+    metrics_url: str = ""
+    """The balancer's Prometheus /metrics; "": http://<balancer.host>:<balancer.port>/metrics."""
+    ttft_ms: float = 1000.0
+    """The time-to-first-token target at `percentile`."""
+    itl_ms: float = 100.0
+    """The inter-token latency target at `percentile`."""
+    percentile: float = 90.0
+    backend: str = "advisory"
+    """Where decisions go: advisory (published as metrics and logs, nothing changed), up
+    (`infermesh up`'s replicas file) or kubernetes (each stage's StatefulSet scale)."""
+    replicas_file: str = ""
+    """The up backend's file (<state_dir>/replicas.json)."""
+    statefulsets: str = ""
+    """The kubernetes backend's targets, stage=name pairs: prefill=im-prefill,decode=im-decode."""
+    namespace: str = ""
+    """The kubernetes backend's namespace; "": the pod's own."""
+    gpu_budget: int = 0
+    """At most this many devices over every stage (0: no limit); a plan over it is cut, said in the log."""
+    min_replicas: int = 1
+    """No stage scaled below this (prefill and decode; vision may go to 0 when the load has no images)."""
+    max_replicas: int = 16
+    """No stage scaled above this."""
+    gpu_hour_usd: float = 2.0
+    """A device-hour's price, for the cost per million tokens the planner publishes."""
+
+
+@dataclass(slots=True)
 class Settings:
     nats: NatsSettings = field(default_factory=NatsSettings)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
@@ -321,6 +360,7 @@ class Settings:
     balancer: BalancerSettings = field(default_factory=BalancerSettings)
     images: ImageSettings = field(default_factory=ImageSettings)
     vision: VisionSettings = field(default_factory=VisionSettings)
+    planner: PlannerSettings = field(default_factory=PlannerSettings)
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:

@@ -73,6 +73,8 @@ WORKER_STATEFULSETS = ("mesh-infermesh-prefill", "mesh-infermesh-decode")
 ENGINE_INSTANCES = {n for n, role in COMPOSE_INSTANCES.items() if role != "vision"}
 # The vision stage on (E/P/D), with the seeded tiny vision-language model as the demo model.
 VISION_VALUES = {"stages": {"vision": {"enabled": True}}, "model": {"demo": {"arch": "qwen2_5_vl", "preset": "tiny-vl"}}}
+PLANNER_VALUES = {"planner": {"enabled": True, "profile": '{"version": 1}', "settings": {"planner": {"ttft_ms": 500}}}}
+"""The live planner on (a profile's text: the chart does not read it)."""
 # compose's profiles by name: the engine workers, and the vision encoder beside them.
 COMPOSE_PROFILES = {"cpu": (), "gpu": ("gpu",), "vision": ("cpu", "vision"), "gpu-vision": ("gpu", "vision-gpu")}
 
@@ -140,10 +142,10 @@ def gpu_vision_values() -> dict:
 
 def chart_values(name: str) -> dict | None:
     return {"default": lambda: None, "gpu": gpu_values, "rdma": rdma_values, "vision": lambda: VISION_VALUES,
-            "gpu-vision": gpu_vision_values}[name]()
+            "gpu-vision": gpu_vision_values, "planner": lambda: PLANNER_VALUES}[name]()
 
 
-CHART_VALUES = ["default", "gpu", "rdma", "vision", "gpu-vision"]
+CHART_VALUES = ["default", "gpu", "rdma", "vision", "gpu-vision", "planner"]
 
 
 # -- the Helm chart ----------------------------------------------------------------------------
@@ -544,6 +546,36 @@ def test_chart_runs_the_vision_stage_apart_fenced_to_nats_and_kvcache():
     with pytest.raises(helm.HelmError, match=r"stages\.vision\.enabled: the demo model .* takes no images"):
         render_chart({"stages": {"vision": {"enabled": True}}})
     render_chart({"stages": {"vision": {"enabled": True}}, "model": {"volume": {"emptyDir": {}}}})  # yours: taken
+
+
+def test_the_planner_may_scale_the_stages_and_nothing_else():
+    docs = render_chart(PLANNER_VALUES)
+    role = kinds(docs, "Role")["mesh-infermesh-planner"]
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"],
+                              "resourceNames": ["mesh-infermesh-decode", "mesh-infermesh-prefill"],
+                              "verbs": ["get", "patch"]}]
+    binding = kinds(docs, "RoleBinding")["mesh-infermesh-planner"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "mesh-infermesh-planner", "namespace": "infermesh"}]
+    pod = kinds(docs, "Deployment")["mesh-infermesh-planner"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "mesh-infermesh-planner" and pod["automountServiceAccountToken"] is True
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    # What the service reads, and reads back as settings.
+    settings = load_settings(env=env).planner
+    assert (settings.backend, settings.ttft_ms) == ("kubernetes", 500)
+    assert settings.statefulsets == "decode=mesh-infermesh-decode,prefill=mesh-infermesh-prefill"
+    assert settings.metrics_url == "http://mesh-infermesh-balancer:8000/metrics"
+    assert kinds(docs, "ConfigMap")["mesh-infermesh-planner-profile"]["data"]["profile.json"] == '{"version": 1}'
+    # Advisory: it publishes only, and holds no token nor Role.
+    advisory = render_chart(merged(PLANNER_VALUES, {"planner": {"backend": "advisory"}}))
+    assert "mesh-infermesh-planner" not in kinds(advisory, "Role")
+    assert kinds(advisory, "Deployment")["mesh-infermesh-planner"]["spec"]["template"]["spec"][
+        "automountServiceAccountToken"] is False
+    # Two controllers of one StatefulSet, or no profile: refused by name.
+    with pytest.raises(helm.HelmError, match="stages.decode.autoscaling.enabled and planner.backend kubernetes"):
+        render_chart(merged(PLANNER_VALUES, {"stages": {"decode": {"autoscaling": {"enabled": True}}}}))
+    with pytest.raises(helm.HelmError, match="planner.profile"):
+        render_chart({"planner": {"enabled": True}})
+    assert "mesh-infermesh-planner" not in kinds(render_chart(), "Deployment")  # off by default
 
 
 def test_chart_values_schema_refuses_typos():

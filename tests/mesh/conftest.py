@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SERIAL = {
-    "test_failover.py": "moves requests within 2 s of a kill; no stream waits more than 5 s",
+    "test_failover.py": "the balancer knows of a kill within 1.5 s, moves its requests within seconds; no stream waits more than 5 s",
     "test_nats_outage.py": "bounds the stalls of a NATS restart under load",
     "test_mesh_faults.py": "a client sees an error quickly when an instance dies",
     "test_local_prefill.py": "heartbeats every 0.2 s decide where prefill runs; kills a decode",

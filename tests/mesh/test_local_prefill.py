@@ -200,7 +200,16 @@ def test_a_conversation_goes_back_to_the_decode_instance_holding_it_and_is_prefi
         ev.ParseFromString(msg.data)
         seen.setdefault(ev.instance_id, set()).update(ev.stored)
 
+    idle_beats: dict[str, int] = {}  # instance -> heartbeats in a row saying it runs nothing
+
+    def on_heartbeat(msg) -> None:  # noqa: ANN001
+        hb = mesh_pb2.Heartbeat()
+        hb.ParseFromString(msg.data)
+        idle = hb.load.num_running == 0 and hb.load.num_waiting == 0
+        idle_beats[hb.instance_id] = idle_beats.get(hb.instance_id, 0) + 1 if idle else 0
+
     Listener(subjects.KV_EVENTS_ALL, on_kv_event).start(mesh.nats_url)
+    Listener(subjects.heartbeats_of("decode"), on_heartbeat).start(mesh.nats_url)
     turn1 = [(17 * i + 3) % 400 + 5 for i in range(20)]  # short: computed on a decode instance
     first = _complete(client, turn1, max_tokens=60)
     holder = span_attributes(mesh.trace_dir, first.id, "route")["decode.choice"]
@@ -209,6 +218,14 @@ def test_a_conversation_goes_back_to_the_decode_instance_holding_it_and_is_prefi
     deadline = time.monotonic() + 10
     while not set(hashes[:4]) <= seen.get(holder, set()):  # its events reach the balancer too
         assert time.monotonic() < deadline, "the holder's KV events did not come"
+        time.sleep(0.05)
+    # And its load: a heartbeat sent while turn 1 still ran counts turn 1's blocks as used,
+    # which outweighs the holder's edge in the cost (2 blocks + 5 used > 6 elsewhere). Two
+    # idle beats in a row: the balancer has taken the first (the policy under a stale load
+    # is the policy's business; this test is about the cache).
+    idle_beats[holder] = 0
+    while idle_beats.get(holder, 0) < 2:
+        assert time.monotonic() < deadline, "the holder never reported itself idle"
         time.sleep(0.05)
     # The next turn: 88 tokens, 24 beyond the holder's 4 blocks (at most SHORT = 40 are
     # computed on decode; no prefill instance holds any of it, so only the holder's own

@@ -100,6 +100,11 @@ TORCH_FREE = (
     "services.planner.forecast",
     "services.planner.correction",
     "services.planner.helm_values",
+    "services.planner.planner",
+    "services.planner.observe",
+    "services.planner.scalers",
+    "services.planner.service",
+    "shared.runtime.desired_replicas",
 )
 
 

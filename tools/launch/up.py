@@ -20,7 +20,14 @@ namespace of its own, as the multi-host tests do; a container runtime).
 
 Supervised: a process that dies is started again (same command, environment
 and ports) after a backoff that doubles from 0.5 s to 10 s (back to 0.5 s once
-it has run for 30 s); the others keep serving. Every child is started through
+it has run for 30 s); the others keep serving.
+
+Scaled: the supervisor also keeps each worker stage at the count that
+<state_dir>/replicas.json asks for (shared/runtime/desired_replicas.py; the live
+planner writes it): an instance added gets a NATS user of its own (nats-server
+reloads its config) and joins the registry by its heartbeats; one removed, the
+highest-numbered, is sent SIGTERM and drains (its requests finish or move)
+before its user goes. Every child is started through
 a tiny exec wrapper that asks the kernel to kill it when `up` dies
 (PR_SET_PDEATHSIG), so even `kill -9` of `up` leaves no orphan."""
 
@@ -40,6 +47,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.runtime.desired_replicas import FILE_NAME as REPLICAS_FILE
+from shared.runtime.desired_replicas import read_desired
 from shared.runtime.rpc import TlsFiles
 from shared.runtime.settings import load_settings
 from tools.launch.nats_auth import MeshCredentials, new_password, server_limits
@@ -164,6 +173,9 @@ class Mesh:
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """Each service's Prometheus /metrics port, by process name (kvcache, prefill-0, ..., balancer;
     the balancer also serves its series on the API port's /metrics)."""
+    planner_profile: str = ""
+    """A stage profile (`infermesh profile`): run the live planner (services/planner) on it,
+    scaling the worker stages through the replicas file (needs supervise); "": no planner."""
     num_vision: int = 0
     """Vision instances (E/P/D: they encode requests' images for prefill and decode); 0
     leaves the encoding to prefill (E/PD)."""
@@ -180,6 +192,11 @@ class Mesh:
     _supervisor: threading.Thread | None = field(default=None, init=False, repr=False)
     _started_at: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     _tls: TlsFiles | None = field(default=None, init=False, repr=False)
+    _nats_port: int = field(default=0, init=False, repr=False)
+    _retiring: set[str] = field(default_factory=set, init=False, repr=False)
+    """Instances scaled away: sent SIGTERM, draining; not restarted when they exit."""
+    _desired_seen: float = field(default=-1.0, init=False, repr=False)
+    """The replicas file's mtime last applied."""
     """Mutual TLS files the services were given (extra_env's worker.tls_*): what the health checks present."""
 
     @property
@@ -193,6 +210,17 @@ class Mesh:
     @property
     def nats_config(self) -> Path:
         return self.state_dir / "nats-auth.conf"
+
+    @property
+    def replicas_file(self) -> Path:
+        """Where a planner asks for each stage's count (see the module docstring)."""
+        return self.state_dir / REPLICAS_FILE
+
+    def instances(self, stage: str) -> list[str]:
+        """The stage's instances running and not scaled away, by number."""
+        with self._lock:
+            names = [n for n, p in self.procs if _stage_of(n) == stage and n not in self._retiring]
+        return sorted(names, key=lambda n: int(n.rsplit("-", 1)[1]))
 
     def credentials(self, user: str) -> tuple[str, str]:
         """(user, password) of one of the mesh's NATS users: balancer, kvcache,
@@ -324,6 +352,7 @@ class Mesh:
         nats_port = free_port()
         nats_host = self._at("nats").host
         self._services_nats_url = self.nats_url = f"nats://{nats_host}:{nats_port}"
+        self._nats_port = nats_port
         nats_args = [find_nats_server()]
         if self.auth:
             self._make_credentials(nats_port)
@@ -342,27 +371,45 @@ class Mesh:
         self._wait("kvcache", self._until_healthy("kvcache", lambda: grpc_serving(self.kv_address, tls=self._tls)),
                    timeout_s)
 
+    def _start_instance(self, stage: str, i: int) -> Callable[[], bool]:
+        """Start instance i of a worker stage; returns its health check."""
+        grpc_port = free_port()
+        name = f"{stage}-{i}"
+        env = self._env(name, INFERMESH_WORKER__INSTANCE_ID=name, INFERMESH_WORKER__GRPC_PORT=str(grpc_port),
+                        **self._metrics_env(name), **self._bind_env(name))
+        self._start(name, [sys.executable, "-m", f"services.{stage}"], env)
+        address = f"{self._at(name).host}:{grpc_port}"
+        return self._until_healthy(name, lambda: grpc_serving(address, tls=self._tls))
+
     def _start_workers_and_balancer(self, timeout_s: float) -> None:
         py = [sys.executable, "-m"]
-        health: list[Callable[[], bool]] = []
-        for stage, count in self._stages():
-            for i in range(count):
-                grpc_port = free_port()
-                name = f"{stage}-{i}"
-                env = self._env(name, INFERMESH_WORKER__INSTANCE_ID=name, INFERMESH_WORKER__GRPC_PORT=str(grpc_port),
-                                **self._metrics_env(name), **self._bind_env(name))
-                self._start(name, py + [f"services.{stage}"], env)
-                address = f"{self._at(name).host}:{grpc_port}"
-                health.append(self._until_healthy(name, lambda a=address: grpc_serving(a, tls=self._tls)))
+        health = [self._start_instance(stage, i) for stage, count in self._stages() for i in range(count)]
         self._start("balancer", py + ["services.balancer"],
                     self._env("balancer", **self._metrics_env("balancer"), **self._bind_env("balancer")))
         # Every worker checked at each round (not all(), which stops at the first still loading).
         self._wait("prefill, decode and vision" if self.num_vision else "prefill and decode", lambda: sum(check() for check in health) == len(health), timeout_s)
         ready = f"http://{self.host}:{self.port}/ready"
         self._wait("balancer", self._until_healthy("balancer", lambda: http_ok(ready)), timeout_s)
+        if self.planner_profile:
+            self._start_planner()
         if self.supervise:
             self._supervisor = threading.Thread(target=self._supervise, name="mesh-supervisor", daemon=True)
             self._supervisor.start()
+
+    def _start_planner(self) -> None:
+        """The live planner, deciding through this supervisor's replicas file. It logs in
+        to no NATS (it reads the balancer's /metrics): no user is made for it."""
+        if not self.supervise:
+            raise StartFailed("the planner scales through the supervisor: start the mesh with supervise on")
+        env = {**self._env("monitor"), **self._metrics_env("planner"),
+               "INFERMESH_PLANNER__PROFILE": str(Path(self.planner_profile).resolve()),
+               "INFERMESH_PLANNER__BACKEND": "up",
+               "INFERMESH_PLANNER__REPLICAS_FILE": str(self.replicas_file.resolve()),
+               "INFERMESH_PLANNER__METRICS_URL": f"http://{self.host}:{self.port}/metrics"}
+        for key in ("INFERMESH_NATS__USER", "INFERMESH_NATS__PASSWORD", "INFERMESH_WORKER__GRPC_TOKEN"):
+            env.pop(key, None)  # it needs none of the mesh's credentials
+        env.update({k: v for k, v in self.extra_env.items() if k.startswith("INFERMESH_PLANNER__")})
+        self._start("planner", [sys.executable, "-m", "services.planner"], env)
 
     def _supervise(self) -> None:
         """Restart what dies, with backoff. The thread lives until stop() is done:
@@ -370,10 +417,14 @@ class Mesh:
         delays: dict[str, float] = {}
         due: dict[str, float] = {}
         while not self._stopping.wait(0.2):
+            self._apply_desired()
             with self._lock:
                 dead = [(n, p) for n, p in self.procs if p.poll() is not None]
             now = time.monotonic()
             for name, proc in dead:
+                if name in self._retiring:
+                    self._retired(name, proc)
+                    continue
                 if name not in due:
                     ran_s = now - self._started_at.get(name, now)
                     delay = RESTART_BACKOFF_S[0] if ran_s >= RESTART_RESET_AFTER_S else delays.get(name, RESTART_BACKOFF_S[0])
@@ -391,6 +442,71 @@ class Mesh:
                     self.restarts[name] = self.restarts.get(name, 0) + 1
                     print(f"{name} restarted (restart {self.restarts[name]})", file=sys.stderr, flush=True)
         self._exit.wait()
+
+    def _apply_desired(self) -> None:
+        """Bring each stage to the replicas file's count (on the supervisor's thread:
+        children die with the thread that started them)."""
+        try:
+            mtime = self.replicas_file.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if mtime == self._desired_seen:
+            return
+        self._desired_seen = mtime
+        try:
+            desired = read_desired(self.replicas_file)
+        except ValueError as exc:
+            print(f"ignoring the replicas file: {exc}", file=sys.stderr, flush=True)
+            return
+        if desired.get("decode", 1) < 1:
+            print("ignoring the replicas file: the mesh needs a decode instance", file=sys.stderr, flush=True)
+            return
+        for stage, want in desired.items():
+            have = self.instances(stage)
+            if want > len(have):
+                taken = {int(n.rsplit("-", 1)[1]) for n, _ in self.procs if _stage_of(n) == stage}
+                free = (i for i in range(want + len(taken)) if i not in taken)
+                added = [f"{stage}-{next(free)}" for _ in range(want - len(have))]
+                self._grant(added, stage)
+                for name in added:
+                    self._start_instance(stage, int(name.rsplit("-", 1)[1]))
+                print(f"scaled {stage} up to {want}: started {', '.join(added)}", file=sys.stderr, flush=True)
+            for name in reversed(have[want:]):  # the highest numbers drain and go
+                with self._lock:
+                    self._retiring.add(name)
+                    proc = dict(self.procs)[name]
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                print(f"scaling {stage} down to {want}: {name} drains and stops", file=sys.stderr, flush=True)
+            setattr(self, f"num_{stage}", want)
+
+    def _grant(self, names: list[str], stage: str) -> None:
+        """NATS users for new instances, in force before they connect."""
+        if self._creds is None:
+            return
+        for name in names:
+            self._creds.add(name, stage, instance=name)
+        self._reload_nats()
+
+    def _retired(self, name: str, proc: subprocess.Popen) -> None:
+        """A scaled-away instance has exited: forget it and its NATS user."""
+        with self._lock:
+            self.procs = [(n, p) for n, p in self.procs if p is not proc]
+            self._retiring.discard(name)
+            still_named = any(n == name for n, _ in self.procs)
+        if self._creds is not None and not still_named:
+            self._creds.users.pop(name, None)
+            self._reload_nats()
+        print(f"{name} stopped (scaled down; exit code {proc.returncode})", file=sys.stderr, flush=True)
+
+    def _reload_nats(self) -> None:
+        """Rewrite the users and have nats-server read them (SIGHUP reloads its config)."""
+        assert self._creds is not None
+        self._creds.write_config(self.nats_config, self._at("nats").host, self._nats_port)
+        nats = dict(self.procs).get("nats")
+        if nats is not None and nats.poll() is None:
+            nats.send_signal(signal.SIGHUP)
+            time.sleep(0.5)  # the reload is asynchronous; a new user's first connect must find it
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM services (they drain), then NATS; SIGKILL what lingers."""
@@ -432,6 +548,11 @@ def parallel_env(
     if eplb_config is not None:
         env["INFERMESH_ENGINE__EPLB_CONFIG"] = eplb_config
     return env
+
+
+def _stage_of(name: str) -> str:
+    """prefill-0 -> prefill; nats, kvcache, balancer -> themselves."""
+    return name.rsplit("-", 1)[0] if name.rsplit("-", 1)[-1].isdigit() else name
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -477,20 +598,22 @@ def run_demo(mesh: Mesh) -> None:
 
 def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str, demo: bool,
        tensor_parallel_size: int | None = None, enable_expert_parallel: bool | None = None,
-       enable_eplb: bool | None = None, eplb_config: str | None = None, num_vision: int = 0) -> int:  # fmt: skip
+       enable_eplb: bool | None = None, eplb_config: str | None = None, num_vision: int = 0,
+       planner_profile: str = "") -> int:  # fmt: skip
     """Check, start with progress bars, serve until Ctrl-C or SIGTERM. A failure is
     one line on stderr (and, for a process that failed, the end of its log), not a
     traceback: exit code 2 for what was checked before starting, 1 after.
     tensor_parallel_size, enable_expert_parallel, enable_eplb, eplb_config: how each
     prefill and decode instance splits over ranks and balances its experts (the flags;
     None: INFERMESH_ENGINE__... or the default), checked here (EngineConfig's checks)
-    and handed to every instance in its environment."""
+    and handed to every instance in its environment. planner_profile: run the live
+    planner on that profile (the mesh then scales itself)."""
     from tools.launch.preflight import PreflightError, preflight
     from tools.launch.progress import StartProgress
 
     parallel = parallel_env(tensor_parallel_size, enable_expert_parallel, enable_eplb, eplb_config)
     mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True, extra_env=parallel,
-                num_vision=num_vision)
+                num_vision=num_vision, planner_profile=planner_profile)
     try:
         try:  # the engine settings every instance will read (EngineConfig's own checks run here)
             engine = load_settings(env={**os.environ, **parallel}).engine
@@ -498,6 +621,13 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
             raise PreflightError(str(exc)) from None
         preflight(model, num_prefill, num_decode, mesh.host, port, engine.tensor_parallel_size,
                   engine.enable_expert_parallel)  # fmt: skip
+        if planner_profile:
+            from services.planner.profile import Profile
+
+            try:
+                Profile.load(planner_profile)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise PreflightError(f"--planner {planner_profile}: not a stage profile ({exc})") from None
     except PreflightError as exc:
         print(f"infermesh: error: {exc}", file=sys.stderr)
         return 2

@@ -99,6 +99,7 @@ class MigrationLoop:
                 log.warning("request %s: %s; migrating (%d, %d of %d counted%s)", req.request_id, exc, migration,
                             charged, self.settings.migration_limit, ", NATS outage" if outage else "")
                 root.set_attribute("migrations", migration)
+                root.set_attribute("migration.failed_unix", time.time())  # when we learned of it: a death's cost to us
                 root.add_event("migrate", {"cause": exc.cause, "error": str(exc), "tokens_so_far": len(generated),
                                            "outage": outage})
 
