@@ -1,9 +1,9 @@
 """The scaling policies the replay simulator compares, each deciding the next
 allocation from what the mesh's metrics showed in the interval just ended:
 
-- PlannerPolicy: the planner in the loop (services/planner): forecast the load at the
-  interval a new instance would be ready in, correct the profile by measured over
-  predicted latency, plan.
+- PlannerPolicy: the planner in the loop: services/planner/planner.py, the live
+  planner service's own core (forecast the load at the interval a new instance would
+  be ready in, correct the profile by measured over predicted latency, plan).
 - ThresholdPolicy: an HPA-like autoscaler: a stage whose utilisation is above `up`
   gets one more instance; below `down` for `down_after` intervals in a row (the HPA's
   scale-down stabilisation), one fewer.
@@ -11,15 +11,12 @@ allocation from what the mesh's metrics showed in the interval just ended:
 """
 
 from dataclasses import dataclass, field
-from statistics import NormalDist
 
 import numpy as np
 
-from services.planner.correction import Correction, corrected
-from services.planner.forecast import Load, LoadForecaster
-from services.planner.plan import InfeasibleTarget, Lengths, Targets, Workload, plan
+from services.planner.plan import Targets
+from services.planner.planner import IntervalView, Planner
 from services.planner.profile import Profile
-from services.planner.stage_model import StageModels
 from tools.planner.trace import Interval
 from tools.planner.true_system import Outcome
 
@@ -68,62 +65,33 @@ class ThresholdPolicy:
 
 
 class PlannerPolicy:
+    """The live planner's core (services/planner/planner.py: forecast, correct, plan),
+    fed what the simulated mesh's metrics show: the same code the service runs."""
+
     def __init__(self, profile: Profile, targets: Targets, prefix_hit: float, lookahead: int,
                  gpu_hour_usd: float = 1.0, share: float = 0.99) -> None:
-        self.profile, self.targets, self.prefix_hit = profile, targets, prefix_hit
-        self.lookahead, self.gpu_hour_usd = lookahead, gpu_hour_usd
-        self.model = StageModels.from_profile(profile)
-        # Plan for the forecast's band of the same coverage as the share of intervals the
-        # target must hold in: at a 90 % band one interval in ten is under-forecast.
-        self.forecaster = LoadForecaster(z=NormalDist().inv_cdf(share))
-        self.corrections = {s: Correction() for s in SIM_STAGES}
-        rates = profile.transfer
-        self.kv_s_per_token = (rates.kv_bytes_per_token / (rates.kvcache_gb_s * 1e9)
-                               if rates.kvcache_gb_s and rates.kv_bytes_per_token else 0.0)
-        self.infeasible = 0
-        """Intervals whose plan was infeasible (the allocation was held)."""
+        self.planner = Planner(profile, targets, prefix_hit, lookahead, gpu_hour_usd, share)
+        self.percentile = targets.percentile
 
-    def _correct(self, seen: Seen) -> None:
-        """measured / predicted, the prediction at the concurrency and batch each
-        instance ran at (gauges the mesh exports; Dynamo predicts ITL at the observed
-        KV load the same way), so the ratio is the model's error, not the load's. An
-        interval with a backlog measures the queue, not the model, and is left out."""
-        o, a, pct = seen.outcome, seen.arrivals, self.targets.percentile
-        isl_p = float(np.percentile(a.input_tokens, pct))
-        osl_p = float(np.percentile(a.output_tokens, pct))
-        if o.prefill_backlog == 0 and seen.backlog_before[0] == 0:
-            kv_ms = isl_p * self.prefix_hit * self.kv_s_per_token * 1000
-            predicted = self.model.prefill.ttft_ms(isl_p * (1.0 - self.prefix_hit), o.prefill_concurrency)
-            self.corrections["prefill"].observe(o.ttft_ms - kv_ms, predicted)
-        if o.decode_backlog == 0 and seen.backlog_before[1] == 0:
-            self.corrections["decode"].observe(o.itl_ms, self.model.decode.itl_ms(o.decode_batch, isl_p + osl_p / 2))
+    @property
+    def infeasible(self) -> int:
+        """Stage decisions whose plan was infeasible (the allocation was held)."""
+        return self.planner.infeasible
 
     def factors(self) -> dict[str, float]:
-        return {s: c.factor for s, c in self.corrections.items()}
+        return self.planner.factors()
 
     def decide(self, seen: Seen) -> dict[str, int]:
-        a = seen.arrivals
-        isl_mean, osl_mean = float(a.input_tokens.mean()), float(a.output_tokens.mean())
-        self.forecaster.observe(Load(a.requests / seen.interval_s, isl_mean, osl_mean))
-        self._correct(seen)
-        f = self.forecaster.peak(self.lookahead)
-        # p90/mean of the last interval carries the lengths' shape onto the forecast means.
-        isl_ratio = float(np.percentile(a.input_tokens, 90)) / isl_mean
-        osl_ratio = float(np.percentile(a.output_tokens, 90)) / osl_mean
-        # A backlog is load too (the mesh exports queued tokens): drained over one interval
-        # once new instances are ready, on the stage that holds it, as extra requests/s.
-        o, miss = seen.outcome, 1.0 - self.prefix_hit
-        extra = {"prefill": o.prefill_backlog / (seen.interval_s * max(f.input_tokens_mean * miss, 1.0)),
-                 "decode": o.decode_backlog / (seen.interval_s * f.output_tokens_mean)}
-        profile = corrected(self.profile, self.factors())
-        out = {}
-        for stage in SIM_STAGES:
-            workload = Workload(f.requests_per_s + extra[stage],
-                                Lengths(f.input_tokens_mean, f.input_tokens_mean * isl_ratio),
-                                Lengths(f.output_tokens_mean, f.output_tokens_mean * osl_ratio), self.prefix_hit)
-            try:
-                out[stage] = plan(profile, workload, self.targets, self.gpu_hour_usd).replicas[stage]
-            except InfeasibleTarget:
-                self.infeasible += 1
-                out[stage] = seen.allocated[stage]
-        return out
+        a, o = seen.arrivals, seen.outcome
+        isl, osl = a.input_tokens, a.output_tokens
+        view = IntervalView(
+            interval_s=seen.interval_s, requests_per_s=a.requests / seen.interval_s,
+            input_mean=float(isl.mean()), input_p90=float(np.percentile(isl, 90)),
+            output_mean=float(osl.mean()), output_p90=float(np.percentile(osl, 90)),
+            input_at_target=float(np.percentile(isl, self.percentile)),
+            output_at_target=float(np.percentile(osl, self.percentile)),
+            ttft_ms=o.ttft_ms if o.requests else None, itl_ms=o.itl_ms if o.requests else None,
+            prefill_concurrency=o.prefill_concurrency, decode_batch=o.decode_batch,
+            prefill_backlog_tokens=o.prefill_backlog, decode_backlog_tokens=o.decode_backlog,
+            backlog_before=seen.backlog_before)
+        return dict(self.planner.decide(view, seen.allocated).replicas)
