@@ -30,6 +30,7 @@ pytest.importorskip("transformers")
 ENGINE = dict(block_size=4, prefill_chunk_size=8, max_num_batched_tokens=24, batch_invariant=True)
 """Small blocks and chunks: prompts span blocks, prefill is chunked beside decoding."""
 DP = dict(data_parallel_size=2, enable_expert_parallel=True)
+EPLB = '{"window_size": 4, "step_interval": 3, "num_redundant_experts": 2}'
 PROMPTS = random_prompts([5, 17, 11, 9, 23], vocab=500, seed=3)
 PARAMS = [
     SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1),
@@ -81,11 +82,15 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingPar
     return done, per_rank
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling+eplb"])
 def test_data_parallel_attention_generates_the_tokens_of_one_process(
     model: str, single: list[tuple[list[int], list[float]]], overlap: bool
 ) -> None:
-    engine = LLMEngine(EngineConfig(model=model, async_scheduling=overlap, **ENGINE, **DP))
+    """Synchronous steps; and overlapped ones (launch, then collect) with EPLB moving
+    experts between the ranks mid-generation (a placement every 3 steps, two redundant
+    experts), which changes no token either."""
+    eplb = dict(enable_eplb=True, eplb_config=EPLB) if overlap else {}
+    engine = LLMEngine(EngineConfig(model=model, async_scheduling=overlap, **ENGINE, **DP, **eplb))
     try:
         assert isinstance(engine.scheduler, DataParallelScheduler)
         done, per_rank = _drive(engine, PROMPTS, PARAMS)
@@ -97,6 +102,8 @@ def test_data_parallel_attention_generates_the_tokens_of_one_process(
         load = engine.load()
         assert load.num_running_per_rank == [0, 0] and load.num_free_kv_blocks == load.num_total_kv_blocks
         assert load.tokens_per_expert is not None and sum(map(sum, load.tokens_per_expert)) > 0
+        if overlap:
+            assert engine._experts is not None and engine._experts.num_layer_moves >= 2
     finally:
         engine.close()
     assert multiprocessing.active_children() == []
