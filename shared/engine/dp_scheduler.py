@@ -11,12 +11,17 @@ rank keeps its own max_num_seqs and token budget, as a vLLM DP rank (its own eng
 core) does.
 
 Assignment (``choose_rank``), when a request is added: the rank where it costs least,
-counting what the rank still has to compute for its own requests (tokens not yet
-computed, waiting or running) plus the request's tokens that its prefix cache does
-not hold. So a repeated prompt goes to the rank that holds its prefix unless that
-rank is busier by more than the hit saves, and otherwise the least loaded rank takes
-it; ties go to the lowest rank. Prefix caching is per rank: a hit is only ever on the
-rank the request runs on.
+counting the KV tokens the rank's own requests hold or will hold (every token of each
+unfinished one: what its attention reads each step and its pool must keep) plus the
+request's tokens that the rank's prefix cache does not hold (a hit's blocks are shared,
+not computed again). So a repeated prompt goes to the rank that holds its prefix unless
+that rank is busier by more than the hit saves, and otherwise the least loaded rank
+takes it; ties go to the lowest rank. Prefix caching is per rank: a hit is only ever on
+the rank the request runs on.
+
+The tokens per expert (EPLB's counts, EngineLoad) include one padding token's routing
+per idle rank per step: the pad runs the router like any token, and the counts are
+summed over the ranks on the device before anyone could tell them apart.
 
 Each step every scheduler schedules; the step's lists are theirs joined (what the engine
 reads: outputs, counts) with each rank's own step in ``SchedulerOutput.ranks`` (what the
@@ -90,9 +95,9 @@ class DataParallelScheduler:
 
         def cost(rank: int) -> int:
             s = self.ranks[rank]
-            queued = sum(r.num_tokens - r.num_computed_tokens for r in (*s.waiting, *s.running, *s.loading.values()))
+            held = sum(r.num_tokens for r in (*s.waiting, *s.running, *s.loading.values()))
             cached = s.kv.num_cached_persistent_blocks(request, max_blocks) * s.kv.block_size
-            return queued + request.num_tokens - cached
+            return held + request.num_tokens - cached
 
         return min(range(len(self.ranks)), key=cost)
 

@@ -46,7 +46,7 @@ def run_all(s: DataParallelScheduler) -> None:
 def test_requests_go_to_the_least_loaded_rank_and_stay_there() -> None:
     s = make()
     s.add_request(req("a", 20))
-    s.add_request(req("b", 8, base=100))  # rank 0 has 20 tokens to compute: rank 1
+    s.add_request(req("b", 8, base=100))  # rank 0 holds (will hold) 20 KV tokens: rank 1
     s.add_request(req("c", 8, base=200))  # 20 against 8: rank 1 again
     s.add_request(req("d", 8, base=300))  # 20 against 16: rank 1 (24 vs 28 with it)
     s.add_request(req("e", 8, base=400))  # 20 against 24: rank 0
@@ -58,6 +58,19 @@ def test_requests_go_to_the_least_loaded_rank_and_stay_there() -> None:
     assert s.num_running_per_rank == [2, 3]
     run_all(s)
     assert s.rank_of == {} and s.num_unfinished == 0
+
+
+def test_a_rank_of_long_decoding_requests_counts_as_loaded() -> None:
+    """Balance is by KV tokens held, not by tokens left to compute: a rank whose requests
+    decode (one token a step each) over long contexts is still the busier one."""
+    s = make()
+    s.add_request(req("long", 30, max_tokens=20))
+    s.add_request(req("short", 4, max_tokens=20, base=100))
+    for _ in range(3):
+        step(s)
+    assert s.rank_of == {"long": 0, "short": 1}
+    s.add_request(req("next", 8, base=200))  # 33 KV tokens on rank 0, 7 on rank 1; 1 to compute on each
+    assert s.rank_of["next"] == 1
 
 
 def test_each_ranks_step_carries_block_ids_of_its_own_pool() -> None:
