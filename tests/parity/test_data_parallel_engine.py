@@ -10,6 +10,10 @@ the same router and computed by per-row invariant experts wherever they live.
 """
 
 import multiprocessing
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ import pytest
 from shared.engine.config import EngineConfig
 from shared.engine.dp_scheduler import DataParallelScheduler
 from shared.engine.engine_request import EngineRequest
+from shared.engine.executor.multiproc import WorkerFailed
 from shared.engine.llm import LLM
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
@@ -138,6 +143,24 @@ def test_prefix_hits_preemption_and_aborts_hold_per_rank(model: str, single: lis
 
 def _request(prompt: list[int]) -> Request:
     return Request("probe", prompt, SamplingParams())
+
+
+def test_a_worker_killed_mid_run_fails_the_engine_within_seconds(model: str) -> None:
+    """Rank 1 runs requests of its own, whose tokens only it sends: killed, it fails the
+    engine (a broken collective, or no result for its step) naming it, never a hang."""
+    llm = LLM(model, **ENGINE, **DP)
+    (worker,) = llm.engine.executor._workers  # type: ignore[attr-defined]
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2))  # both ranks warm
+    killer = threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed, match=r"worker rank 1 .*exit code -9"):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    assert time.monotonic() - start < 10.0
+    with pytest.raises(WorkerFailed):  # closed by the failure: no further step
+        llm.engine.executor.execute(None)  # type: ignore[arg-type]
+    llm.engine.close()
+    assert multiprocessing.active_children() == []
 
 
 @pytest.mark.parametrize(

@@ -161,6 +161,7 @@ class MultiprocExecutor(Executor):
         if not self.data_parallel:
             self._send(command, (sched,), order)
             return sched
+        self._check_open()
         check_rank_steps(sched, self.world_size)
         self._send_each(command, [(part,) for part in sched.ranks[1:]], order)
         return sched.ranks[0]
@@ -212,8 +213,7 @@ class MultiprocExecutor(Executor):
 
     def _send_each(self, command: Command, args: list[tuple[Any, ...]], order: MoveOrder | None = None) -> None:
         """Worker rank r is sent ``args[r - 1]`` (each distinct payload pickled once)."""
-        if self._closed:
-            raise WorkerFailed("the tensor-parallel executor is closed")
+        self._check_open()
         self._check_alive()
         pickled: dict[int, bytes] = {}
         for rank, (conn, own) in enumerate(zip(self._conns, args, strict=True), start=1):
@@ -223,6 +223,10 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(pickled[id(own)])
             except OSError as e:
                 raise self._failure(rank, f"could not be sent a step ({e})") from e
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WorkerFailed("the tensor-parallel executor is closed")
 
     def _receive_results(self) -> list[RunnerOutput]:
         """Each worker's result of the step just run, rank after rank (data-parallel
