@@ -136,6 +136,15 @@ def test_prefix_hits_preemption_and_aborts_hold_per_rank(model: str, single: lis
         outputs = [out for _ in range(40) if engine.has_unfinished_requests() for out in engine.step()]
         again = next(out for out in outputs if out.finished)
         assert again.num_cached_tokens == 20 and again.token_ids == single[4][0]
+        # Two unseeded sampled requests of one prompt, one on each rank: each rank seeds its
+        # unseeded requests apart (as one process's n-th request does), so they draw differently.
+        unseeded = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+        engine.add_request(EngineRequest("u0", PROMPTS[0], unseeded))
+        engine.add_request(EngineRequest("u1", PROMPTS[0], unseeded))
+        assert sorted((scheduler.rank_of["u0"], scheduler.rank_of["u1"])) == [0, 1]
+        outputs = [out for _ in range(40) if engine.has_unfinished_requests() for out in engine.step()]
+        drawn = {out.request_id: out.token_ids for out in outputs if out.finished}
+        assert len(drawn["u0"]) == len(drawn["u1"]) == 8 and drawn["u0"] != drawn["u1"]
     finally:
         engine.close()
     assert multiprocessing.active_children() == []

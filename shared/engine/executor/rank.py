@@ -92,18 +92,23 @@ def expert_placement_rows(config: EngineConfig, model: CausalLM) -> list[list[in
 
 
 def build_runner(
-    setup: RunnerSetup, model: CausalLM, device: torch.device, recipe: Recipe | None, share_kv: bool = False
+    setup: RunnerSetup, model: CausalLM, device: torch.device, recipe: Recipe | None, share_kv: bool = False,
+    rank: int = 0,
 ) -> ModelRunner:
     """The rank's runner over its model, with a grammar compiler from ``recipe`` (every rank
-    samples structured requests as rank 0 does, so each masks them the same way)."""
+    samples structured requests as rank 0 does, so each masks them the same way). Its
+    sampler's seed is the engine's, so that tensor-parallel ranks draw alike; with
+    data-parallel attention each rank samples its own requests, and rank r's seed is the
+    engine's + r, so that two ranks' unseeded requests do not draw the same noise."""
     config = setup.config
+    seed = config.seed + (rank if config.data_parallel_size > 1 else 0)
     runner = ModelRunner(
         model,
         setup.num_blocks,
         config.block_size,
         torch_dtype(config.dtype),
         device,
-        seed=config.seed,
+        seed=seed,
         cuda_graphs=config.cuda_graphs,
         max_model_len=setup.max_model_len,
         max_batch=config.max_num_seqs,

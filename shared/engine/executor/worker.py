@@ -54,7 +54,7 @@ def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig
         move_group = expert_move_group(store, rank, world_size, device) if config.enable_expert_parallel else None
         model = load_rank_model(config, parallel, device, progress=False)
         setup: RunnerSetup = conn.recv()
-        runner = build_runner(setup, model, device, checkpoint_recipe(config.model), share_kv=setup.share_kv)
+        runner = build_runner(setup, model, device, checkpoint_recipe(config.model), share_kv=setup.share_kv, rank=rank)
         # Rank 0's connector moves this rank's blocks through this mapping (ranked_region.py).
         conn.send(("ready", runner.kv_region.share() if setup.share_kv else b""))
         mover = None if move_group is None else ExpertMover(model, move_group, device)
