@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,8 +43,10 @@ PARAMS = [
     SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, logprobs=1),  # keyed noise: rank-free
     SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1),
     SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1),
-    SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1),
+    SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=2),  # scored
 ]
+Result = tuple[list[int], list[float], list[Any] | None]
+"""A request's tokens, chosen-token logprobs and prompt logprobs."""
 
 
 @pytest.fixture(scope="module")
@@ -52,30 +55,39 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def single(model: str) -> list[tuple[list[int], list[float]]]:
-    """The single process's tokens and chosen-token logprobs of PROMPTS."""
-    llm = LLM(model, **ENGINE)
+def single(model: str) -> list[Result]:
+    """The single process's results of PROMPTS."""
+    engine = LLMEngine(EngineConfig(model=model, **ENGINE))
     try:
-        return [(o.token_ids, [s.logprob for s in o.logprobs]) for o in llm.generate(PROMPTS, PARAMS)]
+        done, _, _ = _drive(engine, PROMPTS, PARAMS)
+        return [_result(done[str(i)]) for i in range(len(PROMPTS))]
     finally:
-        llm.engine.close()
+        engine.close()
+
+
+def _result(out: RequestOutput) -> Result:
+    return out.token_ids, out.new_logprobs, out.prompt_logprobs  # type: ignore[return-value]
 
 
 def _drive(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], first_id: int = 0,
-           abort: str | None = None) -> tuple[dict[str, RequestOutput], list[list[int]]]:  # fmt: skip
+           abort: str | None = None) -> tuple[dict[str, RequestOutput], list[list[int]], dict[str, int]]:  # fmt: skip
     """Every request to its end (``abort``: that one aborted after the third step); the
     finished outputs by id, with each of their chosen logprobs gathered, and the running
-    requests per rank after each step."""
+    requests per rank after each step, and the rank each request was given (data-parallel)."""
     ids = [str(first_id + i) for i in range(len(prompts))]
     for rid, prompt, p in zip(ids, prompts, params):
         engine.add_request(EngineRequest(rid, prompt, p))
+    given = dict(engine.scheduler.rank_of) if isinstance(engine.scheduler, DataParallelScheduler) else {}
     done: dict[str, RequestOutput] = {}
     logprobs: dict[str, list[float]] = {rid: [] for rid in ids}
+    scored: dict[str, Any] = {}
     per_rank: list[list[int]] = []
     num_steps = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             logprobs[out.request_id] += [lp.logprob for lp in out.new_logprobs]
+            if out.prompt_logprobs is not None:
+                scored[out.request_id] = out.prompt_logprobs
             if out.finished:
                 done[out.request_id] = out
         per_rank.append(engine.load().num_running_per_rank)
@@ -84,12 +96,13 @@ def _drive(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingPar
             engine.abort_request(abort)
     for rid, out in done.items():
         out.new_logprobs = logprobs[rid]  # type: ignore[assignment]
-    return done, per_rank
+        out.prompt_logprobs = scored.get(rid)
+    return done, per_rank, given
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling+eplb"])
 def test_data_parallel_attention_generates_the_tokens_of_one_process(
-    model: str, single: list[tuple[list[int], list[float]]], overlap: bool
+    model: str, single: list[Result], overlap: bool
 ) -> None:
     """Synchronous steps; and overlapped ones (launch, then collect) with EPLB moving
     experts between the ranks mid-generation (a placement every 3 steps, two redundant
@@ -98,12 +111,13 @@ def test_data_parallel_attention_generates_the_tokens_of_one_process(
     engine = LLMEngine(EngineConfig(model=model, async_scheduling=overlap, **ENGINE, **DP, **eplb))
     try:
         assert isinstance(engine.scheduler, DataParallelScheduler)
-        done, per_rank = _drive(engine, PROMPTS, PARAMS)
+        done, per_rank, given = _drive(engine, PROMPTS, PARAMS)
         # Both ranks ran requests of their own, at once (neither ran the others' attention).
         assert any(a > 0 and b > 0 for a, b in per_rank)
         assert max(a for a, _ in per_rank) < len(PROMPTS) and max(b for _, b in per_rank) < len(PROMPTS)
-        got = [(done[str(i)].token_ids, done[str(i)].new_logprobs) for i in range(len(PROMPTS))]
-        assert got == single
+        assert [_result(done[str(i)]) for i in range(len(PROMPTS))] == single
+        assert given == {"0": 0, "1": 1, "2": 0, "3": 0, "4": 1}  # by KV tokens held, as added
+        assert single[4][2] is not None and len(single[4][2]) == len(PROMPTS[4])  # rank 1 scored its prompt
         load = engine.load()
         assert load.num_running_per_rank == [0, 0] and load.num_free_kv_blocks == load.num_total_kv_blocks
         assert load.tokens_per_expert is not None and sum(map(sum, load.tokens_per_expert)) > 0
@@ -114,24 +128,24 @@ def test_data_parallel_attention_generates_the_tokens_of_one_process(
     assert multiprocessing.active_children() == []
 
 
-def test_prefix_hits_preemption_and_aborts_hold_per_rank(model: str, single: list[tuple[list[int], list[float]]]) -> None:
+def test_prefix_hits_preemption_and_aborts_hold_per_rank(model: str, single: list[Result]) -> None:
     """A pool of 10 blocks a rank (40 tokens) for requests of up to 33: requests are
     preempted and recomputed on their rank, and the tokens stay those of one process.
     One request aborted mid-generation ends, the others do not notice. Then a repeated
     prompt goes to the rank that computed it, and its full blocks are a prefix hit there."""
     engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=10, max_model_len=40, **ENGINE, **DP))
     try:
-        done, _ = _drive(engine, PROMPTS, PARAMS, abort="3")
+        done, _, _ = _drive(engine, PROMPTS, PARAMS, abort="3")
         assert engine.load().num_preemptions > 0
         assert sorted(done) == ["0", "1", "2", "4"]  # aborted before its end: no output, no rank
         assert isinstance(engine.scheduler, DataParallelScheduler) and engine.scheduler.rank_of == {}
         for i in (0, 1, 2, 4):
-            assert (done[str(i)].token_ids, done[str(i)].new_logprobs) == single[i]
+            assert _result(done[str(i)]) == single[i]
         scheduler = engine.scheduler
         assert isinstance(scheduler, DataParallelScheduler)
         holder = [kv.num_cached_persistent_blocks(_request(PROMPTS[4]), 5) for kv in engine.kv_ranks]
         assert sorted(holder) == [0, 5]  # prompt 4 (23 tokens, 5 full blocks) is cached on its rank alone
-        engine.add_request(EngineRequest("again", PROMPTS[4], PARAMS[4]))
+        engine.add_request(EngineRequest("again", PROMPTS[4], PARAMS[0]))  # PARAMS[4] but not scored: hits
         assert scheduler.rank_of["again"] == holder.index(5)
         outputs = [out for _ in range(40) if engine.has_unfinished_requests() for out in engine.step()]
         again = next(out for out in outputs if out.finished)
