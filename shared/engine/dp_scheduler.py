@@ -132,7 +132,9 @@ class DataParallelScheduler:
             out.state_loads += p.state_loads
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[tuple[Request, list[int]]]:
         updated: list[tuple[Request, list[int]]] = []
         for scheduler, part in zip(self.ranks, out.ranks, strict=True):
             updated += scheduler.update_from_output(part, sampled)

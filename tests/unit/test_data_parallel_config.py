@@ -14,8 +14,8 @@ def test_the_setting_and_the_flags_reach_the_engine_config() -> None:
     engine = load_settings(env=parallel_env(None, True, data_parallel_size=2)).engine
     assert (engine.data_parallel_size, engine.enable_expert_parallel, engine.num_ranks) == (2, True, 2)
     assert load_settings(env=parallel_env(None, None)).engine.data_parallel_size == 1  # not given: the default
-    generate = build_parser().parse_args(["generate", "--model", "m", "--data-parallel-size", "2", "--enable-expert-parallel",
-                                          "--prompt", "hi"])  # fmt: skip
+    generate = build_parser().parse_args(["generate", "--model", "m", "--data-parallel-size", "2",
+                                          "--enable-expert-parallel", "--prompt", "hi"])  # fmt: skip
     assert (generate.engine_data_parallel_size, generate.engine_enable_expert_parallel) == (2, True)
     up = build_parser().parse_args(["up", "--data-parallel-size", "2"])
     assert up.data_parallel_size == 2

@@ -12,7 +12,8 @@ Talk with rank 0 is one pipe, in this order:
    (EPLB: switch a moved layer, start moving one on the mover thread) is applied before
    the command's forward; nothing comes back (rank 0's own runner gives the step's
    result; with data-parallel attention, ``("result", RunnerOutput)`` after each EXECUTE
-   and COLLECT, the rank's own requests' tokens), until ``CLOSE`` (the worker then waits for its move in flight, if any, and exits).
+   and COLLECT, the rank's own requests' tokens), until ``CLOSE`` (the worker then
+   waits for its move in flight, if any, and exits).
 
 Any failure is sent as ``("error", traceback text)`` before the worker exits non-zero,
 so that rank 0 (whose collective then fails, the peer gone) says why. The pipe's end
