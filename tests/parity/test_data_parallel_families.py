@@ -1,8 +1,9 @@
 """Data-parallel attention with expert parallelism for the other MoE families (issue 28;
 Qwen3-MoE's run, with preemption, prefix hits and EPLB, is
 tests/parity/test_data_parallel_engine.py): GPT-OSS (attention sinks, sliding-window
-layers) bitwise under batch-invariant mode, and DeepSeek-V4 (a hash-routed layer,
-compressed and sliding-window attention, no batch-invariant table) in default mode.
+layers) bitwise under batch-invariant mode, DeepSeek-V4 (a hash-routed layer,
+compressed and sliding-window attention, no batch-invariant table) in default mode, and
+Qwen3-MoE over 4 ranks, bitwise.
 
 Default mode: each rank's attention, router and experts run matmuls over other row
 counts than one process does (BLAS picks its reduction order by shape), so logprobs
@@ -38,14 +39,15 @@ def _generate(model: str, **settings: Any) -> tuple[list[list[int]], list[list[f
     return [o.token_ids for o in outputs], [[step.logprob for step in o.logprobs] for o in outputs]
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v4"])
-def test_data_parallel_attention_generates_the_tokens_of_one_process(tmp_path: Path, family: str) -> None:
-    if family == "gpt_oss":
-        model, mode = str(save_tiny_hf_model("gpt_oss", tmp_path / family, seed=1)), dict(batch_invariant=True)
+@pytest.mark.parametrize(("family", "ranks"), [("gpt_oss", 2), ("deepseek_v4", 2), ("qwen3_moe", 4)])
+def test_data_parallel_attention_generates_the_tokens_of_one_process(tmp_path: Path, family: str, ranks: int) -> None:
+    """Qwen3-MoE over 4 ranks holds 2 experts a rank, and its 4 prompts go one to each rank."""
+    if family in ("gpt_oss", "qwen3_moe"):
+        model, mode = str(save_tiny_hf_model(family, tmp_path / family, seed=1)), dict(batch_invariant=True)
     else:
         model, mode = str(save_tiny_v4("mixed", tmp_path / family, seed=1)), {}
     tokens, logprobs = _generate(model, **mode)
-    dp_tokens, dp_logprobs = _generate(model, data_parallel_size=2, enable_expert_parallel=True, **mode)
+    dp_tokens, dp_logprobs = _generate(model, data_parallel_size=ranks, enable_expert_parallel=True, **mode)
     assert dp_tokens == tokens
     if mode:
         assert dp_logprobs == logprobs
