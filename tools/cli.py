@@ -230,7 +230,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             make_model(args.model)
     return up(args.model, args.prefill, args.decode, args.port, args.state_dir, args.demo,
               args.tensor_parallel_size, args.enable_expert_parallel, args.enable_eplb, args.eplb_config,
-              num_vision=args.vision, planner_profile=args.planner)  # fmt: skip
+              num_vision=args.vision, data_parallel_size=args.data_parallel_size,
+              planner_profile=args.planner)  # fmt: skip
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -433,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="ranks (processes) per prefill and decode instance: EngineConfig.tensor_parallel_size "
                         "(default: INFERMESH_ENGINE__TENSOR_PARALLEL_SIZE, else 1)")  # fmt: skip
+    p.add_argument("--data-parallel-size", type=int, default=None,
+                   help="data-parallel attention ranks per instance: EngineConfig.data_parallel_size; only 1 "
+                        "in the mesh yet (refused above 1: `infermesh generate --data-parallel-size N "
+                        "--enable-expert-parallel` runs it offline)")  # fmt: skip
     p.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="an MoE model's experts split over those ranks, attention replicated: "
                         "EngineConfig.enable_expert_parallel (default: INFERMESH_ENGINE__ENABLE_EXPERT_PARALLEL)")

@@ -144,12 +144,22 @@ class EngineConfig:
     enable_expert_parallel. In the mesh an instance of N ranks is still one instance whose
     connector moves every rank's KV (shared/kv/memory/ranked_region.py). Not yet with
     speculative decoding, CUDA graphs or kept quantized weights (each refused by name)."""
+    data_parallel_size: int = 1
+    """Data-parallel attention (DeepSeek's layout, vLLM's flag), with enable_expert_parallel:
+    the instance runs this many ranks, each running attention (and holding the KV) for its
+    own requests only, while the MoE layers' experts are split over all of them and each
+    rank's tokens are all-to-alled to their experts. The scheduler pins each request to
+    one rank for its life (shared/engine/dp_scheduler.py); max_num_seqs and
+    max_num_batched_tokens are per rank, as each rank has its own KV pool. Offline
+    generation only for now: the mesh's services refuse it (check_mesh). Not with
+    tensor_parallel_size > 1, speculative decoding, CUDA graphs, kept quantized weights
+    or images (each refused by name)."""
     enable_expert_parallel: bool = False
     """MoE models over the tensor_parallel_size ranks (vLLM's flag: the MoE layers become
     expert-parallel over the ranks): each rank holds 1/N of every MoE layer's experts,
     each MoE layer splits the step's tokens over the ranks and all-to-alls them to their
     experts. The attention and dense layers are replicated on every rank (computed for
-    the whole step on each: not yet data-parallel attention). Qwen3-MoE, GPT-OSS,
+    the whole step on each; data_parallel_size makes it data-parallel). Qwen3-MoE, GPT-OSS,
     DeepSeek-V4."""
     enable_eplb: bool = False
     """Expert-parallel load balancing (with enable_expert_parallel): a window of the
@@ -208,8 +218,13 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
-        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
-            raise ValueError("enable_expert_parallel splits the experts over tensor_parallel_size ranks: set it > 1")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1:
+            self._check_data_parallel()
+        if self.enable_expert_parallel and self.num_ranks == 1:
+            raise ValueError("enable_expert_parallel splits the experts over the instance's ranks: set "
+                             "tensor_parallel_size or data_parallel_size > 1")  # fmt: skip
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb places experts across expert-parallel ranks: set enable_expert_parallel")
         if self.eplb_config and not self.enable_eplb:
@@ -220,6 +235,36 @@ class EngineConfig:
         """eplb_config parsed (the defaults with EPLB off, where it must be empty: no
         redundant experts, and the window only measures)."""
         return EplbConfig.from_json(self.eplb_config)
+
+    @property
+    def num_ranks(self) -> int:
+        """The instance's ranks (processes): tensor_parallel_size * data_parallel_size."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def check_mesh(self) -> None:
+        """What a mesh instance (prefill, decode: a KV connector, block events) does not run
+        yet, refused by name before it starts (`infermesh up` and the services call it)."""
+        if self.data_parallel_size > 1:
+            raise ValueError(
+                f"--data-parallel-size {self.data_parallel_size} (data_parallel_size) is not supported in the mesh "
+                "yet: data-parallel attention runs in the engine for offline generation (`infermesh generate "
+                "--data-parallel-size N --enable-expert-parallel`, LLM); mesh instances need data_parallel_size=1"
+            )
+
+    def _check_data_parallel(self) -> None:
+        """What data-parallel attention does not run, refused by name rather than ignored."""
+        if not self.enable_expert_parallel:
+            raise ValueError("data_parallel_size > 1 runs data-parallel attention beside expert-parallel MoE "
+                             "layers: set enable_expert_parallel (an MoE model; dense models are not supported)")
+        refused = [  # (what, asked, the setting that turns it off)
+            ("tensor parallelism", self.tensor_parallel_size > 1, "tensor_parallel_size=1"),
+            ("speculative decoding", self.speculative != "none", "speculative='none'"),
+            ("quantized weights kept as stored", self.quantized_weights == "keep", "quantized_weights='dequantize'"),
+            ("CUDA graphs", self.cuda_graphs and self.device.startswith("cuda"), "cuda_graphs=false"),
+        ]
+        for what, asked, off in refused:
+            if asked:
+                raise ValueError(f"not implemented yet: {what} with data_parallel_size > 1; set {off}")
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not run yet, refused by name rather than ignored."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.dp_scheduler import DataParallelScheduler
 from shared.engine.dtypes import torch_dtype
 from shared.engine.engine_request import EngineRequest
 from shared.engine.eplb.balancer import ExpertBalancer
@@ -85,19 +86,24 @@ class LLMEngine:
         KV cache and copy held blocks straight out of it (a prefill worker, when
         config.kv_direct_transfer is on).
 
-        With config.tensor_parallel_size N > 1 the engine starts N - 1 worker processes
+        With config.num_ranks N > 1 (tensor_parallel_size * data_parallel_size) the engine starts N - 1 worker processes
         (shared/engine/executor/multiproc.py), each holding its slice of the model; this
         process is rank 0 and schedules for all. close() stops them. With
         config.enable_expert_parallel the ranks hold the MoE layers' experts split
         between them (shared/model/expert_parallel_model.py), and with config.enable_eplb
-        the engine moves them as the load shifts (shared/engine/eplb/balancer.py)."""
+        the engine moves them as the load shifts (shared/engine/eplb/balancer.py). With
+        config.data_parallel_size > 1 each rank runs attention for its own requests, with
+        its own scheduler and KV pool here (shared/engine/dp_scheduler.py); offline only:
+        a KV connector, block events or a shared cache (the mesh's) are refused with it."""
         self.config = config
         self.detokenize = detokenize
         dtype = torch_dtype(config.dtype)
-        tp_size = config.tensor_parallel_size
-        device = rank_device(config.device, 0, tp_size)
+        if kv_connector is not None or record_kv_events or share_kv:
+            config.check_mesh()
+        num_ranks = config.num_ranks
+        device = rank_device(config.device, 0, num_ranks)
         loaded = model is None
-        multiproc = _start_ranks(config, model) if tp_size > 1 else None
+        multiproc = _start_ranks(config, model) if num_ranks > 1 else None
         try:
             self._init(config, model, loaded, dtype, device, multiproc, record_kv_events, load_progress,
                        kv_connector, share_kv)  # fmt: skip
@@ -137,20 +143,26 @@ class LLMEngine:
         self.fingerprint = kv_fingerprint(weights, config.dtype)
         # Under tensor parallelism each rank's cache holds its own KV heads, and a saved
         # sliding-window state would be rank 0's alone: no state cache, replays instead.
-        keeps_states = config.state_cache_bytes and config.tensor_parallel_size == 1
+        keeps_states = config.state_cache_bytes and config.num_ranks == 1
         state_cache = SlidingStateCache(config.state_cache_bytes, config.state_cache_ttl_s) if keeps_states else None
         # swa_replay resolved once, here: where unset, the model says whether bounded replay is its default.
         swa_replay = config.swa_replay_for(arch_traits(model_cfg.architecture).trained_for_bounded_replay)
-        self.kv = KVCacheCoordinator(
-            self.model.kv_layout,
-            class_blocks,
-            config.block_size,
-            self.fingerprint,
-            config.enable_prefix_caching,
-            record_events=record_kv_events,
-            swa_replay=swa_replay,  # type: ignore[arg-type]
-            state_cache=state_cache,
-        )
+        self.kv_ranks = [
+            KVCacheCoordinator(
+                self.model.kv_layout,
+                class_blocks,
+                config.block_size,
+                self.fingerprint,
+                config.enable_prefix_caching,
+                record_events=record_kv_events,
+                swa_replay=swa_replay,  # type: ignore[arg-type]
+                state_cache=state_cache,
+            )
+            for _ in range(config.data_parallel_size)
+        ]
+        """Each data-parallel rank's KV pool (its runner's cache holds the same blocks); one
+        without data-parallel attention."""
+        self.kv = self.kv_ranks[0]
         # With a connector, the other ranks' caches are made mappable: rank 0's connector moves their blocks too.
         setup = RunnerSetup(config, class_blocks, max_model_len, self.eos_token_ids, share_kv=kv_connector is not None)
         self.runner = build_runner(setup, self.model, device, self.recipe, share_kv)
@@ -173,10 +185,11 @@ class LLMEngine:
         if config.speculative != "none":
             self.speculator = make_speculator(config, self.model, self.executor.time_step, max_model_len, dtype, device)
             self.runner.keep_hidden = self.speculator.reads_hidden
-        self.scheduler = Scheduler(
-            SchedulerConfig.from_engine_config(config, max_model_len),
-            self.kv,
-            kv_connector,
+        scheduler_config = SchedulerConfig.from_engine_config(config, max_model_len)
+        self.scheduler: Scheduler | DataParallelScheduler = (
+            Scheduler(scheduler_config, self.kv, kv_connector)
+            if config.data_parallel_size == 1
+            else DataParallelScheduler([Scheduler(scheduler_config, kv) for kv in self.kv_ranks])
         )
         self.kv_transfer: KVTransfer | None = None
         if kv_connector is not None:
@@ -184,6 +197,7 @@ class LLMEngine:
             # What recomputing a prefix costs here, so a slow source can decline a hit.
             chunk = min(config.step_sizes()[1], max_model_len)
             kv_connector.register_recompute_rate(chunk / self.executor.time_step(chunk, repeats=1), config.block_size)
+            assert isinstance(self.scheduler, Scheduler)  # check_mesh refused data-parallel attention
             self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, config.kv_lease_timeout_s)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = {}
@@ -205,7 +219,7 @@ class LLMEngine:
         with config.enable_eplb. None for a dense model."""
         if counts is not None:
             # Without expert parallelism every rank holds (a slice of) every expert: one EP rank.
-            num_ranks = config.tensor_parallel_size if config.enable_expert_parallel else 1
+            num_ranks = config.num_ranks if config.enable_expert_parallel else 1
             self._experts = ExpertBalancer(counts.shape[0], counts.shape[1], num_ranks,
                                            config.eplb_settings(), rebalance=config.enable_eplb)  # fmt: skip
         log.info("engine ready: KV blocks of %d tokens, per size class %s", config.block_size, class_blocks)
@@ -283,8 +297,8 @@ class LLMEngine:
         so any thread may run it while the step loop runs (AsyncEngine does, off the loop)."""
         if req.images is None:
             return None
-        if self.config.tensor_parallel_size > 1:  # the tower runs here; other ranks would lack the rows
-            raise InvalidParam("images", "are not supported with tensor_parallel_size > 1 yet")
+        if self.config.num_ranks > 1:  # the tower runs here; other ranks would lack the rows
+            raise InvalidParam("images", "are not supported with tensor_parallel_size or data_parallel_size > 1 yet")
         prompt_ids = self._prompt_ids(req)
         kv_brought = self._kv_brought(req, len(prompt_ids))
         return encode(self.model, prompt_ids, req.images, self.config.speculative, kv_brought)
@@ -560,8 +574,8 @@ class LLMEngine:
         return EngineLoad(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
-            num_free_kv_blocks=self.kv.pool.num_free_blocks,
-            num_total_kv_blocks=self.kv.pool.num_total_blocks,
+            num_free_kv_blocks=sum(kv.pool.num_free_blocks for kv in self.kv_ranks),
+            num_total_kv_blocks=sum(kv.pool.num_total_blocks for kv in self.kv_ranks),
             # Tokens still to compute, with those of the step on the device: the scheduler counts
             # them computed when it schedules them, but an 8k prompt's step is ~0.3 s of work left.
             num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
@@ -570,9 +584,12 @@ class LLMEngine:
             num_kv_save_failures=self.kv_transfer.num_save_failures if self.kv_transfer else 0,
             num_kv_saves_dropped=self.kv_transfer.num_saves_dropped if self.kv_transfer else 0,
             num_preemptions=sched.num_preemptions,
-            num_prefix_query_tokens=self.kv.num_query_tokens,
-            num_prefix_hit_tokens=self.kv.num_hit_tokens,
+            num_prefix_query_tokens=sum(kv.num_query_tokens for kv in self.kv_ranks),
+            num_prefix_hit_tokens=sum(kv.num_hit_tokens for kv in self.kv_ranks),
             num_images_encoded=self.num_images_encoded,
+            num_running_per_rank=(
+                sched.num_running_per_rank if isinstance(sched, DataParallelScheduler) else [len(sched.running)]
+            ),
             tokens_per_expert=None if self._tokens_per_expert is None else self._tokens_per_expert.tolist(),
             expert_load=self.expert_load(),
             **self._spec_load(),
@@ -600,7 +617,8 @@ def _start_ranks(config: EngineConfig, model: CausalLM | None) -> MultiprocExecu
     """The other ranks of a tensor-parallel engine, started (and joined in one group)
     once what they cannot run is refused: before any process starts."""
     if model is not None:
-        raise ValueError("a model built by the caller runs in one process: tensor_parallel_size must be 1 with it")
+        raise ValueError("a model built by the caller runs in one process: tensor_parallel_size and "
+                         "data_parallel_size must be 1 with it")
     check_split(config, read_config(Path(config.model)))
     return MultiprocExecutor(config)
 

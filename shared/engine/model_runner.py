@@ -217,7 +217,7 @@ class ModelRunner:
         self._update_states(sched)
         self._load_states(sched)
         if sched.is_empty:
-            return RunnerOutput({}, {})
+            return RunnerOutput({}, {}, self._pad_forward() if sched.pad_forward else None)
         hidden, sample_rows, sample_ids = self._forward(sched)
         # Copied before the sampler reads its tokens back: that read waits for this copy too.
         expert_counts = self._copy_expert_counts()
@@ -344,7 +344,10 @@ class ModelRunner:
         self._update_states(sched)
         self._load_states(sched)
         if sched.is_empty:
-            return StepHandle([], None, None)
+            if not sched.pad_forward:
+                return StepHandle([], None, None)
+            counts = self._pad_forward()
+            return StepHandle([], None, self._record_done(counts), expert_counts=counts)
         hidden, sample_rows, sample_ids = self._forward(sched)
         expert_counts = self._copy_expert_counts()
         if not sample_rows:
@@ -364,6 +367,17 @@ class ModelRunner:
             host_logprobs = logprobs.to_host() if logprobs is not None else None
             return StepHandle(sample_ids, host, self._record_done(host), host_logprobs, expert_counts)
         return StepHandle(sample_ids, tokens, None, logprobs, expert_counts)
+
+    def _pad_forward(self) -> torch.Tensor | None:
+        """A one-token forward whose KV goes to the null blocks (SchedulerOutput.pad_forward:
+        data-parallel attention's idle rank joins its peers' MoE collectives); its output is
+        dropped. Returns the step's tokens per expert (the instance's: they are summed over
+        the ranks, this token's routing among them)."""
+        tables = [[self.null_blocks[g]] for g in self._groups]
+        pad = SchedulerOutput(chunks=[ScheduledChunk("dp-pad", [0], 0, tables, sample=False)])
+        input_ids, positions, meta, _, _ = self._prepare(pad)
+        self.model(input_ids, positions, self.kv_caches, meta)
+        return self._copy_expert_counts()
 
     def _copy_expert_counts(self) -> torch.Tensor | None:
         """The model's tokens per expert of the forward just launched, as a host tensor

@@ -2,7 +2,7 @@
 logprobs and what the KV connector moved), and its load figures. Plain data, no
 torch: the balancer and the services import these without loading the engine."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.kv.block_hash import BlockHash
 from shared.kv.transfer import HeldBlocks
@@ -101,6 +101,8 @@ class EngineLoad:
     num_images_encoded: int = 0
     """Since start: images the vision tower ran on here (none for those a vision instance
     encoded, nor for those whose KV a handoff brought and no step recomputed)."""
+    num_running_per_rank: list[int] = field(default_factory=list)
+    """Running requests on each data-parallel rank (one entry without data-parallel attention)."""
     tokens_per_expert: list[list[int]] | None = None
     """Per sparse layer, per expert: the (token, choice) pairs routed to it since start,
     over every forward (prefill chunks and replays included), as counted on the device.

@@ -57,6 +57,13 @@ class SchedulerOutput:
     preempted_request_ids: set[str] = field(default_factory=set)
     state_loads: list["StateLoad"] = field(default_factory=list)
     """Saved sliding-window states to copy into their blocks before the step runs."""
+    pad_forward: bool = False
+    """Data-parallel attention: this rank has no chunk this step but another rank has, so
+    it runs a one-token forward into its null blocks: every MoE layer's all-to-all needs
+    every rank (DeepSeek's, vLLM's and SGLang's dummy batch). Its output is dropped."""
+    ranks: list["SchedulerOutput"] = field(default_factory=list)
+    """Data-parallel attention: each rank's own step, in rank order (their lists, joined,
+    are this step's lists, which the engine reads); empty with one scheduler."""
 
     @property
     def num_scheduled_tokens(self) -> int:

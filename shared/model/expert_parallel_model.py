@@ -8,7 +8,8 @@ tokens across the ranks: rank r takes its 1/N slice, routes it, dispatches its
 all-gathered so every rank again holds the whole step. This is expert parallelism
 *without* data-parallel attention: the attention work is not divided, only the
 experts' (their weights and their FLOPs). DeepSeek's layout (each rank its own
-batch, its own attention) is the next step: it needs a scheduler per rank.
+batch, its own attention) is ``split_tokens=False``: the engine then schedules each
+rank's own requests (shared/engine/dp_scheduler.py) and the MoE layers take them whole.
 
 The outputs are the single process's: the all-gather is a copy, and a token's MoE
 output depends on its own row only (bitwise so under batch-invariant mode, whose
@@ -86,11 +87,15 @@ class TokenSplitMoE(nn.Module):
         return torch.cat(parts)[:num_tokens]
 
 
-def make_expert_parallel(model: CausalLM, slot_experts: Sequence[Sequence[int]], parallel: ParallelContext) -> None:
+def make_expert_parallel(
+    model: CausalLM, slot_experts: Sequence[Sequence[int]], parallel: ParallelContext, split_tokens: bool = True
+) -> None:
     """Make ``model`` (built whole) expert-parallel over ``parallel``'s group: MoE layer i
     keeps the experts of this rank's slots of ``slot_experts[i]`` (an EPLB placement's
-    ``phy_to_log`` rows) and drops the others, and takes its slice of each step's tokens.
-    Every rank calls it with the same placement."""
+    ``phy_to_log`` rows) and drops the others, and (``split_tokens``: every rank runs the
+    same step) takes its slice of each step's tokens. Without ``split_tokens`` (data-parallel
+    attention: each rank runs its own requests) each MoE layer dispatches all of the rank's
+    tokens and returns their outputs, no all-gather. Every rank calls it with the same placement."""
     blocks = sparse_blocks(model)
     counts = model.expert_counts
     if not blocks or counts is None:
@@ -102,7 +107,7 @@ def make_expert_parallel(model: CausalLM, slot_experts: Sequence[Sequence[int]],
         device = block.experts.stacked()["gate_up_proj"].device
         shard = ExpertShard.from_slots(slots, counts.shape[1], parallel.ep_size, parallel.ep_rank, device)
         install_expert_parallel(block, shard, dispatcher)
-    for parent in list(model.modules()):
+    for parent in list(model.modules()) if split_tokens else []:
         for name, child in list(parent.named_children()):
             if isinstance(child, SparseMoE):
                 setattr(parent, name, TokenSplitMoE(child, parallel))

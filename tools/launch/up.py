@@ -534,13 +534,15 @@ class Mesh:
 
 def parallel_env(
     tensor_parallel_size: int | None, enable_expert_parallel: bool | None,
-    enable_eplb: bool | None = None, eplb_config: str | None = None,
+    enable_eplb: bool | None = None, eplb_config: str | None = None, data_parallel_size: int | None = None,
 ) -> dict[str, str]:  # fmt: skip
     """The INFERMESH_ENGINE__ variables that give every engine instance the flags' split
     and its EPLB (a flag not given leaves the environment's, else the default)."""
     env = {}
     if tensor_parallel_size is not None:
         env["INFERMESH_ENGINE__TENSOR_PARALLEL_SIZE"] = str(tensor_parallel_size)
+    if data_parallel_size is not None:
+        env["INFERMESH_ENGINE__DATA_PARALLEL_SIZE"] = str(data_parallel_size)
     if enable_expert_parallel is not None:
         env["INFERMESH_ENGINE__ENABLE_EXPERT_PARALLEL"] = "true" if enable_expert_parallel else "false"
     if enable_eplb is not None:
@@ -599,24 +601,27 @@ def run_demo(mesh: Mesh) -> None:
 def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str, demo: bool,
        tensor_parallel_size: int | None = None, enable_expert_parallel: bool | None = None,
        enable_eplb: bool | None = None, eplb_config: str | None = None, num_vision: int = 0,
-       planner_profile: str = "") -> int:  # fmt: skip
+       data_parallel_size: int | None = None, planner_profile: str = "") -> int:  # fmt: skip
     """Check, start with progress bars, serve until Ctrl-C or SIGTERM. A failure is
     one line on stderr (and, for a process that failed, the end of its log), not a
     traceback: exit code 2 for what was checked before starting, 1 after.
     tensor_parallel_size, enable_expert_parallel, enable_eplb, eplb_config: how each
     prefill and decode instance splits over ranks and balances its experts (the flags;
     None: INFERMESH_ENGINE__... or the default), checked here (EngineConfig's checks)
-    and handed to every instance in its environment. planner_profile: run the live
+    and handed to every instance in its environment. data_parallel_size > 1 (the flag or
+    INFERMESH_ENGINE__DATA_PARALLEL_SIZE) is refused here: the mesh does not run
+    data-parallel attention yet (EngineConfig.check_mesh). planner_profile: run the live
     planner on that profile (the mesh then scales itself)."""
     from tools.launch.preflight import PreflightError, preflight
     from tools.launch.progress import StartProgress
 
-    parallel = parallel_env(tensor_parallel_size, enable_expert_parallel, enable_eplb, eplb_config)
+    parallel = parallel_env(tensor_parallel_size, enable_expert_parallel, enable_eplb, eplb_config, data_parallel_size)
     mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True, extra_env=parallel,
                 num_vision=num_vision, planner_profile=planner_profile)
     try:
         try:  # the engine settings every instance will read (EngineConfig's own checks run here)
             engine = load_settings(env={**os.environ, **parallel}).engine
+            engine.check_mesh()
         except ValueError as exc:
             raise PreflightError(str(exc)) from None
         preflight(model, num_prefill, num_decode, mesh.host, port, engine.tensor_parallel_size,

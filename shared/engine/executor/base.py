@@ -3,7 +3,9 @@ vllm/v1/executor): the engine hands each step to an ``Executor``; the executor r
 on one model runner (``UniProcExecutor``, one process, the engine as it always was) or
 on N ranks at once (``MultiprocExecutor``, multiproc.py: tensor parallelism). Rank 0's
 runner lives in the engine's process and gives the step's result; the runner never
-knows whether other ranks exist.
+knows whether other ranks exist. With data-parallel attention each rank runs its own
+part of the step (``SchedulerOutput.ranks``) and the step's result is every rank's
+joined (data_parallel.py).
 
 The operations are the runner's that run the model (every rank must run them, in the
 same order, since a forward's collectives pair up across ranks); what only reads rank

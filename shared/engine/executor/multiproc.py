@@ -22,6 +22,10 @@ has them all switch that layer before the same forward.
 
 Every rank samples the same tokens from the same all-gathered logits (vLLM v1 does
 the same), so no tokens cross back; the workers keep their sampling state in step.
+With data-parallel attention (EngineConfig.data_parallel_size) each rank runs its own
+step instead (``SchedulerOutput.ranks``: rank r is sent its own) and samples its own
+requests, so each worker sends its step's result back over its pipe after EXECUTE and
+COLLECT, and rank 0 joins them with its own (data_parallel.py).
 
 A dead rank fails loudly: before each step rank 0 checks that every worker lives; a
 worker that dies mid-step breaks the step's collective on rank 0 (gloo sees its
@@ -44,7 +48,10 @@ from shared.engine.executor.base import Command, Executor
 from shared.engine.eplb.balancer import ExpertMove
 from shared.engine.executor.expert_mover import ExpertMover
 from shared.engine.executor.move_schedule import MoveOrder, MoveSchedule
-from shared.engine.executor.process_group import expert_move_group, instance_context, serve_store
+from shared.engine.executor.data_parallel import check_rank_steps, join_rank_outputs
+from shared.engine.executor.process_group import (
+    COLLECTIVE_TIMEOUT_S, expert_move_group, instance_context, serve_store,
+)  # fmt: skip
 from shared.engine.executor.rank import RunnerSetup, rank_device
 from shared.engine.executor.worker import run_worker
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
@@ -71,7 +78,9 @@ class MultiprocExecutor(Executor):
     them build their runners, after which it runs steps."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.num_ranks
+        self.data_parallel = config.data_parallel_size > 1
+        """Each rank runs its own step and sends back its result (data-parallel attention)."""
         self._workers: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._closed = False
@@ -137,13 +146,31 @@ class MultiprocExecutor(Executor):
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         order = self._move_order()
-        self._send(Command.EXECUTE, (sched,), order)
-        return self._guarded(self._ordered_then, order, self.runner.execute, sched)
+        own = self._send_step(Command.EXECUTE, sched, order)
+        result = self._guarded(self._ordered_then, order, self.runner.execute, own)
+        return self._joined(result)
 
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         order = self._move_order()
-        self._send(Command.LAUNCH, (sched,), order)
-        return self._guarded(self._ordered_then, order, self.runner.launch, sched)
+        own = self._send_step(Command.LAUNCH, sched, order)
+        return self._guarded(self._ordered_then, order, self.runner.launch, own)
+
+    def _send_step(self, command: Command, sched: SchedulerOutput, order: MoveOrder | None) -> SchedulerOutput:
+        """Send the workers their step (the same one, or with data-parallel attention each
+        its own); returns rank 0's."""
+        if not self.data_parallel:
+            self._send(command, (sched,), order)
+            return sched
+        self._check_open()
+        check_rank_steps(sched, self.world_size)
+        self._send_each(command, [(part,) for part in sched.ranks[1:]], order)
+        return sched.ranks[0]
+
+    def _joined(self, own: RunnerOutput) -> RunnerOutput:
+        """Rank 0's result, joined with every worker's under data-parallel attention."""
+        if not self.data_parallel:
+            return own
+        return join_rank_outputs([own, *self._receive_results()])
 
     @property
     def accepts_expert_move(self) -> bool:
@@ -165,7 +192,7 @@ class MultiprocExecutor(Executor):
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         self._send(Command.COLLECT, ())
-        return self._guarded(self.runner.collect, handle)
+        return self._joined(self._guarded(self.runner.collect, handle))
 
     def time_step(self, num_tokens: int, repeats: int = 3) -> float:
         self._send(Command.TIME_STEP, (num_tokens, repeats))
@@ -182,15 +209,46 @@ class MultiprocExecutor(Executor):
     # -- the workers ----------------------------------------------------------
 
     def _send(self, command: Command, args: tuple[Any, ...], order: MoveOrder | None = None) -> None:
-        if self._closed:
-            raise WorkerFailed("the tensor-parallel executor is closed")
+        self._send_each(command, [args] * len(self._conns), order)
+
+    def _send_each(self, command: Command, args: list[tuple[Any, ...]], order: MoveOrder | None = None) -> None:
+        """Worker rank r is sent ``args[r - 1]`` (each distinct payload pickled once)."""
+        self._check_open()
         self._check_alive()
-        payload = pickle.dumps((command, args, order), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self._conns, start=1):
+        pickled: dict[int, bytes] = {}
+        for rank, (conn, own) in enumerate(zip(self._conns, args, strict=True), start=1):
+            if id(own) not in pickled:
+                pickled[id(own)] = pickle.dumps((command, own, order), protocol=pickle.HIGHEST_PROTOCOL)
             try:
-                conn.send_bytes(payload)
+                conn.send_bytes(pickled[id(own)])
             except OSError as e:
                 raise self._failure(rank, f"could not be sent a step ({e})") from e
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WorkerFailed("the tensor-parallel executor is closed")
+
+    def _receive_results(self) -> list[RunnerOutput]:
+        """Each worker's result of the step just run, rank after rank (data-parallel
+        attention); WorkerFailed naming one that died or failed instead."""
+        results: list[RunnerOutput] = []
+        for rank, (proc, conn) in enumerate(zip(self._workers, self._conns), start=1):
+            deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+            while not conn.poll(_POLL_S):
+                if proc.exitcode is not None or time.monotonic() > deadline:
+                    raise self._failure(rank, "sent no result for its step")
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):
+                raise self._failure(rank, "exited during a step") from None
+            if kind == "error":
+                proc.join(timeout=1.0)
+                self.close()
+                raise WorkerFailed(f"data-parallel worker rank {rank} failed during a step; exit code "
+                                   f"{proc.exitcode}; its error:\n{payload}")  # fmt: skip
+            assert kind == "result", f"worker rank {rank} sent {kind!r} during a step"
+            results.append(payload)
+        return results
 
     def _guarded(self, run: Callable[..., T], *args: Any) -> T:
         """Rank 0's own part of a step; a collective broken by a failed worker becomes

@@ -47,7 +47,7 @@ def rank_device(device: str, rank: int, tp_size: int) -> torch.device:
 
 
 def check_split(config: EngineConfig, model_cfg: ModelConfig) -> None:
-    """A ValueError saying why the model cannot split over config.tensor_parallel_size
+    """A ValueError saying why the model cannot split over config.num_ranks
     ranks as configured (expert parallelism: an MoE model whose experts divide over the
     ranks; else tensor parallelism: its family's check_tensor_parallel). Called before
     any rank starts, and by `infermesh up` before any instance starts."""
@@ -55,7 +55,7 @@ def check_split(config: EngineConfig, model_cfg: ModelConfig) -> None:
         if model_cfg.moe is None:
             raise ValueError(f"enable_expert_parallel needs an MoE model: {model_cfg.architecture} has no experts")
         num_redundant = config.eplb_settings().num_redundant_experts
-        PlacementSpec(config.tensor_parallel_size, num_redundant).check(model_cfg.moe.num_experts)
+        PlacementSpec(config.num_ranks, num_redundant).check(model_cfg.moe.num_experts)
     else:
         model_class(model_cfg).check_tensor_parallel(model_cfg, config.tensor_parallel_size)
 
@@ -76,7 +76,9 @@ def load_rank_model(config: EngineConfig, parallel: ParallelContext, device: tor
         held_experts=held_experts if parallel.is_expert_parallel else None, batch_invariant=config.batch_invariant,
     )  # fmt: skip
     if parallel.is_expert_parallel:
-        make_expert_parallel(model, expert_placement_rows(config, model), parallel)
+        # Data-parallel attention: each rank's MoE layers take the rank's own tokens whole.
+        split_tokens = config.data_parallel_size == 1
+        make_expert_parallel(model, expert_placement_rows(config, model), parallel, split_tokens=split_tokens)
     return model
 
 
@@ -85,23 +87,28 @@ def expert_placement_rows(config: EngineConfig, model: CausalLM) -> list[list[in
     counts = model.expert_counts
     if counts is None:
         raise ValueError(f"expert parallelism needs MoE layers: {model.config.architecture} has none")
-    spec = PlacementSpec(config.tensor_parallel_size, config.eplb_settings().num_redundant_experts)
+    spec = PlacementSpec(config.num_ranks, config.eplb_settings().num_redundant_experts)
     return initial_placement(counts.shape[0], counts.shape[1], spec).phy_to_log.tolist()
 
 
 def build_runner(
-    setup: RunnerSetup, model: CausalLM, device: torch.device, recipe: Recipe | None, share_kv: bool = False
+    setup: RunnerSetup, model: CausalLM, device: torch.device, recipe: Recipe | None, share_kv: bool = False,
+    rank: int = 0,
 ) -> ModelRunner:
     """The rank's runner over its model, with a grammar compiler from ``recipe`` (every rank
-    samples structured requests as rank 0 does, so each masks them the same way)."""
+    samples structured requests as rank 0 does, so each masks them the same way). Its
+    sampler's seed is the engine's, so that tensor-parallel ranks draw alike; with
+    data-parallel attention each rank samples its own requests, and rank r's seed is the
+    engine's + r, so that two ranks' unseeded requests do not draw the same noise."""
     config = setup.config
+    seed = config.seed + (rank if config.data_parallel_size > 1 else 0)
     runner = ModelRunner(
         model,
         setup.num_blocks,
         config.block_size,
         torch_dtype(config.dtype),
         device,
-        seed=config.seed,
+        seed=seed,
         cuda_graphs=config.cuda_graphs,
         max_model_len=setup.max_model_len,
         max_batch=config.max_num_seqs,

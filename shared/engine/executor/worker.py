@@ -11,7 +11,9 @@ Talk with rank 0 is one pipe, in this order:
 3. rank 0 sends each step as pickled ``(Command, args, MoveOrder | None)``; the order
    (EPLB: switch a moved layer, start moving one on the mover thread) is applied before
    the command's forward; nothing comes back (rank 0's own runner gives the step's
-   result), until ``CLOSE`` (the worker then waits for its move in flight, if any, and exits).
+   result; with data-parallel attention, ``("result", RunnerOutput)`` after each EXECUTE
+   and COLLECT, the rank's own requests' tokens), until ``CLOSE`` (the worker then
+   waits for its move in flight, if any, and exits).
 
 Any failure is sent as ``("error", traceback text)`` before the worker exits non-zero,
 so that rank 0 (whose collective then fails, the peer gone) says why. The pipe's end
@@ -29,6 +31,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.executor.base import Command
+from shared.engine.executor.data_parallel import strip_for_rank_zero
 from shared.engine.executor.expert_mover import ExpertMover
 from shared.engine.executor.process_group import expert_move_group, instance_context, join_store
 from shared.engine.executor.rank import RunnerSetup, build_runner, checkpoint_recipe, load_rank_model, rank_device
@@ -52,10 +55,11 @@ def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig
         move_group = expert_move_group(store, rank, world_size, device) if config.enable_expert_parallel else None
         model = load_rank_model(config, parallel, device, progress=False)
         setup: RunnerSetup = conn.recv()
-        runner = build_runner(setup, model, device, checkpoint_recipe(config.model), share_kv=setup.share_kv)
+        runner = build_runner(setup, model, device, checkpoint_recipe(config.model), share_kv=setup.share_kv, rank=rank)
         # Rank 0's connector moves this rank's blocks through this mapping (ranked_region.py).
         conn.send(("ready", runner.kv_region.share() if setup.share_kv else b""))
-        _serve(runner, None if move_group is None else ExpertMover(model, move_group, device), conn)
+        mover = None if move_group is None else ExpertMover(model, move_group, device)
+        _serve(runner, mover, conn, replies=config.data_parallel_size > 1)
     except EOFError:
         return  # the engine closed its end: nothing left to serve
     except BaseException:
@@ -68,9 +72,11 @@ def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig
         sys.exit(1)
 
 
-def _serve(runner: ModelRunner, mover: ExpertMover | None, conn: Connection) -> None:
+def _serve(runner: ModelRunner, mover: ExpertMover | None, conn: Connection, replies: bool = False) -> None:
     """Run rank 0's commands in the order they come. Launched steps wait here, oldest
-    first, for the COLLECT that rank 0 sends when it collects its own (one in flight)."""
+    first, for the COLLECT that rank 0 sends when it collects its own (one in flight).
+    replies: send each EXECUTE's and COLLECT's result back (data-parallel attention:
+    this rank sampled its own requests, which rank 0 did not)."""
     launched: deque[StepHandle] = deque()
     while True:
         command, args, order = pickle.loads(conn.recv_bytes())
@@ -82,11 +88,15 @@ def _serve(runner: ModelRunner, mover: ExpertMover | None, conn: Connection) -> 
             assert mover is not None, "an expert move order for ranks that are not expert-parallel"
             mover.apply(order)
         if command is Command.EXECUTE:
-            runner.execute(*args)
+            result = runner.execute(*args)
+            if replies:
+                conn.send(("result", strip_for_rank_zero(result)))
         elif command is Command.LAUNCH:
             launched.append(runner.launch(*args))
         elif command is Command.COLLECT:
-            runner.collect(launched.popleft())
+            result = runner.collect(launched.popleft())
+            if replies:
+                conn.send(("result", strip_for_rank_zero(result)))
         elif command is Command.TIME_STEP:
             runner.time_step(*args)
         else:
