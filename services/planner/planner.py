@@ -65,10 +65,15 @@ class Decision:
 
 class Planner:
     def __init__(self, profile: Profile, targets: Targets, prefix_hit: float, lookahead: int,
-                 gpu_hour_usd: float = 1.0, share: float = 0.99) -> None:
+                 gpu_hour_usd: float = 1.0, share: float = 0.99, headroom: float = 1.0) -> None:
         """share: the fraction of intervals the targets must hold in; the forecast's
         band is planned at the same coverage (at a 90 % band one interval in ten is
-        under-forecast)."""
+        under-forecast). headroom: capacity planned for this many times the forecast's
+        request rate, for bursts no forecast sees coming within an instance's start
+        (the trade is measured by the simulator: intervals met against GPU-hours)."""
+        if headroom < 1.0:
+            raise ValueError(f"headroom {headroom} below 1 plans for less than the forecast")
+        self.headroom = headroom
         self.profile, self.targets, self.prefix_hit = profile, targets, prefix_hit
         self.lookahead, self.gpu_hour_usd = lookahead, gpu_hour_usd
         self.model = StageModels.from_profile(profile)
@@ -113,7 +118,7 @@ class Planner:
         profile = corrected(self.profile, self.factors())
         decision = Decision({}, f, self.factors())
         for stage in PLANNED_STAGES:
-            workload = Workload(max(f.requests_per_s + extra[stage], 1e-6),
+            workload = Workload(max(f.requests_per_s * self.headroom + extra[stage], 1e-6),
                                 Lengths(f.input_tokens_mean, f.input_tokens_mean * isl_ratio),
                                 Lengths(f.output_tokens_mean, f.output_tokens_mean * osl_ratio), self.prefix_hit)
             try:

@@ -73,7 +73,7 @@ class LivePlanner:
         # Size for the interval in which an instance asked for now is ready.
         lookahead = max(1, math.ceil(s.startup_s / s.interval_s))
         self.planner = Planner(self.profile, Targets(s.ttft_ms, s.itl_ms, s.percentile), prefix_hit=0.0,
-                               lookahead=lookahead, gpu_hour_usd=s.gpu_hour_usd)
+                               lookahead=lookahead, gpu_hour_usd=s.gpu_hour_usd, headroom=s.headroom)
         self.read = self.read or (lambda: scrape(self.settings.metrics_url))
         self._before: Series | None = None
         m = self.metrics

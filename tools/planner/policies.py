@@ -69,8 +69,8 @@ class PlannerPolicy:
     fed what the simulated mesh's metrics show: the same code the service runs."""
 
     def __init__(self, profile: Profile, targets: Targets, prefix_hit: float, lookahead: int,
-                 gpu_hour_usd: float = 1.0, share: float = 0.99) -> None:
-        self.planner = Planner(profile, targets, prefix_hit, lookahead, gpu_hour_usd, share)
+                 gpu_hour_usd: float = 1.0, share: float = 0.99, headroom: float = 1.0) -> None:
+        self.planner = Planner(profile, targets, prefix_hit, lookahead, gpu_hour_usd, share, headroom)
         self.percentile = targets.percentile
 
     @property

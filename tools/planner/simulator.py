@@ -125,20 +125,20 @@ def best_fixed(trace: list[Interval], spec: SimSpec, trace_spec: TraceSpec, prof
     return alloc, run
 
 
-def compare(profile: Profile, spec: SimSpec, trace_spec: TraceSpec) -> dict[str, object]:
+def compare(profile: Profile, spec: SimSpec, trace_spec: TraceSpec, headroom: float = 1.0) -> dict[str, object]:
     trace = make_trace(trace_spec)
     targets = Targets(spec.ttft_ms, spec.itl_ms, spec.percentile)
     lookahead = math.ceil(spec.startup_s / trace_spec.interval_s) + 1
-    planner = PlannerPolicy(profile, targets, spec.prefix_hit, lookahead)
+    planner = PlannerPolicy(profile, targets, spec.prefix_hit, lookahead, headroom=headroom)
     fixed_alloc, fixed = best_fixed(trace, spec, trace_spec, profile)
     # Both adaptive policies start where the uncorrected planner puts the first interval.
     first = planner.decide(Seen(trace[0], _idle(trace[0]), {s: 1 for s in SIM_STAGES}, trace_spec.interval_s, (0, 0)))
-    planner = PlannerPolicy(profile, targets, spec.prefix_hit, lookahead)
+    planner = PlannerPolicy(profile, targets, spec.prefix_hit, lookahead, headroom=headroom)
     planned = simulate(trace, spec, trace_spec, profile, planner, first)
     threshold = simulate(trace, spec, trace_spec, profile, ThresholdPolicy(), first)
     return {"trace": trace_spec, "sim": spec, "fixed_allocation": fixed_alloc, "initial": first, "planner": planned,
             "threshold": threshold, "fixed": fixed, "factors": planner.factors(),
-            "planner_infeasible_intervals": planner.infeasible}
+            "planner_infeasible_intervals": planner.infeasible, "headroom": headroom}
 
 
 def _idle(arrivals: Interval):
@@ -155,6 +155,7 @@ def report(result: dict[str, object], profile: Profile) -> str:
              f"planner's correction factors at the end: "
              + ", ".join(f"{k} {v:.3f}" for k, v in result["factors"].items())
              + f" (hidden: {dict(result['sim'].hidden)}); infeasible plans: {result['planner_infeasible_intervals']}",
+             f"planner headroom: {result['headroom']:g}x the forecast's request rate",
              "",
              "over: requests over a target's value themselves; in missed: requests of intervals whose p"
              f"{result['sim'].percentile:g} missed",
@@ -183,10 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intervals", type=int, default=TraceSpec().intervals)
     parser.add_argument("--seed", type=int, default=TraceSpec().seed)
     parser.add_argument("--bursts", type=int, default=TraceSpec().bursts, help="bursts in the trace (0: diurnal only)")
+    parser.add_argument("--headroom", type=float, default=1.0,
+                        help="the planner sizes for this many times the forecast's request rate")
     args = parser.parse_args(argv)
     profile = Profile.load(args.profile)
     with tee_stdout(args.out, run_header() if args.out else None):
-        print(report(compare(profile, SimSpec(), TraceSpec(intervals=args.intervals, seed=args.seed, bursts=args.bursts)), profile))
+        trace_spec = TraceSpec(intervals=args.intervals, seed=args.seed, bursts=args.bursts)
+        print(report(compare(profile, SimSpec(), trace_spec, args.headroom), profile))
     return 0
 
 
