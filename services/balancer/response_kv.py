@@ -52,3 +52,32 @@ class JetStreamResponseStore:
             return False
         await self.kv.delete(response_id)
         return True
+
+
+class UnavailableResponseStore:
+    """What the balancer serves with when the bucket cannot be opened (a NATS without
+    JetStream, a user without the grants): every other endpoint still works; a
+    response is answered but not kept, and previous_response_id, GET and DELETE
+    answer 503 (the frontend maps the error) rather than the balancer not starting."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        raise RuntimeError(f"no responses store: {self.why}")
+
+    async def put(self, response_id: str, stored: StoredResponse) -> None:
+        raise RuntimeError(f"no responses store: {self.why}")
+
+    async def delete(self, response_id: str) -> bool:
+        raise RuntimeError(f"no responses store: {self.why}")
+
+
+async def open_response_store(
+    nc: NATS, bucket: str, ttl_s: float
+) -> "JetStreamResponseStore | UnavailableResponseStore":
+    try:
+        return await JetStreamResponseStore.open(nc, bucket, ttl_s)
+    except Exception as exc:  # nats-py's errors and timeouts alike
+        log.error("responses bucket %s cannot be opened (%r): /v1/responses stores nothing", bucket, exc)
+        return UnavailableResponseStore(repr(exc))

@@ -252,6 +252,14 @@ class BalancerSettings:
     """How long a stored response is kept (the bucket's max_age; OpenAI keeps them 30
     days). The bucket's creator sets it: a bucket that already exists keeps its own."""
 
+    def __post_init__(self) -> None:
+        if not self.responses_ttl_s > 0:
+            raise ValueError(f"balancer.responses_ttl_s must be positive, got {self.responses_ttl_s}")
+        if not self.responses_bucket or not all(c.isascii() and (c.isalnum() or c in "_-")
+                                                for c in self.responses_bucket):
+            raise ValueError("balancer.responses_bucket must be letters, digits, _ and - (a JetStream bucket "
+                             f"name), got {self.responses_bucket!r}")
+
 
 @dataclass(slots=True)
 class ImageSettings:
