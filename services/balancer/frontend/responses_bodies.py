@@ -155,7 +155,8 @@ class ResponsesRequest(StrictBody):
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as chat messages (without instructions nor earlier turns):
-    consecutive function_call items become one assistant message's tool_calls."""
+    function_call items join the assistant message before them (its text and calls
+    are one turn, as a stored response's output becomes one), else start one."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     messages: list[dict[str, Any]] = []
@@ -166,8 +167,8 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # the turn's text and its calls: one message
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
