@@ -82,7 +82,8 @@ def test_a_string_input_is_served_as_the_chat_of_one_user_message(app: App) -> N
     got = app.client().responses.create(model=MODEL, input="Say hi", instructions="Be brief.", max_output_tokens=20,
                                         metadata={"team": "a"}, user="u1")  # fmt: skip
     prompt = app.generator.prompts[-1]
-    assert prompt == chat_prompt(app, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
+    assert prompt == chat_prompt(app, messages)
     assert got.id.startswith("resp_") and got.object == "response" and got.status == "completed"
     assert got.output_text == "Hello there."
     [item] = got.output

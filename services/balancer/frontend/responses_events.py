@@ -71,7 +71,9 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     }
 
 
-def output_items(text: str | None, calls: list[ToolCall], split_reasoning: SplitReasoning | None) -> list[dict[str, Any]]:
+def output_items(
+    text: str | None, calls: list[ToolCall], split_reasoning: SplitReasoning | None
+) -> list[dict[str, Any]]:
     """A whole reply's output items: a reasoning item (only with a splitter that finds
     reasoning), the message (unless the reply is calls only), the calls."""
     items: list[dict[str, Any]] = []

@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 
 
 class ResponsesServer:
-    def __init__(self, server: OpenAIServer, store: ResponseStore, split_reasoning: SplitReasoning | None = None) -> None:
+    def __init__(
+        self, server: OpenAIServer, store: ResponseStore, split_reasoning: SplitReasoning | None = None
+    ) -> None:
         self.server = server
         self.store = store
         self.split_reasoning = split_reasoning
