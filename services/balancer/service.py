@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse
 
 from services.balancer.frontend.api import create_app
 from services.balancer.frontend.images import ModelImages
+from services.balancer.response_kv import open_response_store
 from services.balancer.router.departures import instance_departed, parse_advisory
 from services.balancer.router.orchestrator import MeshGenerator
 from services.balancer.router.registry import STAGES, SWEEP_INTERVAL_S, Registry
@@ -240,6 +241,9 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         tracer=ctx.tracer,
         images=settings.images,
         model_images=model_images,
+        response_store=await open_response_store(
+            ctx.bus.nc, settings.balancer.responses_bucket, settings.balancer.responses_ttl_s
+        ),
     )
     g_instances = ctx.metrics.gauge("live_instances", "Live instances per stage", ("stage",))
 

@@ -242,6 +242,23 @@ class BalancerSettings:
     --tool-call-parser): hermes (<tool_call> JSON, Qwen/Hermes), llama3_json (Llama
     3.x's JSON), or auto: the one the chat template asks for (hermes for templates
     that take no tools: the balancer then writes the tools into the prompt itself)."""
+    responses_bucket: str = "im_responses"
+    """The NATS JetStream key-value bucket where /v1/responses keeps stored responses
+    (store: true, OpenAI's default) for previous_response_id and GET/DELETE by id;
+    every balancer of a mesh must name the same one. The NATS users of `up`, compose
+    and Helm grant the balancer this default name only (tools/launch/nats_auth.py
+    RESPONSES_BUCKET): another name needs the same grants for it."""
+    responses_ttl_s: float = 30 * 24 * 3600.0
+    """How long a stored response is kept (the bucket's max_age; OpenAI keeps them 30
+    days). The bucket's creator sets it: a bucket that already exists keeps its own."""
+
+    def __post_init__(self) -> None:
+        if not self.responses_ttl_s > 0:
+            raise ValueError(f"balancer.responses_ttl_s must be positive, got {self.responses_ttl_s}")
+        if not self.responses_bucket or not all(c.isascii() and (c.isalnum() or c in "_-")
+                                                for c in self.responses_bucket):
+            raise ValueError("balancer.responses_bucket must be letters, digits, _ and - (a JetStream bucket "
+                             f"name), got {self.responses_bucket!r}")
 
 
 @dataclass(slots=True)

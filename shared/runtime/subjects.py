@@ -100,3 +100,22 @@ def check_token(name: str) -> str:
     if not name or any(c in name for c in ".*> \t\r\n"):
         raise ValueError(f"{name!r} cannot be part of a NATS subject")
     return name
+
+
+RESPONSES_BUCKET = "im_responses"
+"""The JetStream key-value bucket of /v1/responses' stored responses
+(BalancerSettings.responses_bucket's default; the NATS users grant this one)."""
+
+
+def kv_bucket_subjects(bucket: str) -> tuple[str, ...]:
+    """What a client of one JetStream key-value bucket publishes (nats-py's
+    create_key_value, key_value, get, put, delete): the bucket's own subjects, and the
+    JetStream API calls on its stream only. Their replies come to the client's inbox."""
+    stream = f"KV_{bucket}"
+    return (
+        f"$KV.{bucket}.>",
+        f"$JS.API.STREAM.CREATE.{stream}",
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+    )

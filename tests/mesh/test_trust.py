@@ -23,6 +23,8 @@ import httpx
 import nats
 import pytest
 
+from services.balancer.frontend.responses_store import StoredResponse
+from services.balancer.response_kv import JetStreamResponseStore
 from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import inbox_prefix
@@ -53,8 +55,9 @@ class AuthNats:
         conf = workdir / "nats-auth.conf"
         self.creds.write_config(conf, "127.0.0.1", self.port)
         self.conf = conf
-        self.proc = subprocess.Popen([find_nats_server(), "-c", str(conf)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        # JetStream on, as `up` runs it: the balancers' responses bucket lives there.
+        self.proc = subprocess.Popen([find_nats_server(), "-c", str(conf), "-js", "-sd", str(workdir / "js")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(self.port, proc=self.proc)
 
 
@@ -77,6 +80,34 @@ async def test_nats_refuses_clients_without_or_with_wrong_credentials(auth_nats)
             await Client().connect(auth_nats.url, user, password)
     ok = await as_user(auth_nats, "balancer")
     await ok.nc.close()
+
+
+@pytest.mark.asyncio
+async def test_only_the_balancer_reads_and_writes_the_responses_bucket(auth_nats):
+    """The balancer's grants (tools/launch/nats_auth.py) cover the store's every call;
+    a worker can neither open the bucket, read an entry (directly or by subscribing
+    to its subjects) nor write one: the store holds users' conversations."""
+    balancer, worker = await as_user(auth_nats, "balancer"), await as_user(auth_nats, "decode-0")
+    try:
+        store = await JetStreamResponseStore.open(balancer.nc, subjects.RESPONSES_BUCKET, ttl_s=60)
+        kept = StoredResponse({"id": "resp_1", "object": "response"}, [{"role": "user", "content": "secret"}])
+        await store.put("resp_1", kept)
+        assert await store.get("resp_1") == kept
+        js = worker.nc.jetstream(timeout=1)
+        with pytest.raises(Exception):  # the server drops the request: no reply comes
+            await js.key_value(subjects.RESPONSES_BUCKET)
+        with pytest.raises(Exception):
+            await js.get_last_msg(f"KV_{subjects.RESPONSES_BUCKET}", f"$KV.{subjects.RESPONSES_BUCKET}.resp_1")
+        got = await worker.received(f"$KV.{subjects.RESPONSES_BUCKET}.>")
+        await worker.nc.publish(f"$KV.{subjects.RESPONSES_BUCKET}.resp_1", b"forged")
+        await settle(worker, balancer)
+        assert got == [] and violations(worker, "subscription") and violations(worker, "publish")
+        assert await store.get("resp_1") == kept
+        assert await store.delete("resp_1") and await store.get("resp_1") is None
+        assert not await store.delete("resp_1")
+    finally:
+        for c in (balancer, worker):
+            await c.nc.close()
 
 
 @pytest.mark.asyncio

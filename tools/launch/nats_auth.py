@@ -7,7 +7,7 @@ the users that answer requests may publish to reply subjects):
 
 | user        | publishes                                              | subscribes                                  |
 |-------------|--------------------------------------------------------|---------------------------------------------|
-| balancer    | prefill dispatch (im.prefill.*.run), encode requests (im.vision.*.encode), cancels | heartbeats, KV events, every token stream, departures |
+| balancer    | prefill dispatch (im.prefill.*.run), encode requests (im.vision.*.encode), cancels, the responses bucket (JetStream KV) | heartbeats, KV events, every token stream, departures |
 | prefill X   | decode handoffs, X's heartbeats, KV events and streams | X's dispatch, cancels, X's KV releases, X's NIXL metadata asks |
 | decode X    | X's heartbeats, KV events and streams, KV releases, NIXL metadata asks | X's handoffs, cancels       |
 | vision X    | X's heartbeats                                         | X's encode requests (answers them)          |
@@ -97,7 +97,7 @@ def permissions(role: str, instance: str = "*") -> Permissions:
         # count forgeries of the subject form before streams named their instance.
         return Permissions(
             publish=(_any(subjects.prefill_run), _any(subjects.decode_run), _any(subjects.vision_encode),
-                     subjects.CANCEL),
+                     subjects.CANCEL, *subjects.kv_bucket_subjects(subjects.RESPONSES_BUCKET)),
             subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS_ALL, stream_subjects("*"),
                        subjects.STREAM_OLD_FORM, subjects.CLIENT_DISCONNECTED),
         )
@@ -179,7 +179,9 @@ def authorization_block(users: list[User]) -> str:
     unquoted: nats-server reads it from its environment."""
     lines = [f"system_account: {SYSTEM_ACCOUNT}", "accounts {",
              f"  {SYSTEM_ACCOUNT} {{", f"    exports = [{{stream: {json.dumps(DISCONNECT_ADVISORIES)}}}]", "  }",
-             f"  {MESH_ACCOUNT} {{", "    users = ["]
+             # JetStream for the mesh's account: the balancers' responses bucket (its users'
+             # permissions decide who may touch it: the balancer only).
+             f"  {MESH_ACCOUNT} {{", "    jetstream: enabled", "    users = ["]
     for u in users:
         p = u.permissions
         password = u.password if u.password.startswith("$") else json.dumps(u.password)

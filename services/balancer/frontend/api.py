@@ -1,4 +1,5 @@
 """The balancer's OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions,
+/v1/responses (and GET/DELETE /v1/responses/{id}: responses_serving.py),
 /v1/models (and /v1/models/{id}), /tokenize, /detokenize, /tokenizer_info,
 /version, /ping, /health, /metrics, and the schema at /openapi.json and /docs,
 shaped as vLLM's OpenAI server shapes them.
@@ -43,6 +44,10 @@ from services.balancer.generation import Generator
 from services.balancer.frontend.guard import Guard
 from services.balancer.frontend.http_metrics import HttpMetrics
 from services.balancer.frontend.images import ModelImages
+from services.balancer.frontend.responses_bodies import ResponsesRequest
+from services.balancer.frontend.responses_events import SplitReasoning
+from services.balancer.frontend.responses_serving import ResponsesServer
+from services.balancer.frontend.responses_store import MemoryResponseStore, ResponseStore
 from services.balancer.frontend.serving import OpenAIServer, json_response
 from shared.recipe import Recipe
 from shared.runtime.metrics import Metrics
@@ -75,13 +80,19 @@ def create_app(
     tracer: Tracer | None = None,
     images: ImageSettings | None = None,
     model_images: ModelImages | None = None,
+    response_store: ResponseStore | None = None,
+    split_reasoning: SplitReasoning | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over generator. metrics' registry gets the
     balancer's series (create one app per Metrics) and is served on /metrics;
     without it the series are kept privately and /metrics answers 404. tracer
     makes one SERVER span per generation request, parent of the generator's spans.
     images: the limits on a chat request's images; model_images: whether the model
-    takes images (default: it does not, and a request with one is a 400)."""
+    takes images (default: it does not, and a request with one is a 400).
+    response_store: where /v1/responses keeps stored responses (the mesh gives
+    JetStream's, shared by its balancers; default: this process's memory, for one
+    balancer alone). split_reasoning: the reasoning parser's seam for Responses'
+    reasoning items (default: none)."""
     max_model_len = min(max_model_len, MAX_CONTEXT_TOKENS)  # a 400 that names the limit, not a 5xx from NATS
     stats = HttpMetrics(metrics or Metrics("balancer"), model_name, max_model_len)
     server = OpenAIServer(
@@ -97,6 +108,7 @@ def create_app(
     )
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_request_bytes, stats=stats)
     add_error_handlers(app)
+    responses = ResponsesServer(server, response_store or MemoryResponseStore(), split_reasoning)
     card = p.ModelCard(id=model_name, root=model_name, max_model_len=max_model_len)
 
     @app.get("/v1/models", response_model=p.ModelList)
@@ -118,6 +130,18 @@ def create_app(
     )
     async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Response:
         return await server.chat(body, http)
+
+    @app.post("/v1/responses", responses=_streamed_events())
+    async def create_response(body: ResponsesRequest, http: Request) -> Response:
+        return await responses.create(body, http)
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def retrieve_response(response_id: str) -> Response:
+        return Response(json.dumps(await responses.retrieve(response_id)), media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
+    async def delete_response(response_id: str) -> Response:
+        return Response(json.dumps(await responses.delete(response_id)), media_type="application/json")
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: p.TokenizeCompletionRequest | p.TokenizeChatRequest) -> Response:
@@ -184,6 +208,17 @@ def _streamed(chunk: type) -> dict[int | str, dict[str, Any]]:
             f"each chunk a {chunk.__name__}, ending with `data: [DONE]`).",
             "content": {"text/event-stream": {"schema": {"$ref": f"#/components/schemas/{chunk.__name__}"}}},
         },
+        **_ERRORS,
+        429: {"model": p.ErrorResponse},
+    }
+
+
+def _streamed_events() -> dict[int | str, dict[str, Any]]:
+    """/v1/responses: the response object as JSON, or with stream: true Responses'
+    typed events (`event: <type>` and `data: <event JSON>`, no [DONE])."""
+    return {
+        200: {"description": "The response object; with `stream: true`, server-sent Responses events "
+                             "(response.created ... response.completed)."},
         **_ERRORS,
         429: {"model": p.ErrorResponse},
     }

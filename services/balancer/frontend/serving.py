@@ -9,7 +9,7 @@ balancer's queue (admission.py), and the request's deltas run in a Pump
 import asyncio
 import contextvars
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
@@ -39,6 +39,9 @@ from shared.runtime.settings import BalancerSettings, ImageSettings
 from shared.runtime.telemetry import extract_context
 
 log = logging.getLogger(__name__)
+
+Produce = Callable[[Call], AsyncGenerator[Any, None]]
+"""A call's answer: the one body (a pydantic model) or SSE events (strings)."""
 
 __all__ = ["OpenAIServer", "json_response"]
 
@@ -99,7 +102,9 @@ class OpenAIServer:
             call.echo, call.echo_only, call.prompt_texts = body.echo, echo_only, texts
             return await self._respond(call, bool(body.stream), http, stack)
 
-    async def chat(self, body: p.ChatCompletionRequest, http: Request) -> Response:
+    async def chat(self, body: p.ChatCompletionRequest, http: Request, produce: "Produce | None" = None) -> Response:
+        """produce: another shape of answer over the same call (/v1/responses): it gets
+        the planned call and yields the body (a model) or SSE events (strings)."""
         self._check(body)
         await check_structured(body)
         tools = await self.tools.plan(body)
@@ -116,7 +121,7 @@ class OpenAIServer:
             )
             if tools is not None:
                 attach_tools(call, tools, bool(body.stream))
-            return await self._respond(call, bool(body.stream), http, stack)
+            return await self._respond(call, bool(body.stream), http, stack, produce)
 
     async def tokenize_chat(self, body: p.TokenizeChatRequest) -> list[int]:
         """/tokenize's tokens of a conversation: the prompt chat would make of it
@@ -159,7 +164,9 @@ class OpenAIServer:
 
     # -- generation ------------------------------------------------------------------
 
-    async def _respond(self, call: Call, stream: bool, http: Request, stack: AsyncExitStack) -> Response:
+    async def _respond(
+        self, call: Call, stream: bool, http: Request, stack: AsyncExitStack, produce: "Produce | None" = None
+    ) -> Response:
         """Start the request's pump and answer with its first output; what stack
         holds (the place in flight, the span, the pump) lasts as long as the response."""
         span = self.tracer.start_span(
@@ -174,7 +181,11 @@ class OpenAIServer:
             job.span = span
         context = contextvars.copy_context()
         context.run(otel_context.attach, trace.set_span_in_context(span))  # a private copy: never detached
-        pump: Pump[Any] = Pump(self._stream(call) if stream else self._whole(call), context)
+        if produce is not None:
+            producer = produce(call)
+        else:
+            producer = self._stream(call) if stream else self._whole(call)
+        pump: Pump[Any] = Pump(producer, context)
         stack.push_async_callback(pump.close)
         first = await unless_disconnected(http, pump.next())
         headers = {"x-request-id": call.id.split("-", 1)[1]}
@@ -183,6 +194,14 @@ class OpenAIServer:
         if not stream:
             return json_response(first, headers)
         return EventStream(first, pump, stack.pop_all(), headers)
+
+    def chat_deltas(self, call: Call) -> AsyncGenerator[tuple[Job, Delta], None]:
+        """Every job's deltas as they come (what a producer other than chat's reads)."""
+        return merge_deltas(call.jobs, self._deltas)
+
+    def whole_chat(self, call: Call) -> AsyncGenerator[BaseModel, None]:
+        """The call's whole chat completion, as the one item of a producer."""
+        return self._whole(call)
 
     async def _deltas(self, job: Job) -> AsyncGenerator[Delta, None]:
         """Deltas of one job; the last one has finish_reason and usage. Closing this
