@@ -85,6 +85,8 @@ class Call:
     tools: ToolPlan | None = None
     """Chat with tools: how the output becomes tool calls (tool_output.py)."""
     created: int = field(default_factory=lambda: int(time.time()))
+    labels: dict[str, str] = field(default_factory=dict)
+    """The body's labels (user, metadata, ...) as span attributes (label_fields.py)."""
     seed: int | None = None
     """The seed the request ran with (drawn when the body named none; choice i ran
     with seed + i): named by every response body's system_fingerprint."""

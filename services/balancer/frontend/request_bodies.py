@@ -1,7 +1,8 @@
 """The bodies of /v1/completions and /v1/chat/completions, in vLLM's shapes.
 
 Every field is implemented or refused with a 400 that names it, never silently
-ignored: unknown fields are refused (extra="forbid"), and so are declared ones
+ignored: unknown fields are refused (extra="forbid"), fields that only label a
+request (user, metadata, ...) are recorded (label_fields.py), and declared ones
 whose value we cannot honour (suffix, best_of
 with stream). Tools (tools, tool_choice, parallel_tool_calls, tool messages and an
 assistant's tool_calls) are typed in tool_bodies.py; the legacy functions and
@@ -31,6 +32,7 @@ from services.balancer.frontend.body_fields import (
     TokenId,
     valid_unicode,
 )
+from services.balancer.frontend.label_fields import LabelledBody
 from services.balancer.frontend.tool_bodies import MAX_TOOLS, MessageToolCall, ToolChoice, ToolDefinition
 from services.balancer.frontend.structured_bodies import ResponseFormat, StructuredOutputs
 from shared.engine.sampling_params import MAX_LOGPROBS
@@ -43,8 +45,9 @@ class StreamOptions(StrictBody):
     """vLLM's: with include_usage, every chunk also carries the usage so far."""
 
 
-class GenerationBody(StrictBody):
-    """What completions and chat share: the sampling settings and the vLLM extensions."""
+class GenerationBody(LabelledBody):
+    """What completions and chat share: the sampling settings, the vLLM extensions and
+    the labels (label_fields.py)."""
 
     model: Text
     temperature: float | None = None

@@ -97,6 +97,7 @@ class OpenAIServer:
                 logprobs=body.logprobs, prompt_k=prompt_k,
             )
             call.echo, call.echo_only, call.prompt_texts = body.echo, echo_only, texts
+            call.labels = body.span_attributes()
             return await self._respond(call, bool(body.stream), http, stack)
 
     async def chat(self, body: p.ChatCompletionRequest, http: Request) -> Response:
@@ -116,6 +117,7 @@ class OpenAIServer:
             )
             if tools is not None:
                 attach_tools(call, tools, bool(body.stream))
+            call.labels = body.span_attributes()
             return await self._respond(call, bool(body.stream), http, stack)
 
     def encode_chat(self, body: p.TokenizeChatRequest) -> list[int]:
@@ -160,6 +162,8 @@ class OpenAIServer:
         stack.callback(span.end)
         span.set_attribute("request.id", call.id)
         span.set_attribute("prompt.tokens", sum(len(ids) for ids in call.prompts))
+        for name, value in call.labels.items():
+            span.set_attribute(name, value)
         if len(call.jobs) > 1:
             span.set_attribute("request.choices", len(call.jobs))
         for job in call.jobs:
