@@ -242,6 +242,12 @@ class BalancerSettings:
     --tool-call-parser): hermes (<tool_call> JSON, Qwen/Hermes), llama3_json (Llama
     3.x's JSON), or auto: the one the chat template asks for (hermes for templates
     that take no tools: the balancer then writes the tools into the prompt itself)."""
+    reasoning_parser: str = "auto"
+    """How chat replies are split into reasoning_content and content (vLLM's
+    --reasoning-parser): qwen3 and deepseek_v3/deepseek_v4 (<think>...</think>),
+    deepseek_r1 (the same, the reply starting inside the block), openai_gptoss
+    (harmony's analysis channel), none (replies left whole), or auto: the one the
+    chat template writes (none for templates without reasoning)."""
 
 
 @dataclass(slots=True)

@@ -297,6 +297,8 @@ class ChatCompletionRequest(GenerationBody):
     tools: list[ToolDefinition] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     """None: "auto" with tools, "none" without (OpenAI's defaults)."""
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    """Passed to chat templates that read it (GPT-OSS's); a 400 for the others (reasoning_output.py)."""
     parallel_tool_calls: bool = True
     """False: at most one call per reply (forced choices are constrained to one; auto
     replies keep their first call)."""

@@ -31,6 +31,7 @@ from services.balancer.frontend.http_metrics import HttpMetrics
 from services.balancer.frontend.images import ImageIntake, ModelImages
 from services.balancer.frontend.jobs import JobPlanner
 from services.balancer.frontend.pump import Pump, merge_deltas
+from services.balancer.frontend.reasoning_output import ReasoningSupport
 from services.balancer.frontend.seeds import SEED_HEADER
 from services.balancer.frontend.structured_outputs import check_structured
 from services.balancer.frontend.tool_output import ToolSupport
@@ -69,6 +70,7 @@ class OpenAIServer:
         self.gate = PriorityGate(settings.max_dispatched_requests)
         self.planner = JobPlanner(recipe, model_name, max_model_len)
         self.tools = ToolSupport(settings.tool_call_parser, recipe)
+        self.reasoning = ReasoningSupport(settings.reasoning_parser, recipe)
         self.images = ImageIntake(images, model_name, model_images)
 
     # -- the two endpoints ---------------------------------------------------------
@@ -113,10 +115,13 @@ class OpenAIServer:
             call = self.planner.plan(
                 body, http, [prompt_ids], chat=True, what="messages", max_tokens=body.requested_max_tokens,
                 logprobs=body.num_logprobs, prompt_k=body.prompt_logprobs,
-                keep_special_tokens=tools is not None and tools.keeps_special_tokens, images=images,
+                keep_special_tokens=(tools is not None and tools.keeps_special_tokens)
+                or self.reasoning.keeps_special_tokens,
+                images=images,
             )
             if tools is not None:
                 attach_tools(call, tools, bool(body.stream))
+            self.reasoning.attach(call, tools, bool(body.stream))
             call.labels = body.span_attributes()
             return await self._respond(call, bool(body.stream), http, stack)
 
