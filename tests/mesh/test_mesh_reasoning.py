@@ -1,0 +1,47 @@
+"""Reasoning through the whole mesh (nats-server, kvcache, prefill, decode and
+balancer processes) on make-model's seeded DeepSeek-V4 folder: with the thinking
+switch on, the prompt opens a <think> block, and the model's real reply (its token
+ids returned beside it) comes back split exactly as reasoning_parsers splits that
+text, whole and streamed alike. Exact splits of chosen replies are
+tests/unit/test_reasoning_api.py's."""
+
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from services.balancer.frontend.reasoning_parsers import split_reasoning
+from shared.recipe import Recipe
+from tools.make_model import make_model
+
+ENV = {"INFERMESH_ENGINE__BLOCK_SIZE": "16"}
+
+
+def test_deepseek_v4_reasoning_through_the_mesh(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from tests.helpers.mesh import running_mesh
+
+    model = str(tmp_path_factory.mktemp("v4-reasoning-model"))
+    make_model(model, arch="deepseek_v4", seed=0)
+    recipe = Recipe.from_pretrained(model)
+    state: Path = tmp_path_factory.mktemp("v4-reasoning-mesh")
+    with running_mesh(model, state, extra_env=ENV) as mesh:
+        client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=300)
+        name = client.models.list().data[0].id
+        body: dict[str, Any] = dict(
+            model=name, messages=[{"role": "user", "content": "What is two and two?"}], temperature=0, max_tokens=24,
+            extra_body={"chat_template_kwargs": {"thinking": True}, "return_token_ids": True},
+        )
+        whole = client.chat.completions.create(**body)
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(stream=True, **body):
+            for choice in chunk.choices:
+                delta = choice.delta.model_dump()
+                reasoning += delta.get("reasoning_content") or ""
+                content += delta.get("content") or ""
+    choice = whole.choices[0]
+    text = recipe.decode(choice.model_extra["token_ids"], skip_special_tokens=True)  # type: ignore[index]
+    expected = split_reasoning(text, "deepseek_v4", "<｜Assistant｜><think>")
+    assert (choice.message.reasoning_content, choice.message.content) == expected  # type: ignore[attr-defined]
+    assert expected[0]  # the reply started inside the block the prompt opened
+    assert (reasoning, content) == (expected[0], expected[1])
