@@ -197,7 +197,10 @@ class BalancerSettings:
     api_key: str | None = None
     """When set, requests must bring `Authorization: Bearer <api_key>`."""
     model_name: str | None = None
-    """The name /v1/models reports; None takes the model folder's name."""
+    """The names requests may ask for, comma-separated (vLLM's --served-model-name;
+    `infermesh up --served-model-name A B`): the first is the one responses and
+    metrics carry and /v1/models lists first. None takes the model folder's name.
+    Requests may leave model out (one model is served)."""
     heartbeat_misses: int = 3
     """An instance missing this many heartbeats is dropped from the registry."""
     max_heartbeat_interval_s: float = 5.0

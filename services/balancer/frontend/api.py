@@ -28,6 +28,7 @@ this file puts them together in create_app.
 
 import asyncio
 import json
+from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
@@ -38,7 +39,7 @@ from opentelemetry.trace import Tracer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.balancer.frontend import protocol as p
-from services.balancer.frontend.errors import APIError, add_error_handlers
+from services.balancer.frontend.errors import APIError, add_error_handlers, check_model
 from services.balancer.generation import Generator
 from services.balancer.frontend.guard import Guard
 from services.balancer.frontend.http_metrics import HttpMetrics
@@ -75,17 +76,21 @@ def create_app(
     tracer: Tracer | None = None,
     images: ImageSettings | None = None,
     model_images: ModelImages | None = None,
+    aliases: Sequence[str] = (),
 ) -> FastAPI:
     """The OpenAI-compatible app over generator. metrics' registry gets the
     balancer's series (create one app per Metrics) and is served on /metrics;
     without it the series are kept privately and /metrics answers 404. tracer
     makes one SERVER span per generation request, parent of the generator's spans.
     images: the limits on a chat request's images; model_images: whether the model
-    takes images (default: it does not, and a request with one is a 400)."""
+    takes images (default: it does not, and a request with one is a 400). aliases:
+    other names requests may ask for (vLLM's further --served-model-name names);
+    responses carry model_name, the first."""
     max_model_len = min(max_model_len, MAX_CONTEXT_TOKENS)  # a 400 that names the limit, not a 5xx from NATS
     stats = HttpMetrics(metrics or Metrics("balancer"), model_name, max_model_len)
+    names = (model_name, *aliases)
     server = OpenAIServer(
-        generator, recipe, model_name, max_model_len, settings, stats, tracer or trace.NoOpTracer(),
+        generator, recipe, names, max_model_len, settings, stats, tracer or trace.NoOpTracer(),
         images or ImageSettings(), model_images or ModelImages(),
     )
     # FastAPI's own telemetry would add a second root span per request from the global
@@ -97,17 +102,17 @@ def create_app(
     )
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_request_bytes, stats=stats)
     add_error_handlers(app)
-    card = p.ModelCard(id=model_name, root=model_name, max_model_len=max_model_len)
+    # As vLLM lists them: a card per served name, the first first, each rooted at the model.
+    cards = {name: p.ModelCard(id=name, root=model_name, max_model_len=max_model_len) for name in names}
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def list_models() -> Response:
-        return json_response(p.ModelList(data=[card]))
+        return json_response(p.ModelList(data=list(cards.values())))
 
     @app.get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses=_ERRORS)
     async def retrieve_model(model_id: str) -> Response:
-        if model_id != model_name:
-            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-        return json_response(card)
+        check_model(model_id, names)
+        return json_response(cards[model_id])
 
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=_streamed(p.CompletionResponse))
     async def completions(body: p.CompletionRequest, http: Request) -> Response:
@@ -121,7 +126,7 @@ def create_app(
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: p.TokenizeCompletionRequest | p.TokenizeChatRequest) -> Response:
-        _check_model(body.model, model_name)
+        check_model(body.model, names)
         if isinstance(body, p.TokenizeChatRequest):
             tokens = await asyncio.to_thread(server.encode_chat, body)
         else:
@@ -132,7 +137,7 @@ def create_app(
 
     @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: p.DetokenizeRequest) -> Response:
-        _check_model(body.model, model_name)
+        check_model(body.model, names)
         vocab = recipe.vocab_size
         past = [t for t in body.tokens if t >= vocab]
         if past:
@@ -187,11 +192,6 @@ def _streamed(chunk: type) -> dict[int | str, dict[str, Any]]:
         **_ERRORS,
         429: {"model": p.ErrorResponse},
     }
-
-
-def _check_model(model: str | None, model_name: str) -> None:
-    if model is not None and model != model_name:
-        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
 def _version() -> str:

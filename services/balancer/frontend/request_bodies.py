@@ -49,7 +49,8 @@ class GenerationBody(LabelledBody):
     """What completions and chat share: the sampling settings, the vLLM extensions and
     the labels (label_fields.py)."""
 
-    model: Text
+    model: Text | None = None
+    """One of the served names; may be left out (one model is served), as in vLLM."""
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

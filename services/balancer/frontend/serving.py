@@ -24,7 +24,7 @@ from services.balancer.frontend import protocol as p
 from services.balancer.frontend.admission import PriorityGate
 from services.balancer.frontend.chat_template import encode_chat
 from services.balancer.frontend.choices import Call, Delta, Finished, Job, Shaper, attach_tools, usage_of
-from services.balancer.frontend.errors import APIError
+from services.balancer.frontend.errors import APIError, check_model
 from services.balancer.frontend.event_stream import DONE, EventStream, json_response, sse, sse_error, unless_disconnected
 from services.balancer.generation import GenerationError, Generator, Usage
 from services.balancer.frontend.http_metrics import HttpMetrics
@@ -49,7 +49,7 @@ class OpenAIServer:
         self,
         generator: Generator,
         recipe: Recipe,
-        model_name: str,
+        model_names: tuple[str, ...],
         max_model_len: int,
         settings: BalancerSettings,
         stats: HttpMetrics,
@@ -59,7 +59,9 @@ class OpenAIServer:
     ) -> None:
         self.generator = generator
         self.recipe = recipe
-        self.model_name = model_name
+        model_name = model_names[0]
+        self.model_names = model_names
+        """The served names (the first is the one responses carry)."""
         self.max_model_len = max_model_len
         self.settings = settings
         self.stats = stats
@@ -135,8 +137,7 @@ class OpenAIServer:
     # -- checks and preparation ----------------------------------------------------
 
     def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
-        if body.model != self.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
+        check_model(body.model, self.model_names)
         if body.priority and not self.gate.enabled:
             raise APIError(
                 400, "priority: this balancer dispatches at once (no queue to order): set "
