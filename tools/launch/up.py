@@ -658,7 +658,7 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    progress = StartProgress(num_prefill + num_decode, 3 + num_prefill + num_decode + num_vision)
+    progress = StartProgress(num_prefill + num_decode, 3 + num_prefill + num_decode + num_vision, Path(model).name)
     mesh.on_wait = progress.update
     try:
         print(f"starting the mesh: {num_prefill} prefill, {num_decode} decode, {num_vision} vision, model {model}",
