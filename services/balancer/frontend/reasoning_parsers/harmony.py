@@ -11,12 +11,12 @@ harmony (no header where one must be) is content, its markers removed.
 from services.balancer.frontend.reasoning_parsers.base import ReasoningPiece, ReasoningSplitter
 from services.balancer.frontend.tool_parsers.base import partial_suffix
 from services.balancer.frontend.tool_parsers.harmony import (
-    _HEADER,
     ENDS,
+    HEADER,
     MARKERS,
     MESSAGE,
-    _could_be_header,
-    _without_markers,
+    could_be_header,
+    without_markers,
 )
 
 ANALYSIS = "analysis"
@@ -46,19 +46,19 @@ class HarmonySplitter(ReasoningSplitter):
             if self._state == "plain":
                 # A marker split across pieces is held until it can be removed whole.
                 keep = 0 if self.raw else max(partial_suffix(buf, marker) for marker in MARKERS)
-                piece.content += buf if self.raw else _without_markers(buf[: len(buf) - keep])
+                piece.content += buf if self.raw else without_markers(buf[: len(buf) - keep])
                 self._held = buf[len(buf) - keep :]
                 break
             if self._state == "header":
                 at = buf.find(MESSAGE)
-                header = _HEADER.match(buf[:at]) if at >= 0 else None
+                header = HEADER.match(buf[:at]) if at >= 0 else None
                 if at >= 0 and header is not None and header.end() == at:
                     self._channel = header.group("channel")
                     self._opened = self._opened or self._channel == ANALYSIS
                     if self.raw and self._channel != ANALYSIS:
                         piece.content += buf[: at + len(MESSAGE)]
                     buf, self._state = buf[at + len(MESSAGE) :], "body"
-                elif at < 0 and _could_be_header(buf):
+                elif at < 0 and could_be_header(buf):
                     self._held = buf
                     break
                 else:
@@ -83,7 +83,7 @@ class HarmonySplitter(ReasoningSplitter):
         if self._state == "body":
             self._body(piece, held)
         else:
-            piece.content += held if self.raw else _without_markers(held)
+            piece.content += held if self.raw else without_markers(held)
         return piece
 
     def _body(self, piece: ReasoningPiece, text: str) -> None:
