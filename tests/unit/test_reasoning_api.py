@@ -116,3 +116,17 @@ def test_switches_the_template_does_not_read_are_400s(qwen3: Served) -> None:
         with pytest.raises(openai.BadRequestError) as refused:
             chat(qwen3, "x", extra_body=extra)
         assert refused.value.body["param"] == param  # type: ignore[index]
+
+
+def test_a_splitter_for_other_endpoints(deepseek_v4: Served, qwen3: Served) -> None:
+    # What /v1/responses uses: the server's own choice of format, the prompt deciding the start.
+    from services.balancer.frontend.reasoning_output import ReasoningSupport
+
+    support = ReasoningSupport("auto", deepseek_v4.recipe)
+    opened = deepseek_v4.recipe.encode_chat([{"role": "user", "content": "hi"}], thinking=True)
+    splitter = support.splitter(opened)
+    assert splitter is not None
+    piece = splitter.feed("Hm.</think>Hi.")
+    piece.add(splitter.finish())
+    assert (piece.reasoning, piece.content) == ("Hm.", "Hi.")
+    assert ReasoningSupport("auto", qwen3.recipe).splitter([1, 2]) is None  # ChatML: no reasoning format

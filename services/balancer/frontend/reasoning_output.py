@@ -9,7 +9,12 @@ reasoning_effort and the thinking switches reach the template in chat_template.p
 """
 
 from services.balancer.frontend.choices import Call
-from services.balancer.frontend.reasoning_parsers import PROMPT_TAIL_TOKENS, choose_reasoning_parser, new_splitter
+from services.balancer.frontend.reasoning_parsers import (
+    PROMPT_TAIL_TOKENS,
+    ReasoningSplitter,
+    choose_reasoning_parser,
+    new_splitter,
+)
 from services.balancer.frontend.tool_output import ToolPlan
 from shared.recipe import Recipe
 
@@ -30,7 +35,18 @@ class ReasoningSupport:
         if self.parser is None or (tools is not None and tools.mode != "auto"):
             return
         call.reasoning = self.parser
-        call.prompt_tail = self.recipe.decode(call.prompts[0][-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        call.prompt_tail = self.prompt_tail(call.prompts[0])
         if stream:
             for job in call.jobs:
                 job.reasoning = new_splitter(self.parser, call.prompt_tail, raw=tools is not None)
+
+    def prompt_tail(self, prompt_ids: list[int]) -> str:
+        """The prompt's last text, enough to see whether it opened a thinking block."""
+        return self.recipe.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+
+    def splitter(self, prompt_ids: list[int], raw: bool = False) -> ReasoningSplitter | None:
+        """A splitter for one reply to prompt_ids (None: the model's replies are not split);
+        for callers outside chat completions (/v1/responses)."""
+        if self.parser is None:
+            return None
+        return new_splitter(self.parser, self.prompt_tail(prompt_ids), raw=raw)
