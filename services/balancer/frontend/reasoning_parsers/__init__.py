@@ -15,7 +15,12 @@ from collections.abc import Callable
 
 from services.balancer.frontend.reasoning_parsers.base import ReasoningPiece, ReasoningSplitter
 from services.balancer.frontend.reasoning_parsers.harmony import HarmonySplitter
-from services.balancer.frontend.reasoning_parsers.think import THINK_END, THINK_START, ThinkSplitter, prompt_opens_thinking
+from services.balancer.frontend.reasoning_parsers.think import (
+    THINK_END,
+    THINK_START,
+    ThinkSplitter,
+    prompt_opens_thinking,
+)
 
 
 def _think(prompt_tail: str, raw: bool) -> ReasoningSplitter:
