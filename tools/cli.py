@@ -231,7 +231,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return up(args.model, args.prefill, args.decode, args.port, args.state_dir, args.demo,
               args.tensor_parallel_size, args.enable_expert_parallel, args.enable_eplb, args.eplb_config,
               num_vision=args.vision, data_parallel_size=args.data_parallel_size,
-              planner_profile=args.planner)  # fmt: skip
+              planner_profile=args.planner, served_model_names=args.served_model_name)  # fmt: skip
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -431,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--planner", default="", metavar="PROFILE",
                    help="run the live planner on this stage profile (`infermesh profile`'s JSON): it scales the "
                         "prefill and decode instances for INFERMESH_PLANNER__* targets (ttft_ms, itl_ms, ...)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may ask for (vLLM's flag): the first is the one responses carry "
+                        "(default: INFERMESH_BALANCER__MODEL_NAME, else the model folder's name)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="ranks (processes) per prefill and decode instance: EngineConfig.tensor_parallel_size "
                         "(default: INFERMESH_ENGINE__TENSOR_PARALLEL_SIZE, else 1)")  # fmt: skip

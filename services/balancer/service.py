@@ -46,6 +46,7 @@ from shared.model.models import arch_traits
 from shared.multimodal.grid import PatchGrid
 from shared.proto import mesh_pb2
 from shared.recipe import Recipe
+from shared.runtime.vllm_metrics import served_model_names
 from shared.runtime import subjects
 from shared.runtime.bus import CONNECTION_HEADER, Bus
 from shared.runtime.rpc import check_health
@@ -231,10 +232,12 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         task = asyncio.create_task(coro, name=name)
         stack.callback(task.cancel)
     max_model_len = settings.engine.max_model_len or model_config.max_position_embeddings
+    names = served_model_names(settings.balancer.model_name, model_dir)
     app = create_app(
         generator=generator,
         recipe=recipe,
-        model_name=settings.balancer.model_name or Path(model_dir).name,
+        model_name=names[0],
+        aliases=names[1:],
         max_model_len=max_model_len,
         settings=settings.balancer,
         metrics=ctx.metrics,

@@ -72,9 +72,12 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 
 SOURCE = (
     "DeepSeek-V4 chat encoding (encoding/encoding_dsv4.py as released; shared/recipe/deepseek_v4_chat.py): "
-    f"tools are listed in the system turn, calls come back in a <{DSML}tool_calls> block."
+    f"tools are listed in the system turn, calls come back in a <{DSML}tool_calls> block; "
+    f"chat_template_kwargs thinking: true opens a {THINK_START}...{THINK_END} block of reasoning."
 )
-"""What stands for the template's text: tool-call parsers are chosen by it (tool_parsers.choose_parser)."""
+"""What stands for the template's text: tool-call and reasoning parsers are chosen by it
+(tool_parsers.choose_parser, reasoning_parsers.choose_reasoning_parser), and the thinking
+switch it reads is named in it (chat_template.template_switches)."""
 
 
 def _json(value: Any) -> str:

@@ -197,7 +197,10 @@ class BalancerSettings:
     api_key: str | None = None
     """When set, requests must bring `Authorization: Bearer <api_key>`."""
     model_name: str | None = None
-    """The name /v1/models reports; None takes the model folder's name."""
+    """The names requests may ask for, comma-separated (vLLM's --served-model-name;
+    `infermesh up --served-model-name A B`): the first is the one responses and
+    metrics carry and /v1/models lists first. None takes the model folder's name.
+    Requests may leave model out (one model is served)."""
     heartbeat_misses: int = 3
     """An instance missing this many heartbeats is dropped from the registry."""
     max_heartbeat_interval_s: float = 5.0
@@ -242,6 +245,12 @@ class BalancerSettings:
     --tool-call-parser): hermes (<tool_call> JSON, Qwen/Hermes), llama3_json (Llama
     3.x's JSON), or auto: the one the chat template asks for (hermes for templates
     that take no tools: the balancer then writes the tools into the prompt itself)."""
+    reasoning_parser: str = "auto"
+    """How chat replies are split into reasoning_content and content (vLLM's
+    --reasoning-parser): qwen3 and deepseek_v3/deepseek_v4 (<think>...</think>),
+    deepseek_r1 (the same, the reply starting inside the block), openai_gptoss
+    (harmony's analysis channel), none (replies left whole), or auto: the one the
+    chat template writes (none for templates without reasoning)."""
     responses_bucket: str = "im_responses"
     """The NATS JetStream key-value bucket where /v1/responses keeps stored responses
     (store: true, OpenAI's default) for previous_response_id and GET/DELETE by id;

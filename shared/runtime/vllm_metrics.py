@@ -60,9 +60,17 @@ def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
         scale *= 10
 
 
+def served_model_names(model_name: str | None, model_dir: str) -> tuple[str, ...]:
+    """The names clients may ask for (vLLM's --served-model-name): balancer.model_name's,
+    comma-separated, else the model folder's name. The first is the one responses
+    and every series carry."""
+    names = tuple(name.strip() for name in (model_name or "").split(",") if name.strip())
+    return names or (Path(model_dir).name,)
+
+
 def served_model_name(model_name: str | None, model_dir: str) -> str:
-    """The name clients ask for and every series carries: balancer.model_name, else the model folder's name."""
-    return model_name or Path(model_dir).name
+    """The name every series carries: the first served name."""
+    return served_model_names(model_name, model_dir)[0]
 
 
 def counter(registry: CollectorRegistry, name: str, doc: str, model: str) -> Counter:

@@ -402,9 +402,11 @@ BAD_INPUTS = [
     (_COMPLETION, {"best_of": 2, "n": 3}, "best_of"),
     (_COMPLETION, {"echo": 1}, "echo"),
     (_COMPLETION, {"suffix": "}"}, "suffix"),
-    (_COMPLETION, {"metadata": {"a": 1}}, "metadata"),
-    (_COMPLETION, {"store": False}, "store"),
-    (_COMPLETION, {"user": "u-1"}, "user"),
+    # Labels are accepted (tests/unit/test_client_fields.py); their wrong values are not.
+    (_COMPLETION, {"metadata": {"a": 1}}, "metadata.a"),
+    (_COMPLETION, {"store": True}, "store"),
+    (_COMPLETION, {"user": 1}, "user"),
+    (_CHAT, {"service_tier": "priority"}, "service_tier"),
     # A value of another type where a bool, an int or a string belongs: no coercion.
     (_CHAT, {"add_generation_prompt": 0}, "add_generation_prompt"),
     (_COMPLETION, {"stream": 1}, "stream"),

@@ -598,10 +598,24 @@ def run_demo(mesh: Mesh) -> None:
     print(render_waterfall(pick_trace(load_spans(mesh.trace_dir), "last")))
 
 
+def served_names_env(names: list[str] | None) -> dict[str, str]:
+    """--served-model-name as every process's balancer.model_name (the balancer answers to
+    them; the workers' metrics carry the first); {} leaves the setting as it is."""
+    if not names:
+        return {}
+    for name in names:
+        if not name.strip() or "," in name:
+            raise ValueError(f"--served-model-name: {name!r} is not a name (empty, or holds a comma)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--served-model-name: names must be distinct, got {names}")
+    return {"INFERMESH_BALANCER__MODEL_NAME": ",".join(names)}
+
+
 def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str, demo: bool,
        tensor_parallel_size: int | None = None, enable_expert_parallel: bool | None = None,
        enable_eplb: bool | None = None, eplb_config: str | None = None, num_vision: int = 0,
-       data_parallel_size: int | None = None, planner_profile: str = "") -> int:  # fmt: skip
+       data_parallel_size: int | None = None, planner_profile: str = "",
+       served_model_names: list[str] | None = None) -> int:  # fmt: skip
     """Check, start with progress bars, serve until Ctrl-C or SIGTERM. A failure is
     one line on stderr (and, for a process that failed, the end of its log), not a
     traceback: exit code 2 for what was checked before starting, 1 after.
@@ -611,11 +625,17 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
     and handed to every instance in its environment. data_parallel_size > 1 (the flag or
     INFERMESH_ENGINE__DATA_PARALLEL_SIZE) is refused here: the mesh does not run
     data-parallel attention yet (EngineConfig.check_mesh). planner_profile: run the live
-    planner on that profile (the mesh then scales itself)."""
+    planner on that profile (the mesh then scales itself). served_model_names: the
+    names requests may ask for, the first the one responses carry (balancer.model_name)."""
     from tools.launch.preflight import PreflightError, preflight
     from tools.launch.progress import StartProgress
 
     parallel = parallel_env(tensor_parallel_size, enable_expert_parallel, enable_eplb, eplb_config, data_parallel_size)
+    try:
+        parallel.update(served_names_env(served_model_names))
+    except ValueError as exc:
+        print(f"infermesh: error: {exc}", file=sys.stderr)
+        return 2
     mesh = Mesh(model, num_prefill, num_decode, port, Path(state_dir), supervise=True, extra_env=parallel,
                 num_vision=num_vision, planner_profile=planner_profile)
     try:
@@ -644,7 +664,7 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    progress = StartProgress(num_prefill + num_decode, 3 + num_prefill + num_decode + num_vision)
+    progress = StartProgress(num_prefill + num_decode, 3 + num_prefill + num_decode + num_vision, Path(model).name)
     mesh.on_wait = progress.update
     try:
         print(f"starting the mesh: {num_prefill} prefill, {num_decode} decode, {num_vision} vision, model {model}",

@@ -29,6 +29,7 @@ this file puts them together in create_app.
 
 import asyncio
 import json
+from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
@@ -39,7 +40,7 @@ from opentelemetry.trace import Tracer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.balancer.frontend import protocol as p
-from services.balancer.frontend.errors import APIError, add_error_handlers
+from services.balancer.frontend.errors import APIError, add_error_handlers, check_model
 from services.balancer.generation import Generator
 from services.balancer.frontend.guard import Guard
 from services.balancer.frontend.http_metrics import HttpMetrics
@@ -82,6 +83,7 @@ def create_app(
     model_images: ModelImages | None = None,
     response_store: ResponseStore | None = None,
     split_reasoning: SplitReasoning | None = None,
+    aliases: Sequence[str] = (),
 ) -> FastAPI:
     """The OpenAI-compatible app over generator. metrics' registry gets the
     balancer's series (create one app per Metrics) and is served on /metrics;
@@ -92,11 +94,13 @@ def create_app(
     response_store: where /v1/responses keeps stored responses (the mesh gives
     JetStream's, shared by its balancers; default: this process's memory, for one
     balancer alone). split_reasoning: the reasoning parser's seam for Responses'
-    reasoning items (default: none)."""
+    reasoning items (default: none). aliases: other names requests may ask for (vLLM's
+    further --served-model-name names); responses carry model_name, the first."""
     max_model_len = min(max_model_len, MAX_CONTEXT_TOKENS)  # a 400 that names the limit, not a 5xx from NATS
     stats = HttpMetrics(metrics or Metrics("balancer"), model_name, max_model_len)
+    names = (model_name, *aliases)
     server = OpenAIServer(
-        generator, recipe, model_name, max_model_len, settings, stats, tracer or trace.NoOpTracer(),
+        generator, recipe, names, max_model_len, settings, stats, tracer or trace.NoOpTracer(),
         images or ImageSettings(), model_images or ModelImages(),
     )
     # FastAPI's own telemetry would add a second root span per request from the global
@@ -109,17 +113,17 @@ def create_app(
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_request_bytes, stats=stats)
     add_error_handlers(app)
     responses = ResponsesServer(server, response_store or MemoryResponseStore(), split_reasoning)
-    card = p.ModelCard(id=model_name, root=model_name, max_model_len=max_model_len)
+    # As vLLM lists them: a card per served name, the first first, each rooted at the model.
+    cards = {name: p.ModelCard(id=name, root=model_name, max_model_len=max_model_len) for name in names}
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def list_models() -> Response:
-        return json_response(p.ModelList(data=[card]))
+        return json_response(p.ModelList(data=list(cards.values())))
 
     @app.get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses=_ERRORS)
     async def retrieve_model(model_id: str) -> Response:
-        if model_id != model_name:
-            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-        return json_response(card)
+        check_model(model_id, names)
+        return json_response(cards[model_id])
 
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=_streamed(p.CompletionResponse))
     async def completions(body: p.CompletionRequest, http: Request) -> Response:
@@ -145,7 +149,7 @@ def create_app(
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: p.TokenizeCompletionRequest | p.TokenizeChatRequest) -> Response:
-        _check_model(body.model, model_name)
+        check_model(body.model, names)
         if isinstance(body, p.TokenizeChatRequest):
             tokens = await server.tokenize_chat(body)
         else:
@@ -156,7 +160,7 @@ def create_app(
 
     @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: p.DetokenizeRequest) -> Response:
-        _check_model(body.model, model_name)
+        check_model(body.model, names)
         vocab = recipe.vocab_size
         past = [t for t in body.tokens if t >= vocab]
         if past:
@@ -222,11 +226,6 @@ def _streamed_events() -> dict[int | str, dict[str, Any]]:
         **_ERRORS,
         429: {"model": p.ErrorResponse},
     }
-
-
-def _check_model(model: str | None, model_name: str) -> None:
-    if model is not None and model != model_name:
-        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
 def _version() -> str:

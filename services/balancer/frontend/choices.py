@@ -19,6 +19,7 @@ from opentelemetry.trace import Span
 
 from services.balancer.frontend import protocol as p
 from services.balancer.generation import GenerationRequest, Usage
+from services.balancer.frontend.reasoning_parsers import ReasoningSplitter, new_splitter
 from services.balancer.frontend.seeds import fingerprint
 from services.balancer.frontend.tool_output import ToolPlan, ToolStream, whole_message
 from services.balancer.frontend.tool_schema import constrain
@@ -57,6 +58,8 @@ class Job:
     text_offset: int = 0
     tool_stream: ToolStream | None = None
     """A chat stream with tools: this choice's text read for tool calls."""
+    reasoning: ReasoningSplitter | None = None
+    """A chat stream of a reasoning model: this choice's text split into reasoning and content."""
     """Completions logprobs: where the next token's text starts in the choice."""
 
 
@@ -85,6 +88,12 @@ class Call:
     tools: ToolPlan | None = None
     """Chat with tools: how the output becomes tool calls (tool_output.py)."""
     created: int = field(default_factory=lambda: int(time.time()))
+    reasoning: str | None = None
+    """Chat of a reasoning model: the reasoning format (a key of reasoning_parsers.REASONING_PARSERS)."""
+    prompt_tail: str = ""
+    """The prompt's last text: whether it opened a thinking block."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """The body's labels (user, metadata, ...) as span attributes (label_fields.py)."""
     seed: int | None = None
     """The seed the request ran with (drawn when the body named none; choice i ran
     with seed + i): named by every response body's system_fingerprint."""
@@ -204,10 +213,19 @@ class Shaper:
         )
 
     def _message(self, f: Finished) -> dict[str, Any]:
-        """A chat choice's message and finish_reason (tool calls read out of it with tools)."""
-        if self.call.tools is None:
-            return {"message": p.ChatResponseMessage(content=f.text), "finish_reason": f.finish_reason}
-        message, finish = whole_message(self.call.tools, f.text, f.finish_reason)
+        """A chat choice's message and finish_reason (the reasoning split off first, then
+        tool calls read out of the rest with tools)."""
+        call, text, reasoning = self.call, f.text, None
+        if call.reasoning is not None:
+            splitter = new_splitter(call.reasoning, call.prompt_tail, raw=call.tools is not None)
+            piece = splitter.feed(text)
+            piece.add(splitter.finish())
+            text, reasoning = piece.content, piece.reasoning if splitter.saw_reasoning else None
+        if call.tools is None:
+            message = p.ChatResponseMessage(content=text, reasoning_content=reasoning)
+            return {"message": message, "finish_reason": f.finish_reason}
+        message, finish = whole_message(call.tools, text, f.finish_reason)
+        message.reasoning_content = reasoning
         return {"message": message, "finish_reason": finish}
 
     def _completion_choice(self, f: Finished) -> p.CompletionChoice:
@@ -240,9 +258,18 @@ class Shaper:
         usage_info = p.UsageInfo.of(usage) if usage is not None and call.continuous_usage else None
         token_ids = delta.token_ids if call.return_token_ids else None
         if call.chat:
-            message, finish = p.DeltaMessage(content=delta.text), delta.finish_reason
+            text, reasoning = delta.text, None
+            if job.reasoning is not None:
+                piece = job.reasoning.feed(text)
+                if delta.finish_reason is not None:
+                    piece.add(job.reasoning.finish())
+                text, reasoning = piece.content, piece.reasoning or None
+            message, finish = p.DeltaMessage(content=text), delta.finish_reason
             if job.tool_stream is not None:
-                message, finish = job.tool_stream.delta(delta.text, delta.finish_reason)
+                message, finish = job.tool_stream.delta(text, delta.finish_reason)
+            elif job.reasoning is not None and not text:
+                message.content = None  # a reasoning piece (or a held-back tag) carries no content key
+            message.reasoning_content = reasoning
             choice = p.ChatStreamChoice(
                 index=job.index, delta=message, logprobs=self._chat_logprobs(delta.logprobs),
                 finish_reason=finish, token_ids=token_ids,

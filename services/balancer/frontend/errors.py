@@ -3,7 +3,7 @@ turn every failure (a refused request, a generator's error, a validation error, 
 unknown URL, a client gone, anything unhandled) into one."""
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -120,3 +120,9 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(Exception, internal_error)
+
+
+def check_model(model: str | None, names: Sequence[str]) -> None:
+    """A request's model: left out (one model is served), or one of its served names; else a 404."""
+    if model is not None and model not in names:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")

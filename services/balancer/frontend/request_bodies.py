@@ -1,7 +1,8 @@
 """The bodies of /v1/completions and /v1/chat/completions, in vLLM's shapes.
 
 Every field is implemented or refused with a 400 that names it, never silently
-ignored: unknown fields are refused (extra="forbid"), and so are declared ones
+ignored: unknown fields are refused (extra="forbid"), fields that only label a
+request (user, metadata, ...) are recorded (label_fields.py), and declared ones
 whose value we cannot honour (suffix, best_of
 with stream). Tools (tools, tool_choice, parallel_tool_calls, tool messages and an
 assistant's tool_calls) are typed in tool_bodies.py; the legacy functions and
@@ -31,6 +32,7 @@ from services.balancer.frontend.body_fields import (
     TokenId,
     valid_unicode,
 )
+from services.balancer.frontend.label_fields import LabelledBody
 from services.balancer.frontend.tool_bodies import MAX_TOOLS, MessageToolCall, ToolChoice, ToolDefinition
 from services.balancer.frontend.structured_bodies import ResponseFormat, StructuredOutputs
 from shared.engine.sampling_params import MAX_LOGPROBS
@@ -43,10 +45,12 @@ class StreamOptions(StrictBody):
     """vLLM's: with include_usage, every chunk also carries the usage so far."""
 
 
-class GenerationBody(StrictBody):
-    """What completions and chat share: the sampling settings and the vLLM extensions."""
+class GenerationBody(LabelledBody):
+    """What completions and chat share: the sampling settings, the vLLM extensions and
+    the labels (label_fields.py)."""
 
-    model: Text
+    model: Text | None = None
+    """One of the served names; may be left out (one model is served), as in vLLM."""
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -294,6 +298,8 @@ class ChatCompletionRequest(GenerationBody):
     tools: list[ToolDefinition] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     """None: "auto" with tools, "none" without (OpenAI's defaults)."""
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    """Passed to chat templates that read it (GPT-OSS's); a 400 for the others (reasoning_output.py)."""
     parallel_tool_calls: bool = True
     """False: at most one call per reply (forced choices are constrained to one; auto
     replies keep their first call)."""

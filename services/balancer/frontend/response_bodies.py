@@ -143,6 +143,8 @@ class ChatResponseMessage(BaseModel):
     content: str | None
     """None when the reply is tool calls and nothing else."""
     tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=lambda calls: calls is None)
+    reasoning_content: str | None = Field(None, exclude_if=lambda reasoning: reasoning is None)
+    """vLLM's: a reasoning model's thinking, split off the content (reasoning_parsers)."""
 
 class ChatChoice(BaseModel):
     index: int = 0
@@ -166,6 +168,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    """vLLM's: a piece of the reasoning (a chunk carries reasoning or content, as it arrives)."""
     tool_calls: list[DeltaToolCall] | None = None
 
 class ChatStreamChoice(BaseModel):

@@ -24,13 +24,14 @@ from services.balancer.frontend import protocol as p
 from services.balancer.frontend.admission import PriorityGate
 from services.balancer.frontend.chat_template import encode_chat
 from services.balancer.frontend.choices import Call, Delta, Finished, Job, Shaper, attach_tools, usage_of
-from services.balancer.frontend.errors import APIError
+from services.balancer.frontend.errors import APIError, check_model
 from services.balancer.frontend.event_stream import DONE, EventStream, json_response, sse, sse_error, unless_disconnected
 from services.balancer.generation import GenerationError, Generator, Usage
 from services.balancer.frontend.http_metrics import HttpMetrics
 from services.balancer.frontend.images import ImageIntake, ModelImages
 from services.balancer.frontend.jobs import JobPlanner
 from services.balancer.frontend.pump import Pump, merge_deltas
+from services.balancer.frontend.reasoning_output import ReasoningSupport
 from services.balancer.frontend.seeds import SEED_HEADER
 from services.balancer.frontend.structured_outputs import check_structured
 from services.balancer.frontend.tool_output import ToolSupport
@@ -51,7 +52,7 @@ class OpenAIServer:
         self,
         generator: Generator,
         recipe: Recipe,
-        model_name: str,
+        model_names: tuple[str, ...],
         max_model_len: int,
         settings: BalancerSettings,
         stats: HttpMetrics,
@@ -61,7 +62,9 @@ class OpenAIServer:
     ) -> None:
         self.generator = generator
         self.recipe = recipe
-        self.model_name = model_name
+        model_name = model_names[0]
+        self.model_names = model_names
+        """The served names (the first is the one responses carry)."""
         self.max_model_len = max_model_len
         self.settings = settings
         self.stats = stats
@@ -72,6 +75,7 @@ class OpenAIServer:
         self.gate = PriorityGate(settings.max_dispatched_requests)
         self.planner = JobPlanner(recipe, model_name, max_model_len)
         self.tools = ToolSupport(settings.tool_call_parser, recipe)
+        self.reasoning = ReasoningSupport(settings.reasoning_parser, recipe)
         self.images = ImageIntake(images, model_name, model_images)
 
     # -- the two endpoints ---------------------------------------------------------
@@ -100,6 +104,7 @@ class OpenAIServer:
                 logprobs=body.logprobs, prompt_k=prompt_k,
             )
             call.echo, call.echo_only, call.prompt_texts = body.echo, echo_only, texts
+            call.labels = body.span_attributes()
             return await self._respond(call, bool(body.stream), http, stack)
 
     async def chat(self, body: p.ChatCompletionRequest, http: Request, produce: "Produce | None" = None) -> Response:
@@ -117,10 +122,14 @@ class OpenAIServer:
             call = self.planner.plan(
                 body, http, [prompt_ids], chat=True, what="messages", max_tokens=body.requested_max_tokens,
                 logprobs=body.num_logprobs, prompt_k=body.prompt_logprobs,
-                keep_special_tokens=tools is not None and tools.keeps_special_tokens, images=images,
+                keep_special_tokens=(tools is not None and tools.keeps_special_tokens)
+                or self.reasoning.keeps_special_tokens,
+                images=images,
             )
             if tools is not None:
                 attach_tools(call, tools, bool(body.stream))
+            self.reasoning.attach(call, tools, bool(body.stream))
+            call.labels = body.span_attributes()
             return await self._respond(call, bool(body.stream), http, stack, produce)
 
     async def tokenize_chat(self, body: p.TokenizeChatRequest) -> list[int]:
@@ -141,8 +150,7 @@ class OpenAIServer:
     # -- checks and preparation ----------------------------------------------------
 
     def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
-        if body.model != self.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
+        check_model(body.model, self.model_names)
         if body.priority and not self.gate.enabled:
             raise APIError(
                 400, "priority: this balancer dispatches at once (no queue to order): set "
@@ -175,6 +183,8 @@ class OpenAIServer:
         stack.callback(span.end)
         span.set_attribute("request.id", call.id)
         span.set_attribute("prompt.tokens", sum(len(ids) for ids in call.prompts))
+        for name, value in call.labels.items():
+            span.set_attribute(name, value)
         if len(call.jobs) > 1:
             span.set_attribute("request.choices", len(call.jobs))
         for job in call.jobs:

@@ -1,6 +1,6 @@
 """The bodies of /tokenize and /detokenize, in vLLM's shapes."""
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -25,6 +25,8 @@ class TokenizeChatRequest(StrictBody):
     return_token_strs: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
     tools: list[ToolDefinition] | None = Field(None, min_length=1)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    """As in chat: the count is of the prompt chat renders with it."""
     """Rendered as chat renders them: the count is the prompt a chat request with them makes."""
 
 

@@ -12,8 +12,8 @@ The header names the channel and, for a call, the recipient `to=functions.NAME`
 
   * a message to `functions.NAME` is a call, its body the arguments (a JSON object);
   * final and commentary messages to no one are content;
-  * analysis messages are the model's reasoning: not content (the reasoning
-    field is the API issue's), dropped here;
+  * analysis messages are the model's reasoning: not content, dropped here
+    (reasoning_parsers/harmony.py returns them, splitting them off first);
   * output that is not harmony at all (a header that cannot be one) is content,
     the harmony tokens removed, as skip_special_tokens would have left it.
 
@@ -44,7 +44,7 @@ MAX_HEADER_CHARS = 256
 
 # What a header may start with: the next message's start token, its role, the recipient, the channel.
 _HEADER_STARTS = (START, "assistant", " to=", "to=", CHANNEL)
-_HEADER = re.compile(
+HEADER = re.compile(
     r"(?:<\|start\|>)?(?:assistant)?\s*(?:to=(?P<to1>[^\s<]+)\s*)?<\|channel\|>(?P<channel>[A-Za-z_]+)"
     r"\s*(?:to=(?P<to2>[^\s<]+)\s*)?(?:<\|constrain\|>)?\s*(?:[A-Za-z_]+)?\s*"
 )
@@ -55,13 +55,13 @@ def _held(text: str, final: bool) -> int:
     return 0 if final else max(partial_suffix(text, marker) for marker in MARKERS)
 
 
-def _could_be_header(text: str) -> bool:
+def could_be_header(text: str) -> bool:
     if len(text) > MAX_HEADER_CHARS:
         return False
     return any(text.startswith(s) or s.startswith(text) for s in _HEADER_STARTS)
 
 
-def _without_markers(text: str) -> str:
+def without_markers(text: str) -> str:
     for marker in MARKERS:
         text = text.replace(marker, "")
     return text
@@ -90,7 +90,7 @@ class HarmonyParser(StreamingParser):
         while True:
             if self._mode == "plain":
                 end = len(self.text) - _held(self.text[self._pos :], final)
-                out.content += self.strip.feed(_without_markers(self.text[self._pos : end]))
+                out.content += self.strip.feed(without_markers(self.text[self._pos : end]))
                 self._pos = end
                 return out
             if self._mode == "header" and not self._read_header(final):
@@ -106,11 +106,11 @@ class HarmonyParser(StreamingParser):
             if final and head.strip():
                 self._mode = "plain"  # the output ended inside a header: not harmony
                 return True
-            if not final and not _could_be_header(head):
+            if not final and not could_be_header(head):
                 self._mode = "plain"
                 return True
             return False
-        match = _HEADER.fullmatch(head)
+        match = HEADER.fullmatch(head)
         if match is None:
             self._mode = "plain"
             return True
