@@ -87,7 +87,7 @@ EPLB = dict(EP, enable_eplb=True)
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (dict(enable_expert_parallel=True), "set it > 1"),
+        (dict(enable_expert_parallel=True), "set tensor_parallel_size or data_parallel_size > 1"),
         (dict(tensor_parallel_size=2, enable_eplb=True), "set enable_expert_parallel"),
         (dict(EP, eplb_config='{"window_size": 5}'), "enable_eplb is off"),
         (dict(EPLB, eplb_config='{"window": 5}'), r"unknown keys \['window'\]"),
