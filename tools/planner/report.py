@@ -3,11 +3,13 @@ the min-max of its rounds, the points the budget left out, the held-out checks
 (measured against predicted), and what the run could not measure, with the
 machine's load average before and after (figures from a shared machine are noisy)."""
 
+import statistics
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from tools.planner.sweep import SweepResult
+from services.planner.profile import Profile
+from tools.planner import holdout
 
 TARGET_ERROR = 0.10
 """Issue 30's accuracy figure: predicted within 10 % of measured."""
@@ -19,7 +21,33 @@ def _cell(median: float, lo: float, hi: float) -> str:
     return f"{median:10.2f} [{lo:.2f}-{hi:.2f}]"
 
 
-def report_text(result: "SweepResult", header: Mapping[str, Any]) -> str:
+
+@dataclass(slots=True)
+class Measured:
+    """One operating point's rounds (warm-up dropped) and their median figures."""
+
+    stage: str
+    point: tuple[int, int]
+    rounds: list[dict[str, float]]
+    held_out: bool = False
+
+    def median(self, name: str) -> float:
+        return statistics.median(r[name] for r in self.rounds)
+
+    def spread(self, name: str) -> tuple[float, float]:
+        return min(r[name] for r in self.rounds), max(r[name] for r in self.rounds)
+
+
+@dataclass(slots=True)
+class SweepResult:
+    profile: Profile
+    measured: list[Measured]
+    skipped: list[tuple[str, tuple[int, int]]] = field(default_factory=list)
+    checks: list[tuple[str, holdout.Check]] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def report_text(result: SweepResult, header: Mapping[str, Any]) -> str:
     lines = [f"model: {result.profile.model}", f"device: {header['device']}"]
     lines += [f"{k}: {v}" for k, v in result.notes.items()]
     lines += ["settings: " + ", ".join(f"{k}={v}" for k, v in sorted(result.profile.settings.items()))]

@@ -24,10 +24,9 @@ workers' kv_transfer_bytes_total counts for the handoffs, when their /metrics is
 
 import asyncio
 import os
-import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from tools.planner import holdout
 from tools.planner.grid import Budget, estimate_s, grid_order
 from tools.planner.mesh_facts import MeshFacts, device, kv_bytes_per_token, read_facts, scrape, series_sum
 from tools.planner.points import DecodeRound, PrefillRound, decode_round, prefill_round
-from tools.planner.report import report_text
+from tools.planner.report import Measured, SweepResult, report_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,31 +76,6 @@ class SweepConfig:
     @property
     def root(self) -> str:
         return self.url.rstrip("/").removesuffix("/v1")
-
-
-@dataclass(slots=True)
-class Measured:
-    """One operating point's rounds (warm-up dropped) and their median figures."""
-
-    stage: str
-    point: tuple[int, int]
-    rounds: list[dict[str, float]]
-    held_out: bool = False
-
-    def median(self, name: str) -> float:
-        return statistics.median(r[name] for r in self.rounds)
-
-    def spread(self, name: str) -> tuple[float, float]:
-        return min(r[name] for r in self.rounds), max(r[name] for r in self.rounds)
-
-
-@dataclass(slots=True)
-class SweepResult:
-    profile: Profile
-    measured: list[Measured]
-    skipped: list[tuple[str, tuple[int, int]]] = field(default_factory=list)
-    checks: list[tuple[str, holdout.Check]] = field(default_factory=list)
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 _FIGURES = {"prefill": ("ttft_ms", "tokens_per_s"), "decode": ("itl_ms", "tokens_per_s")}
