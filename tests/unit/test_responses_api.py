@@ -261,6 +261,21 @@ def test_a_reasoning_reply_is_a_reasoning_item_then_the_message(qwen3: Served) -
     assert qwen3.prompt_text().count("It is 4.") == 1 and "Add them" not in qwen3.prompt_text()
 
 
+def test_reasoning_items_sent_back_are_left_out_of_the_prompt(qwen3: Served) -> None:
+    # A client keeping its own context sends the whole output back (OpenAI asks it to):
+    # the prompt is the one previous_response_id makes, the reasoning dropped from both.
+    got = respond(qwen3, THINK_REPLY)
+    respond(qwen3, "Yes.", previous_response_id=got.id)
+    by_id = qwen3.prompt_text()
+    qwen3.generator.reply = "Yes."
+    qwen3.client.responses.create(model=TOOLS_MODEL, input=[
+        {"role": "user", "content": "What is 2+2?"}, *got.output, {"role": "user", "content": "What is 2+2?"}])
+    assert qwen3.prompt_text() == by_id and "Add them" not in by_id
+    item = got.output[0].model_dump(exclude_none=True) | {"encrypted_content": "opaque"}
+    refused = qwen3.http.post("/v1/responses", json={"model": TOOLS_MODEL, "input": [item]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input.0.encrypted_content", refused.text
+
+
 def test_a_streamed_reasoning_reply_splits_exactly_across_events(qwen3: Served) -> None:
     qwen3.generator.reply = THINK_REPLY
     with qwen3.client.responses.stream(model=TOOLS_MODEL, input="What is 2+2?") as stream:
