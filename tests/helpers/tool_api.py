@@ -1,8 +1,9 @@
 """The balancer's HTTP API in process with a scripted generator, for the tool-calling
-tests (test_tool_api.py, test_tool_api_formats.py): no model writes tool calls by
-itself, so the reply is chosen and the prompt it saw is recorded."""
+and reasoning tests (test_tool_api.py, test_tool_api_formats.py, test_reasoning_api.py,
+test_responses_api.py): no model writes tool calls or thinking by itself, so the reply
+is chosen and the prompt it saw is recorded."""
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from services.balancer.frontend.api import create_app
 from services.balancer.generation import GenerationRequest, TokenEvent, Usage
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings
+from tools.make_model import make_model
 
 MODEL = "tiny-tools"
 
@@ -53,6 +55,15 @@ class Served:
 
     def prompt_text(self) -> str:
         return self.recipe.decode(self.generator.requests[-1].prompt_token_ids, skip_special_tokens=False)
+
+
+def served_model(folder: Path, arch: str | None, **settings: Any) -> Iterator[Served]:
+    """A fixture's body: make_model's seeded model of arch (None: the project's ChatML
+    one) in folder, served with settings for as long as the fixture lives."""
+    make_model(folder, **({"arch": arch} if arch else {}))
+    served = Served(folder, BalancerSettings(**settings))
+    with served.http:
+        yield served
 
 
 def chat(served: Served, reply: str, **body: Any) -> Any:

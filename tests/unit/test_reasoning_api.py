@@ -12,20 +12,14 @@ from typing import Any
 import openai
 import pytest
 
-from shared.runtime.settings import BalancerSettings
-from tests.helpers.tool_api import MODEL, Served, chat
-from tools.make_model import make_model
+from tests.helpers.tool_api import Served, chat, served_model
 
 HARMONY = ("<|channel|>analysis<|message|>The user greets. Greet back.<|end|>"
            "<|start|>assistant<|channel|>final<|message|>Hello, friend.<|return|>")  # fmt: skip
 
 
 def _served(tmp_path_factory: pytest.TempPathFactory, arch: str | None, **settings: Any) -> Iterator[Served]:
-    path = tmp_path_factory.mktemp(arch or "chatml")
-    make_model(path, **({"arch": arch} if arch else {}))
-    served = Served(path, BalancerSettings(**settings))
-    with served.http:
-        yield served
+    yield from served_model(tmp_path_factory.mktemp(arch or "chatml"), arch, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +111,3 @@ def test_switches_the_template_does_not_read_are_400s(qwen3: Served) -> None:
             chat(qwen3, "x", extra_body=extra)
         assert refused.value.body["param"] == param  # type: ignore[index]
 
-
-def test_a_splitter_for_other_endpoints(deepseek_v4: Served, qwen3: Served) -> None:
-    # What /v1/responses uses: the server's own choice of format, the prompt deciding the start.
-    from services.balancer.frontend.reasoning_output import ReasoningSupport
-
-    support = ReasoningSupport("auto", deepseek_v4.recipe)
-    opened = deepseek_v4.recipe.encode_chat([{"role": "user", "content": "hi"}], thinking=True)
-    splitter = support.splitter(opened)
-    assert splitter is not None
-    piece = splitter.feed("Hm.</think>Hi.")
-    piece.add(splitter.finish())
-    assert (piece.reasoning, piece.content) == ("Hm.", "Hi.")
-    assert ReasoningSupport("auto", qwen3.recipe).splitter([1, 2]) is None  # ChatML: no reasoning format

@@ -17,6 +17,8 @@ from services.balancer.frontend.responses_store import MemoryResponseStore
 from services.balancer.generation import GenerationRequest, TokenEvent, Usage
 from shared.recipe import Recipe
 from shared.runtime.settings import BalancerSettings
+from tests.helpers.tool_api import MODEL as TOOLS_MODEL
+from tests.helpers.tool_api import Served, served_model
 from tools.make_model import make_model
 
 MODEL = "tiny"
@@ -218,17 +220,123 @@ def test_unknown_previous_response_is_a_404(app: App) -> None:
     assert got.status_code == 404 and got.json()["error"]["param"] == "previous_response_id"
 
 
-def test_a_reasoning_splitter_makes_a_reasoning_item(recipe: Recipe) -> None:
-    generator = Scripted(recipe, reply="<think>hmm</think>Yes.")
 
-    def split(text: str) -> tuple[str | None, str]:
-        head, sep, tail = text.partition("</think>")
-        return (head.removeprefix("<think>"), tail) if sep else (None, text)
+# -- reasoning items: the chat call's own split (the server's reasoning format) -------
 
-    api = create_app(generator=generator, recipe=recipe, model_name=MODEL, max_model_len=512,
-                     settings=BalancerSettings(), split_reasoning=split)  # fmt: skip
-    with TestClient(api) as http:
-        got = http.post("/v1/responses", json={"model": MODEL, "input": "Hi"}).json()
-    assert [item["type"] for item in got["output"]] == ["reasoning", "message"]
-    assert got["output"][0]["content"] == [{"type": "reasoning_text", "text": "hmm"}]
-    assert got["output"][1]["content"][0]["text"] == "Yes."
+THINK_REPLY = "<think>\nAdd them: 2+2.\n</think>\n\nIt is 4."
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Bern"}<|call|>')  # fmt: skip
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The project's ChatML model read as Qwen3's <think> format; its tokenizer has no
+    <think> token, so one token per event splits the tags over several events."""
+    yield from served_model(tmp_path_factory.mktemp("qwen3"), None, reasoning_parser="qwen3")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from served_model(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss")
+
+
+def respond(served: Served, reply: str, **body: Any) -> Any:
+    served.generator.reply = reply
+    return served.client.responses.create(model=TOOLS_MODEL, input="What is 2+2?", **body)
+
+
+def test_a_reasoning_reply_is_a_reasoning_item_then_the_message(qwen3: Served) -> None:
+    assert len(qwen3.recipe.encode("<think>", add_special_tokens=False)) > 1
+    got = respond(qwen3, THINK_REPLY)
+    assert [item.type for item in got.output] == ["reasoning", "message"]
+    reasoning = got.output[0]
+    assert reasoning.id.startswith("rs_") and reasoning.summary == [] and reasoning.status == "completed"
+    assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "\nAdd them: 2+2.\n")]
+    assert got.output_text == "\n\nIt is 4."
+    assert got.usage.output_tokens == len(qwen3.recipe.encode(THINK_REPLY, add_special_tokens=False))
+    assert got.usage.output_tokens_details.reasoning_tokens == 0  # not counted (docs/api.md)
+    # The stored turn is the answer alone, as chat templates drop past reasoning.
+    respond(qwen3, "Yes.", previous_response_id=got.id)
+    assert qwen3.prompt_text().count("It is 4.") == 1 and "Add them" not in qwen3.prompt_text()
+
+
+def test_reasoning_items_sent_back_are_left_out_of_the_prompt(qwen3: Served) -> None:
+    # A client keeping its own context sends the whole output back (OpenAI asks it to):
+    # the prompt is the one previous_response_id makes, the reasoning dropped from both.
+    got = respond(qwen3, THINK_REPLY)
+    respond(qwen3, "Yes.", previous_response_id=got.id)
+    by_id = qwen3.prompt_text()
+    qwen3.generator.reply = "Yes."
+    qwen3.client.responses.create(model=TOOLS_MODEL, input=[
+        {"role": "user", "content": "What is 2+2?"}, *got.output, {"role": "user", "content": "What is 2+2?"}])
+    assert qwen3.prompt_text() == by_id and "Add them" not in by_id
+    item = got.output[0].model_dump(exclude_none=True) | {"encrypted_content": "opaque"}
+    refused = qwen3.http.post("/v1/responses", json={"model": TOOLS_MODEL, "input": [item]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input.0.encrypted_content", refused.text
+
+
+def test_a_streamed_reasoning_reply_splits_exactly_across_events(qwen3: Served) -> None:
+    qwen3.generator.reply = THINK_REPLY
+    with qwen3.client.responses.stream(model=TOOLS_MODEL, input="What is 2+2?") as stream:
+        events = list(stream)
+        final = stream.get_final_response()  # the client's accumulator accepts the item sequence
+    types = [e.type for e in events]
+    num_reasoning, num_text = types.count("response.reasoning_text.delta"), types.count("response.output_text.delta")
+    assert num_reasoning > 1 and num_text > 1  # streamed as it came, not at the end
+    assert types == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added",
+                     *["response.reasoning_text.delta"] * num_reasoning, "response.reasoning_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.content_part.added",
+                     *["response.output_text.delta"] * num_text, "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done", "response.completed"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    reasoning = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    text = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert ("".join(reasoning), "".join(text)) == ("\nAdd them: 2+2.\n", "\n\nIt is 4.")
+    assert not any("<" in piece or "think>" in piece for piece in reasoning + text)
+    added = events[2]
+    assert added.item.type == "reasoning" and added.output_index == 0 and added.item.status == "in_progress"
+    assert all(e.item_id == added.item.id for e in events[3:num_reasoning + 7] if hasattr(e, "item_id"))
+    done = next(e for e in events if e.type == "response.reasoning_text.done")
+    assert done.text == "".join(reasoning) and done.output_index == 0
+    assert [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"] == [
+        (0, "reasoning"), (1, "message")]  # fmt: skip
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "".join(reasoning) and final.output_text == "".join(text)
+    stored = qwen3.client.responses.retrieve(final.id)
+    assert stored.output[0].id == added.item.id and stored.output[0].content[0].text == "".join(reasoning)
+
+
+def test_reasoning_then_a_tool_call_whole_and_streamed(gpt_oss: Served) -> None:
+    got = respond(gpt_oss, HARMONY_CALL, tools=[WEATHER])
+    assert [item.type for item in got.output] == ["reasoning", "function_call"]
+    assert got.output[0].content[0].text == "Need weather."
+    assert (got.output[1].name, got.output[1].arguments) == ("get_weather", '{"city": "Bern"}')
+    gpt_oss.generator.reply = HARMONY_CALL
+    events = list(gpt_oss.client.responses.create(model=TOOLS_MODEL, input="Weather?", tools=[WEATHER], stream=True))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == "Need weather."
+    assert [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"] == [
+        (0, "reasoning"), (1, "function_call")]  # fmt: skip
+    assert "response.output_text.delta" not in [e.type for e in events]
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert final.output[1].arguments == '{"city": "Bern"}'
+
+
+def test_a_forced_call_is_not_split(qwen3: Served) -> None:
+    # Chat's rule: a reply constrained to calls holds no reasoning, so it is not read for any.
+    got = respond(qwen3, '[{"name": "get_weather", "arguments": {"city": "Bern"}}]', tools=[WEATHER],
+                  tool_choice="required")  # fmt: skip
+    assert [item.type for item in got.output] == ["function_call"]
+
+
+def test_a_model_without_a_reasoning_format_makes_no_reasoning_item(app: App) -> None:
+    app.generator.reply = "<think>hmm</think>Yes."
+    got = app.client().responses.create(model=MODEL, input="Hi")
+    assert [item.type for item in got.output] == ["message"] and got.output_text == "<think>hmm</think>Yes."
+    events = list(app.client().responses.create(model=MODEL, input="Hi", stream=True))
+    assert not any(e.type.startswith("response.reasoning") for e in events)
+    assert events[-1].response.output_text == "<think>hmm</think>Yes."

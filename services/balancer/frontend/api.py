@@ -46,7 +46,6 @@ from services.balancer.frontend.guard import Guard
 from services.balancer.frontend.http_metrics import HttpMetrics
 from services.balancer.frontend.images import ModelImages
 from services.balancer.frontend.responses_bodies import ResponsesRequest
-from services.balancer.frontend.responses_events import SplitReasoning
 from services.balancer.frontend.responses_serving import ResponsesServer
 from services.balancer.frontend.responses_store import MemoryResponseStore, ResponseStore
 from services.balancer.frontend.serving import OpenAIServer, json_response
@@ -82,7 +81,6 @@ def create_app(
     images: ImageSettings | None = None,
     model_images: ModelImages | None = None,
     response_store: ResponseStore | None = None,
-    split_reasoning: SplitReasoning | None = None,
     aliases: Sequence[str] = (),
 ) -> FastAPI:
     """The OpenAI-compatible app over generator. metrics' registry gets the
@@ -93,8 +91,7 @@ def create_app(
     takes images (default: it does not, and a request with one is a 400).
     response_store: where /v1/responses keeps stored responses (the mesh gives
     JetStream's, shared by its balancers; default: this process's memory, for one
-    balancer alone). split_reasoning: the reasoning parser's seam for Responses'
-    reasoning items (default: none). aliases: other names requests may ask for (vLLM's
+    balancer alone). aliases: other names requests may ask for (vLLM's
     further --served-model-name names); responses carry model_name, the first."""
     max_model_len = min(max_model_len, MAX_CONTEXT_TOKENS)  # a 400 that names the limit, not a 5xx from NATS
     stats = HttpMetrics(metrics or Metrics("balancer"), model_name, max_model_len)
@@ -112,7 +109,7 @@ def create_app(
     )
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_request_bytes, stats=stats)
     add_error_handlers(app)
-    responses = ResponsesServer(server, response_store or MemoryResponseStore(), split_reasoning)
+    responses = ResponsesServer(server, response_store or MemoryResponseStore())
     # As vLLM lists them: a card per served name, the first first, each rooted at the model.
     cards = {name: p.ModelCard(id=name, root=model_name, max_model_len=max_model_len) for name in names}
 

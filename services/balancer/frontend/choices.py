@@ -118,6 +118,31 @@ def attach_tools(call: Call, plan: ToolPlan, stream: bool) -> None:
             job.tool_stream = ToolStream(plan)
 
 
+def split_whole(call: Call, text: str) -> tuple[str | None, str]:
+    """A whole chat reply as (reasoning, content): split where the call has a reasoning
+    format (reasoning_output.ReasoningSupport.attach), else all content; reasoning is
+    None when the reply wrote none. Chat's message and /v1/responses' items both use it,
+    so the two endpoints split alike."""
+    if call.reasoning is None:
+        return None, text
+    splitter = new_splitter(call.reasoning, call.prompt_tail, raw=call.tools is not None)
+    piece = splitter.feed(text)
+    piece.add(splitter.finish())
+    return (piece.reasoning if splitter.saw_reasoning else None), piece.content
+
+
+def split_delta(job: Job, delta: Delta) -> tuple[str | None, str]:
+    """A streamed delta as (reasoning, content) through the job's splitter (which holds
+    back a tag split over deltas, so the pieces add up exactly); reasoning None when
+    this delta has none. Chat's chunks and /v1/responses' events both use it."""
+    if job.reasoning is None:
+        return None, delta.text
+    piece = job.reasoning.feed(delta.text)
+    if delta.finish_reason is not None:
+        piece.add(job.reasoning.finish())
+    return piece.reasoning or None, piece.content
+
+
 def token_text_of(call: Call, decode_one: "p.TokenText") -> "p.TokenText":
     if call.tokens_as_ids:
         return lambda token_id: f"token_id:{token_id}"
@@ -215,12 +240,8 @@ class Shaper:
     def _message(self, f: Finished) -> dict[str, Any]:
         """A chat choice's message and finish_reason (the reasoning split off first, then
         tool calls read out of the rest with tools)."""
-        call, text, reasoning = self.call, f.text, None
-        if call.reasoning is not None:
-            splitter = new_splitter(call.reasoning, call.prompt_tail, raw=call.tools is not None)
-            piece = splitter.feed(text)
-            piece.add(splitter.finish())
-            text, reasoning = piece.content, piece.reasoning if splitter.saw_reasoning else None
+        call = self.call
+        reasoning, text = split_whole(call, f.text)
         if call.tools is None:
             message = p.ChatResponseMessage(content=text, reasoning_content=reasoning)
             return {"message": message, "finish_reason": f.finish_reason}
@@ -258,12 +279,7 @@ class Shaper:
         usage_info = p.UsageInfo.of(usage) if usage is not None and call.continuous_usage else None
         token_ids = delta.token_ids if call.return_token_ids else None
         if call.chat:
-            text, reasoning = delta.text, None
-            if job.reasoning is not None:
-                piece = job.reasoning.feed(text)
-                if delta.finish_reason is not None:
-                    piece.add(job.reasoning.finish())
-                text, reasoning = piece.content, piece.reasoning or None
+            reasoning, text = split_delta(job, delta)
             message, finish = p.DeltaMessage(content=text), delta.finish_reason
             if job.tool_stream is not None:
                 message, finish = job.tool_stream.delta(text, delta.finish_reason)

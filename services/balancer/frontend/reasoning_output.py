@@ -6,12 +6,12 @@ reasoning_parsers.choose_reasoning_parser). A reply is split before it is read f
 tool calls, so the tool parser sees the content only; a reply constrained to calls
 (tool_choice required or named) is not split, since it holds no reasoning.
 reasoning_effort and the thinking switches reach the template in chat_template.py.
+/v1/responses serves chat calls, so its reasoning items follow the same rule.
 """
 
 from services.balancer.frontend.choices import Call
 from services.balancer.frontend.reasoning_parsers import (
     PROMPT_TAIL_TOKENS,
-    ReasoningSplitter,
     choose_reasoning_parser,
     new_splitter,
 )
@@ -43,10 +43,3 @@ class ReasoningSupport:
     def prompt_tail(self, prompt_ids: list[int]) -> str:
         """The prompt's last text, enough to see whether it opened a thinking block."""
         return self.recipe.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-
-    def splitter(self, prompt_ids: list[int], raw: bool = False) -> ReasoningSplitter | None:
-        """A splitter for one reply to prompt_ids (None: the model's replies are not split);
-        for callers outside chat completions (/v1/responses)."""
-        if self.parser is None:
-            return None
-        return new_splitter(self.parser, self.prompt_tail(prompt_ids), raw=raw)

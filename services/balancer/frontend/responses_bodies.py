@@ -5,7 +5,10 @@ both endpoints answer alike.
 
   * input: a string (one user message) or items: messages (user, system, developer,
     assistant; input_text / output_text parts), function_call and
-    function_call_output (a tool round trip: an assistant tool call, a tool message);
+    function_call_output (a tool round trip: an assistant tool call, a tool message),
+    reasoning (an earlier output's reasoning item, sent back as OpenAI asks clients
+    that keep their own context to: accepted, and left out of the prompt, as chat
+    templates leave out past reasoning and previous_response_id's turns do);
   * instructions: a system message first (not carried to the next turn, as OpenAI);
   * previous_response_id: the stored conversation goes before the new input;
   * tools: Responses' flat function tools, tool_choice, parallel_tool_calls;
@@ -77,6 +80,26 @@ class FunctionCallOutputItem(StrictBody):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class SummaryText(StrictBody):
+    type: Literal["summary_text"]
+    text: Text
+
+
+class ReasoningText(StrictBody):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class ReasoningItem(StrictBody):
+    type: Literal["reasoning"]
+    id: Text
+    summary: list[SummaryText]
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = None
+    """None made here; another server's cannot be read, so one is refused, not ignored."""
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 def _item_type(item: Any) -> str:
     # OpenAI's "easy" message ({role, content}) has no type: it is a message.
     if isinstance(item, dict):
@@ -87,7 +110,8 @@ def _item_type(item: Any) -> str:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -163,6 +187,8 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     for item in body.input:
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text})
+        elif isinstance(item, ReasoningItem):
+            continue  # past reasoning: not in the prompt (the template would drop it too)
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip

@@ -4,30 +4,28 @@ types (openai/types/responses), so its client parses them.
 
 A streamed response is a sequence of typed events, each with a sequence_number:
 response.created, response.in_progress, then per output item output_item.added,
-(a message:) content_part.added, output_text.delta..., output_text.done,
-content_part.done, (a function call:) function_call_arguments.delta...,
-function_call_arguments.done, then output_item.done; last response.completed (or
-response.incomplete at max_output_tokens, response.failed on an error). No
-`data: [DONE]`: OpenAI's Responses stream has none.
+(a reasoning item:) content_part.added, reasoning_text.delta...,
+reasoning_text.done, content_part.done, (a message:) content_part.added,
+output_text.delta..., output_text.done, content_part.done, (a function call:)
+function_call_arguments.delta..., function_call_arguments.done, then
+output_item.done; last response.completed (or response.incomplete at
+max_output_tokens, response.failed on an error). No `data: [DONE]`: OpenAI's
+Responses stream has none.
 
-Reasoning items: a splitter split_reasoning(text) -> (reasoning, content) (the
-reasoning parsers', chosen elsewhere) makes a whole response's reasoning item; the
-default is none (no reasoning item). Streams do not split yet.
+Reasoning: the chat call's own split (choices.split_whole, split_delta: the
+reasoning parser the server chose) becomes a reasoning item before the message,
+its text as one reasoning_text part (OpenAI's shape for raw reasoning, as vLLM
+writes it; no summary is made).
 """
 
 import json
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.balancer.frontend.responses_bodies import ResponsesRequest
 from services.balancer.generation import Usage
-
-SplitReasoning = Callable[[str], tuple[str | None, str]]
-"""text -> (reasoning, content): the seam where a reasoning parser plugs in."""
-
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -54,9 +52,13 @@ def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[s
             "arguments": call.arguments, "status": status}  # fmt: skip
 
 
-def reasoning_item(text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": new_id("rs"), "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}  # fmt: skip
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [_reasoning_part(text)] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:
@@ -71,17 +73,13 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     }
 
 
-def output_items(
-    text: str | None, calls: list[ToolCall], split_reasoning: SplitReasoning | None
-) -> list[dict[str, Any]]:
-    """A whole reply's output items: a reasoning item (only with a splitter that finds
-    reasoning), the message (unless the reply is calls only), the calls."""
+def output_items(reasoning: str | None, text: str | None, calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """A whole reply's output items: the reasoning item (when the reply reasoned), the
+    message (unless the reply is calls only), the calls."""
     items: list[dict[str, Any]] = []
     content = text or ""
-    if split_reasoning is not None:
-        reasoning, content = split_reasoning(content)
-        if reasoning:
-            items.append(reasoning_item(reasoning))
+    if reasoning:
+        items.append(reasoning_item(new_id("rs"), reasoning))
     if content or not calls:
         items.append(message_item(new_id("msg"), content))
     items += [call_item(new_id("fc"), call) for call in calls]
@@ -140,14 +138,17 @@ def final_status(finish_reason: str | None) -> tuple[str, str | None]:
 
 
 class EventWriter:
-    """One streamed response's events, numbered; fed the chat stream's pieces (text,
-    call pieces) in order, it opens and closes output items as OpenAI's stream does."""
+    """One streamed response's events, numbered; fed the chat stream's pieces
+    (reasoning, text, call pieces) in order, it opens and closes output items as
+    OpenAI's stream does."""
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape
         self.sequence_number = 0
         self.output: list[dict[str, Any]] = []
         """Finished items, in order."""
+        self._reasoning: tuple[str, str] | None = None
+        """The open reasoning item: (item id, text so far)."""
         self._message: tuple[str, str] | None = None
         """The open message: (item id, text so far)."""
         self._call: tuple[str, ToolCall] | None = None
@@ -164,10 +165,29 @@ class EventWriter:
         state = self.shape.response("in_progress", [])
         return [self.event("response.created", response=state), self.event("response.in_progress", response=state)]
 
+    def reasoning(self, delta: str) -> list[str]:
+        """A piece of reasoning: it opens the reasoning item (closing what is open), or adds to it."""
+        if not delta:
+            return []
+        events = self._close_message() + self._close_call()
+        index = len(self.output)
+        if self._reasoning is None:
+            item_id = new_id("rs")
+            self._reasoning = (item_id, "")
+            events.append(self.event("response.output_item.added", output_index=index,
+                                     item=reasoning_item(item_id, "", "in_progress")))  # fmt: skip
+            events.append(self.event("response.content_part.added", item_id=item_id, output_index=index,
+                                     content_index=0, part=_reasoning_part("")))  # fmt: skip
+        item_id, text = self._reasoning
+        self._reasoning = (item_id, text + delta)
+        events.append(self.event("response.reasoning_text.delta", item_id=item_id, output_index=index,
+                                 content_index=0, delta=delta))  # fmt: skip
+        return events
+
     def text(self, delta: str) -> list[str]:
         if not delta:
             return []
-        events = self._close_call()
+        events = self._close_reasoning() + self._close_call()
         index = len(self.output)
         if self._message is None:
             item_id = new_id("msg")
@@ -186,7 +206,7 @@ class EventWriter:
         """A piece of a call: call_id and name start a new one; arguments add to the open one."""
         events: list[str] = []
         if call_id is not None:
-            events += self._close_message() + self._close_call()
+            events += self._close_reasoning() + self._close_message() + self._close_call()
             item_id = new_id("fc")
             self._call = (item_id, ToolCall(call_id, name or "", ""))
             events.append(self.event("response.output_item.added", output_index=len(self.output),
@@ -199,17 +219,37 @@ class EventWriter:
         return events
 
     def finish(self, finish_reason: str | None, usage: Usage | None) -> list[str]:
-        events = self._close_message() + self._close_call()
+        events = self._close_open()
         status, reason = final_status(finish_reason)
         self.final = self.shape.response(status, self.output, usage, incomplete_reason=reason)
         events.append(self.event(f"response.{status}", response=self.final))
         return events
 
     def fail(self, code: str, message: str) -> list[str]:
-        events = self._close_message() + self._close_call()
+        events = self._close_open()
         error = {"code": code, "message": message}
         events.append(self.event("response.failed", response=self.shape.response("failed", self.output, error=error)))
         return events
+
+    def _close_open(self) -> list[str]:
+        """Close whichever item is open (at most one is)."""
+        return self._close_reasoning() + self._close_message() + self._close_call()
+
+    def _close_reasoning(self) -> list[str]:
+        if self._reasoning is None:
+            return []
+        item_id, text = self._reasoning
+        self._reasoning = None
+        index = len(self.output)
+        item = reasoning_item(item_id, text)
+        self.output.append(item)
+        return [
+            self.event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+                       text=text),
+            self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                       part=_reasoning_part(text)),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def _close_message(self) -> list[str]:
         if self._message is None:

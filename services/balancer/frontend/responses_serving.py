@@ -19,13 +19,12 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, RootModel
 
-from services.balancer.frontend.choices import Call, Finished
+from services.balancer.frontend.choices import Call, Finished, split_delta, split_whole
 from services.balancer.frontend.errors import APIError
 from services.balancer.frontend.responses_bodies import ResponsesRequest, chat_request, input_messages, responses_param
 from services.balancer.frontend.responses_events import (
     EventWriter,
     ResponseShape,
-    SplitReasoning,
     ToolCall,
     conversation_turn,
     final_status,
@@ -41,13 +40,9 @@ log = logging.getLogger(__name__)
 
 
 class ResponsesServer:
-    def __init__(
-        self, server: OpenAIServer, store: ResponseStore, split_reasoning: SplitReasoning | None = None
-    ) -> None:
+    def __init__(self, server: OpenAIServer, store: ResponseStore) -> None:
         self.server = server
         self.store = store
-        self.split_reasoning = split_reasoning
-        """The reasoning parser's seam (responses_events.SplitReasoning); None: no reasoning items."""
 
     async def create(self, body: ResponsesRequest, http: Request) -> Response:
         history: list[dict[str, Any]] = []
@@ -93,15 +88,15 @@ class ResponsesServer:
             async with aclosing(self.server.chat_deltas(call)) as deltas:
                 async for _, delta in deltas:
                     finished.add(delta)
-            content: str | None = finished.text
+            reasoning, content = split_whole(call, finished.text)  # as chat splits: before the tool parser
             calls: list[ToolCall] = []
             finish = finished.finish_reason
             if call.tools is not None:
-                message, finish = whole_message(call.tools, finished.text, finish)
-                content = message.content
+                message, finish = whole_message(call.tools, content, finish)
+                content = message.content or ""
                 calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ()]
             status, reason = final_status(finish)
-            output = output_items(content, calls, self.split_reasoning)
+            output = output_items(reasoning, content, calls)
             response = shape.response(status, output, finished.usage, incomplete_reason=reason)
             await self._keep(shape, response, turns)
             yield RootModel[dict[str, Any]](response)
@@ -122,11 +117,13 @@ class ResponsesServer:
                     while item is not None:
                         _, delta = item
                         usage, finish = delta.usage or usage, delta.finish_reason or finish
+                        reasoning, text = split_delta(job, delta)  # as chat's chunks: before the tool parser
+                        events = writer.reasoning(reasoning or "")
                         if job.tool_stream is None:
-                            events = writer.text(delta.text)
+                            events += writer.text(text)
                         else:
-                            message, _ = job.tool_stream.delta(delta.text, delta.finish_reason)
-                            events = writer.text(message.content or "")
+                            message, _ = job.tool_stream.delta(text, delta.finish_reason)
+                            events += writer.text(message.content or "")
                             for piece in message.tool_calls or ():
                                 events += writer.call(piece.id, piece.function.name, piece.function.arguments)
                         for event in events:

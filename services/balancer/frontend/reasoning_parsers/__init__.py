@@ -8,7 +8,7 @@ The balancer setting reasoning_parser picks the format by vLLM's
 --reasoning-parser names; "auto" (the default) reads it off the chat template,
 "none" leaves replies whole. Chat completions return the reasoning as
 message.reasoning_content (streamed as delta.reasoning_content); /v1/responses
-as reasoning items, through split_reasoning and new_splitter.
+as reasoning items; both split through choices.split_whole and split_delta.
 """
 
 from collections.abc import Callable
