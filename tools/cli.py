@@ -16,6 +16,7 @@ from shared.engine.config import (
 from shared.engine.sampling_params import SamplingParams
 from shared.model.models import ARCHITECTURE_OF_MODEL_TYPE
 from shared.runtime.settings import field_docs
+from tools.bench.catalog import BENCHES, Bench, find
 
 # Engine knobs whose flag would collide with a subcommand's own (generate's --seed is the sampling seed).
 _ENGINE_FLAG_NAMES = {"seed": "--engine-seed"}
@@ -298,9 +299,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_catalogued(bench: Bench, argv: list[str]) -> int:
+    """Hands argv to the bench module's own main: its flags and --help stay the module's."""
+    import importlib
+
+    module = importlib.import_module(f"tools.bench.{bench.module}")
+    return int(module.main(argv) or 0)
+
+
+def _catalogued(command: str) -> Bench:
+    bench = find(command)
+    assert bench is not None, f"{command} is not in tools/bench/catalog.py"
+    return bench
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infermesh", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="infermesh", description=__doc__,
+        epilog="Each bench-* command is one benchmark (tools/bench/catalog.py lists them; docs/benchmarks.md says "
+        "what each writes); `infermesh bench-<kind> --help` gives its flags.",
+    )  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("make-model", help="write a small seeded checkpoint in the HF format")
     p.add_argument("path")
@@ -334,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(p)
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("bench-engine", help="prefill and decode throughput against transformers")
+    p = sub.add_parser("bench-engine", help=_catalogued("bench-engine").help)
     p.add_argument("--model", default=None, help="checkpoint folder (default: make the tiny model)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=128)
@@ -344,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench_engine)
 
     p = sub.add_parser(
-        "bench-mesh", help="throughput and TTFT through the mesh against the engine behind HTTP (and in process)",
+        "bench-mesh", help=_catalogued("bench-mesh").help,
         description="Engine knobs come from the settings (INFERMESH_CONFIG, INFERMESH_ENGINE__*), as the mesh's "
         "services read them, with the flags given here over them, for every target alike.",
     )
@@ -374,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench_mesh)
 
     p = sub.add_parser(
-        "bench", help="load any OpenAI-compatible endpoint and report vllm bench serve's figures",
+        "bench", help=_catalogued("bench").help,
         description="Closed-loop concurrency or open-loop request rate against --base-url (ours or anyone's), "
         "one level after another; per level: completed/failed, req/s, goodput, output and total tok/s, peak "
         "concurrency, mean/median/percentiles of TTFT, TPOT, ITL and E2EL. With --out: bench.json and PNG plots. "
@@ -409,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR", help="write bench.json, latency_cdf.png, throughput_vs_load.png")
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("bench-gpu", help="Llama-3-8B-shaped decode and prefill on a GPU against its roofline")
+    p = sub.add_parser("bench-gpu", help=_catalogued("bench-gpu").help)
     p.add_argument("--out", default="docs/perf", help="folder for gpu_bench.json and gpu_bench.md")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     p.add_argument("--overlap-only", action="store_true", help="only the engine's idle gap, step by step vs overlapped")
@@ -418,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(engine-*: the whole engine at its default step sizes; default: the full table)")
     p.add_argument("--profile", action="store_true", help="only where a decode step's time goes (matmuls, kernels by kind)")
     p.set_defaults(func=_cmd_bench_gpu)
+
+    for bench in BENCHES:
+        if not bench.parsed_in_cli:  # listed here; main hands their arguments over before argparse sees them
+            sub.add_parser(bench.command, help=bench.help, add_help=False)
 
     p = sub.add_parser("up", help="run the mesh on this machine: nats-server and every service")
     p.add_argument("--model", default=None, help="checkpoint folder (default: models/default, made if missing)")
@@ -512,6 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    bench = find(argv[0]) if argv else None
+    if bench is not None and not bench.parsed_in_cli:
+        # Before argparse: a subparser cannot pass "--help" or leading flags through (REMAINDER stops at them).
+        return _cmd_catalogued(bench, argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -29,11 +29,12 @@ import argparse
 import random
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from tools.bench.raw_file import write_json
 
 if TYPE_CHECKING:
     from shared.model.kernels.invariant_matmul import MatmulConfig
@@ -305,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
                         "persistent sweep (CUDA)")  # fmt: skip
     parser.add_argument("--persistent-sweep", action="store_true", help="also the persistent kernel's tiles at prefill "
                         "M per weight (CUDA)")  # fmt: skip
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="the batch table, under the raw-file header (the matmul tables only print)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
@@ -319,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'batch':>5} {'normal tok/s':>13} {'invariant tok/s':>16} {'slowdown':>9} {'same tokens':>12}")
     for r in rows:
         print(f"{r.batch:>5} {r.normal_tok_s:>13.1f} {r.invariant_tok_s:>16.1f} {r.slowdown:>8.2f}x {str(r.same_tokens):>12}")
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        write_json(args.json, {"rows": [{**asdict(r), "slowdown": r.slowdown} for r in rows], "settings": settings})
     if args.matmul:
         print(f"\nmatmul x[M, K] @ W[N, K]^T ({args.dtype}): F.linear (cuBLAS) vs invariant_matmul, median us")
         print(f"{'weight':>8} {'N x K':>13} {'M':>5} {'F.linear':>9} {'invariant':>10} {'ratio':>7}  bucket: tiles")

@@ -2,11 +2,12 @@
 and FABRIC handle attributes, and whether cuMemCreate and export succeed with each
 handle type (shared/kv/memory/cuda_vmm.py does the allocating).
 
-    PYTHONPATH=$PWD python3 -m tools.bench.cuda_vmm          # one JSON line
+    PYTHONPATH=$PWD python3 -m tools.bench.cuda_vmm [DEVICE]  # one JSON line
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import sys
@@ -35,5 +36,14 @@ def probe(device: int = 0) -> dict:
     return report
 
 
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cuda_vmm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("device", type=int, nargs="?", default=0, help="the CUDA device's index")
+    args = p.parse_args(argv)
+    print(json.dumps(probe(args.device)), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(probe(int(sys.argv[1]) if len(sys.argv) > 1 else 0)), flush=True)
+    sys.exit(main())

@@ -119,11 +119,11 @@ def spread(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 3)")
     parser.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds < 3:
         parser.error("at least 3 timed rounds")
     with tee_stdout(args.out), tempfile.TemporaryDirectory() as tmp:

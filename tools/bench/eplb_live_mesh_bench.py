@@ -210,11 +210,11 @@ def load_average() -> str:
     return f"load {one:.2f} (5 min {five:.2f})"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 3)")
     parser.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds < 3:
         parser.error("at least 3 timed rounds")
     with tee_stdout(args.out), tempfile.TemporaryDirectory() as tmp:

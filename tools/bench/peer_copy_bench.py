@@ -47,7 +47,7 @@ sys.stdin.readline()
 """
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--layers", type=int, default=32)
@@ -58,7 +58,7 @@ def main() -> None:
                         "unix socket (kv_share_dir; on a GPU made by CUDA's VMM API), as between containers")
     p.add_argument("--log", default=None, metavar="PATH",
                    help="the raw file: what is printed, under tools/bench/raw_file.py's header")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     with tee_stdout(args.log):
         _bench(args)
 

@@ -10,10 +10,12 @@ every layer full, or every other layer sliding (window 128). It prints
    tokens, and the mean KL divergence of the next-token distributions while both runs
    still agree (their contexts are the same there).
 
-    python -m tools.bench.swa_bench
+    python -m tools.bench.swa_bench [--json PATH]
 """
 
+import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ from shared.engine.outputs import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.kv.connectors.memory import MemoryConnector, MemoryKVStore
 from shared.kv.transfer import KVTransferParams
+from tools.bench.raw_file import write_json
 from tools.make_model import make_model
 
 WINDOW = 128
@@ -92,7 +95,7 @@ def recording_logits(e: LLMEngine) -> list[torch.Tensor]:
     return seen
 
 
-def main(prompt_len: int = 4000, cached_fraction: float = 0.9, drift_tokens: int = 256, seed: int = 0) -> dict:
+def run_swa_bench(prompt_len: int = 4000, cached_fraction: float = 0.9, drift_tokens: int = 256, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,5 +155,20 @@ def main(prompt_len: int = 4000, cached_fraction: float = 0.9, drift_tokens: int
     return results
 
 
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="swa_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt-len", type=int, default=4000)
+    p.add_argument("--cached-fraction", type=float, default=0.9, help="of the prompt, rounded down to whole blocks")
+    p.add_argument("--drift-tokens", type=int, default=256, help="greedy tokens compared for the drift")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="the figures, under the raw-file header")
+    args = p.parse_args(argv)
+    results = run_swa_bench(args.prompt_len, args.cached_fraction, args.drift_tokens, args.seed)
+    if args.json:
+        write_json(args.json, {"figures": results, "settings": {k: v for k, v in vars(args).items() if k != "json"}})
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

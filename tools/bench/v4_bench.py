@@ -540,7 +540,7 @@ def _cells(b: Breakdown, key: str, gpu: bool) -> str:
     return f"{b.device_ms[key]:.2f} | {host}" if gpu and b.device_ms is not None else host
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a V4 checkpoint folder (drawn there first with --preset)")
     parser.add_argument("--preset", default=None, help="make-model preset to draw into --model if it holds no checkpoint")
@@ -554,7 +554,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed prefills after the warm-up")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=None, help="folder for v4_bench.md and v4_bench.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     folder = Path(args.model)
     # make_model writes config.json first and the shards' index last: a draw cut short has no index.
     if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in (SINGLE_FILE, INDEX_FILE)):

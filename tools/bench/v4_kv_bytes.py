@@ -68,10 +68,10 @@ def measured_bytes(model: str, num_tokens: int = 256, block_size: int = 128) -> 
     return sum(len(b) for b in store.blocks.values()) / (len(store.blocks) * block_size)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a V4 checkpoint folder (default: make-model's tiny V4)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     flash = logical_bytes(v4_flash(), 512, 2)
     print("V4-Flash shape, bf16, logical bytes per raw token:")
     print(f"  compressed only (V4.1, window not persisted): {flash.compressed:8.1f}")
