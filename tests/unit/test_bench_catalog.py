@@ -85,3 +85,9 @@ def test_arguments_reach_the_module(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["bench-v4-kv-pages", "--no-such-flag"])
     assert exit_.value.code == 2
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_docs_list_every_bench() -> None:
+    text = (BENCH_DIR.parent.parent / "docs" / "benchmarks.md").read_text()
+    for bench in BENCHES:
+        assert f"| `infermesh {bench.command}` |" in text, f"docs/benchmarks.md's table lacks {bench.command}"

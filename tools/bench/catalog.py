@@ -19,7 +19,7 @@ class Bench:
     summary: str
     """One line for `infermesh --help` (the module's docstring says the rest)."""
     output: str
-    """Where its figures go in a form a program can read, as its flags say it."""
+    """What it writes besides the screen (JSON, or the printed table under the raw-file header), by which flag."""
     gpu_only: bool = False
     """Needs a CUDA device: it cannot run on the CPU at all."""
     parsed_in_cli: bool = False
