@@ -104,7 +104,11 @@ def test_a_good_start_shows_weights_and_services_coming_up(model, tmp_path):
     out = up("--model", str(model), "--port", str(free_port()), "--state-dir", str(tmp_path / "state"), "--demo")
     assert out.returncode == 0, out.stderr
     assert "InferMesh is up" in out.stdout
-    last = {bar: [line for line in out.stderr.replace("\r", "\n").splitlines() if line.startswith(bar)][-1]
-            for bar in ("loading weights", "services up")}
-    assert "100%" in last["loading weights"] and "2 workers" in last["loading weights"]
-    assert "100%" in last["services up"] and "5/5" in last["services up"]
+    # Its stderr is a pipe, not a terminal: one line per change, no redrawn bars.
+    lines = out.stderr.splitlines()
+    assert "\r" not in out.stderr
+    model_name = model.name
+    assert any(line.startswith("loading weights: ") and f"tensors of {model_name}, 2 workers" in line for line in lines)
+    assert any(line.startswith("weights loaded: ") and f"tensors of {model_name}" in line for line in lines)
+    ups = [line for line in lines if line.startswith("up: ")]
+    assert len(ups) == 5 and ups[-1].endswith("(5/5 services)")
