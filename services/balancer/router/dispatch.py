@@ -6,7 +6,10 @@ prompt there), then where the prompt is
 computed: on that decode instance, or on a prefill instance that takes it. A
 refusal from an overloaded or draining prefill instance, or one that does not
 answer, is retried on the next candidate; instances that failed this request
-before are chosen again only when no other is live. The load each choice adds
+before are chosen again only when no other is live. When every prefill instance
+has refused or not answered (a mesh scaling, an instance draining while another
+starts, late heartbeats on a busy host), all are asked again every
+PREFILL_RETRY_INTERVAL_S for PREFILL_RETRY_S before the client gets a 503. The load each choice adds
 is reserved at once (reservations.py) and given back if the handover fails.
 """
 
@@ -46,6 +49,10 @@ from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings
 
 log = logging.getLogger(__name__)
+
+PREFILL_RETRY_S = 5.0
+"""How long a request no prefill instance took is offered to them again before a 503."""
+PREFILL_RETRY_INTERVAL_S = 0.25
 
 
 class Dispatcher:
@@ -155,6 +162,7 @@ class Dispatcher:
             return await self._dispatch_local(req, images, decode.instance, span)
         tried: set[str] = set()
         last_error = "no live prefill instance"
+        retry_until = time.monotonic() + PREFILL_RETRY_S
         while True:
             live = [i for i in self._candidates("prefill") if i.instance_id not in tried]
             if not live and await self.outage.retry(deadline, span):
@@ -163,6 +171,10 @@ class Dispatcher:
             try:
                 prefill = choose_prefill(self._prefer(live, excluded), hashes, self.rng)
             except LookupError:
+                if time.monotonic() < retry_until:  # every one refused or was silent: ask them all again shortly
+                    await asyncio.sleep(PREFILL_RETRY_INTERVAL_S)
+                    tried.clear()
+                    continue
                 log.warning("request %s: no prefill instance took it: %s", req.request_id, last_error)
                 span.set_attribute("error", last_error)
                 raise GenerationError("No prefill instance could take the request; retry later.",
