@@ -4,6 +4,8 @@ planner can load, with the points asked for, figures that move the way the work
 does (gross ratios only: the machine is shared), and where it came from."""
 
 import json
+import shlex
+import sys
 from pathlib import Path
 
 from services.planner.profile import Profile
@@ -37,7 +39,9 @@ def test_a_tiny_sweep_writes_a_profile_the_planner_loads(start_mesh, mesh_model_
     assert all(p.ttft_ms > 0 and p.tokens_per_s > 0 for p in profile.prefill)
     assert all(d.itl_ms > 0 for d in profile.decode)
 
-    assert profile.commit and profile.commit != "unknown" and profile.device and "profile" in profile.command
+    # The command is this process's own (pytest's here; `infermesh profile ...` from a shell).
+    assert profile.commit and profile.commit != "unknown" and profile.device
+    assert profile.command == shlex.join(getattr(sys, "orig_argv", sys.argv))
     assert profile.model == Path(mesh_model_dir).name  # the balancer's model id
     assert profile.settings["decode.speculation"] == "off" and profile.settings["sweep.rounds"] == "3"
     config = ModelConfig.from_pretrained(mesh_model_dir)
