@@ -10,6 +10,7 @@ mesh.nats_url's operator (admin)."""
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,3 +77,13 @@ def kv_blocks_settled(mesh: Mesh, at_least: int, timeout_s: float = 15.0) -> int
             return now
         last = now
     return last
+
+
+def live_instances(mesh: Mesh) -> dict[str, int]:
+    """Each stage's live instances, as the balancer's /ready counts them ({} while it
+    does not answer; a 503 also says nothing here, as it means no full mesh yet)."""
+    try:
+        with urllib.request.urlopen(f"http://{mesh.host}:{mesh.port}/ready", timeout=2) as r:
+            return json.loads(r.read())["instances"]
+    except OSError:
+        return {}

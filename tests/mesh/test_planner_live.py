@@ -9,14 +9,13 @@ more; the planner's correction may at most halve the latency it predicts, so at
 most 40). The busy step asks for ~4 requests/s of 16 tokens, 64 tokens/s: two or
 more instances, capped at 3; the quiet steps ask for one."""
 
-import json
 import threading
 import time
-import urllib.request
 
 import openai
 
 from services.planner.profile import DecodePoint, PrefillPoint, Profile
+from tests.helpers.mesh import live_instances
 
 INTERVAL_S = 1.5
 MESH_ENV = {
@@ -36,14 +35,6 @@ def small_profile(path) -> str:  # noqa: ANN001
                       prefill=prefill, decode=decode)
     profile.save(path)
     return str(path)
-
-
-def instances(mesh) -> dict:  # noqa: ANN001
-    try:
-        with urllib.request.urlopen(f"http://{mesh.host}:{mesh.port}/ready", timeout=2) as r:
-            return json.loads(r.read())["instances"]
-    except OSError:
-        return {}
 
 
 def test_a_stepped_load_makes_the_planner_add_and_remove_decode_instances(start_mesh, tmp_path) -> None:
@@ -78,18 +69,18 @@ def test_a_stepped_load_makes_the_planner_add_and_remove_decode_instances(start_
         deadline = time.monotonic() + timeout_s
         while not check():
             assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s (decode counts seen {seen})"
-            seen.append(instances(mesh).get("decode", 0))
+            seen.append(live_instances(mesh).get("decode", 0))
             time.sleep(0.5)
 
     feeder = threading.Thread(target=arrivals, daemon=True)
     feeder.start()
     try:
         time.sleep(4 * INTERVAL_S)
-        assert instances(mesh).get("decode") == 1  # quiet: one is enough
+        assert live_instances(mesh).get("decode") == 1  # quiet: one is enough
         rate[0] = 4.0
-        wait_for("a second decode instance", lambda: instances(mesh).get("decode", 0) >= 2, 90)
+        wait_for("a second decode instance", lambda: live_instances(mesh).get("decode", 0) >= 2, 90)
         rate[0] = 0.4
-        wait_for("back to one decode instance", lambda: instances(mesh).get("decode", 0) == 1, 120)
+        wait_for("back to one decode instance", lambda: live_instances(mesh).get("decode", 0) == 1, 120)
     finally:
         stop.set()
         feeder.join(10)

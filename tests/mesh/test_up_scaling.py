@@ -7,24 +7,15 @@ Checked, under a steady stream of requests: scaled up, the new instances get NAT
 users, join the registry and take requests; scaled down, the highest-numbered
 instances drain and exit, their users go; and no request fails meanwhile."""
 
-import json
 import threading
 import time
-import urllib.request
 
 import openai
 
 from shared.runtime.desired_replicas import write_desired
+from tests.helpers.mesh import live_instances
 
 PROMPTS = [f"scaling {i}: one two three four" for i in range(64)]
-
-
-def ready(mesh) -> dict:  # noqa: ANN001
-    try:
-        with urllib.request.urlopen(f"http://{mesh.host}:{mesh.port}/ready", timeout=2) as r:
-            return json.loads(r.read())
-    except OSError:
-        return {}
 
 
 def wait_for(what: str, check, timeout_s: float = 90.0) -> None:  # noqa: ANN001
@@ -59,7 +50,7 @@ def test_replicas_file_scales_each_stage_up_and_down_with_no_failed_request(star
     try:
         write_desired(mesh.replicas_file, {"prefill": 2, "decode": 2})
         wait_for("2 prefill and 2 decode in the registry",
-                 lambda: ready(mesh).get("instances", {}) == {"prefill": 2, "decode": 2})
+                 lambda: live_instances(mesh) == {"prefill": 2, "decode": 2})
         assert mesh.instances("decode") == ["decode-0", "decode-1"]
         assert "decode-1" in mesh.nats_config.read_text()  # its own NATS user, in force
         before = len(answered)
@@ -69,7 +60,7 @@ def test_replicas_file_scales_each_stage_up_and_down_with_no_failed_request(star
         wait_for("decode-1 and prefill-1 gone",
                  lambda: not {"decode-1", "prefill-1"} & {n for n, _ in mesh.procs})
         wait_for("1 prefill and 1 decode in the registry",
-                 lambda: ready(mesh).get("instances", {}) == {"prefill": 1, "decode": 1})
+                 lambda: live_instances(mesh) == {"prefill": 1, "decode": 1})
         assert "decode-1" not in mesh.nats_config.read_text()  # its user went with it
         before = len(answered)
         wait_for("requests served after scaling down", lambda: len(answered) >= before + 6)
