@@ -9,7 +9,7 @@ answer, is retried on the next candidate; instances that failed this request
 before are chosen again only when no other is live. When every prefill instance
 has refused or not answered (a mesh scaling, an instance draining while another
 starts, late heartbeats on a busy host), all are asked again every
-PREFILL_RETRY_INTERVAL_S for PREFILL_RETRY_S before the client gets a 503. The load each choice adds
+PREFILL_RETRY_INTERVAL_S for PREFILL_RETRY_S from then before the client gets a 503. The load each choice adds
 is reserved at once (reservations.py) and given back if the handover fails.
 """
 
@@ -162,7 +162,7 @@ class Dispatcher:
             return await self._dispatch_local(req, images, decode.instance, span)
         tried: set[str] = set()
         last_error = "no live prefill instance"
-        retry_until = time.monotonic() + PREFILL_RETRY_S
+        retry_until: float | None = None  # set when every instance has failed it once
         while True:
             live = [i for i in self._candidates("prefill") if i.instance_id not in tried]
             if not live and await self.outage.retry(deadline, span):
@@ -171,7 +171,10 @@ class Dispatcher:
             try:
                 prefill = choose_prefill(self._prefer(live, excluded), hashes, self.rng)
             except LookupError:
-                if time.monotonic() < retry_until:  # every one refused or was silent: ask them all again shortly
+                # Every one refused or was silent: ask them all again shortly, for PREFILL_RETRY_S
+                # from now (not from the dispatch: one ack timeout may already have used that up).
+                retry_until = time.monotonic() + PREFILL_RETRY_S if retry_until is None else retry_until
+                if time.monotonic() < retry_until:
                     await asyncio.sleep(PREFILL_RETRY_INTERVAL_S)
                     tried.clear()
                     continue
