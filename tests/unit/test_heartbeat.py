@@ -6,6 +6,7 @@ engine stages' duty after each beat. A stand-in for the bus records what is publ
 through a real nats-server)."""
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -73,6 +74,49 @@ def test_a_beat_while_nats_is_down_is_dropped_and_does_not_register():
         assert beats.registered and bus.sent[0][1].seq == 2  # the lost beat used its seq
 
     asyncio.run(main())
+
+
+def test_a_failed_publish_is_logged_once_per_outage_with_its_cause(caplog):
+    """Not swallowed: the first beat lost says so (a warning naming the instance, the
+    subject and NATS's error); the rest of the outage, debug lines; the first beat through
+    says how many were lost."""
+    async def main() -> None:
+        bus = RecordingBus()
+        beats = Heartbeats(bus, IDENTITY, _state)  # type: ignore[arg-type]
+        bus.down = True
+        for _ in range(3):
+            await beats.send()
+        assert beats.num_failed == 3
+        bus.down = False
+        await beats.send()
+        assert beats.num_failed == 0 and beats.registered
+
+    with caplog.at_level(logging.DEBUG, logger="shared.runtime.heartbeat"):
+        asyncio.run(main())
+    records = [r for r in caplog.records if r.name == "shared.runtime.heartbeat"]
+    assert [r.levelno for r in records] == [logging.WARNING, logging.DEBUG, logging.DEBUG, logging.WARNING]
+    first = records[0].getMessage()
+    assert "vision-0" in first and subjects.heartbeat("vision", "vision-0") in first and "nats down" in first
+    assert "after 3 failed" in records[-1].getMessage()
+
+
+def test_a_failing_after_beat_is_logged(caplog):
+    async def main() -> None:
+        bus = RecordingBus()
+
+        async def after_beat() -> None:
+            raise RuntimeError("kvcache unreachable")
+
+        task = Heartbeats(bus, IDENTITY, _state, after_beat).start()  # type: ignore[arg-type]
+        while len(bus.sent) < 2:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.ERROR, logger="shared.runtime.heartbeat"):
+        asyncio.run(main())
+    assert any(r.exc_info and "kvcache unreachable" in str(r.exc_info[1]) for r in caplog.records)
 
 
 def test_the_state_is_read_at_each_beat():
