@@ -25,8 +25,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tools.launch.nats_auth import (ENV_SECRETS, User, authorization_block, new_password, password_variable,
-                                    server_config)
+from tools.launch.nats_auth import (ENV_SECRETS, User, authorization_block, grpc_env, new_password,
+                                    password_variable, server_config)
 
 DEPLOY = Path(__file__).resolve().parent
 HELM_NATS = DEPLOY / "helm" / "infermesh" / "files" / "nats"
@@ -83,9 +83,10 @@ def generated() -> dict[Path, str]:
 
 
 def compose_secrets() -> dict[str, str]:
-    """secrets.env: a password per role user and per instance, the gRPC token, the API key, Grafana's."""
+    """secrets.env: a password per role user and per instance, a gRPC token per identity and
+    their peers list (tools/launch/nats_auth.py grpc_env), the API key, Grafana's."""
     names = [password_variable(u) for u in (*ROLE_USERS, *COMPOSE_INSTANCES)]
-    return {name: new_password() for name in (*names, *ENV_SECRETS)}
+    return {**{name: new_password() for name in names}, **grpc_env(), **{name: new_password() for name in ENV_SECRETS}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,8 @@ process, the mesh), the tiny models tests run on, and the interpreter's place-fr
 dot; and the hook that marks each test with its tier (its folder). Plain helpers
 live in tests/helpers/; this file is never imported as a module.
 
-At import, this process's gRPC clients get the session's token (the meshes'
-GRPC_TOKEN)."""
+At import, this process's gRPC clients get the session's prefill token (the
+meshes' GRPC_TOKEN: tests store and read blocks as a prefill instance does)."""
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack

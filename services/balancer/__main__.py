@@ -1,4 +1,4 @@
 from services.balancer.service import setup
 from shared.runtime.service import main
 
-main("balancer", setup)
+main("balancer", setup, grpc_server=False)

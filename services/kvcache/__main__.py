@@ -3,14 +3,15 @@
 Settings (env var INFERMESH_<SECTION>__<FIELD>, see shared/runtime/settings.py):
 kvcache.path (LMDB folder), kvcache.capacity_bytes, kvcache.ttl_s,
 kvcache.chunk_bytes, kvcache.nixl_staging_bytes, kvcache.address, worker.grpc_port,
-worker.drain_timeout_s, worker.bind_host, worker.grpc_token, kv_transfer.nixl (Gets written into
+worker.drain_timeout_s, worker.bind_host, worker.grpc_peers, kv_transfer.nixl (Gets written into
 clients' buffers through NIXL), kv_transfer.nixl_backends,
 kv_transfer.nixl_transfer_timeout_s, nats.url, nats.user, nats.password, telemetry.*.
 
 Port rule: workers dial kvcache.address, so by default the service binds the
 port of that address, on worker.bind_host (loopback unless told otherwise:
-containers and pods set 0.0.0.0); every call but health needs
-worker.grpc_token (shared/runtime/rpc.py). worker.grpc_port, when non-zero,
+containers and pods set 0.0.0.0); every call but health needs the token of
+an identity in worker.grpc_peers, and that identity must be one the method is
+for (services/kvcache/access.py: only prefill and decode store blocks). worker.grpc_port, when non-zero,
 wins: for a deployment where the address workers dial is a proxy or a
 Kubernetes Service whose port differs from the container's. The service never
 picks a random port: nobody could find it.
@@ -21,6 +22,7 @@ import contextlib
 import logging
 from contextlib import AsyncExitStack
 
+from services.kvcache.access import ACCESS
 from services.kvcache.nixl_get import NixlServer
 from services.kvcache.servicer import SERVICE_NAME, KVCacheMetrics, KVCacheServicer, KvEventPublisher
 from services.kvcache.store import BlockStore
@@ -97,7 +99,7 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
                                kv.chunk_bytes, nixl)
     stack.callback(servicer.close)  # unwinds after the server stopped, before the store closes
     server = await start_grpc_server(port, [(kvcache_pb2_grpc.add_KVCacheServicer_to_server, servicer)],
-                                     [SERVICE_NAME])
+                                     [SERVICE_NAME], access=ACCESS)
     # Flips NOT_SERVING, then lets in-flight calls finish for up to drain_timeout_s.
     stack.push_async_callback(server.stop, ctx.settings.worker.drain_timeout_s)
     sweeper = asyncio.create_task(sweep_forever(servicer, sweep_interval_s(kv.ttl_s)))

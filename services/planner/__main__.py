@@ -75,4 +75,4 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
 
 
 if __name__ == "__main__":
-    main("planner", setup, nats=False)
+    main("planner", setup, nats=False, grpc_server=False)

@@ -1,16 +1,18 @@
 """The gRPC side of every service: an asyncio server with grpc.health.v1,
-tracing and the mesh's bearer token, and client channels with tracing, the
-token and large-message options.
+tracing and the check of who calls (shared/runtime/rpc_auth.py), and client
+channels with tracing, this service's token and large-message options.
 
-Auth: one shared secret (worker.grpc_token) per mesh. Every call but
-grpc.health.v1 must carry `authorization: Bearer <token>`, compared in
-constant time; anything else gets UNAUTHENTICATED before a servicer runs.
-Health stays open because Kubernetes' gRPC probes and compose health checks
-cannot send metadata, and it reveals one bit (SERVING or not). The process's
-token and bind host are set once at start (configure(), from settings, by the
-service skeleton), so the servers and channels made deep inside a service
-(the Worker's server, KVCacheClient's channel) use them without threading
-them through every constructor.
+Auth: a token per identity (worker.grpc_token, this service's own), which
+servers know by its hash (worker.grpc_peers); every call but grpc.health.v1
+without a known one gets UNAUTHENTICATED before a servicer runs, and a server
+with an access table (kvcache) refuses an identity a method is not for with
+PERMISSION_DENIED. A server bound beyond loopback without a peers list refuses
+to start. Health stays open because Kubernetes' gRPC probes and compose health
+checks cannot send metadata, and it reveals one bit (SERVING or not). The
+process's token, peers and bind host are set once at start (configure(), from
+settings, by the service skeleton), so the servers and channels made deep
+inside a service (the Worker's server, KVCacheClient's channel) use them
+without threading them through every constructor.
 
 Mutual TLS, besides the token, where worker.tls_cert, tls_key and tls_ca are
 set (Helm does, with a CA and a certificate per service of its own making):
@@ -18,11 +20,9 @@ servers take only TLS connections that present a client certificate signed by
 the CA, clients present theirs and check the server's against the same CA (and
 its name against the address they dial). A client without a certificate, or
 with one of another CA, fails the handshake before any call, health included.
-`infermesh up` keeps the token alone (every process on one host, loopback).
+`infermesh up` keeps the tokens alone (every process on one host, loopback).
 The certificate checks are gRPC's own (BoringSSL), not code of ours."""
 
-import hmac
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +30,8 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+
+from shared.runtime.rpc_auth import AUTH_HEADER, Access, IdentityInterceptor, Peers, require_credentials
 
 # Blocks are streamed in chunks, but leave room for a chunk plus framing.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -40,9 +42,6 @@ _OPTIONS = [
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# Methods that need no token (probes cannot send one).
-OPEN_METHOD_PREFIX = "/grpc.health.v1.Health/"
-AUTH_HEADER = "authorization"
 
 
 class TlsPaths(Protocol):
@@ -57,6 +56,7 @@ class RpcSettings(TlsPaths, Protocol):
     """What configure_from reads (settings.WorkerSettings)."""
 
     grpc_token: str | None
+    grpc_peers: str | None
     bind_host: str
 
 
@@ -101,7 +101,9 @@ class RpcDefaults:
     """What servers and channels of this process use unless told otherwise."""
 
     token: str | None = None
-    """The shared bearer token; None: servers check nothing, clients send nothing."""
+    """This service's own token, which its calls carry; None: they carry nothing."""
+    peers: Peers | None = None
+    """Who may call this process's servers; None: they check nothing (loopback only)."""
     bind_host: str = "127.0.0.1"
     """Interface servers listen on."""
     tls: TlsFiles | None = None
@@ -111,59 +113,17 @@ class RpcDefaults:
 _defaults = RpcDefaults()
 
 
-def configure(token: str | None, bind_host: str, tls: TlsFiles | None = None) -> None:
-    """Set this process's token, bind host and TLS files (the service skeleton calls it from settings)."""
+def configure(token: str | None, bind_host: str, tls: TlsFiles | None = None, peers: Peers | None = None) -> None:
+    """Set this process's token, bind host, TLS files and peers (the service skeleton calls it from settings)."""
     _defaults.token = token or None
     _defaults.bind_host = bind_host
     _defaults.tls = tls
+    _defaults.peers = peers
 
 
 def configure_from(worker: RpcSettings) -> None:
-    """configure() from the settings' worker section: token, bind host, TLS files."""
-    configure(worker.grpc_token, worker.bind_host, TlsFiles.load(worker))
-
-
-def bearer_ok(metadata: Any, token: str) -> bool:
-    """True when the call's metadata carries `authorization: Bearer <token>` (constant-time compare)."""
-    expected = f"Bearer {token}".encode()
-    for key, value in metadata or ():
-        if key == AUTH_HEADER:
-            got = value.encode() if isinstance(value, str) else bytes(value)
-            if hmac.compare_digest(got, expected):
-                return True
-    return False
-
-
-def _refuse(kind: str) -> Callable[..., Any]:
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        yield  # pragma: no cover  (makes this an async generator)
-
-    return streaming if kind.endswith("stream") else unary
-
-
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without the bearer token (but health) with UNAUTHENTICATED."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):  # noqa: ANN001
-        handler = await continuation(details)
-        if details.method.startswith(OPEN_METHOD_PREFIX) or bearer_ok(details.invocation_metadata, self.token):
-            return handler
-        if handler is None:
-            return None  # an unknown method: UNIMPLEMENTED either way
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(_refuse("stream_stream"))
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(_refuse("stream_unary"))
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(_refuse("unary_stream"))
-        return grpc.unary_unary_rpc_method_handler(_refuse("unary_unary"))
+    """configure() from the settings' worker section: token, bind host, TLS files, peers."""
+    configure(worker.grpc_token, worker.bind_host, TlsFiles.load(worker), Peers.parse(worker.grpc_peers))
 
 
 class GrpcServer:
@@ -187,20 +147,29 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
+def require_server_credentials() -> None:
+    """The fail-closed check of start_grpc_server with the process's bind host and
+    peers, for a service to make at start (a ValueError naming the settings)."""
+    require_credentials(_defaults.bind_host, _defaults.peers)
+
+
 async def start_grpc_server(
     port: int, servicers: list[tuple[object, object]], service_names: list[str], host: str | None = None,
-    token: str | None = None, tls: TlsFiles | None = None,
+    peers: Peers | None = None, tls: TlsFiles | None = None, access: Access | None = None,
 ) -> GrpcServer:
     """servicers: (add_XServicer_to_server function, servicer) pairs. Port 0
-    picks a free port. host, token and tls default to the process's (configure()).
+    picks a free port. host, peers and tls default to the process's (configure()).
+    access: which identities may call which method (none: any known identity).
+    A ValueError, before anything binds, for a host beyond loopback without peers.
     Health starts NOT_SERVING: the caller flips it when the service is ready
     (after its engine loaded, say)."""
     host = host or _defaults.bind_host
-    token = token or _defaults.token
+    peers = peers or _defaults.peers
     tls = tls or _defaults.tls
+    require_credentials(host, peers)
     interceptors: list[grpc.aio.ServerInterceptor] = [aio_server_interceptor()]
-    if token:
-        interceptors.insert(0, TokenInterceptor(token))  # refuse before anything runs or is traced
+    if peers is not None:
+        interceptors.insert(0, IdentityInterceptor(peers, access))  # refuse before anything runs or is traced
     server = grpc.aio.server(interceptors=interceptors, options=_OPTIONS)
     for add, servicer in servicers:
         add(servicer, server)  # type: ignore[operator]
@@ -257,8 +226,8 @@ def _channel(address: str, tls: TlsFiles | None, **kwargs: Any) -> grpc.aio.Chan
 
 
 def open_channel(address: str, token: str | None = None, tls: TlsFiles | None = None) -> grpc.aio.Channel:
-    """A channel whose calls carry the bearer token, over mutual TLS when set up
-    (the process's token and TLS files unless given)."""
+    """A channel whose calls carry a bearer token, over mutual TLS when set up
+    (the process's own token and TLS files unless given)."""
     token = token or _defaults.token
     interceptors = list(aio_client_interceptors())
     if token:

@@ -3,8 +3,10 @@
     python -m services.<stage>  →  run_service("<stage>", setup)
 
 Binds and credentials come from settings: gRPC and /metrics listen on
-worker.bind_host (loopback by default), NATS logs in as nats.user, and gRPC
-calls carry worker.grpc_token both ways (shared/runtime/rpc.py).
+worker.bind_host (loopback by default), NATS logs in as nats.user, gRPC
+calls carry this service's own worker.grpc_token, and its gRPC server takes
+the identities of worker.grpc_peers (shared/runtime/rpc.py); a service that
+serves gRPC beyond loopback without them refuses to start, at once.
 
 SIGTERM/SIGINT set an event; an AsyncExitStack enters NATS, metrics and
 whatever `setup` adds (gRPC server, engine, subscriptions); on the event the
@@ -67,15 +69,22 @@ def default_instance_id(stage: str) -> str:
     return f"{stage}-{host}-{os.getpid()}"
 
 
-async def run_service(stage: str, setup: Setup, settings: Settings | None = None, nats: bool = True) -> int:
+async def run_service(stage: str, setup: Setup, settings: Settings | None = None, nats: bool = True,
+                      grpc_server: bool = True) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the service fails (ctx.fail: 1).
     nats=False: no NATS login (a service with nothing to say or hear on the bus needs no
-    user there)."""
+    user there). grpc_server=False: the service serves no gRPC (the balancer, the
+    planner), so it needs no peers list wherever it binds."""
     settings = settings or load_settings()
     instance_id = check_token(settings.worker.instance_id or default_instance_id(stage))
+    # Every gRPC server and channel of this process binds worker.bind_host and carries its token.
+    try:
+        rpc.configure_from(settings.worker)  # token, peers, bind host and (mutual) TLS files
+        if grpc_server:
+            rpc.require_server_credentials()  # fail closed now, not after an engine loaded for minutes
+    except ValueError as exc:  # settings that cannot work: say which, exit 1, no traceback
+        raise SystemExit(f"{stage}: {exc}") from None
     provider = setup_telemetry(stage, instance_id, settings.telemetry)
-    # Every gRPC server and channel of this process binds worker.bind_host and carries the token.
-    rpc.configure_from(settings.worker)  # token, bind host and (mutual) TLS files
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -108,5 +117,5 @@ async def run_service(stage: str, setup: Setup, settings: Settings | None = None
     return 0 if ctx.failure is None else 1
 
 
-def main(stage: str, setup: Setup, nats: bool = True) -> None:
-    sys.exit(asyncio.run(run_service(stage, setup, nats=nats)))
+def main(stage: str, setup: Setup, nats: bool = True, grpc_server: bool = True) -> None:
+    sys.exit(asyncio.run(run_service(stage, setup, nats=nats, grpc_server=grpc_server)))

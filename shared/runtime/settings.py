@@ -94,9 +94,18 @@ class WorkerSettings:
     """Interface the gRPC server (kvcache, workers) and /metrics listen on:
     loopback unless told otherwise; containers and pods set 0.0.0.0."""
     grpc_token: str | None = None
-    """Shared secret of the mesh's gRPC plane: servers refuse any call (but
-    grpc.health.v1) without `authorization: Bearer <grpc_token>`, clients send
-    it. None turns the check off (tests that start a service by hand)."""
+    """This service's own gRPC token (one per identity: prefill, decode, vision,
+    balancer): its calls carry `authorization: Bearer <grpc_token>`, and the servers
+    it calls know who it is by the token's hash (their grpc_peers). None: its calls
+    carry nothing."""
+    grpc_peers: str | None = None
+    """Who may call this service's gRPC server: `identity:sha256-of-its-token` pairs,
+    comma-separated (not secret: hashes of random tokens; `infermesh up`, compose's
+    secrets.env and Helm's auth Secret make them). Calls (but grpc.health.v1) with
+    another token are refused UNAUTHENTICATED, and kvcache refuses an identity a
+    method is not for with PERMISSION_DENIED (only prefill and decode store blocks).
+    None checks nothing, which only a server bound to loopback may do: bound beyond
+    it, the service refuses to start."""
     tls_cert: str | None = None
     """PEM certificate (chain) this process presents on the mesh's gRPC plane, as
     server and as client. With tls_key and tls_ca set too, gRPC runs over mutual
@@ -112,12 +121,18 @@ class WorkerSettings:
     def binds_loopback(self) -> bool:
         """Whether bind_host is the loopback interface (then so is everything the process
         opens: NIXL's UCX listens on loopback alone)."""
-        if self.bind_host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.bind_host).is_loopback
-        except ValueError:
-            return False
+        return is_loopback(self.bind_host)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host names the loopback interface (a name other than localhost is not:
+    it may resolve anywhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(slots=True)

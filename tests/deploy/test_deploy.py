@@ -54,7 +54,8 @@ from tests.helpers.deploy_harness import (
 from tests.helpers.helm_chart import CHART, live_secrets, render_chart
 from tests.helpers.mesh_procs import ROOT, stop_process
 from deploy.nats_users import COMPOSE_INSTANCES, COMPOSE_CONF, ROLE_USERS, compose_secrets, generated
-from tools.launch.nats_auth import MAX_PAYLOAD, MeshCredentials
+from shared.runtime.rpc_auth import IDENTITIES, Peers
+from tools.launch.nats_auth import GRPC_PEERS_VARIABLE, MAX_PAYLOAD, MeshCredentials, grpc_token_variable
 from tools.launch.up import find_nats_server, free_port
 
 DEPLOY = ROOT / "deploy"
@@ -654,7 +655,14 @@ def test_every_container_env_is_valid_settings(source):
             assert settings.nats.user == settings.worker.instance_id, name
             assert settings.nats.user in COMPOSE_INSTANCES or settings.nats.user == name.split("/")[0] + "-0", name
             assert settings.nats.password or settings.nats.password_file, name
-        assert settings.worker.grpc_token and settings.worker.bind_host == "0.0.0.0", name
+        assert settings.worker.bind_host == "0.0.0.0", name
+        # gRPC: every service knows every identity (its server, bound beyond loopback, needs
+        # them to start), and each client's token is its own stage's identity (kvcache: none).
+        peers = Peers.parse(settings.worker.grpc_peers)
+        assert peers is not None and peers.identities == set(IDENTITIES), name
+        identity = next((i for i in IDENTITIES if i in name.split("/")[-1]), None)
+        token = settings.worker.grpc_token
+        assert (peers.identity([("authorization", f"Bearer {token}")]) if token else None) == identity, name
         if role == "balancer":
             assert settings.balancer.api_key, name
 
@@ -717,10 +725,15 @@ def test_every_deployments_nats_takes_the_mesh_message_size(tmp_path):
 def test_chart_keeps_credentials_in_a_secret_and_fences_nats_and_kvcache():
     docs = render_chart(VISION_VALUES)  # every stage, the vision encoder's pods too
     secret = kinds(docs, "Secret")["mesh-infermesh-auth"]
-    keys = {f"NATS_{r.upper()}_PASSWORD" for r in ROLE_USERS} | {"INFERMESH_GRPC_TOKEN", "INFERMESH_API_KEY"}
+    tokens = {grpc_token_variable(i) for i in IDENTITIES}
+    keys = {f"NATS_{r.upper()}_PASSWORD" for r in ROLE_USERS} | tokens | {GRPC_PEERS_VARIABLE, "INFERMESH_API_KEY"}
     assert set(secret["data"]) == keys
-    values = [base64.b64decode(v).decode() for v in secret["data"].values()]
+    values = [base64.b64decode(v).decode() for k, v in secret["data"].items() if k != GRPC_PEERS_VARIABLE]
     assert len(set(values)) == len(values) and all(len(v) >= 32 for v in values)
+    # The peers list every gRPC server takes names each identity by its own token's hash.
+    peers = Peers.parse(base64.b64decode(secret["data"][GRPC_PEERS_VARIABLE]).decode())
+    assert peers is not None and [peers.identity([("authorization", "Bearer " + base64.b64decode(
+        secret["data"][grpc_token_variable(i)]).decode())]) for i in IDENTITIES] == list(IDENTITIES)
     assert values != [base64.b64decode(v).decode() for v in kinds(render_chart(), "Secret")[
         secret["metadata"]["name"]]["data"].values()], "random per install"
     for name, wl in workloads(docs).items():

@@ -2,9 +2,10 @@
 kvcache, prefill, decode and the balancer, started as `infermesh up` starts them),
 and what tests ask its kvcache.
 
-The meshes of a test session share one gRPC token (GRPC_TOKEN), which the root
-conftest also gives this process's own clients (KVCacheClient(mesh.kv_address) in
-a test). A mesh makes its NATS users itself: tests reach its NATS as
+The meshes of a test session share one set of gRPC tokens (GRPC_TOKENS, one per
+identity); the root conftest gives this process's own clients the prefill
+identity's (GRPC_TOKEN): a test's KVCacheClient(mesh.kv_address) stores and reads
+blocks as a prefill instance does. A mesh makes its NATS users itself: tests reach its NATS as
 mesh.nats_url's operator (admin)."""
 
 import asyncio
@@ -17,11 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from shared.kv.wire.client import KVCacheClient
-from tools.launch.nats_auth import new_password
+from shared.runtime.rpc_auth import peers_setting
+from tools.launch.nats_auth import grpc_tokens
 from tools.launch.up import Mesh, StartFailed, free_port
 
-GRPC_TOKEN = new_password()
-"""The gRPC token of every mesh of the session (and of this process's clients)."""
+GRPC_TOKENS = grpc_tokens()
+"""The gRPC token of each identity (prefill, decode, vision, balancer), in every mesh of the session."""
+GRPC_TOKEN = GRPC_TOKENS["prefill"]
+"""This process's clients' token: the prefill identity's (it may store and read blocks)."""
+GRPC_PEERS = peers_setting(GRPC_TOKENS)
+"""worker.grpc_peers of a service a test starts by hand that should know the session's identities."""
 
 
 def mesh_key(model_dir: str, options: dict[str, Any]) -> str:
@@ -33,11 +39,11 @@ def mesh_key(model_dir: str, options: dict[str, Any]) -> str:
 @contextmanager
 def running_mesh(model_dir: str, state_dir: Path, timeout_s: float = 240.0, **options: Any) -> Iterator[Mesh]:
     """nats-server, kvcache, prefill, decode and the balancer as real processes,
-    started as `infermesh up` starts them (NATS users and gRPC token on); stopped on
+    started as `infermesh up` starts them (NATS users and gRPC tokens on); stopped on
     exit, also when the start fails. options: Mesh's num_prefill, num_decode, extra_env,
     supervise."""
     for attempt in (1, 2):
-        mesh = Mesh(model_dir, port=free_port(), state_dir=state_dir, grpc_token=GRPC_TOKEN, **options)
+        mesh = Mesh(model_dir, port=free_port(), state_dir=state_dir, grpc_tokens=GRPC_TOKENS, **options)
         try:
             mesh.start(timeout_s=timeout_s)
             break

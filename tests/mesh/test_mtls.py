@@ -17,7 +17,7 @@ from shared.proto import kvcache_pb2, kvcache_pb2_grpc
 from shared.runtime.rpc import TlsFiles, check_health, open_channel
 from shared.runtime.settings import WorkerSettings
 from tests.helpers.certs import Cert, make_ca, make_cert
-from tests.helpers.mesh import GRPC_TOKEN
+from tests.helpers.mesh import GRPC_PEERS, GRPC_TOKEN
 from tests.helpers.mesh_procs import span_attributes, start_service, stop_process
 from tools.launch.up import free_port, grpc_serving
 
@@ -39,7 +39,7 @@ def tls_kvcache(pki, nats_server, tmp_path_factory):  # noqa: F811
     folder = tmp_path_factory.mktemp("tls-kvcache")
     address = f"127.0.0.1:{free_port()}"
     env = {"INFERMESH_KVCACHE__ADDRESS": address, "INFERMESH_KVCACHE__PATH": str(folder / "lmdb"),
-           "INFERMESH_NATS__URL": nats_server.url, "INFERMESH_WORKER__GRPC_TOKEN": GRPC_TOKEN,
+           "INFERMESH_NATS__URL": nats_server.url, "INFERMESH_WORKER__GRPC_PEERS": GRPC_PEERS,
            "INFERMESH_TELEMETRY__TRACE_DIR": str(folder / "traces"), **pki["kvcache"].env(pki["ca"])}
     proc = start_service("kvcache", env, folder / "kvcache.log")
     tls = tls_of(pki["prefill"], pki["ca"])

@@ -3,7 +3,8 @@
 NATS: a real nats-server with the users and permissions `infermesh up` writes
 (tools/launch/nats_auth.py); attackers are clients with no, wrong or another
 role's credentials. The running mesh: `infermesh up` itself, as a user starts
-it: forged kvcache writes without the token, what listens where, a worker
+it: forged kvcache writes without a token or with another service's (the
+balancer's: only prefill and decode store blocks), what listens where, a worker
 killed with SIGKILL (restarted, the mesh serves again) and `up` killed with
 SIGKILL (no child survives it)."""
 
@@ -310,8 +311,9 @@ class Up:
                     return pid
         raise LookupError(name)
 
-    def token(self) -> str:
-        env = Path(f"/proc/{self.child('kvcache')}/environ").read_bytes().split(b"\0")
+    def token(self, name: str = "prefill-0") -> str:
+        """The gRPC token up gave the child `name` (its stage's identity's)."""
+        env = Path(f"/proc/{self.child(name)}/environ").read_bytes().split(b"\0")
         return next(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"INFERMESH_WORKER__GRPC_TOKEN="))
 
     def kv_address(self) -> str:
@@ -341,7 +343,9 @@ def test_up_writes_its_secrets_for_its_user_only(up):
     text = conf.read_text()
     assert {"balancer", "kvcache", "monitor", "admin", "prefill-0", "decode-0"} == set(
         re.findall(r'user: "([^"]+)"', text))
-    assert up.token() not in up.output()
+    tokens = {up.token(name) for name in ("prefill-0", "decode-0", "balancer")}
+    assert len(tokens) == 3, "each service its own token"
+    assert not any(token in up.output() for token in tokens)
 
 
 def test_every_service_listens_on_loopback_only(up):
@@ -355,7 +359,7 @@ def test_every_service_listens_on_loopback_only(up):
 
 
 @pytest.mark.asyncio
-async def test_kvcache_refuses_forged_puts_without_the_token_and_stores_nothing(up):
+async def test_kvcache_refuses_forged_puts_without_a_workers_token_and_stores_nothing(up):
     forged = hashlib.sha256(b"poisoned block").digest()
     puts = [kvcache_pb2.PutRequest(header=kvcache_pb2.BlockHeader(block_hash=forged, num_bytes=4, layout="x")),
             kvcache_pb2.PutRequest(data=b"evil")]
@@ -374,6 +378,11 @@ async def test_kvcache_refuses_forged_puts_without_the_token_and_stores_nothing(
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 _ = [r async for r in stub.Get(kvcache_pb2.GetRequest(block_hashes=[forged]))]
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # The balancer's own token is a real identity of the mesh, but not one that stores blocks.
+    async with open_channel(address, up.token("balancer")) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kvcache_pb2_grpc.KVCacheStub(ch).Put(iter(puts))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     async with open_channel(address, up.token()) as ch:
         stub = kvcache_pb2_grpc.KVCacheStub(ch)
         assert (await stub.Lookup(kvcache_pb2.LookupRequest(block_hashes=[forged]))).num_leading == 0

@@ -102,6 +102,9 @@ loop = asyncio.new_event_loop()
 client = None
 if kvcache:
     from shared.kv.wire.client import KVCacheClient
+    from shared.runtime import rpc
+    from shared.runtime.settings import load_settings
+    rpc.configure_from(load_settings().worker)  # the token the bench gave it (a prefill's)
     async def make_client():  # a gRPC channel belongs to the loop it is made on
         return KVCacheClient(kvcache, timeout_s=120.0, shm_bytes=0)
     client = loop.run_until_complete(make_client())
@@ -235,7 +238,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.stream:
             if hosts is None:
                 raise SystemExit("--stream needs --hosts")
-            kvcache = stack.enter_context(kvcache_in_host(hosts, "holder", env))
+            # kvcache binds beyond loopback (the holder's address): it needs its peers, and the
+            # reader, which stores and reads blocks as prefill does, the prefill identity's token.
+            from shared.runtime.rpc_auth import peers_setting
+            from tools.launch.nats_auth import grpc_tokens
+
+            tokens = grpc_tokens()
+            env = {**env, "INFERMESH_WORKER__GRPC_TOKEN": tokens["prefill"]}
+            kvcache = stack.enter_context(kvcache_in_host(hosts, "holder",
+                                                          {**env, "INFERMESH_WORKER__GRPC_PEERS": peers_setting(tokens)}))
         holder = subprocess.Popen(command("holder", HOLDER, *sizes), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env=env)  # fmt: skip
         assert holder.stdout is not None and holder.stdin is not None
@@ -278,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def kvcache_in_host(hosts, name: str, env: dict[str, str]):  # noqa: ANN001, ANN202
-    """nats-server on the bridge and `python -m services.kvcache` in host `name`, open (no
-    token: a benchmark); yields the address a client in another host dials."""
+    """nats-server on the bridge and `python -m services.kvcache` in host `name` (beyond
+    loopback: env must carry worker.grpc_peers); yields the address a client in another host dials."""
     from tools.launch.up import find_nats_server, free_port, grpc_serving
 
     nats_port, kv_port = free_port(), free_port()

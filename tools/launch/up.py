@@ -7,8 +7,10 @@ services first (they drain), NATS last.
 Closed by default: the mesh's NATS takes only the users `up` writes into
 <state_dir>/nats-auth.conf (mode 0600), one per instance with random
 passwords and the subject permissions of tools/launch/nats_auth.py (the file
-also raises max_payload to the mesh's, as compose's and Helm's do); gRPC
-calls carry a token made here; every service binds loopback. gRPC runs
+also raises max_payload to the mesh's, as compose's and Helm's do); each gRPC
+client (prefill, decode, vision, the balancer) carries a token of its own made
+here, which every gRPC server knows by its hash (worker.grpc_peers; kvcache lets
+only prefill and decode store blocks); every service binds loopback. gRPC runs
 without TLS here (every process on one host, on loopback): mutual TLS is
 Helm's, or given through the worker.tls_* settings (extra_env), which the
 health checks here then use too.
@@ -51,7 +53,8 @@ from shared.runtime.desired_replicas import FILE_NAME as REPLICAS_FILE
 from shared.runtime.desired_replicas import read_desired
 from shared.runtime.rpc import TlsFiles
 from shared.runtime.settings import load_settings
-from tools.launch.nats_auth import MeshCredentials, new_password, server_limits
+from shared.runtime.rpc_auth import peers_setting
+from tools.launch.nats_auth import MeshCredentials, grpc_tokens, server_limits
 
 # Run by the child before it execs its command: die with the thread that
 # started it (prctl(PR_SET_PDEATHSIG, SIGKILL)), and give up if that parent is
@@ -138,7 +141,7 @@ LOOPBACK = Placement()
 
 @dataclass
 class Mesh:
-    """auth: NATS users and permissions, and the gRPC token (on for `up`; off only
+    """auth: NATS users and permissions, and the gRPC tokens (on for `up`; off only
     for a test that wants an open mesh). supervise: restart what dies (`up`
     turns it on; tests that kill instances want them to stay dead). Call start()
     and restart() from a thread that outlives the mesh (the main thread, say): a
@@ -158,8 +161,10 @@ class Mesh:
     kv_address: str = ""
     auth: bool = True
     supervise: bool = False
-    grpc_token: str | None = None
-    """The mesh's gRPC bearer token: made at start when auth is on and none is given."""
+    grpc_tokens: dict[str, str] | None = None
+    """The gRPC token of each identity (prefill, decode, vision, balancer; rpc_auth.IDENTITIES):
+    made at start when auth is on and none are given. Every service's server takes them all
+    (worker.grpc_peers), each client carries its stage's."""
     pid_namespaces: bool = False
     """Run kvcache, prefill and decode each in a PID namespace of its own (`unshare`),
     as containers run them: no process can map another's memory through /proc, so KV
@@ -249,7 +254,10 @@ class Mesh:
         }
         if self._creds is not None:
             env["INFERMESH_NATS__USER"], env["INFERMESH_NATS__PASSWORD"] = self.credentials(user)
-            env["INFERMESH_WORKER__GRPC_TOKEN"] = self.grpc_token or ""
+            tokens = self.grpc_tokens or {}
+            env["INFERMESH_WORKER__GRPC_PEERS"] = peers_setting(tokens)
+            if _stage_of(user) in tokens:  # kvcache calls nobody: no token of its own
+                env["INFERMESH_WORKER__GRPC_TOKEN"] = tokens[_stage_of(user)]
         env.update(self.extra_env)
         env.update(more)
         return env
@@ -339,7 +347,7 @@ class Mesh:
                 creds.add(f"{stage}-{i}", stage, instance=f"{stage}-{i}")
         creds.write_config(self.nats_config, self._at("nats").host, nats_port)
         self._creds = creds
-        self.grpc_token = self.grpc_token or new_password()
+        self.grpc_tokens = self.grpc_tokens or grpc_tokens()
 
     def start(self, timeout_s: float = 120.0) -> None:
         self.start_store(timeout_s)
@@ -406,7 +414,8 @@ class Mesh:
                "INFERMESH_PLANNER__BACKEND": "up",
                "INFERMESH_PLANNER__REPLICAS_FILE": str(self.replicas_file.resolve()),
                "INFERMESH_PLANNER__METRICS_URL": f"http://{self.host}:{self.port}/metrics"}
-        for key in ("INFERMESH_NATS__USER", "INFERMESH_NATS__PASSWORD", "INFERMESH_WORKER__GRPC_TOKEN"):
+        for key in ("INFERMESH_NATS__USER", "INFERMESH_NATS__PASSWORD", "INFERMESH_WORKER__GRPC_TOKEN",
+                    "INFERMESH_WORKER__GRPC_PEERS"):
             env.pop(key, None)  # it needs none of the mesh's credentials
         env.update({k: v for k, v in self.extra_env.items() if k.startswith("INFERMESH_PLANNER__")})
         self._start("planner", [sys.executable, "-m", "services.planner"], env)

@@ -191,9 +191,33 @@ chart makes (templates/secret.yaml). The NATS subchart computes the same name. *
 {{- dig "authSecret" "" (.Values.global | default dict) | default (printf "%s-infermesh-auth" .Release.Name | trunc 63 | trimSuffix "-") -}}
 {{- end -}}
 
+{{/* The identities of the gRPC plane, each with a token of its own in the auth
+Secret (shared/runtime/rpc_auth.py IDENTITIES), space-separated. */}}
+{{- define "infermesh.grpcIdentities" -}}
+prefill decode vision balancer
+{{- end -}}
+
+{{/* The gRPC credentials of a component, as env entries: the peers list every
+gRPC server takes, and its own token when it is one of the identities (kvcache
+calls nobody). Call with (dict "root" $ "identity" "decode"). */}}
+{{- define "infermesh.grpcEnv" -}}
+- name: INFERMESH_WORKER__GRPC_PEERS
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "infermesh.authSecret" .root }}
+      key: INFERMESH_GRPC_PEERS
+{{- if has .identity (include "infermesh.grpcIdentities" .root | splitList " ") }}
+- name: INFERMESH_WORKER__GRPC_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "infermesh.authSecret" .root }}
+      key: {{ printf "INFERMESH_GRPC_TOKEN_%s" (upper .identity) }}
+{{- end }}
+{{- end -}}
+
 {{/* A component's credentials from the Secret, as env entries: its NATS user
 (named after its role, which carries the role's subject permissions) and
-password, and the gRPC token; call with (dict "root" $ "user" "prefill"). */}}
+password, and its gRPC credentials; call with (dict "root" $ "user" "balancer"). */}}
 {{- define "infermesh.authEnv" -}}
 - name: INFERMESH_NATS__USER
   value: {{ .user | quote }}
@@ -202,11 +226,7 @@ password, and the gRPC token; call with (dict "root" $ "user" "prefill"). */}}
     secretKeyRef:
       name: {{ include "infermesh.authSecret" .root }}
       key: {{ printf "NATS_%s_PASSWORD" (upper .user) }}
-- name: INFERMESH_WORKER__GRPC_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "infermesh.authSecret" .root }}
-      key: INFERMESH_GRPC_TOKEN
+{{ include "infermesh.grpcEnv" (dict "root" .root "identity" .user) }}
 {{- end -}}
 
 {{/* The Secret of the gRPC plane's certificates: tls.secret, or the one this
@@ -314,7 +334,7 @@ computes the same names. */}}
 
 {{/* A worker pod's identity: its pod name is its instance id and its NATS user,
 whose password the init container (infermesh.instanceCredentials) copied out of
-the instances Secret. Call with (dict "root" $). */}}
+the instances Secret; its stage is its gRPC identity. Call with (dict "root" $ "stage" "decode"). */}}
 {{- define "infermesh.instanceEnv" -}}
 - name: POD_NAME
   valueFrom:
@@ -326,11 +346,7 @@ the instances Secret. Call with (dict "root" $). */}}
   value: $(POD_NAME)
 - name: INFERMESH_NATS__PASSWORD_FILE
   value: /var/run/infermesh/nats/password
-- name: INFERMESH_WORKER__GRPC_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "infermesh.authSecret" .root }}
-      key: INFERMESH_GRPC_TOKEN
+{{ include "infermesh.grpcEnv" (dict "root" .root "identity" .stage) }}
 {{- end -}}
 
 {{/* The init container that hands a worker pod its own NATS password and no
