@@ -171,7 +171,8 @@ class Local:
             return f"127.0.0.1:{self.port(name, int(m.group(2)))}"
 
         names = "|".join(map(re.escape, sorted(self.hosts | {"127.0.0.1", "localhost"}, key=len, reverse=True)))
-        value = re.sub(rf"(?<![\w.-])({names}):(\d+)", host, value)
+        # A port ends where its digits do: `balancer:9e6c...` (a gRPC peers entry) is no address.
+        value = re.sub(rf"(?<![\w.-])({names}):(\d+)(?!\w)", host, value)
         for prefix in sorted(paths, key=len, reverse=True):
             value = re.sub(rf"(?<![\w/.]){re.escape(prefix)}(?=/|$|\s|\")", str(paths[prefix]), value)
         return value
