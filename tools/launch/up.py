@@ -25,9 +25,12 @@ it has run for 30 s); the others keep serving.
 Scaled: the supervisor also keeps each worker stage at the count that
 <state_dir>/replicas.json asks for (shared/runtime/desired_replicas.py; the live
 planner writes it): an instance added gets a NATS user of its own (nats-server
-reloads its config) and joins the registry by its heartbeats; one removed, the
-highest-numbered, is sent SIGTERM and drains (its requests finish or move)
-before its user goes. Every child is started through
+made at start) and joins the registry by its heartbeats; one removed, the
+highest-numbered, is sent SIGTERM and drains (its requests finish or move).
+Every instance number the supervisor may use gets its NATS user at start (as
+Helm's `maxInstances` does), so scaling never reloads nats-server: a reload
+drops the one-time reply grants of requests in flight, and their acks would be
+refused. Every child is started through
 a tiny exec wrapper that asks the kernel to kill it when `up` dies
 (PR_SET_PDEATHSIG), so even `kill -9` of `up` leaves no orphan."""
 
@@ -179,6 +182,10 @@ class Mesh:
     num_vision: int = 0
     """Vision instances (E/P/D: they encode requests' images for prefill and decode); 0
     leaves the encoding to prefill (E/PD)."""
+    max_instances: int = 0
+    """NATS users made at start for each worker stage, by instance number (never fewer than
+    the stage starts with): the supervisor scales within them without reloading nats-server.
+    0: the planner's max_replicas when supervised, else each stage's start count."""
     placements: dict[str, Placement] = field(default_factory=dict)
     """Where each process runs, by name (nats, kvcache, prefill-0, decode-0, ...,
     balancer); one not named runs here on loopback. The balancer's API listens on
@@ -335,11 +342,17 @@ class Mesh:
         for role in ("balancer", "kvcache", "monitor", "admin"):
             creds.add(role, role)
         for stage, count in self._stages():
-            for i in range(count):
+            for i in range(max(count, self._user_slots())):
                 creds.add(f"{stage}-{i}", stage, instance=f"{stage}-{i}")
         creds.write_config(self.nats_config, self._at("nats").host, nats_port)
         self._creds = creds
         self.grpc_token = self.grpc_token or new_password()
+
+    def _user_slots(self) -> int:
+        """Instance numbers per worker stage that get a NATS user at start (see max_instances)."""
+        if self.max_instances:
+            return self.max_instances
+        return load_settings(env={**os.environ, **self.extra_env}).planner.max_replicas if self.supervise else 0
 
     def start(self, timeout_s: float = 120.0) -> None:
         self.start_store(timeout_s)
@@ -481,22 +494,24 @@ class Mesh:
             setattr(self, f"num_{stage}", want)
 
     def _grant(self, names: list[str], stage: str) -> None:
-        """NATS users for new instances, in force before they connect."""
-        if self._creds is None:
+        """NATS users for new instances, in force before they connect: made at start for
+        numbers below max_instances; one beyond them is added with a reload (said in the log)."""
+        missing = [n for n in names if self._creds is not None and n not in self._creds.users]
+        if not missing:
             return
-        for name in names:
+        assert self._creds is not None
+        for name in missing:
             self._creds.add(name, stage, instance=name)
+        print(f"no NATS user was made at start for {', '.join(missing)} (max_instances): adding them reloads "
+              "nats-server, which may cost requests in flight a retry", file=sys.stderr, flush=True)
         self._reload_nats()
 
     def _retired(self, name: str, proc: subprocess.Popen) -> None:
-        """A scaled-away instance has exited: forget it and its NATS user."""
+        """A scaled-away instance has exited: forget it. Its NATS user stays for the next
+        instance of that number (removing it would reload nats-server)."""
         with self._lock:
             self.procs = [(n, p) for n, p in self.procs if p is not proc]
             self._retiring.discard(name)
-            still_named = any(n == name for n, _ in self.procs)
-        if self._creds is not None and not still_named:
-            self._creds.users.pop(name, None)
-            self._reload_nats()
         print(f"{name} stopped (scaled down; exit code {proc.returncode})", file=sys.stderr, flush=True)
 
     def _reload_nats(self) -> None:
