@@ -90,6 +90,12 @@ class WorkerSettings:
     """Port of the gRPC server (health, admin); 0 picks a free one."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish."""
+    kv_flush_timeout_s: float = 10.0
+    """On SIGTERM, after the drain: how long a worker waits for the KV it writes behind
+    to kvcache to be stored (its flush); the blocks still on their way then are
+    counted (kv_flush_blocks_lost_total) and lost to the cache. Grace periods
+    (compose's stop_grace_period, Helm's terminationGracePeriodSeconds, `infermesh
+    up`'s stop) leave room for drain_timeout_s plus this."""
     bind_host: str = "127.0.0.1"
     """Interface the gRPC server (kvcache, workers) and /metrics listen on:
     loopback unless told otherwise; containers and pods set 0.0.0.0."""
@@ -107,6 +113,10 @@ class WorkerSettings:
     tls_ca: str | None = None
     """PEM certificate of the CA that signed every certificate of the mesh: clients
     check servers against it, servers check clients."""
+
+    def __post_init__(self) -> None:
+        if self.kv_flush_timeout_s < 0:
+            raise ValueError(f"worker.kv_flush_timeout_s must be 0 or more, got {self.kv_flush_timeout_s}")
 
     @property
     def binds_loopback(self) -> bool:

@@ -1,8 +1,9 @@
 """`infermesh up`: nats-server plus one process per service instance on this
 machine, each started exactly as docker-compose or Helm would start it
 (`python -m services.<stage>` with INFERMESH_* variables), health-checked
-before the API address is printed. Ctrl-C (or SIGTERM) stops them all,
-services first (they drain), NATS last.
+before the API address is printed. Ctrl-C (or SIGTERM) stops them all:
+the balancer and the workers first (they drain, and flush the KV they write
+behind to kvcache), then kvcache (it commits its LMDB), NATS last.
 
 Closed by default: the mesh's NATS takes only the users `up` writes into
 <state_dir>/nats-auth.conf (mode 0600), one per instance with random
@@ -523,13 +524,26 @@ class Mesh:
             nats.send_signal(signal.SIGHUP)
             time.sleep(0.5)  # the reload is asynchronous; a new user's first connect must find it
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM services (they drain), then NATS; SIGKILL what lingers."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM the balancer and the workers (they drain, then flush what they write
+        behind to kvcache), then kvcache, then NATS, each group once the one before
+        has exited: kvcache stopped beside the workers would refuse their last stores.
+        SIGKILL what lingers past timeout_s in its group (None: the workers' drain and
+        flush bounds, worker.drain_timeout_s + worker.kv_flush_timeout_s, plus 15 s for
+        the engine's stop)."""
         self._stopping.set()  # no restarts from here on
+        if timeout_s is None:
+            try:
+                worker = load_settings(env={**os.environ, **self.extra_env}).worker
+                timeout_s = worker.drain_timeout_s + worker.kv_flush_timeout_s + 15.0
+            except ValueError:  # settings a start refused: nothing drains long
+                timeout_s = 15.0
         with self._lock:
-            services = [(n, p) for n, p in self.procs if n != "nats"]
+            last = ("kvcache", "nats")
+            services = [(n, p) for n, p in self.procs if n not in last]
+            stores = [(n, p) for n, p in self.procs if n == "kvcache"]
             nats_procs = [(n, p) for n, p in self.procs if n == "nats"]
-        for group in (services, nats_procs):
+        for group in (services, stores, nats_procs):
             for _, proc in group:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
