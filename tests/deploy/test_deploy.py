@@ -598,6 +598,12 @@ def test_grace_periods_fit_the_drain_and_the_kv_flush():
     assert (worker.drain_timeout_s, worker.kv_flush_timeout_s) == (40, 25)
     for name in ("mesh-infermesh-prefill", "mesh-infermesh-decode"):
         assert workloads(docs)[name]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 40 + 25 + 30, name
+    # A whole release deleted at once: kvcache keeps serving through the workers' drain and
+    # flush (its preStop hook), then has the rest of its own grace period to close its LMDB.
+    kvcache = workloads(docs)["mesh-infermesh-kvcache"]["spec"]["template"]["spec"]
+    hook = kvcache["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[-1].endswith(f"time.sleep({40 + 25})"), hook
+    assert kvcache["terminationGracePeriodSeconds"] >= 40 + 25 + 10
     services = {**compose_config()["services"], **compose_config(*COMPOSE_PROFILES["gpu"])["services"]}
     workers = [n for n in services if n.startswith(("prefill", "decode"))]
     assert len(workers) >= 4, workers  # the CPU profile's and the GPU profile's
