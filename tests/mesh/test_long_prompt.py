@@ -77,6 +77,11 @@ async def test_a_million_token_request_crosses_a_default_nats_in_parts(nats_serv
         ack = await bus.request("im.test.long", mesh_pb2.PrefillRequest(request_id="small", prompt_token_ids=[1]),
                                 mesh_pb2.Ack)  # fmt: skip
         assert ack.accepted and [r.request_id for r in got] == ["r1", "small"]
+        # A part that cannot be put together, with a reply inbox: a retryable refusal, not silence.
+        reply = await bus.nc.request("im.test.long", b"x", timeout=10, headers={PART_HEADER: "m/5/2"})
+        refused = mesh_pb2.Ack.FromString(reply.data)
+        assert not refused.accepted and refused.code == mesh_pb2.ERROR_CODE_OVERLOADED and "malformed" in refused.message
+        assert [r.request_id for r in got] == ["r1", "small"]
     finally:
         await bus.close()
 
