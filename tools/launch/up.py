@@ -55,7 +55,7 @@ from shared.runtime.desired_replicas import FILE_NAME as REPLICAS_FILE
 from shared.runtime.desired_replicas import read_desired
 from shared.runtime.rpc import TlsFiles
 from shared.runtime.settings import load_settings
-from tools.launch.nats_auth import MeshCredentials, new_password, server_limits
+from tools.launch.nats_auth import MAX_PAYLOAD, MeshCredentials, new_password, server_limits
 
 # Run by the child before it execs its command: die with the thread that
 # started it (prctl(PR_SET_PDEATHSIG, SIGKILL)), and give up if that parent is
@@ -191,6 +191,8 @@ class Mesh:
     """Where each process runs, by name (nats, kvcache, prefill-0, decode-0, ...,
     balancer); one not named runs here on loopback. The balancer's API listens on
     `host` wherever it runs."""
+    nats_max_payload: int | None = MAX_PAYLOAD
+    """nats-server's max_payload; None keeps its default 1 MiB (a test of long messages in parts)."""
     _commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict, init=False, repr=False)
     _creds: MeshCredentials | None = field(default=None, init=False, repr=False)
     _services_nats_url: str = field(default="", init=False, repr=False)
@@ -345,7 +347,7 @@ class Mesh:
         for stage, count in self._stages():
             for i in range(max(count, self._user_slots())):
                 creds.add(f"{stage}-{i}", stage, instance=f"{stage}-{i}")
-        creds.write_config(self.nats_config, self._at("nats").host, nats_port)
+        creds.write_config(self.nats_config, self._at("nats").host, nats_port, self.nats_max_payload)
         self._creds = creds
         self.grpc_token = self.grpc_token or new_password()
 
@@ -373,7 +375,7 @@ class Mesh:
             user, password = self.credentials("admin")
             self.nats_url = f"nats://{user}:{password}@{nats_host}:{nats_port}"
         else:  # an open mesh still takes the mesh's message size
-            self.nats_config.write_text(server_limits())
+            self.nats_config.write_text(server_limits(self.nats_max_payload))
         nats_args += ["-c", str(self.nats_config)]
         nats_args += ["-a", nats_host, "-p", str(nats_port), "-js", "-sd", str(self.state_dir / "nats")]
         self._start("nats", nats_args, dict(os.environ))
@@ -518,7 +520,7 @@ class Mesh:
     def _reload_nats(self) -> None:
         """Rewrite the users and have nats-server read them (SIGHUP reloads its config)."""
         assert self._creds is not None
-        self._creds.write_config(self.nats_config, self._at("nats").host, self._nats_port)
+        self._creds.write_config(self.nats_config, self._at("nats").host, self._nats_port, self.nats_max_payload)
         nats = dict(self.procs).get("nats")
         if nats is not None and nats.poll() is None:
             nats.send_signal(signal.SIGHUP)
