@@ -17,7 +17,8 @@ is done, as decode's first token tells the service).
 Prints, per policy and seed, the requests each instance got after the warm-up, max/even
 (the busiest instance's count over the mean: the target is <= 1.5), the prefix hit rate
 (prompt tokens found in the instance's cache when the request started, over all prompt
-tokens; the ceiling is system/(system + user)), and the time from arrival to the prompt
+tokens; the ceiling is system/(system + user)), how many requests computed the system
+prompt (found it in no cache; over the whole run, the warm-up too), and the time from arrival to the prompt
 computed (TTFT without decode), p50 and p99."""
 
 import argparse
@@ -136,9 +137,10 @@ class SimInstance:
             n += 1
         return n
 
-    def run_until(self, t: float) -> list[tuple[float, Job]]:
-        """Compute up to time t; the jobs finished, with their finish times."""
-        done: list[tuple[float, Job]] = []
+    def run_until(self, t: float) -> list[tuple[float, Job, mesh_pb2.KvEvent]]:
+        """Compute up to time t; the jobs finished, with their finish times and KV events
+        (each stored as it finishes: the next one starts with its blocks there)."""
+        done: list[tuple[float, Job, mesh_pb2.KvEvent]] = []
         while self.queue and self.now < t:
             job = self.queue[0]
             if job.left < 0:
@@ -150,7 +152,7 @@ class SimInstance:
                 return done
             self.now += need
             self.queue.popleft()
-            done.append((self.now, job))
+            done.append((self.now, job, self.store(job)))
         self.now = max(self.now, t)
         return done
 
@@ -175,6 +177,8 @@ class Result:
     hit_rate: float
     ttft_p50_ms: float
     ttft_p99_ms: float
+    system_misses: int
+    """Requests, over the whole run (warm-up too), that found the system prompt in no cache and computed it."""
 
     @property
     def max_over_even(self) -> float:
@@ -218,8 +222,8 @@ def simulate(w: Workload, policy: Policy, seed: int) -> Result:
         clock[0] = t
 
     def run(inst: SimInstance, t: float) -> None:
-        for done, job in inst.run_until(t):
-            registry.on_kv_event(inst.store(job))
+        for done, job, event in inst.run_until(t):
+            registry.on_kv_event(event)
             job.done = done
             if job.reservation is not None:  # decode's first token reaches the balancer (attempt.py)
                 job.reservation.done()
@@ -254,7 +258,8 @@ def simulate(w: Workload, policy: Policy, seed: int) -> Result:
     measured = [job for job in finished if job.arrival >= w.warmup_s]
     ttft = sorted((job.done - job.arrival) * 1e3 for job in measured)
     hit = sum(job.hit_tokens for job in measured) / sum(len(job.tokens) for job in measured)
-    return Result(dict(counts), hit, ttft[len(ttft) // 2], ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))])
+    misses = sum(job.hit_tokens < w.system_tokens for job in finished)
+    return Result(dict(counts), hit, ttft[len(ttft) // 2], ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))], misses)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print("# prefill-0 holds the system prompt when the load starts (it served it once before)")
         print(f"# policies run side by side on the same arrivals per seed, their order rotated by seed")
         print(f"{'seed':>4} {'policy':<30} {'requests per instance':<28} {'max/even':>8} {'hit rate':>8} "
-              f"{'TTFT p50 ms':>11} {'p99 ms':>9}")
+              f"{'TTFT p50 ms':>11} {'p99 ms':>9} {'system prompt computed':>22}")
         results: dict[str, list[Result]] = {name: [] for name in names}
         for seed in range(args.seeds):
             order = names[seed % len(names):] + names[: seed % len(names)]
@@ -296,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name].append(r)
                 per = " ".join(str(r.counts[k]) for k in sorted(r.counts))
                 print(f"{seed:>4} {name:<30} {per:<28} {r.max_over_even:>8.2f} {r.hit_rate:>8.4f} "
-                      f"{r.ttft_p50_ms:>11.1f} {r.ttft_p99_ms:>9.1f}")
+                      f"{r.ttft_p50_ms:>11.1f} {r.ttft_p99_ms:>9.1f} {r.system_misses:>22}")
         print()
         print(f"# over {args.seeds} seeds: median [min - max]")
         print(f"{'policy':<30} {'max/even':<20} {'hit rate':<22} {'TTFT p50 ms':<24} {'p99 ms'}")
