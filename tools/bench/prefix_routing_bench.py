@@ -84,6 +84,8 @@ class Workload:
     cache_blocks: int
     duration_s: float
     warmup_s: float
+    count_off: bool = True
+    """Reservations counted off when the prompt is done (the service); False: only at the next heartbeat (before)."""
 
     @property
     def arrivals_per_s(self) -> float:
@@ -225,7 +227,7 @@ def simulate(w: Workload, policy: Policy, seed: int) -> Result:
         for done, job, event in inst.run_until(t):
             registry.on_kv_event(event)
             job.done = done
-            if job.reservation is not None:  # decode's first token reaches the balancer (attempt.py)
+            if w.count_off and job.reservation is not None:  # decode's first token reaches the balancer (attempt.py)
                 job.reservation.done()
             finished.append(job)
 
@@ -277,10 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=30.0)
     p.add_argument("--warmup-s", type=float, default=5.0, help="requests arriving before this are not counted")
     p.add_argument("--seeds", type=int, default=5, help="repeats, each a new arrival stream and prompts")
+    p.add_argument("--count-until-heartbeat", action="store_true",
+                   help="keep what the balancer dispatched counted until the instance's next heartbeat, not until "
+                        "the prompt is done (the reservations before issue 32)")
     p.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
     args = p.parse_args(argv)
     w = Workload(args.instances, args.block_size, args.system_tokens, args.user_tokens, args.tokens_per_s, args.load,
-                 args.heartbeat_s, args.cache_blocks, args.duration_s, args.warmup_s)  # fmt: skip
+                 args.heartbeat_s, args.cache_blocks, args.duration_s, args.warmup_s,
+                 not args.count_until_heartbeat)  # fmt: skip
     ceiling = args.system_tokens / (args.system_tokens + args.user_tokens)
     names = list(POLICIES)
     with tee_stdout(args.out):
@@ -290,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
               f"Poisson arrivals at {w.arrivals_per_s:.1f}/s (load {w.load}); {w.duration_s:g} s, first "
               f"{w.warmup_s:g} s not counted; hit-rate ceiling {ceiling:.3f}")
         print("# prefill-0 holds the system prompt when the load starts (it served it once before)")
+        print("# dispatched load counted " + ("until the prompt is done" if w.count_off else
+                                              "until the instance's next heartbeat (--count-until-heartbeat)"))
         print(f"# policies run side by side on the same arrivals per seed, their order rotated by seed")
         print(f"{'seed':>4} {'policy':<30} {'requests per instance':<28} {'max/even':>8} {'hit rate':>8} "
               f"{'TTFT p50 ms':>11} {'p99 ms':>9} {'system prompt computed':>22}")
