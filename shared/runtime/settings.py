@@ -250,6 +250,12 @@ class BalancerSettings:
     Worth it where prefill and decode share a GPU, which time-slices them. With
     either setting on, a request also prefills on decode when no prefill
     instance is live, rather than failing."""
+    kv_overlap_weight: float = 1.0
+    """Cache-aware routing's weight (Dynamo's --kv-overlap-score-weight): an instance
+    costs this x the prompt's KV blocks it would compute, plus the blocks queued on it;
+    the least cost is chosen (prefill always, decode under conditional disaggregation).
+    1: a block held saves as much as a block of queue; 0: caches ignored (load only);
+    higher: more traffic to the holders of a prefix, at the price of their queues."""
     tool_call_parser: str = "auto"
     """How chat replies are read for tool calls under tool_choice auto (vLLM's
     --tool-call-parser): hermes (<tool_call> JSON, Qwen/Hermes), llama3_json (Llama
@@ -272,6 +278,8 @@ class BalancerSettings:
     days). The bucket's creator sets it: a bucket that already exists keeps its own."""
 
     def __post_init__(self) -> None:
+        if not (0 <= self.kv_overlap_weight < float("inf")):
+            raise ValueError(f"balancer.kv_overlap_weight must be a finite number >= 0, got {self.kv_overlap_weight}")
         if not self.responses_ttl_s > 0:
             raise ValueError(f"balancer.responses_ttl_s must be positive, got {self.responses_ttl_s}")
         if not self.responses_bucket or not all(c.isascii() and (c.isalnum() or c in "_-")
