@@ -71,6 +71,22 @@ _SHAPES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 tie_word_embeddings=False,
             )
         ),
+        # A context of 1M tokens and room to answer, in a model small enough that its KV
+        # pool for one such request is ~260 MiB (with --sliding-window, as Mistral: every
+        # layer sliding); tests/mesh/test_long_prompt.py sends it a 1M-token prompt.
+        "tiny-long": MappingProxyType(
+            dict(
+                hidden_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                intermediate_size=128,
+                vocab_size=512,
+                max_position_embeddings=(1 << 20) + 4096,
+                rope_theta=10000.0,
+                tie_word_embeddings=False,
+            )
+        ),
         # The GPU benchmark's model: Llama-3-8B's shape with seeded random weights.
         "llama3-8b": MappingProxyType(
             dict(

@@ -51,10 +51,15 @@ class PrefillService:
         m = ctx.metrics
         self.m_requests = m.counter("requests_total", "Prefill requests by outcome", ("outcome",))
         self.m_prompt_tokens = m.counter("prompt_tokens_total", "Prompt tokens received")
+        self.m_dispatched_tokens = m.counter(
+            "dispatched_prompt_tokens_total", "Prompt tokens of the dispatches that reached this instance, whole "
+            "(long ones come in parts, shared/runtime/bus_parts.py), before admission"
+        )
         self.m_cached_tokens = m.counter("cached_tokens_total", "Prompt tokens served from a cache", ("source",))
         self.m_latency = m.histogram("latency_seconds", "From dispatch to handoff")
 
     async def on_run(self, req: mesh_pb2.PrefillRequest) -> mesh_pb2.Ack:
+        self.m_dispatched_tokens.inc(len(req.prompt_token_ids))
         return self.worker.admit(
             req.request_id, req.prompt_token_ids, req.sampling, lambda params: self._prefill(req, params),
             lambda: self.m_requests.labels("invalid").inc(), check=lambda: subjects.check_token(req.decode_instance),

@@ -20,6 +20,7 @@ from opentelemetry import context as otel_context
 
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
+from shared.runtime.bus_parts import PART_HEADER, PartsLost, Reassembler, header_value, parse_part, part_size, split
 from shared.runtime.settings import NatsSettings
 from shared.runtime.telemetry import extract_context, inject_headers
 
@@ -224,19 +225,32 @@ class Bus:
         if not self.nc.is_closed:
             await self.nc.drain()
 
+    async def _send_parts(self, subject: str, data: bytes, headers: dict[str, str]) -> tuple[bytes, dict[str, str]]:
+        """Publish all but the last part of data when it does not fit one message of
+        the server's max_payload (bus_parts.py); the last part and its headers, for the
+        caller to publish or request with. MessageTooLarge past MAX_MESSAGE_BYTES."""
+        size = part_size(self.nc.max_payload)
+        if len(data) <= size:
+            return data, headers
+        parts = split(data, size)
+        for part, chunk in parts[:-1]:
+            await self.nc.publish(subject, chunk, headers={**headers, PART_HEADER: header_value(part)})
+        last, chunk = parts[-1]
+        return chunk, {**headers, PART_HEADER: header_value(last)}
+
     async def publish(self, subject: str, message: Message, headers: dict[str, str] | None = None) -> None:
-        """Send message (headers: more headers, beside the trace context)."""
-        await self.nc.publish(subject, message.SerializeToString(), headers={**inject_headers(), **(headers or {})})
+        """Send message (headers: more headers, beside the trace context); in parts
+        when it does not fit one NATS message."""
+        data, all_headers = await self._send_parts(subject, message.SerializeToString(),
+                                                   {**inject_headers(), **(headers or {})})  # fmt: skip
+        await self.nc.publish(subject, data, headers=all_headers)
 
     async def request(self, subject: str, message: Message, reply_type: type[R], timeout: float | None = None) -> R:
-        """Send and wait for the reply; nats.errors.NoRespondersError when nobody
+        """Send (in parts when it does not fit one NATS message: the last carries the
+        reply inbox) and wait for the reply; nats.errors.NoRespondersError when nobody
         listens, nats.errors.TimeoutError when nobody answers in time."""
-        msg = await self.nc.request(
-            subject,
-            message.SerializeToString(),
-            timeout=timeout or self.request_timeout_s,
-            headers=inject_headers(),
-        )
+        data, headers = await self._send_parts(subject, message.SerializeToString(), inject_headers())
+        msg = await self.nc.request(subject, data, timeout=timeout or self.request_timeout_s, headers=headers)
         reply = reply_type()
         reply.ParseFromString(msg.data)
         return reply
@@ -255,13 +269,26 @@ class Bus:
         needs the subject, which names the sender; handler(payload, subject, headers)
         with_headers); a returned message is sent as
         the reply when the sender asked for one. A handler's exception is logged
-        and never kills the subscription."""
+        and never kills the subscription. A message sent in parts is handled once,
+        when its last part is in (bus_parts.py); one whose parts are lost is logged
+        and, when the sender waits for a reply, answered with an error Ack."""
+        parts = Reassembler()
 
         async def on_msg(msg: Msg) -> None:
+            try:
+                data = _whole(parts, msg)
+            except PartsLost as exc:
+                log.warning("%s: a message in parts was dropped: %s", subject, exc)
+                if msg.reply:
+                    err = mesh_pb2.Ack(accepted=False, code=mesh_pb2.ERROR_CODE_OVERLOADED, message=str(exc))
+                    await msg.respond(err.SerializeToString())
+                return
+            if data is None:
+                return  # more parts to come
             token = otel_context.attach(extract_context(msg.headers))
             try:
                 payload = message_type()
-                payload.ParseFromString(msg.data)
+                payload.ParseFromString(data)
                 if with_headers:
                     reply = await handler(payload, msg.subject, msg.headers or {})
                 elif with_subject:
@@ -279,6 +306,18 @@ class Bus:
                 otel_context.detach(token)
 
         return await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=65536)
+
+
+def _whole(parts: Reassembler, msg: Msg) -> bytes | None:
+    """msg's bytes, or with a part the whole message once its last part is in (None before)."""
+    part = parse_part(msg.headers)
+    if part is None:
+        return msg.data
+    whole = parts.add(part, msg.data)
+    if parts.num_expired:
+        log.warning("%s: %d messages in parts dropped, a part never came", msg.subject, parts.num_expired)
+        parts.num_expired = 0
+    return whole
 
 
 class StreamPublisher:
@@ -355,11 +394,16 @@ class StreamReader:
         if instance_id in self._subs:
             return
 
+        parts = Reassembler()  # the first chunk may be long: it carries the prompt's logprobs
+
         async def on_msg(msg: Msg) -> None:
             chunk = mesh_pb2.TokenChunk()
             try:
-                chunk.ParseFromString(msg.data)
-            except DecodeError:
+                data = _whole(parts, msg)
+                if data is None:
+                    return
+                chunk.ParseFromString(data)
+            except (DecodeError, PartsLost):
                 self._reject("malformed", chunk)
                 return
             if chunk.instance_id != instance_id:

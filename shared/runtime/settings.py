@@ -90,6 +90,12 @@ class WorkerSettings:
     """Port of the gRPC server (health, admin); 0 picks a free one."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish."""
+    kv_flush_timeout_s: float = 10.0
+    """On SIGTERM, after the drain: how long a worker waits for the KV it writes behind
+    to kvcache to be stored (its flush); the blocks still on their way then are
+    counted (kv_flush_blocks_lost_total) and lost to the cache. Grace periods
+    (compose's stop_grace_period, Helm's terminationGracePeriodSeconds, `infermesh
+    up`'s stop) leave room for drain_timeout_s plus this."""
     bind_host: str = "127.0.0.1"
     """Interface the gRPC server (kvcache, workers) and /metrics listen on:
     loopback unless told otherwise; containers and pods set 0.0.0.0."""
@@ -116,6 +122,10 @@ class WorkerSettings:
     tls_ca: str | None = None
     """PEM certificate of the CA that signed every certificate of the mesh: clients
     check servers against it, servers check clients."""
+
+    def __post_init__(self) -> None:
+        if self.kv_flush_timeout_s < 0:
+            raise ValueError(f"worker.kv_flush_timeout_s must be 0 or more, got {self.kv_flush_timeout_s}")
 
     @property
     def binds_loopback(self) -> bool:
@@ -255,6 +265,12 @@ class BalancerSettings:
     Worth it where prefill and decode share a GPU, which time-slices them. With
     either setting on, a request also prefills on decode when no prefill
     instance is live, rather than failing."""
+    kv_overlap_weight: float = 1.0
+    """Cache-aware routing's weight (Dynamo's --kv-overlap-score-weight): an instance
+    costs this x the prompt's KV blocks it would compute, plus the blocks queued on it;
+    the least cost is chosen (prefill always, decode under conditional disaggregation).
+    1: a block held saves as much as a block of queue; 0: caches ignored (load only);
+    higher: more traffic to the holders of a prefix, at the price of their queues."""
     tool_call_parser: str = "auto"
     """How chat replies are read for tool calls under tool_choice auto (vLLM's
     --tool-call-parser): hermes (<tool_call> JSON, Qwen/Hermes), llama3_json (Llama
@@ -277,6 +293,8 @@ class BalancerSettings:
     days). The bucket's creator sets it: a bucket that already exists keeps its own."""
 
     def __post_init__(self) -> None:
+        if not (0 <= self.kv_overlap_weight < float("inf")):
+            raise ValueError(f"balancer.kv_overlap_weight must be a finite number >= 0, got {self.kv_overlap_weight}")
         if not self.responses_ttl_s > 0:
             raise ValueError(f"balancer.responses_ttl_s must be positive, got {self.responses_ttl_s}")
         if not self.responses_bucket or not all(c.isascii() and (c.isalnum() or c in "_-")

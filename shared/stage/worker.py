@@ -108,6 +108,11 @@ class Worker:
         self.m_kv_stores_dropped = m.gauge(
             "kv_stores_dropped", "Stores to kvcache written behind that were dropped since start (too many in flight)"
         )
+        self.m_kv_flush_lost = m.counter(
+            "kv_flush_blocks_lost_total",
+            "Blocks written behind to kvcache that a stopping worker's flush gave up on (worker.kv_flush_timeout_s): "
+            "lost to the cache",
+        )
         self.m_kv_load_failures = m.counter(
             "kv_load_failures_total", "Loads from kvcache that did not (fully) arrive: their tokens were recomputed"
         )
@@ -260,7 +265,9 @@ class Worker:
 
     async def stop(self) -> None:
         """Drain: say NOT_SERVING and draining, let in-flight requests finish
-        under a timeout, then stop the engine."""
+        under a timeout, stop the engine, then flush the KV written behind to
+        kvcache under a timeout of its own (the engine's close, later, ends the
+        connector: what is not stored by then would be lost silently)."""
         self.draining = True
         if self.grpc is not None:
             await self.grpc.set_serving(False)
@@ -272,8 +279,22 @@ class Worker:
         for task in self._tasks:
             task.cancel()
         await self.engine.shutdown()
+        await self.flush_kv()
         if self.grpc is not None:
             await self.grpc.stop(grace_s=1.0)
+
+    async def flush_kv(self) -> int:
+        """Wait up to worker.kv_flush_timeout_s for the saves written behind to reach
+        kvcache; count (and log) the blocks of those that did not. Returns that count."""
+        if self.kvcache is None:
+            return 0
+        timeout_s = self.ctx.settings.worker.kv_flush_timeout_s
+        lost = await asyncio.to_thread(self.kvcache.flush, timeout_s)
+        if lost:
+            self.m_kv_flush_lost.inc(lost)
+            log.warning("%s: %d KV blocks written behind were not stored in kvcache within %.1f s "
+                        "(worker.kv_flush_timeout_s): a restart misses them", self.ctx.instance_id, lost, timeout_s)
+        return lost
 
     async def _report_kvcache(self) -> None:
         """kvcache's state as this worker sees it: the gauge, and the "kvcache" health service."""

@@ -579,6 +579,44 @@ def test_the_planner_may_scale_the_stages_and_nothing_else():
     assert "mesh-infermesh-planner" not in kinds(render_chart(), "Deployment")  # off by default
 
 
+def _seconds(duration: str | int | float) -> float:
+    """A compose duration (`docker compose config` gives "55s" or "1m0s") in seconds."""
+    if isinstance(duration, (int, float)):
+        return float(duration) / 1e9  # the JSON form may give nanoseconds
+    total = 0.0
+    for amount, unit in re.findall(r"([\d.]+)(h|ms|m|s)", duration):
+        total += float(amount) * {"h": 3600, "m": 60, "s": 1, "ms": 0.001}[unit]
+    return total
+
+
+def test_grace_periods_fit_the_drain_and_the_kv_flush():
+    """A stopped worker drains (worker.drain_timeout_s), then flushes the KV it writes
+    behind to kvcache (worker.kv_flush_timeout_s): its pod's and container's grace
+    period leaves room for both and for the engine's stop, so nothing kills it first."""
+    docs = render_chart({"drainTimeoutSeconds": 40, "kvFlushTimeoutSeconds": 25})
+    data = kinds(docs, "ConfigMap")["mesh-infermesh-settings"]["data"]
+    worker = load_settings(env=data).worker
+    assert (worker.drain_timeout_s, worker.kv_flush_timeout_s) == (40, 25)
+    for name in ("mesh-infermesh-prefill", "mesh-infermesh-decode"):
+        assert workloads(docs)[name]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 40 + 25 + 30, name
+    # A whole release deleted at once: kvcache keeps serving through the workers' drain and
+    # flush (its preStop hook), then has the rest of its own grace period to close its LMDB.
+    kvcache = workloads(docs)["mesh-infermesh-kvcache"]["spec"]["template"]["spec"]
+    hook = kvcache["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[-1].endswith(f"time.sleep({40 + 25})"), hook
+    assert kvcache["terminationGracePeriodSeconds"] >= 40 + 25 + 10
+    services = {**compose_config()["services"], **compose_config(*COMPOSE_PROFILES["gpu"])["services"]}
+    workers = [n for n in services if n.startswith(("prefill", "decode"))]
+    assert len(workers) >= 4, workers  # the CPU profile's and the GPU profile's
+    for name in workers:
+        env = load_settings(env={k: v for k, v in services[name]["environment"].items()
+                                 if k.startswith("INFERMESH_")}).worker  # fmt: skip
+        assert env.kv_flush_timeout_s > 0, name
+        grace = _seconds(services[name]["stop_grace_period"])
+        assert grace >= env.drain_timeout_s + env.kv_flush_timeout_s + 10, (name, grace)
+        assert "kvcache" in services[name]["depends_on"], name  # compose stops the workers before kvcache
+
+
 def test_chart_values_schema_refuses_typos():
     for bad, where in (({"stages": {"decode": {"gpu": 1}}}, "'gpu' not allowed"),
                        ({"settings": {"engin": {"dtype": "bfloat16"}}}, "engin"),

@@ -10,37 +10,7 @@ from typing import Any
 
 import httpx
 
-from services.balancer.frontend.api import MAX_CONTEXT_TOKENS
 from services.balancer.frontend.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_TOKEN_IDS
-from shared.engine.sampling_params import SamplingParams
-from shared.kv.block_hash import HASH_BYTES
-from shared.proto import mesh_pb2
-from shared.stage.convert import params_to_proto
-
-NATS_MAX_PAYLOAD = 1 << 20
-"""nats-server's default max_payload, headers included."""
-
-
-def test_the_longest_context_fits_one_nats_message() -> None:
-    # The worst handoff the balancer's limits allow: every id, seed and count at the top
-    # of its range, salt characters of 4 bytes, 16-token blocks in two KV groups, and a
-    # sliding window of 4096 tokens held in a third.
-    num_blocks = MAX_CONTEXT_TOKENS // 16
-    top = 2**32 - 1
-    params = SamplingParams(max_tokens=1, top_k=top, seed=2**63 - 1, stop_token_ids=[top] * MAX_STOP_TOKEN_IDS)
-    handoff = mesh_pb2.DecodeHandoff(
-        request_id="chatcmpl-" + "f" * 32,
-        prompt_token_ids=[top] * (MAX_CONTEXT_TOKENS - 1),
-        output_token_ids=[top],
-        sampling=params_to_proto(params),
-        cache_salt="\U0010ffff" * MAX_CACHE_SALT_CHARS,
-        block_hashes=[b"\xff" * HASH_BYTES] * num_blocks,
-        kv_source=mesh_pb2.KvSource(
-            block_ids=[top] * (2 * num_blocks), num_blocks=num_blocks,
-            window_first=top, window_block_ids=[top] * (4096 // 16 + 1),
-        ),
-    )
-    assert handoff.ByteSize() < NATS_MAX_PAYLOAD - (16 << 10)  # room for the trace headers and the KV region
 
 
 def test_protobuf_ranges_and_nats_sizes_are_400s_through_the_mesh(mesh: Any, mesh_model_dir: str) -> None:

@@ -304,7 +304,7 @@ def test_a_restarted_balancer_routes_by_the_workers_caches_again_from_their_snap
     # holds: only its snapshot (every second here) can. Nothing is sent meanwhile.
     time.sleep(3.0)
     route = route_of_next()
-    assert route["prefill.reason"] == "prefix" and route["prefill.scores"] == [5.0]
+    assert route["prefill.reason"] == "prefix" and route["prefill.held"] == [5]
 
 
 def _ready_or_none(mesh) -> dict | None:  # noqa: ANN001

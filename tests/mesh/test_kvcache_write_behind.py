@@ -117,3 +117,37 @@ def test_saves_run_in_a_writer_process_when_the_cache_can_be_mapped(model_dir, k
     assert failed.kv.save_error is None and failed.kv.num_saved_blocks == 41 // BLOCK
     assert engine.kv.pool.num_free_blocks == 64
     engine.close()
+
+
+def test_a_flush_gives_up_on_a_stalled_store_after_its_bound_and_counts_its_blocks(model_dir, kvcache):
+    """What a stopping worker's flush does when kvcache takes nothing in: it waits its
+    bound (worker.kv_flush_timeout_s), no longer, and counts the blocks still on their way."""
+    connector = KVCacheConnector(kvcache.address, probe_interval_s=3600)  # never marked down meanwhile
+    engine = LLMEngine(EngineConfig(model=model_dir, block_size=BLOCK, num_kv_blocks=64), kv_connector=connector)
+    prompt = random_prompts([45], vocab=500, seed=36)[0]
+    os.kill(kvcache.proc.pid, signal.SIGSTOP)
+    try:
+        run(engine, "f", prompt, SamplingParams(max_tokens=1), kv_transfer=WRITE_BEHIND)
+        started = time.monotonic()
+        assert connector.flush(0.5) == 45 // BLOCK
+        assert time.monotonic() - started >= 0.5
+        assert connector.num_blocks_unflushed == 45 // BLOCK
+    finally:
+        os.kill(kvcache.proc.pid, signal.SIGCONT)
+    engine.close()
+
+
+def test_a_save_written_behind_is_stored_when_the_connector_is_flushed_and_closed_at_once(model_dir, kvcache):
+    """The stop of a worker whose saves run in its own process (decode's, a cache no other
+    process maps): flushed, then closed right after the request ended, the blocks are in
+    kvcache (close alone ends the connector's loop with the store on its way)."""
+    for share_kv, seed in ((False, 37), (True, 38)):
+        connector = KVCacheConnector(kvcache.address)
+        engine = LLMEngine(EngineConfig(model=model_dir, block_size=BLOCK, num_kv_blocks=64),
+                           kv_connector=connector, share_kv=share_kv)  # fmt: skip
+        prompt = random_prompts([45], vocab=500, seed=seed)[0]
+        out = run(engine, "s", prompt, SamplingParams(max_tokens=1), kv_transfer=WRITE_BEHIND)
+        assert connector.flush(60.0) == 0  # a generous bound: the store lands long before it
+        engine.close()
+        assert stored_blocks(kvcache.address, full_block_hashes(engine, out)) == 45 // BLOCK, share_kv
+        assert connector.num_blocks_unflushed == 0 and connector.num_save_failures_behind == 0

@@ -55,7 +55,7 @@ def vl_mesh(vl_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def route_held(mesh: Mesh, request_id: str) -> float:
     """The prompt blocks the balancer found on the prefill instance, by its routing keys."""
     attrs = span_attributes(mesh.trace_dir, request_id, "route")
-    return attrs["prefill.scores"][0] if attrs["prefill.reason"] == "prefix" else 0.0
+    return float(attrs["prefill.held"][0]) if attrs["prefill.reason"] == "prefix" else 0.0
 
 
 def test_a_chat_with_an_image_equals_the_in_process_engine(vl_mesh: Mesh, vl_folder: Path) -> None:

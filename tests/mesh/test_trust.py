@@ -30,6 +30,7 @@ from shared.proto import kvcache_pb2, kvcache_pb2_grpc, mesh_pb2
 from shared.runtime import subjects
 from shared.runtime.bus import inbox_prefix
 from shared.runtime.rpc import open_channel
+from shared.runtime.settings import Settings
 from tests.helpers.mesh_procs import ROOT, listening, stop_process, wait_for_port
 from tests.helpers.nats_clients import Client, connected, settle, violations
 from tools.launch.nats_auth import MeshCredentials, stream_subjects
@@ -341,8 +342,10 @@ def test_up_writes_its_secrets_for_its_user_only(up):
     conf = up.state / "nats-auth.conf"
     assert conf.stat().st_mode & 0o777 == 0o600
     text = conf.read_text()
-    assert {"balancer", "kvcache", "monitor", "admin", "prefill-0", "decode-0"} == set(
-        re.findall(r'user: "([^"]+)"', text))
+    # One user per instance number the supervisor may scale to (the planner's max_replicas).
+    slots = Settings().planner.max_replicas
+    instances = {f"{stage}-{i}" for stage in ("prefill", "decode", "vision") for i in range(slots)}
+    assert {"balancer", "kvcache", "monitor", "admin"} | instances == set(re.findall(r'user: "([^"]+)"', text))
     tokens = {up.token(name) for name in ("prefill-0", "decode-0", "balancer")}
     assert len(tokens) == 3, "each service its own token"
     assert not any(token in up.output() for token in tokens)

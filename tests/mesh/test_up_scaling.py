@@ -1,11 +1,12 @@
 """`infermesh up` scaled live (issue 30's "through up's supervisor"): a planner writes
 <state_dir>/replicas.json and the supervisor starts or drains instances until each
 stage has its count. Real processes: nats-server (which reloads its users for each
-instance added or removed), kvcache, prefill, decode and the balancer.
+instance up to the planner's max_replicas, made at start), kvcache, prefill, decode and the balancer.
 
-Checked, under a steady stream of requests: scaled up, the new instances get NATS
-users, join the registry and take requests; scaled down, the highest-numbered
-instances drain and exit, their users go; and no request fails meanwhile."""
+Checked, under a steady stream of requests: scaled up, the new instances log in with
+NATS users made at start, join the registry and take requests; scaled down, the
+highest-numbered instances drain and exit; nats-server never reloads its config (a
+reload drops the reply grants of requests in flight); and no request fails meanwhile."""
 
 import threading
 import time
@@ -52,7 +53,8 @@ def test_replicas_file_scales_each_stage_up_and_down_with_no_failed_request(star
         wait_for("2 prefill and 2 decode in the registry",
                  lambda: live_instances(mesh) == {"prefill": 2, "decode": 2})
         assert mesh.instances("decode") == ["decode-0", "decode-1"]
-        assert "decode-1" in mesh.nats_config.read_text()  # its own NATS user, in force
+        users_at_start = mesh.nats_config.read_text()
+        assert "decode-1" in users_at_start and "decode-15" in users_at_start  # made at start, in force
         before = len(answered)
         wait_for("requests served after scaling up", lambda: len(answered) >= before + 6)
 
@@ -61,7 +63,7 @@ def test_replicas_file_scales_each_stage_up_and_down_with_no_failed_request(star
                  lambda: not {"decode-1", "prefill-1"} & {n for n, _ in mesh.procs})
         wait_for("1 prefill and 1 decode in the registry",
                  lambda: live_instances(mesh) == {"prefill": 1, "decode": 1})
-        assert "decode-1" not in mesh.nats_config.read_text()  # its user went with it
+        assert mesh.nats_config.read_text() == users_at_start  # the users stay: nothing to reload
         before = len(answered)
         wait_for("requests served after scaling down", lambda: len(answered) >= before + 6)
     finally:
@@ -71,3 +73,4 @@ def test_replicas_file_scales_each_stage_up_and_down_with_no_failed_request(star
     assert failed == []
     assert all(n == 12 for n in answered)
     assert mesh.restarts == {}  # scaled away is not died: nothing was restarted
+    assert "Reloaded server configuration" not in (mesh.state_dir / "logs" / "nats.log").read_text()

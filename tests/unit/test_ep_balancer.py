@@ -82,10 +82,13 @@ def test_prefill_without_a_prefix_hit_weighs_queued_tokens_by_balance() -> None:
     beat(reg, "prefill", "skewed", SKEWED, num_queued_tokens=100)
     beat(reg, "prefill", "even", EVEN, num_queued_tokens=150)
     hashes = hash_block_chain(list(range(32)), 16, "fp")
-    choice = choose_prefill(reg.live("prefill"), hashes, random.Random(0))
-    # 100 queued tokens at 50/95 weigh 190: more than 150 evenly spread.
+    choice = choose_prefill(reg.live("prefill"), hashes, 32, 16, random.Random(0))
+    # 100 queued tokens at 50/95 weigh 190 (11.875 blocks): more than 150 evenly spread
+    # (9.375), beside the prompt's 2 blocks to compute on either.
     assert choice.instance.instance_id == "even" and choice.reason == "expert_balance"
-    assert choice.scores == {"skewed": pytest.approx(190.0), "even": 150.0}
-    # A prefix hit still comes first.
-    reg.on_kv_event(mesh_pb2.KvEvent(instance_id="skewed", stored=hashes[:1]))
-    assert choose_prefill(reg.live("prefill"), hashes, random.Random(0)).instance.instance_id == "skewed"
+    assert choice.scores == {"skewed": pytest.approx(2 + 190 / 16), "even": 2 + 150 / 16}
+    # A prefix hit is worth its blocks of queue: the 2 held outweigh 2.5 blocks' difference
+    # at weight 2, not at weight 1.
+    reg.on_kv_event(mesh_pb2.KvEvent(instance_id="skewed", stored=hashes))
+    assert choose_prefill(reg.live("prefill"), hashes, 32, 16, random.Random(0), 2.0).instance.instance_id == "skewed"
+    assert choose_prefill(reg.live("prefill"), hashes, 32, 16, random.Random(0), 1.0).instance.instance_id == "even"

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
 
-from services.balancer.frontend.api import MAX_CONTEXT_TOKENS, create_app
+from services.balancer.frontend.api import create_app
 from services.balancer.generation import GenerationError, GenerationRequest, Generator, TokenEvent
 from services.balancer.local import LocalGenerator
 from services.balancer.frontend.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_TOKEN_IDS
@@ -453,14 +453,16 @@ def test_bad_input_at_the_limits(mesh: Mesh) -> None:
     assert_error(post(mesh.main, "/v1/completions", b'{"model": "tiny-llama", "prompt": "\xff\xfe"}'), 400)
 
 
-def test_context_fits_a_nats_message(model_path: str) -> None:
-    # A model's context past what one NATS message carries is cut to it, and a prompt past that is a 400.
+def test_the_context_is_the_models_not_one_nats_message(model_path: str) -> None:
+    # Past the 2**17 tokens one NATS message held (the bus sends long messages in parts):
+    # the model's context is served whole, and a prompt that fills it is a 400 naming it.
+    context = 1 << 18
     app = create_app(generator=Failing(), recipe=Recipe.from_pretrained(model_path), model_name=MODEL,
-                     max_model_len=1 << 20, settings=BalancerSettings())
+                     max_model_len=context, settings=BalancerSettings())
     with TestClient(app) as client:
-        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_CONTEXT_TOKENS
-        too_long = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * MAX_CONTEXT_TOKENS})
-        error = assert_error(too_long, 400, f"maximum context length is {MAX_CONTEXT_TOKENS} tokens")
+        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == context
+        too_long = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * context})
+        error = assert_error(too_long, 400, f"maximum context length is {context} tokens")
         assert error["param"] == "prompt"
 
 

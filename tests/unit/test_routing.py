@@ -48,15 +48,16 @@ def test_prefill_goes_to_the_instance_holding_most_leading_blocks():
     reg.on_kv_event(mesh_pb2.KvEvent(instance_id="p1", stored=HASHES[:3]))
     # p2 holds blocks 1..3 but not block 0: a chain only counts from its start.
     reg.on_kv_event(mesh_pb2.KvEvent(instance_id="p2", stored=HASHES[1:]))
-    choice = choose_prefill(reg.live("prefill"), HASHES, random.Random(0))
+    choice = choose_prefill(reg.live("prefill"), HASHES, 64, 16, random.Random(0))
     assert choice.instance.instance_id == "p1" and choice.reason == "prefix"
-    assert choice.scores == {"p0": 1.0, "p1": 3.0, "p2": 0.0}
+    assert choice.held == {"p0": 1, "p1": 3, "p2": 0}
+    assert choice.scores == {"p0": 3.0, "p1": 1.0, "p2": 4.0}  # blocks to compute, none queued
     # Evicted blocks stop counting; a restarted worker (cleared) holds nothing.
     reg.on_kv_event(mesh_pb2.KvEvent(instance_id="p1", removed=HASHES[1:3]))
     reg.on_kv_event(mesh_pb2.KvEvent(instance_id="p0", stored=HASHES[1:2]))
-    assert choose_prefill(reg.live("prefill"), HASHES, random.Random(0)).instance.instance_id == "p0"
+    assert choose_prefill(reg.live("prefill"), HASHES, 64, 16, random.Random(0)).instance.instance_id == "p0"
     reg.on_kv_event(mesh_pb2.KvEvent(instance_id="p0", cleared=True))
-    assert choose_prefill(reg.live("prefill"), HASHES, random.Random(0)).scores["p0"] == 0.0
+    assert choose_prefill(reg.live("prefill"), HASHES, 64, 16, random.Random(0)).held["p0"] == 0
 
 
 def test_a_snapshot_replaces_the_view_and_lost_events_are_counted_as_gaps():
@@ -68,18 +69,18 @@ def test_a_snapshot_replaces_the_view_and_lost_events_are_counted_as_gaps():
     # seq 3 (removing block 0) is lost: seq 4 comes next and the view wrongly keeps block 0.
     reg.on_kv_event(kv_event_messages("p0", 4, HASHES[3:], [])[0])
     assert reg.num_kv_event_gaps == 1
-    assert choose_prefill(reg.live("prefill"), HASHES, random.Random(0)).scores["p0"] == 4.0
+    assert choose_prefill(reg.live("prefill"), HASHES, 64, 16, random.Random(0)).held["p0"] == 4
     # The worker's snapshot says all it holds: the view is exactly that, and a snapshot
     # (cleared) never counts as a gap, whatever its number (a restarted worker starts at 1).
     snapshot = kv_event_messages("p0", 1, HASHES[1:], [], cleared=True)
     assert [e.cleared for e in snapshot] == [True]
     reg.on_kv_event(snapshot[0])
     assert reg.num_kv_event_gaps == 1
-    assert choose_prefill(reg.live("prefill"), HASHES, random.Random(0)).scores["p0"] == 0.0
-    assert choose_prefill(reg.live("prefill"), HASHES[1:], random.Random(0)).scores["p0"] == 3.0
+    assert choose_prefill(reg.live("prefill"), HASHES, 64, 16, random.Random(0)).held["p0"] == 0
+    assert choose_prefill(reg.live("prefill"), HASHES[1:], 48, 16, random.Random(0)).held["p0"] == 3
     reg.on_kv_event(kv_event_messages("p0", 2, [], HASHES[1:2])[0])
     assert reg.num_kv_event_gaps == 1
-    assert choose_prefill(reg.live("prefill"), HASHES[1:], random.Random(0)).scores["p0"] == 0.0
+    assert choose_prefill(reg.live("prefill"), HASHES[1:], 48, 16, random.Random(0)).held["p0"] == 0
 
 
 def test_a_large_snapshot_goes_out_in_numbered_messages_the_first_one_cleared():
@@ -98,7 +99,7 @@ def test_prefill_misses_go_to_the_least_queued_and_ties_are_random():
     beat(reg, "prefill", "p1", num_queued_tokens=20)
     beat(reg, "prefill", "p2", num_queued_tokens=20)
     picks = Counter(
-        choose_prefill(reg.live("prefill"), HASHES, random.Random(seed)).instance.instance_id for seed in range(200)
+        choose_prefill(reg.live("prefill"), HASHES, 64, 16, random.Random(seed)).instance.instance_id for seed in range(200)
     )
     assert picks["p0"] == 0
     assert picks["p1"] > 60 and picks["p2"] > 60  # both tied instances get work
@@ -129,7 +130,7 @@ def test_no_instance_is_a_lookup_error():
     with pytest.raises(LookupError, match="no live decode"):
         choose_decode([], random.Random(0))
     with pytest.raises(LookupError, match="no live prefill"):
-        choose_prefill([], HASHES, random.Random(0))
+        choose_prefill([], HASHES, 64, 16, random.Random(0))
 
 
 def test_a_heartbeat_claiming_an_interval_beyond_the_bound_is_refused_and_counted():

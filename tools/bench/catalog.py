@@ -61,6 +61,8 @@ BENCHES: tuple[Bench, ...] = (
           "prints a JSON line per row"),
     Bench("bench-peer-copy", "peer_copy_bench", "the direct prefill -> decode KV copy (CUDA IPC or shared memory)",
           _RAW_LOG),
+    Bench("bench-prefix-routing", "prefix_routing_bench", "a shared system prompt on 4 prefill instances: prefix-first "
+          "routing against the KV-router cost (a simulation)", _RAW_OUT),
     Bench("bench-routing", "routing_bench", "multi-turn chats: always against conditionally disaggregated",
           "--json PATH"),
     Bench("bench-spec", "spec_bench", "speculative decoding against none: throughput and accepted length",

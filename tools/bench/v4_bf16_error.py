@@ -2,8 +2,8 @@
 checkpoint's greedy decode in bfloat16, each chosen token's logprob against
 transformers' float32 (the truth), with our kernels as chosen ("auto": Triton, the
 fused MoE) and with PyTorch's ("torch"), beside transformers' own bf16 error on the
-same tokens. The test asks ours <= 1.5x transformers' mean per prompt; this prints
-the two means per prompt and per kernel table, so that a kernel that rounds worse
+same tokens. The test asks ours <= 2x transformers' mean per prompt and <= 1.25x over
+all prompts pooled; this prints the two means per prompt, then pooled, per kernel table, so that a kernel that rounds worse
 than the reference path shows as a gap between the two tables' rows.
 
   python -m tools.bench.v4_bf16_error --variant mixed        # on the device machine
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# variant {args.variant} seed {args.seed}: mean |logprob - float32's| of the chosen tokens, per prompt")
     for kernels in args.kernels:
         llm = LLM(str(path), dtype="bfloat16", device=args.device, block_size=16, prefill_chunk_size=32, kernels=kernels)
+        ours_all, hf_all = [], []
         for p_ids, out in zip(prompts(), llm.generate(prompts(), params)):
             seq = torch.tensor([p_ids + out.token_ids], device=args.device)
             chosen = torch.tensor(out.token_ids, device=args.device)[:, None]
@@ -50,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kernels={kernels:<5} prompt {len(p_ids):>3}: ours mean {ours_err.mean():.4f} max {ours_err.max():.4f}"
                   f"  transformers bf16 mean {hf_err.mean():.4f} max {hf_err.max():.4f}"
                   f"  ratio {ours_err.mean() / hf_err.mean():.2f}")
+            ours_all.append(ours_err)
+            hf_all.append(hf_err)
+        ours_mean, hf_mean = torch.cat(ours_all).mean(), torch.cat(hf_all).mean()
+        print(f"kernels={kernels:<5} all prompts: ours mean {ours_mean:.4f}  transformers bf16 mean {hf_mean:.4f}"
+              f"  ratio {ours_mean / hf_mean:.2f}")
         if hasattr(llm, "close"):
             llm.close()
         del llm

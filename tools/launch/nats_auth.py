@@ -163,14 +163,16 @@ server's INFO (nats-py's max_payload), so this is the only copy of it; a NATS th
 deployment does not start (Helm's nats.url) keeps its own."""
 
 
-def server_limits() -> str:
-    """The top of every mesh nats-server config: the limits that are not nats-server's defaults."""
-    return f"max_payload: {MAX_PAYLOAD}\n"
+def server_limits(max_payload: int | None = MAX_PAYLOAD) -> str:
+    """The top of every mesh nats-server config: the limits that are not nats-server's
+    defaults (max_payload None: nats-server's own 1 MiB, as a NATS the chart is pointed
+    at may keep; long messages then go in parts, shared/runtime/bus_parts.py)."""
+    return "" if max_payload is None else f"max_payload: {max_payload}\n"
 
 
-def server_config(users: list[User]) -> str:
+def server_config(users: list[User], max_payload: int | None = MAX_PAYLOAD) -> str:
     """A whole nats-server config for these users: the limits, then their accounts."""
-    return server_limits() + authorization_block(users)
+    return server_limits(max_payload) + authorization_block(users)
 
 
 def authorization_block(users: list[User]) -> str:
@@ -259,9 +261,9 @@ class MeshCredentials:
         self.users[name] = user
         return user
 
-    def write_config(self, path: Path, listen_host: str, port: int) -> None:
+    def write_config(self, path: Path, listen_host: str, port: int, max_payload: int | None = MAX_PAYLOAD) -> None:
         """A nats-server config (mode 0600: it holds the passwords)."""
-        text = f"listen: {json.dumps(f'{listen_host}:{port}')}\n" + server_config(list(self.users.values()))
+        text = f"listen: {json.dumps(f'{listen_host}:{port}')}\n" + server_config(list(self.users.values()), max_payload)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -1,8 +1,9 @@
 """`infermesh up`: nats-server plus one process per service instance on this
 machine, each started exactly as docker-compose or Helm would start it
 (`python -m services.<stage>` with INFERMESH_* variables), health-checked
-before the API address is printed. Ctrl-C (or SIGTERM) stops them all,
-services first (they drain), NATS last.
+before the API address is printed. Ctrl-C (or SIGTERM) stops them all:
+the balancer and the workers first (they drain, and flush the KV they write
+behind to kvcache), then kvcache (it commits its LMDB), NATS last.
 
 Closed by default: the mesh's NATS takes only the users `up` writes into
 <state_dir>/nats-auth.conf (mode 0600), one per instance with random
@@ -27,9 +28,12 @@ it has run for 30 s); the others keep serving.
 Scaled: the supervisor also keeps each worker stage at the count that
 <state_dir>/replicas.json asks for (shared/runtime/desired_replicas.py; the live
 planner writes it): an instance added gets a NATS user of its own (nats-server
-reloads its config) and joins the registry by its heartbeats; one removed, the
-highest-numbered, is sent SIGTERM and drains (its requests finish or move)
-before its user goes. Every child is started through
+made at start) and joins the registry by its heartbeats; one removed, the
+highest-numbered, is sent SIGTERM and drains (its requests finish or move).
+Every instance number the supervisor may use gets its NATS user at start (as
+Helm's `maxInstances` does), so scaling never reloads nats-server: a reload
+drops the one-time reply grants of requests in flight, and their acks would be
+refused. Every child is started through
 a tiny exec wrapper that asks the kernel to kill it when `up` dies
 (PR_SET_PDEATHSIG), so even `kill -9` of `up` leaves no orphan."""
 
@@ -52,9 +56,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.runtime.desired_replicas import FILE_NAME as REPLICAS_FILE
 from shared.runtime.desired_replicas import read_desired
 from shared.runtime.rpc import TlsFiles
-from shared.runtime.settings import load_settings
 from shared.runtime.rpc_auth import peers_setting
-from tools.launch.nats_auth import MeshCredentials, grpc_tokens, server_limits
+from shared.runtime.settings import load_settings
+from tools.launch.nats_auth import MAX_PAYLOAD, MeshCredentials, grpc_tokens, server_limits
 
 # Run by the child before it execs its command: die with the thread that
 # started it (prctl(PR_SET_PDEATHSIG, SIGKILL)), and give up if that parent is
@@ -184,10 +188,16 @@ class Mesh:
     num_vision: int = 0
     """Vision instances (E/P/D: they encode requests' images for prefill and decode); 0
     leaves the encoding to prefill (E/PD)."""
+    max_instances: int = 0
+    """NATS users made at start for each worker stage, by instance number (never fewer than
+    the stage starts with): the supervisor scales within them without reloading nats-server.
+    0: the planner's max_replicas when supervised, else each stage's start count."""
     placements: dict[str, Placement] = field(default_factory=dict)
     """Where each process runs, by name (nats, kvcache, prefill-0, decode-0, ...,
     balancer); one not named runs here on loopback. The balancer's API listens on
     `host` wherever it runs."""
+    nats_max_payload: int | None = MAX_PAYLOAD
+    """nats-server's max_payload; None keeps its default 1 MiB (a test of long messages in parts)."""
     _commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict, init=False, repr=False)
     _creds: MeshCredentials | None = field(default=None, init=False, repr=False)
     _services_nats_url: str = field(default="", init=False, repr=False)
@@ -343,11 +353,17 @@ class Mesh:
         for role in ("balancer", "kvcache", "monitor", "admin"):
             creds.add(role, role)
         for stage, count in self._stages():
-            for i in range(count):
+            for i in range(max(count, self._user_slots())):
                 creds.add(f"{stage}-{i}", stage, instance=f"{stage}-{i}")
-        creds.write_config(self.nats_config, self._at("nats").host, nats_port)
+        creds.write_config(self.nats_config, self._at("nats").host, nats_port, self.nats_max_payload)
         self._creds = creds
         self.grpc_tokens = self.grpc_tokens or grpc_tokens()
+
+    def _user_slots(self) -> int:
+        """Instance numbers per worker stage that get a NATS user at start (see max_instances)."""
+        if self.max_instances:
+            return self.max_instances
+        return load_settings(env={**os.environ, **self.extra_env}).planner.max_replicas if self.supervise else 0
 
     def start(self, timeout_s: float = 120.0) -> None:
         self.start_store(timeout_s)
@@ -367,7 +383,7 @@ class Mesh:
             user, password = self.credentials("admin")
             self.nats_url = f"nats://{user}:{password}@{nats_host}:{nats_port}"
         else:  # an open mesh still takes the mesh's message size
-            self.nats_config.write_text(server_limits())
+            self.nats_config.write_text(server_limits(self.nats_max_payload))
         nats_args += ["-c", str(self.nats_config)]
         nats_args += ["-a", nats_host, "-p", str(nats_port), "-js", "-sd", str(self.state_dir / "nats")]
         self._start("nats", nats_args, dict(os.environ))
@@ -490,40 +506,55 @@ class Mesh:
             setattr(self, f"num_{stage}", want)
 
     def _grant(self, names: list[str], stage: str) -> None:
-        """NATS users for new instances, in force before they connect."""
-        if self._creds is None:
+        """NATS users for new instances, in force before they connect: made at start for
+        numbers below max_instances; one beyond them is added with a reload (said in the log)."""
+        missing = [n for n in names if self._creds is not None and n not in self._creds.users]
+        if not missing:
             return
-        for name in names:
+        assert self._creds is not None
+        for name in missing:
             self._creds.add(name, stage, instance=name)
+        print(f"no NATS user was made at start for {', '.join(missing)} (max_instances): adding them reloads "
+              "nats-server, which may cost requests in flight a retry", file=sys.stderr, flush=True)
         self._reload_nats()
 
     def _retired(self, name: str, proc: subprocess.Popen) -> None:
-        """A scaled-away instance has exited: forget it and its NATS user."""
+        """A scaled-away instance has exited: forget it. Its NATS user stays for the next
+        instance of that number (removing it would reload nats-server)."""
         with self._lock:
             self.procs = [(n, p) for n, p in self.procs if p is not proc]
             self._retiring.discard(name)
-            still_named = any(n == name for n, _ in self.procs)
-        if self._creds is not None and not still_named:
-            self._creds.users.pop(name, None)
-            self._reload_nats()
         print(f"{name} stopped (scaled down; exit code {proc.returncode})", file=sys.stderr, flush=True)
 
     def _reload_nats(self) -> None:
         """Rewrite the users and have nats-server read them (SIGHUP reloads its config)."""
         assert self._creds is not None
-        self._creds.write_config(self.nats_config, self._at("nats").host, self._nats_port)
+        self._creds.write_config(self.nats_config, self._at("nats").host, self._nats_port, self.nats_max_payload)
         nats = dict(self.procs).get("nats")
         if nats is not None and nats.poll() is None:
             nats.send_signal(signal.SIGHUP)
             time.sleep(0.5)  # the reload is asynchronous; a new user's first connect must find it
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM services (they drain), then NATS; SIGKILL what lingers."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM the balancer and the workers (they drain, then flush what they write
+        behind to kvcache), then kvcache, then NATS, each group once the one before
+        has exited: kvcache stopped beside the workers would refuse their last stores.
+        SIGKILL what lingers past timeout_s in its group (None: the workers' drain and
+        flush bounds, worker.drain_timeout_s + worker.kv_flush_timeout_s, plus 15 s for
+        the engine's stop)."""
         self._stopping.set()  # no restarts from here on
+        if timeout_s is None:
+            try:
+                worker = load_settings(env={**os.environ, **self.extra_env}).worker
+                timeout_s = worker.drain_timeout_s + worker.kv_flush_timeout_s + 15.0
+            except ValueError:  # settings a start refused: nothing drains long
+                timeout_s = 15.0
         with self._lock:
-            services = [(n, p) for n, p in self.procs if n != "nats"]
+            last = ("kvcache", "nats")
+            services = [(n, p) for n, p in self.procs if n not in last]
+            stores = [(n, p) for n, p in self.procs if n == "kvcache"]
             nats_procs = [(n, p) for n, p in self.procs if n == "nats"]
-        for group in (services, nats_procs):
+        for group in (services, stores, nats_procs):
             for _, proc in group:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)

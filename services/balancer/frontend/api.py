@@ -53,19 +53,6 @@ from shared.recipe import Recipe
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import BalancerSettings, ImageSettings
 
-MAX_CONTEXT_TOKENS = 1 << 17
-"""The longest context served. A prompt (with the tokens so far, when a request
-migrates) crosses NATS whole, balancer to prefill and prefill to decode, and a
-NATS message holds at most 1 MiB (nats-server's default max_payload: the mesh's own
-servers take more, tools/launch/nats_auth.py MAX_PAYLOAD, for images, but a NATS
-the chart is pointed at may keep the default). The handoff to
-decode is the larger: per token at most 5 bytes of id (a uint32 varint), per
-block of 16 tokens (the default) a 34-byte hash and a block id per KV group. At
-2**17 tokens, with every other field at its limit, that is ~1,000 KiB
-(tests/mesh/test_bad_input.py builds it); real vocabularies (ids under 2**21: 3 bytes)
-leave a quarter of the message free."""
-
-
 # -- the app ---------------------------------------------------------------------------
 
 
@@ -93,7 +80,6 @@ def create_app(
     JetStream's, shared by its balancers; default: this process's memory, for one
     balancer alone). aliases: other names requests may ask for (vLLM's
     further --served-model-name names); responses carry model_name, the first."""
-    max_model_len = min(max_model_len, MAX_CONTEXT_TOKENS)  # a 400 that names the limit, not a 5xx from NATS
     stats = HttpMetrics(metrics or Metrics("balancer"), model_name, max_model_len)
     names = (model_name, *aliases)
     server = OpenAIServer(

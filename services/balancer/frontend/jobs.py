@@ -1,5 +1,5 @@
 """A checked request body as the jobs the mesh runs: per prompt (truncated, checked
-against the context length and the mesh's message size), num_samples generations,
+against the context length and, for prompt logprobs, the mesh's message bound), num_samples generations,
 each with its SamplingParams, detokenizer and request id."""
 
 import uuid
@@ -14,9 +14,11 @@ from services.balancer.frontend.seeds import draw_seed
 from shared.engine.sampling_params import InvalidParam
 from shared.multimodal.image import LoadedImage
 from shared.recipe import Recipe
+from shared.runtime.bus_parts import MAX_MESSAGE_BYTES
 
-MAX_PROMPT_LOGPROB_BYTES = 512 << 10
-"""Prompt logprobs cross NATS in prefill's handoff and decode's first chunk, beside the prompt."""
+MAX_PROMPT_LOGPROB_BYTES = MAX_MESSAGE_BYTES // 2
+"""Prompt logprobs cross NATS in prefill's handoff and decode's first chunk, beside the
+prompt: in parts when long (shared/runtime/bus_parts.py), half a message's bound at most."""
 
 
 def _prompt_logprob_bytes(num_prompt: int, k: int) -> int:
@@ -80,7 +82,7 @@ class JobPlanner:
             if prompt_k is not None and _prompt_logprob_bytes(num_prompt, prompt_k) > MAX_PROMPT_LOGPROB_BYTES:
                 param = "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs"
                 raise APIError(400, f"{param}: the prompt's logprobs ({num_prompt} tokens with {prompt_k} "
-                               "alternatives each) would not fit one mesh message; score a shorter prompt "
+                               "alternatives each) would pass the mesh's message bound; score a shorter prompt "
                                "or ask for fewer alternatives", param=param)
             first: Job | None = None
             for sample in range(num_samples):

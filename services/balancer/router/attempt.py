@@ -120,6 +120,7 @@ class Attempts:
                         raise InstanceFailed(chunk.error, route.decode)
                     if num_chunks == 0 and not local:  # decode has the request: prefill's fate no longer matters
                         self.watch.unwatch(reader, route.prefill)
+                        route.prefilled()  # nor its load: the prompt is computed
                     num_chunks += 1
                     if num_tokens == 0:
                         span.set_attribute("ttft_ms", round((time.perf_counter() - started) * 1e3, 2))

@@ -34,7 +34,6 @@ from services.balancer.router.policies import (
     choose_prefill,
     choose_prefill_site,
     conditional_disaggregation,
-    leading_blocks_held,
     serves_expert_parallel,
 )
 from services.balancer.router.registry import Instance, Registry
@@ -119,7 +118,8 @@ class Dispatcher:
                     candidates = self._prefer(self._candidates("decode"), excluded)
                     if by_cache:  # the prompt may be computed there: its own cache counts
                         decode = choose_decode_by_cache(
-                            candidates, hashes, len(req.prompt_token_ids), self.block_size, self.rng
+                            candidates, hashes, len(req.prompt_token_ids), self.block_size, self.rng,
+                            s.kv_overlap_weight,
                         )
                     elif serves_expert_parallel(candidates):  # MoE instances: the EP load balancer
                         decode = choose_expert_parallel(candidates, self.rng)
@@ -147,6 +147,8 @@ class Dispatcher:
         did = decode.instance.instance_id
         span.set_attribute("decode.candidates", list(decode.scores))
         span.set_attribute("decode.scores", list(decode.scores.values()))
+        if decode.held:
+            span.set_attribute("decode.held", list(decode.held.values()))
         span.set_attribute("decode.reason", decode.reason)
         span.set_attribute("decode.choice", did)
         await reader.listen(did)
@@ -169,7 +171,8 @@ class Dispatcher:
                 tried.clear()  # while the bus recovers, one that did not answer may now
                 continue
             try:
-                prefill = choose_prefill(self._prefer(live, excluded), hashes, self.rng)
+                prefill = choose_prefill(self._prefer(live, excluded), hashes, len(req.prompt_token_ids),
+                                         self.block_size, self.rng, s.kv_overlap_weight)
             except LookupError:
                 # Every one refused or was silent: ask them all again shortly, for PREFILL_RETRY_S
                 # from now (not from the dispatch: one ack timeout may already have used that up).
@@ -187,10 +190,11 @@ class Dispatcher:
             # Reserved now, before the first await: the requests routed while this one
             # waits for its ack must see these tokens queued (a burst of 16 otherwise all
             # saw an idle prefill instance, and conditional disaggregation never triggered).
-            held = leading_blocks_held(prefill.instance, hashes) * self.block_size
+            held = prefill.held[pid] * self.block_size
             with Reservation(prefill.instance, tokens=max(len(req.prompt_token_ids) - held, 0)) as reservation:
                 span.set_attribute("prefill.candidates", list(prefill.scores))
                 span.set_attribute("prefill.scores", list(prefill.scores.values()))
+                span.set_attribute("prefill.held", list(prefill.held.values()))
                 span.set_attribute("prefill.choice", pid)
                 span.set_attribute("prefill.reason", prefill.reason)
                 msg = prefill_request(req, images.messages, did)
@@ -204,7 +208,7 @@ class Dispatcher:
                 if ack.accepted:
                     self.m_prefill_site.labels("remote", site.reason).inc()
                     reservation.keep(requests=1)
-                    return Route(pid, did)
+                    return Route(pid, did, reservation.done)
             # Refused: given back above.
             if ack.code not in RETRYABLE:
                 raise _refused(ack)

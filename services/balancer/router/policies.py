@@ -1,13 +1,20 @@
 """One routing policy per stage. Each returns the chosen instance and the
 figures it chose by, which go on the request's trace span.
 
-- prefill: the instance holding the most leading blocks of the prompt in its
-  own memory (recomputing nothing it already has); ties broken at random; when
-  nobody holds any, the least loaded by tokens waiting to be computed.
+- prefill (choose_prefill): the least cost in KV blocks, Dynamo's KV-router cost:
+  overlap_weight x the prompt's blocks the instance would compute (those beyond
+  the leading blocks it holds in its own memory), plus the blocks queued there
+  (its heartbeat's queued tokens and what this balancer sent it since, over the
+  block size; divided by the step balancedness for MoE instances). A held prefix
+  is worth its blocks of queue, no more: a system prompt every request shares
+  spreads once its holder's queue is longer than the prefix (the other instances
+  then compute it once and hold it too), where ranking by prefix first sent
+  everything to the first holder. Ties broken at random.
 - decode: the least loaded by running + waiting requests, then by the most
   free KV blocks; ties broken at random. With conditional disaggregation on,
   where a prompt may be computed on its decode instance, the one with the least
-  work for this request in KV blocks instead (choose_decode_by_cache): a turn of
+  work for this request in KV blocks instead (choose_decode_by_cache, the same
+  cost and overlap weight as prefill's): a turn of
   a conversation goes back to the instance that holds the conversation.
 - expert-parallel (the EP load balancer, DeepSeek's third beside prefill's and
   decode's): among MoE instances, whose heartbeats carry their expert load, the
@@ -32,7 +39,7 @@ otherwise all go to the first instance in the list.
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.kv.block_hash import BlockHash
 from services.balancer.router.registry import Instance
@@ -44,6 +51,8 @@ class Choice:
     reason: str
     scores: dict[str, float]
     """Per candidate instance id: the figure it was ranked by."""
+    held: dict[str, int] = field(default_factory=dict)
+    """Per candidate instance id: the prompt's leading blocks it holds (cache-aware choices only)."""
 
 
 def _pick(candidates: Sequence[Instance], key, rng: random.Random) -> Instance:  # noqa: ANN001
@@ -80,21 +89,40 @@ def serves_expert_parallel(candidates: Sequence[Instance]) -> bool:
     return any(c.load.HasField("expert_load") for c in candidates)
 
 
-def choose_prefill(candidates: Sequence[Instance], hashes: Sequence[BlockHash], rng: random.Random) -> Choice:
+def prompt_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The KV blocks a prompt fills, the last one partly."""
+    return -(-prompt_tokens // block_size)
+
+
+def choose_prefill(
+    candidates: Sequence[Instance], hashes: Sequence[BlockHash], prompt_tokens: int, block_size: int,
+    rng: random.Random, overlap_weight: float = 1.0,
+) -> Choice:
+    """The prefill instance of least cost in KV blocks (Dynamo's KV router): overlap_weight
+    x the blocks it would compute for this prompt, plus the blocks queued there. The
+    weight says how many blocks of queue a block held is worth: 1 (Dynamo's default)
+    counts a block computed as a block waited for; 0 ignores caches (pure load); a
+    large weight ranks by prefix first (the old policy, which let a shared prefix take
+    all traffic). Ties broken at random."""
     if not candidates:
         raise LookupError("no live prefill instance")
+    expert_parallel = serves_expert_parallel(candidates)  # a queued token costs more where experts sit unevenly
+    total = prompt_blocks(prompt_tokens, block_size)
     held = {c.instance_id: leading_blocks_held(c, hashes) for c in candidates}
-    if max(held.values()) > 0:
-        inst = _pick(candidates, lambda c: -held[c.instance_id], rng)
-        return Choice(inst, "prefix", {k: float(v) for k, v in held.items()})
-    if serves_expert_parallel(candidates):  # a queued token costs more where experts sit unevenly
-        load = {c.instance_id: (c.load.num_queued_tokens + c.in_flight) / step_balancedness(c) for c in candidates}
-        reason = "expert_balance"
+
+    def cost(c: Instance) -> float:
+        queued = queued_prefill_tokens(c) / block_size
+        if expert_parallel:
+            queued /= step_balancedness(c)
+        return overlap_weight * max(total - held[c.instance_id], 0) + queued
+
+    costs = {c.instance_id: cost(c) for c in candidates}
+    inst = _pick(candidates, lambda c: costs[c.instance_id], rng)
+    if held[inst.instance_id] > 0:
+        reason = "prefix"
     else:
-        load = {c.instance_id: float(c.load.num_queued_tokens + c.in_flight) for c in candidates}
-        reason = "least_loaded"
-    inst = _pick(candidates, lambda c: load[c.instance_id], rng)
-    return Choice(inst, reason, load)
+        reason = "expert_balance" if expert_parallel else "least_loaded"
+    return Choice(inst, reason, costs, held)
 
 
 def choose_decode(candidates: Sequence[Instance], rng: random.Random) -> Choice:
@@ -128,25 +156,26 @@ def choose_expert_parallel(candidates: Sequence[Instance], rng: random.Random) -
 
 def choose_decode_by_cache(
     candidates: Sequence[Instance], hashes: Sequence[BlockHash], prompt_tokens: int, block_size: int,
-    rng: random.Random,
+    rng: random.Random, overlap_weight: float = 1.0,
 ) -> Choice:
     """The decode instance with the least work for this request, in KV blocks (Dynamo's
-    KV-router cost, at overlap weight 1): the prompt's blocks it does not hold (it
+    KV-router cost, prefill's): overlap_weight x the prompt's blocks it does not hold (it
     computes or loads them if the prompt is computed there), plus the blocks its
     requests hold (each decode step reads them all), plus this prompt's blocks for each
     request waiting there or sent to it since its last heartbeat (not yet in its blocks)."""
     if not candidates:
         raise LookupError("no live decode instance")
-    prompt_blocks = -(-prompt_tokens // block_size)
+    total = prompt_blocks(prompt_tokens, block_size)
+    held = {c.instance_id: leading_blocks_held(c, hashes) for c in candidates}
 
     def cost(c: Instance) -> float:
         used = c.load.num_total_kv_blocks - c.load.num_free_kv_blocks
         queued = c.load.num_waiting + c.in_flight
-        return float(prompt_blocks - leading_blocks_held(c, hashes) + used + queued * prompt_blocks)
+        return float(overlap_weight * max(total - held[c.instance_id], 0) + used + queued * total)
 
     costs = {c.instance_id: cost(c) for c in candidates}
     inst = _pick(candidates, lambda c: costs[c.instance_id], rng)
-    return Choice(inst, "kv_cost", costs)
+    return Choice(inst, "kv_cost", costs, held)
 
 
 @dataclass(slots=True)

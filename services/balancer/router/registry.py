@@ -77,6 +77,8 @@ class Instance:
     blocks: set[BlockHash] = field(default_factory=set)
     seq: int = 0
     """The last heartbeat's seq (0: unnumbered)."""
+    num_beats: int = 0
+    """Heartbeats taken from this process: what was reserved on it before the last one is in its figures."""
     connection: str = ""
     """The NATS connection its last heartbeat came on (`<server id>/<client id>`; "": not said)."""
     images: frozenset[bytes] = frozenset()
@@ -168,6 +170,7 @@ class Registry:
             inst.connection = connection
         inst.in_flight = 0  # the heartbeat's figures now include what we sent
         inst.in_flight_tokens = 0
+        inst.num_beats += 1
         for callback in self.on_beat:
             callback(inst)
         return None

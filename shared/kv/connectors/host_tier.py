@@ -56,7 +56,9 @@ class HostTierConnector(InFrontConnector):
 
     def register_kv_region(self, region: KVRegion) -> None:
         super().register_kv_region(region)
-        num_slots = self.capacity_bytes // max(region.block_bytes, 1)
+        # A model with no persistent group (every layer sliding) stores no blocks: no slots
+        # (a 1-byte block made a billion of them, 10 GB of free list).
+        num_slots = self.capacity_bytes // region.block_bytes if region.block_bytes > 0 else 0
         # Pinned where the cache is on a GPU: copies to and from it run asynchronously at PCIe speed.
         pin = region.device.type == "cuda"
         self._pool = torch.empty((num_slots, region.block_bytes), dtype=torch.uint8, pin_memory=pin)

@@ -10,7 +10,9 @@ load: no payloads, with the error): the engine recomputes, and says so.
 A save written behind is reported as soon as its blocks have been copied to
 host memory, so the engine's blocks are not held while the store runs; what is
 on its way to the store is bounded (MAX_BYTES_BEHIND), and a save beyond that
-is dropped, counted like one that fails. Where the engine's cache can be mapped
+is dropped, counted like one that fails. A stopping worker flushes them (`flush`,
+flush.py): it waits, up to a bound, until kvcache holds every one, and counts the
+blocks of those it gave up on. Where the engine's cache can be mapped
 by another process (a prefill worker's), saves run in a writer process of their
 own (kvcache_writer.py), so their byte work never takes the GIL from the engine.
 
@@ -56,6 +58,7 @@ from opentelemetry import context
 
 from shared.kv.block_hash import BlockHash
 from shared.kv.connectors.base import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.connectors.flush import StoresBehind
 from shared.kv.connectors.kvcache_writer import KVWriter
 from shared.kv.connectors.load_cost import LoadCost
 from shared.kv.memory.region import KVRegion
@@ -148,6 +151,8 @@ class KVCacheConnector(KVConnector):
         self._behind_lock = threading.Lock()  # reserved on the engine's thread, released on the loop's
         self._num_dropped = 0
         self._num_failed_behind = 0
+        self._stores_behind = StoresBehind()
+        """Saves written behind until kvcache holds them (or they failed): what `flush` waits for."""
 
     async def _make_client(self, address: str, timeout_s: float) -> KVCacheClient:
         return KVCacheClient(address, timeout_s=timeout_s, shm_bytes=self.shm_bytes, on_segment=self._pin,
@@ -316,8 +321,11 @@ class KVCacheConnector(KVConnector):
             if not params.wait_for_save:
                 size = len(hashes) * self.region.block_bytes
                 stored.add_done_callback(lambda done: self._stored_behind(done, size))
+                self._stores_behind.add(stored, len(hashes))
         else:
             stored = self._submit(self._store(hashes, block_ids, read, params.wait_for_save), trace)
+            if not params.wait_for_save:
+                self._stores_behind.add(stored, len(hashes))
         self._saves[request_id] = _Save(len(hashes), params.wait_for_save, read, stored)
 
     def _the_writer(self) -> KVWriter | None:
@@ -416,6 +424,18 @@ class KVCacheConnector(KVConnector):
     @property
     def num_save_failures_behind(self) -> int:
         return self._num_failed_behind
+
+    def flush(self, timeout_s: float) -> int:
+        """Wait (any thread but the connector's) until every save written behind so far
+        is stored or has failed, for at most timeout_s; returns the blocks of those still
+        on their way then, which are counted (num_blocks_unflushed) and may be lost.
+        A stopping worker calls it after its engine stopped, before close."""
+        return self._stores_behind.flush(timeout_s)
+
+    @property
+    def num_blocks_unflushed(self) -> int:
+        """Blocks of saves written behind that a flush gave up waiting for."""
+        return self._stores_behind.num_blocks_unflushed
 
     def close(self) -> None:
         if self._writer is not None:

@@ -119,7 +119,7 @@ annotations:
 {{- define "infermesh.podCommon" -}}
 enableServiceLinks: false
 automountServiceAccountToken: false
-terminationGracePeriodSeconds: {{ add (int .root.Values.drainTimeoutSeconds) 30 }}
+terminationGracePeriodSeconds: {{ add (int .root.Values.drainTimeoutSeconds) (int .root.Values.kvFlushTimeoutSeconds) 30 }}
 securityContext:
   {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
 {{- with .root.Values.imagePullSecrets }}

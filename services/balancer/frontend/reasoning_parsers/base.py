@@ -20,10 +20,16 @@ class ReasoningPiece:
 
 
 class ReasoningSplitter:
-    """One reply's splitter (a new one per choice)."""
+    """One reply's splitter (a new one per choice). Subclasses keep text that may be a
+    tag's start in _held (fed again with the next piece: _take) and set _opened when
+    the reply opens a reasoning part."""
 
     keeps_special_tokens = False
     """Whether the format is made of special tokens (the detokenizer must keep them)."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._opened = False
 
     def feed(self, text: str) -> ReasoningPiece:
         raise NotImplementedError
@@ -34,4 +40,9 @@ class ReasoningSplitter:
     @property
     def saw_reasoning(self) -> bool:
         """Whether the reply opened a reasoning part (its reasoning is then "" rather than absent)."""
-        raise NotImplementedError
+        return self._opened
+
+    def _take(self, text: str) -> str:
+        """What was held back, then text; nothing is held any more."""
+        buf, self._held = self._held + text, ""
+        return buf

@@ -26,22 +26,16 @@ class HarmonySplitter(ReasoningSplitter):
     keeps_special_tokens = True
 
     def __init__(self, raw: bool = False) -> None:
+        super().__init__()
         self.raw = raw
         """Keep the content's messages as written (for the tool parser)."""
         self._state = "header"
         """header, body (of self._channel's message) or plain (not harmony)."""
         self._channel = ""
-        self._held = ""
-        self._opened = False
-
-    @property
-    def saw_reasoning(self) -> bool:
-        return self._opened
 
     def feed(self, text: str) -> ReasoningPiece:
         piece = ReasoningPiece()
-        buf = self._held + text
-        self._held = ""
+        buf = self._take(text)
         while buf:
             if self._state == "plain":
                 # A marker split across pieces is held until it can be removed whole.
@@ -79,7 +73,7 @@ class HarmonySplitter(ReasoningSplitter):
 
     def finish(self) -> ReasoningPiece:
         piece = ReasoningPiece()
-        held, self._held = self._held, ""
+        held = self._take("")
         if self._state == "body":
             self._body(piece, held)
         else:

@@ -24,19 +24,14 @@ def prompt_opens_thinking(prompt_tail: str) -> bool:
 
 class ThinkSplitter(ReasoningSplitter):
     def __init__(self, inside: bool = False) -> None:
+        super().__init__()
         self._state = "inside" if inside else "before"
         """before: no block yet; inside: in the block; after: the block is closed."""
         self._opened = inside
-        self._held = ""
-
-    @property
-    def saw_reasoning(self) -> bool:
-        return self._opened
 
     def feed(self, text: str) -> ReasoningPiece:
         piece = ReasoningPiece()
-        buf = self._held + text
-        self._held = ""
+        buf = self._take(text)
         while buf:
             if self._state == "after":
                 piece.content += buf
@@ -56,8 +51,7 @@ class ThinkSplitter(ReasoningSplitter):
 
     def finish(self) -> ReasoningPiece:
         piece = ReasoningPiece()
-        self._out(piece, self._held)
-        self._held = ""
+        self._out(piece, self._take(""))
         return piece
 
     def _out(self, piece: ReasoningPiece, text: str) -> None:

@@ -1,11 +1,16 @@
-"""make-model's tiny-vl preset: a Qwen2.5-VL folder transformers reads as it wrote it
-(config.json equal to its own re-save), with a tokenizer holding the vision tokens
-whose ids config.json names, the released chat template and a preprocessor config; a
-chat prompt with two images renders offline, and our greedy tokens and logprobs equal
+"""make-model's Qwen VL presets (tiny-vl: Qwen2.5-VL; tiny-qwen3-vl: Qwen3-VL): a folder
+transformers reads as it wrote it (config.json equal to its own re-save, weights under
+the released names), with a tokenizer holding the vision tokens whose ids config.json
+names, a chat template and the family's preprocessor config (Qwen2.5-VL: 14 px patches,
+CLIP's mean; Qwen3-VL: 16 px, mean and std 0.5); a chat prompt with two images renders
+offline, and our greedy tokens and logprobs (Qwen3-VL's deepstack included) equal
 transformers' on it."""
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,19 +18,39 @@ import torch
 from shared.model.multimodal import ImageInputs
 from shared.model.vision.mrope import mrope_positions
 from tests.helpers.paged_driver import PagedDriver
-from tests.helpers.vlm_models import folder_chat_prompt, hf_vl_model, synthetic_images
+from tests.helpers.vlm_models import folder_chat_prompt, hf_qwen3_vl_model, hf_vl_model, synthetic_images
 
 transformers = pytest.importorskip("transformers")
 
 NUM_NEW = 6
 
 
+@dataclass(frozen=True)
+class Preset:
+    arch: str
+    name: str
+    hf_model: Callable[[Path], Any]
+    patch_size: int
+    image_mean: tuple[float, ...]
+
+
+PRESETS = [
+    Preset("qwen2_5_vl", "tiny-vl", hf_vl_model, 14, (0.48145466, 0.4578275, 0.40821073)),
+    Preset("qwen3_vl", "tiny-qwen3-vl", hf_qwen3_vl_model, 16, (0.5, 0.5, 0.5)),
+]
+
+
+@pytest.fixture(scope="module", params=PRESETS, ids=lambda p: p.name)
+def preset(request: pytest.FixtureRequest) -> Preset:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def folder(preset: Preset, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tools.make_model import make_model
 
-    path = tmp_path_factory.mktemp("tiny_vl")
-    make_model(path, arch="qwen2_5_vl", preset="tiny-vl", seed=3)
+    path = tmp_path_factory.mktemp(preset.arch)
+    make_model(path, arch=preset.arch, preset=preset.name, seed=3)
     return path
 
 
@@ -44,7 +69,12 @@ def test_vision_token_ids_are_the_tokenizers(folder: Path) -> None:
     assert tokenizer.eos_token == "<|im_end|>"
 
 
-def test_chat_with_two_images_matches_transformers(folder: Path) -> None:
+def test_preprocessor_is_the_familys(preset: Preset, folder: Path) -> None:
+    processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    assert processor.patch_size == preset.patch_size and list(processor.image_mean) == list(preset.image_mean)
+
+
+def test_chat_with_two_images_matches_transformers(preset: Preset, folder: Path) -> None:
     from shared.model.loader import load_model
 
     images = synthetic_images([(150, 100), (70, 90)], seed=9)
@@ -58,7 +88,7 @@ def test_chat_with_two_images_matches_transformers(folder: Path) -> None:
     ids = torch.tensor([prompt.token_ids])
     hf_inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=prompt.pixel_values,
                      image_grid_thw=prompt.image_grid_thw, mm_token_type_ids=(ids == image_token).to(torch.int32))  # fmt: skip
-    hf = hf_vl_model(folder)
+    hf = preset.hf_model(folder)
     with torch.no_grad():
         greedy = hf.generate(**hf_inputs, max_new_tokens=NUM_NEW, do_sample=False)[0, ids.shape[1] :].tolist()
         full = torch.tensor([prompt.token_ids + greedy])
