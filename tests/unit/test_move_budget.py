@@ -42,7 +42,9 @@ def test_an_instance_that_died_without_the_request_costs_nothing():
     registry.leave("d0", "disconnected")
     fail(budget, "d0", started=False)  # decode had streamed nothing: prefill held it
     assert budget.tally() == Tally(charged=0, free=1, outage=0)
-    clock.now += 60  # much later, a live instance's error: the budget is whole
+    clock.now += 61  # much later (RecentDeaths has forgotten d0), a live instance's error: the budget is whole
+    registry.leave("p0", "disconnected")  # another death, which prunes the record of d0's
+    assert deaths.of("d0") is None
     fail(budget, "d1")
     assert budget.tally() == Tally(charged=1, free=1, outage=0)
 

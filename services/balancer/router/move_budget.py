@@ -3,11 +3,11 @@
 A move counts when the attempt it ends had a fair chance. One did not when an
 instance at fault died (left the registry, see registry.py and departures.py)
 and either
-  - it never had the request: a dispatch it did not ack, a decode instance that
-    had not streamed anything while prefill still held the request, a handoff it
-    did not answer; or
+  - it never had the request, as far as the balancer knows: a dispatch it did
+    not ack, a handoff it did not answer, a decode instance that had streamed
+    nothing of it (prefill held it, or had only just handed it over); or
   - the request had just been moved off another instance's death, and this one
-    died within a detection window of that one (DETECTION_WINDOW, below): the
+    died within a detection window of that one (detection_window, below): the
     move landed on an instance dying with the first one, as a node takes its
     prefill and decode instances down together.
 Such moves are free, up to FREE_MOVES per request; past that they count, so a
@@ -34,7 +34,8 @@ fair chance at it. Three: a request survives the death of two prefill and two
 decode instances around it (a node hosting them, or two nodes), each of which may
 fail it once."""
 KEEP_S = 60.0
-"""How long a death is remembered (longer than any request's life between two moves)."""
+"""How long a death is remembered: far longer than a detection window (only deaths
+near a failure count), short enough that the record stays small."""
 
 
 def detection_window(misses: int, interval_s: float) -> float:
@@ -129,14 +130,22 @@ class MoveBudget:
         self.outage_moves = outage_moves
         self.clock = clock
         self.failures: list[Failure] = []
+        self._deaths_found: dict[int, Death] = {}
+        """Per failure (its index), the death found for it: kept, as RecentDeaths forgets."""
 
     def record(self, exc: InstanceFailed, outage: bool) -> None:
         self.failures.append(Failure(self.clock(), frozenset(exc.instance_ids), exc.started, outage))
 
-    def _death(self, f: Failure) -> Death | None:
-        """The death of an instance at fault, heard within its detection window of the failure."""
+    def _death(self, k: int) -> Death | None:
+        """The death of an instance at fault in failure k, heard within its detection window of it."""
+        if k in self._deaths_found:
+            return self._deaths_found[k]
+        f = self.failures[k]
         found = [d for i in f.instance_ids if (d := self.deaths.of(i)) is not None and abs(d.at - f.at) <= d.window_s]
-        return min(found, key=lambda d: d.at, default=None)
+        death = min(found, key=lambda d: d.at, default=None)
+        if death is not None:
+            self._deaths_found[k] = death
+        return death
 
     def tally(self, last_dies: Death | None = None) -> Tally:
         """The failures so far, judged with what the registry knows now (last_dies: as if
@@ -147,7 +156,7 @@ class MoveBudget:
             if f.outage:
                 outage += 1
                 continue
-            death = self._death(f)
+            death = self._death(k)
             if k == len(self.failures) - 1 and last_dies is not None:
                 death = death or last_dies
             fair = death is None or (
