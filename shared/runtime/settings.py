@@ -250,7 +250,9 @@ class BalancerSettings:
     """Longest silence between two chunks of a stream."""
     migration_limit: int = 1
     """How many times a request whose instance fails mid-way is moved to other
-    instances (prompt + tokens so far) before the client gets an error."""
+    instances (prompt + tokens so far) before the client gets an error. Moves off
+    instances that died without a fair chance at the request (a node's death) are
+    not counted, up to a bound (services/balancer/router/move_budget.py)."""
     local_prefill_max_tokens: int = 0
     """Conditional disaggregation (Dynamo's max_local_prefill_length): a prompt with
     at most this many tokens left to compute (beyond the longest prefix a prefill

@@ -30,6 +30,7 @@ SERIAL = {
     "test_namespaces.py": "freezes and kills instances in their namespaces, with bounds; two meshes",
     "test_planner_profile.py": "compares the decode throughput of two batch sizes",
     "test_mesh_parallel.py": "instances of two ranks each (eight engine processes); kills a rank, with a bound",
+    "test_node_death.py": "kills two and four instances 0.1 s apart under 32 streams (eight workers in one mesh)",
 }
 """Mesh modules kept out of the parallel run, and why (a timing bound a busy machine
 could break)."""

@@ -18,7 +18,6 @@ import signal
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
 
 import grpc
 import openai
@@ -31,6 +30,7 @@ from shared.runtime import subjects
 from tests.helpers.mesh_procs import span_attributes
 from tests.helpers.metrics import balancer_metric as metric
 from tests.helpers.nats_listener import Listener
+from tests.helpers.streams import Stream, stream_one
 from tools.launch.trace_view import load_spans
 from tools.launch.up import grpc_serving
 
@@ -43,42 +43,6 @@ MIGRATED_WITHIN_S = 5.0
 """From the kill to every moved request handed to (acked by) new instances, and resumed."""
 NUM_STREAMS = 32
 MAX_STALL_S = 5.0
-
-
-@dataclass
-class Stream:
-    prompt: str
-    started: float = 0.0
-    times: list[float] = field(default_factory=list)
-    """When each chunk with text arrived (monotonic)."""
-    text: str = ""
-    completion_tokens: int | None = None
-    error: str | None = None
-    request_id: str = ""
-
-    def stall(self) -> float:
-        """The longest the client waited for something: from the start to the first
-        chunk, or between two chunks."""
-        points = [self.started, *self.times]
-        return max(b - a for a, b in zip(points, points[1:])) if self.times else float("inf")
-
-
-def stream_one(client: openai.OpenAI, name: str, s: Stream, max_tokens: int) -> None:
-    s.started = time.monotonic()
-    try:
-        chunks = client.completions.create(
-            model=name, prompt=s.prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )
-        for chunk in chunks:
-            s.request_id = chunk.id
-            if chunk.choices and chunk.choices[0].text:
-                s.times.append(time.monotonic())
-                s.text += chunk.choices[0].text
-            if chunk.usage is not None:
-                s.completion_tokens = chunk.usage.completion_tokens
-    except Exception as exc:  # counted as failed
-        s.error = f"{type(exc).__name__}: {exc}"
 
 
 def causes(mesh) -> dict[str, int]:

@@ -5,7 +5,10 @@ prefill or decode instance would) so that each failure happens on cue.
 - an error from prefill excludes that prefill instance, not the decode one;
 - a handoff decode did not take (prefill's OVERLOADED) excludes that decode instance;
 - a decode instance leaving the registry mid-stream moves the request at once,
-  with the tokens so far, to the other decode instance."""
+  with the tokens so far, to the other decode instance;
+- a move onto an instance dying with the one the request left (a node's death) is
+  not charged; a request that kills every instance it lands on still fails, in
+  bounded moves."""
 
 import asyncio
 import random
@@ -15,6 +18,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.balancer.generation import GenerationError, GenerationRequest
+from services.balancer.router.move_budget import FREE_MOVES
 from services.balancer.router.orchestrator import MeshGenerator
 from services.balancer.router.registry import Registry
 from shared.engine.sampling_params import SamplingParams
@@ -179,3 +183,46 @@ async def test_a_refused_parameter_reaches_the_client_by_name_and_is_not_retried
         await mesh.run()
     # The field comes from the Ack's param, not from the text (which a refusal may word otherwise).
     assert (err.value.status, err.value.param) == (400, "logit_bias") and refusals == ["r"]
+
+
+async def test_a_node_dying_under_a_moved_request_fails_it_not(mesh):
+    """A prefill and a decode instance die 0.1 s apart, as a node hosting both does: the
+    request in prefill on the first moves to the other prefill instance, handed on to the
+    decode instance dying next (d0, the idler, not yet known dead). That move had no fair
+    chance: it is not charged, and the request finishes on the instances left (with
+    migration_limit 1, this failed it before)."""
+    async def act(req: mesh_pb2.PrefillRequest) -> None:
+        if len(mesh.runs) == 1:  # in prefill when its instance dies
+            await asyncio.sleep(0.05)
+            mesh.registry.leave(mesh.to[0], "disconnected from NATS (test)")
+            await asyncio.sleep(0.1)
+            mesh.registry.leave("d0", "disconnected from NATS (test)")  # the node's decode instance, 0.1 s later
+        elif len(mesh.runs) == 3:
+            await stream_all(mesh, req, [7, 8, 9, 10])
+        # the second run: prefill holds it while d0 dies
+
+    await mesh.prefill("p0", act)
+    await mesh.prefill("p1", act)
+    assert await asyncio.wait_for(mesh.run(), 10) == [7, 8, 9, 10]
+    assert [r.decode_instance for r in mesh.runs] == ["d0", "d0", "d1"]
+    assert mesh.to[1] == mesh.to[2] != mesh.to[0]
+
+
+async def test_a_request_that_kills_every_instance_it_lands_on_fails_in_bounded_moves(mesh):
+    """A poison request: each prefill instance that takes it dies. Its first death is
+    charged; the next ones look like one incident (moved off a death onto an instance that
+    died within the detection window) and are free, but only FREE_MOVES of them: the next
+    death is charged too, over migration_limit 1, and the client gets a 503. Of six prefill
+    instances, 1 + FREE_MOVES + 1 died; the sixth never saw it."""
+    mesh.beat("prefill", "p2", "p3", "p4", "p5")
+
+    async def die(req: mesh_pb2.PrefillRequest) -> None:
+        await asyncio.sleep(0.05)  # after its ack: it had started on it
+        mesh.registry.leave(mesh.to[-1], "disconnected from NATS (test)")
+
+    for iid in ("p0", "p1", "p2", "p3", "p4", "p5"):
+        await mesh.prefill(iid, die)
+    with pytest.raises(GenerationError) as err:
+        await asyncio.wait_for(mesh.run(), 10)
+    assert err.value.status == 503 and "also after moving it" in str(err.value)
+    assert len(mesh.runs) == 1 + FREE_MOVES + 1 == len(set(mesh.to))

@@ -115,7 +115,7 @@ class Attempts:
                         if chunk.instance_id != route.decode:
                             if chunk.error_code in RETRYABLE:
                                 raise InstanceFailed(f"the handoff to decode failed: {chunk.error}", route.decode,
-                                                     cause="handoff")
+                                                     cause="handoff", started=False)
                             raise InstanceFailed(chunk.error, route.prefill)
                         raise InstanceFailed(chunk.error, route.decode)
                     if num_chunks == 0 and not local:  # decode has the request: prefill's fate no longer matters
@@ -152,6 +152,8 @@ class Attempts:
                 raise InstanceFailed(f"the mesh did not answer in time: {exc}", *culprits, cause="timeout") from None
             except InstanceFailed as exc:
                 span.set_attribute("error", str(exc))
+                if exc.instance_ids == {route.decode} and not num_chunks and not local:
+                    exc.started = False  # decode had streamed nothing of it: prefill held it, or had only just handed it over
                 raise
             finally:
                 self.outage.untrack(reader)

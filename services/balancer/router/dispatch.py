@@ -225,11 +225,11 @@ class Dispatcher:
             ack = await self._request_unless_gone(did, subjects.decode_run(did), msg)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             raise InstanceFailed(f"decode instance {did} did not answer ({type(exc).__name__})", did,
-                                 cause="handoff") from None
+                                 cause="handoff", started=False) from None
         if not ack.accepted:
             if ack.code not in RETRYABLE:
                 raise _refused(ack)
-            raise InstanceFailed(f"decode instance {did} refused: {ack.message}", did, cause="handoff")
+            raise InstanceFailed(f"decode instance {did} refused: {ack.message}", did, cause="handoff", started=False)
         return Route(did, did)
 
     async def _request_unless_gone(self, instance_id: str, subject: str, msg: mesh_pb2.PrefillRequest) -> mesh_pb2.Ack:
@@ -238,7 +238,7 @@ class Dispatcher:
         The request then moves under a new id and its old id is cancelled: should the
         instance only have been frozen, its late work on the old id is dropped."""
         gone_error = InstanceFailed(f"instance {instance_id} left the mesh during dispatch", instance_id,
-                                    cause="left_mesh")
+                                    cause="left_mesh", started=False)
         if self.registry.get(instance_id) is None:
             raise gone_error
         gone = self.watch.leaving(instance_id)

@@ -2,7 +2,10 @@
 instance fails the request after accepting it, re-dispatch prompt + tokens
 generated so far to other instances (avoiding those at fault) and go on
 streaming, as Dynamo does: up to migration_limit moves, plus OUTAGE_MOVES for
-moves while the bus recovers from a NATS outage (outage.py)."""
+moves while the bus recovers from a NATS outage (outage.py), plus FREE_MOVES off
+instances that died without a fair chance at the request (move_budget.py): a
+node's death, taking a prefill and a decode instance at once, fails no request
+while an instance of each stage lives."""
 
 import dataclasses
 import logging
@@ -14,6 +17,7 @@ from opentelemetry import trace
 from services.balancer.generation import GenerationError, GenerationRequest, TokenEvent, Usage
 from services.balancer.router.attempt import Attempts
 from services.balancer.router.failures import InstanceFailed
+from services.balancer.router.move_budget import RecentDeaths, budget_for
 from services.balancer.router.outage import OUTAGE_MOVES, OutageRecovery
 from services.balancer.router.wire import WireImages
 from shared.runtime.metrics import Metrics
@@ -24,10 +28,12 @@ log = logging.getLogger(__name__)
 
 class MigrationLoop:
     def __init__(
-        self, attempts: Attempts, outage: OutageRecovery, settings: BalancerSettings, metrics: Metrics
+        self, attempts: Attempts, outage: OutageRecovery, deaths: RecentDeaths, settings: BalancerSettings,
+        metrics: Metrics,
     ) -> None:
         self.attempts = attempts
         self.outage = outage
+        self.deaths = deaths
         self.settings = settings
         self.m_migrations = metrics.counter(
             "migrations_total", "Requests moved to other instances, by cause (left_mesh: the registry lost the "
@@ -59,7 +65,7 @@ class MigrationLoop:
         last_token = started  # when tokens last went out (the start before any)
         moved = False
         migration = 0  # moves so far
-        charged = 0  # those counted against migration_limit (the others: a NATS outage's)
+        budget = budget_for(self.deaths, self.settings.migration_limit, OUTAGE_MOVES)
         while True:
             if migration:
                 attempt = continuation(req, generated, migration)
@@ -86,19 +92,21 @@ class MigrationLoop:
                 return
             except InstanceFailed as exc:
                 outage = exc.cause == "lost" or self.outage.recovering()
-                over = migration - charged >= OUTAGE_MOVES if outage else charged >= self.settings.migration_limit
-                if over:
+                budget.record(exc, outage)
+                if not await budget.allows_move():
                     raise GenerationError(
                         "The mesh failed this request, also after moving it to other instances; retry.", status=503
                     ) from None
-                charged += not outage
+                tally = budget.tally()
                 migration += 1
                 moved = True
                 excluded |= exc.instance_ids
                 self.m_migrations.labels(exc.cause).inc()
-                log.warning("request %s: %s; migrating (%d, %d of %d counted%s)", req.request_id, exc, migration,
-                            charged, self.settings.migration_limit, ", NATS outage" if outage else "")
+                log.warning("request %s: %s; migrating (%d: %d of %d counted, %d off instances that died without a "
+                            "fair chance%s)", req.request_id, exc, migration, tally.charged,
+                            self.settings.migration_limit, tally.free, ", NATS outage" if outage else "")
                 root.set_attribute("migrations", migration)
+                root.set_attribute("migrations.free", tally.free)  # moves the budget did not count
                 root.set_attribute("migration.failed_unix", time.time())  # when we learned of it: a death's cost to us
                 root.add_event("migrate", {"cause": exc.cause, "error": str(exc), "tokens_so_far": len(generated),
                                            "outage": outage})

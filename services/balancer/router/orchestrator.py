@@ -4,6 +4,8 @@ into TokenEvents. MeshGenerator composes the parts, one file each:
 
   migration.py       the loop over attempts: a request that an instance fails after
                      accepting it moves, with its tokens so far, to other instances;
+  move_budget.py     which moves count against migration_limit: not those off
+                     instances that died without a fair chance at the request;
   attempt.py         one attempt: dispatch, then the stream, each failure charged to
                      the instance at fault;
   wire.py            the request's messages: its images as PNG, placed in the prompt for
@@ -35,6 +37,7 @@ from services.balancer.router.cancels import Cancels
 from services.balancer.router.dispatch import Dispatcher
 from services.balancer.router.instance_watch import InstanceWatch
 from services.balancer.router.migration import MigrationLoop
+from services.balancer.router.move_budget import RecentDeaths
 from services.balancer.router.outage import OutageRecovery
 from services.balancer.router.registry import Registry
 from services.balancer.router.vision import VisionStage
@@ -76,7 +79,7 @@ class MeshGenerator:
         self._vision = VisionStage(bus, registry, tracer, vision or VisionSettings(), watch, metrics,
                                    rng or random.Random())
         self._attempts = Attempts(bus, registry, tracer, settings, dispatcher, watch, outage, cancels, metrics)
-        self._migrations = MigrationLoop(self._attempts, outage, settings, metrics)
+        self._migrations = MigrationLoop(self._attempts, outage, RecentDeaths(registry), settings, metrics)
 
     def num_in_flight(self) -> int:
         return self._in_flight
