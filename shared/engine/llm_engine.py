@@ -186,7 +186,9 @@ class LLMEngine:
             self.executor = UniProcExecutor(self.runner)
         self.speculator: Speculator | None = None
         if config.speculative != "none":
-            self.speculator = make_speculator(config, self.model, self.executor.time_step, max_model_len, dtype, device)
+            graphs = self.runner.graphs
+            self.speculator = make_speculator(config, self.model, self.executor.time_step, max_model_len, dtype, device,
+                                              graph_buckets=graphs.buckets if graphs is not None else ())  # fmt: skip
             self.runner.keep_hidden = self.speculator.reads_hidden
         scheduler_config = SchedulerConfig.from_engine_config(config, max_model_len)
         self.scheduler: Scheduler | DataParallelScheduler = (
