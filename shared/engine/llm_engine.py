@@ -56,13 +56,15 @@ MAX_STEP_GAP_S = 1.0
 
 def _host_free(request: Request) -> bool:
     """Whether a request can be sampled without its latest token on the host
-    (penalties, min_tokens and bad words read the output so far; logprobs travel
-    with the tokens). A prompt being scored (prompt_logprobs) runs in synchronous
-    steps until its first token: the runner scores it from the step's hidden states."""
+    (min_tokens and bad words read the output so far; penalties count the token in
+    flight on the device, sampler.py; logprobs travel with the tokens). A prompt
+    being scored (prompt_logprobs) runs in synchronous steps until its first token:
+    the runner scores it from the step's hidden states."""
     params = request.sampling_params
     scoring = params.prompt_logprobs is not None and request.num_output_tokens == 0
+    reads_output = params.min_tokens > 0 or bool(params.bad_words_token_ids)
     # A grammar's matcher reads the last token too (structured outputs).
-    return not params.needs_output_history and not scoring and params.structured is None
+    return not reads_output and not scoring and params.structured is None
 
 
 class LLMEngine:
