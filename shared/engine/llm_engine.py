@@ -30,6 +30,7 @@ from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.engine.spec.setup import make_speculator
 from shared.engine.spec.speculator import Speculator
 from shared.engine.step import SchedulerOutput
+from shared.engine.structured.compile_pool import GrammarCompilePool
 from shared.engine.structured.setup import check_structured
 from shared.kv.block_hash import BlockHash, kv_fingerprint
 from shared.kv.connectors.base import KVConnector
@@ -48,18 +49,22 @@ from shared.recipe import IncrementalDetokenizer, Recipe
 log = logging.getLogger(__name__)
 
 
+GRAMMAR_WAIT_S = 0.002
+"""An engine whose only work is grammars being compiled waits this long for one per step."""
 MAX_STEP_GAP_S = 1.0
 """A decode step measured over longer than this was the engine idling (speculation's costs)."""
 
 def _host_free(request: Request) -> bool:
     """Whether a request can be sampled without its latest token on the host
-    (penalties, min_tokens and bad words read the output so far; logprobs travel
-    with the tokens). A prompt being scored (prompt_logprobs) runs in synchronous
-    steps until its first token: the runner scores it from the step's hidden states."""
+    (min_tokens and bad words read the output so far; penalties count the token in
+    flight on the device, sampler.py; logprobs travel with the tokens). A prompt
+    being scored (prompt_logprobs) runs in synchronous steps until its first token:
+    the runner scores it from the step's hidden states."""
     params = request.sampling_params
     scoring = params.prompt_logprobs is not None and request.num_output_tokens == 0
+    reads_output = params.min_tokens > 0 or bool(params.bad_words_token_ids)
     # A grammar's matcher reads the last token too (structured outputs).
-    return not params.needs_output_history and not scoring and params.structured is None
+    return not reads_output and not scoring and params.structured is None
 
 
 class LLMEngine:
@@ -183,7 +188,9 @@ class LLMEngine:
             self.executor = UniProcExecutor(self.runner)
         self.speculator: Speculator | None = None
         if config.speculative != "none":
-            self.speculator = make_speculator(config, self.model, self.executor.time_step, max_model_len, dtype, device)
+            graphs = self.runner.graphs
+            self.speculator = make_speculator(config, self.model, self.executor.time_step, max_model_len, dtype, device,
+                                              graph_buckets=graphs.buckets if graphs is not None else ())  # fmt: skip
             self.runner.keep_hidden = self.speculator.reads_hidden
         scheduler_config = SchedulerConfig.from_engine_config(config, max_model_len)
         self.scheduler: Scheduler | DataParallelScheduler = (
@@ -199,6 +206,9 @@ class LLMEngine:
             kv_connector.register_recompute_rate(chunk / self.executor.time_step(chunk, repeats=1), config.block_size)
             assert isinstance(self.scheduler, Scheduler)  # check_mesh refused data-parallel attention
             self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, config.kv_lease_timeout_s)
+        compiler = self.runner.structured.compiler
+        self._grammars: GrammarCompilePool | None = GrammarCompilePool(compiler) if compiler is not None else None
+        """Structured requests' grammars compile here, off the step (compile_pool.py)."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = {}
         """Per request scoring its prompt, the positions scored so far (a preempted
@@ -269,7 +279,10 @@ class LLMEngine:
         if params.stop and self.recipe is None:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none")
         params.check_vocab(vocab)
-        check_structured(params, self.runner.structured.compiler)  # compiles (cached): a bad grammar fails here
+        # A bad grammar fails here; a good one compiles on the pool while the batch runs on.
+        request.grammar = check_structured(params, self._grammars)
+        if request.grammar is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add_request(request)
         if encoded is not None:
             self.runner.add_images(req.request_id, encoded.embeds)
@@ -348,6 +361,8 @@ class LLMEngine:
             self.kv_transfer.connector.close()
         if self._experts is not None:
             self._experts.close()
+        if self._grammars is not None:
+            self._grammars.close()
         self.executor.close()
         self.kv_region.close()
 
@@ -358,6 +373,7 @@ class LLMEngine:
         async scheduling, step N+1 is launched before step N's tokens are read
         back, and this returns step N's outputs."""
         released = self.kv_transfer.poll() if self.kv_transfer is not None else []
+        released += self._fail_grammars()
         speculator = self.speculator
         self._close_step_cost(time.perf_counter())
         # A step that drafts nothing (no speculation, or the schedule's choice this step)
@@ -399,7 +415,34 @@ class LLMEngine:
             outputs = self.kv_transfer.finish(outputs)
         if not outputs and not released and self._idle_on_io():
             time.sleep(0.001)  # only KV on its way: let the connector's thread run
+        if not outputs and not released and self._in_flight is None and not self.scheduler.running:
+            compiling = self._compiling()
+            if compiling:  # only grammars on their way: wait for one rather than spin
+                GrammarCompilePool.wait(compiling, GRAMMAR_WAIT_S)
         return released + outputs
+
+    def _compiling(self) -> list:
+        return [r.grammar for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.done()]
+
+    def _fail_grammars(self) -> list[RequestOutput]:
+        """End the requests whose grammar failed to compile on the pool (admission's
+        checks passed, so this is rare: xgrammar refusing what it built), as aborted."""
+        failed = [
+            r for r in self.scheduler.waiting
+            if r.grammar is not None and r.grammar.done() and (r.grammar.cancelled() or r.grammar.exception())
+        ]  # fmt: skip
+        outputs = []
+        for request in failed:
+            error = None if request.grammar is None or request.grammar.cancelled() else request.grammar.exception()
+            log.error("request %s: its grammar did not compile: %s", request.request_id, error)
+            self.abort_request(request.request_id)
+            outputs.append(RequestOutput(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                token_ids=request.output_token_ids, new_token_ids=[], text="", delta_text="", new_logprobs=[],
+                finished=True, finish_reason=request.status.finish_reason, stop_reason=None,
+                num_cached_tokens=0,
+            ))  # fmt: skip
+        return outputs
 
     def _close_step_cost(self, now: float) -> None:
         """Tell the speculator what the last decode step cost: from its start to the

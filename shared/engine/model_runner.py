@@ -338,8 +338,9 @@ class ModelRunner:
         """Start one step and return at once: the sampled tokens stay on the
         device (the next step's placeholders read them there) and are copied
         to the host in the background, with their logprobs where asked. For
-        requests without penalties or min_tokens, which need the host-side
-        history every step. Drafted tokens are verified by execute() only."""
+        requests without min_tokens or bad words, which need the host-side history
+        every step (penalties count the token in flight on the device:
+        _pending_tokens). Drafted tokens are verified by execute() only."""
         assert not any(c.spec_token_ids for c in sched.chunks), "speculative steps run through execute()"
         self._update_states(sched)
         self._load_states(sched)
@@ -358,7 +359,8 @@ class ModelRunner:
         assert not any(rid in self.structured.matchers for rid in sample_ids), "structured requests run through execute()"
         # The positions come from the chunks: the states' own lag a step behind here.
         first = _first_sample_positions(sched)
-        tokens = self.sampler.sample_tokens(logits, states, [first[rid] for rid in sample_ids])
+        pending = self._pending_tokens(sample_ids, states, first)
+        tokens = self.sampler.sample_tokens(logits, states, [first[rid] for rid in sample_ids], pending)
         logprobs = logprob_tensors(logits, states, tokens)
         self._remember(sample_ids, tokens)
         if self.device.type == "cuda":
@@ -435,6 +437,26 @@ class ModelRunner:
             return tokens, None
         chosen = torch.stack([h.logprobs.chosen for h in handles])  # type: ignore[union-attr]
         return tokens, chosen.tolist()
+
+    def _pending_tokens(
+        self, sample_ids: list[str], states: list[SamplingState], first: dict[str, int]
+    ) -> torch.Tensor | None:
+        """Per row of an overlapped step, the token the step before sampled and the
+        state's output lacks (its read-back comes after this launch), read on the device
+        from that step's tokens; -1 where none. None when no row has penalties (nothing
+        else here reads the output): the sampler then needs no such tensor."""
+        if not any(s.params.needs_output_history for s in states):
+            return None
+        rows = [
+            self._last_rows.get(rid, -1) if first[rid] == state.next_position + 1 else -1
+            for rid, state in zip(sample_ids, states)
+        ]  # fmt: skip
+        assert all(r >= 0 or first[rid] == s.next_position for r, rid, s in zip(rows, sample_ids, states))
+        if all(r < 0 for r in rows):
+            return None
+        index = to_device([max(r, 0) for r in rows], torch.long, self.device)
+        has = to_device([r >= 0 for r in rows], torch.bool, self.device)
+        return torch.where(has, self._last_tokens[index], -1)
 
     def _remember(self, request_ids: list[str], tokens: torch.Tensor) -> None:
         """The last step's sampled tokens on the device, for the next step's placeholders."""

@@ -3,7 +3,9 @@ manager read and update. No tensors here."""
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.engine.prompt_images import PromptImages
 from shared.engine.sampling_params import SamplingParams
@@ -15,6 +17,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"
     """Blocks are reserved and the KV connector is loading them."""
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    """Its grammar compiles on the engine's compile pool (structured outputs): the
+    scheduler passes it over until the compile is done."""
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -97,6 +102,15 @@ class Request:
     num_spec_drafted_tokens: int = 0
     """Drafted tokens of this request verified so far (speculative decoding)."""
     num_spec_accepted_tokens: int = 0
+    grammar: "Future[Any] | None" = None
+    """The compile of its grammar while in WAITING_FOR_GRAMMAR (the engine's compile pool)."""
+
+    @property
+    def grammar_ready(self) -> bool:
+        """Whether the request may be scheduled as far as its grammar goes: none to wait
+        for, or compiled (a failed compile is not ready: the engine ends the request)."""
+        g = self.grammar
+        return g is None or (g.done() and not g.cancelled() and g.exception() is None)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -93,11 +93,17 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def sample_tokens(
-        self, logits: torch.Tensor, states: list[SamplingState], positions: list[int] | None = None
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        positions: list[int] | None = None,
+        pending: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The sampled token ids [num_reqs], left on the logits' device: an
         overlapped engine reads them back later without stalling the next launch.
-        positions as in __call__: the key of each row's noise."""
+        positions as in __call__: the key of each row's noise. pending: [num_reqs] on the
+        logits' device, per row the output token the previous step sampled that the
+        state does not hold yet (-1: none); penalties count it there, on the device."""
         if logits.dim() != 2 or logits.size(0) != len(states):
             raise ValueError(f"logits must be [{len(states)}, vocab], got {list(logits.shape)}")
         if positions is None:
@@ -107,7 +113,7 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()  # softmax / cumsum in half precision would bias top-p
         num_reqs = len(states)
-        x = _apply_penalties(apply_constraints(logits, states), states)
+        x = _apply_penalties(apply_constraints(logits, states), states, pending)
         greedy_rows = [i for i, s in enumerate(states) if s.params.greedy]
         if len(greedy_rows) == num_reqs:
             return x.argmax(dim=-1)  # the common case: one argmax, no sort, no row gathers
@@ -177,10 +183,14 @@ def _token_keys(
     return keys, counts
 
 
-def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+def _apply_penalties(
+    logits: torch.Tensor, states: list[SamplingState], pending: torch.Tensor | None = None
+) -> torch.Tensor:
     """min_tokens masking, repetition, presence and frequency penalties, in that order.
 
     Returns logits itself when no row needs any of them (no copy), else a new tensor.
+    pending: see Sampler.sample_tokens (min_tokens does not count it: an overlapped
+    engine steps such requests synchronously).
     """
     vocab, device = logits.size(1), logits.device
     mask_rows: list[int] = []
@@ -201,6 +211,11 @@ def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch
     ]
     if not (mask_rows or rep or pres_freq):
         return logits
+    if pending is not None and (rep or pres_freq):
+        x = logits.clone(memory_format=torch.contiguous_format)
+        if mask_rows:
+            x[_index(mask_rows, device), _index(mask_ids, device)] = float("-inf")
+        return _penalties_with_pending(x, states, rep, pres_freq, pending)
 
     x = logits.clone(memory_format=torch.contiguous_format)  # contiguous for the flat view below
     if mask_rows:
@@ -220,6 +235,48 @@ def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch
         frequency = to_device([s.params.frequency_penalty for s in states], torch.float32, device)[keys // vocab]
         flat[keys] -= presence + frequency * counts
     return x
+
+
+def _penalties_with_pending(
+    x: torch.Tensor, states: list[SamplingState], rep: list[int], pres_freq: list[int], pending: torch.Tensor
+) -> torch.Tensor:
+    """The penalties of _apply_penalties, with each row's pending token (on the device)
+    counted as one more output token: the host's counts go to the device as they are,
+    the pending token is added there, so nothing waits for the step in flight. Dense
+    [penalised rows, vocab] counts; the same arithmetic as the sparse path on every
+    token seen, and x unchanged on the others, so the tokens are the same."""
+    vocab, device = x.size(1), x.device
+    if rep:
+        rows = _index(rep, device)
+        seen = _dense_counts(rep, [[states[i].prompt_token_ids, states[i].output_token_ids] for i in rep], vocab,
+                             device, pending[rows]) > 0  # fmt: skip
+        penalty = to_device([states[i].params.repetition_penalty for i in rep], torch.float32, device)[:, None]
+        sub = x[rows]
+        x[rows] = torch.where(seen, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
+    if pres_freq:
+        rows = _index(pres_freq, device)
+        counts = _dense_counts(pres_freq, [[states[i].output_token_ids] for i in pres_freq], vocab, device, pending[rows])
+        presence = to_device([states[i].params.presence_penalty for i in pres_freq], torch.float32, device)[:, None]
+        frequency = to_device([states[i].params.frequency_penalty for i in pres_freq], torch.float32, device)[:, None]
+        sub = x[rows]
+        x[rows] = torch.where(counts > 0, sub - (presence + frequency * counts), sub)
+    return x
+
+
+def _dense_counts(
+    rows: list[int], seqs: list[list[list[int]]], vocab: int, device: torch.device, pending: torch.Tensor
+) -> torch.Tensor:
+    """[len(rows), vocab] float32: how often each token occurs in seqs[j] (counted on the
+    host, where the lists are) plus row j's pending token when it is one (>= 0)."""
+    ids = torch.tensor(list(chain.from_iterable(chain.from_iterable(seqs))), dtype=torch.long)
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([sum(map(len, p)) for p in seqs]))
+    valid = (ids >= 0) & (ids < vocab)
+    host = torch.zeros(len(rows), vocab, dtype=torch.float32)
+    host.view(-1).index_put_((row_of[valid] * vocab + ids[valid],), torch.ones(int(valid.sum())), accumulate=True)
+    counts = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    has = (pending >= 0) & (pending < vocab)
+    counts[torch.arange(len(rows), device=device), pending.clamp(0, vocab - 1)] += has.float()
+    return counts
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ holds beyond the local prefix cache first gets blocks reserved for that part
 and waits in WAITING_FOR_KV while the engine loads them; it then returns to the
 front of the queue and is admitted like any other, hitting the loaded blocks.
 A request whose lookup is still on its way is passed over, not waited for.
+
+A structured request whose grammar still compiles on the engine's pool waits in
+WAITING_FOR_GRAMMAR, passed over the same way: the batch runs on without it.
 """
 
 import time
@@ -166,6 +169,11 @@ class Scheduler:
             and not out.preempted_request_ids
         ):
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                if not request.grammar_ready:  # compiling on the engine's pool: look again next step
+                    passed_over.append(self.waiting.popleft())
+                    continue
+                request.status, request.grammar = RequestStatus.WAITING, None
             if self._waits_for_kv(request):
                 self.waiting.popleft()
                 if request.status != RequestStatus.WAITING_FOR_KV:

@@ -125,11 +125,17 @@ def test_fallbacks_are_counted_and_decode_normally(target):
     plain = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)]  # fmt: skip
     expected, base = _run(target, prompts, plain)
-    got, llm = _run(target, prompts, plain, speculative="draft", spec_draft_model=target, async_scheduling=True)
+    got, llm = _run(target, prompts, plain, speculative="draft", spec_draft_model=target, async_scheduling=False)
     assert got == expected
     load = llm.engine.load()
     assert load.num_spec_verifications == 0
     assert load.spec_fallbacks["penalties"] > 0 and load.spec_fallbacks["logprobs"] > 0
+    # Overlapped: penalties no longer need the host's history, so no step drafts and every
+    # step takes the fast path (where no request is asked to draft, none falls back).
+    got, llm = _run(target, prompts, plain, speculative="draft", spec_draft_model=target, async_scheduling=True)
+    assert got == expected
+    load = llm.engine.load()
+    assert load.num_spec_verifications == 0
     assert "async_scheduling" not in load.spec_fallbacks  # no step drafted: none gave overlap up
     # prompt_logprobs: scored before the first token, then the request drafts.
     scored = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=1)

@@ -261,3 +261,27 @@ def test_a_stall_in_one_plain_step_does_not_make_drafting_look_cheap():
     for _ in range(40):  # a lasting change still comes through, a step at a time
         costs.observe_plain_step(64, 0.004)
     assert costs.plain_step(64) == pytest.approx(0.004, rel=0.05)
+
+
+def test_the_capacity_schedule_takes_k_from_survivals_two_steps_old_rounded_to_a_graph_bucket():
+    from shared.engine.spec.schedule import CapacitySchedule
+
+    sps = SpsTable((1, 2, 3, 4, 5, 6, 7, 8), (100.0, 99, 98, 97, 96, 95, 50, 49))
+    rich, poor = [[0.9, 0.8], [0.7, 0.1]], [[0.0, 0.0], [0.0, 0.0]]
+    assert capacity(rich, sps) == 4 and capacity(poor, sps) == 0
+    plan = CapacitySchedule(sps)
+    # No old survivals for the first two steps: DSpark's greedy on the current ones.
+    assert plan.lengths(rich) == schedule_greedy(rich, sps) == [2, 2]
+    assert plan.lengths(poor) == schedule_greedy(poor, sps) == [0, 0]
+    # Step 3: K = 4 from step 1 (rich), not 0 from step 2 (poor) one step old.
+    assert plan.lengths(poor) == [2, 2]
+    # Step 4: K = 0 from step 2 (poor), although this step's survivals are rich.
+    assert plan.lengths(rich) == [0, 0]
+    # Graph buckets: the greedy stops at one token (B = 2); a step padded to 5 rows costs
+    # little more, so K fills the bucket (capacity's rounding, which the engine passes).
+    one, cheap_bucket = [[0.9, 0.5, 0.3, 0.2]], SpsTable((1, 2, 3, 4, 5), (100.0, 90.0, 60.0, 59.0, 60.0))
+    graphed, eager = CapacitySchedule(cheap_bucket, buckets=(1, 5)), CapacitySchedule(cheap_bucket)
+    for _ in range(2):
+        graphed.lengths(one), eager.lengths(one)
+    assert graphed.lengths(one) == [4] and eager.lengths(one) == [1]
+

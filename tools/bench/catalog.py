@@ -59,6 +59,8 @@ BENCHES: tuple[Bench, ...] = (
           "namespaces (root)", _RAW_LOG + "; JSON ROUND and SUMMARY lines"),
     Bench("bench-nixl", "nixl_bench", "the KV handoff through NIXL alone between two namespaced processes",
           "prints a JSON line per row"),
+    Bench("bench-one-request", "one_request_bench", "a batch's tokens/s with one structured, penalties or logprobs "
+          "request in it against without", "none (prints; wrap in `python -m tools.bench.raw_file --out PATH --`)"),
     Bench("bench-peer-copy", "peer_copy_bench", "the direct prefill -> decode KV copy (CUDA IPC or shared memory)",
           _RAW_LOG),
     Bench("bench-prefix-routing", "prefix_routing_bench", "a shared system prompt on 4 prefill instances: prefix-first "

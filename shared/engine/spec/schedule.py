@@ -18,7 +18,8 @@ size before the newest confidences exist, so the number of tokens to verify, K,
 is chosen from survivals two steps old (the greedy above, rounded up to a graph
 bucket when that still improves Θ), and then the K best candidates of the
 current step are taken. K comes only from old information, so no early stop
-is needed there.
+is needed there. `CapacitySchedule` keeps those old survivals: until two steps
+have passed there are none, and it runs the greedy (Algorithm 1, early stop and all).
 
 A drafter that costs time (a draft model, an MTP head run apart from the
 target's forward) breaks DSpark's assumption that drafting is free. Two things
@@ -31,8 +32,9 @@ already spent, and the engine's per-step bookkeeping measured as it runs.
 """
 
 import bisect
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -171,3 +173,26 @@ def schedule_with_capacity(survivals: Sequence[Sequence[float]], k: int) -> list
             lengths[r] += 1
             k -= 1
     return lengths
+
+
+@dataclass
+class CapacitySchedule:
+    """The production variant across steps: each step's K from the survivals of the step
+    two before it, rounded up to a CUDA-graph bucket (rows: tokens per step) when that
+    pays, then this step's K best candidates."""
+
+    sps: SpsTable
+    buckets: Sequence[int] = ()
+    """The graph buckets a verify step's rows are padded to (none: eager steps)."""
+    _history: deque[list[list[float]]] = field(default_factory=lambda: deque(maxlen=2))
+    """The survivals of the last two steps, oldest first."""
+
+    def lengths(self, survivals: Sequence[Sequence[float]], fixed_seconds: float = 0.0) -> list[int]:
+        """ℓ_r of this step's requests; remembers survivals for the step after next."""
+        if len(self._history) < 2:
+            chosen = schedule_greedy(survivals, self.sps, fixed_seconds)
+        else:
+            k = capacity(self._history[0], self.sps, self.buckets, fixed_seconds)
+            chosen = schedule_with_capacity(survivals, k)
+        self._history.append([list(row) for row in survivals])
+        return chosen

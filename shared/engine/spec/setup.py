@@ -3,7 +3,7 @@ dspark schedule the SPS profile (steps per second against tokens per step),
 measured on the target when the engine starts."""
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,6 +49,7 @@ def make_speculator(
     max_model_len: int,
     dtype: torch.dtype,
     device: torch.device,
+    graph_buckets: Sequence[int] = (),
 ) -> Speculator:
     drafter: BatchDrafter
     if config.speculative == "draft":
@@ -75,4 +76,4 @@ def make_speculator(
         cap = PROFILE_TOKENS_CUDA if device.type == "cuda" else PROFILE_TOKENS_CPU
         sps = sps_profile(time_step, min(config.max_num_seqs * (1 + config.spec_tokens), budget, cap))
         log.info("speculative decoding: SPS profile %s", dict(zip(sps.tokens, (round(s, 1) for s in sps.steps_per_s))))
-    return Speculator(drafter, config.spec_tokens, config.spec_schedule, sps)
+    return Speculator(drafter, config.spec_tokens, config.spec_schedule, sps, graph_buckets)

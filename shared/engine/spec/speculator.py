@@ -19,7 +19,7 @@ each such fallback is counted by reason.
 """
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from shared.engine.request import Request
 from shared.engine.spec.calibration import AcceptanceByPosition, SequentialTemperatureScaling
 from shared.engine.spec.drafter import Draft, PromptLookupDrafter
-from shared.engine.spec.schedule import SpsTable, capacity, choose_depth, schedule_greedy, schedule_with_capacity
+from shared.engine.spec.schedule import CapacitySchedule, SpsTable, choose_depth, schedule_greedy
 
 if TYPE_CHECKING:  # the speculator itself runs no tensor code
     import torch
@@ -165,7 +165,12 @@ class StepCosts:
 
 
 class Speculator:
-    def __init__(self, drafter: BatchDrafter, num_tokens: int, schedule: str, sps: SpsTable | None = None) -> None:
+    def __init__(
+        self, drafter: BatchDrafter, num_tokens: int, schedule: str, sps: SpsTable | None = None,
+        graph_buckets: Sequence[int] = (),
+    ) -> None:
+        """graph_buckets: the rows the runner's CUDA graphs are captured for (the capacity
+        schedule rounds a step up to one when that pays); none for eager steps."""
         if schedule in SCHEDULED and sps is None:
             raise ValueError(f"the {schedule} schedule needs an SPS table")
         self.drafter = drafter
@@ -189,8 +194,8 @@ class Speculator:
         """The last measured exploring step (a probe or a trial), drafting and verification."""
         self._exploring = False
         """Whether the coming (or latest) step explores (PROBE_BUDGET)."""
-        self._old_survivals: deque[list[list[float]]] = deque(maxlen=2)
-        """The capacity schedule's survivals of the last two steps (K comes from the older)."""
+        self._capacity = CapacitySchedule(sps, tuple(graph_buckets)) if sps is not None else None
+        """The capacity schedule's state: the survivals of the last two steps (K comes from the older)."""
         self._drafting_s = 0.0
         self._probing = False
         self._planned: int | None = None
@@ -248,9 +253,8 @@ class Speculator:
             survivals = [_survival(confidences.get(r.request_id, ())) for r in decoding]
             fixed = self._drafting_s + self.costs.overhead_s
             if self.schedule == "capacity":
-                self._old_survivals.append(survivals)
-                k = capacity(self._old_survivals[0], self.sps, fixed_seconds=fixed)
-                chosen = schedule_with_capacity(survivals, k)
+                assert self._capacity is not None
+                chosen = self._capacity.lengths(survivals, fixed)
             else:
                 chosen = schedule_greedy(survivals, self.sps, fixed)
             lengths = dict(zip((r.request_id for r in decoding), chosen))

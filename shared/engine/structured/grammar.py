@@ -137,7 +137,7 @@ def _parse_json(source: str, what: str) -> Any:
 class GrammarCompiler:
     """Compiles specs over one model's vocabulary; an LRU of compiled grammars keyed by
     the spec's content hash (a repeated schema is compiled once). Thread-safe: the
-    engine thread compiles at admission, the runner reads the cache."""
+    engine's compile pool (compile_pool.py) compiles on its thread, the runner reads the cache."""
 
     def __init__(
         self,
@@ -164,19 +164,32 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredSpec) -> "xgrammar.CompiledGrammar":
         """The compiled grammar of spec (from the cache when seen before); ValueError if invalid."""
-        key = spec.key
+        compiled = self.cached(spec)
+        return compiled if compiled is not None else self.compile_built(spec, build_grammar(spec))
+
+    def cached(self, spec: StructuredSpec) -> "xgrammar.CompiledGrammar | None":
+        """The compiled grammar of spec if the cache holds it (a hit), else None."""
         with self._lock:
-            compiled = self._cache.get(key)
+            compiled = self._cache.get(spec.key)
             if compiled is not None:
-                self._cache.move_to_end(key)
+                self._cache.move_to_end(spec.key)
                 self.stats.num_hits += 1
-                return compiled
+            return compiled
+
+    def compile_built(self, spec: StructuredSpec, grammar: "xgrammar.Grammar") -> "xgrammar.CompiledGrammar":
+        """Compile spec's already built grammar and cache it. The lock is not held while
+        xgrammar compiles (seconds over a large vocabulary): a compile on the pool's
+        thread must not stall the engine thread's look-ups of grammars already cached."""
+        with self._lock:
             self.stats.num_misses += 1
-            compiled = self._xgrammar_compiler().compile_grammar(build_grammar(spec))
-            self._cache[key] = compiled
+            xgr_compiler = self._xgrammar_compiler()
+        compiled = xgr_compiler.compile_grammar(grammar)
+        with self._lock:
+            self._cache[spec.key] = compiled
+            self._cache.move_to_end(spec.key)
             if len(self._cache) > self.max_entries:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     def _xgrammar_compiler(self) -> "xgrammar.GrammarCompiler":
         if self._compiler is None:
