@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="models/trained/target")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="the engine's dtype (default: the engine's own)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
           f"variant order rotated per round; tokens/s median [min-max], ratio of medians and of bests to plain")  # fmt: skip
     names = list(VARIANTS)
     for engine_name, settings in engines.items():
-        llm = LLM(args.model, device=args.device, **settings)
+        dtype = {"dtype": args.dtype} if args.dtype else {}
+        llm = LLM(args.model, device=args.device, **dtype, **settings)
         for name in names:  # warm-up: first steps, the cached grammar compiled
             _run(llm, args.batch, args.tokens, VARIANTS[name](args.tokens), args.device)
         rates: dict[str, list[float]] = {name: [] for name in names}
