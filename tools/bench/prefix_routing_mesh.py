@@ -75,6 +75,8 @@ class Round:
     hit_rate: float
     cached_by_source: dict[str, int]
     failed: int
+    ttft_p50_ms: float
+    """Through the whole mesh (prefill, the KV handoff, decode's first token), the machine's load in it."""
 
     @property
     def max_over_even(self) -> float:
@@ -107,6 +109,7 @@ async def _round(client: httpx.AsyncClient, model: str, mesh: Mesh, prompts: lis
         sum(r.num_cached_tokens for r in ok) / prompt if prompt else 0.0,
         {k: int(sum(after[n].cached.get(k, 0) - before[n].cached.get(k, 0) for n in after)) for k in sources},
         len(results) - len(ok),
+        statistics.median(r.ttft_s for r in ok) * 1e3 if ok else float("nan"),
     )
 
 
@@ -131,14 +134,14 @@ async def _measure(meshes: dict[str, Mesh], args: argparse.Namespace, vocab: int
                       f"{[k for k, v in sorted(got.per_instance.items()) if v]} (not counted)")
         rounds: dict[str, list[Round]] = {c: [] for c in names}
         print(f"{'round':>5} {'mesh':<13} {'requests per prefill instance':<30} {'max/even':>8} {'hit rate':>8} "
-              f"{'failed':>6}  prefill cached tokens by source")
+              f"{'failed':>6} {'TTFT p50 ms':>11}  prefill cached tokens by source")
         for r in range(args.rounds):
             part = prompts[r * args.requests : (r + 1) * args.requests]  # the same prompts for both meshes
             for c in names[r % 2 :] + names[: r % 2]:
                 got = await _round(clients[c], models[c], meshes[c], part, args.max_tokens, args.concurrency)
                 rounds[c].append(got)
                 per = " ".join(str(got.per_instance[k]) for k in sorted(got.per_instance))
-                print(f"{r:>5} {c:<13} {per:<30} {got.max_over_even:>8.2f} {got.hit_rate:>8.4f} {got.failed:>6}  "
+                print(f"{r:>5} {c:<13} {per:<30} {got.max_over_even:>8.2f} {got.hit_rate:>8.4f} {got.failed:>6} {got.ttft_p50_ms:>11.0f}  "
                       f"{got.cached_by_source}", flush=True)
         return rounds
     finally:
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c:<13} max/even {statistics.median(even):.2f} [{min(even):.2f} - {max(even):.2f}]  "
                   f"hit rate {statistics.median(hit):.4f} [{min(hit):.4f} - {max(hit):.4f}]  "
                   f"requests per instance, all rounds: {' '.join(str(total[k]) for k in sorted(total))}  "
-                  f"failed {sum(r.failed for r in rs)}")
+                  f"failed {sum(r.failed for r in rs)}  TTFT p50 ms {statistics.median(r.ttft_p50_ms for r in rs):.0f}")
     return 0
 
 
