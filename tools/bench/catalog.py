@@ -65,6 +65,8 @@ BENCHES: tuple[Bench, ...] = (
           _RAW_LOG),
     Bench("bench-prefix-routing", "prefix_routing_bench", "a shared system prompt on 4 prefill instances: prefix-first "
           "routing against the KV-router cost (a simulation)", _RAW_OUT),
+    Bench("bench-prefix-routing-mesh", "prefix_routing_mesh", "the same shared system prompt through two real meshes "
+          "of 4 prefill instances: KV-router cost against prefix first", _RAW_OUT),
     Bench("bench-routing", "routing_bench", "multi-turn chats: always against conditionally disaggregated",
           "--json PATH"),
     Bench("bench-spec", "spec_bench", "speculative decoding against none: throughput and accepted length",
