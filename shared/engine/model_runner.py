@@ -291,7 +291,8 @@ class ModelRunner:
         span_drafts = [drafts[rid] for rid, _ in spans]
         verified = verify_batch(rows, span_drafts, states, self.sampler, [first[rid] for rid, _ in spans])
         sampled: dict[str, list[int]] = {}
-        for (rid, _), state, v, lps in zip(spans, states, verified, emitted_logprobs(rows, span_drafts, states, verified)):
+        logprobs = emitted_logprobs(rows, span_drafts, states, verified)
+        for (rid, _), state, v, lps in zip(spans, states, verified, logprobs):
             state.output_token_ids += v.tokens
             sampled[rid] = v.tokens
             num_accepted[rid] = v.num_accepted

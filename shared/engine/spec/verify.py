@@ -8,7 +8,7 @@ position: each row is penalised with the output as it would be had the drafted
 tokens before it been accepted (the tokens it sees are exactly those plain decoding
 would have, up to the first rejection, and no row after that is used). min_tokens
 and bad words read the output too; the engine does not draft for such requests (a
-counted fallback). Logprobs need no history: each emitted token's come
+counted fallback). Logprobs need no history: each emitted token's logprobs come
 from its own row, as the sampler computes them (emitted_logprobs).
 
 Every drafter here proposes deterministically (prompt lookup, or the draft model's
