@@ -540,6 +540,10 @@ class LLMEngine:
                 delta += detok.flush()
                 del self._detokenizers[rid]
             lp = result.logprobs.get(rid)
+            # A verified run's logprobs, one per token; as many as the tokens kept (a stop
+            # string or max_tokens may have cut the run).
+            new_logprobs = result.spec_logprobs[rid][: len(new_tokens)] if rid in result.spec_logprobs else (
+                [lp] if lp is not None else [])  # fmt: skip
             outputs.append(
                 RequestOutput(
                     request_id=rid,
@@ -548,7 +552,7 @@ class LLMEngine:
                     new_token_ids=new_tokens,
                     text=detok.output_text if detok else "",
                     delta_text=delta,
-                    new_logprobs=[lp] if lp is not None else [],
+                    new_logprobs=new_logprobs,
                     finished=finished,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,

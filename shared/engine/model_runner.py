@@ -21,7 +21,7 @@ from shared.kv.memory.region import KVRegion
 from shared.kv.memory.share import Allocator, CudaVmmAllocator, SharedMemoryAllocator
 
 from shared.engine.sampler import LogprobTensors, Sampler, SamplingState, TokenLogprobs, logprob_tensors
-from shared.engine.spec.verify import verify_batch
+from shared.engine.spec.verify import emitted_logprobs, verify_batch
 from shared.engine.step import ScheduledChunk, SchedulerOutput
 from shared.engine.step_inputs import (
     eager_inputs, fill_placeholders, graph_rows, placeholder_sources, step_image_rows, to_device,
@@ -60,6 +60,9 @@ class RunnerOutput:
     this step's chunk scored (execute only: the engine steps such requests synchronously)."""
     num_accepted: dict[str, int] = field(default_factory=dict)
     """Per request whose drafted tokens this step verified, how many passed (execute only)."""
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """Per request whose drafted tokens this step verified and that asked for logprobs, those
+    of each token in sampled[request] (`logprobs` holds one token's, for the others)."""
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per request, the hidden states an MTP drafter reads (``CausalLM.draft_hidden``:
     the final ones [chunk tokens, hidden]; V4's streams before its head) of the positions its
@@ -230,9 +233,10 @@ class ModelRunner:
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
         drafts = {c.request_id: list(c.spec_token_ids) for c in sched.chunks if c.spec_token_ids}
         num_accepted: dict[str, int] = {}
+        spec_logprobs: dict[str, list[TokenLogprobs]] = {}
         first = _first_sample_positions(sched)
         if drafts:
-            logits, sample_ids, sampled = self._verify(logits, sample_ids, drafts, num_accepted, first)
+            logits, sample_ids, sampled = self._verify(logits, sample_ids, drafts, num_accepted, first, spec_logprobs)
         else:
             sampled = {}
         states = [self.states[rid] for rid in sample_ids]
@@ -245,7 +249,8 @@ class ModelRunner:
                 sampled[rid] = [token]
                 if lp is not None:
                     logprobs[rid] = lp
-        return RunnerOutput(sampled, logprobs, expert_counts, scored, num_accepted, kept)
+        return RunnerOutput(sampled, logprobs, expert_counts, scored, num_accepted, hidden=kept,
+                            spec_logprobs=spec_logprobs)  # fmt: skip
 
     def _verify(
         self,
@@ -254,11 +259,13 @@ class ModelRunner:
         drafts: dict[str, list[int]],
         num_accepted: dict[str, int],
         first: dict[str, int],
+        spec_logprobs: dict[str, list[TokenLogprobs]],
     ) -> tuple[torch.Tensor, list[str], dict[str, list[int]]]:
         """Verify the drafted tokens of the requests in `drafts` (their rows of logits
         are consecutive, len(draft) + 1 each); returns the rows and ids left for the
-        plain sampler, and the verified requests' emitted tokens. All verified rows are
-        drawn together, with one read-back for the step (verify_batch)."""
+        plain sampler, and the verified requests' emitted tokens (their logprobs, where
+        asked, into spec_logprobs). All verified rows are drawn together, with one
+        read-back for the step (verify_batch)."""
         plain: list[int] = []
         spans: list[tuple[str, int]] = []  # (request, its first row)
         row = 0
@@ -281,13 +288,16 @@ class ModelRunner:
         else:
             plain_set = set(plain)
             rows = _rows(logits, [r for r in range(len(sample_ids)) if r not in plain_set])
-        verified = verify_batch(rows, [drafts[rid] for rid, _ in spans], states, self.sampler,
-                                [first[rid] for rid, _ in spans])  # fmt: skip
+        span_drafts = [drafts[rid] for rid, _ in spans]
+        verified = verify_batch(rows, span_drafts, states, self.sampler, [first[rid] for rid, _ in spans])
         sampled: dict[str, list[int]] = {}
-        for (rid, _), state, v in zip(spans, states, verified):
+        logprobs = emitted_logprobs(rows, span_drafts, states, verified)
+        for (rid, _), state, v, lps in zip(spans, states, verified, logprobs):
             state.output_token_ids += v.tokens
             sampled[rid] = v.tokens
             num_accepted[rid] = v.num_accepted
+            if lps is not None:
+                spec_logprobs[rid] = lps
         return _rows(logits, plain), [sample_ids[r] for r in plain], sampled
 
     @torch.inference_mode()

@@ -120,7 +120,7 @@ class EngineLoad:
     spec_accepted_by_position: list[int] | None = None
     """[k]: verifications whose drafted token k + 1 was accepted; None without speculation."""
     spec_fallbacks: dict[str, int] | None = None
-    """Since start, by reason: requests (penalties, logprobs) or steps (async_scheduling,
+    """Since start, by reason: requests (min_tokens, bad_words) or steps (async_scheduling,
     cuda_graphs) that ran without speculation although it is on; None without it."""
 
     @property

@@ -74,7 +74,8 @@ class Sampler:
         and its order of requests (the mesh's balancer seeds every request anyway)."""
         self._num_unseeded = 0
 
-    def _seed_of(self, state: SamplingState) -> int:
+    def seed_of(self, state: SamplingState) -> int:
+        """The state's seed, assigned on first use (see `seed`)."""
         if state.seed is None:
             self._num_unseeded += 1
             state.seed = mix64(mix64(self.seed) + self._num_unseeded) >> 1  # [0, 2**63), as params.seed
@@ -126,7 +127,7 @@ class Sampler:
         sampled = [states[i] for i in random_rows]
         # The race argmax(p / q) is scale-invariant, so probs need no renormalisation
         # after masking; zeroed tokens can never win.
-        keys = keys_tensor([self._seed_of(s) for s in sampled], [positions[i] for i in random_rows],
+        keys = keys_tensor([self.seed_of(s) for s in sampled], [positions[i] for i in random_rows],
                            Stream.TOKEN, logits.device)  # fmt: skip
         tokens[rows] = race(sampling_probs(x[rows], sampled), keys)
         return tokens

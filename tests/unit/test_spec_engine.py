@@ -122,21 +122,29 @@ def test_preemption_and_prefix_caching_with_speculation(target):
 
 def test_fallbacks_are_counted_and_decode_normally(target):
     prompts = random_prompts([9, 14], vocab=500, seed=6)
-    plain = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
+    plain = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, min_tokens=12),
              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)]  # fmt: skip
     expected, base = _run(target, prompts, plain)
     got, llm = _run(target, prompts, plain, speculative="draft", spec_draft_model=target, async_scheduling=False)
     assert got == expected
     load = llm.engine.load()
-    assert load.num_spec_verifications == 0
-    assert load.spec_fallbacks["penalties"] > 0 and load.spec_fallbacks["logprobs"] > 0
-    # Overlapped: penalties no longer need the host's history, so no step drafts and every
-    # step takes the fast path (where no request is asked to draft, none falls back).
-    got, llm = _run(target, prompts, plain, speculative="draft", spec_draft_model=target, async_scheduling=True)
-    assert got == expected
+    # The min_tokens request falls back; the logprobs one drafts (test_logprobs_with_speculation).
+    assert load.spec_fallbacks["min_tokens"] > 0 and "logprobs" not in load.spec_fallbacks
+    assert 0 < load.num_spec_verifications < sum(len(t) for t in got)
+    # Overlapped: a bad-words request reads the host's history, so no step drafts, and none
+    # gives overlap up for drafting; a penalties request drafts (test_penalties_with_speculation).
+    words = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, bad_words_token_ids=[[1, 2]])
+    alone, _ = _run(target, prompts[:1], words)
+    got, llm = _run(target, prompts[:1], words, speculative="draft", spec_draft_model=target, async_scheduling=True)
+    assert got == alone
     load = llm.engine.load()
-    assert load.num_spec_verifications == 0
+    assert load.num_spec_verifications == 0 and load.spec_fallbacks["bad_words"] > 0
     assert "async_scheduling" not in load.spec_fallbacks  # no step drafted: none gave overlap up
+    penalised = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    alone, _ = _run(target, prompts[:1], penalised)
+    got, llm = _run(target, prompts[:1], penalised, speculative="draft", spec_draft_model=target,
+                    async_scheduling=True)  # fmt: skip
+    assert got == alone and llm.engine.load().num_spec_verifications > 0
     # prompt_logprobs: scored before the first token, then the request drafts.
     scored = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     a = LLM(target).generate(prompts[:1], scored)[0]
@@ -144,6 +152,63 @@ def test_fallbacks_are_counted_and_decode_normally(target):
     b = spec.generate(prompts[:1], scored)[0]
     assert b.token_ids == a.token_ids and spec.engine.load().num_spec_verifications > 0
     assert spec.engine.load().spec_fallbacks["async_scheduling"] > 0  # asked for, given up for drafting
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-self", "draft-other"])
+def test_logprobs_with_speculation(target, other_draft, drafter):
+    # Issue 32: a request with logprobs drafts, and each emitted token (accepted, bonus or
+    # correction) gets the logprob, rank and top-k the target gives it without speculation.
+    prompts = random_prompts([5, 17, 33, 9, 21], vocab=500, seed=7)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=k)
+              for n, k in ((28, 5), (7, 5), (19, 0), (28, 5), (3, 5))]  # fmt: skip
+    llm = LLM(target, **SMALL)
+    expected = llm.generate(prompts, params)
+    knobs = dict(speculative="ngram", spec_tokens=3) if drafter == "ngram" else dict(
+        speculative="draft", spec_tokens=3, spec_draft_model=target if drafter == "draft-self" else other_draft)
+    spec = LLM(target, **SMALL, **knobs)  # fmt: skip
+    got = spec.generate(prompts, params)
+    load = spec.engine.load()
+    assert "logprobs" not in load.spec_fallbacks and not load.spec_fallbacks
+    # Every request asks for logprobs, so these drafted and accepted tokens are theirs
+    # (the other model's drafts all fail here: every emitted token is a correction or bonus).
+    assert load.num_spec_drafted_tokens > 0 and (load.num_spec_accepted_tokens > 0 or drafter == "draft-other")
+    for a, b, p in zip(expected, got, params):
+        assert b.token_ids == a.token_ids
+        assert len(b.logprobs) == len(a.logprobs) == len(a.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert y.token_id == x.token_id and y.rank == x.rank
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-5)
+            assert len(y.top) == len(x.top) == p.logprobs
+            assert [t for t, _ in y.top] == [t for t, _ in x.top]
+            assert [v for _, v in y.top] == pytest.approx([v for _, v in x.top], abs=1e-5)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-self", "draft-other"])
+def test_penalties_with_speculation(target, other_draft, drafter):
+    # Issue 32: a request with penalties drafts; each verify row is penalised with the
+    # drafted tokens before it counted, so its tokens are those of plain decoding.
+    prompts = random_prompts([5, 17, 33, 9, 21, 12], vocab=500, seed=8)
+    params = [
+        SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, presence_penalty=0.1),
+        SamplingParams(max_tokens=19, temperature=0.0, ignore_eos=True, frequency_penalty=0.05, logprobs=3),
+        SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, repetition_penalty=0.9,
+                       presence_penalty=-0.05, frequency_penalty=0.03),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True, frequency_penalty=0.1),
+        SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True, repetition_penalty=1.02),
+    ]  # fmt: skip
+    llm = LLM(target, **SMALL, seed=4)
+    expected = llm.generate(prompts, params)
+    knobs = dict(speculative="ngram", spec_tokens=3) if drafter == "ngram" else dict(
+        speculative="draft", spec_tokens=3, spec_draft_model=target if drafter == "draft-self" else other_draft)
+    spec = LLM(target, **SMALL, seed=4, **knobs)  # fmt: skip
+    got = spec.generate(prompts, params)
+    load = spec.engine.load()
+    assert not load.spec_fallbacks
+    assert load.num_spec_drafted_tokens > 0 and (load.num_spec_accepted_tokens > 0 or drafter == "draft-other")
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]  # seeded and unseeded sampling too
+    for x, y in zip(expected[2].logprobs, got[2].logprobs, strict=True):  # raw logprobs, as without drafts
+        assert y.token_id == x.token_id and y.logprob == pytest.approx(x.logprob, abs=1e-5)
 
 
 def test_sampled_speculation_emits_the_targets_distribution(tmp_path):

@@ -285,3 +285,56 @@ def test_the_capacity_schedule_takes_k_from_survivals_two_steps_old_rounded_to_a
         graphed.lengths(one), eager.lengths(one)
     assert graphed.lengths(one) == [4] and eager.lengths(one) == [1]
 
+
+
+@pytest.mark.parametrize(
+    "penalty", [dict(frequency_penalty=0.3), dict(presence_penalty=0.3), dict(repetition_penalty=1.5)]
+)
+def test_verify_rows_are_penalised_with_the_drafted_tokens_before_them(penalty):
+    # Issue 32: every row prefers token 2, by less than the penalty once a 2 is in the
+    # output. Plain decoding emits 2 then 3; so must verification of the draft [2, 2]
+    # (the second 2 is rejected: row 1 counts the first as output).
+    from shared.engine.sampler import Sampler, SamplingState
+    from shared.engine.sampling_params import SamplingParams
+    from shared.engine.spec.verify import verify_batch
+
+    logits = torch.tensor([[0.0, 0.0, 1.0, 0.9]] * 3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **penalty)
+    state = SamplingState.create(params, [0, 1])
+    (verified,) = verify_batch(logits, [[2, 2]], [state], Sampler(), [2])
+    assert (verified.num_accepted, verified.tokens) == (1, [2, 3])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verify_with_penalties_draws_what_plain_decoding_draws(temperature):
+    # Random rows and drafts (half of them the plain draws, so runs get accepted): the
+    # verified tokens are those of sampling one row at a time, the output growing.
+    from shared.engine.sampler import Sampler, SamplingState
+    from shared.engine.sampling_params import SamplingParams
+    from shared.engine.spec.verify import verify_batch
+
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(max_tokens=64, temperature=temperature, seed=5, ignore_eos=True,
+                            repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.4)  # fmt: skip
+    accepted = 0
+    for trial in range(40):
+        logits = torch.randn(5, 6, generator=gen)
+        prompt = torch.randint(0, 6, (3,), generator=gen).tolist()
+        plain = SamplingState.create(params, prompt)
+        plain.output_token_ids += [1, 4]
+        sampler = Sampler()
+        draws = []
+        for i in range(5):
+            token = sampler(logits[i : i + 1], [plain], [5 + i]).token_ids[0]
+            plain.output_token_ids.append(token)
+            draws.append(token)
+        noise = torch.randint(0, 6, (4,), generator=gen).tolist()
+        draft = [d if trial % 2 == 0 or k < trial % 4 else n for k, (d, n) in enumerate(zip(draws, noise))]
+        state = SamplingState.create(params, prompt)
+        state.output_token_ids += [1, 4]
+        (verified,) = verify_batch(logits, [draft], [state], Sampler(), [5])
+        expected_accepted = next((k for k in range(4) if draft[k] != draws[k]), 4)
+        assert (verified.num_accepted, verified.tokens) == (expected_accepted, draws[: expected_accepted + 1])
+        assert state.output_token_ids == [1, 4]  # the rows' views left the request's output alone
+        accepted += verified.num_accepted
+    assert accepted > 40

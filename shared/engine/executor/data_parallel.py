@@ -26,7 +26,8 @@ def check_rank_steps(sched: SchedulerOutput, num_ranks: int) -> None:
 def strip_for_rank_zero(result: RunnerOutput) -> RunnerOutput:
     """A worker's result as it is sent to rank 0: without the tokens per expert (rank 0
     holds the same sum) or hidden states (no drafter runs under data parallelism)."""
-    return RunnerOutput(result.sampled, result.logprobs, None, result.prompt_logprobs, result.num_accepted)
+    return RunnerOutput(result.sampled, result.logprobs, None, result.prompt_logprobs, result.num_accepted,
+                        spec_logprobs=result.spec_logprobs)  # fmt: skip
 
 
 def join_rank_outputs(results: list[RunnerOutput]) -> RunnerOutput:
@@ -39,4 +40,5 @@ def join_rank_outputs(results: list[RunnerOutput]) -> RunnerOutput:
         joined.logprobs.update(result.logprobs)
         joined.prompt_logprobs.update(result.prompt_logprobs)
         joined.num_accepted.update(result.num_accepted)
+        joined.spec_logprobs.update(result.spec_logprobs)
     return joined

@@ -13,9 +13,11 @@ steps old, then the best of this step's). The scheduled modes also choose how
 deep to draft before drafting, from the acceptance and the costs measured so far
 (`StepCosts`): a drafter that costs more than it saves drafts nothing, bar a probe
 now and then, and a depth not measured yet is tried, both within a small share of the
-decoding time (PROBE_BUDGET). Requests whose sampling reads the output history (penalties,
-min_tokens, bad words) or that ask for logprobs decode normally that step, and
-each such fallback is counted by reason.
+decoding time (PROBE_BUDGET). Requests with min_tokens or bad words (their sampling
+reads the output history) decode normally that step, and each such fallback is
+counted by reason. Requests with logprobs or penalties draft: each emitted token's
+logprobs come from the target's verify row at its position, and each row's penalties
+count the drafted tokens before it (verify.py).
 """
 
 import time
@@ -398,10 +400,10 @@ def _room(request: Request) -> int:
 
 def _fallback_reason(request: Request) -> str | None:
     params = request.sampling_params
-    if params.needs_output_history:
-        return "penalties"
-    if params.logprobs is not None:
-        return "logprobs"
+    if params.min_tokens > 0:
+        return "min_tokens"
+    if params.bad_words_token_ids:
+        return "bad_words"
     return None
 
 

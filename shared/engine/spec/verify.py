@@ -3,9 +3,13 @@ the sampler would have sampled them (the model runner calls this per request).
 
 The rows are the target's logits at the request's last known token and at each
 drafted token. Constraints (logit_bias, allowed_token_ids) apply per row as in
-normal sampling; penalties, min_tokens and bad words read the output so far,
-which differs at every drafted position, so the engine does not draft for such
-requests (a counted fallback).
+normal sampling. Penalties read the output so far, which differs at every drafted
+position: each row is penalised with the output as it would be had the drafted
+tokens before it been accepted (the tokens it sees are exactly those plain decoding
+would have, up to the first rejection, and no row after that is used). min_tokens
+and bad words read the output too; the engine does not draft for such requests (a
+counted fallback). Logprobs need no history: each emitted token's logprobs come
+from its own row, as the sampler computes them (emitted_logprobs).
 
 Every drafter here proposes deterministically (prompt lookup, or the draft model's
 argmax), so its proposal distribution is one-hot. For such a proposal, rejection
@@ -17,10 +21,15 @@ is the residual. So a seeded request's tokens with speculation on are the very
 tokens it gets with speculation off, and as reproducible (keyed_random.py).
 """
 
+from dataclasses import replace
+
 import torch
 
-from shared.engine.sampler import Sampler, SamplingState
+from shared.engine.outputs import TokenLogprobs
+from shared.engine.sampler import Sampler, SamplingState, logprob_tensors
+from shared.engine.sampling_params import SamplingParams
 from shared.engine.spec.rejection import Verified
+from shared.engine.step_inputs import to_device
 
 
 def verify_request(
@@ -46,9 +55,9 @@ def verify_batch(
     row_states: list[SamplingState] = []
     positions: list[int] = []
     for draft, state, first in zip(drafts, states, first_positions, strict=True):
-        if state.params.needs_output_history:
-            raise ValueError("drafted tokens of a request with penalties, min_tokens or bad words cannot be verified")
-        row_states += [state] * (len(draft) + 1)
+        if not verifiable(state.params):
+            raise ValueError("drafted tokens of a request with min_tokens or bad words cannot be verified")
+        row_states += _row_states(state, draft, sampler)
         positions += range(first, first + len(draft) + 1)
     drawn: list[int] = sampler.sample_tokens(logits, row_states, positions).tolist()
     verified: list[Verified] = []
@@ -60,3 +69,59 @@ def verify_batch(
         verified.append(Verified(accepted, [*draft[:accepted], drawn[row + accepted]]))
         row += len(draft) + 1
     return verified
+
+
+def verifiable(params: SamplingParams) -> bool:
+    """Whether a request's drafted tokens can be verified: its sampling reads no output
+    history but what penalties count (min_tokens and bad words fall back)."""
+    return params.min_tokens == 0 and not params.bad_words_token_ids
+
+
+def _row_states(state: SamplingState, draft: list[int], sampler: Sampler) -> list[SamplingState]:
+    """The state each of the request's len(draft) + 1 rows samples with: the request's
+    own, or with penalties, views of it whose output holds the drafted tokens before the
+    row, so that row i's counts are those plain decoding would have after accepting them."""
+    if not _penalised(state.params):
+        return [state] * (len(draft) + 1)
+    if not state.params.greedy:
+        sampler.seed_of(state)  # assigned once, on the request's state: every row draws with it
+    return [state, *(replace(state, output_token_ids=state.output_token_ids + draft[:i])
+                     for i in range(1, len(draft) + 1))]  # fmt: skip
+
+
+def _penalised(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def emitted_logprobs(
+    logits: torch.Tensor, drafts: list[list[int]], states: list[SamplingState], verified: list[Verified]
+) -> list[list[TokenLogprobs] | None]:
+    """Per verified request (as verify_batch's arguments and result), the logprobs of
+    each token it emits, or None where it asked for none. The rows are those verify_batch
+    drew from (a grammar's mask applied, nothing else): the emitted token i is row i's, so
+    logprob_tensors sees it as the sampler sees a plain step's token and its row, raw
+    logits before constraints, penalties and temperature. One computation and one
+    read-back for all the step's wanted rows."""
+    rows: list[int] = []
+    row_states: list[SamplingState] = []
+    tokens: list[int] = []
+    first = 0
+    for draft, state, v in zip(drafts, states, verified, strict=True):
+        if state.params.logprobs is not None:
+            rows += range(first, first + len(v.tokens))
+            row_states += [state] * len(v.tokens)
+            tokens += v.tokens
+        first += len(draft) + 1
+    out: list[list[TokenLogprobs] | None] = [None] * len(states)
+    if not rows:
+        return out
+    picked = logits.index_select(0, to_device(rows, torch.long, logits.device))
+    wanted = logprob_tensors(picked, row_states, to_device(tokens, torch.long, logits.device))
+    assert wanted is not None  # every picked row's request asked
+    flat = wanted.unpack(tokens)
+    at = 0
+    for j, (state, v) in enumerate(zip(states, verified)):
+        if state.params.logprobs is not None:
+            out[j] = [lp for lp in flat[at : at + len(v.tokens)] if lp is not None]
+            at += len(v.tokens)
+    return out
