@@ -2,6 +2,7 @@
 each Stream records when its chunks came, its text and its error (a stream that
 failed is counted, not raised)."""
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -43,3 +44,14 @@ def stream_one(client: openai.OpenAI, name: str, s: Stream, max_tokens: int) -> 
                 s.completion_tokens = chunk.usage.completion_tokens
     except Exception as exc:  # counted as failed
         s.error = f"{type(exc).__name__}: {exc}"
+
+
+def start_streams(client: openai.OpenAI, name: str, prompts: list[str], max_tokens: int,
+                  daemon: bool = True) -> tuple[list[Stream], list[threading.Thread]]:  # fmt: skip
+    """A Stream per prompt, each streamed (stream_one) on a thread of its own, all started."""
+    streams = [Stream(p) for p in prompts]
+    threads = [threading.Thread(target=stream_one, args=(client, name, s, max_tokens), daemon=daemon)
+               for s in streams]  # fmt: skip
+    for t in threads:
+        t.start()
+    return streams, threads

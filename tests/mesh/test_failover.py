@@ -30,7 +30,7 @@ from shared.runtime import subjects
 from tests.helpers.mesh_procs import span_attributes
 from tests.helpers.metrics import balancer_metric as metric
 from tests.helpers.nats_listener import Listener
-from tests.helpers.streams import Stream, stream_one
+from tests.helpers.streams import Stream, start_streams, stream_one
 from tools.launch.trace_view import load_spans
 from tools.launch.up import grpc_serving
 
@@ -81,10 +81,7 @@ def kill_under_load(start_mesh, mesh_model_dir: str, victim: str | None, prompts
     name = client.models.list().data[0].id
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     expected = [o.text for o in LLM(mesh_model_dir).generate(prompts, params)]
-    streams = [Stream(p) for p in prompts]
-    threads = [threading.Thread(target=stream_one, args=(client, name, s, max_tokens)) for s in streams]
-    for t in threads:
-        t.start()
+    streams, threads = start_streams(client, name, prompts, max_tokens, daemon=False)
     deadline = time.monotonic() + 30
     while not (chosen := busy(mesh, streams)):
         assert time.monotonic() < deadline, f"{victim or 'no instance'} never got work"
@@ -291,11 +288,7 @@ def outage_under_load(start_mesh, mesh_model_dir: str, kind: str, prompts: list[
     name = client.models.list().data[0].id
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     expected = [o.text for o in LLM(mesh_model_dir).generate(prompts, params)]
-    streams = [Stream(p) for p in prompts]
-    threads = [threading.Thread(target=stream_one, args=(client, name, s, max_tokens), daemon=True)
-               for s in streams]
-    for t in threads:
-        t.start()
+    streams, threads = start_streams(client, name, prompts, max_tokens)
     deadline = time.monotonic() + 60
     while sum(bool(s.times) for s in streams) < started:
         assert time.monotonic() < deadline, "the streams never started"

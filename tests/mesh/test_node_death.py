@@ -15,7 +15,6 @@ requests failed killing prefill first (2 + 2), 16 of 32 killing decode first, 3 
 32 killing two of each of four: moved off one victim onto another."""
 
 import signal
-import threading
 import time
 
 import openai
@@ -26,7 +25,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.runtime import subjects
 from tests.helpers.metrics import balancer_metric as metric
 from tests.helpers.nats_listener import Listener
-from tests.helpers.streams import Stream, stream_one
+from tests.helpers.streams import Stream, start_streams
 from tools.launch.trace_view import load_spans
 
 NUM_STREAMS = 32
@@ -68,11 +67,7 @@ def kill_a_node_under_load(start_mesh, mesh_model_dir: str, num_each: int, order
     name = client.models.list().data[0].id
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     expected = [o.text for o in LLM(mesh_model_dir).generate(prompts, params)]
-    streams = [Stream(p) for p in prompts]
-    threads = [threading.Thread(target=stream_one, args=(client, name, s, max_tokens), daemon=True)
-               for s in streams]
-    for t in threads:
-        t.start()
+    streams, threads = start_streams(client, name, prompts, max_tokens)
     deadline = time.monotonic() + 60
     # Whichever prefill instance gets them: on busy cores a late heartbeat can keep one
     # out of the routing for a while.
