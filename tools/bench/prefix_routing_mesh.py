@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.runtime.settings import env_name
 from tools.bench.mesh_bench import bench_state, engine_setup, model_or_made
 from tools.bench.openai_stream import RequestSpec
+from tools.bench.prefix_routing_bench import max_over_even
 from tools.bench.raw_file import tee_stdout
 from tools.bench.serve_bench import LoadLevel, run_level
 from tools.bench.workloads import Session
@@ -80,8 +81,7 @@ class Round:
 
     @property
     def max_over_even(self) -> float:
-        total = sum(self.per_instance.values())
-        return max(self.per_instance.values()) / (total / len(self.per_instance)) if total else 0.0
+        return max_over_even(self.per_instance)
 
 
 def _prompts(n: int, system_tokens: int, user_tokens: int, vocab: int, seed: int) -> list[list[int]]:
