@@ -321,11 +321,10 @@ class KVCacheConnector(KVConnector):
             if not params.wait_for_save:
                 size = len(hashes) * self.region.block_bytes
                 stored.add_done_callback(lambda done: self._stored_behind(done, size))
-                self._stores_behind.add(stored, len(hashes))
         else:
             stored = self._submit(self._store(hashes, block_ids, read, params.wait_for_save), trace)
-            if not params.wait_for_save:
-                self._stores_behind.add(stored, len(hashes))
+        if not params.wait_for_save:  # what a stopping worker's flush waits for (a store already ended leaves at once)
+            self._stores_behind.add(stored, len(hashes))
         self._saves[request_id] = _Save(len(hashes), params.wait_for_save, read, stored)
 
     def _the_writer(self) -> KVWriter | None:
