@@ -62,9 +62,8 @@ def _host_free(request: Request) -> bool:
     the runner scores it from the step's hidden states."""
     params = request.sampling_params
     scoring = params.prompt_logprobs is not None and request.num_output_tokens == 0
-    reads_output = params.min_tokens > 0 or bool(params.bad_words_token_ids)
     # A grammar's matcher reads the last token too (structured outputs).
-    return not reads_output and not scoring and params.structured is None
+    return not params.masks_by_output and not scoring and params.structured is None
 
 
 class LLMEngine:

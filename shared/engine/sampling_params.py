@@ -141,13 +141,19 @@ class SamplingParams:
     def needs_output_history(self) -> bool:
         """Whether sampling reads the output so far on the host (penalties, min_tokens,
         bad words), so an overlapped engine cannot sample before the last token is back."""
-        return (
-            self.min_tokens > 0
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or bool(self.bad_words_token_ids)
-        )
+        return self.penalised or self.masks_by_output
+
+    @property
+    def penalised(self) -> bool:
+        """Repetition, presence or frequency penalties: they count the output's tokens
+        (which the device can do for a token still in flight, sampler.py)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def masks_by_output(self) -> bool:
+        """min_tokens or bad words: tokens masked by what the output holds so far, read
+        on the host (no overlap, no speculation)."""
+        return self.min_tokens > 0 or bool(self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

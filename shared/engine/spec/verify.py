@@ -27,7 +27,6 @@ import torch
 
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampler import Sampler, SamplingState, logprob_tensors
-from shared.engine.sampling_params import SamplingParams
 from shared.engine.spec.rejection import Verified
 from shared.engine.step_inputs import to_device
 
@@ -55,7 +54,7 @@ def verify_batch(
     row_states: list[SamplingState] = []
     positions: list[int] = []
     for draft, state, first in zip(drafts, states, first_positions, strict=True):
-        if not verifiable(state.params):
+        if state.params.masks_by_output:
             raise ValueError("drafted tokens of a request with min_tokens or bad words cannot be verified")
         row_states += _row_states(state, draft, sampler)
         positions += range(first, first + len(draft) + 1)
@@ -71,26 +70,16 @@ def verify_batch(
     return verified
 
 
-def verifiable(params: SamplingParams) -> bool:
-    """Whether a request's drafted tokens can be verified: its sampling reads no output
-    history but what penalties count (min_tokens and bad words fall back)."""
-    return params.min_tokens == 0 and not params.bad_words_token_ids
-
-
 def _row_states(state: SamplingState, draft: list[int], sampler: Sampler) -> list[SamplingState]:
     """The state each of the request's len(draft) + 1 rows samples with: the request's
     own, or with penalties, views of it whose output holds the drafted tokens before the
     row, so that row i's counts are those plain decoding would have after accepting them."""
-    if not _penalised(state.params):
+    if not state.params.penalised:
         return [state] * (len(draft) + 1)
     if not state.params.greedy:
         sampler.seed_of(state)  # assigned once, on the request's state: every row draws with it
     return [state, *(replace(state, output_token_ids=state.output_token_ids + draft[:i])
                      for i in range(1, len(draft) + 1))]  # fmt: skip
-
-
-def _penalised(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def emitted_logprobs(
