@@ -44,6 +44,7 @@ def test_a_stepped_load_makes_the_planner_add_and_remove_decode_instances(start_
     name = client.models.list().data[0].id
     failed: list[str] = []
     answered = [0]
+    sent = [0]
     rate = [0.5]  # requests/s, changed by the test
     stop = threading.Event()
 
@@ -61,6 +62,7 @@ def test_a_stepped_load_makes_the_planner_add_and_remove_decode_instances(start_
         while not stop.is_set():
             threading.Thread(target=one, args=(i,), daemon=True).start()
             i += 1
+            sent[0] = i
             time.sleep(1.0 / rate[0])
 
     seen: list[int] = []  # decode instances in the registry, sampled
@@ -88,7 +90,8 @@ def test_a_stepped_load_makes_the_planner_add_and_remove_decode_instances(start_
     while threading.active_count() > 2 and time.monotonic() < deadline:  # in-flight requests finish
         time.sleep(0.2)
     assert failed == []
-    assert answered[0] > 40
+    # Every request sent was answered (how many ran depends on how fast the planner acts).
+    assert answered[0] == sent[0] > 10
     log = (mesh.state_dir / "logs" / "planner.log").read_text()
     assert "scaling" in log and "'decode'" in log
     assert mesh.restarts == {}

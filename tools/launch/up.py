@@ -38,6 +38,7 @@ a tiny exec wrapper that asks the kernel to kill it when `up` dies
 (PR_SET_PDEATHSIG), so even `kill -9` of `up` leaves no orphan."""
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -96,7 +97,33 @@ def log_tail(path: Path, num_lines: int = LOG_TAIL_LINES) -> list[str]:
     return [line for line in lines if line.strip()][-num_lines:]
 
 
+FIRST_PICKED_PORT = 20000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ends of outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A free loopback port below the ephemeral range: a port from inside it (what
+    binding port 0 gives) can be taken by any outgoing connection's local end
+    between this pick and the service's own bind, and the service then fails with
+    'address already in use'."""
+    low = ephemeral_ports()[0]
+    rng = random.SystemRandom()
+    for _ in range(64 if low - FIRST_PICKED_PORT >= 1000 else 0):
+        port = rng.randrange(FIRST_PICKED_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
