@@ -6,8 +6,9 @@ for an image wholly in the blocks prefill handed over: its images_encoded_total 
 image gives the in-process engine's tokens and logprobs; two prompts that differ only in
 their image share no KV past it; the same image in a later turn is a prefix hit, found by
 the balancer's routing keys; the trace holds the request's spans; a photo-sized image
-(~1.5 MB of PNG, past nats-server's default 1 MiB) goes through, and one too large for a
-mesh message (MAX_PAYLOAD) is a 400 naming it; a decode instance SIGKILLed mid-stream lets the
+(~1.5 MB of PNG, past nats-server's default 1 MiB) goes through, and so does one past the
+mesh's NATS max_payload (MAX_PAYLOAD: in parts; tests/mesh/test_mesh_image_parts.py has the
+limit on a request's images); a decode instance SIGKILLed mid-stream lets the
 request move on with its images (a mesh of two decode instances) and the tokens are still
 the in-process engine's."""
 
@@ -136,14 +137,16 @@ def test_a_photo_sized_image_crosses_the_mesh(vl_mesh: Mesh) -> None:
     assert span_attributes(vl_mesh.trace_dir, body["id"], "prefill")["images.count"] == 1
 
 
-def test_images_too_large_for_a_mesh_message_are_a_400_naming_the_image(vl_mesh: Mesh) -> None:
+def test_an_image_past_one_mesh_message_crosses_in_parts(vl_mesh: Mesh) -> None:
     side = int((MAX_PAYLOAD / 3) ** 0.5) + 16  # 3 bytes a pixel of noise: a PNG just past MAX_PAYLOAD
     big = Image.fromarray(noise(side, side, seed=5))
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, image_part(big)]}]
-    body = chat(vl_mesh, messages, status=400)
-    message = body["error"]["message"]
-    assert body["error"]["param"] == "messages.0.content.1" and "lossless PNG" in message
-    assert f"the {MAX_PAYLOAD} bytes one mesh message holds" in message  # the server's limit, learnt from it
+    part = image_part(big)
+    assert len(part["image_url"]["url"]) * 3 // 4 > MAX_PAYLOAD
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, part]}]
+    body = chat(vl_mesh, messages)  # the prefill request and decode's handoff go in parts
+    assert len(body["choices"][0]["token_ids"]) == NUM_NEW
+    assert span_attributes(vl_mesh.trace_dir, body["id"], "prefill")["images.count"] == 1
+    assert span_attributes(vl_mesh.trace_dir, body["id"], "decode")["images.count"] == 1
 
 
 def test_a_decode_instance_killed_mid_stream_moves_the_request_with_its_images(

@@ -158,7 +158,9 @@ MAX_PAYLOAD = 8 << 20
 """The most bytes one message on the mesh's NATS holds (nats-server's max_payload;
 its default is 1 MiB, 8 MiB its recommended maximum). A prefill request carries its
 images as lossless PNG at their decoded size (services/balancer/router/wire.py): an
-ordinary 1024x768 photo is 1.5-2 MB of PNG. The clients learn the limit from the
+ordinary 1024x768 photo is 1.5-2 MB of PNG, which 8 MiB sends whole; past it the Bus
+sends any message in parts (shared/runtime/bus_parts.py), so this is no limit on a
+request, only the size of its parts. The clients learn the limit from the
 server's INFO (nats-py's max_payload), so this is the only copy of it; a NATS the
 deployment does not start (Helm's nats.url) keeps its own."""
 

@@ -93,8 +93,8 @@ class MeshGenerator:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         # Once per request, before any dispatch: a request too large for the mesh's messages is a 400 here.
         images = NO_IMAGES
-        if request.images:  # the server's max_payload, as the connection learnt it
-            images = await wire_images(request, self._image_layout, self._bus.nc.max_payload, self._block_size)
+        if request.images:  # in parts past the server's max_payload: the bound is the bus's (wire.MAX_REQUEST_BYTES)
+            images = await wire_images(request, self._image_layout, self._block_size)
             images = await self._vision.encode(request.request_id, images, [image.param for image in request.images])
         self._in_flight += 1
         try:
