@@ -23,7 +23,7 @@ from shared.engine.executor.rank import (
 from shared.engine.images import EncodedImages, check_prompt_tokens, encode
 from shared.engine.kv_transfer import KVTransfer
 from shared.engine.model_runner import RunnerOutput, StepHandle
-from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput, TokenLogprobs
+from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput, TokenLogprobs, queued_prompt_tokens
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import InvalidParam, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -622,11 +622,13 @@ class LLMEngine:
             num_waiting=len(sched.waiting),
             num_free_kv_blocks=sum(kv.pool.num_free_blocks for kv in self.kv_ranks),
             num_total_kv_blocks=sum(kv.pool.num_total_blocks for kv in self.kv_ranks),
-            # Tokens still to compute, with those of the step on the device: the scheduler counts
-            # them computed when it schedules them, but an 8k prompt's step is ~0.3 s of work left.
-            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-            + sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
-            + (self._in_flight[0].num_scheduled_tokens if self._in_flight is not None else 0),
+            # The prompts not past their prefill, whole (one definition with the balancer's
+            # reservation): a prompt whose last chunk is on the device has no token yet, so
+            # it still counts (an 8k prompt's step is ~0.3 s of work left).
+            num_queued_tokens=sum(
+                queued_prompt_tokens(r.num_prompt_tokens, r.num_output_tokens)
+                for r in (*sched.waiting, *sched.running)
+            ),
             num_kv_save_failures=self.kv_transfer.num_save_failures if self.kv_transfer else 0,
             num_kv_saves_dropped=self.kv_transfer.num_saves_dropped if self.kv_transfer else 0,
             num_preemptions=sched.num_preemptions,

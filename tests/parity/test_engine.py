@@ -199,3 +199,25 @@ def test_load_counts_the_tokens_of_the_step_on_the_device(llama):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.load().num_queued_tokens == 0
+
+
+def test_load_counts_a_cached_prefix_as_the_balancer_reserves_it(llama):
+    """One definition of queued load (queued_prompt_tokens): a prompt counts whole until its
+    first token, its cached prefix too, waiting or on the device, as the balancer's
+    reservation counts it. (Before, a request found cached counted only its new tokens
+    once scheduled, the whole prompt while waiting.)"""
+    from shared.engine.engine_request import EngineRequest
+
+    engine = LLM(llama, async_scheduling=True, block_size=8).engine
+    prefix = random_prompts([48], vocab=500, seed=3)[0]
+    engine.add_request(EngineRequest("a", prefix + [11, 12], SamplingParams(max_tokens=1)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request(EngineRequest("b", prefix + [21, 22, 23], SamplingParams(max_tokens=2)))
+    assert engine.load().num_queued_tokens == 51
+    engine.step()  # b's 3 new tokens on the device, its 48 cached
+    assert engine._in_flight is not None
+    assert engine.load().num_queued_tokens == 51
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.load().num_queued_tokens == 0

@@ -8,7 +8,8 @@ a simulated fleet of prefill instances. Each instance computes its FIFO queue at
 rate of tokens per second (the prompt tokens its cache does not hold when the request
 starts; one instance holds the system prompt when the load starts, as after the first
 request of the day), stores the prompt's blocks in an LRU cache when done (a KV event to the
-registry at once) and beats every interval with its queued tokens; between two beats the
+registry at once) and beats every interval with its queued tokens (whole prompts, as a
+worker counts them); between two beats the
 balancer knows only what it dispatched itself (Reservation, counted off when the prompt
 is done, as decode's first token tells the service).
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from services.balancer.router.policies import Choice, choose_prefill, leading_blocks_held
 from services.balancer.router.registry import Instance, Registry
 from services.balancer.router.reservations import Reservation
+from shared.engine.outputs import queued_prompt_tokens
 from shared.kv.block_hash import BlockHash, hash_block_chain
 from shared.proto import mesh_pb2
 from tools.bench.raw_file import tee_stdout
@@ -126,18 +128,9 @@ class SimInstance:
         job.left = float(len(job.tokens) - job.hit_tokens)
 
     def queued_tokens(self) -> int:
-        total = 0.0
-        for job in self.queue:
-            total += job.left if job.left >= 0 else len(job.tokens) - self._held(job) * self.w.block_size
-        return int(total)
-
-    def _held(self, job: Job) -> int:
-        n = 0
-        for h in job.hashes:
-            if h not in self.cache:
-                break
-            n += 1
-        return n
+        """What its heartbeat reports: the whole prompt of each job not done, as a worker's
+        engine counts it (queued_prompt_tokens)."""
+        return sum(queued_prompt_tokens(len(job.tokens), 0) for job in self.queue)
 
     def run_until(self, t: float) -> list[tuple[float, Job, mesh_pb2.KvEvent]]:
         """Compute up to time t; the jobs finished, with their finish times and KV events
@@ -252,10 +245,10 @@ def simulate(w: Workload, policy: Policy, seed: int) -> Result:
         hashes = hash_block_chain(tokens, w.block_size, "sim")
         choice = policy(registry.live("prefill"), hashes, len(tokens), w.block_size, rng)
         inst = choice.instance
-        # What dispatch.py reserves on the choice (the tokens it will compute) and keeps
-        # once the instance accepts (one request more): counted until its next heartbeat.
-        held = choice.held.get(inst.instance_id, 0) * w.block_size
-        reservation = Reservation(inst, tokens=max(len(tokens) - held, 0))
+        # What dispatch.py reserves on the choice (the whole prompt, as the heartbeat counts
+        # it) and keeps once the instance accepts (one request more): counted until the
+        # prompt is done or the instance's next heartbeat.
+        reservation = Reservation(inst, tokens=queued_prompt_tokens(len(tokens), 0))
         reservation.keep(requests=1)
         by_id[inst.instance_id].queue.append(Job(t, tokens, hashes, reservation=reservation))
         if t >= w.warmup_s:

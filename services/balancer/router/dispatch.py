@@ -40,6 +40,7 @@ from services.balancer.router.registry import Instance, Registry
 from services.balancer.router.reservations import Reservation
 from services.balancer.router.route import Route
 from services.balancer.router.wire import WireImages, prefill_request
+from shared.engine.outputs import queued_prompt_tokens
 from shared.kv.block_hash import BlockHash, hash_block_chain
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
@@ -190,8 +191,9 @@ class Dispatcher:
             # Reserved now, before the first await: the requests routed while this one
             # waits for its ack must see these tokens queued (a burst of 16 otherwise all
             # saw an idle prefill instance, and conditional disaggregation never triggered).
-            held = prefill.held[pid] * self.block_size
-            with Reservation(prefill.instance, tokens=max(len(req.prompt_token_ids) - held, 0)) as reservation:
+            # The whole prompt, as the instance's heartbeat will count it (queued_prompt_tokens).
+            queued = queued_prompt_tokens(len(req.prompt_token_ids), 0)
+            with Reservation(prefill.instance, tokens=queued) as reservation:
                 span.set_attribute("prefill.candidates", list(prefill.scores))
                 span.set_attribute("prefill.scores", list(prefill.scores.values()))
                 span.set_attribute("prefill.held", list(prefill.held.values()))

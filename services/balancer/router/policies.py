@@ -5,11 +5,16 @@ figures it chose by, which go on the request's trace span.
   overlap_weight x the prompt's blocks the instance would compute (those beyond
   the leading blocks it holds in its own memory), plus the blocks queued there
   (its heartbeat's queued tokens and what this balancer sent it since, over the
-  block size; divided by the step balancedness for MoE instances). A held prefix
-  is worth its blocks of queue, no more: a system prompt every request shares
-  spreads once its holder's queue is longer than the prefix (the other instances
-  then compute it once and hold it too), where ranking by prefix first sent
-  everything to the first holder. Ties broken at random.
+  block size; divided by the step balancedness for MoE instances). Queued means
+  the whole prompt of each request not past its prefill, cached blocks included
+  (shared/engine/outputs.py queued_prompt_tokens: one definition for heartbeat and
+  reservation): a held prefix is worth its blocks of queue, no more, and a holder
+  of a system prompt every request shares is loaded by every request on it, however
+  short its own tokens. Once it has one queued, an idle instance computes the
+  prefix once and holds it too; the hit rate is kept after those few misses.
+  (Counting only the tokens to compute, six requests of 16 own tokens after a 1k
+  prefix weighed 6 blocks against the 64 a miss costs: all went to one holder.)
+  Ties broken at random.
 - decode: the least loaded by running + waiting requests, then by the most
   free KV blocks; ties broken at random. With conditional disaggregation on,
   where a prompt may be computed on its decode instance, the one with the least
@@ -99,7 +104,8 @@ def choose_prefill(
     rng: random.Random, overlap_weight: float = 1.0,
 ) -> Choice:
     """The prefill instance of least cost in KV blocks (Dynamo's KV router): overlap_weight
-    x the blocks it would compute for this prompt, plus the blocks queued there. The
+    x the blocks it would compute for this prompt, plus the blocks queued there (the
+    whole prompts of its requests not past prefill: queued_prefill_tokens). The
     weight says how many blocks of queue a block held is worth: 1 (Dynamo's default)
     counts a block computed as a block waited for; 0 ignores caches (pure load); a
     large weight ranks by prefix first (the old policy, which let a shared prefix take
@@ -190,8 +196,9 @@ class PrefillSite:
 
 
 def queued_prefill_tokens(inst: Instance) -> int:
-    """Prompt tokens the instance has still to compute: its last heartbeat's, plus what
-    this balancer sent it since."""
+    """Prompt tokens queued on the instance (the whole prompts of its requests not past
+    prefill, cached or not: queued_prompt_tokens): its last heartbeat's, plus what this
+    balancer sent it since."""
     return inst.load.num_queued_tokens + inst.in_flight_tokens
 
 
