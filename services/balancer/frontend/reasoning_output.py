@@ -12,6 +12,7 @@ reasoning_effort and the thinking switches reach the template in chat_template.p
 from services.balancer.frontend.choices import Call
 from services.balancer.frontend.reasoning_parsers import (
     PROMPT_TAIL_TOKENS,
+    ReasoningTokenCount,
     choose_reasoning_parser,
     new_splitter,
 )
@@ -36,9 +37,14 @@ class ReasoningSupport:
             return
         call.reasoning = self.parser
         call.prompt_tail = self.prompt_tail(call.prompts[0])
-        if stream:
-            for job in call.jobs:
+        for job in call.jobs:
+            if stream:
                 job.reasoning = new_splitter(self.parser, call.prompt_tail, raw=tools is not None)
+            # Its own splitter and detokenizer: the count reads each token's text (count.py).
+            detokenizer = self.recipe.detokenizer(
+                job.request.prompt_token_ids, skip_special_tokens=job.detokenizer.skip_special_tokens
+            )
+            job.reasoning_count = ReasoningTokenCount(new_splitter(self.parser, call.prompt_tail), detokenizer)
 
     def prompt_tail(self, prompt_ids: list[int]) -> str:
         """The prompt's last text, enough to see whether it opened a thinking block."""
