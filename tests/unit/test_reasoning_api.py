@@ -2,9 +2,10 @@
 tests/helpers/tool_api.py's scripted generator) on make_model's seeded folders:
 message.reasoning_content and delta.reasoning_content split exactly at each
 family's tags, whole and streamed token by token; the format chosen by the chat
-template (GPT-OSS's harmony, DeepSeek-V4's <think>) or the setting (qwen3 on the
-project's ChatML model); reasoning before tool calls; reasoning_effort and the
-thinking switch passed where the template reads them, a 400 naming them elsewhere."""
+template (GPT-OSS's harmony, DeepSeek-V4's and Qwen3's <think>) or the setting (qwen3
+on the project's ChatML model); reasoning before tool calls; reasoning_effort and the
+thinking switch passed where the template reads them, a 400 naming them elsewhere;
+usage's reasoning_tokens exact, whole and in the stream's usage chunk."""
 
 from collections.abc import Iterator
 from typing import Any
@@ -167,5 +168,34 @@ def test_reasoning_tokens_of_harmony_are_the_analysis_bodys(gpt_oss: Served) -> 
 
 def test_a_reply_not_read_for_reasoning_reports_no_reasoning_tokens(qwen3: Served) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    forced = chat(qwen3, '[{"name": "get_weather", "arguments": {"city": "Bern"}}]', tools=tools, tool_choice="required")
+    call = '[{"name": "get_weather", "arguments": {"city": "Bern"}}]'
+    forced = chat(qwen3, call, tools=tools, tool_choice="required")
     assert forced.choices[0].message.tool_calls and forced.usage.completion_tokens_details is None
+
+
+@pytest.fixture(scope="module")
+def qwen3_released(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """make_model's Qwen3 folder: the released template, <think> one token; the format read off the template."""
+    yield from _served(tmp_path_factory, "qwen3")
+
+
+def test_qwen3_template_picks_the_format_and_its_switch_turns_thinking_off(qwen3_released: Served) -> None:
+    recipe, reasoning = qwen3_released.recipe, "\nAdd them: 2+2.\n"
+    reply = f"<think>{reasoning}</think>\n\nIt is 4."
+    ids = recipe.encode(reply, add_special_tokens=False)
+    start, end = (recipe.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+    assert ids[: ids.index(end[0]) + 1] == start + recipe.encode(reasoning, add_special_tokens=False) + end
+    got = chat(qwen3_released, reply)
+    assert qwen3_released.prompt_text().endswith("<|im_start|>assistant\n")
+    message = got.choices[0].message
+    assert (message.reasoning_content, message.content) == (reasoning, "\n\nIt is 4.")  # type: ignore[attr-defined]
+    # vLLM's count: the tokens between the two tag tokens.
+    assert got.usage.completion_tokens_details.reasoning_tokens == ids.index(end[0]) - 1
+    assert stream_usage(qwen3_released, reply).completion_tokens_details.reasoning_tokens == ids.index(end[0]) - 1
+    off = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    plain = chat(qwen3_released, "It is 4.", **off)
+    assert qwen3_released.prompt_text().endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert plain.choices[0].message.content == "It is 4."
+    assert plain.choices[0].message.model_dump().get("reasoning_content") is None
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    assert stream_usage(qwen3_released, "It is 4.", **off).completion_tokens_details.reasoning_tokens == 0
