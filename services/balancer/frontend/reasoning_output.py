@@ -7,6 +7,8 @@ tool calls, so the tool parser sees the content only; a reply constrained to cal
 (tool_choice required or named) is not split, since it holds no reasoning.
 reasoning_effort and the thinking switches reach the template in chat_template.py.
 /v1/responses serves chat calls, so its reasoning items follow the same rule.
+Every job of a split call also counts its reasoning tokens for usage
+(reasoning_parsers/count.py), streamed or not.
 """
 
 from services.balancer.frontend.choices import Call
