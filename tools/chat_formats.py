@@ -12,6 +12,15 @@ and its chat template, so the seeded folder chats (and calls tools) as the real 
   stopping at `<|im_end|>` or `<|endoftext|>`, no bos added by encode, and
   ``chat_template.jinja`` as Qwen/Qwen2.5-VL ships it in chat_template.json
   (templates/qwen2_5_vl_chat_template.jinja), which the processor expands per image.
+- Qwen3 (dense): Qwen2's special tokens, eos `<|im_end|>`, generation stopping at
+  `<|im_end|>` or `<|endoftext|>`, no bos added by encode; `<tool_call>`, `<tool_response>`,
+  `<think>`, `</think>` (and their closers, the fim tokens) single tokens that decode as
+  text, as Qwen3's tokenizer has them; the chat template in tokenizer_config.json's
+  chat_template, where Qwen/Qwen3-8B ships it (templates/qwen3_chat_template.jinja:
+  the released hybrid-thinking template, `enable_thinking` and `<think>` handling, tools).
+  Written into the repository from knowledge of the released text, checked against
+  public copies, not downloaded; tests/unit/test_chat_formats.py renders it as
+  transformers does.
 - DeepSeek-V4: bos `<｜begin▁of▁sentence｜>` (added by encode) and eos
   `<｜end▁of▁sentence｜>` special; `<｜User｜>`, `<｜Assistant｜>`, `<think>`, `</think>`
   single tokens that decode as text, as DeepSeek's tokenizer has them; no template:
@@ -48,6 +57,8 @@ class ChatFormat:
     """Whether encode(add_special_tokens=True) starts with bos."""
     template_file: str | None
     """The released chat_template.jinja (under templates/), or None where the format is code."""
+    template_in_config: bool = False
+    """The family ships its template as tokenizer_config.json's chat_template (Qwen3), not as chat_template.jinja."""
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +97,19 @@ FORMATS: dict[str, ChatFormat] = {
         stop_tokens=("<|im_end|>", "<|endoftext|>"),
         adds_bos=False,
         template_file="qwen2_5_vl_chat_template.jinja",
+    ),
+    "qwen3": ChatFormat(
+        special_tokens=("<|endoftext|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+                        "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                        "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"),
+        text_tokens=("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                     "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+                     "<think>", "</think>"),
+        bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        adds_bos=False,
+        template_file="qwen3_chat_template.jinja",
+        template_in_config=True,
     ),
     "deepseek_v4": ChatFormat(
         special_tokens=v4.SPECIAL_TOKENS,
@@ -130,7 +154,10 @@ def apply_chat_format(folder: Path, chat_format: ChatFormat) -> tuple[int, int, 
     config["additional_special_tokens"] = extra + [t for t in chat_format.special_tokens if t not in named]
     config.update(bos_token=chat_format.bos_token, eos_token=chat_format.eos_token, pad_token=chat_format.pad_token)
     config.pop("chat_template", None)  # the family's own, below, or none (V4's is code)
+    template = TEMPLATES / chat_format.template_file if chat_format.template_file is not None else None
+    if template is not None and chat_format.template_in_config:
+        config["chat_template"] = template.read_text(encoding="utf-8")
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-    if chat_format.template_file is not None:
-        (folder / "chat_template.jinja").write_bytes((TEMPLATES / chat_format.template_file).read_bytes())
+    if template is not None and not chat_format.template_in_config:
+        (folder / "chat_template.jinja").write_bytes(template.read_bytes())
     return ids[chat_format.bos_token], ids[chat_format.eos_token], [ids[t] for t in chat_format.stop_tokens]

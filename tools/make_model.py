@@ -130,7 +130,7 @@ def make_model(
     tokenizer_vocab_size: int | None = None,
 ) -> int:
     """Write config.json, the weights, generation_config.json and (with ``tokenizer``)
-    the tokenizer files into ``path``; return the number of parameters. GPT-OSS,
+    the tokenizer files into ``path``; return the number of parameters. GPT-OSS, Qwen3,
     DeepSeek-V4, Qwen2.5-VL and Qwen3-VL get their chat format's tokens and template
     (chat_formats.py); the VL ones also their image processor's preprocessor_config.json.
 

@@ -42,6 +42,8 @@ class Usage:
     spec_drafted_tokens: int = 0
     """Speculative decoding: drafted tokens verified for the request, and accepted."""
     spec_accepted_tokens: int = 0
+    reasoning_tokens: int = 0
+    """Of completion_tokens, those in the reasoning (the balancer counts them: reasoning_parsers/count.py)."""
 
 
 @dataclass(slots=True)

@@ -83,6 +83,10 @@ class IncrementalDetokenizer:
         self._finished = False
 
     @property
+    def skip_special_tokens(self) -> bool:
+        return self._skip_special_tokens
+
+    @property
     def output_text(self) -> str:
         """Everything returned so far by `add_tokens` and `flush` (never shrinks)."""
         if len(self._emitted) > 1:

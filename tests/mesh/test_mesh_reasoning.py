@@ -5,7 +5,9 @@ served as `infermesh up --served-model-name v4-main v4-alias` serves it.
 With the thinking switch on, the prompt opens a <think> block, and the model's
 real reply (its token ids returned beside it) comes back split exactly as
 reasoning_parsers splits that text, whole and streamed alike (exact splits of
-chosen replies are tests/unit/test_reasoning_api.py's). Either name, or none,
+chosen replies are tests/unit/test_reasoning_api.py's), and usage counts its
+reasoning tokens: those before the </think> token (V4's is one token), whole and in
+the stream's usage chunk. Either name, or none,
 reaches the model; responses and /v1/models put the first name first."""
 
 from collections.abc import Iterator
@@ -43,7 +45,9 @@ def test_deepseek_v4_reasoning_through_the_mesh(mesh: tuple[openai.OpenAI, Recip
     )
     whole = client.chat.completions.create(**body)
     reasoning, content = "", ""
-    for chunk in client.chat.completions.create(stream=True, **body):
+    usage: Any = None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body):
+        usage = chunk.usage or usage
         for choice in chunk.choices:
             delta = choice.delta.model_dump()
             reasoning += delta.get("reasoning_content") or ""
@@ -54,6 +58,15 @@ def test_deepseek_v4_reasoning_through_the_mesh(mesh: tuple[openai.OpenAI, Recip
     assert (choice.message.reasoning_content, choice.message.content) == expected  # type: ignore[attr-defined]
     assert expected[0]  # the reply started inside the block the prompt opened
     assert (reasoning, content) == (expected[0], expected[1])
+    ids: list[int] = choice.model_extra["token_ids"]  # type: ignore[index]
+    [end] = recipe.encode("</think>", add_special_tokens=False)
+    inside = ids[: ids.index(end)] if end in ids else ids
+    if inside and inside[-1] in recipe.eos_token_ids:
+        inside = inside[:-1]  # an end of sequence inside the block has no text: not reasoning
+    assert not set(inside) & set(recipe.all_special_ids), inside  # every token inside has text
+    assert whole.usage.completion_tokens == len(ids) and usage.completion_tokens == len(ids)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == len(inside) > 0
+    assert usage.completion_tokens_details.reasoning_tokens == len(inside)
 
 
 def test_served_names_through_the_mesh(mesh: tuple[openai.OpenAI, Recipe]) -> None:

@@ -2,9 +2,10 @@
 tests/helpers/tool_api.py's scripted generator) on make_model's seeded folders:
 message.reasoning_content and delta.reasoning_content split exactly at each
 family's tags, whole and streamed token by token; the format chosen by the chat
-template (GPT-OSS's harmony, DeepSeek-V4's <think>) or the setting (qwen3 on the
-project's ChatML model); reasoning before tool calls; reasoning_effort and the
-thinking switch passed where the template reads them, a 400 naming them elsewhere."""
+template (GPT-OSS's harmony, DeepSeek-V4's and Qwen3's <think>) or the setting (qwen3
+on the project's ChatML model); reasoning before tool calls; reasoning_effort and the
+thinking switch passed where the template reads them, a 400 naming them elsewhere;
+usage's reasoning_tokens exact, whole and in the stream's usage chunk."""
 
 from collections.abc import Iterator
 from typing import Any
@@ -111,3 +112,90 @@ def test_switches_the_template_does_not_read_are_400s(qwen3: Served) -> None:
             chat(qwen3, "x", extra_body=extra)
         assert refused.value.body["param"] == param  # type: ignore[index]
 
+
+
+# -- usage: the reasoning's tokens (reasoning_parsers/count.py) ------------------------------
+
+
+def stream_usage(served: Served, reply: str, **body: Any) -> Any:
+    """The usage of a stream's last chunk (stream_options.include_usage)."""
+    chunks = list(chat(served, reply, stream=True, stream_options={"include_usage": True}, **body))
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    return chunks[-1].usage
+
+
+def test_reasoning_tokens_are_counted_where_the_tags_span_several_tokens(qwen3: Served) -> None:
+    reply = "<think>\nAdd them: 2+2.\n</think>\n\nIt is 4."
+    pieces = [qwen3.recipe.decode([t], skip_special_tokens=False) for t in qwen3.recipe.encode(reply, False)]
+    assert pieces[:13] == ["<", "th", "ink", ">\n", "Add", " them", ":", " ", "2", "+", "2", ".\n", "</"]
+    # Counted: '>\n' (it ends the tag and holds the reasoning's first newline) to '.\n';
+    # not the tokens of the tags alone, nor the content's.
+    whole = chat(qwen3, reply).usage
+    assert whole.completion_tokens == len(pieces) and whole.completion_tokens_details.reasoning_tokens == 9
+    streamed = stream_usage(qwen3, reply)
+    assert streamed.completion_tokens == len(pieces) and streamed.completion_tokens_details.reasoning_tokens == 9
+    # Each choice counted, then summed, as completion_tokens are.
+    assert chat(qwen3, reply, n=2).usage.completion_tokens_details.reasoning_tokens == 18
+    assert stream_usage(qwen3, reply, n=2).completion_tokens_details.reasoning_tokens == 18
+
+
+def test_reasoning_tokens_of_single_token_tags_are_those_between_them(deepseek_v4: Served) -> None:
+    # V4's </think> is one token and the prompt opened the block: vLLM's count, the
+    # tokens before the end tag, the tag not counted.
+    recipe, reasoning = deepseek_v4.recipe, "Two and two."
+    ids = recipe.encode(f"{reasoning}</think>Four.", add_special_tokens=False)
+    [end] = recipe.encode("</think>", add_special_tokens=False)
+    assert ids[: ids.index(end)] == recipe.encode(reasoning, add_special_tokens=False)
+    thinking = {"extra_body": {"chat_template_kwargs": {"thinking": True}}}
+    for usage in (chat(deepseek_v4, f"{reasoning}</think>Four.", **thinking).usage,
+                  stream_usage(deepseek_v4, f"{reasoning}</think>Four.", **thinking)):  # fmt: skip
+        assert usage.completion_tokens == len(ids)
+        assert usage.completion_tokens_details.reasoning_tokens == ids.index(end)
+    # Thinking off (the prompt closed the block): the reply is content, no token is reasoning.
+    for usage in (chat(deepseek_v4, "Four.").usage, stream_usage(deepseek_v4, "Four.")):
+        assert usage.completion_tokens > 0 and usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_reasoning_tokens_of_harmony_are_the_analysis_bodys(gpt_oss: Served) -> None:
+    recipe = gpt_oss.recipe
+    ids = recipe.encode(HARMONY, add_special_tokens=False)
+    message, end = (recipe.encode(t, add_special_tokens=False)[0] for t in ("<|message|>", "<|end|>"))
+    body = ids[ids.index(message) + 1 : ids.index(end)]
+    assert body == recipe.encode("The user greets. Greet back.", add_special_tokens=False)
+    for usage in (chat(gpt_oss, HARMONY).usage, stream_usage(gpt_oss, HARMONY)):
+        assert usage.completion_tokens == len(ids) and usage.completion_tokens_details.reasoning_tokens == len(body)
+
+
+def test_a_reply_not_read_for_reasoning_reports_no_reasoning_tokens(qwen3: Served) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = '[{"name": "get_weather", "arguments": {"city": "Bern"}}]'
+    forced = chat(qwen3, call, tools=tools, tool_choice="required")
+    assert forced.choices[0].message.tool_calls and forced.usage.completion_tokens_details is None
+
+
+@pytest.fixture(scope="module")
+def qwen3_released(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """make_model's Qwen3 folder: the released template, <think> one token; the format read off the template."""
+    yield from _served(tmp_path_factory, "qwen3")
+
+
+def test_qwen3_template_picks_the_format_and_its_switch_turns_thinking_off(qwen3_released: Served) -> None:
+    recipe, reasoning = qwen3_released.recipe, "\nAdd them: 2+2.\n"
+    reply = f"<think>{reasoning}</think>\n\nIt is 4."
+    ids = recipe.encode(reply, add_special_tokens=False)
+    start, end = (recipe.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+    assert ids[: ids.index(end[0]) + 1] == start + recipe.encode(reasoning, add_special_tokens=False) + end
+    got = chat(qwen3_released, reply)
+    assert qwen3_released.prompt_text().endswith("<|im_start|>assistant\n")
+    message = got.choices[0].message
+    assert (message.reasoning_content, message.content) == (reasoning, "\n\nIt is 4.")  # type: ignore[attr-defined]
+    # vLLM's count: the tokens between the two tag tokens.
+    assert got.usage.completion_tokens_details.reasoning_tokens == ids.index(end[0]) - 1
+    assert stream_usage(qwen3_released, reply).completion_tokens_details.reasoning_tokens == ids.index(end[0]) - 1
+    off = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    plain = chat(qwen3_released, "It is 4.", **off)
+    assert qwen3_released.prompt_text().endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert plain.choices[0].message.content == "It is 4."
+    assert plain.choices[0].message.model_dump().get("reasoning_content") is None
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    assert stream_usage(qwen3_released, "It is 4.", **off).completion_tokens_details.reasoning_tokens == 0

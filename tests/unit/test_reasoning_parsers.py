@@ -1,12 +1,18 @@
 """Reasoning split off a reply, one format at a time (reasoning_parsers): exact at the
 tags, whole and streamed, wherever the stream cuts (a tag split across two pieces,
 or one character a piece), a prompt that opened the block, a reply cut off inside
-it, harmony kept as written for the tool parser; and the format chosen by setting
-or chat template."""
+it, harmony kept as written for the tool parser; where in the reply the reasoning
+lies, and how many tokens hold it (count.py); and the format chosen by setting or
+chat template."""
 
 import pytest
 
-from services.balancer.frontend.reasoning_parsers import choose_reasoning_parser, new_splitter, split_reasoning
+from services.balancer.frontend.reasoning_parsers import (
+    ReasoningTokenCount,
+    choose_reasoning_parser,
+    new_splitter,
+    split_reasoning,
+)
 
 H_ANALYSIS = "<|channel|>analysis<|message|>User asks weather. Say sunny.<|end|>"
 H_FINAL = "<|start|>assistant<|channel|>final<|message|>It is <b>sunny</b>.<|return|>"
@@ -81,3 +87,50 @@ def test_parser_chosen_by_setting_or_template(setting: str, source: str | None, 
 def test_unknown_setting_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         choose_reasoning_parser("granite", None)
+
+
+@pytest.mark.parametrize(("parser", "tail", "reply", "reasoning", "content"), CASES)
+def test_reasoning_spans_are_where_the_reasoning_is_wherever_the_stream_cuts(
+    parser: str, tail: str, reply: str, reasoning: str | None, content: str
+) -> None:
+    cuts = [[reply], list(reply)] + [[reply[:i], reply[i:]] for i in range(1, len(reply))]
+    for pieces in cuts:
+        splitter = new_splitter(parser, tail)
+        for piece in pieces:
+            splitter.feed(piece)
+        splitter.finish()
+        assert "".join(reply[start:end] for start, end in splitter.reasoning_spans) == (reasoning or ""), pieces
+        assert all(end > start for start, end in splitter.reasoning_spans)
+
+
+class _Pieces:
+    """A detokenizer whose token i is the text pieces[i] (a list: "" for a token whose
+    character is not whole yet; flush gives back what `tail` holds)."""
+
+    def __init__(self, pieces: list[str], tail: str = "") -> None:
+        self.pieces, self.tail = pieces, tail
+
+    def add_tokens(self, new_token_ids: list[int]) -> str:
+        return "".join(self.pieces[i] for i in new_token_ids)
+
+    def flush(self) -> str:
+        return self.tail
+
+
+@pytest.mark.parametrize(("pieces", "tail", "num_reasoning"), [
+    (["<think>", "a", "b", "</think>", "c"], "", 2),  # single-token tags: the tokens between them
+    (["<th", "ink>\n", "ab", "\n</th", "ink>", "c"], "", 3),  # a token holding reasoning and a tag's part counts
+    (["<think>", "a", "", "é", "</think>"], "", 3),  # a character's first bytes count with it
+    (["<think>", "a", ""], "\ufffd", 2),  # cut off inside a character: flushed, still reasoning
+    (["x", "<think>", "a"], "", 1),  # cut off inside the block
+    (["no", " tags"], "", 0),
+])  # fmt: skip
+def test_reasoning_tokens_counted_exactly_however_the_tokens_arrive(
+    pieces: list[str], tail: str, num_reasoning: int
+) -> None:
+    ids = list(range(len(pieces)))
+    for groups in ([ids], [[i] for i in ids], [ids[:2], ids[2:]]):
+        count = ReasoningTokenCount(new_splitter("qwen3"), _Pieces(pieces, tail))
+        for group in groups[:-1]:
+            assert count.add(group) <= num_reasoning
+        assert count.finish(groups[-1]) == num_reasoning, groups

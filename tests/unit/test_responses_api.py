@@ -224,6 +224,10 @@ def test_unknown_previous_response_is_a_404(app: App) -> None:
 # -- reasoning items: the chat call's own split (the server's reasoning format) -------
 
 THINK_REPLY = "<think>\nAdd them: 2+2.\n</think>\n\nIt is 4."
+THINK_REASONING_TOKENS = 9
+"""THINK_REPLY's tokens holding reasoning in the ChatML tokenizer: '>\\n' (the tag's end
+and the reasoning's first newline), 'Add', ' them', ':', ' ', '2', '+', '2', '.\\n';
+not '<', 'th', 'ink', '</', 'th', 'ink', '>' (tag only) nor the content's."""
 HARMONY_CALL = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
                 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Bern"}<|call|>')  # fmt: skip
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}
@@ -255,7 +259,7 @@ def test_a_reasoning_reply_is_a_reasoning_item_then_the_message(qwen3: Served) -
     assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "\nAdd them: 2+2.\n")]
     assert got.output_text == "\n\nIt is 4."
     assert got.usage.output_tokens == len(qwen3.recipe.encode(THINK_REPLY, add_special_tokens=False))
-    assert got.usage.output_tokens_details.reasoning_tokens == 0  # not counted (docs/api.md)
+    assert got.usage.output_tokens_details.reasoning_tokens == THINK_REASONING_TOKENS
     # The stored turn is the answer alone, as chat templates drop past reasoning.
     respond(qwen3, "Yes.", previous_response_id=got.id)
     assert qwen3.prompt_text().count("It is 4.") == 1 and "Add them" not in qwen3.prompt_text()
@@ -305,6 +309,7 @@ def test_a_streamed_reasoning_reply_splits_exactly_across_events(qwen3: Served) 
         (0, "reasoning"), (1, "message")]  # fmt: skip
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text == "".join(reasoning) and final.output_text == "".join(text)
+    assert final.usage.output_tokens_details.reasoning_tokens == THINK_REASONING_TOKENS
     stored = qwen3.client.responses.retrieve(final.id)
     assert stored.output[0].id == added.item.id and stored.output[0].content[0].text == "".join(reasoning)
 
@@ -331,6 +336,7 @@ def test_a_forced_call_is_not_split(qwen3: Served) -> None:
     got = respond(qwen3, '[{"name": "get_weather", "arguments": {"city": "Bern"}}]', tools=[WEATHER],
                   tool_choice="required")  # fmt: skip
     assert [item.type for item in got.output] == ["function_call"]
+    assert got.usage.output_tokens_details.reasoning_tokens == 0
 
 
 def test_a_model_without_a_reasoning_format_makes_no_reasoning_item(app: App) -> None:
@@ -340,3 +346,6 @@ def test_a_model_without_a_reasoning_format_makes_no_reasoning_item(app: App) ->
     events = list(app.client().responses.create(model=MODEL, input="Hi", stream=True))
     assert not any(e.type.startswith("response.reasoning") for e in events)
     assert events[-1].response.output_text == "<think>hmm</think>Yes."
+    # Nothing is read as reasoning, so no token counts as reasoning.
+    assert got.usage.output_tokens_details.reasoning_tokens == 0
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 0

@@ -19,7 +19,7 @@ from opentelemetry.trace import Span
 
 from services.balancer.frontend import protocol as p
 from services.balancer.generation import GenerationRequest, Usage
-from services.balancer.frontend.reasoning_parsers import ReasoningSplitter, new_splitter
+from services.balancer.frontend.reasoning_parsers import ReasoningSplitter, ReasoningTokenCount, new_splitter
 from services.balancer.frontend.seeds import fingerprint
 from services.balancer.frontend.tool_output import ToolPlan, ToolStream, whole_message
 from services.balancer.frontend.tool_schema import constrain
@@ -60,6 +60,8 @@ class Job:
     """A chat stream with tools: this choice's text read for tool calls."""
     reasoning: ReasoningSplitter | None = None
     """A chat stream of a reasoning model: this choice's text split into reasoning and content."""
+    reasoning_count: ReasoningTokenCount | None = None
+    """A chat of a reasoning model (whole or streamed): its reasoning tokens, counted for usage."""
     """Completions logprobs: where the next token's text starts in the choice."""
 
 
@@ -185,7 +187,8 @@ def usage_of(call: Call, usages: dict[int, Usage]) -> Usage:
     num_cached = sum(u.cached_tokens for i, u in usages.items() if i % samples == 0)
     drafted = sum(u.spec_drafted_tokens for u in usages.values())
     accepted = sum(u.spec_accepted_tokens for u in usages.values())
-    return Usage(num_prompt, num_output, num_cached, drafted, accepted)
+    num_reasoning = sum(u.reasoning_tokens for u in usages.values())
+    return Usage(num_prompt, num_output, num_cached, drafted, accepted, num_reasoning)
 
 
 def pick_best(call: Call, finished: list[Finished]) -> list[Finished]:
@@ -213,7 +216,7 @@ class Shaper:
 
     def whole(self, finished: list[Finished]) -> p.CompletionResponse | p.ChatCompletionResponse:
         call = self.call
-        usage = p.UsageInfo.of(usage_of(call, {i: f.usage for i, f in enumerate(finished) if f.usage is not None}))
+        usage = self._usage_info(usage_of(call, {i: f.usage for i, f in enumerate(finished) if f.usage is not None}))
         chosen = sorted(pick_best(call, finished), key=lambda f: f.job.index)
         if call.chat:
             choices = [
@@ -276,7 +279,7 @@ class Shaper:
         first = not job.started
         job.started = True
         prompt_ids = call.prompts[job.prompt_index]
-        usage_info = p.UsageInfo.of(usage) if usage is not None and call.continuous_usage else None
+        usage_info = self._usage_info(usage) if usage is not None and call.continuous_usage else None
         token_ids = delta.token_ids if call.return_token_ids else None
         if call.chat:
             reasoning, text = split_delta(job, delta)
@@ -331,8 +334,12 @@ class Shaper:
                                     system_fingerprint=call.fingerprint)  # fmt: skip
 
     def usage_chunk(self, usage: Usage) -> p.CompletionResponse | p.ChatCompletionChunk:
-        info = p.UsageInfo.of(usage)
+        info = self._usage_info(usage)
         return self.chat_chunk([], info) if self.call.chat else self.completion_chunk([], info)
+
+    def _usage_info(self, usage: Usage) -> p.UsageInfo:
+        # A call split for reasoning reports its reasoning tokens, 0 included.
+        return p.UsageInfo.of(usage, reasoning=self.call.reasoning is not None)
 
     # -- logprobs ----------------------------------------------------------------------
 

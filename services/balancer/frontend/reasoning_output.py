@@ -7,11 +7,14 @@ tool calls, so the tool parser sees the content only; a reply constrained to cal
 (tool_choice required or named) is not split, since it holds no reasoning.
 reasoning_effort and the thinking switches reach the template in chat_template.py.
 /v1/responses serves chat calls, so its reasoning items follow the same rule.
+Every job of a split call also counts its reasoning tokens for usage
+(reasoning_parsers/count.py), streamed or not.
 """
 
 from services.balancer.frontend.choices import Call
 from services.balancer.frontend.reasoning_parsers import (
     PROMPT_TAIL_TOKENS,
+    ReasoningTokenCount,
     choose_reasoning_parser,
     new_splitter,
 )
@@ -36,9 +39,14 @@ class ReasoningSupport:
             return
         call.reasoning = self.parser
         call.prompt_tail = self.prompt_tail(call.prompts[0])
-        if stream:
-            for job in call.jobs:
+        for job in call.jobs:
+            if stream:
                 job.reasoning = new_splitter(self.parser, call.prompt_tail, raw=tools is not None)
+            # Its own splitter and detokenizer: the count reads each token's text (count.py).
+            detokenizer = self.recipe.detokenizer(
+                job.request.prompt_token_ids, skip_special_tokens=job.detokenizer.skip_special_tokens
+            )
+            job.reasoning_count = ReasoningTokenCount(new_splitter(self.parser, call.prompt_tail), detokenizer)
 
     def prompt_tail(self, prompt_ids: list[int]) -> str:
         """The prompt's last text, enough to see whether it opened a thinking block."""

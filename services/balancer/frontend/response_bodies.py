@@ -23,10 +23,12 @@ class PromptTokensDetails(BaseModel):
 
 class CompletionTokensDetails(BaseModel):
     """OpenAI's prediction-token counts, which say what speculative decoding did: drafted
-    tokens the model accepted, and those it rejected (present when speculation ran)."""
+    tokens the model accepted, and those it rejected; and its reasoning tokens (present
+    when speculation ran or the reply was read for reasoning)."""
 
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0
 
 class UsageInfo(BaseModel):
     prompt_tokens: int
@@ -36,12 +38,14 @@ class UsageInfo(BaseModel):
     completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
-    def of(cls, usage: Usage) -> "UsageInfo":
+    def of(cls, usage: Usage, reasoning: bool = False) -> "UsageInfo":
+        """reasoning: the reply was read for reasoning (its count is reported, 0 included)."""
         details = None
-        if usage.spec_drafted_tokens:
+        if usage.spec_drafted_tokens or reasoning:
             details = CompletionTokensDetails(
                 accepted_prediction_tokens=usage.spec_accepted_tokens,
                 rejected_prediction_tokens=usage.spec_drafted_tokens - usage.spec_accepted_tokens,
+                reasoning_tokens=usage.reasoning_tokens,
             )
         return cls(
             prompt_tokens=usage.prompt_tokens,

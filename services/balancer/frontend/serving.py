@@ -227,8 +227,8 @@ class OpenAIServer:
             job.first_token.set()  # a first sample that failed must not hold its siblings forever
 
     async def _generate(self, job: Job) -> AsyncGenerator[Delta, None]:
-        detok = job.detokenizer
-        num_tokens, num_cached, drafted, accepted = 0, 0, 0, 0
+        detok, counter = job.detokenizer, job.reasoning_count
+        num_tokens, num_cached, drafted, accepted, num_reasoning = 0, 0, 0, 0, 0
         clock = self.stats.clock(job.arrival, len(job.request.prompt_token_ids))
         async with aclosing(self.generator.generate(job.request)) as events, clock:
             async for event in events:
@@ -239,7 +239,10 @@ class OpenAIServer:
                     drafted, accepted = event.usage.spec_drafted_tokens, event.usage.spec_accepted_tokens
                 text = detok.add_tokens(event.token_ids)
                 finish = "stop" if detok.stop_reason is not None else event.finish_reason
-                usage = Usage(len(job.request.prompt_token_ids), num_tokens, num_cached, drafted, accepted)
+                if counter is not None:
+                    num_reasoning = counter.add(event.token_ids) if finish is None else counter.finish(event.token_ids)
+                num_prompt = len(job.request.prompt_token_ids)
+                usage = Usage(num_prompt, num_tokens, num_cached, drafted, accepted, num_reasoning)
                 if finish is None:
                     yield Delta(text, event.logprobs, event.token_ids, None, usage, event.prompt_logprobs)
                     continue

@@ -2,7 +2,8 @@
 
   base.py     a piece of reasoning and content, the splitter's interface;
   think.py    `<think>...</think>` (Qwen3, DeepSeek-R1, V3.1 and V4);
-  harmony.py  GPT-OSS's analysis channel.
+  harmony.py  GPT-OSS's analysis channel;
+  count.py    how many of a reply's tokens are reasoning (usage's reasoning_tokens).
 
 The balancer setting reasoning_parser picks the format by vLLM's
 --reasoning-parser names; "auto" (the default) reads it off the chat template,
@@ -14,6 +15,7 @@ as reasoning items; both split through choices.split_whole and split_delta.
 from collections.abc import Callable
 
 from services.balancer.frontend.reasoning_parsers.base import ReasoningPiece, ReasoningSplitter
+from services.balancer.frontend.reasoning_parsers.count import ReasoningTokenCount
 from services.balancer.frontend.reasoning_parsers.harmony import HarmonySplitter
 from services.balancer.frontend.reasoning_parsers.think import (
     THINK_END,
@@ -81,5 +83,5 @@ def split_reasoning(text: str, parser: str, prompt_tail: str = "") -> tuple[str 
 
 __all__ = [
     "PROMPT_TAIL_TOKENS", "REASONING_PARSERS", "REASONING_PARSER_SETTINGS", "ReasoningPiece", "ReasoningSplitter",
-    "choose_reasoning_parser", "new_splitter", "split_reasoning",
+    "ReasoningTokenCount", "choose_reasoning_parser", "new_splitter", "split_reasoning",
 ]  # fmt: skip

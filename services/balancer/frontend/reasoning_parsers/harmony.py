@@ -51,7 +51,7 @@ class HarmonySplitter(ReasoningSplitter):
                     self._opened = self._opened or self._channel == ANALYSIS
                     if self.raw and self._channel != ANALYSIS:
                         piece.content += buf[: at + len(MESSAGE)]
-                    buf, self._state = buf[at + len(MESSAGE) :], "body"
+                    buf, self._state = self._advance(buf, at + len(MESSAGE)), "body"
                 elif at < 0 and could_be_header(buf):
                     self._held = buf
                     break
@@ -68,7 +68,7 @@ class HarmonySplitter(ReasoningSplitter):
             self._body(piece, buf[:at])
             if self.raw and self._channel != ANALYSIS:
                 piece.content += end
-            buf, self._state = buf[at + len(end) :], "header"
+            buf, self._state = self._advance(buf, at + len(end)), "header"
         return piece
 
     def finish(self) -> ReasoningPiece:
@@ -82,6 +82,6 @@ class HarmonySplitter(ReasoningSplitter):
 
     def _body(self, piece: ReasoningPiece, text: str) -> None:
         if self._channel == ANALYSIS:
-            piece.reasoning += text
+            self._reason(piece, text)
         else:
             piece.content += text

@@ -44,7 +44,7 @@ class ThinkSplitter(ReasoningSplitter):
                 self._held = buf[len(buf) - keep :]
                 break
             self._out(piece, buf[:at])
-            buf = buf[at + len(tag) :]
+            buf = self._advance(buf, at + len(tag))
             self._state = "inside" if self._state == "before" else "after"
             self._opened = True
         return piece
@@ -56,6 +56,6 @@ class ThinkSplitter(ReasoningSplitter):
 
     def _out(self, piece: ReasoningPiece, text: str) -> None:
         if self._state == "inside":
-            piece.reasoning += text
+            self._reason(piece, text)
         else:
             piece.content += text
