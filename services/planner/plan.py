@@ -14,7 +14,11 @@ The sizing rule (Dynamo's SLA planner, with our profile):
   context (input + half the output: the mean context over a request's decode);
 - vision replicas = ceil(requests/s x images per request / images/s of one encoder at
   the chosen concurrency); the encoder's point and prefill's are chosen together for
-  the fewest GPUs that keep the TTFT target.
+  the fewest GPUs that keep the TTFT target (an encoder at concurrency c adds its
+  latency L_c to every TTFT and takes images at R_c per second: the planner weighs a
+  slow, batched encoder point, fewer encoders, against the prompt time it leaves
+  prefill). Where even the fastest encoder point leaves no TTFT budget, the plan is
+  infeasible and names the vision stage.
 
 A percentile of latency is read as the latency at that percentile of length: TTFT and
 ITL rise with length, so the p-th percentile request is the p-th percentile length
@@ -96,10 +100,12 @@ class Targets:
 
 
 class InfeasibleTarget(ValueError):
-    """A target no allocation of this profile meets; `best_ms` is the best it achieves."""
+    """A target no allocation of this profile meets; `best_ms` is the best it achieves;
+    `stage` the stage that cannot meet it (prefill, decode, or vision where the encoder
+    alone takes the TTFT budget)."""
 
-    def __init__(self, target: str, target_ms: float, best_ms: float, why: str) -> None:
-        self.target, self.target_ms, self.best_ms = target, target_ms, best_ms
+    def __init__(self, target: str, target_ms: float, best_ms: float, why: str, stage: str = "") -> None:
+        self.target, self.target_ms, self.best_ms, self.stage = target, target_ms, best_ms, stage
         super().__init__(f"{target} target {target_ms:g} ms cannot be met: the best this profile achieves is "
                          f"{best_ms:.1f} ms ({why})")
 
@@ -181,15 +187,24 @@ def plan(profile: Profile, workload: Workload, targets: Targets, gpu_hour_usd: f
     decode_op = models.decode.max_load(shape.context_p, shape.context_mean, targets.itl_ms)
     if decode_op is None:
         raise InfeasibleTarget("ITL", targets.itl_ms, models.decode.best_itl_ms(shape.context_p),
-                               f"p{targets.percentile:g} context {shape.context_p:.0f} tokens at the smallest batch")
+                               f"p{targets.percentile:g} context {shape.context_p:.0f} tokens at the smallest batch",
+                               stage="decode")
     decode_replicas = max(1, math.ceil(rps * workload.output_tokens.mean / decode_op.tokens_per_s))
 
     # Prefill and vision together: each encoder point leaves prefill a TTFT budget.
     vision_options: list[VisionOperating | None] = [None]
     if workload.images_per_request > 0:
-        vision_options = list(models.vision.operating_points())
-        if not vision_options:
+        encoders = models.vision.operating_points()
+        if not encoders:
             raise ValueError("the workload has images but the profile has no vision points")
+        vision_options = list(encoders)
+        fastest = min(encoders, key=lambda v: v.latency_ms)
+        if fastest.latency_ms + kv_load_ms >= targets.ttft_ms:  # no prompt time left at any encoder point
+            raise InfeasibleTarget("TTFT", targets.ttft_ms,
+                                   fastest.latency_ms + kv_load_ms + models.prefill.best_ttft_ms(shape.uncached_p),
+                                   f"the vision encoder alone takes {fastest.latency_ms:.1f} ms at its fastest "
+                                   f"(concurrency {fastest.concurrency}), + {kv_load_ms:.1f} ms cache load",
+                                   stage="vision")
     best: tuple[int, float, PrefillOperating, int, VisionOperating | None, int] | None = None
     for vision_op in vision_options:
         vision_ms = 0.0 if vision_op is None else vision_op.latency_ms
@@ -208,7 +223,8 @@ def plan(profile: Profile, workload: Workload, targets: Targets, gpu_hour_usd: f
         raise InfeasibleTarget("TTFT", targets.ttft_ms,
                                models.prefill.best_ttft_ms(shape.uncached_p) + fastest_vision + kv_load_ms,
                                f"p{targets.percentile:g} uncached prompt {shape.uncached_p:.0f} tokens alone on an "
-                               f"instance, + {kv_load_ms:.1f} ms cache load + {fastest_vision:.1f} ms encoder")
+                               f"instance, + {kv_load_ms:.1f} ms cache load + {fastest_vision:.1f} ms encoder",
+                               stage="prefill")
     _, _, prefill_max, prefill_replicas, vision_op, vision_replicas = best
 
     # Where instances actually run: the planned load spread over the replicas (ceil leaves slack).
