@@ -45,12 +45,16 @@ class DecodePoint:
 
 @dataclass(slots=True, frozen=True)
 class VisionPoint:
-    """The encoder at one number of images in flight."""
+    """The encoder at one number of images in flight (tools/planner/vision_round.py;
+    the image size is the profile's settings["sweep.vision_image_px"])."""
 
     concurrency: int
+    """Images in flight on the instance (one per chat) while measured."""
     images_per_s: float
+    """Images encoded per second the stage was busy (at least one encode asked for)."""
     latency_ms: float
-    """Median time from an image's arrival to its embeddings stored."""
+    """From the balancer asking the instance to its reply that the embeddings are stored:
+    the mean per round, the median over rounds (what an image adds to TTFT)."""
 
 
 @dataclass(slots=True, frozen=True)
