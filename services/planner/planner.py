@@ -93,6 +93,8 @@ class Planner:
         rates = profile.transfer
         self.kv_s_per_token = (rates.kv_bytes_per_token / (rates.kvcache_gb_s * 1e9)
                                if rates.kvcache_gb_s and rates.kv_bytes_per_token else 0.0)
+        self.handoff_s_per_token = (rates.kv_bytes_per_token / (rates.handoff_gb_s * 1e9)
+                                    if rates.handoff_gb_s and rates.kv_bytes_per_token else 0.0)
         self.infeasible = 0
         """Stage decisions whose plan was infeasible so far."""
         encoders = self.model.vision.operating_points()
@@ -109,7 +111,7 @@ class Planner:
 
     def _correct(self, v: IntervalView) -> None:
         if v.ttft_ms is not None and v.prefill_backlog_tokens == 0 and v.backlog_before[0] == 0:
-            kv_ms = v.input_at_target * self.prefix_hit * self.kv_s_per_token * 1000
+            kv_ms = v.input_at_target * (self.prefix_hit * self.kv_s_per_token + self.handoff_s_per_token) * 1000
             kv_ms += self.encoder_ms if v.images_per_s > 0 else 0.0
             try:
                 predicted = self.model.prefill.ttft_ms(v.input_at_target * (1.0 - self.prefix_hit),

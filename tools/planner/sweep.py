@@ -19,12 +19,14 @@ vision_concurrency is not empty: encode latency and images/s against images in
 flight, one image of `vision_image_px` square per chat, off the balancer's vision
 series.
 
-Transfer rates: the workers count the KV bytes they load (kv_transfer_bytes_total by
-path, kvcache_load_bytes_total by plane) but no /metrics series times the loads
-(their time is only on the spans, kv.load_ms), so kvcache_gb_s and handoff_gb_s stay
-None; kv_bytes_per_token comes from the checkpoint's config (--model-dir, or the
-model id when it is a local folder), cross-checked against the bytes the decode
-workers' kv_transfer_bytes_total counts for the handoffs, when their /metrics is given.
+Transfer rates: the workers count the KV bytes they load and the seconds the loads
+take (kv_transfer_bytes_total and kv_transfer_seconds_total, by path). In a sweep of
+uncached prompts every load on a decode worker is a prefill -> decode handoff, so
+handoff_gb_s is the decode workers' bytes over their seconds, when their /metrics is
+given (--metrics-url); kvcache_gb_s stays None (no round here loads from kvcache:
+every prompt is salted). kv_bytes_per_token comes from the checkpoint's config
+(--model-dir, or the model id when it is a local folder), cross-checked against the
+bytes the decode workers' kv_transfer_bytes_total counts for the handoffs.
 """
 
 import asyncio
@@ -218,13 +220,15 @@ def run_sweep(config: SweepConfig) -> SweepResult:
     kv_per_token = kv_bytes_per_token(config.model_dir or facts.model, facts.cache_dtype)
     notes["kv_bytes_per_token_from_config"] = kv_per_token
     notes["kv_bytes_per_token_from_metrics"] = _kv_bytes_measured(sweep, facts.block_size, before, after)
-    notes["transfer"] = ("kvcache_gb_s, handoff_gb_s: not measured; the workers' /metrics count KV bytes "
-                         "loaded but not the time the loads take (only spans carry kv.load_ms)")  # fmt: skip
+    handoff = _handoff_gb_s(before, after)
+    notes["transfer"] = ("kvcache_gb_s: not measured (no round loads from kvcache); handoff_gb_s: "
+                         + (f"{handoff:.3f}" if handoff else "not measured (no decode worker's /metrics given, "
+                            "or it loaded nothing)"))  # fmt: skip
     if "vision" not in budget.parts:
         notes["vision"] = ("not measured: " + ("the mesh has no vision instance" if not facts.instances.get("vision")
                                                else "no vision concurrency asked for"))
     profile = _profile(config, facts, sweep, header["command"],
-                       kv_per_token or notes["kv_bytes_per_token_from_metrics"])  # fmt: skip
+                       kv_per_token or notes["kv_bytes_per_token_from_metrics"], handoff)  # fmt: skip
     result = SweepResult(profile, sweep.measured, sweep.skipped, checks, notes)
     config.out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(config.out)
@@ -244,15 +248,27 @@ def _kv_bytes_measured(sweep: _Sweep, block_size: int | None, before: dict, afte
     sweep of uncached prompts, the prefill -> decode handoffs), per prompt token the
     decode waves handed off in full blocks (a prompt's last, partial block is not
     handed off). Prefill-only rounds (max_tokens 1) hand nothing off."""
-    name = "infermesh_decode_kv_transfer_bytes_total"
-    moved = sum(series_sum(after[u], name) - series_sum(before[u], name) for u in before)
+    moved = sum(series_sum(after[u], _DECODE_BYTES) - series_sum(before[u], _DECODE_BYTES) for u in before)
     if block_size is None:
         return None
     tokens = sum(prompt // block_size * block_size * streams for prompt, streams in sweep.handoffs)
     return round(moved / tokens) if moved > 0 and tokens else None
 
 
-def _profile(config: SweepConfig, facts: MeshFacts, sweep: _Sweep, command: str, kv_per_token: int | None) -> Profile:
+def _handoff_gb_s(before: dict, after: dict) -> float | None:
+    """The decode workers' KV bytes loaded over the seconds the loads took, in GB/s
+    (every load a handoff in a sweep of uncached prompts); None with none timed."""
+    moved = sum(series_sum(after[u], _DECODE_BYTES) - series_sum(before[u], _DECODE_BYTES) for u in before)
+    took = sum(series_sum(after[u], _DECODE_SECONDS) - series_sum(before[u], _DECODE_SECONDS) for u in before)
+    return moved / took / 1e9 if moved > 0 and took > 0 else None
+
+
+_DECODE_BYTES = "infermesh_decode_kv_transfer_bytes_total"
+_DECODE_SECONDS = "infermesh_decode_kv_transfer_seconds_total"
+
+
+def _profile(config: SweepConfig, facts: MeshFacts, sweep: _Sweep, command: str, kv_per_token: int | None,
+             handoff_gb_s: float | None = None) -> Profile:  # fmt: skip
     grid = sorted((m for m in sweep.measured if not m.held_out), key=lambda m: m.point)
     settings = {
         **facts.settings,
@@ -271,5 +287,5 @@ def _profile(config: SweepConfig, facts: MeshFacts, sweep: _Sweep, command: str,
                 for m in grid if m.stage == "decode"],
         vision=[VisionPoint(m.point[0], m.median("images_per_s"), m.median("latency_ms"))
                 for m in grid if m.stage == "vision"],
-        transfer=TransferRates(kv_bytes_per_token=kv_per_token),
+        transfer=TransferRates(kv_bytes_per_token=kv_per_token, handoff_gb_s=handoff_gb_s),
     )  # fmt: skip
