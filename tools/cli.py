@@ -244,7 +244,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         url=args.url, out=Path(args.out), metrics_urls=tuple(args.metrics_url or ()), budget_s=args.budget_s,
         prefill_lengths=tuple(args.prefill_lengths), prefill_concurrency=tuple(args.prefill_concurrency),
         decode_batches=tuple(args.decode_batches), decode_contexts=tuple(args.decode_contexts),
-        decode_max_tokens=args.decode_max_tokens, rounds=args.rounds, holdout=args.holdout,
+        decode_max_tokens=args.decode_max_tokens, vision_concurrency=tuple(args.vision_concurrency),
+        vision_image_px=args.vision_image_px, rounds=args.rounds, holdout=args.holdout,
         raw=Path(args.raw) if args.raw else None, plot=not args.no_plot, model_dir=args.model_dir,
         device=args.device, api_key=args.api_key, seed=args.seed, note=args.note,
     )  # fmt: skip
@@ -494,6 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-contexts", type=int, nargs="+", default=[128, 1024],
                    help="mean tokens of KV each stream attends to (its prompt, then half its tokens)")
     p.add_argument("--decode-max-tokens", type=int, default=64, help="tokens each decode stream generates")
+    p.add_argument("--vision-concurrency", type=int, nargs="*", default=[1, 2, 4, 8],
+                   help="images in flight, one per chat (measured where the mesh has vision instances; none: skip)")
+    p.add_argument("--vision-image-px", type=int, default=224, help="each profiled image's side (square), pixels")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per point (after one warm-up round)")
     p.add_argument("--holdout", action="store_true",
                    help="also measure three points per stage off the grid, against the grid's interpolation")

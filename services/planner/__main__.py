@@ -68,8 +68,8 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     p.metrics_url = metrics_url(ctx.settings)
     planner = LivePlanner(p, profile, make_scaler(p, p.metrics_url), ctx.metrics)
     log.info("planning %s every %g s for TTFT p%g <= %g ms and ITL <= %g ms (backend %s, profile of %s on %s)",
-             ", ".join(("prefill", "decode")), p.interval_s, p.percentile, p.ttft_ms, p.itl_ms, p.backend,
-             profile.model, profile.device)
+             "prefill, decode" + (" and vision (where deployed)" if profile.vision else ""), p.interval_s,
+             p.percentile, p.ttft_ms, p.itl_ms, p.backend, profile.model, profile.device)
     task = asyncio.create_task(planner.run(ctx.stop), name="planner")
     stack.callback(task.cancel)
 

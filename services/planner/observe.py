@@ -27,6 +27,11 @@ TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 PROMPT_LENGTHS = "vllm:request_prompt_tokens"
 OUTPUT_LENGTHS = "vllm:request_generation_tokens"
+VISION_IMAGES = "infermesh_balancer_vision_images_total"
+VISION_DEMAND_SITES = ("vision", "prefill")
+"""The images the vision stage is sized for: those it encoded and those prefill encoded
+because no vision instance could (none live, or each failed). A lone small image the
+balancer leaves to prefill on purpose (site prefill_small) is no load for the stage."""
 
 
 def parse(text: str) -> Series:
@@ -45,6 +50,11 @@ def scrape(url: str, timeout_s: float = 5.0) -> Series:
 def total(series: Series, name: str) -> float:
     """A series summed over its labels (e.g. finished requests of every reason)."""
     return sum(v for (n, _), v in series.items() if n == name)
+
+
+def labelled(series: Series, name: str, label: str, values: tuple[str, ...]) -> float:
+    """A series summed over the samples whose `label` is one of `values`."""
+    return sum(v for (n, labels), v in series.items() if n == name and dict(labels).get(label) in values)
 
 
 def buckets(series: Series, name: str) -> list[tuple[float, float]]:
@@ -105,6 +115,8 @@ class Observation:
     input_at_percentile: float
     """Prompt tokens per request at the percentile asked."""
     output_at_percentile: float
+    images_per_s: float = 0.0
+    """Images the vision stage is sized for (VISION_DEMAND_SITES) per second."""
 
 
 def observe(before: Series, after: Series, interval_s: float, percentile: float) -> Observation:
@@ -138,4 +150,7 @@ def observe(before: Series, after: Series, interval_s: float, percentile: float)
         output_p90=length(OUTPUT_LENGTHS, 0.9, output_mean),
         input_at_percentile=length(PROMPT_LENGTHS, percentile / 100, input_mean),
         output_at_percentile=length(OUTPUT_LENGTHS, percentile / 100, output_mean),
+        images_per_s=(max(labelled(after, VISION_IMAGES, "site", VISION_DEMAND_SITES)
+                          - labelled(before, VISION_IMAGES, "site", VISION_DEMAND_SITES), 0.0) / interval_s
+                      if interval_s > 0 else 0.0),
     )

@@ -8,13 +8,19 @@ The sizing rule (Dynamo's SLA planner, with our profile):
 - prefill replicas = ceil(requests/s x mean uncached input tokens / T_p), where T_p
   is the uncached tokens/s of one instance at the highest-throughput concurrency
   whose TTFT, at the target percentile's uncached length, fits the TTFT target less
-  the encoder's latency and the time to load the cached prefix;
+  the encoder's latency, the time to load the cached prefix and the handoff's (the
+  percentile's whole prompt of KV at the profile's handoff_gb_s: the profile's
+  prefill TTFT is measured without a handoff; 0 where the rate was not measured);
 - decode replicas = ceil(requests/s x mean output tokens / T_d), where T_d is the
   best output tokens/s of one instance whose ITL meets the target at the percentile's
   context (input + half the output: the mean context over a request's decode);
 - vision replicas = ceil(requests/s x images per request / images/s of one encoder at
   the chosen concurrency); the encoder's point and prefill's are chosen together for
-  the fewest GPUs that keep the TTFT target.
+  the fewest GPUs that keep the TTFT target (an encoder at concurrency c adds its
+  latency L_c to every TTFT and takes images at R_c per second: the planner weighs a
+  slow, batched encoder point, fewer encoders, against the prompt time it leaves
+  prefill). Where even the fastest encoder point leaves no TTFT budget, the plan is
+  infeasible and names the vision stage.
 
 A percentile of latency is read as the latency at that percentile of length: TTFT and
 ITL rise with length, so the p-th percentile request is the p-th percentile length
@@ -96,10 +102,12 @@ class Targets:
 
 
 class InfeasibleTarget(ValueError):
-    """A target no allocation of this profile meets; `best_ms` is the best it achieves."""
+    """A target no allocation of this profile meets; `best_ms` is the best it achieves;
+    `stage` the stage that cannot meet it (prefill, decode, or vision where the encoder
+    alone takes the TTFT budget)."""
 
-    def __init__(self, target: str, target_ms: float, best_ms: float, why: str) -> None:
-        self.target, self.target_ms, self.best_ms = target, target_ms, best_ms
+    def __init__(self, target: str, target_ms: float, best_ms: float, why: str, stage: str = "") -> None:
+        self.target, self.target_ms, self.best_ms, self.stage = target, target_ms, best_ms, stage
         super().__init__(f"{target} target {target_ms:g} ms cannot be met: the best this profile achieves is "
                          f"{best_ms:.1f} ms ({why})")
 
@@ -130,6 +138,8 @@ class Plan:
     usd_per_hour: float
     usd_per_million_blended: float
     notes: list[str] = field(default_factory=list)
+    handoff_ms: float = 0.0
+    """The percentile's prompt KV handed from prefill to decode, in the predicted TTFT."""
 
     @property
     def total_gpus(self) -> int:
@@ -164,6 +174,14 @@ def _kv_load_s(profile: Profile, hit_tokens: float) -> float | None:
     return hit_tokens * rates.kv_bytes_per_token / (rates.kvcache_gb_s * 1e9)
 
 
+def _handoff_s(profile: Profile, prompt_tokens: float) -> float | None:
+    """The prefill -> decode handoff of a prompt's KV; None where the profile has no rate."""
+    rates = profile.transfer
+    if rates.handoff_gb_s is None or rates.kv_bytes_per_token is None:
+        return None
+    return prompt_tokens * rates.kv_bytes_per_token / (rates.handoff_gb_s * 1e9)
+
+
 def plan(profile: Profile, workload: Workload, targets: Targets, gpu_hour_usd: float) -> Plan:
     models = StageModels.from_profile(profile)
     shape = _shape(workload, targets.percentile)
@@ -175,25 +193,41 @@ def plan(profile: Profile, workload: Workload, targets: Targets, gpu_hour_usd: f
         notes.append("cache-hit load time not in the profile (transfer.kvcache_gb_s, kv_bytes_per_token): "
                      "counted as 0 ms and cache-hit input charged nothing")
         load_s = 0.0
-    kv_load_ms = load_s * 1000
+    handoff_s = _handoff_s(profile, workload.input_tokens.quantile(targets.percentile))
+    if handoff_s is None:
+        notes.append("handoff time not in the profile (transfer.handoff_gb_s): counted as 0 ms")
+        handoff_s = 0.0
+    # Both on every TTFT path before decode's first token: one budget item (kv_load_ms reports the load alone).
+    kv_load_ms, handoff_ms = load_s * 1000, handoff_s * 1000
+    fixed_ms = kv_load_ms + handoff_ms
 
     # Decode: Dynamo's rule, independent of the other stages.
     decode_op = models.decode.max_load(shape.context_p, shape.context_mean, targets.itl_ms)
     if decode_op is None:
         raise InfeasibleTarget("ITL", targets.itl_ms, models.decode.best_itl_ms(shape.context_p),
-                               f"p{targets.percentile:g} context {shape.context_p:.0f} tokens at the smallest batch")
+                               f"p{targets.percentile:g} context {shape.context_p:.0f} tokens at the smallest batch",
+                               stage="decode")
     decode_replicas = max(1, math.ceil(rps * workload.output_tokens.mean / decode_op.tokens_per_s))
 
     # Prefill and vision together: each encoder point leaves prefill a TTFT budget.
     vision_options: list[VisionOperating | None] = [None]
     if workload.images_per_request > 0:
-        vision_options = list(models.vision.operating_points())
-        if not vision_options:
+        encoders = models.vision.operating_points()
+        if not encoders:
             raise ValueError("the workload has images but the profile has no vision points")
+        vision_options = list(encoders)
+        fastest = min(encoders, key=lambda v: v.latency_ms)
+        if fastest.latency_ms + fixed_ms >= targets.ttft_ms:  # no prompt time left at any encoder point
+            raise InfeasibleTarget("TTFT", targets.ttft_ms,
+                                   fastest.latency_ms + fixed_ms + models.prefill.best_ttft_ms(shape.uncached_p),
+                                   f"the vision encoder alone takes {fastest.latency_ms:.1f} ms at its fastest "
+                                   f"(concurrency {fastest.concurrency}), + {kv_load_ms:.1f} ms cache load "
+                                   f"+ {handoff_ms:.1f} ms handoff",
+                                   stage="vision")
     best: tuple[int, float, PrefillOperating, int, VisionOperating | None, int] | None = None
     for vision_op in vision_options:
         vision_ms = 0.0 if vision_op is None else vision_op.latency_ms
-        op = models.prefill.max_load(shape.uncached_p, shape.uncached_mean, targets.ttft_ms - vision_ms - kv_load_ms)
+        op = models.prefill.max_load(shape.uncached_p, shape.uncached_mean, targets.ttft_ms - vision_ms - fixed_ms)
         if op is None:
             continue
         prefill_replicas = max(1, math.ceil(rps * shape.uncached_mean / op.tokens_per_s))
@@ -206,9 +240,11 @@ def plan(profile: Profile, workload: Workload, targets: Targets, gpu_hour_usd: f
     if best is None:
         fastest_vision = min((v.latency_ms for v in vision_options if v is not None), default=0.0)
         raise InfeasibleTarget("TTFT", targets.ttft_ms,
-                               models.prefill.best_ttft_ms(shape.uncached_p) + fastest_vision + kv_load_ms,
+                               models.prefill.best_ttft_ms(shape.uncached_p) + fastest_vision + fixed_ms,
                                f"p{targets.percentile:g} uncached prompt {shape.uncached_p:.0f} tokens alone on an "
-                               f"instance, + {kv_load_ms:.1f} ms cache load + {fastest_vision:.1f} ms encoder")
+                               f"instance, + {kv_load_ms:.1f} ms cache load + {handoff_ms:.1f} ms handoff "
+                               f"+ {fastest_vision:.1f} ms encoder",
+                               stage="prefill")
     _, _, prefill_max, prefill_replicas, vision_op, vision_replicas = best
 
     # Where instances actually run: the planned load spread over the replicas (ceil leaves slack).
@@ -225,9 +261,10 @@ def plan(profile: Profile, workload: Workload, targets: Targets, gpu_hour_usd: f
     total_gpus = sum(gpus.values())
     tokens_per_hour = sum(c.tokens_per_hour for c in classes.values())
     return Plan(replicas=replicas, gpus=gpus, prefill=prefill_at, decode=decode_at, vision=vision_op,
-                predicted_ttft_ms=prefill_at.ttft_ms + vision_ms + kv_load_ms, predicted_itl_ms=decode_at.itl_ms,
+                predicted_ttft_ms=prefill_at.ttft_ms + vision_ms + fixed_ms, predicted_itl_ms=decode_at.itl_ms,
                 kv_load_ms=kv_load_ms, classes=classes, usd_per_hour=total_gpus * gpu_hour_usd,
-                usd_per_million_blended=total_gpus * gpu_hour_usd * 1e6 / tokens_per_hour, notes=notes)
+                usd_per_million_blended=total_gpus * gpu_hour_usd * 1e6 / tokens_per_hour, notes=notes,
+                handoff_ms=handoff_ms)
 
 
 def _price(workload: Workload, shape: _Shape, gpus: dict[str, int], prefill_op: PrefillOperating,

@@ -11,7 +11,8 @@ def describe(plan: Plan, targets: Targets, gpu_hour_usd: float) -> str:
         "replicas: " + ", ".join(f"{stage} {n} ({plan.gpus[stage]} GPUs)" for stage, n in plan.replicas.items())
         + f"; total {plan.total_gpus} GPUs",
         f"predicted {p} TTFT {plan.predicted_ttft_ms:.1f} ms (target {targets.ttft_ms:g}; cache load "
-        f"{plan.kv_load_ms:.1f} ms" + (f", encoder {plan.vision.latency_ms:.1f} ms" if plan.vision else "") + ")",
+        f"{plan.kv_load_ms:.1f} ms, handoff {plan.handoff_ms:.1f} ms"
+        + (f", encoder {plan.vision.latency_ms:.1f} ms" if plan.vision else "") + ")",
         f"predicted {p} ITL {plan.predicted_itl_ms:.2f} ms (target {targets.itl_ms:g})",
         f"prefill instances at {plan.prefill.concurrency:.1f} prompts in flight, {plan.prefill.tokens_per_s:.0f} tok/s; "
         f"decode at batch {plan.decode.batch:.1f}, {plan.decode.tokens_per_s:.0f} tok/s",

@@ -14,6 +14,14 @@ Each interval (Dynamo's SLA planner, with our profile):
 3. plan each stage for the forecast, plus any backlog as extra load drained
    over one interval on the stage that holds it. A target no allocation meets
    keeps the stage's allocation and is counted (`infeasible`), never relaxed.
+
+The vision stage is planned where the profile has vision points and the deployment
+has the stage (its allocation names it): for the forecast requests/s times the
+last interval's images per request (the images the balancer routed to be encoded,
+over the requests), planned with prefill by plan()'s rule (the encoder's latency
+comes out of the TTFT budget). The encoder is not corrected (the balancer's TTFT
+does not separate it); the prefill correction takes the fastest encoder point's
+latency out of the measured TTFT when the interval had images.
 """
 
 from dataclasses import dataclass, field
@@ -26,6 +34,7 @@ from services.planner.profile import Profile
 from services.planner.stage_model import StageModels
 
 PLANNED_STAGES = ("prefill", "decode")
+"""Planned always; vision too where the profile and the deployment have it (Planner.stages)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +61,8 @@ class IntervalView:
     decode_backlog_tokens: float = 0.0
     backlog_before: tuple[float, float] = (0.0, 0.0)
     """Prefill and decode backlog at the interval's start."""
+    images_per_s: float = 0.0
+    """Images sent to be encoded (observe.VISION_DEMAND_SITES) per second."""
 
 
 @dataclass
@@ -82,15 +93,26 @@ class Planner:
         rates = profile.transfer
         self.kv_s_per_token = (rates.kv_bytes_per_token / (rates.kvcache_gb_s * 1e9)
                                if rates.kvcache_gb_s and rates.kv_bytes_per_token else 0.0)
+        self.handoff_s_per_token = (rates.kv_bytes_per_token / (rates.handoff_gb_s * 1e9)
+                                    if rates.handoff_gb_s and rates.kv_bytes_per_token else 0.0)
         self.infeasible = 0
         """Stage decisions whose plan was infeasible so far."""
+        encoders = self.model.vision.operating_points()
+        self.encoder_ms = min((e.latency_ms for e in encoders), default=0.0)
+        """The fastest encoder point's latency: what an image adds to TTFT at the least."""
+
+    def stages(self, allocated: dict[str, int]) -> tuple[str, ...]:
+        """The stages planned against this allocation: vision where the profile has
+        points for it and the deployment has the stage."""
+        return PLANNED_STAGES + (("vision",) if self.profile.vision and "vision" in allocated else ())
 
     def factors(self) -> dict[str, float]:
         return {s: c.factor for s, c in self.corrections.items()}
 
     def _correct(self, v: IntervalView) -> None:
         if v.ttft_ms is not None and v.prefill_backlog_tokens == 0 and v.backlog_before[0] == 0:
-            kv_ms = v.input_at_target * self.prefix_hit * self.kv_s_per_token * 1000
+            kv_ms = v.input_at_target * (self.prefix_hit * self.kv_s_per_token + self.handoff_s_per_token) * 1000
+            kv_ms += self.encoder_ms if v.images_per_s > 0 else 0.0
             try:
                 predicted = self.model.prefill.ttft_ms(v.input_at_target * (1.0 - self.prefix_hit),
                                                        max(v.prefill_concurrency, 1.0))
@@ -117,10 +139,14 @@ class Planner:
                  "decode": v.decode_backlog_tokens / (v.interval_s * f.output_tokens_mean)}
         profile = corrected(self.profile, self.factors())
         decision = Decision({}, f, self.factors())
-        for stage in PLANNED_STAGES:
+        stages = self.stages(allocated)
+        extra["vision"] = 0.0  # the balancer does not queue images: no backlog to drain
+        images = v.images_per_s / v.requests_per_s if "vision" in stages and v.requests_per_s > 0 else 0.0
+        for stage in stages:
             workload = Workload(max(f.requests_per_s * self.headroom + extra[stage], 1e-6),
                                 Lengths(f.input_tokens_mean, f.input_tokens_mean * isl_ratio),
-                                Lengths(f.output_tokens_mean, f.output_tokens_mean * osl_ratio), self.prefix_hit)
+                                Lengths(f.output_tokens_mean, f.output_tokens_mean * osl_ratio), self.prefix_hit,
+                                images_per_request=images)
             try:
                 decision.replicas[stage] = plan(profile, workload, self.targets, self.gpu_hour_usd).replicas[stage]
             except InfeasibleTarget as exc:

@@ -24,7 +24,8 @@ class PrefillPoint:
     concurrency: int
     """Requests in flight on the instance while measured."""
     ttft_ms: float
-    """Median time to first token (queue + prefill + handoff)."""
+    """Median time to first token (queue + prefill; measured with max_tokens 1, so no
+    handoff to decode: plan adds it from transfer.handoff_gb_s)."""
     tokens_per_s: float
     """Uncached prompt tokens computed per second by the instance."""
 
@@ -45,12 +46,16 @@ class DecodePoint:
 
 @dataclass(slots=True, frozen=True)
 class VisionPoint:
-    """The encoder at one number of images in flight."""
+    """The encoder at one number of images in flight (tools/planner/vision_round.py;
+    the image size is the profile's settings["sweep.vision_image_px"])."""
 
     concurrency: int
+    """Images in flight on the instance (one per chat) while measured."""
     images_per_s: float
+    """Images encoded per second the stage was busy (at least one encode asked for)."""
     latency_ms: float
-    """Median time from an image's arrival to its embeddings stored."""
+    """From the balancer asking the instance to its reply that the embeddings are stored:
+    the mean per round, the median over rounds (what an image adds to TTFT)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,7 +65,8 @@ class TransferRates:
     kvcache_gb_s: float | None = None
     """kvcache load into an engine (hit path)."""
     handoff_gb_s: float | None = None
-    """prefill -> decode KV handoff."""
+    """prefill -> decode KV handoff: the decode workers' KV bytes loaded over the seconds
+    from asking for them to their arrival in the engine (kv_transfer_seconds_total)."""
     kv_bytes_per_token: int | None = None
     """KV bytes of one token of context (all layers), to turn tokens into bytes."""
 

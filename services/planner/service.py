@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from services.planner.observe import Observation, Series, observe, scrape
 from services.planner.plan import Targets
-from services.planner.planner import PLANNED_STAGES, Decision, IntervalView, Planner
+from services.planner.planner import Decision, IntervalView, Planner
 from services.planner.profile import Profile
 from services.planner.scalers import ScaleError, Scaler
 from shared.runtime.metrics import Metrics
@@ -40,7 +40,7 @@ def view_of(obs: Observation, allocated: dict[str, int]) -> IntervalView:
         input_mean=obs.input_tokens, input_p90=obs.input_p90,
         output_mean=obs.output_tokens, output_p90=obs.output_p90,
         input_at_target=obs.input_at_percentile, output_at_target=obs.output_at_percentile,
-        ttft_ms=obs.ttft_ms, itl_ms=obs.itl_ms,
+        ttft_ms=obs.ttft_ms, itl_ms=obs.itl_ms, images_per_s=obs.images_per_s,
         prefill_concurrency=obs.requests_per_s * ttft_s / max(allocated.get("prefill", 1), 1),
         decode_batch=obs.requests_per_s * decode_s / max(allocated.get("decode", 1), 1),
     )
@@ -48,14 +48,19 @@ def view_of(obs: Observation, allocated: dict[str, int]) -> IntervalView:
 
 def bounded(replicas: dict[str, int], settings: PlannerSettings, devices: dict[str, int]) -> tuple[dict[str, int], str]:
     """Each stage within [min_replicas, max_replicas]; all within the device budget,
-    cut in proportion where over it (never below min_replicas). Returns the counts and,
-    when the budget cut them, why."""
-    out = {s: min(max(n, settings.min_replicas), settings.max_replicas) for s, n in replicas.items()}
+    cut in proportion where over it (never below min_replicas). Vision the plan gives
+    none (no images in the load) goes to 0: prefill encodes what images come, and they
+    count as the stage's load, so it comes back. Returns the counts and, when the budget
+    cut them, why."""
+    def least(stage: str, n: int) -> int:
+        return 0 if stage == "vision" and n == 0 else settings.min_replicas
+
+    out = {s: min(max(n, least(s, n)), settings.max_replicas) for s, n in replicas.items()}
     used = sum(n * devices.get(s, 1) for s, n in out.items())
     if not settings.gpu_budget or used <= settings.gpu_budget:
         return out, ""
     scale = settings.gpu_budget / used
-    cut = {s: max(math.floor(n * scale), settings.min_replicas) for s, n in out.items()}
+    cut = {s: max(math.floor(n * scale), least(s, n)) for s, n in out.items()}
     return cut, f"the plan wants {used} devices, over the budget of {settings.gpu_budget}: cut to {cut}"
 
 
@@ -101,7 +106,8 @@ class LivePlanner:
             self.c_errors.inc()
             log.warning("cannot read the replicas: %s", exc)
             return None
-        allocated = {s: allocated.get(s, 1) for s in PLANNED_STAGES}
+        # Vision where the deployment has the stage (the scaler names it) and the profile measured it.
+        allocated = {s: allocated.get(s, 1) for s in self.planner.stages(allocated)}
         self.planner.prefix_hit = obs.prefix_hit_rate
         decision = self.planner.decide(view_of(obs, allocated), allocated)
         wanted, cut = bounded(decision.replicas, self.settings, self.profile.devices_per_instance)
@@ -110,10 +116,10 @@ class LivePlanner:
         for stage, why in decision.infeasible.items():
             self.c_infeasible.labels(stage).inc()
             log.warning("%s: %s; holding %d", stage, why, allocated[stage])
-        for stage in PLANNED_STAGES:
+        for stage in allocated:
             self.g_replicas.labels(stage).set(wanted[stage])
             self.g_allocated.labels(stage).set(allocated[stage])
-            self.g_factor.labels(stage).set(decision.factors[stage])
+            self.g_factor.labels(stage).set(decision.factors.get(stage, 1.0))
         self.g_rps.set(decision.forecast.requests_per_s)
         changed = {s: n for s, n in wanted.items() if n != allocated[s]}
         if changed:

@@ -119,6 +119,12 @@ class Worker:
         self.m_kv_transfer_bytes = m.counter(
             "kv_transfer_bytes_total", "KV bytes loaded into the paged cache, by path (peer, nixl, host, kvcache)", ("path",)
         )
+        self.m_kv_transfer_seconds = m.counter(
+            "kv_transfer_seconds_total",
+            "Seconds of KV loads, from asking for the blocks to their arrival in the engine (its next step), by path: "
+            "kv_transfer_bytes_total over it is the path's rate (the planner's handoff_gb_s)",
+            ("path",),
+        )
         self.m_kv_transfer_failures = m.counter(
             "kv_transfer_failures_total",
             "Loads that did not (fully) arrive, by path: their tokens were recomputed",
@@ -326,6 +332,7 @@ class Worker:
             self.m_kvcache_load_bytes.labels(report.load_plane).inc(loaded)
         if report.load_path:
             self.m_kv_transfer_bytes.labels(report.load_path).inc(loaded)
+            self.m_kv_transfer_seconds.labels(report.load_path).inc(report.load_seconds)
             if report.load_failed:
                 self.m_kv_transfer_failures.labels(report.load_path).inc()
         span.set_attribute("kv.load_ms", round(report.load_seconds * 1e3, 3))

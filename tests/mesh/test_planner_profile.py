@@ -1,7 +1,8 @@
 """`infermesh profile` against a real mesh (nats-server, kvcache, prefill, decode and
 the balancer as processes): a tiny sweep from the command line writes a profile the
 planner can load, with the points asked for, figures that move the way the work
-does (gross ratios only: the machine is shared), and where it came from."""
+does (gross ratios only: the machine is shared), the handoff's rate, and where it
+came from."""
 
 import json
 import shlex
@@ -53,5 +54,8 @@ def test_a_tiny_sweep_writes_a_profile_the_planner_loads(start_mesh, mesh_model_
     # The handoffs' bytes over the handed-off prompt tokens agree with the config's formula.
     measured = next(line for line in text.splitlines() if line.startswith("kv_bytes_per_token_from_metrics"))
     assert measured.split(": ")[1] == str(profile.transfer.kv_bytes_per_token)
+    # The handoffs' bytes over the seconds the decode worker's loads took (kv_transfer_seconds_total).
+    assert profile.transfer.handoff_gb_s is not None and profile.transfer.handoff_gb_s > 0
+    assert f"handoff_gb_s: {profile.transfer.handoff_gb_s:.3f}" in text
     assert "skipped by the budget: none" in text
     assert out.with_suffix(".png").exists() or out.with_suffix(".txt").exists()

@@ -1,6 +1,7 @@
 """`infermesh profile`'s arithmetic, exactly, apart from any mesh: the budget's
 coarse-to-fine order and estimates, the held-out points and their log-log
-prediction, and the figures one wave of streamed results gives."""
+prediction, the figures one wave of streamed results gives, and a vision round's
+figures off the balancer's series."""
 
 import math
 
@@ -10,6 +11,7 @@ from tools.bench.openai_stream import RequestResult
 from tools.planner.grid import Budget, coarse_to_fine, estimate_s, grid_order
 from tools.planner.holdout import Check, checks, grid_predictor, held_out_points, log_interpolate
 from tools.planner.points import RoundFailed, decode_figures, prefill_figures
+from tools.planner.vision_round import BUSY_SECONDS, ENCODE_SECONDS, IMAGES, image_url, vision_figures
 
 
 def test_coarse_to_fine_keeps_the_ends_then_halves():
@@ -88,3 +90,39 @@ def test_decode_figures_fall_back_to_each_stream_when_they_barely_overlap():
     assert r.tokens_per_s == pytest.approx(20 / 0.29) and not r.overlapped
     with pytest.raises(RoundFailed):
         decode_figures([_stream(0.0, 0.1, [])], prompt=16, max_tokens=4, wall_s=0.2)
+
+
+def _vision_samples(images: dict[str, float], busy_s: float, asks: int, ask_s: float) -> dict:
+    """The balancer's vision series as tools/planner/mesh_facts.parse_samples reads them."""
+    out = {(IMAGES, frozenset({("site", site)})): n for site, n in images.items()}
+    out[(BUSY_SECONDS, frozenset())] = busy_s
+    out[(f"{ENCODE_SECONDS}_count", frozenset())] = asks
+    out[(f"{ENCODE_SECONDS}_sum", frozenset())] = ask_s
+    return out
+
+
+def test_vision_figures_are_images_over_busy_time_and_the_mean_ask():
+    before = _vision_samples({"vision": 10, "prefill": 3}, busy_s=5.0, asks=10, ask_s=4.0)
+    # 8 images in 4 asks, 0.3 s each (1.2 s summed), the stage busy 0.5 s (the asks overlapped).
+    after = _vision_samples({"vision": 18, "prefill": 3}, busy_s=5.5, asks=14, ask_s=5.2)
+    r = vision_figures(before, after, wall_s=2.0)
+    assert r.images_per_s == pytest.approx(16.0) and r.latency_ms == pytest.approx(300.0) and r.wall_s == 2.0
+
+
+def test_a_vision_round_prefill_encoded_fails_naming_why():
+    before = _vision_samples({"vision": 0, "prefill": 0}, 0.0, 0, 0.0)
+    after = _vision_samples({"vision": 0, "prefill": 4}, 0.0, 0, 0.0)
+    with pytest.raises(RoundFailed, match="4 by prefill"):
+        vision_figures(before, after, wall_s=1.0)
+
+
+def test_profiled_images_are_new_to_every_cache_and_of_the_size_asked():
+    import base64
+    import io
+
+    from PIL import Image
+
+    a, b = image_url(32, 1, "s-1"), image_url(32, 1, "s-2")
+    assert a != b and a == image_url(32, 1, "s-1")  # the salt (a new one each run) makes it new; the seed repeats
+    image = Image.open(io.BytesIO(base64.b64decode(a.split(",", 1)[1])))
+    assert image.size == (32, 32) and image.format == "PNG"

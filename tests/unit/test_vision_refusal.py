@@ -143,9 +143,15 @@ async def test_the_balancer_answers_a_refused_image_with_a_400_naming_the_part_a
 
 async def test_an_instance_that_fails_otherwise_is_passed_over_for_the_next() -> None:
     failed = mesh_pb2.EncodeReply(instance_id="v0", error="kvcache unavailable")
-    vision, bus, _ = stage({"v0": failed, "v1": mesh_pb2.EncodeReply(ok=True, instance_id="v1")})
+    vision, bus, metrics = stage({"v0": failed, "v1": mesh_pb2.EncodeReply(ok=True, instance_id="v1")})
     out = await vision.encode("r1", WireImages(tuple(images())), PARTS)
     assert bus.asked == ["v0", "v1"] and all(m.embedded for m in out.messages)
+    # What the planner and the profile read: the request's 2 images encoded on the vision stage, one
+    # successful ask timed, and the stage busy for both asks (the failed one too).
+    get = metrics.registry.get_sample_value
+    assert get("infermesh_balancer_vision_images_total", {"site": "vision"}) == 2
+    assert get("infermesh_balancer_vision_encode_seconds_count") == 1
+    assert get("infermesh_balancer_vision_busy_seconds_total") >= get("infermesh_balancer_vision_encode_seconds_sum")
 
 
 async def test_reuse_embeddings_off_encodes_every_image_again() -> None:
@@ -174,6 +180,7 @@ async def test_a_lone_small_image_is_left_to_prefill_when_the_crossover_is_set()
     out = await vision.encode("r1", lone, PARTS[:1])
     assert out is lone and not out.messages[0].embedded and bus.asked == []
     assert metrics.registry.get_sample_value("infermesh_balancer_vision_encodes_total", {"site": "prefill"}) == 1
+    assert metrics.registry.get_sample_value("infermesh_balancer_vision_images_total", {"site": "prefill_small"}) == 1
     # One token more than the crossover, or the setting's default (off): the vision stage encodes it.
     for settings, tokens in ((VisionSettings(prefill_max_image_tokens=16), 17), (VisionSettings(), 16)):
         vision, bus, _ = stage(ok, settings)

@@ -21,7 +21,11 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m
 
 def scrape(url: str) -> Samples:
     """Every sample a /metrics endpoint serves."""
-    text = httpx.get(url, timeout=10).raise_for_status().text
+    return parse_samples(httpx.get(url, timeout=10).raise_for_status().text)
+
+
+def parse_samples(text: str) -> Samples:
+    """Every sample of a /metrics page's text."""
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
 

@@ -13,8 +13,10 @@ from tools.planner import holdout
 
 TARGET_ERROR = 0.10
 """Issue 30's accuracy figure: predicted within 10 % of measured."""
-_AXES = {"prefill": ("input_tokens", "concurrency"), "decode": ("batch", "context")}
-_FIGURES = {"prefill": ("ttft_ms", "tokens_per_s"), "decode": ("itl_ms", "tokens_per_s")}
+_AXES = {"prefill": ("input_tokens", "concurrency"), "decode": ("batch", "context"),
+         "vision": ("concurrency", "image_px")}
+_FIGURES = {"prefill": ("ttft_ms", "tokens_per_s"), "decode": ("itl_ms", "tokens_per_s"),
+            "vision": ("latency_ms", "images_per_s")}
 
 
 def _cell(median: float, lo: float, hi: float) -> str:
@@ -52,6 +54,8 @@ def report_text(result: SweepResult, header: Mapping[str, Any]) -> str:
     lines += [f"{k}: {v}" for k, v in result.notes.items()]
     lines += ["settings: " + ", ".join(f"{k}={v}" for k, v in sorted(result.profile.settings.items()))]
     for stage, (ax, ay) in _AXES.items():
+        if stage == "vision" and not any(m.stage == stage for m in result.measured):
+            continue  # a mesh without vision instances: the notes say so
         lines += ["", f"## {stage}: median [min-max] over the timed rounds (warm-up dropped)",
                   f"{ax:>12} {ay:>11} " + " ".join(f"{n:>28}" for n in _FIGURES[stage]) + "  rounds  held_out"]
         for m in sorted((m for m in result.measured if m.stage == stage), key=lambda m: (m.held_out, m.point)):

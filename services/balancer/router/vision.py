@@ -58,6 +58,18 @@ class VisionStage:
                                           "by cause (error, timeout, left_mesh, no_responders)", ("cause",))
         self.m_refused = metrics.counter("vision_refused_total", "Requests whose images a vision instance "
                                          "could not read (a 400, not retried)")
+        # The vision stage's load and speed, as the planner reads them (services/planner/observe.py)
+        # and `infermesh profile` measures them (tools/planner/vision_round.py).
+        self.m_images = metrics.counter(
+            "vision_images_total", "Images of requests by where they were encoded (vision; prefill: no vision "
+            "instance live, disabled, or every one failed; prefill_small: a lone small image, cheaper there)",
+            ("site",))  # fmt: skip
+        self.m_encode_s = metrics.histogram("vision_encode_seconds", "From asking a vision instance to its reply "
+                                            "that the request's images are encoded and stored (successes)")
+        self.m_busy_s = metrics.counter("vision_busy_seconds_total", "Seconds in which at least one encode "
+                                        "request was out to a vision instance (images over it: the stage's rate)")
+        self._asks_out = 0
+        self._busy_since = 0.0
 
     async def encode(self, request_id: str, images: WireImages, parts: Sequence[str] = ()) -> WireImages:
         """The images, marked embedded when a vision instance encoded and stored them; as
@@ -66,6 +78,7 @@ class VisionStage:
         if not images.messages or not self.settings.enabled or not self.registry.live("vision"):
             if images.messages:
                 self.m_encodes.labels("prefill").inc()
+                self.m_images.labels("prefill").inc(len(images.messages))
             return images
         hashes = [bytes(m.hash) for m in images.messages]
         tried: set[str] = set()
@@ -77,12 +90,14 @@ class VisionStage:
                 span.set_attribute("vision.site", "prefill")
                 span.set_attribute("vision.reason", "small_image")
                 self.m_encodes.labels("prefill").inc()
+                self.m_images.labels("prefill_small").inc(len(hashes))
                 return images
             while True:
                 live = [i for i in self.registry.live("vision") if i.instance_id not in tried]
                 if not live:
                     span.set_attribute("vision.site", "prefill")
                     self.m_encodes.labels("prefill").inc()
+                    self.m_images.labels("prefill").inc(len(hashes))
                     log.warning("request %s: no vision instance encoded its images (tried %s): prefill encodes them",
                                 request_id, sorted(tried))
                     return images
@@ -94,13 +109,32 @@ class VisionStage:
                 span.set_attribute("vision.choice", vid)
                 span.set_attribute("vision.reason", choice.reason)
                 with Reservation(choice.instance, requests=len(hashes)):
-                    cause = await self._ask(vid, request_id, images, parts)
+                    cause = await self._timed_ask(vid, request_id, images, parts)
                 if cause is None:
                     span.set_attribute("vision.site", "vision")
                     self.m_encodes.labels("vision").inc()
+                    self.m_images.labels("vision").inc(len(hashes))
                     return WireImages(tuple(_embedded(m) for m in images.messages), images.spans)
                 self.m_failures.labels(cause).inc()
                 span.add_event("vision_failed", {"instance": vid, "cause": cause})
+
+    async def _timed_ask(self, vid: str, request_id: str, images: WireImages, parts: Sequence[str]) -> str | None:
+        """_ask, timed: its latency when it succeeded, and the stage's busy time (the
+        union of every ask's time out, so concurrent asks count once)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if self._asks_out == 0:
+            self._busy_since = started
+        self._asks_out += 1
+        try:
+            cause = await self._ask(vid, request_id, images, parts)
+        finally:
+            self._asks_out -= 1
+            if self._asks_out == 0:
+                self.m_busy_s.inc(loop.time() - self._busy_since)
+        if cause is None:
+            self.m_encode_s.observe(loop.time() - started)
+        return cause
 
     async def _ask(self, vid: str, request_id: str, images: WireImages, parts: Sequence[str]) -> str | None:
         """None once vid encoded and stored the images; else why not. Stops waiting as soon
