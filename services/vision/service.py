@@ -175,7 +175,11 @@ class VisionService:
             span.set_attribute("images.count", len(req.images))
             try:
                 await self._encode(req, reply)
-                await self._share(req, reply)
+                try:
+                    await self._share(req, reply)
+                except Exception as exc:  # kvcache holds them already: prefill reads them there
+                    log.warning("offering the embeddings of %s in shared memory failed: %s", req.request_id, exc)
+                    del reply.peer_sources[:]
                 reply.ok = True
                 self.m_requests.labels("ok").inc()
             except RefusedImage as exc:  # the request's fault: no other instance would read it either
@@ -328,7 +332,7 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     arena = None
     if v.share_bytes > 0:
         try:
-            arena = EmbeddingArena(v.share_bytes)
+            arena = EmbeddingArena(v.share_bytes, engine.kv_share_dir)
             stack.callback(arena.close)
         except OSError as exc:  # no room in /dev/shm: prefill reads kvcache, as without one
             log.warning("no shared embedding arena (%s): embeddings reach prefill through kvcache only", exc)

@@ -10,6 +10,9 @@ generation); the balancer puts it on the image (ImageData.peer_source). Prefill 
 decode map the arena once (`open_peer`) and copy the bytes out; anything that stops
 that (another PID namespace or host: the file there is another one; the instance gone;
 the entry overwritten) is a `ValueError`, and the caller fetches from kvcache instead.
+Given a directory both see (`engine.kv_share_dir`, as KV), the arena's file descriptor
+is also handed over a unix socket there, which reaches a reader in another PID
+namespace on the same host (shared/kv/memory/fd_passing.py).
 
 No lease: the arena is a ring and an entry lives until the ring comes round to it. Each
 entry starts with a header (the image's identity, a generation); the writer clears the
@@ -73,9 +76,10 @@ class EmbeddingArena:
     """The vision instance's side: a ring of embeddings in shared memory. Only the
     service's event loop (or one thread at a time) writes it."""
 
-    def __init__(self, nbytes: int) -> None:
-        """OSError when /dev/shm cannot hold it (the instance then offers kvcache only)."""
-        self._allocator = SharedMemoryAllocator()
+    def __init__(self, nbytes: int, share_dir: str = "") -> None:
+        """OSError when /dev/shm cannot hold it (the instance then offers kvcache only).
+        share_dir: where readers in other PID namespaces ask for it ("": not offered there)."""
+        self._allocator = SharedMemoryAllocator(share_dir=share_dir)
         self.data = self._allocator((nbytes,), torch.uint8)
         self.region = describe([self.data], self._allocator, LAYOUT).decode()
         self._next = 0

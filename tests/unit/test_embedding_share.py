@@ -3,13 +3,15 @@ instance's ring in shared memory, read by another process on the same host throu
 mapping KV's peer copy uses. Checked: another process copies an image's blob out
 exactly; an entry the ring came round to, a description whose file is another one here
 (another PID namespace or host) and a dead owner are each refused (ValueError), never
-read as embeddings; prefill's StageImages takes what it can copy and asks kvcache only
+read as embeddings, except that with a directory both see (engine.kv_share_dir) the
+owner hands its file over a socket to a reader in another namespace; prefill's StageImages takes what it can copy and asks kvcache only
 for the rest, counting each image's path."""
 
 import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from shared.stage.images import StageImages
 OWNER = """
 import sys
 from shared.stage.embedding_share import EmbeddingArena
-arena = EmbeddingArena(4096)
+arena = EmbeddingArena(4096, sys.argv[1])
 source = arena.put(bytes([7]) * 32, "emb1;uint8;2x3;1x2x3", bytes(range(6)))
 print(source.to_bytes().decode(), flush=True)
 sys.stdin.readline()  # alive until the test closes stdin
@@ -35,21 +37,34 @@ def blob(seed: int, rows: int = 4) -> tuple[str, bytes]:
     return to_blob(torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed)), (1, 2 * rows, 2))
 
 
-def test_another_process_copies_the_blob_and_a_dead_owner_is_refused() -> None:
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("share_dir", [False, True])
+def test_another_process_copies_the_blob_and_a_dead_owner_is_refused(share_dir: bool, tmp_path: Path) -> None:
+    directory = str(tmp_path / "share") if share_dir else ""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, directory], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    blob = ("emb1;uint8;2x3;1x2x3", bytes(range(6)))
     try:
         source = EmbeddingSource.from_bytes(owner.stdout.readline().encode())
-        assert ArenaReader().read(bytes([7]) * 32, source) == ("emb1;uint8;2x3;1x2x3", bytes(range(6)))
+        assert ArenaReader().read(bytes([7]) * 32, source) == blob
         with pytest.raises(ValueError, match="no longer holds"):  # another image's identity: not its bytes
             ArenaReader().read(bytes([8]) * 32, source)
+        # As a reader in another PID namespace sees it: another file behind the /proc path.
+        desc = json.loads(source.region)
+        desc["files"] = [[desc["files"][0][0], desc["files"][0][1] + 1]]
+        elsewhere = EmbeddingSource(json.dumps(desc), source.offset, source.generation, source.nbytes, source.layout)
+        if share_dir:  # the owner hands its file over the socket in the shared directory
+            assert ArenaReader().read(bytes([7]) * 32, elsewhere) == blob
+        else:
+            with pytest.raises(ValueError, match="another file"):
+                ArenaReader().read(bytes([7]) * 32, elsewhere)
     finally:
         owner.stdin.close()
         owner.wait(30)
-    with pytest.raises(ValueError, match="cannot map"):  # its /proc/<pid>/fd path went with it
+    with pytest.raises(ValueError, match="cannot (map|reach)"):  # its /proc/<pid>/fd path and socket went with it
         ArenaReader().read(bytes([7]) * 32, source)
 
 
-def test_an_entry_the_ring_came_round_to_is_refused_and_a_stranger_file_is_not_mapped() -> None:
+def test_an_entry_the_ring_came_round_to_is_refused() -> None:
     first, second = blob(1), blob(2)
     size = HEADER.size + len(first[1])
     arena = EmbeddingArena(size + size // 2)  # one entry fits, two do not
@@ -64,14 +79,8 @@ def test_an_entry_the_ring_came_round_to_is_refused_and_a_stranger_file_is_not_m
             ArenaReader().read(b"a" * 32, a)
         assert ArenaReader().read(b"b" * 32, b) == second
         assert arena.put(b"c" * 32, "emb1;uint8;1x1;1x1x1", bytes(arena.nbytes)) is None  # larger than the ring
-
-        # The file's identity in the description is another file's: what a process in
-        # another PID namespace (or on another host) finds behind the same /proc path.
-        desc = json.loads(b.region)
-        desc["files"] = [[desc["files"][0][0], desc["files"][0][1] + 1]]
-        stranger = EmbeddingSource(json.dumps(desc), b.offset, b.generation, b.nbytes, b.layout)
-        with pytest.raises(ValueError, match="another file"):
-            ArenaReader().read(b"b" * 32, stranger)
+        with pytest.raises(ValueError, match="past the arena"):
+            ArenaReader().read(b"b" * 32, EmbeddingSource(b.region, arena.nbytes - 8, b.generation, b.nbytes, b.layout))
     finally:
         arena.close()
 
