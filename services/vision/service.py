@@ -9,8 +9,11 @@ of concurrent requests go through the processor and the tower together, in batch
 of up to vision.max_batch_images (off the event loop). The embeddings of newly
 encoded images are stored in kvcache under the image's identity, with a ttl, before
 the reply: prefill and decode fetch them from there by that identity
-(shared/stage/embeddings.py). kvcache is the path every deployment has; the
-same-namespace copy and NIXL are not used for embeddings yet.
+(shared/stage/embeddings.py). kvcache is the path every deployment has. Where
+vision.share_bytes allows, each image's embeddings are also written into a ring in
+shared memory and the reply says where (EncodeReply.peer_sources): prefill and decode on
+this host, in this PID namespace, copy them straight out (shared/stage/embedding_share.py),
+and fall back to kvcache when they cannot. NIXL is not used for embeddings yet.
 
 An instance that dies mid-request answers nothing: the balancer asks another one or,
 with none left, lets prefill encode (services/balancer/router/vision.py). Heartbeats
@@ -41,6 +44,7 @@ from shared.runtime.metrics import Metrics
 from shared.runtime.rpc import GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
 from shared.stage.convert import image_from_proto
+from shared.stage.embedding_share import EmbeddingArena
 from shared.stage.embeddings import from_blob, to_blob
 from services.vision.cache import EmbeddingCache
 
@@ -140,10 +144,13 @@ class Encoder:
 
 
 class VisionService:
-    def __init__(self, ctx: ServiceContext, encoder: Encoder, kvcache: KVCacheClient) -> None:
+    def __init__(self, ctx: ServiceContext, encoder: Encoder, kvcache: KVCacheClient,
+                 arena: EmbeddingArena | None = None) -> None:  # fmt: skip
+        """arena: where embeddings are offered to prefill on this host (None: kvcache only)."""
         self.ctx = ctx
         self.encoder = encoder
         self.kvcache = kvcache
+        self.arena = arena
         v = ctx.settings.vision
         self.cache = EmbeddingCache(v.cache_device_bytes, v.cache_host_bytes)
         self._in_flight: dict[bytes, asyncio.Future] = {}
@@ -168,6 +175,11 @@ class VisionService:
             span.set_attribute("images.count", len(req.images))
             try:
                 await self._encode(req, reply)
+                try:
+                    await self._share(req, reply)
+                except Exception as exc:  # kvcache holds them already: prefill reads them there
+                    log.warning("offering the embeddings of %s in shared memory failed: %s", req.request_id, exc)
+                    del reply.peer_sources[:]
                 reply.ok = True
                 self.m_requests.labels("ok").inc()
             except RefusedImage as exc:  # the request's fault: no other instance would read it either
@@ -241,6 +253,22 @@ class VisionService:
             self.m_store_failures.inc()
             raise
 
+    async def _share(self, req: mesh_pb2.EncodeRequest, reply: mesh_pb2.EncodeReply) -> None:
+        """Each image's embeddings in the arena, and where, in the reply (empty where they
+        are not: no arena, too large, dropped from the cache meanwhile)."""
+        if self.arena is None:
+            return
+        arena, sources = self.arena, []
+        for msg in req.images:
+            key = bytes(msg.hash)
+            source = arena.get(key)
+            entry = self.cache.get(key) if source is None else None
+            if entry is not None:
+                layout, data = await asyncio.to_thread(to_blob, entry.embeds, entry.grid)
+                source = arena.put(key, layout, data)
+            sources.append(source.to_bytes() if source is not None else b"")
+        reply.peer_sources.extend(sources)
+
     def _report_cache(self) -> None:
         self.m_cache_images.set(len(self.cache))
         self.m_cache_bytes.labels("device").set(self.cache.used_device)
@@ -301,7 +329,14 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     kv = ctx.settings.kvcache
     kvcache = KVCacheClient(kv.address, chunk_bytes=kv.chunk_bytes, timeout_s=v.encode_timeout_s, shm_bytes=0)
     stack.push_async_callback(kvcache.close)
-    service = VisionService(ctx, encoder, kvcache)
+    arena = None
+    if v.share_bytes > 0:
+        try:
+            arena = EmbeddingArena(v.share_bytes, engine.kv_share_dir)
+            stack.callback(arena.close)
+        except OSError as exc:  # no room in /dev/shm: prefill reads kvcache, as without one
+            log.warning("no shared embedding arena (%s): embeddings reach prefill through kvcache only", exc)
+    service = VisionService(ctx, encoder, kvcache, arena)
     grpc: GrpcServer = await start_grpc_server(ctx.settings.worker.grpc_port, [], [ctx.stage])
     stack.push_async_callback(grpc.stop, 1.0)
     service.start()

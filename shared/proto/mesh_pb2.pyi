@@ -114,18 +114,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., decode_instance: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageData, _Mapping]]] = ...) -> None: ...
 
 class ImageData(_message.Message):
-    __slots__ = ("png", "height", "width", "hash", "embedded")
+    __slots__ = ("png", "height", "width", "hash", "embedded", "peer_source")
     PNG_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
     EMBEDDED_FIELD_NUMBER: _ClassVar[int]
+    PEER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     png: bytes
     height: int
     width: int
     hash: bytes
     embedded: bool
-    def __init__(self, png: _Optional[bytes] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., hash: _Optional[bytes] = ..., embedded: _Optional[bool] = ...) -> None: ...
+    peer_source: bytes
+    def __init__(self, png: _Optional[bytes] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., hash: _Optional[bytes] = ..., embedded: _Optional[bool] = ..., peer_source: _Optional[bytes] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "images")
@@ -136,7 +138,7 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageData, _Mapping]]] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
-    __slots__ = ("ok", "error", "num_encoded", "num_cache_hits", "num_kvcache_hits", "instance_id", "code_param")
+    __slots__ = ("ok", "error", "num_encoded", "num_cache_hits", "num_kvcache_hits", "instance_id", "code_param", "peer_sources")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_ENCODED_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +146,7 @@ class EncodeReply(_message.Message):
     NUM_KVCACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_PARAM_FIELD_NUMBER: _ClassVar[int]
+    PEER_SOURCES_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     num_encoded: int
@@ -151,7 +154,8 @@ class EncodeReply(_message.Message):
     num_kvcache_hits: int
     instance_id: str
     code_param: str
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., num_encoded: _Optional[int] = ..., num_cache_hits: _Optional[int] = ..., num_kvcache_hits: _Optional[int] = ..., instance_id: _Optional[str] = ..., code_param: _Optional[str] = ...) -> None: ...
+    peer_sources: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., num_encoded: _Optional[int] = ..., num_cache_hits: _Optional[int] = ..., num_kvcache_hits: _Optional[int] = ..., instance_id: _Optional[str] = ..., code_param: _Optional[str] = ..., peer_sources: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "rank", "top_token_ids", "top_logprobs")

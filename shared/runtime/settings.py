@@ -372,6 +372,10 @@ class VisionSettings:
     its embeddings. 0 (the default): every image goes to the vision stage. Where the
     crossover lies depends on the tower, the device and the network: measure it
     (tools/bench/vision_bench.py) before setting it."""
+    share_bytes: int = 64 << 20
+    """Shared memory a vision instance writes embeddings into for prefill and decode on
+    its host to copy straight out (shared/stage/embedding_share.py), a ring: the oldest
+    are overwritten (kvcache still holds them). 0: kvcache is the only path."""
     reuse_embeddings: bool = True
     """A vision instance looks an image up in its memory and in kvcache before encoding
     it; off: it encodes every image it is sent (the no-cache baseline of

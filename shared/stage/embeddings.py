@@ -6,13 +6,14 @@ grid; its data is the tensor's bytes, row-major. The grid travels with the
 embeddings so that a stage holding only the image's identity places it (M-RoPE
 positions) without running the processor again.
 
-kvcache is the one transfer path every deployment has; the same-namespace direct
-copy and NIXL, which KV blocks take, are not used for embeddings yet (an image's
-embeddings are megabytes against a prompt's gigabytes of KV)."""
+kvcache is the one transfer path every deployment has; on the vision instance's host
+and PID namespace the same blobs are copied straight out of its shared memory
+(shared/stage/embedding_share.py, the mapping KV's direct copy uses) and only the rest
+are asked of kvcache. NIXL, which KV blocks also take, is not used for embeddings yet."""
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -53,10 +54,16 @@ def from_blob(layout: str, data: bytes) -> tuple[torch.Tensor, GridTHW]:
     return embeds, (t, h, w)
 
 
-async def fetch_embeddings(client: KVCacheClient, hashes: Sequence[bytes], timeout_s: float) -> ImageEmbeddings | None:
-    """The images' embeddings from kvcache, in order; None when any is missing (the
-    caller encodes them itself). Errors of kvcache propagate."""
-    found = await client.get_blobs(list(hashes), timeout_s=timeout_s)
+async def fetch_embeddings(
+    client: KVCacheClient, hashes: Sequence[bytes], timeout_s: float,
+    held: Mapping[bytes, tuple[str, bytes]] | None = None,
+) -> ImageEmbeddings | None:
+    """The images' embeddings, in order: held's blobs (read another way: the direct
+    path), the rest from kvcache; None when any is missing (the caller encodes them
+    itself). Errors of kvcache propagate, and ValueError for a blob that does not add up."""
+    held = held or {}
+    rest = [h for h in dict.fromkeys(hashes) if h not in held]
+    found = {**(await client.get_blobs(rest, timeout_s=timeout_s) if rest else {}), **held}
     if any(h not in found for h in hashes):
         return None
     parsed = await asyncio.to_thread(lambda: [from_blob(*found[h]) for h in hashes])

@@ -7,8 +7,14 @@ images whose rows it computes (decode after a handoff: none whose KV it loads).
 
 E/P/D: images a vision instance encoded (ImageData.embedded) are fetched from kvcache
 by their identities instead (shared/stage/embeddings.py, a "transfer" span), and the
-engine runs no tower for them. A fetch that misses or fails (kvcache down, the blob
-evicted) falls back to the PNGs: the request is never lost for it."""
+engine runs no tower for them. Where the vision instance says it also holds an image in
+shared memory (ImageData.peer_source) and this process can map it (one host, one PID
+namespace, the instance's ring not yet round to it), the embeddings are copied straight
+out of it (shared/stage/embedding_share.py) and only the others asked of kvcache; the
+span's `transfer.path` (peer, kvcache or peer+kvcache) and the counter
+`image_embeddings_loaded_total{path}` say which way each image came. A fetch that
+misses or fails (kvcache down, the blob evicted) falls back to the PNGs: the request is
+never lost for it."""
 
 import asyncio
 import logging
@@ -21,7 +27,9 @@ from opentelemetry.trace import Tracer
 from shared.engine.engine_request import RequestImages
 from shared.engine.sampling_params import InvalidParam
 from shared.proto import mesh_pb2
+from shared.runtime.metrics import Metrics
 from shared.stage.convert import image_from_proto
+from shared.stage.embedding_share import ArenaReader, EmbeddingSource
 
 if TYPE_CHECKING:
     from shared.kv.wire.client import KVCacheClient
@@ -32,45 +40,77 @@ log = logging.getLogger(__name__)
 
 class StageImages:
     def __init__(self, processor: "ImageProcessor | None", kvcache: "KVCacheClient | None" = None,
-                 fetch_timeout_s: float = 5.0) -> None:  # fmt: skip
+                 fetch_timeout_s: float = 5.0, metrics: Metrics | None = None) -> None:  # fmt: skip
         """processor: the model's image processor; None for a text-only model. kvcache:
         where embeddings a vision instance stored are fetched (None: never)."""
         self.processor = processor
         self.kvcache = kvcache
         self.fetch_timeout_s = fetch_timeout_s
+        self.peers = ArenaReader()
+        self.m_loaded = None
+        if metrics is not None:
+            self.m_loaded = metrics.counter("image_embeddings_loaded_total", "Images whose embeddings a vision "
+                                            "instance made, by the way they came (peer: copied from its shared "
+                                            "memory on this host; kvcache)", ("path",))  # fmt: skip
 
     @classmethod
     async def load(cls, model_dir: str | Path, vision_language: bool, kvcache: "KVCacheClient | None" = None,
-                   fetch_timeout_s: float = 5.0) -> "StageImages":  # fmt: skip
+                   fetch_timeout_s: float = 5.0, metrics: Metrics | None = None) -> "StageImages":  # fmt: skip
         """The model's processor for a vision-language model (importing transformers takes
         seconds: on a worker thread), none for another."""
         if not vision_language:
             return cls(None)
         from shared.model.vision.processor import ImageProcessor
 
-        return cls(await asyncio.to_thread(ImageProcessor, model_dir), kvcache, fetch_timeout_s)
+        return cls(await asyncio.to_thread(ImageProcessor, model_dir), kvcache, fetch_timeout_s, metrics)
+
+    def _read_peers(self, messages: Sequence[mesh_pb2.ImageData]) -> tuple[dict[bytes, tuple[str, bytes]], list[str]]:
+        """The blobs copied straight out of vision instances' shared memory, by identity,
+        and why the others with a peer_source could not be (on a worker thread)."""
+        held, refused = {}, []
+        for msg in messages:
+            key = bytes(msg.hash)
+            if not msg.peer_source or key in held:
+                continue
+            try:
+                held[key] = self.peers.read(key, EmbeddingSource.from_bytes(msg.peer_source))
+            except ValueError as exc:  # another namespace, the instance gone, the entry overwritten
+                refused.append(str(exc))
+        return held, refused
 
     async def _fetched(self, messages: Sequence[mesh_pb2.ImageData], tracer: Tracer) -> RequestImages | None:
-        """The images' embeddings from kvcache, under a "transfer" span; None when any is
-        not there or kvcache fails (the caller encodes them from their PNGs)."""
+        """The images' embeddings, from the vision instance's memory where it can be
+        mapped, else from kvcache, under a "transfer" span; None when any is not there or
+        kvcache fails (the caller encodes them from their PNGs)."""
         from shared.stage.embeddings import fetch_embeddings
 
         assert self.kvcache is not None
         hashes = tuple(msg.hash for msg in messages)
         with tracer.start_as_current_span("transfer") as span:
             span.set_attribute("transfer.what", "image_embeddings")
-            span.set_attribute("transfer.path", "kvcache")
             span.set_attribute("images.count", len(messages))
+            held, refused = await asyncio.to_thread(self._read_peers, messages)
+            if refused:
+                log.info("%d image(s) not copied from the vision instance (%s): through kvcache", len(refused),
+                         refused[0])  # fmt: skip
+                span.set_attribute("transfer.peer_refused", refused[0])
+            num_peer = sum(1 for h in hashes if bytes(h) in held)
+            path = "peer" if num_peer == len(hashes) else "peer+kvcache" if num_peer else "kvcache"
+            span.set_attribute("transfer.path", path)
+            span.set_attribute("images.peer", num_peer)
             try:
-                embeddings = await fetch_embeddings(self.kvcache, hashes, self.fetch_timeout_s)
-            except Exception as exc:  # kvcache down or slow: encode here instead
-                log.warning("fetching image embeddings from kvcache failed (%s): encoding them here", exc)
+                embeddings = await fetch_embeddings(self.kvcache, hashes, self.fetch_timeout_s, held)
+            except Exception as exc:  # kvcache down or slow, a bad blob: encode here instead
+                log.warning("fetching image embeddings failed (%s): encoding them here", exc)
                 span.set_attribute("transfer.outcome", "failed")
                 return None
             span.set_attribute("transfer.outcome", "hit" if embeddings is not None else "miss")
             if embeddings is None:
                 return None
             span.set_attribute("transfer.bytes", sum(e.numel() * e.element_size() for e in embeddings.embeds))
+            if self.m_loaded is not None:
+                self.m_loaded.labels("peer").inc(num_peer)
+                self.m_loaded.labels("kvcache").inc(len(hashes) - num_peer)
             return RequestImages(embeddings, hashes)
 
     async def request_images(self, messages: Sequence[mesh_pb2.ImageData], tracer: Tracer) -> RequestImages | None:

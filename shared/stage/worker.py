@@ -465,7 +465,7 @@ async def serve_engine_stage(
                                    timeout_s=ctx.settings.vision.fetch_timeout_s, shm_bytes=0)
         stack.push_async_callback(embeddings.close)
     images = await StageImages.load(ctx.settings.engine.model, vision_language, embeddings,
-                                    ctx.settings.vision.fetch_timeout_s)
+                                    ctx.settings.vision.fetch_timeout_s, ctx.metrics)
     worker = Worker(ctx, engine, chain.kvcache, nixl, images)
     routes = list(make_dispatch(worker))
     await worker.start(stack)

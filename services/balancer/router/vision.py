@@ -1,7 +1,9 @@
 """The vision stage as the balancer uses it (E/P/D): before a request with images is
 dispatched, one vision instance encodes them and stores their embeddings in kvcache
 (services/vision); the images then go to prefill marked `embedded`, and prefill and
-decode fetch the embeddings by the images' identities instead of running the tower.
+decode fetch the embeddings by the images' identities instead of running the tower
+(or copy them out of the instance's shared memory, where the reply says they lie:
+ImageData.peer_source, shared/stage/embedding_share.py).
 
 The instance is chosen by embedding-cache affinity and load (policies.choose_vision).
 One that refuses, fails, does not answer within vision.encode_timeout_s or leaves the
@@ -108,17 +110,22 @@ class VisionStage:
                 span.set_attribute("vision.scores", list(choice.scores.values()))
                 span.set_attribute("vision.choice", vid)
                 span.set_attribute("vision.reason", choice.reason)
+                sources: list[bytes] = []
                 with Reservation(choice.instance, requests=len(hashes)):
-                    cause = await self._timed_ask(vid, request_id, images, parts)
+                    cause = await self._timed_ask(vid, request_id, images, parts, sources)
                 if cause is None:
                     span.set_attribute("vision.site", "vision")
                     self.m_encodes.labels("vision").inc()
                     self.m_images.labels("vision").inc(len(hashes))
-                    return WireImages(tuple(_embedded(m) for m in images.messages), images.spans)
+                    if len(sources) != len(images.messages):  # an older instance: kvcache only
+                        sources = [b""] * len(images.messages)
+                    embedded = tuple(_embedded(m, s) for m, s in zip(images.messages, sources))
+                    return WireImages(embedded, images.spans)
                 self.m_failures.labels(cause).inc()
                 span.add_event("vision_failed", {"instance": vid, "cause": cause})
 
-    async def _timed_ask(self, vid: str, request_id: str, images: WireImages, parts: Sequence[str]) -> str | None:
+    async def _timed_ask(self, vid: str, request_id: str, images: WireImages, parts: Sequence[str],
+                         sources: list[bytes]) -> str | None:  # fmt: skip
         """_ask, timed: its latency when it succeeded, and the stage's busy time (the
         union of every ask's time out, so concurrent asks count once)."""
         loop = asyncio.get_running_loop()
@@ -127,7 +134,7 @@ class VisionStage:
             self._busy_since = started
         self._asks_out += 1
         try:
-            cause = await self._ask(vid, request_id, images, parts)
+            cause = await self._ask(vid, request_id, images, parts, sources)
         finally:
             self._asks_out -= 1
             if self._asks_out == 0:
@@ -136,8 +143,10 @@ class VisionStage:
             self.m_encode_s.observe(loop.time() - started)
         return cause
 
-    async def _ask(self, vid: str, request_id: str, images: WireImages, parts: Sequence[str]) -> str | None:
-        """None once vid encoded and stored the images; else why not. Stops waiting as soon
+    async def _ask(self, vid: str, request_id: str, images: WireImages, parts: Sequence[str],
+                   sources: list[bytes]) -> str | None:  # fmt: skip
+        """None once vid encoded and stored the images (sources: where vid also offers
+        each one on its host, EncodeReply.peer_sources); else why not. Stops waiting as soon
         as vid leaves the registry (its process died). GenerationError 400 when vid refused
         an image itself."""
         gone = self.watch.leaving(vid)
@@ -166,6 +175,7 @@ class VisionStage:
             log.warning("request %s: vision instance %s failed: %s", request_id, vid, reply.error)
             return "error"
         self.registry.touch(vid)
+        sources.extend(reply.peer_sources)
         return None
 
 
@@ -179,8 +189,9 @@ def _refusal(reply: mesh_pb2.EncodeReply, parts: Sequence[str]) -> GenerationErr
     return GenerationError(message, 400, "invalid_request_error", param=part, code=code or None)
 
 
-def _embedded(msg: mesh_pb2.ImageData) -> mesh_pb2.ImageData:
+def _embedded(msg: mesh_pb2.ImageData, peer_source: bytes) -> mesh_pb2.ImageData:
     out = mesh_pb2.ImageData()
     out.CopyFrom(msg)
     out.embedded = True
+    out.peer_source = peer_source
     return out
