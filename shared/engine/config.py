@@ -73,8 +73,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     """Schedule and launch step N+1 before reading step N's tokens back, so the
     device does not idle while the host prepares a step. None: on for CUDA.
-    Batches with penalties or min_tokens run step by step (they need every
-    token on the host)."""
+    A step with a structured output, min_tokens or bad words launches its forward
+    the same way and samples once step N's tokens are back (their masks are made on
+    the host); only a prompt being scored (prompt_logprobs) runs step by step."""
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs (on CUDA with the Triton kernels); False runs them eagerly."""
     kernels: str = "auto"

@@ -4,6 +4,7 @@ service runs step() on a thread of its own and talks to it through queues."""
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,14 @@ from shared.engine.executor.rank import (
 from shared.engine.images import EncodedImages, check_prompt_tokens, encode
 from shared.engine.kv_transfer import KVTransfer
 from shared.engine.model_runner import RunnerOutput, StepHandle
-from shared.engine.outputs import EngineLoad, KVTransferReport, RequestOutput, TokenLogprobs, queued_prompt_tokens
+from shared.engine.outputs import (
+    EngineLoad,
+    KVTransferReport,
+    RequestOutput,
+    StepCounts,
+    TokenLogprobs,
+    queued_prompt_tokens,
+)
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import InvalidParam, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -54,16 +62,15 @@ GRAMMAR_WAIT_S = 0.002
 MAX_STEP_GAP_S = 1.0
 """A decode step measured over longer than this was the engine idling (speculation's costs)."""
 
-def _host_free(request: Request) -> bool:
-    """Whether a request can be sampled without its latest token on the host
-    (min_tokens and bad words read the output so far; penalties count the token in
-    flight on the device, sampler.py; logprobs travel with the tokens). A prompt
-    being scored (prompt_logprobs) runs in synchronous steps until its first token:
-    the runner scores it from the step's hidden states."""
+def _overlaps(request: Request) -> bool:
+    """Whether a request can run in overlapped steps. Penalties count the token in
+    flight on the device (sampler.py), logprobs travel with the tokens, and a row masked
+    by the host (a grammar, min_tokens, bad words) samples once the step before is read
+    back (ModelRunner.sample): all overlap. A prompt being scored (prompt_logprobs) runs
+    in synchronous steps until its first token: the runner scores it from the step's
+    hidden states."""
     params = request.sampling_params
-    scoring = params.prompt_logprobs is not None and request.num_output_tokens == 0
-    # A grammar's matcher reads the last token too (structured outputs).
-    return not params.masks_by_output and not scoring and params.structured is None
+    return params.prompt_logprobs is None or request.num_output_tokens > 0
 
 
 class LLMEngine:
@@ -215,6 +222,8 @@ class LLMEngine:
         overlap = config.async_scheduling
         self._overlap = device.type == "cuda" if overlap is None else overlap
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._steps = StepCounts()
+        """The steps by how they ran (EngineLoad.steps)."""
         self._open_step_cost: tuple[float, int, int, int] | None = None
         """The last decode step for the speculator's costs: (start, requests, tokens, emitted)."""
         counts = self.model.expert_counts
@@ -378,15 +387,20 @@ class LLMEngine:
         # A step that drafts nothing (no speculation, or the schedule's choice this step)
         # takes the fast path: overlapped with the next step's scheduling, CUDA graphs.
         drafting = speculator is not None and speculator.plan(self.scheduler.running) > 0
-        if self._overlap and not drafting and all(_host_free(r) for r in self._unfinished()):
+        if self._overlap and not drafting and all(_overlaps(r) for r in self._unfinished()):
             start = time.perf_counter()
             if speculator is not None:
-                speculator.skip()
+                speculator.skip(self.scheduler.running)
             sched = self.scheduler.schedule()
             self._start_loads()
             handle = self.executor.launch(sched)
+            # Read before the step before is processed: that may finish (and forget) requests.
+            deferred = self._masked_by_host(sched)
             outputs = self._finish_in_flight()
+            if deferred:  # its masks read the tokens just collected
+                self.executor.sample(handle)
             self._in_flight = None if sched.is_empty else (sched, handle)
+            self._count_step(sched, overlapped=True, deferred=deferred)
             if speculator is not None and _decodes_only(sched):
                 n = len(sched.chunks)
                 self._open_step_cost = (start, n, n, n)
@@ -402,6 +416,7 @@ class LLMEngine:
                 sched = self.scheduler.schedule()
                 self._start_loads()
                 outputs = self._process(sched, self.executor.execute(sched))
+                self._count_step(sched, overlapped=False, deferred=False)
                 if speculator is not None and self.runner.graphs is not None and _verifies(sched):
                     if not self.runner.last_step_graphed:  # too many rows, or too long a table
                         speculator.count_fallback("cuda_graphs")
@@ -419,6 +434,24 @@ class LLMEngine:
             if compiling:  # only grammars on their way: wait for one rather than spin
                 GrammarCompilePool.wait(compiling, GRAMMAR_WAIT_S)
         return released + outputs
+
+    def _masked_by_host(self, sched: SchedulerOutput) -> bool:
+        """Whether a row the step samples is masked by the host (SamplingParams.masked_by_host,
+        as the runner of its rank reads it): its sampling waits for the step before."""
+        requests = self.scheduler.requests
+        return any(
+            c.sample and c.request_id in requests and requests[c.request_id].sampling_params.masked_by_host
+            for c in sched.chunks
+        )  # fmt: skip
+
+    def _count_step(self, sched: SchedulerOutput, overlapped: bool, deferred: bool) -> None:
+        if sched.is_empty:
+            return
+        if not overlapped:
+            self._steps.synchronous += 1
+            return
+        self._steps.overlapped += 1
+        self._steps.sampled_after_read_back += deferred
 
     def _compiling(self) -> list:
         return [r.grammar for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.done()]
@@ -640,6 +673,7 @@ class LLMEngine:
             ),
             tokens_per_expert=None if self._tokens_per_expert is None else self._tokens_per_expert.tolist(),
             expert_load=self.expert_load(),
+            steps=replace(self._steps),
             **self._spec_load(),
         )
 

@@ -36,6 +36,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class DeferredSample:
+    """A launched step's logits, sampled later (ModelRunner.sample): a row's mask is made
+    on the host from the token the step before sampled, not read back yet."""
+
+    logits: torch.Tensor
+    first: dict[str, int]
+    """Per sampling row, the sequence position it samples (_first_sample_positions)."""
+
+
+@dataclass(slots=True)
 class StepHandle:
     """A launched step: its sampled tokens (and logprobs, where asked) arrive in
     `tokens` and `logprobs` once `done` fired, and so do its tokens per expert."""
@@ -45,6 +55,8 @@ class StepHandle:
     done: "torch.cuda.Event | None"
     logprobs: LogprobTensors | None = None
     expert_counts: torch.Tensor | None = None
+    deferred: DeferredSample | None = None
+    """Set while the step's forward is launched and its sampling waits for sample()."""
 
 
 @dataclass(slots=True)
@@ -347,10 +359,13 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """Start one step and return at once: the sampled tokens stay on the
         device (the next step's placeholders read them there) and are copied
-        to the host in the background, with their logprobs where asked. For
-        requests without min_tokens or bad words, which need the host-side history
-        every step (penalties count the token in flight on the device:
-        _pending_tokens). Drafted tokens are verified by execute() only."""
+        to the host in the background, with their logprobs where asked (penalties
+        count the token in flight on the device: _pending_tokens). A step with a row
+        masked by the host (SamplingParams.masked_by_host: a grammar, min_tokens, bad
+        words) launches its forward only: its sampling waits for sample(), which the
+        engine calls once the step before is collected, so that every row's output on
+        the host is whole (vLLM's execute_model / sample_tokens split). Drafted tokens
+        are verified by execute() only."""
         assert not any(c.spec_token_ids for c in sched.chunks), "speculative steps run through execute()"
         self._update_states(sched)
         self._load_states(sched)
@@ -364,11 +379,34 @@ class ModelRunner:
         if not sample_rows:
             return StepHandle([], None, self._record_done(expert_counts), expert_counts=expert_counts)
         logits = self.model.compute_logits(_rows(hidden, sample_rows))
-        states = [self.states[rid] for rid in sample_ids]
-        # A grammar needs the output's last token on the host: the engine never overlaps such a step.
-        assert not any(rid in self.structured.matchers for rid in sample_ids), "structured requests run through execute()"
         # The positions come from the chunks: the states' own lag a step behind here.
         first = _first_sample_positions(sched)
+        handle = StepHandle(sample_ids, None, None, expert_counts=expert_counts)
+        if any(self.states[rid].params.masked_by_host for rid in sample_ids):
+            # The whole step's sampling waits (one sampler call, as execute's): the host
+            # reads the step before back while the device runs this forward.
+            handle.deferred = DeferredSample(logits, first)
+        else:
+            self._sample_into(handle, logits, first)
+        return handle
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle) -> None:
+        """Sample a launched step whose sampling waited (StepHandle.deferred; nothing
+        otherwise): call it once the step before is collected. Masks from the host
+        (grammars, min_tokens, bad words) go to the device and are applied to the logits
+        there; the tokens stay on the device as launch's do."""
+        deferred, handle.deferred = handle.deferred, None
+        if deferred is not None:
+            self._sample_into(handle, deferred.logits, deferred.first)
+
+    def _sample_into(self, handle: StepHandle, logits: torch.Tensor, first: dict[str, int]) -> None:
+        """Sample the handle's rows from logits; their tokens (and logprobs) into the handle,
+        copied to the host in the background on CUDA."""
+        sample_ids = handle.request_ids
+        states = [self.states[rid] for rid in sample_ids]
+        # Only a deferred step has structured rows (and their matchers are then in step with the output).
+        logits = self.structured.mask(logits, sample_ids, [s.output_token_ids for s in states])
         pending = self._pending_tokens(sample_ids, states, first)
         tokens = self.sampler.sample_tokens(logits, states, [first[rid] for rid in sample_ids], pending)
         logprobs = logprob_tensors(logits, states, tokens)
@@ -376,9 +414,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
-            host_logprobs = logprobs.to_host() if logprobs is not None else None
-            return StepHandle(sample_ids, host, self._record_done(host), host_logprobs, expert_counts)
-        return StepHandle(sample_ids, tokens, None, logprobs, expert_counts)
+            handle.tokens, handle.done = host, self._record_done(host)
+            handle.logprobs = logprobs.to_host() if logprobs is not None else None
+        else:
+            handle.tokens, handle.logprobs = tokens, logprobs
 
     def _pad_forward(self) -> torch.Tensor | None:
         """A one-token forward whose KV goes to the null blocks (SchedulerOutput.pad_forward:
@@ -414,6 +453,7 @@ class ModelRunner:
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """The tokens of a launched step (waits for the device if needed)."""
+        assert handle.deferred is None, "a deferred step is sampled (sample()) before it is collected"
         if handle.done is not None:
             handle.done.synchronize()
         if handle.tokens is None:

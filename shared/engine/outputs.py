@@ -91,6 +91,21 @@ def queued_prompt_tokens(num_prompt_tokens: int, num_output_tokens: int) -> int:
 
 
 @dataclass(slots=True)
+class StepCounts:
+    """Since start, the engine's steps that ran a forward, by how they ran: how far
+    async scheduling reaches (a request that turns it off for its batch shows here)."""
+
+    overlapped: int = 0
+    """Launched before the step before was read back (async scheduling)."""
+    sampled_after_read_back: int = 0
+    """Of the overlapped, those whose sampling waited for the step before's read-back: a
+    row masked by the host (structured output, min_tokens, bad words); the forward did not."""
+    synchronous: int = 0
+    """Run and read back before the next step was scheduled: async scheduling off, a
+    drafting step (speculation), a prompt being scored (prompt_logprobs)."""
+
+
+@dataclass(slots=True)
 class EngineLoad:
     """The load figures a worker reports in its heartbeats."""
 
@@ -134,6 +149,8 @@ class EngineLoad:
     spec_fallbacks: dict[str, int] | None = None
     """Since start, by reason: requests (min_tokens, bad_words) or steps (async_scheduling,
     cuda_graphs) that ran without speculation although it is on; None without it."""
+    steps: StepCounts = field(default_factory=StepCounts)
+    """Since start, the steps by how they ran (overlapped or not)."""
 
     @property
     def mean_accepted_length(self) -> float:

@@ -191,7 +191,7 @@ def _apply_penalties(
 
     Returns logits itself when no row needs any of them (no copy), else a new tensor.
     pending: see Sampler.sample_tokens (min_tokens does not count it: an overlapped
-    engine steps such requests synchronously).
+    step with such a row samples once the step before is read back, ModelRunner.sample).
     """
     vocab, device = logits.size(1), logits.device
     mask_rows: list[int] = []

@@ -152,8 +152,17 @@ class SamplingParams:
     @property
     def masks_by_output(self) -> bool:
         """min_tokens or bad words: tokens masked by what the output holds so far, read
-        on the host (no overlap, no speculation)."""
+        on the host (no speculation; an overlapped step samples them once the step before
+        is read back: masked_by_host)."""
         return self.min_tokens > 0 or bool(self.bad_words_token_ids)
+
+    @property
+    def masked_by_host(self) -> bool:
+        """A structured output, min_tokens or bad words: the mask of the next token is
+        made on the host from the output's last token (a grammar's matcher accepts it).
+        An overlapped step with such a row launches its forward at once and samples once
+        the step before has been read back (ModelRunner.launch, then .sample)."""
+        return self.structured is not None or self.masks_by_output
 
     @property
     def greedy(self) -> bool:

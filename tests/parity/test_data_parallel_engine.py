@@ -40,7 +40,9 @@ EPLB = '{"window_size": 4, "step_interval": 3, "num_redundant_experts": 2}'
 PROMPTS = random_prompts([5, 17, 11, 9, 23], vocab=500, seed=3)
 PARAMS = [
     SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1),
-    SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, logprobs=1),  # keyed noise: rank-free
+    # Keyed noise: rank-free. Bad words: rank 1's steps sample after the read-back, rank 0's need not.
+    SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, logprobs=1,
+                   bad_words_token_ids=[[5], [6, 7]]),
     SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1),
     SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1),
     SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=2),  # scored
@@ -123,6 +125,7 @@ def test_data_parallel_attention_generates_the_tokens_of_one_process(
         assert load.tokens_per_expert is not None and sum(map(sum, load.tokens_per_expert)) > 0
         if overlap:
             assert engine._experts is not None and engine._experts.num_layer_moves >= 2
+            assert load.steps.sampled_after_read_back > 0
     finally:
         engine.close()
     assert multiprocessing.active_children() == []

@@ -133,18 +133,23 @@ def _count_launches(llm: LLM) -> list[int]:
     return calls
 
 
-def test_async_scheduling_falls_back_for_host_side_sampling(llama):
-    prompts = random_prompts([11, 23], vocab=500, seed=13)
+def test_async_scheduling_keeps_host_side_masks_overlapped(llama):
+    """min_tokens and bad words (masks made on the host) no longer turn overlap off: their
+    steps launch, and sample once the step before is read back (tests/unit/test_overlap_masks.py)."""
+    prompts = random_prompts([11, 23, 17], vocab=500, seed=13)
     params = [
         SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
-        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=3, stop_token_ids=[7, 8, 9]),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=2, ignore_eos=True, bad_words_token_ids=[[5], [6, 7]]),
     ]
     sync = LLM(llama, async_scheduling=False).generate(prompts, params)
     overlapped = LLM(llama, async_scheduling=True)
     launches = _count_launches(overlapped)
     outs = overlapped.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
-    assert launches[0] == 0  # every step ran step by step
+    assert launches[0] >= 12  # every step launched
+    steps = overlapped.engine.load().steps
+    assert steps.synchronous == 0 and steps.sampled_after_read_back >= 11
 
 
 def test_logprobs_travel_with_overlapped_steps(llama):

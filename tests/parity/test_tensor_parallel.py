@@ -84,19 +84,24 @@ ENGINE = dict(block_size=4, prefill_chunk_size=8, max_num_batched_tokens=24)
 
 def test_the_engine_over_two_ranks_generates_the_tokens_of_one(llama: str) -> None:
     """Greedy and seeded sampled requests through LLM.generate, overlapped steps (launch /
-    collect on every rank) and, while the penalised request runs, synchronous ones
-    (execute); the workers exit 0 when the engine closes."""
+    collect on every rank; while the min_tokens and bad-words request runs, launch /
+    collect / sample: its masks wait for the read-back on every rank); the workers exit 0
+    when the engine closes."""
     prompts = random_prompts([5, 17, 33, 9], vocab=500, seed=1)
     params = [
         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True),
         SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=1.0, seed=3, min_tokens=5, stop_token_ids=[7, 8, 9],
+                       bad_words_token_ids=[[5], [6, 7]]),
     ]
+    prompts.append(prompts[0])
     expected = [o.token_ids for o in LLM(llama, **ENGINE).generate(prompts, params)]
     llm = LLM(llama, tensor_parallel_size=2, async_scheduling=True, **ENGINE)
     workers = list(llm.engine.executor._workers)  # type: ignore[attr-defined]
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.load().steps.sampled_after_read_back > 0
     assert llm.engine.runner.kv_caches[0].shape[-2] == 1  # rank 0's cache holds its one KV head of two
     llm.engine.close()
     assert [w.exitcode for w in workers] == [0]

@@ -59,10 +59,3 @@ def test_penalised_requests_decode_overlapped_and_exactly_as_synchronous(engines
     unpenalised = [o.token_ids for o in sync.generate(_prompts(len(params)), [PLAIN] * len(params))]
     assert all(got[i] != unpenalised[i] for i in range(1, 1 + len(PENALISED)))
 
-
-def test_min_tokens_still_steps_synchronously(engines: tuple[LLM, LLM]) -> None:
-    sync, overlapped = engines
-    params = [PLAIN, SamplingParams(max_tokens=12, temperature=0.0, min_tokens=10, repetition_penalty=1.2)]
-    assert [o.token_ids for o in overlapped.generate(_prompts(2), params)] == [
-        o.token_ids for o in sync.generate(_prompts(2), params)
-    ]

@@ -131,8 +131,9 @@ def test_fallbacks_are_counted_and_decode_normally(target):
     # The min_tokens request falls back; the logprobs one drafts (test_logprobs_with_speculation).
     assert load.spec_fallbacks["min_tokens"] > 0 and "logprobs" not in load.spec_fallbacks
     assert 0 < load.num_spec_verifications < sum(len(t) for t in got)
-    # Overlapped: a bad-words request reads the host's history, so no step drafts, and none
-    # gives overlap up for drafting; a penalties request drafts (test_penalties_with_speculation).
+    # Overlapped: a bad-words request reads the host's history, so no step drafts (each is
+    # counted), and none gives overlap up for drafting (its steps stay overlapped); a
+    # penalties request drafts (test_penalties_with_speculation).
     words = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, bad_words_token_ids=[[1, 2]])
     alone, _ = _run(target, prompts[:1], words)
     got, llm = _run(target, prompts[:1], words, speculative="draft", spec_draft_model=target, async_scheduling=True)

@@ -10,7 +10,9 @@ grammar" (one never seen: its compile runs in the timed batch), "penalties" (rep
 once per round, the order rotated round by round, after a warm-up round; the figure is
 the median tokens/s over --rounds with its min-max spread, the ratio of medians to the
 plain batch's, and the ratio of the best rounds (on a shared machine, the round least
-disturbed by others).
+disturbed by others). --variant picks some (plain is always run); each engine's steps
+are printed by how they ran (EngineLoad.steps: a request that turns overlap off shows as
+synchronous steps), and the load average before and after (a shared machine's load).
 
     python -m tools.bench.raw_file --out docs/perf/one_request_cpu.txt -- \\
         python -m tools.bench.one_request_bench --device cpu
@@ -18,6 +20,7 @@ disturbed by others).
 
 import argparse
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -76,13 +79,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--speculative", action="store_true", help="also an engine with n-gram speculation")
+    parser.add_argument("--variant", action="append", choices=list(VARIANTS),
+                        help="run this variant (repeat for more; default all; plain is always run)")
     args = parser.parse_args(argv)
+    names = ["plain", *(n for n in args.variant or VARIANTS if n != "plain")]
     engines = {"sync steps": {"async_scheduling": False}, "async scheduling": {"async_scheduling": True}}
     if args.speculative:
         engines["ngram speculation"] = {"async_scheduling": True, "speculative": "ngram", "spec_tokens": 4}
     print(f"batch {args.batch} greedy requests x {args.tokens} tokens, {args.rounds} rounds after a warm-up, "
           f"variant order rotated per round; tokens/s median [min-max], ratio of medians and of bests to plain")  # fmt: skip
-    names = list(VARIANTS)
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for engine_name, settings in engines.items():
         dtype = {"dtype": args.dtype} if args.dtype else {}
         llm = LLM(args.model, device=args.device, **dtype, **settings)
@@ -100,9 +106,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {name:<24} {med:8.1f} tok/s  [{min(rates[name]):7.1f}-{max(rates[name]):7.1f}]  "
                   f"ratio {med / base:5.3f}  best-of ratio {max(rates[name]) / best:5.3f}", flush=True)  # fmt: skip
         load = llm.engine.load()
+        steps = load.steps
+        print(f"  steps (all runs): {steps.overlapped} overlapped, of which {steps.sampled_after_read_back} "
+              f"sampled after the read-back; {steps.synchronous} synchronous")  # fmt: skip
         if load.spec_fallbacks:
             print(f"  speculation fallbacks: {dict(load.spec_fallbacks)}")
         llm.engine.close()
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ class Command(Enum):
 
     EXECUTE = "execute"
     LAUNCH = "launch"
+    SAMPLE = "sample"
     COLLECT = "collect"
     TIME_STEP = "time_step"
     CLOSE = "close"
@@ -43,6 +44,11 @@ class Executor(ABC):
     @abstractmethod
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """ModelRunner.launch on every rank; rank 0's handle."""
+
+    @abstractmethod
+    def sample(self, handle: StepHandle) -> None:
+        """ModelRunner.sample of the newest launched step on every rank (its deferred
+        sampling, once the step before is collected)."""
 
     @abstractmethod
     def collect(self, handle: StepHandle) -> RunnerOutput:
@@ -85,6 +91,9 @@ class UniProcExecutor(Executor):
 
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         return self.runner.launch(sched)
+
+    def sample(self, handle: StepHandle) -> None:
+        self.runner.sample(handle)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         return self.runner.collect(handle)

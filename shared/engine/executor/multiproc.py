@@ -190,6 +190,10 @@ class MultiprocExecutor(Executor):
             self._mover.apply(order)
         return run(*args)
 
+    def sample(self, handle: StepHandle) -> None:
+        self._send(Command.SAMPLE, ())
+        self._guarded(self.runner.sample, handle)
+
     def collect(self, handle: StepHandle) -> RunnerOutput:
         self._send(Command.COLLECT, ())
         return self._joined(self._guarded(self.runner.collect, handle))

@@ -93,6 +93,8 @@ def _serve(runner: ModelRunner, mover: ExpertMover | None, conn: Connection, rep
                 conn.send(("result", strip_for_rank_zero(result)))
         elif command is Command.LAUNCH:
             launched.append(runner.launch(*args))
+        elif command is Command.SAMPLE:  # the newest launch: the one before it was collected
+            runner.sample(launched[-1])
         elif command is Command.COLLECT:
             result = runner.collect(launched.popleft())
             if replies:

@@ -221,8 +221,14 @@ class Speculator:
                 self._planned = self.num_tokens if any(_will_draft(r) for r in running) else 0
         return self._planned
 
-    def skip(self) -> None:
-        """The coming step runs without drafting (plan() said 0)."""
+    def skip(self, running: Sequence[Request] = ()) -> None:
+        """The coming step runs without drafting (plan() said 0), overlapped: the running
+        requests that could not draft are counted as propose() counts them (a min_tokens
+        or bad-words request runs overlapped, its masks sampled after the read-back)."""
+        for request in running:
+            reason = _fallback_reason(request)
+            if reason is not None and _decodes_next(request):
+                self.stats.fallbacks[reason] += 1
         self._planned = None
         self.depth = 0
         self._drafting_s = 0.0
@@ -387,10 +393,17 @@ def _will_draft(request: Request) -> bool:
     """A request that will decode next step, once any step in flight is read back (its
     last token may still be on the device), and may draft."""
     return (
-        request.num_output_tokens + request.num_pending_tokens > 0
-        and request.num_computed_tokens + request.num_pending_tokens >= request.num_tokens - 1
+        _decodes_next(request)
         and _fallback_reason(request) is None
         and _room(request) - request.num_pending_tokens >= 2
+    )
+
+
+def _decodes_next(request: Request) -> bool:
+    """A request that will decode next step, once any step in flight is read back."""
+    return (
+        request.num_output_tokens + request.num_pending_tokens > 0
+        and request.num_computed_tokens + request.num_pending_tokens >= request.num_tokens - 1
     )
 
 
