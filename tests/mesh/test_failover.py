@@ -1,7 +1,8 @@
 """Failover from the registry, at the default settings: a worker killed with
 SIGKILL under load (32 concurrent streams, 2 prefill + 2 decode) leaves the
 registry at once (nats-server tells the balancer that its connection closed;
-missed heartbeats are the backstop): the balancer knows within 1.5 s of the kill, before a heartbeat could miss.
+missed heartbeats are the backstop): the victim leaves as "disconnected", not "missed",
+and the balancer fails its requests within LEARNED_WITHIN_S of the kill.
 Its requests move — resuming with the tokens already streamed — within seconds
 (MIGRATED_WITHIN_S; about 0.3 s on an idle machine, where the new instances'
 acks are prompt, up to 2.1 s seen on a loaded 2-core CI machine), not at the
@@ -35,10 +36,11 @@ from tools.launch.trace_view import load_spans
 from tools.launch.up import grpc_serving
 
 ENV: dict[str, str] = {}  # the defaults: heartbeats every 0.5 s, 3 misses
-LEARNED_WITHIN_S = 1.5
-"""From the kill to the balancer failing the victim's requests: nats-server's advisory,
-sooner than the heartbeat backstop (3 misses of 0.5 s) could be (0.35 s seen with the
-2 cores loaded by other work, the balancer's loop busy with 32 streams)."""
+LEARNED_WITHIN_S = 3.0
+"""From the kill to the balancer failing the victim's requests (0.35 s seen with the 2 cores
+loaded by other work, the balancer's loop busy with 32 streams). That it was nats-server's
+advisory, not the heartbeat backstop (3 misses of 0.5 s and a sweep, ~1.6 s), is shown by
+instances_left_total's why label, not by racing the backstop (the bound was 1.5 s)."""
 MIGRATED_WITHIN_S = 5.0
 """From the kill to every moved request handed to (acked by) new instances, and resumed."""
 NUM_STREAMS = 32
@@ -107,6 +109,7 @@ def kill_under_load(start_mesh, mesh_model_dir: str, victim: str | None, prompts
           f"{max(resumed, default=0):.2f} s of the kill; the victim left by {left}")
     assert len(gaps) == metric(mesh, "migrations_total")
     assert metric(mesh, "instances_left_total") == 1  # the victim, and no live instance taken for dead
+    assert metric(mesh, "instances_left_total", why="disconnected") == 1  # heard from NATS, not missed beats
     assert failed == []
     assert [s.text for s in streams] == expected  # moved with prompt + tokens so far: the same greedy text
     assert all(s.completion_tokens == max_tokens for s in streams)
@@ -142,7 +145,6 @@ def test_killing_a_decode_instance_mid_stream_moves_its_requests_within_seconds(
     # ... within seconds of the kill: NATS's word that the victim's connection closed, and a prefill
     # of prompt + tokens so far elsewhere. (Their clients' gap, from the last token before,
     # adds a token's time.)
-    assert metric(mesh, "instances_left_total", why="disconnected") == 1
     assert resumed < MIGRATED_WITHIN_S
     assert max(s.stall() for s in streams) < MAX_STALL_S
 
