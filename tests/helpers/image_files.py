@@ -61,7 +61,12 @@ class ImageServer:
         self.routes: dict[str, Route] = {}
         self.hits: list[str] = []
         """Every path asked for, in order: a refused URL must never reach the server."""
+        self.max_in_flight = 0
+        """The most requests answered at once (inside a route's delay): concurrency, not timing."""
         routes, hits = self.routes, self.hits
+        server = self
+        lock = threading.Lock()
+        in_flight = [0]
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -70,7 +75,14 @@ class ImageServer:
                 if route is None:
                     self.send_error(404)
                     return
-                time.sleep(route.delay_s)
+                with lock:
+                    in_flight[0] += 1
+                    server.max_in_flight = max(server.max_in_flight, in_flight[0])
+                try:
+                    time.sleep(route.delay_s)
+                finally:
+                    with lock:
+                        in_flight[0] -= 1
                 try:
                     self.send_response(route.status)
                     for name, value in route.headers.items():

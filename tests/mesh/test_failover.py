@@ -1,7 +1,8 @@
 """Failover from the registry, at the default settings: a worker killed with
 SIGKILL under load (32 concurrent streams, 2 prefill + 2 decode) leaves the
 registry at once (nats-server tells the balancer that its connection closed;
-missed heartbeats are the backstop): the balancer knows within 1.5 s of the kill, before a heartbeat could miss.
+missed heartbeats are the backstop): the victim leaves as "disconnected", not "missed",
+and the balancer fails its requests within LEARNED_WITHIN_S of the kill.
 Its requests move — resuming with the tokens already streamed — within seconds
 (MIGRATED_WITHIN_S; about 0.3 s on an idle machine, where the new instances'
 acks are prompt, up to 2.1 s seen on a loaded 2-core CI machine), not at the
@@ -35,10 +36,11 @@ from tools.launch.trace_view import load_spans
 from tools.launch.up import grpc_serving
 
 ENV: dict[str, str] = {}  # the defaults: heartbeats every 0.5 s, 3 misses
-LEARNED_WITHIN_S = 1.5
-"""From the kill to the balancer failing the victim's requests: nats-server's advisory,
-sooner than the heartbeat backstop (3 misses of 0.5 s) could be (0.35 s seen with the
-2 cores loaded by other work, the balancer's loop busy with 32 streams)."""
+LEARNED_WITHIN_S = 3.0
+"""From the kill to the balancer failing the victim's requests (0.35 s seen with the 2 cores
+loaded by other work, the balancer's loop busy with 32 streams). That it was nats-server's
+advisory, not the heartbeat backstop (3 misses of 0.5 s and a sweep, ~1.6 s), is shown by
+instances_left_total's why label, not by racing the backstop (the bound was 1.5 s)."""
 MIGRATED_WITHIN_S = 5.0
 """From the kill to every moved request handed to (acked by) new instances, and resumed."""
 NUM_STREAMS = 32
@@ -107,6 +109,7 @@ def kill_under_load(start_mesh, mesh_model_dir: str, victim: str | None, prompts
           f"{max(resumed, default=0):.2f} s of the kill; the victim left by {left}")
     assert len(gaps) == metric(mesh, "migrations_total")
     assert metric(mesh, "instances_left_total") == 1  # the victim, and no live instance taken for dead
+    assert metric(mesh, "instances_left_total", why="disconnected") == 1  # heard from NATS, not missed beats
     assert failed == []
     assert [s.text for s in streams] == expected  # moved with prompt + tokens so far: the same greedy text
     assert all(s.completion_tokens == max_tokens for s in streams)
@@ -142,7 +145,6 @@ def test_killing_a_decode_instance_mid_stream_moves_its_requests_within_seconds(
     # ... within seconds of the kill: NATS's word that the victim's connection closed, and a prefill
     # of prompt + tokens so far elsewhere. (Their clients' gap, from the last token before,
     # adds a token's time.)
-    assert metric(mesh, "instances_left_total", why="disconnected") == 1
     assert resumed < MIGRATED_WITHIN_S
     assert max(s.stall() for s in streams) < MAX_STALL_S
 
@@ -201,6 +203,13 @@ def wait_until(what: str, check, timeout_s: float) -> float:  # noqa: ANN001
     return time.monotonic() - started
 
 
+PROBE_SEEN_S = 5.0
+"""How long a change of kvcache's health may take to show (in /ready, in the worker's
+gRPC health): the probes run every 0.5 s, so about that on an idle machine; 5 s leaves
+room for a loaded 2-core one while a wait for a request timeout or a long redial backoff
+would still fail."""
+
+
 def test_kvcache_down_is_degraded_not_unavailable_and_its_use_resumes_when_back(start_mesh, mesh_model_dir):
     mesh = start_mesh(extra_env={**ENV, "INFERMESH_ENGINE__BLOCK_SIZE": "16"})
     client = openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=60)
@@ -209,10 +218,10 @@ def test_kvcache_down_is_degraded_not_unavailable_and_its_use_resumes_when_back(
                                  "kvcache": "up"})
     assert kvcache_health_of(mesh, "prefill-0")
     dict(mesh.procs)["kvcache"].send_signal(signal.SIGKILL)
-    wait_until("/ready saying kvcache is down", lambda: ready(mesh)[1]["kvcache"] == "down", 2.0)
+    wait_until("/ready saying kvcache is down", lambda: ready(mesh)[1]["kvcache"] == "down", PROBE_SEEN_S)
     assert ready(mesh) == (200, {"ready": True, "status": "degraded", "instances": {"prefill": 1, "decode": 1},
                                  "kvcache": "down"})
-    wait_until("prefill's kvcache health NOT_SERVING", lambda: not kvcache_health_of(mesh, "prefill-0"), 2.0)
+    wait_until("prefill's kvcache health NOT_SERVING", lambda: not kvcache_health_of(mesh, "prefill-0"), PROBE_SEEN_S)
     llm = LLM(mesh_model_dir, block_size=16)
     greedy = SamplingParams(max_tokens=8, temperature=0)
 
@@ -227,20 +236,25 @@ def test_kvcache_down_is_degraded_not_unavailable_and_its_use_resumes_when_back(
     wait_until("kvcache serving again", lambda: grpc_serving(mesh.kv_address), 60)
     back = time.monotonic()
     i = 100
+    last_without: float | None = None  # when the last request computed without kvcache was sent
     while True:  # a request a time until prefill's lookup is answered by kvcache again
         sent = time.monotonic()
         out = client.completions.create(model=name, prompt=prompt(i), max_tokens=8, temperature=0)
         if span_attributes(mesh.trace_dir, out.id, "prefill")["kv.kvcache"] == "ok":
             break
+        last_without = sent
         i += 1
         assert time.monotonic() - back < 10, "kvcache is not used again"
     resumed = sent - back
     print(f"\nkvcache used again by a request sent {resumed:.2f} s after it served again "
           f"({i - 100} computed without it meanwhile)")
-    assert resumed < 2.0  # the probe (every 0.5 s) finds it back and redials at once
-    wait_until("/ready saying kvcache is up", lambda: ready(mesh)[1]["kvcache"] == "up", 2.0)
+    # The probe (every 0.5 s) finds it back and redials at once: no request sent 2 s after it
+    # served again (its lookup later still) went without it. When the first one that used it
+    # was sent also counts the requests before it (seconds each on a loaded machine): printed.
+    assert last_without is None or last_without - back < 2.0
+    wait_until("/ready saying kvcache is up", lambda: ready(mesh)[1]["kvcache"] == "up", PROBE_SEEN_S)
     # The worker sets its gRPC health from its own loop (every heartbeat): not at once.
-    wait_until("prefill's kvcache health SERVING", lambda: kvcache_health_of(mesh, "prefill-0"), 2.0)
+    wait_until("prefill's kvcache health SERVING", lambda: kvcache_health_of(mesh, "prefill-0"), PROBE_SEEN_S)
 
 
 def test_a_restarted_balancer_routes_by_the_workers_caches_again_from_their_snapshots(start_mesh):

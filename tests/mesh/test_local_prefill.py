@@ -328,7 +328,10 @@ def test_killed_decode_moves_its_requests_and_a_dead_prefill_costs_none(start_me
 
     # The only prefill instance dies: with conditional disaggregation on, decode takes the requests whole.
     dict(mesh.procs)["prefill-0"].send_signal(signal.SIGKILL)
-    time.sleep(2.0)  # three missed heartbeats of 0.2 s: the balancer drops it
+    deadline = time.monotonic() + 10  # NATS's advisory or three missed heartbeats of 0.2 s: not a fixed sleep
+    while not metric(mesh, "instances_left_total", stage="prefill"):
+        assert time.monotonic() < deadline, "the balancer never dropped prefill-0"
+        time.sleep(0.05)
     out = client.completions.create(model=name, prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0,
                                     extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
     assert out.choices[0].token_ids == expected[0]

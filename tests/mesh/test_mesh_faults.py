@@ -35,10 +35,15 @@ def client(mesh):
     return openai_client(mesh)
 
 
-def route_spans(mesh, after_ns: int) -> list[dict]:
-    time.sleep(0.6)  # span files are written in batches every 200 ms
-    spans = [s for s in load_spans(mesh.trace_dir) if s["name"] == "route" and s["start_ns"] > after_ns]
-    return sorted(spans, key=lambda s: s["start_ns"])
+def route_spans(mesh, after_ns: int, count: int) -> list[dict]:
+    """The route spans since after_ns, once there are `count` of them: span files are written
+    in batches every 200 ms, later on a loaded machine (a deadline, not a fixed sleep)."""
+    deadline = time.monotonic() + 10
+    while True:
+        spans = [s for s in load_spans(mesh.trace_dir) if s["name"] == "route" and s["start_ns"] > after_ns]
+        if len(spans) >= count or time.monotonic() > deadline:
+            return sorted(spans, key=lambda s: s["start_ns"])
+        time.sleep(0.1)
 
 
 def test_shared_prefix_goes_to_the_prefill_instance_that_holds_it(mesh, client):
@@ -48,7 +53,7 @@ def test_shared_prefix_goes_to_the_prefill_instance_that_holds_it(mesh, client):
     client.completions.create(model=name, prompt=prefix + "first", max_tokens=2, temperature=0)
     time.sleep(0.5)  # block events reach the balancer
     out = client.completions.create(model=name, prompt=prefix + "second", max_tokens=2, temperature=0)
-    first, second = route_spans(mesh, t0)[-2:]
+    first, second = route_spans(mesh, t0, 2)[-2:]
     assert second["attributes"]["prefill.reason"] == "prefix"
     assert second["attributes"]["prefill.choice"] == first["attributes"]["prefill.choice"]
     assert out.usage.prompt_tokens_details.cached_tokens > 0
@@ -63,7 +68,7 @@ def test_concurrent_requests_spread_over_decode_instances(mesh, client):
             range(8),
         ))
     assert all(o.usage.completion_tokens == 8 for o in outs)
-    chosen = {s["attributes"]["decode.choice"] for s in route_spans(mesh, t0)}
+    chosen = {s["attributes"]["decode.choice"] for s in route_spans(mesh, t0, 8)}
     assert chosen == {"decode-0", "decode-1"}
 
 

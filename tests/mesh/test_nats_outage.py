@@ -87,7 +87,9 @@ async def test_a_stream_that_misses_a_seq_or_stays_silent_after_an_outage_is_los
                     got.append(c.seq)
                     started = time.monotonic()
             assert got == [0]
-            assert GAP_TIMEOUT_S * 0.9 < time.monotonic() - started < GAP_TIMEOUT_S + 1.0
+            # Not before the gap's timeout; after it, not the 30 s idle timeout (the match says which
+            # check raised): the upper bound only has to stay clear of 30 s on a loaded machine.
+            assert GAP_TIMEOUT_S * 0.9 < time.monotonic() - started < 10.0
         # The bus came back: a started stream must say something by the deadline.
         async with StreamReader(bus, "r2") as reader:
             await reader.listen("d0")
@@ -97,7 +99,7 @@ async def test_a_stream_that_misses_a_seq_or_stays_silent_after_an_outage_is_los
                 async for c in reader.chunks(30, 30):
                     assert reader.started
                     reader.expect_by(time.monotonic() + 0.3)  # what the balancer does when the bus is back
-            assert time.monotonic() - started < 2.0
+            assert time.monotonic() - started < 10.0  # expect_by's 0.3 s, not the 30 s idle timeout
         # A chunk by the deadline lifts it: the stream ends as usual.
         async with StreamReader(bus, "r3") as reader:
             await reader.listen("d0")
@@ -181,7 +183,10 @@ def test_an_old_connection_of_an_instance_closing_does_not_make_it_leave(start_m
     assert metric(mesh, "departures_ignored_total") == 1
     dict(mesh.procs)["decode-0"].send_signal(signal.SIGKILL)
     killed = time.monotonic()
+    # Heard from nats-server's advisory ("disconnected"), not the heartbeat backstop ("missed",
+    # which would keep this label at 0 and fail): the label, not a race against the
+    # backstop's ~1.6 s, says how it was heard, so the deadline can be generous.
     while not metric(mesh, "instances_left_total", why="disconnected"):
-        assert time.monotonic() - killed < 2.0, "decode-0's death was not heard at once"
+        assert time.monotonic() - killed < 10.0, "decode-0's death was not heard from its advisory"
         time.sleep(0.05)
     assert metric(mesh, "instances_left_total") == 1

@@ -63,7 +63,7 @@ def server() -> Iterator[ImageServer]:
         "/hop": Route(status=302, headers={"Location": "/image.png"}),
         "/loop": Route(status=302, headers={"Location": "/loop"}),
         "/missing.png": Route(status=404),
-        "/slow.png": Route(PNG, delay_s=2.0),
+        "/slow.png": Route(PNG, delay_s=10.0),  # far past any timeout below: giving up early shows
         "/lazy.png": Route(PNG, delay_s=0.6),
         "/big.png": Route(PNG),
         "/streamed.png": Route(PNG, declare_length=False),
@@ -122,10 +122,10 @@ async def test_a_requests_images_load_concurrently_in_order(server: ImageServer)
     other = noise(5, 7, seed=9)
     refs = [ImageRef(server.url("/lazy.png"), f"messages.0.content.{i}") for i in range(4)]
     refs.insert(2, ImageRef(data_url(encode(other)), "messages.1.content.0"))
-    start = time.monotonic()
     images = await loader(**LOCAL).load(refs)
-    elapsed = time.monotonic() - start
-    assert elapsed < 1.8, f"4 downloads of 0.6 s each took {elapsed:.2f} s: not concurrent"
+    # Concurrent: downloads overlapped inside the server's 0.6 s delay (one at a time would
+    # never exceed 1). Counted by the server, not timed: a loaded machine cannot fail it.
+    assert server.max_in_flight >= 2, "4 downloads of 0.6 s each, one at a time: not concurrent"
     assert [image.size for image in images] == [(24, 16), (24, 16), (5, 7), (24, 16), (24, 16)]
 
 
@@ -216,7 +216,7 @@ async def test_too_large_an_image_is_refused(server: ImageServer) -> None:
 async def test_a_slow_host_times_out(server: ImageServer) -> None:
     start = time.monotonic()
     await refused(loader(**LOCAL, fetch_timeout_s=0.3), server.url("/slow.png"), FetchTimeout, "within 0.3 s")
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < 5.0  # at the 0.3 s timeout, not when the host answers (10 s)
 
 
 async def test_a_failed_download_and_an_unsupported_url_are_refused(server: ImageServer) -> None:

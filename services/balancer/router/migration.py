@@ -2,7 +2,8 @@
 instance fails the request after accepting it, re-dispatch prompt + tokens
 generated so far to other instances (avoiding those at fault) and go on
 streaming, as Dynamo does: up to migration_limit moves, plus OUTAGE_MOVES for
-moves while the bus recovers from a NATS outage (outage.py), plus FREE_MOVES off
+moves while the bus recovers from a NATS outage (outage.py; handoffs decode did
+not take then move uncounted for a while: decode may not be back yet), plus FREE_MOVES off
 instances that died without a fair chance at the request (move_budget.py): a
 node's death, taking a prefill and a decode instance at once, fails no request
 while an instance of each stage lives."""
@@ -66,6 +67,7 @@ class MigrationLoop:
         moved = False
         migration = 0  # moves so far
         budget = budget_for(self.deaths, self.settings.migration_limit, OUTAGE_MOVES)
+        handoffs_failed_since: float | None = None  # the first handoff decode did not take in a NATS outage
         while True:
             if migration:
                 attempt = continuation(req, generated, migration)
@@ -92,8 +94,14 @@ class MigrationLoop:
                 return
             except InstanceFailed as exc:
                 outage = exc.cause == "lost" or self.outage.recovering()
-                budget.record(exc, outage)
-                if not await budget.allows_move():
+                if outage and exc.cause == "handoff":
+                    handoffs_failed_since = handoffs_failed_since or time.monotonic()
+                    uncounted = await self.outage.handoff_retry(handoffs_failed_since, root)
+                else:
+                    uncounted = False
+                if not uncounted:
+                    budget.record(exc, outage)
+                if not uncounted and not await budget.allows_move():
                     raise GenerationError(
                         "The mesh failed this request, also after moving it to other instances; retry.", status=503
                     ) from None
@@ -109,7 +117,7 @@ class MigrationLoop:
                 root.set_attribute("migrations.free", tally.free)  # moves the budget did not count
                 root.set_attribute("migration.failed_unix", time.time())  # when we learned of it: a death's cost to us
                 root.add_event("migrate", {"cause": exc.cause, "error": str(exc), "tokens_so_far": len(generated),
-                                           "outage": outage})
+                                           "outage": outage, "uncounted": uncounted})
 
 
 def continuation(req: GenerationRequest, generated: list[int], migration: int) -> GenerationRequest:

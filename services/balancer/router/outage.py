@@ -8,8 +8,12 @@ ones come, or says nothing for a while once the bus is back (LOST_AFTER_S,
 LOST_BEFORE_FIRST_S), counts as lost and moves like a failure (cause "lost"),
 charged to nobody. Requests that arrive while the bus is down, or find no
 instance that answers while it recovers, wait for it and retry (up to
-OUTAGE_WAIT_S) instead of failing. While the bus recovers, moves do not count
-against migration_limit: up to OUTAGE_MOVES are allowed on top (migration.py).
+OUTAGE_WAIT_S) instead of failing. A handoff that decode did not take while the
+bus recovers is the same case one hop later (decode may not be back on the bus
+yet: each service reconnects in its own time, and prefill's "no responders" comes
+at once): the request waits a moment and moves, uncounted, up to OUTAGE_WAIT_S
+(handoff_retry). Other moves while the bus recovers do not count against
+migration_limit: up to OUTAGE_MOVES are allowed on top (migration.py).
 """
 
 import asyncio
@@ -86,6 +90,14 @@ class OutageRecovery:
         span.add_event("wait_for_bus")
         if not await self.bus.wait_connected(OUTAGE_WAIT_S):
             raise GenerationError("The mesh's message bus is down; retry later.", status=503)
+
+    async def handoff_retry(self, first_failed: float, span: Span) -> bool:
+        """A handoff decode did not take, the request's first such since first_failed
+        (monotonic): while the bus recovers and for OUTAGE_WAIT_S from then, wait a
+        moment and say to move it again without counting the move; else False.
+        Without the wait, a prefill that is back before decode fails each handoff in
+        milliseconds, and a request burns every move it has before decode reconnects."""
+        return await self.retry(first_failed + OUTAGE_WAIT_S, span)
 
     async def retry(self, deadline: float, span: Span) -> bool:
         """While the bus recovers and before the deadline: wait a moment (and for the bus)
