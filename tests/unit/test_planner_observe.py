@@ -3,37 +3,13 @@ real prometheus_client series, rendered and parsed as a scrape returns them."""
 
 import random
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-
-from services.planner.observe import CACHED_TOKENS, ITL, OUTPUT_TOKENS, PROMPT_TOKENS, TTFT, observe, parse, quantile
-from shared.runtime.vllm_metrics import TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
-
-
-class Balancer:
-    """The series the planner reads, named and bucketed as the balancer's."""
-
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.success = Counter("vllm:request_success", "", ("finished_reason",), registry=r)
-        self.prompt = Counter(PROMPT_TOKENS.removesuffix("_total"), "", registry=r)
-        self.output = Counter(OUTPUT_TOKENS.removesuffix("_total"), "", registry=r)
-        self.cached = Counter(CACHED_TOKENS.removesuffix("_total"), "", registry=r)
-        self.ttft = Histogram(TTFT, "", buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(ITL, "", buckets=TOKEN_LATENCY_BUCKETS, registry=r)
-
-    def scrape(self):  # noqa: ANN201
-        return parse(generate_latest(self.registry).decode())
-
-    def finish(self, prompt: int, output: int, cached: int, ttft_s: float, reason: str = "length") -> None:
-        self.success.labels(reason).inc()
-        self.prompt.inc(prompt)
-        self.output.inc(output)
-        self.cached.inc(cached)
-        self.ttft.observe(ttft_s)
+from services.planner.observe import TTFT, observe, quantile
+from shared.runtime.vllm_metrics import TTFT_BUCKETS
+from tests.helpers.planner_metrics import BalancerSeries
 
 
 def test_an_interval_is_the_difference_of_two_scrapes() -> None:
-    b = Balancer()
+    b = BalancerSeries()
     for _ in range(50):  # before the interval: must not count
         b.finish(prompt=1000, output=10, cached=0, ttft_s=5.0)
     before = b.scrape()
@@ -50,7 +26,7 @@ def test_an_interval_is_the_difference_of_two_scrapes() -> None:
 
 
 def test_the_percentile_follows_the_observed_distribution() -> None:
-    b = Balancer()
+    b = BalancerSeries()
     before = b.scrape()
     rng = random.Random(0)
     values = sorted(rng.uniform(0.1, 1.0) for _ in range(2000))

@@ -10,26 +10,15 @@ import math
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from services.planner.observe import (
-    ITL,
-    OUTPUT_LENGTHS,
-    OUTPUT_TOKENS,
-    PROMPT_LENGTHS,
-    PROMPT_TOKENS,
-    TTFT,
-    VISION_IMAGES,
-    observe,
-    parse,
-)
+from services.planner.observe import observe
 from services.planner.plan import InfeasibleTarget, Lengths, Targets, Workload, plan
 from services.planner.profile import Profile, VisionPoint
 from services.planner.scalers import AdvisoryScaler, ReplicasFileScaler
 from services.planner.service import LivePlanner
 from shared.runtime.metrics import Metrics
 from shared.runtime.settings import PlannerSettings
-from shared.runtime.vllm_metrics import TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
+from tests.helpers.planner_metrics import BalancerSeries
 from tools.planner.synthetic_profile import synthetic_profile
 
 WORKLOAD = Workload(40.0, Lengths(2000, 4000), Lengths(200, 400), prefix_hit_rate=0.5, images_per_request=2)
@@ -77,46 +66,15 @@ def test_a_profile_without_vision_points_still_loads() -> None:
     assert profile.vision == [] and profile.transfer.kvcache_gb_s is None
 
 
-class Balancer:
-    """The balancer's series the planner reads, vision's images among them."""
-
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.success = Counter("vllm:request_success", "", ("finished_reason",), registry=r)
-        self.prompt = Counter(PROMPT_TOKENS.removesuffix("_total"), "", registry=r)
-        self.output = Counter(OUTPUT_TOKENS.removesuffix("_total"), "", registry=r)
-        self.ttft = Histogram(TTFT, "", buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(ITL, "", buckets=TOKEN_LATENCY_BUCKETS, registry=r)
-        self.prompt_len = Histogram(PROMPT_LENGTHS, "", buckets=(100, 1000, 2000, 4000), registry=r)
-        self.output_len = Histogram(OUTPUT_LENGTHS, "", buckets=(10, 100, 200, 400), registry=r)
-        self.images = Counter(VISION_IMAGES.removesuffix("_total"), "", ("site",), registry=r)
-
-    def scrape(self):  # noqa: ANN201
-        return parse(generate_latest(self.registry).decode())
-
-    def interval(self, requests: int, images: dict[str, int]) -> None:
-        for _ in range(requests):
-            self.success.labels("length").inc()
-            self.prompt.inc(1000)
-            self.output.inc(100)
-            self.prompt_len.observe(1000)
-            self.output_len.observe(100)
-            self.ttft.observe(0.2)
-            for _ in range(99):
-                self.itl.observe(0.01)
-        for site, n in images.items():
-            self.images.labels(site).inc(n)
-
-
 def test_observe_counts_the_images_the_vision_stage_is_sized_for() -> None:
-    b = Balancer()
+    b = BalancerSeries()
     before = b.scrape()
     b.interval(100, {"vision": 150, "prefill": 50, "prefill_small": 400})
     obs = observe(before, b.scrape(), interval_s=10.0, percentile=90)
     assert obs.images_per_s == 20.0  # vision + prefill's fallback; the small images prefill takes on purpose are not
 
 
-def live(tmp_path: Path, profile: Profile, started_with: dict[str, int], b: Balancer) -> tuple[LivePlanner, Path]:
+def live(tmp_path: Path, profile: Profile, started_with: dict[str, int], b: BalancerSeries) -> tuple[LivePlanner, Path]:
     settings = PlannerSettings(interval_s=10.0, startup_s=10.0, ttft_ms=600, itl_ms=30, backend="up",
                                replicas_file=str(tmp_path / "replicas.json"), max_replicas=64)
     scaler = ReplicasFileScaler(tmp_path / "replicas.json", started_with=started_with)
@@ -124,7 +82,7 @@ def live(tmp_path: Path, profile: Profile, started_with: dict[str, int], b: Bala
 
 
 def test_the_live_planner_sizes_vision_from_the_images_routed_and_scales_it(tmp_path: Path) -> None:
-    b, profile = Balancer(), one_encoder_point(10.0)
+    b, profile = BalancerSeries(), one_encoder_point(10.0)
     planner, replicas_file = live(tmp_path, profile, {"prefill": 1, "decode": 1, "vision": 1}, b)
     assert planner.step(10.0) is None  # the first scrape: nothing to difference
     b.interval(200, {"vision": 600})  # 20 req/s, 3 images each (60 images/s)
@@ -141,7 +99,7 @@ def test_the_live_planner_sizes_vision_from_the_images_routed_and_scales_it(tmp_
 
 
 def test_vision_is_planned_only_where_deployed_and_profiled(tmp_path: Path) -> None:
-    b = Balancer()
+    b = BalancerSeries()
     (tmp_path / "x").mkdir()
     text_mesh, _ = live(tmp_path, one_encoder_point(10.0), {"prefill": 1, "decode": 1}, b)
     no_points, _ = live(tmp_path / "x", dataclasses.replace(synthetic_profile(), vision=[]),
@@ -155,7 +113,7 @@ def test_vision_is_planned_only_where_deployed_and_profiled(tmp_path: Path) -> N
 
 
 def test_an_encoder_too_slow_for_the_target_holds_vision_and_is_counted(tmp_path: Path) -> None:
-    b = Balancer()
+    b = BalancerSeries()
     planner, _ = live(tmp_path, one_encoder_point(10.0, latency_ms=700.0), {"prefill": 2, "decode": 1, "vision": 3}, b)
     planner.scaler = AdvisoryScaler({"prefill": 2, "decode": 1, "vision": 3})
     planner.step(10.0)
