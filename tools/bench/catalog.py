@@ -50,8 +50,8 @@ BENCHES: tuple[Bench, ...] = (
           not_tiny="needs a running server (--base-url): tests/mesh/test_serve_bench.py runs it against LocalServer "
                    "and a mesh"),
     Bench("bench-engine", "engine_bench", "prefill and decode throughput against transformers",
-          "none (prints; wrap in `python -m tools.bench.raw_file --out PATH --`)", parsed_in_cli=True,
-          tiny=_args("--model {model} --batch-sizes 1 --prompt-len 8 --output-len 4")),
+          "--json PATH: a row per batch size", parsed_in_cli=True,
+          tiny=_args("--model {model} --batch-sizes 1 --prompt-len 8 --output-len 4 --json {tmp}/engine.json")),
     Bench("bench-mesh", "mesh_bench", "throughput and TTFT through the mesh against the engine behind HTTP",
           "--json PATH, --log PATH", parsed_in_cli=True,
           tiny=_args("--model {model} --concurrency 1 --num-requests 2 --rounds 3 --prompt-len 8 --output-len 4 "
@@ -100,9 +100,10 @@ BENCHES: tuple[Bench, ...] = (
           tiny=_args("--duration-s 2 --warmup-s 0.5 --seeds 1 --system-tokens 64 --cache-blocks 64 --out "
                      "{tmp}/prefix_routing.txt --json {tmp}/prefix_routing.json")),
     Bench("bench-prefix-routing-mesh", "prefix_routing_mesh", "the same shared system prompt through two real meshes "
-          "of 4 prefill instances: KV-router cost against prefix first", _RAW_OUT,
-          tiny=_args("--model {model} --prefill 2 --requests 4 --rounds 1 --concurrency 2 --system-tokens 64 --out "
-                     "{tmp}/prefix_routing_mesh.txt")),
+          "of 4 prefill instances: KV-router cost against prefix first",
+          "--json PATH: a row per routing and round; " + _RAW_OUT,
+          tiny=_args("--model {model} --prefill 2 --requests 4 --rounds 1 --concurrency 2 --system-tokens 64 "
+                     "--out {tmp}/prefix_routing_mesh.txt --json {tmp}/prefix_routing_mesh.json")),
     Bench("bench-routing", "routing_bench", "multi-turn chats: always against conditionally disaggregated",
           "--json PATH",
           tiny=_args("--model {model} --decode 1 --conversations 2 --turns 2 --concurrency 2 --input-len 4 "
@@ -131,8 +132,8 @@ BENCHES: tuple[Bench, ...] = (
           tiny=_args("--model {tmp}/v4 --preset tiny --device cpu --dtype float32 --batches 1 --context 12 "
                      "--decode-steps 2 --prefill 24 --repeats 1 --no-cuda-graphs --out {tmp}/v4_out")),
     Bench("bench-v4-bf16-error", "v4_bf16_error", "V4's bf16 logprob error, our kernels against transformers'",
-          "none (prints; wrap in `python -m tools.bench.raw_file --out PATH --`)",
-          tiny=_args("--device cpu --max-tokens 4 --kernels torch")),
+          "--json PATH: a row per kernels and prompt",
+          tiny=_args("--device cpu --max-tokens 4 --kernels torch --json {tmp}/v4_bf16_error.json")),
     Bench("bench-v4-kv-bytes", "v4_kv_bytes", "DeepSeek-V4's persisted KV bytes per token, window kept or not",
           "--json PATH: a row per shape and kind of bytes",
           tiny=_args("--json {tmp}/v4_kv_bytes.json")),
