@@ -17,6 +17,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.model.models import ARCHITECTURE_OF_MODEL_TYPE
 from shared.runtime.settings import field_docs
 from tools.bench.catalog import BENCHES, Bench, find
+from tools.bench.raw_file import add_json_flag
 
 # Engine knobs whose flag would collide with a subcommand's own (generate's --seed is the sampling seed).
 _ENGINE_FLAG_NAMES = {"seed": "--engine-seed"}
@@ -123,8 +124,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from tools.bench.engine_bench import run_engine_bench
+    from tools.bench.raw_file import write_rows
 
-    run_engine_bench(
+    rows = run_engine_bench(
         model=args.model,
         batch_sizes=args.batch_sizes,
         prompt_len=args.prompt_len,
@@ -132,6 +134,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
         engine_flags=engine_flags(args),
         compare_transformers=not args.no_transformers,
     )
+    write_rows(args.json, rows, prompt_len=args.prompt_len, output_len=args.output_len)
     return 0
 
 
@@ -360,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    add_json_flag(p)
     _add_engine_flags(p)
     p.set_defaults(func=_cmd_bench_engine)
 

@@ -91,3 +91,5 @@ def test_docs_list_every_bench() -> None:
     text = (BENCH_DIR.parent.parent / "docs" / "benchmarks.md").read_text()
     for bench in BENCHES:
         assert f"| `infermesh {bench.command}` |" in text, f"docs/benchmarks.md's table lacks {bench.command}"
+        row = f"| `infermesh {bench.command}` | {bench.help} | {bench.output} | `{bench.module}` |"
+        assert row in text, f"docs/benchmarks.md's row of {bench.command} differs from the catalog's"

@@ -31,7 +31,7 @@ import numpy as np
 from shared.engine.eplb import placement as current
 from shared.engine.eplb.load_window import balancedness
 from shared.engine.eplb.traces import DriftingLogNormalTrace, TraceSpec
-from tools.bench.raw_file import ROOT, tee_stdout
+from tools.bench.raw_file import ROOT, add_json_flag, tee_stdout, write_rows
 
 PLACEMENT = "shared/engine/eplb/placement.py"
 
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sigma", type=float, default=0.5)
     p.add_argument("--window", type=int, default=200, help="trace steps placed from, and judged on after")
     p.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
+    add_json_flag(p)
     args = p.parse_args(argv)
     if args.baseline_rev is None:
         args.baseline_rev = subprocess.run(["git", "-C", str(ROOT), "merge-base", "HEAD", "main"], capture_output=True,
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         base_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline_rev],
                                      capture_output=True, text=True, check=True).stdout.strip()
 
+    timings: list[dict] = []
+    balance: list[dict] = []
     with tee_stdout(args.out):
         print(f"# baseline: {PLACEMENT} at {args.baseline_rev} ({base_commit}); new: this tree's")
         print(f"# timing: ms per compute_placement, {args.layers} layers, log-normal loads sigma {args.sigma}, "
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                     start = time.perf_counter()
                     module.compute_placement(load, spec)
                     out.append(1e3 * (time.perf_counter() - start))
+            timings.append({"case": name, "baseline_ms": old_ms, "new_ms": new_ms,
+                            "median_speedup": statistics.median(old_ms) / statistics.median(new_ms)})  # fmt: skip
             print(f"{name:<38} baseline {stats(old_ms)}")
             print(f"{'':<38} new      {stats(new_ms)}   median speedup {statistics.median(old_ms) / statistics.median(new_ms):4.1f}x")
         sys.stdout.flush()
@@ -130,11 +135,15 @@ def main(argv: list[str] | None = None) -> int:
                     (64, "eplb-hier r1", {"num_ranks": 64, "redundant_per_rank": 1, "num_nodes": 8, "num_groups": 8})]
             for ranks, policy, kw in rows:
                 cells = []
-                for judged in (window, future):
-                    for module in (base, current):
+                row: dict = {"experts": experts, "ep": ranks, "policy": policy}
+                for judged_name, judged in (("own", window), ("next", future)):
+                    for module_name, module in (("base", base), ("new", current)):
                         b = balancedness(judged, module.compute_placement(window, spec_of(module, kw)))
                         cells.append(f"{b.min():.4f}/{np.median(b):.4f}")
+                        row[f"{judged_name}_{module_name}"] = {"min": float(b.min()), "median": float(np.median(b))}
+                balance.append(row)
                 print(f"{experts:>7} {ranks:>3} {policy:<13} " + " ".join(f"{c:>15}" for c in cells))
+    write_rows(args.json, timings, balance=balance, baseline=f"{args.baseline_rev} ({base_commit})", layers=args.layers)
     return 0
 
 

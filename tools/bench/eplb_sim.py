@@ -29,7 +29,7 @@ import numpy as np
 from shared.engine.eplb.load_window import LoadWindow, balancedness
 from shared.engine.eplb.placement import Placement, PlacementSpec, compute_placement, static_placement
 from shared.engine.eplb.traces import DriftingLogNormalTrace, TraceSpec
-from tools.bench.raw_file import tee_stdout
+from tools.bench.raw_file import add_json_flag, tee_stdout, write_rows
 
 RANKS_PER_NODE = 8
 NUM_GROUPS = 8  # DeepSeek-V3's expert groups, for the hierarchical rows
@@ -126,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=30, help="placement timings per case")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
+    add_json_flag(p)
     args = p.parse_args(argv)
 
+    rows: list[dict] = []
+    timings: list[dict] = []
     with tee_stdout(args.out):
         print(f"# trace: log-normal per-expert load (sigma as below, assumed, not fitted by us), "
               f"{args.tokens_per_step} tokens x top-{args.top_k} per step, drift correlation as below (steps); "
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             trace = TraceSpec(args.layers, experts, sigma, args.tokens_per_step, args.top_k, drift, seed=args.seed)
             cfg = SimConfig(args.layers, args.window, args.interval, args.intervals, trace)
             for row in simulate(cfg, ranks):
+                rows.append({"sigma": sigma, "drift_steps": drift, "experts": experts, "ep": ranks, **row})
                 bound = "" if row["bound_median"] is None else f"{row['bound_median']:.3f}"
                 ms = "" if row["placement_ms"] is None else f"{row['placement_ms']:.1f}"
                 print(f"{sigma:>5} {drift:>7g} {experts:>7} {ranks:>3} {row['policy']:<13} {row['interval_min']:>12.3f} "
@@ -156,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
                 ("hier r1 (8 nodes, 8 groups)", PlacementSpec.per_rank(64, 1, num_nodes=8, num_groups=NUM_GROUPS)),
             ):
                 ms = time_placement(args.layers, experts, spec, args.repeats, args.sigma[0])
+                timings.append({"experts": experts, "ep": 64, "placement": name, "median_ms": statistics.median(ms),
+                                "runs_ms": ms})  # fmt: skip
                 print(f"{args.layers}x{experts}xEP64 {name:<28} median {statistics.median(ms):7.2f}  "
                       f"min {min(ms):7.2f}  max {max(ms):7.2f}")
+    write_rows(args.json, rows, placement_times=timings, layers=args.layers)
     return 0
 
 

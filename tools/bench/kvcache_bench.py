@@ -42,7 +42,7 @@ from shared.kv.memory.region import KVRegion
 from shared.kv.spec import kv_cache_layout
 from shared.kv.transfer import KVTransferParams
 from shared.kv.wire.client import KVCacheClient
-from tools.bench.raw_file import tee_stdout
+from tools.bench.raw_file import add_json_flag, tee_stdout, write_rows
 from tools.bench.tier_bench import kvcache_service
 
 PATHS = ("bytes", "shm")
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where the loaded KVRegion lives (cpu, cuda)")
     parser.add_argument("--log", default=None, metavar="PATH", help="the raw file: the table and every round's "
                         "figures, under tools/bench/raw_file.py's header")  # fmt: skip
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.blocks < 1 or args.rounds < 1:
         parser.error("--blocks and --rounds must be at least 1")
@@ -183,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             for step in ("put", "get", "load"):
                 values = ", ".join(f"{v:.2f}" for v in getattr(figures[path], step))
                 print(f"  {path:<5} {step:<4} GB/s per round: {values}")
+    rows = [
+        {"path": path, "step": step, "median_gb_s": statistics.median(getattr(figures[path], step)),
+         "gb_s_per_round": getattr(figures[path], step)}
+        for path in PATHS
+        for step in ("put", "get", "load")
+    ]  # fmt: skip
+    write_rows(args.json, rows, blocks=args.blocks, block_bytes=block_bytes, device=args.device)
     return 0
 
 

@@ -30,6 +30,7 @@ import torch
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.structured.spec import StructuredSpec
+from tools.bench.raw_file import add_json_flag, write_rows
 
 _fresh = itertools.count()
 
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--speculative", action="store_true", help="also an engine with n-gram speculation")
     parser.add_argument("--variant", action="append", choices=list(VARIANTS),
                         help="run this variant (repeat for more; default all; plain is always run)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     names = ["plain", *(n for n in args.variant or VARIANTS if n != "plain")]
     engines = {"sync steps": {"async_scheduling": False}, "async scheduling": {"async_scheduling": True}}
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"batch {args.batch} greedy requests x {args.tokens} tokens, {args.rounds} rounds after a warm-up, "
           f"variant order rotated per round; tokens/s median [min-max], ratio of medians and of bests to plain")  # fmt: skip
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    rows: list[dict] = []
     for engine_name, settings in engines.items():
         dtype = {"dtype": args.dtype} if args.dtype else {}
         llm = LLM(args.model, device=args.device, **dtype, **settings)
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
             med = statistics.median(rates[name])
             print(f"  {name:<24} {med:8.1f} tok/s  [{min(rates[name]):7.1f}-{max(rates[name]):7.1f}]  "
                   f"ratio {med / base:5.3f}  best-of ratio {max(rates[name]) / best:5.3f}", flush=True)  # fmt: skip
+            rows.append({"engine": engine_name, "variant": name, "median_tok_s": med, "tok_s_per_round": rates[name],
+                         "ratio": med / base, "best_of_ratio": max(rates[name]) / best})  # fmt: skip
         load = llm.engine.load()
         steps = load.steps
         print(f"  steps (all runs): {steps.overlapped} overlapped, of which {steps.sampled_after_read_back} "
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  speculation fallbacks: {dict(load.spec_fallbacks)}")
         llm.engine.close()
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    write_rows(args.json, rows, batch=args.batch, tokens=args.tokens, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 from shared.kv.memory.region import KVRegion
 from shared.kv.memory.share import SharedMemoryAllocator, open_peer
 from shared.kv.spec import kv_cache_layout
-from tools.bench.raw_file import tee_stdout
+from tools.bench.raw_file import add_json_flag, tee_stdout, write_rows
 
 CHILD = """
 import json, sys, torch
@@ -58,12 +58,16 @@ def main(argv: list[str] | None = None) -> None:
                         "unix socket (kv_share_dir; on a GPU made by CUDA's VMM API), as between containers")
     p.add_argument("--log", default=None, metavar="PATH",
                    help="the raw file: what is printed, under tools/bench/raw_file.py's header")
+    add_json_flag(p)
     args = p.parse_args(argv)
     with tee_stdout(args.log):
-        _bench(args)
+        rows = _bench(args)
+    write_rows(args.json, rows, device=args.device, layers=args.layers, pid_namespace=args.pid_namespace)
 
 
-def _bench(args: argparse.Namespace) -> None:
+def _bench(args: argparse.Namespace) -> list[dict]:
+    """The copies' figures, one row per prompt length."""
+    rows = []
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     share_dir = tempfile.mkdtemp(prefix="infermesh-kv-share-") if args.pid_namespace else ""
     argv = [sys.executable, "-c", CHILD, str(args.layers), str(args.blocks), args.device, dtype, share_dir]
@@ -103,8 +107,12 @@ def _bench(args: argparse.Namespace) -> None:
             print(f"  {tokens:5d}-token prompt: {moved / 1e6:7.1f} MB in {best * 1e3:7.2f} ms = {moved / best / 1e9:7.1f} GB/s"
                   f" best, {moved / median / 1e9:.1f} GB/s median (first copy {times[0] * 1e3:.2f} ms; every copy "
                   f"after it, ms: {', '.join(f'{t * 1e3:.2f}' for t in times[1:])})")
+            rows.append({"tokens": tokens, "bytes": moved, "memory": kind, "best_gb_s": moved / best / 1e9,
+                         "median_gb_s": moved / median / 1e9, "first_copy_s": times[0],
+                         "copies_s": times[1:]})  # fmt: skip
     finally:
         child.communicate("\n", timeout=60)
+    return rows
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import random
 import statistics
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from services.balancer.router.policies import Choice, choose_prefill, leading_blocks_held
 from services.balancer.router.registry import Instance, Registry
@@ -36,7 +36,7 @@ from services.balancer.router.reservations import Reservation
 from shared.engine.outputs import queued_prompt_tokens
 from shared.kv.block_hash import BlockHash, hash_block_chain
 from shared.proto import mesh_pb2
-from tools.bench.raw_file import tee_stdout
+from tools.bench.raw_file import add_json_flag, tee_stdout, write_rows
 
 Policy = Callable[[Sequence[Instance], Sequence[BlockHash], int, int, random.Random], Choice]
 
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep what the balancer dispatched counted until the instance's next heartbeat, not until "
                         "the prompt is done (the reservations before issue 32)")
     p.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
+    add_json_flag(p)
     args = p.parse_args(argv)
     w = Workload(args.instances, args.block_size, args.system_tokens, args.user_tokens, args.tokens_per_s, args.load,
                  args.heartbeat_s, args.cache_blocks, args.duration_s, args.warmup_s,
@@ -300,11 +301,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'seed':>4} {'policy':<30} {'requests per instance':<28} {'max/even':>8} {'hit rate':>8} "
               f"{'TTFT p50 ms':>11} {'p99 ms':>9} {'system prompt computed':>22}")
         results: dict[str, list[Result]] = {name: [] for name in names}
+        rows: list[dict] = []
         for seed in range(args.seeds):
             order = names[seed % len(names):] + names[: seed % len(names)]
             for name in order:
                 r = simulate(w, POLICIES[name], seed)
                 results[name].append(r)
+                rows.append({"seed": seed, "policy": name, "requests_per_instance": dict(sorted(r.counts.items())),
+                             "max_over_even": r.max_over_even, "hit_rate": r.hit_rate, "ttft_p50_ms": r.ttft_p50_ms,
+                             "ttft_p99_ms": r.ttft_p99_ms, "system_prompt_computed": r.system_misses})  # fmt: skip
                 per = " ".join(str(r.counts[k]) for k in sorted(r.counts))
                 print(f"{seed:>4} {name:<30} {per:<28} {r.max_over_even:>8.2f} {r.hit_rate:>8.4f} "
                       f"{r.ttft_p50_ms:>11.1f} {r.ttft_p99_ms:>9.1f} {r.system_misses:>22}")
@@ -320,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<30} {spread([r.max_over_even for r in rs], '.2f'):<20} "
                   f"{spread([r.hit_rate for r in rs], '.4f'):<22} {spread([r.ttft_p50_ms for r in rs], '.0f'):<24} "
                   f"{spread([r.ttft_p99_ms for r in rs], '.0f')}")
+    write_rows(args.json, rows, workload=asdict(w), hit_rate_ceiling=ceiling)
     return 0
 
 

@@ -24,7 +24,7 @@ import argparse
 import asyncio
 import statistics
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import httpx
 import numpy as np
@@ -34,7 +34,7 @@ from shared.runtime.settings import env_name
 from tools.bench.mesh_bench import bench_state, engine_setup, model_or_made
 from tools.bench.openai_stream import RequestSpec
 from tools.bench.prefix_routing_bench import max_over_even
-from tools.bench.raw_file import tee_stdout
+from tools.bench.raw_file import add_json_flag, tee_stdout, write_rows
 from tools.bench.serve_bench import LoadLevel, run_level
 from tools.bench.workloads import Session
 from tools.launch.up import Mesh, free_port
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="engine device (default: the settings')")
     p.add_argument("--state-dir", default=None, help="keep the meshes' logs here")
     p.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
+    add_json_flag(p)
     args = p.parse_args(argv)
     if min(args.prefill, args.requests, args.rounds, args.concurrency, args.system_tokens, args.user_tokens,
            args.max_tokens) < 1:  # fmt: skip
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"hit rate {statistics.median(hit):.4f} [{min(hit):.4f} - {max(hit):.4f}]  "
                   f"requests per instance, all rounds: {' '.join(str(total[k]) for k in sorted(total))}  "
                   f"failed {sum(r.failed for r in rs)}  TTFT p50 ms {statistics.median(r.ttft_p50_ms for r in rs):.0f}")
+    rows = [{"routing": c, "round": i, "max_over_even": r.max_over_even, **asdict(r)}
+            for c, rs in rounds.items() for i, r in enumerate(rs)]  # fmt: skip
+    write_rows(args.json, rows, prefill=args.prefill, requests=args.requests, system_tokens=args.system_tokens)
     return 0
 
 

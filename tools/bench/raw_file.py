@@ -12,6 +12,8 @@ JSON raw files are `{"header": {...}, **figures}`; text and Markdown files begin
 the header's lines (`# key: value`, or a list in Markdown).
 """
 
+import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -20,7 +22,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -128,6 +130,22 @@ def write_json(path: str | Path, figures: Mapping[str, Any], header: Mapping[str
     _write(path, json.dumps({"header": dict(header or run_header()), **figures}, indent=2) + "\n")
 
 
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    """`--json PATH`, the same flag and words on every bench that writes its rows."""
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="the result rows as JSON ({\"header\", \"rows\"}), under the raw-file header")  # fmt: skip
+
+
+def write_rows(path: str | Path | None, rows: Iterable[Any], **figures: Any) -> None:
+    """A bench's result rows as a JSON raw file: `{"header", "rows": [...], **figures}`.
+    The rows are what the bench measured, one mapping (or dataclass) per printed row,
+    numbers as numbers, not the printed text. path None: nothing is written."""
+    if path is None:
+        return
+    as_dicts = [dataclasses.asdict(row) if dataclasses.is_dataclass(row) else dict(row) for row in rows]
+    write_json(path, {"rows": as_dicts, **figures})
+
+
 def write_text(path: str | Path, text: str, header: Mapping[str, Any] | None = None) -> None:
     """A text raw file (a Markdown one where path ends in .md) under the header."""
     lines = header_lines(header or run_header(), markdown=str(path).endswith(".md"))
@@ -199,8 +217,6 @@ def run_logged(command: list[str], out: str | Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m tools.bench.raw_file", description=__doc__.split("\n\n")[0],
                                 usage="%(prog)s [--out PATH] [--command TEXT] [-- COMMAND ...]")  # fmt: skip
     p.add_argument("--out", help="the raw file of COMMAND's output")

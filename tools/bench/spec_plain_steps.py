@@ -19,6 +19,7 @@ import torch
 
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from tools.bench.raw_file import add_json_flag, write_rows
 from tools.bench.step_times import StepTimes
 
 STEPS = 128
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--rounds", type=int, default=3)
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     settings = {"device": args.device, "async_scheduling": True}
     if args.dtype:
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     def held(num_requests: int) -> int:  # depth 0: plain steps only
         return 0
 
+    rows: list[dict] = []
     for batch in args.batch:
         times: dict[str, list[float]] = {
             "plain engine": [], "dspark as it schedules": [], "dspark at depth 0": [], "its speculator detached": [],
@@ -88,12 +91,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"batch {batch}, ms per step (best of {args.rounds}; all):")
         for name, values in times.items():
             print(f"  {name:<24} {min(values):7.3f}   ({', '.join(f'{v:.3f}' for v in values)})", flush=True)
+            rows.append({"batch": batch, "engine": name, "best_ms_per_step": min(values), "ms_per_step": values,
+                         "drafting_steps": drafting.get(name)})  # fmt: skip
         print("  drafting steps: " + ", ".join(f"{name} {n}" for name, n in drafting.items()))
         for r, line in enumerate(as_scheduled):
             print(f"  dspark as it schedules, round {r + 1} (warm-up and timed run), step() times: {line}")
     graphs = plain.engine.runner.graphs, spec.engine.runner.graphs
     print("graph buckets: plain", graphs[0].buckets if graphs[0] else None, "/ speculating",
           graphs[1].buckets if graphs[1] else None)
+    write_rows(args.json, rows, rounds=args.rounds)
 
 
 if __name__ == "__main__":

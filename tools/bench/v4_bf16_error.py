@@ -18,6 +18,7 @@ import torch
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from tests.helpers.deepseek_v4_models import save_tiny_v4, seeded_prompts as prompts
+from tools.bench.raw_file import add_json_flag, write_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--kernels", nargs="+", default=["auto", "torch"],
                    help="kernel tables to compare (\"triton\" on the CPU under TRITON_INTERPRET=1)")
+    add_json_flag(p)
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     print(f"# variant {args.variant} seed {args.seed}: mean |logprob - float32's| of the chosen tokens, per prompt")
+    rows: list[dict] = []
     for kernels in args.kernels:
         llm = LLM(str(path), dtype="bfloat16", device=args.device, block_size=16, prefill_chunk_size=32, kernels=kernels)
         ours_all, hf_all = [], []
@@ -51,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kernels={kernels:<5} prompt {len(p_ids):>3}: ours mean {ours_err.mean():.4f} max {ours_err.max():.4f}"
                   f"  transformers bf16 mean {hf_err.mean():.4f} max {hf_err.max():.4f}"
                   f"  ratio {ours_err.mean() / hf_err.mean():.2f}")
+            rows.append({"kernels": kernels, "prompt_len": len(p_ids), "ours_mean": float(ours_err.mean()),
+                         "ours_max": float(ours_err.max()), "transformers_bf16_mean": float(hf_err.mean()),
+                         "transformers_bf16_max": float(hf_err.max())})  # fmt: skip
             ours_all.append(ours_err)
             hf_all.append(hf_err)
         ours_mean, hf_mean = torch.cat(ours_all).mean(), torch.cat(hf_all).mean()
@@ -60,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             llm.close()
         del llm
         torch.cuda.empty_cache()
+    write_rows(args.json, rows, variant=args.variant, seed=args.seed, max_tokens=args.max_tokens)
     return 0
 
 

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 
 from shared.model.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Params
+from tools.bench.raw_file import add_json_flag, write_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ def measured_bytes(model: str, num_tokens: int = 256, block_size: int = 128) -> 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a V4 checkpoint folder (default: make-model's tiny V4)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     flash = logical_bytes(v4_flash(), 512, 2)
     print("V4-Flash shape, bf16, logical bytes per raw token:")
@@ -94,6 +96,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  logical: compressed {tiny.compressed:.1f}, with the window {tiny.with_window:.1f}")
     for block, value in stored.items():
         print(f"  this engine stores, blocks of {block}: {value:.1f}")
+    rows = [
+        {"shape": shape, "dtype": dtype, "kind": f"logical, {kind}", "bytes_per_token": value}
+        for shape, dtype, figures in (("V4-Flash", "bfloat16", flash), ("tiny", "float32", tiny))
+        for kind, value in (("compressed only", figures.compressed), ("window persisted", figures.with_window))
+    ]
+    rows += [{"shape": "tiny", "dtype": "float32", "kind": f"stored, blocks of {block}", "bytes_per_token": value}
+             for block, value in stored.items()]  # fmt: skip
+    write_rows(args.json, rows, model=args.model or "make-model's tiny V4")
 
 if __name__ == "__main__":
     main()

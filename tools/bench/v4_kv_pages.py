@@ -24,6 +24,7 @@ from shared.kv.spec import KVCacheLayout
 from shared.model.config import ModelConfig
 from shared.model.models.deepseek_v4 import entry_width, state_row, v4_kv_layout
 from shared.model.models.deepseek_v4_config import SLIDING
+from tools.bench.raw_file import add_json_flag, write_rows
 from tools.make_model import PRESETS, hf_config_dict
 
 
@@ -43,7 +44,8 @@ def padded_width(config: ModelConfig) -> int:
 def figures(
     config: ModelConfig, layout: KVCacheLayout, block_size: int, element_size: int, budget: int,
     max_num_seqs: int, max_step_tokens: int,
-) -> list[str]:
+) -> tuple[list[dict[str, float | int | str]], list[str]]:
+    """The layouts' rows (for --json) and the printed lines."""
     groups = len(layout.groups)
     assert layout.rows is not None
     true_token = sum(r.elements for r in layout.rows) * element_size
@@ -87,7 +89,8 @@ def figures(
         "fixed bytes: the state classes' pools, held whatever the requests' lengths.",
         f"tokens in budget 4 / 2: {rows[3][3] / rows[1][3]:.2f}x; 4 / 1: {rows[3][3] / rows[0][3]:.2f}x",
     ]
-    return lines
+    keys = ("layout", "bytes_per_token", "fixed_bytes", "tokens_in_budget")
+    return [dict(zip(keys, row)) for row in rows], lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,13 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-gib", type=float, default=40.0)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the engine's default")
     parser.add_argument("--max-step-tokens", type=int, default=8192, help="max_num_batched_tokens (CUDA default)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     config = v4_config(args.preset)
     layout = v4_kv_layout(config)
     budget = int(args.budget_gib * 2**30)
     print(f"preset {args.preset}")
-    print("\n".join(figures(config, layout, args.block_size, args.element_size, budget, args.max_num_seqs,
-                             args.max_step_tokens)))
+    rows, lines = figures(config, layout, args.block_size, args.element_size, budget, args.max_num_seqs,
+                          args.max_step_tokens)
+    print("\n".join(lines))
+    write_rows(args.json, rows, preset=args.preset, block_size=args.block_size, budget_bytes=budget)
     return 0
 
 
