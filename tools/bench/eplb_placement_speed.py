@@ -48,13 +48,13 @@ def load_baseline(rev: str) -> ModuleType:
     return module
 
 
-def cases(experts: list[int]) -> list[tuple[str, int, dict]]:
+def cases(experts: list[int], layers: int) -> list[tuple[str, int, dict]]:
     out = []
     for e in experts:
         out += [
-            (f"48x{e}xEP64 global r0", e, {"num_ranks": 64, "redundant_per_rank": 0}),
-            (f"48x{e}xEP64 global r1", e, {"num_ranks": 64, "redundant_per_rank": 1}),
-            (f"48x{e}xEP64 hier r1 (8 nodes, 8 groups)", e,
+            (f"{layers}x{e}xEP64 global r0", e, {"num_ranks": 64, "redundant_per_rank": 0}),
+            (f"{layers}x{e}xEP64 global r1", e, {"num_ranks": 64, "redundant_per_rank": 1}),
+            (f"{layers}x{e}xEP64 hier r1 (8 nodes, 8 groups)", e,
              {"num_ranks": 64, "redundant_per_rank": 1, "num_nodes": 8, "num_groups": 8}),
         ]
     return out
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# timing: ms per compute_placement, {args.layers} layers, log-normal loads sigma {args.sigma}, "
               f"{args.repeats} fresh loads (seed 1), {args.warmup} warm-up calls each, baseline and new alternating on "
               f"each load")
-        for name, experts, kw in cases(args.experts):
+        for name, experts, kw in cases(args.experts, args.layers):
             rng = np.random.default_rng(1)
             loads = [rng.lognormal(0.0, args.sigma, size=(args.layers, experts)) * 1000 for _ in range(args.repeats)]
             for load in loads[: args.warmup]:

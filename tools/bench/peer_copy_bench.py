@@ -91,7 +91,8 @@ def _bench(args: argparse.Namespace) -> list[dict]:
         print(f"{args.device}, {args.layers} layers, {dtype}, owner in {'its own' if args.pid_namespace else 'our'} "
               f"PID namespace, memory shared as {kind}: block = {region.block_bytes / 1e6:.2f} MB across layers")
         for tokens in (1024, 8192):
-            n = tokens // 16
+            n = min(tokens // 16, args.blocks)  # a tiny cache (--blocks) holds fewer: count what is copied
+            tokens = n * 16
             src = torch.randperm(args.blocks, generator=g)[:n].tolist()
             dst = torch.randperm(args.blocks, generator=g)[:n].tolist()
             times = []
