@@ -16,7 +16,7 @@ from shared.engine.config import (
 from shared.engine.sampling_params import SamplingParams
 from shared.model.models import ARCHITECTURE_OF_MODEL_TYPE
 from shared.runtime.settings import field_docs
-from tools.bench.catalog import BENCHES, Bench, find
+from tools.bench.catalog import BENCHES, PLOT_COMMAND, Bench, find
 from tools.bench.raw_file import add_json_flag
 
 # Engine knobs whose flag would collide with a subcommand's own (generate's --seed is the sampling seed).
@@ -446,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     for bench in BENCHES:
         if not bench.parsed_in_cli:  # listed here; main hands their arguments over before argparse sees them
             sub.add_parser(bench.command, help=bench.help, add_help=False)
+    sub.add_parser(PLOT_COMMAND, help="a bench's --json rows as a PNG: columns against a column, a line per group",
+                   add_help=False)  # fmt: skip
 
     p = sub.add_parser("up", help="run the mesh on this machine: nats-server and every service")
     p.add_argument("--model", default=None, help="checkpoint folder (default: models/default, made if missing)")
@@ -544,6 +546,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == PLOT_COMMAND:  # its flags are the module's, as a catalogued bench's
+        from tools.bench.plot_rows import main as plot_main
+
+        return plot_main(argv[1:])
     bench = find(argv[0]) if argv else None
     if bench is not None and not bench.parsed_in_cli:
         # Before argparse: a subparser cannot pass "--help" or leading flags through (REMAINDER stops at them).

@@ -15,6 +15,7 @@ import pytest
 
 from tools import cli
 from tools.bench.catalog import BENCHES, Bench, find
+from tools.bench.plot_rows import main as plot_main
 from tools.make_model import make_model
 
 ROOT = Path(cli.__file__).resolve().parents[1]
@@ -54,6 +55,19 @@ def _arguments(bench: Bench, tmp: Path, model: Path) -> list[str]:
     return [arg.format(tmp=tmp, model=model, spec_json=tmp / "spec.json") for arg in tiny]
 
 
+def _plots(file: Path, rows: list | None) -> None:
+    """`infermesh bench-plot` draws the rows: a number column against the first column."""
+    if not rows:
+        return
+    first = rows[0]
+    x = next(iter(first))
+    numbers = [k for k, v in first.items() if k != x and isinstance(v, int | float) and not isinstance(v, bool)]
+    if numbers:
+        out = file.with_suffix(".png")
+        assert plot_main([str(file), "--x", x, "--y", numbers[0], "--out", str(out)]) == 0, file
+        assert out.read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("bench", TINY, ids=lambda b: b.command)
 def test_bench_runs_tiny(bench: Bench, model: Path, tmp_path: Path) -> None:
     args = _arguments(bench, tmp_path, model)
@@ -73,5 +87,6 @@ def test_bench_runs_tiny(bench: Bench, model: Path, tmp_path: Path) -> None:
                 assert "commit" in figures["header"], file
                 if flag == "--json":  # the bench's figures, not the header alone
                     assert any(figures[key] for key in figures if key != "header"), file
+                    _plots(file, figures.get("rows"))
             elif file.suffix in (".txt", ".log"):
                 assert file.read_text().startswith("# commit: "), file

@@ -38,10 +38,11 @@ def test_every_module_is_a_bench_or_a_helper() -> None:
 
 
 def test_runnable_helpers_are_only_the_known_ones() -> None:
-    """A helper with its own main is a bench in disguise, but for these two: raw_file wraps a
-    bench, local_server's __main__ is bench-mesh's child process."""
+    """A helper with its own main is a bench in disguise, but for these three: raw_file wraps a
+    bench, local_server's __main__ is bench-mesh's child process, plot_rows draws any bench's
+    rows (`infermesh bench-plot`)."""
     runnable = {module for module in HELPERS if module != "__init__" and _runnable(_tree(module))}
-    assert runnable == {"raw_file", "local_server"}
+    assert runnable == {"raw_file", "local_server", "plot_rows"}
 
 
 def test_each_dispatched_bench_has_main_taking_argv() -> None:

@@ -155,6 +155,7 @@ HELPERS: dict[str, str] = {
     "mesh_report": "bench-mesh's printed report",
     "mesh_traces": "bench-mesh's trace breakdown",
     "openai_stream": "one streamed, timed request (bench, bench-mesh)",
+    "plot_rows": "`infermesh bench-plot`: any bench's --json rows as a PNG",
     "raw_file": "the raw files' header; its __main__ wraps a bench that only prints",
     "rounds": "bench-mesh's schedule and arithmetic",
     "spec_replay": "bench-spec's replayed acceptance profiles",
@@ -162,6 +163,9 @@ HELPERS: dict[str, str] = {
     "workloads": "what bench sends",
 }
 """Modules under tools/bench that are not benchmarks of their own, and what they serve."""
+
+PLOT_COMMAND = "bench-plot"
+"""Draws any bench's --json rows (tools/bench/plot_rows.py): not a benchmark itself."""
 
 _BY_COMMAND = {bench.command: bench for bench in BENCHES}
 
