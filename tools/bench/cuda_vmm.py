@@ -13,6 +13,7 @@ import json
 import sys
 
 from shared.kv.memory import cuda_vmm
+from tools.bench.raw_file import add_json_flag, write_rows
 
 _ATTRIBUTES = {"vmm": 102, "posix_fd": 103, "fabric": 128}
 
@@ -40,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cuda_vmm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("device", type=int, nargs="?", default=0, help="the CUDA device's index")
+    add_json_flag(p)
     args = p.parse_args(argv)
-    print(json.dumps(probe(args.device)), flush=True)
+    report = probe(args.device)
+    print(json.dumps(report), flush=True)
+    write_rows(args.json, [report])
     return 0
 
 

@@ -36,7 +36,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
-from tools.bench.raw_file import tee_stdout
+from tools.bench.raw_file import add_json_flag, tee_stdout, write_rows
 from tools.make_model import make_model
 
 TARGETS = ("off", "background", "blocking")
@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 3)")
     parser.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
+    rows: list[dict] = []
     if args.rounds < 3:
         parser.error("at least 3 timed rounds")
     with tee_stdout(args.out), tempfile.TemporaryDirectory() as tmp:
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
                     during, outside = p99(res.during_ms), p99(res.outside_ms)
                     ratios[target].append(during / outside)
                     vs_off[target].append(p99(res.during_ms + res.outside_ms) / off_p99)
+                    rows.append({"round": r, "target": target, "p99_during_ms": during, "p99_outside_ms": outside,
+                                 "during_over_outside": during / outside, "whole_over_off": vs_off[target][-1],
+                                 "failed": res.failed})  # fmt: skip
                     line.append(f"{target}: p99 during {during:.2f} ms ({len(res.during_ms)} gaps) / outside "
                                 f"{outside:.2f} ms ({len(res.outside_ms)}) = {during / outside:.3f}; "
                                 f"{res.moving_steps}/{res.steps} steps moving, {res.switches} layer switches")  # fmt: skip
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{target}: p99 ITL during a rebalance / outside one = {spread(ratios[target])} over "
                       f"{args.rounds} rounds; p99 ITL of the whole run / EPLB off = {spread(vs_off[target])}")
             print(f"failed requests: {failed} of {REQUESTS * args.rounds} a target")
+            write_rows(args.json, rows, failed=failed, requests_per_target=REQUESTS * args.rounds)
         finally:
             for engine in engines.values():
                 engine.close()

@@ -49,7 +49,7 @@ import httpx
 import numpy as np
 
 from tools.bench.eplb_live_bench import EPLB, RANKS, p99, spread
-from tools.bench.raw_file import tee_stdout
+from tools.bench.raw_file import add_json_flag, tee_stdout, write_rows
 from tools.bench.rounds import rotation
 from tools.launch.up import Mesh, free_port, parallel_env
 from tools.make_model import make_model
@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 3)")
     parser.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
+    rows: list[dict] = []
     if args.rounds < 3:
         parser.error("at least 3 timed rounds")
     with tee_stdout(args.out), tempfile.TemporaryDirectory() as tmp:
@@ -250,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
                     during, outside = p99(res.during_ms), p99(res.outside_ms)
                     ratios[target].append(during / outside)
                     vs_off[target].append(p99(res.during_ms + res.outside_ms) / off_p99)
+                    rows.append({"round": r, "target": target, "p99_during_ms": during, "p99_outside_ms": outside,
+                                 "during_over_outside": during / outside, "whole_over_off": vs_off[target][-1],
+                                 "layer_moves": res.moves, "failed": res.failed})  # fmt: skip
                     line.append(f"{target}: p99 during {during:.2f} ms ({len(res.during_ms)} gaps) / outside "
                                 f"{outside:.2f} ms ({len(res.outside_ms)}) = {during / outside:.3f}; "
                                 f"{res.moves} layer moves (start to nearest arrival: median "
@@ -263,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{target}: p99 ITL during a rebalance / outside one = {spread(ratios[target])} over "
                       f"{args.rounds} rounds; p99 ITL of the whole run / EPLB off = {spread(vs_off[target])}")
             print(f"failed requests: {failed} of {REQUESTS * args.rounds} a target; {load_average()} at the end")
+            write_rows(args.json, rows, failed=failed, requests_per_target=REQUESTS * args.rounds)
         finally:
             for mesh in meshes.values():
                 mesh.stop()

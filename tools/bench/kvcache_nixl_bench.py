@@ -96,12 +96,15 @@ def client_main(address: str, num_blocks: int, size: int, rounds: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tools.bench.raw_file import add_json_flag
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192, help="the prompt's tokens (a block per 16)")
     p.add_argument("--layers", type=int, default=8, help="layers of the cache (8: nixl_bench's CPU shape)")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds, after one warm-up round (>= 5)")
     p.add_argument("--log", help="the raw file (docs/perf/...), under the header")
     p.add_argument("--client", help=argparse.SUPPRESS)  # the child: kvcache's address
+    add_json_flag(p)
     args = p.parse_args(argv)
     num_blocks, size = args.tokens // BLOCK_TOKENS, block_bytes(args.layers)
     if num_blocks < 1 or args.layers < 1 or args.rounds < 5:
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from tools.bench.nixl_bench import kvcache_in_host
-    from tools.bench.raw_file import tee_stdout
+    from tools.bench.raw_file import tee_stdout, write_rows
     from tools.launch.netns import namespaces
 
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             "nixl_over_stream_max": max(ratios),
         }
         print("SUMMARY " + json.dumps(summary), flush=True)
+        write_rows(args.json, rows, summary=summary)
     return 0
 
 

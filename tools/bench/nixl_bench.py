@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from tools.bench.raw_file import add_json_flag, write_rows
+
 KV_CACHE = """
 def kv_cache(shape, dtype, device):
     # --alloc fabric|posix_fd: the cache in cuMemCreate'd memory (shared/kv/memory/cuda_vmm.py), as UCX's
@@ -209,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="GPU caches from torch's allocator (legacy CUDA IPC handles) or cuMemCreate'd with fabric "
                         "or POSIX-fd handles (UCX's cuda_ipc crosses PID namespaces only with fabric handles)")
     p.add_argument("--poll-cap-us", default="", help="the reader's longest pause between polls (default: by memory)")
+    add_json_flag(p)
     args = p.parse_args(argv)
+    rows: list[dict] = []
     from shared.kv.wire.nixl import UCX_CUDA_DEFAULTS
 
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -278,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                        cuda_ipc_max_poll=env.get("UCX_CUDA_IPC_MAX_POLL", f"{UCX_CUDA_DEFAULTS['UCX_CUDA_IPC_MAX_POLL']} (ours)"),
                        namespaces="net+pid" if hosts is not None else ("none" if args.one_pid_namespace else "pid"), holder_notifications=notes)  # fmt: skip
             print(json.dumps(row), flush=True)
+            rows.append(row)
+        write_rows(args.json, rows)
     finally:
         try:
             stack.close()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from tools.bench.raw_file import add_json_flag, write_rows
 from tools.launch.up import Mesh, free_port
 
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=4000)
     p.add_argument("--rounds", type=int, default=6, help="timed rounds (one more warms up)")
     p.add_argument("--block-size", type=int, default=16)
+    add_json_flag(p)
     args = p.parse_args(argv)
     from shared.model.config import ModelConfig
     from tools.launch.trace_view import request_span
@@ -106,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             "kv_path_one": paths["one"], "kv_path_across": paths["across"],
         }  # fmt: skip
         print(json.dumps(row), flush=True)
+        write_rows(args.json, [{"round": i, "ttft_one_s": one, "ttft_across_s": across, "across_over_one": across / one}
+                               for i, (one, across) in enumerate(zip(times["one"], times["across"]))],
+                   summary=row)  # fmt: skip
     return 0
 
 
