@@ -472,8 +472,8 @@ def test_chart_runs_the_vision_stage_apart_fenced_to_nats_and_kvcache():
     """stages.vision: a StatefulSet of its own running services.vision, each pod logged in
     to NATS as itself with the vision role's permissions (its own encode subject and
     heartbeat), its own certificate, an HPA on its image queue; it moves no KV, so it has
-    no kv_transfer/UCX settings, no kv-share mount (even with kvShare.hostPath) and no UCX
-    rule names it. Its NetworkPolicy fences it both ways: nothing in but its metrics port;
+    no kv_transfer/UCX settings and no UCX rule names it; with kvShare.hostPath it mounts the
+    node's directory as prefill and decode do, for its embeddings ring. Its NetworkPolicy fences it both ways: nothing in but its metrics port;
     out, only NATS, kvcache's gRPC and DNS (and the OTLP collector's port when set). A
     vision stage on the text-only demo model is refused."""
     values = merged(VISION_VALUES, {"stages": {"vision": {"autoscaling": {"enabled": True, "maxReplicas": 3}}},
@@ -491,9 +491,16 @@ def test_chart_runs_the_vision_stage_apart_fenced_to_nats_and_kvcache():
     assert settings.nats.user == settings.worker.instance_id == "mesh-infermesh-vision-0"
     assert settings.nats.password_file and settings.worker.grpc_token and settings.nats.tls_cert
     assert settings.kvcache.address == "mesh-infermesh-kvcache:50051"
-    assert not kv_transfer_env(pod) and "kv-share" not in json.dumps(vision) and "KV_SHARE_DIR" not in json.dumps(env)
-    assert [c["name"] for c in pod["initContainers"]] == ["nats-credentials", "make-model"]
-    assert pod["initContainers"][1]["command"][-1].endswith("--arch qwen2_5_vl --preset tiny-vl")
+    assert not kv_transfer_env(pod)
+    (mount,) = [m for m in main["volumeMounts"] if m["name"] == "kv-share"]
+    assert env["INFERMESH_ENGINE__KV_SHARE_DIR"] == mount["mountPath"] == settings.engine.kv_share_dir
+    assert {"name": "kv-share", "hostPath": {"path": "/run/infermesh/kv-share", "type": "DirectoryOrCreate"}} in (
+        pod["volumes"])
+    assert [c["name"] for c in pod["initContainers"]] == ["nats-credentials", "kv-share", "make-model"]
+    assert pod["initContainers"][2]["command"][-1].endswith("--arch qwen2_5_vl --preset tiny-vl")
+    # Without kvShare: none of it.
+    plain = workloads(render_chart(merged(VISION_VALUES, {})))["mesh-infermesh-vision"]
+    assert "kv-share" not in json.dumps(plain) and "KV_SHARE_DIR" not in json.dumps(plain)
     (tls,) = [v for v in pod["volumes"] if v["name"] == "tls"]
     assert {i["key"] for i in tls["secret"]["items"]} == {"ca.crt", "vision.crt", "vision.key"}
     # NATS: a user per ordinal up to the HPA's maximum, each with the vision role's permissions and no more.
