@@ -1068,10 +1068,9 @@ def test_compose_file_validates(profile):
         assert {d: c["condition"] for d, c in svc["depends_on"].items()} == {
             "certs": "service_completed_successfully", "nats": "service_healthy", "kvcache": "service_healthy",
             "model-init": "service_completed_successfully", "jaeger": "service_started"}
-        if name.startswith("vision"):  # the encoder: moves no KV
+        if name.startswith("vision"):  # the encoder: moves no KV (its embeddings ring: kv-share, below)
             assert svc["command"] == ["python", "-m", "services.vision"], name
             assert not [k for k in svc["environment"] if k.startswith(("UCX_", "INFERMESH_KV_TRANSFER__"))], name
-            assert "INFERMESH_ENGINE__KV_SHARE_DIR" not in svc["environment"], name
         if profile.startswith("gpu"):
             assert svc["environment"]["INFERMESH_ENGINE__DEVICE"] == "cuda"
             assert svc["build"]["args"]["VARIANT"] == "cuda"
@@ -1126,12 +1125,13 @@ def test_compose_runs_prefill_and_decode_apart_and_moves_kv_through_nixl(profile
 def test_compose_workers_share_the_kv_share_volume_for_the_direct_copy(profile):
     """Compose runs on one host: every worker (and nothing else) mounts the one `kv-share`
     volume at the directory INFERMESH_ENGINE__KV_SHARE_DIR names, so that decode copies
-    prefill's KV directly across their containers' PID namespaces. The volume is in memory
-    and belongs to the image's user (which binds the socket there), closed to others."""
+    prefill's KV, and prefill the vision encoder's embeddings ring, directly across their
+    containers' PID namespaces. The volume is in memory and belongs to the image's user
+    (which binds the socket there), closed to others."""
     config = compose_config(*COMPOSE_PROFILES[profile])
     services = config["services"]
-    # The engine stages' workers; the vision encoder (which moves no KV) is none of them.
-    workers = {n for n in COMPOSE_WORKERS[profile] if not n.startswith("vision")}
+    workers = set(COMPOSE_WORKERS[profile])  # the vision encoder too (its embeddings ring)
+    assert any(n.startswith("vision") for n in workers) == ("vision" in profile)
     for name, svc in services.items():
         mounts = [v for v in svc.get("volumes", []) if v["source"] == "kv-share"]
         env = svc.get("environment") or {}
