@@ -29,7 +29,7 @@ class Bench:
     `{tmp}` is a fresh folder, `{model}` a seeded tiny llama with a tokenizer (make-model),
     `{spec_json}` bench-spec's JSON from its own tiny run. None: see not_tiny."""
     not_tiny: str = ""
-    """Why it has no tiny run in that test (a GPU, root, or covered elsewhere)."""
+    """Why it has no tiny run in that test (a GPU, too slow, or covered elsewhere)."""
 
     @property
     def help(self) -> str:
@@ -85,10 +85,10 @@ BENCHES: tuple[Bench, ...] = (
                      "{tmp}/kvcache.json")),
     Bench("bench-kvcache-nixl", "kvcache_nixl_bench", "kvcache Gets through NIXL against the byte stream, across "
           "namespaces (root)", "--json PATH: a row per round, the summary; " + _RAW_LOG + "; JSON ROUND and SUMMARY lines",
-          not_tiny="needs root (network and PID namespaces) and the NIXL wheel"),
+          tiny=_args("--tokens 64 --layers 1 --rounds 5 --log {tmp}/kvcache_nixl.log --json {tmp}/kvcache_nixl.json")),
     Bench("bench-nixl", "nixl_bench", "the KV handoff through NIXL alone between two namespaced processes",
           "--json PATH: a row per prompt size; prints a JSON line per row",
-          not_tiny="needs root (namespaced processes) and the NIXL wheel"),
+          tiny=_args("--device cpu --layers 2 --blocks 64 --prompts 1024 --reps 1 --json {tmp}/nixl.json")),
     Bench("bench-one-request", "one_request_bench", "a batch's tokens/s with one structured, penalties or logprobs "
           "request in it against without", "--json PATH: a row per engine and variant",
           tiny=_args("--model {model} --batch 2 --tokens 4 --rounds 1 --json {tmp}/one_request.json")),
@@ -127,7 +127,7 @@ BENCHES: tuple[Bench, ...] = (
           tiny=_args("--model {model} --prompt-len 64 --repeats 1 --warmup 0 --out {tmp}/tier")),
     Bench("bench-ttft", "ttft_bench", "TTFT of a long prompt, containers' mesh (PID namespaces) against one namespace",
           "--json PATH: a row per round, the summary; prints a JSON line",
-          not_tiny="needs root (PID namespaces for the containers' mesh)"),
+          tiny=_args("--model {model} --prompt-len 64 --rounds 1 --json {tmp}/ttft.json")),
     Bench("bench-v4", "v4_bench", "DeepSeek-V4 in the engine: decode tok/s, long-prompt TTFT, time by kind",
           "--out DIR: v4_bench.json and .md",
           tiny=_args("--model {tmp}/v4 --preset tiny --device cpu --dtype float32 --batches 1 --context 12 "

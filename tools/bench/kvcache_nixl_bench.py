@@ -57,8 +57,11 @@ async def _get_all(client, hashes: list, check: list[bytes] | None) -> int:  # n
 def client_main(address: str, num_blocks: int, size: int, rounds: int) -> None:
     """In the client's host: store, then time the Gets; a ROUND line per round."""
     from shared.kv.wire.client import KVCacheClient, Plane
-    from shared.runtime.settings import KVTransferSettings
+    from shared.runtime import rpc
+    from shared.runtime.settings import KVTransferSettings, load_settings
     from tools.bench.kvcache_bench import hashes_for
+
+    rpc.configure_from(load_settings().worker)  # the token the bench gave it (a prefill's)
 
     datas = [os.urandom(size) for _ in range(num_blocks)]
     hashes = hashes_for(f"kvnixl-{os.getpid()}-{time.time_ns()}", num_blocks)
@@ -113,13 +116,20 @@ def main(argv: list[str] | None = None) -> int:
         client_main(args.client, num_blocks, size, args.rounds)
         return 0
 
+    from shared.runtime.rpc_auth import peers_setting
     from tools.bench.nixl_bench import kvcache_in_host
+    from tools.launch.nats_auth import grpc_tokens
     from tools.bench.raw_file import tee_stdout, write_rows
     from tools.launch.netns import namespaces
 
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.setdefault("UCX_TLS", "tcp")  # between hosts; UCX_NET_DEVICES: each namespace has eth0 and lo alone
-    with tee_stdout(args.log), namespaces(["kvcache", "client"]) as hosts, kvcache_in_host(hosts, "kvcache", env) as address:
+    # kvcache binds beyond loopback (its host's address): it needs its peers, and the client,
+    # which stores and reads blocks as prefill does, the prefill identity's token.
+    tokens = grpc_tokens()
+    env["INFERMESH_WORKER__GRPC_TOKEN"] = tokens["prefill"]
+    served = {**env, "INFERMESH_WORKER__GRPC_PEERS": peers_setting(tokens)}
+    with tee_stdout(args.log), namespaces(["kvcache", "client"]) as hosts, kvcache_in_host(hosts, "kvcache", served) as address:
         print(f"kvcache Get of a {args.tokens}-token prompt: {num_blocks} blocks of {size / 2**20:g} MiB "
               f"({num_blocks * size / 2**20:g} MiB; {args.layers} layers x 8 kv heads x 128, float32), "
               f"client and kvcache in network+PID namespaces of their own, UCX_TLS={env['UCX_TLS']}; "

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from tools.bench.raw_file import add_json_flag, write_rows
 
@@ -316,7 +317,9 @@ def kvcache_in_host(hosts, name: str, env: dict[str, str]):  # noqa: ANN001, ANN
         deadline = time.monotonic() + 60
         while not grpc_serving(address):
             if kv.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"kvcache did not start: see {stack_dir}/kvcache.log")
+                log.flush()
+                tail = Path(f"{stack_dir}/kvcache.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"kvcache did not start ({stack_dir}/kvcache.log):\n{tail}")
             time.sleep(0.2)
         yield address
     finally:
