@@ -67,10 +67,11 @@ BENCHES: tuple[Bench, ...] = (
           not_tiny="GPU only"),
     Bench("bench-eplb-live", "eplb_live_bench", "in-engine ITL while live EPLB moves experts (2 CPU ranks)",
           "--json PATH: a row per round and target; " + _RAW_OUT,
-          not_tiny="its least run (--rounds 3, two CPU ranks) took over 300 s on 2 loaded cores"),
+          tiny=_args("--rounds 3 --requests 4 --max-tokens 16 --out {tmp}/eplb_live.txt --json {tmp}/eplb_live.json")),
     Bench("bench-eplb-live-mesh", "eplb_live_mesh_bench", "streamed ITL through the mesh while EPLB moves experts",
           "--json PATH: a row per round and target; " + _RAW_OUT,
-          not_tiny="its least run (--rounds 3, a mesh with 2 EP ranks) took 145 s on 2 loaded cores"),
+          tiny=_args("--rounds 3 --requests 4 --max-tokens 16 --out {tmp}/eplb_live_mesh.txt --json "
+                     "{tmp}/eplb_live_mesh.json")),
     Bench("bench-eplb-placement-speed", "eplb_placement_speed", "EPLB placement time and balance against a revision's",
           "--json PATH: timing rows, balance; " + _RAW_OUT,
           tiny=_args("--baseline-rev none --layers 2 --repeats 2 --warmup 1 --window 20 --out {tmp}/placement.txt "

@@ -67,10 +67,10 @@ def build(model: str, target: str) -> LLMEngine:
                                   max_num_seqs=CONCURRENCY, **eplb))  # type: ignore[arg-type]  # fmt: skip
 
 
-def run(engine: LLMEngine, seed: int) -> RunResult:
-    """One closed-loop run of REQUESTS requests, CONCURRENCY at a time."""
+def run(engine: LLMEngine, seed: int, requests: int = REQUESTS, max_tokens: int = MAX_TOKENS) -> RunResult:
+    """One closed-loop run of `requests` requests, CONCURRENCY at a time."""
     rng = np.random.default_rng(seed)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     moves = getattr(engine.executor, "moves")
     switches_before = moves.num_switches
     arrivals: dict[str, list[int]] = {}  # request -> the step index of each token
@@ -87,21 +87,21 @@ def run(engine: LLMEngine, seed: int) -> RunResult:
         arrivals[rid] = []
         submitted += 1
 
-    for _ in range(min(CONCURRENCY, REQUESTS)):
+    for _ in range(min(CONCURRENCY, requests)):
         submit()
     while engine.has_unfinished_requests():
         try:
             outputs = engine.step()
         except Exception:  # a failed step fails every request in it: counted, the run ends
-            return RunResult([], [], REQUESTS, len(step_ends), sum(step_moving), 0)
+            return RunResult([], [], requests, len(step_ends), sum(step_moving), 0)
         step_ends.append(time.perf_counter())
         step_moving.append(moves.moving)
         index = len(step_ends) - 1
         for out in outputs:
             arrivals[out.request_id].extend([index] * len(out.new_token_ids))
             if out.finished:
-                failed += len(arrivals[out.request_id]) != MAX_TOKENS
-                if submitted < REQUESTS:
+                failed += len(arrivals[out.request_id]) != max_tokens
+                if submitted < requests:
                     submit()
     during, outside = [], []
     for steps in arrivals.values():
@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 3)")
     parser.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
+    parser.add_argument("--requests", type=int, default=REQUESTS, help="requests per run")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="new tokens per request")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     rows: list[dict] = []
@@ -132,18 +134,18 @@ def main(argv: list[str] | None = None) -> None:
         model = str(Path(tmp) / "qwen3_moe")
         make_model(model, arch="qwen3_moe", preset="tiny", seed=0, tokenizer=False)
         print(f"Qwen3-MoE tiny preset (3 MoE layers of 8 experts, hidden 256), EP={RANKS} gloo ranks on the CPU; "
-              f"{CONCURRENCY} concurrent greedy requests, {REQUESTS} a run, {PROMPT_TOKENS} prompt + {MAX_TOKENS} "
+              f"{CONCURRENCY} concurrent greedy requests, {args.requests} a run, {PROMPT_TOKENS} prompt + {args.max_tokens} "
               f"new tokens; EPLB {EPLB}")  # fmt: skip
         engines = {target: build(model, target) for target in TARGETS}
         try:
             for target in TARGETS:
-                run(engines[target], seed=999)  # warm-up, dropped
+                run(engines[target], 999, args.requests, args.max_tokens)  # warm-up, dropped
             ratios: dict[str, list[float]] = {"background": [], "blocking": []}
             vs_off: dict[str, list[float]] = {"background": [], "blocking": []}
             failed = dict.fromkeys(TARGETS, 0)
             for r in range(args.rounds):
                 order = TARGETS[r % 3 :] + TARGETS[: r % 3]
-                results = {target: run(engines[target], seed=r) for target in order}
+                results = {target: run(engines[target], r, args.requests, args.max_tokens) for target in order}
                 off = results["off"]
                 off_p99 = p99(off.outside_ms)
                 line = [f"round {r} (order {','.join(order)}): off p99 {off_p99:.2f} ms, {off.steps} steps"]
@@ -165,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
             for target in ("background", "blocking"):
                 print(f"{target}: p99 ITL during a rebalance / outside one = {spread(ratios[target])} over "
                       f"{args.rounds} rounds; p99 ITL of the whole run / EPLB off = {spread(vs_off[target])}")
-            print(f"failed requests: {failed} of {REQUESTS * args.rounds} a target")
-            write_rows(args.json, rows, failed=failed, requests_per_target=REQUESTS * args.rounds)
+            print(f"failed requests: {failed} of {args.requests * args.rounds} a target")
+            write_rows(args.json, rows, failed=failed, requests_per_target=args.requests * args.rounds)
         finally:
             for engine in engines.values():
                 engine.close()

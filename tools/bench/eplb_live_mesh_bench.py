@@ -143,9 +143,9 @@ def _env(target: str) -> dict[str, str]:
     return {**parallel_env(RANKS, True, target != "off", eplb), "INFERMESH_ENGINE__MAX_NUM_SEQS": str(CONCURRENCY)}
 
 
-def _stream(client: httpx.Client, url: str, model: str, prompt: list[int]) -> list[float]:
+def _stream(client: httpx.Client, url: str, model: str, prompt: list[int], max_tokens: int) -> list[float]:
     """One greedy streamed completion: each token's arrival (unix seconds)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True}  # fmt: skip
     arrivals: list[float] = []
     with client.stream("POST", url, json=body) as resp:
@@ -162,14 +162,14 @@ def _stream(client: httpx.Client, url: str, model: str, prompt: list[int]) -> li
     return arrivals
 
 
-def run(mesh: Mesh, model: str, seed: int) -> RunResult:
-    """One closed-loop run of REQUESTS streams, CONCURRENCY at a time."""
+def run(mesh: Mesh, model: str, seed: int, requests: int = REQUESTS, max_tokens: int = MAX_TOKENS) -> RunResult:
+    """One closed-loop run of `requests` streams, CONCURRENCY at a time."""
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(10, 4000, PROMPT_TOKENS).tolist() for _ in range(REQUESTS)]
+    prompts = [rng.integers(10, 4000, PROMPT_TOKENS).tolist() for _ in range(requests)]
     url = mesh.api_url + "/completions"
     arrivals: list[list[float]] = []
     errors: list[str] = []
-    next_request = iter(range(REQUESTS))
+    next_request = iter(range(requests))
     lock = threading.Lock()
 
     def loop() -> None:
@@ -180,7 +180,7 @@ def run(mesh: Mesh, model: str, seed: int) -> RunResult:
                 if i is None:
                     return
                 try:
-                    times = _stream(client, url, model, prompts[i])
+                    times = _stream(client, url, model, prompts[i], max_tokens)
                 except Exception as exc:  # noqa: BLE001  (counted as failed)
                     errors.append(f"{type(exc).__name__}: {exc}")
                     continue
@@ -198,7 +198,7 @@ def run(mesh: Mesh, model: str, seed: int) -> RunResult:
     moves = moves_in_log((mesh.state_dir / "logs" / "decode-0.log").read_text())
     moves = [m for m in moves if m.start < ended and m.end > began]
     during, outside = split_gaps(arrivals, moves)
-    failed = len(errors) + sum(len(times) != MAX_TOKENS for times in arrivals)
+    failed = len(errors) + sum(len(times) != max_tokens for times in arrivals)
     # A move left in flight by the run before switches with this run's first step: its
     # start is no step of this run's to check the tolerance against.
     offsets = start_offsets_ms(arrivals, [m for m in moves if m.start >= began])
@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (at least 3)")
     parser.add_argument("--out", help="the raw file (the printed output under raw_file's header)")
+    parser.add_argument("--requests", type=int, default=REQUESTS, help="streams per run")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="new tokens per stream")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     rows: list[dict] = []
@@ -224,8 +226,8 @@ def main(argv: list[str] | None = None) -> None:
         make_model(model, arch="qwen3_moe", preset="tiny", seed=0)
         print(f"Qwen3-MoE tiny preset (3 MoE layers of 8 experts, hidden 256); a mesh per target: 1 prefill and "
               f"1 decode instance, each EP={RANKS} gloo ranks on the CPU, nats-server, kvcache, the balancer; "
-              f"{CONCURRENCY} concurrent greedy HTTP streams, {REQUESTS} a run, {PROMPT_TOKENS} prompt + "
-              f"{MAX_TOKENS} new tokens; EPLB {EPLB}; {os.cpu_count()} CPUs, {load_average()} at the start")  # fmt: skip
+              f"{CONCURRENCY} concurrent greedy HTTP streams, {args.requests} a run, {PROMPT_TOKENS} prompt + "
+              f"{args.max_tokens} new tokens; EPLB {EPLB}; {os.cpu_count()} CPUs, {load_average()} at the start")  # fmt: skip
         meshes: dict[str, Mesh] = {}
         try:
             for target in TARGETS:
@@ -234,13 +236,13 @@ def main(argv: list[str] | None = None) -> None:
                 mesh.start(timeout_s=300)
             name = httpx.get(meshes["off"].api_url + "/models", timeout=30).json()["data"][0]["id"]
             for target in TARGETS:
-                run(meshes[target], name, seed=999)  # warm-up, dropped
+                run(meshes[target], name, 999, args.requests, args.max_tokens)  # warm-up, dropped
             ratios: dict[str, list[float]] = {"background": [], "blocking": []}
             vs_off: dict[str, list[float]] = {"background": [], "blocking": []}
             failed = dict.fromkeys(TARGETS, 0)
             for r in range(args.rounds):
                 order = rotation(TARGETS, r)
-                results = {target: run(meshes[target], name, seed=r) for target in order}
+                results = {target: run(meshes[target], name, r, args.requests, args.max_tokens) for target in order}
                 off = results["off"]
                 off_p99 = p99(off.outside_ms)
                 line = [f"round {r} (order {','.join(order)}; {load_average()}): off p99 {off_p99:.2f} ms "
@@ -255,10 +257,12 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"round": r, "target": target, "p99_during_ms": during, "p99_outside_ms": outside,
                                  "during_over_outside": during / outside, "whole_over_off": vs_off[target][-1],
                                  "layer_moves": res.moves, "failed": res.failed})  # fmt: skip
+                    offsets = res.start_offsets_ms  # none where no move started within the run (a short one)
                     line.append(f"{target}: p99 during {during:.2f} ms ({len(res.during_ms)} gaps) / outside "
                                 f"{outside:.2f} ms ({len(res.outside_ms)}) = {during / outside:.3f}; "
-                                f"{res.moves} layer moves (start to nearest arrival: median "
-                                f"{np.median(res.start_offsets_ms):.1f} ms, max {max(res.start_offsets_ms):.1f})")  # fmt: skip
+                                f"{res.moves} layer moves (start to nearest arrival: " + (
+                                    f"median {np.median(offsets):.1f} ms, max {max(offsets):.1f})" if offsets
+                                    else "no move started in the run)"))  # fmt: skip
                 print("; ".join(line), flush=True)
                 for target, res in results.items():
                     for error in res.errors[:3]:
@@ -267,8 +271,8 @@ def main(argv: list[str] | None = None) -> None:
             for target in ("background", "blocking"):
                 print(f"{target}: p99 ITL during a rebalance / outside one = {spread(ratios[target])} over "
                       f"{args.rounds} rounds; p99 ITL of the whole run / EPLB off = {spread(vs_off[target])}")
-            print(f"failed requests: {failed} of {REQUESTS * args.rounds} a target; {load_average()} at the end")
-            write_rows(args.json, rows, failed=failed, requests_per_target=REQUESTS * args.rounds)
+            print(f"failed requests: {failed} of {args.requests * args.rounds} a target; {load_average()} at the end")
+            write_rows(args.json, rows, failed=failed, requests_per_target=args.requests * args.rounds)
         finally:
             for mesh in meshes.values():
                 mesh.stop()
