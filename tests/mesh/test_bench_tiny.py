@@ -15,6 +15,7 @@ import pytest
 
 from tools import cli
 from tools.bench.catalog import BENCHES, Bench, find
+from tools.bench.plot_rows import as_rows
 from tools.bench.plot_rows import main as plot_main
 from tools.make_model import make_model
 
@@ -55,8 +56,9 @@ def _arguments(bench: Bench, tmp: Path, model: Path) -> list[str]:
     return [arg.format(tmp=tmp, model=model, spec_json=tmp / "spec.json") for arg in tiny]
 
 
-def _plots(file: Path, rows: list | None) -> None:
+def _plots(file: Path, rows: object) -> None:
     """`infermesh bench-plot` draws the rows: a number column against the first column."""
+    rows = as_rows(rows)
     if not rows:
         return
     first = rows[0]

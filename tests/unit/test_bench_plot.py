@@ -39,3 +39,15 @@ def test_a_missing_column_or_file_without_rows_is_named(tmp_path: Path, capsys) 
     assert main(["bench-plot", str(bare), "--x", "a", "--y", "b"]) == 2
     assert "no rows" in capsys.readouterr().out
     assert main(["bench-plot", str(path), "--x", "batch", "--y", "label"]) == 2  # no numbers to draw
+
+
+def test_an_older_bench_s_mapping_of_rows_is_drawn_by_name(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """bench-routing, bench-spec and others write {"rows": {name: figures}}: a row per name."""
+    path = tmp_path / "routing.json"
+    write_rows(path, [])
+    data = json.loads(path.read_text())
+    data["rows"] = {"disaggregated": {"completed": 4, "duration_s": 0.53},
+                    "conditional": {"completed": 4, "duration_s": 0.75}}
+    path.write_text(json.dumps(data))
+    assert main(["bench-plot", str(path), "--x", "name", "--y", "duration_s"]) == 0
+    assert "(2 points)" in capsys.readouterr().out

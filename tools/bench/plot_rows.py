@@ -29,11 +29,21 @@ def _number(value: Any) -> float | None:
     return None if math.isnan(value) else float(value)
 
 
+def as_rows(rows: Any) -> list[dict[str, Any]]:
+    """A bench's rows as a list of mappings: write_rows' list, or the older benches'
+    mapping of a name to its figures (each then a row with that name under "name")."""
+    if isinstance(rows, dict) and rows and all(isinstance(v, dict) for v in rows.values()):
+        return [{"name": name, **figures} for name, figures in rows.items()]
+    if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
+        return rows
+    return []
+
+
 def load_rows(path: str | Path, needed: Sequence[str]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """(header, rows) of a bench's --json file; ValueError naming what is missing."""
     header, figures = read_json(path)
-    rows = figures.get("rows") if isinstance(figures, dict) else None
-    if not rows or not all(isinstance(row, dict) for row in rows):
+    rows = as_rows(figures.get("rows") if isinstance(figures, dict) else None)
+    if not rows:
         raise ValueError(f"{path}: no rows (a bench's --json file has a list under \"rows\")")
     columns = set().union(*rows)
     missing = [c for c in needed if c not in columns]
