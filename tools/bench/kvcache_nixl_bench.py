@@ -116,20 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         client_main(args.client, num_blocks, size, args.rounds)
         return 0
 
-    from shared.runtime.rpc_auth import peers_setting
-    from tools.bench.nixl_bench import kvcache_in_host
-    from tools.launch.nats_auth import grpc_tokens
+    from tools.bench.nixl_bench import kvcache_in_host, with_prefill_token
     from tools.bench.raw_file import tee_stdout, write_rows
     from tools.launch.netns import namespaces
 
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.setdefault("UCX_TLS", "tcp")  # between hosts; UCX_NET_DEVICES: each namespace has eth0 and lo alone
-    # kvcache binds beyond loopback (its host's address): it needs its peers, and the client,
-    # which stores and reads blocks as prefill does, the prefill identity's token.
-    tokens = grpc_tokens()
-    env["INFERMESH_WORKER__GRPC_TOKEN"] = tokens["prefill"]
-    served = {**env, "INFERMESH_WORKER__GRPC_PEERS": peers_setting(tokens)}
-    with tee_stdout(args.log), namespaces(["kvcache", "client"]) as hosts, kvcache_in_host(hosts, "kvcache", served) as address:
+    env = with_prefill_token(env)  # the client stores and reads blocks as prefill does
+    with tee_stdout(args.log), namespaces(["kvcache", "client"]) as hosts, kvcache_in_host(hosts, "kvcache", env) as address:
         print(f"kvcache Get of a {args.tokens}-token prompt: {num_blocks} blocks of {size / 2**20:g} MiB "
               f"({num_blocks * size / 2**20:g} MiB; {args.layers} layers x 8 kv heads x 128, float32), "
               f"client and kvcache in network+PID namespaces of their own, UCX_TLS={env['UCX_TLS']}; "

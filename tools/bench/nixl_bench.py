@@ -243,15 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.stream:
             if hosts is None:
                 raise SystemExit("--stream needs --hosts")
-            # kvcache binds beyond loopback (the holder's address): it needs its peers, and the
-            # reader, which stores and reads blocks as prefill does, the prefill identity's token.
-            from shared.runtime.rpc_auth import peers_setting
-            from tools.launch.nats_auth import grpc_tokens
-
-            tokens = grpc_tokens()
-            env = {**env, "INFERMESH_WORKER__GRPC_TOKEN": tokens["prefill"]}
-            kvcache = stack.enter_context(kvcache_in_host(hosts, "holder",
-                                                          {**env, "INFERMESH_WORKER__GRPC_PEERS": peers_setting(tokens)}))
+            env = with_prefill_token(env)  # the reader stores and reads blocks as prefill does
+            kvcache = stack.enter_context(kvcache_in_host(hosts, "holder", env))
         holder = subprocess.Popen(command("holder", HOLDER, *sizes), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env=env)  # fmt: skip
         assert holder.stdout is not None and holder.stdin is not None
@@ -294,10 +287,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def with_prefill_token(env: dict[str, str]) -> dict[str, str]:
+    """env with a fresh token of the prefill identity (worker.grpc_token): what a bench's
+    kvcache client presents, and what kvcache_in_host's kvcache is told to know."""
+    from tools.launch.nats_auth import grpc_tokens
+
+    return {**env, "INFERMESH_WORKER__GRPC_TOKEN": grpc_tokens()["prefill"]}
+
+
 @contextlib.contextmanager
 def kvcache_in_host(hosts, name: str, env: dict[str, str]):  # noqa: ANN001, ANN202
-    """nats-server on the bridge and `python -m services.kvcache` in host `name` (beyond
-    loopback: env must carry worker.grpc_peers); yields the address a client in another host dials."""
+    """nats-server on the bridge and `python -m services.kvcache` in host `name`; yields the
+    address a client in another host dials. kvcache binds beyond loopback, so it serves only
+    the prefill token env carries (with_prefill_token), its one peer."""
+    from shared.runtime.rpc_auth import peers_setting
     from tools.launch.up import find_nats_server, free_port, grpc_serving
 
     nats_port, kv_port = free_port(), free_port()
@@ -307,7 +310,8 @@ def kvcache_in_host(hosts, name: str, env: dict[str, str]):  # noqa: ANN001, ANN
                    "INFERMESH_KVCACHE__ADDRESS": address, "INFERMESH_WORKER__BIND_HOST": hosts[name].address,
                    "INFERMESH_KVCACHE__PATH": f"{tmp}/kvcache", "INFERMESH_KVCACHE__CAPACITY_BYTES": str(8 << 30),
                    "INFERMESH_TELEMETRY__TRACE_DIR": f"{tmp}/traces",
-                   "INFERMESH_WORKER__DRAIN_TIMEOUT_S": "2"}  # fmt: skip
+                   "INFERMESH_WORKER__DRAIN_TIMEOUT_S": "2",
+                   "INFERMESH_WORKER__GRPC_PEERS": peers_setting({"prefill": env["INFERMESH_WORKER__GRPC_TOKEN"]})}  # fmt: skip
     nats = subprocess.Popen([find_nats_server(), "-a", hosts.gateway, "-p", str(nats_port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     log = open(f"{stack_dir}/kvcache.log", "wb")
