@@ -47,14 +47,11 @@ def scrape(url: str, timeout_s: float = 5.0) -> Series:
         return parse(resp.read().decode())
 
 
-def total(series: Series, name: str) -> float:
-    """A series summed over its labels (e.g. finished requests of every reason)."""
-    return sum(v for (n, _), v in series.items() if n == name)
-
-
-def labelled(series: Series, name: str, label: str, values: tuple[str, ...]) -> float:
-    """A series summed over the samples whose `label` is one of `values`."""
-    return sum(v for (n, labels), v in series.items() if n == name and dict(labels).get(label) in values)
+def total(series: Series, name: str, label: str = "", values: tuple[str, ...] = ()) -> float:
+    """A series summed over its labels (e.g. finished requests of every reason); with
+    `label`, over the samples whose label is one of `values` only."""
+    return sum(v for (n, labels), v in series.items()
+               if n == name and (not label or dict(labels).get(label) in values))  # fmt: skip
 
 
 def buckets(series: Series, name: str) -> list[tuple[float, float]]:
@@ -120,8 +117,8 @@ class Observation:
 
 
 def observe(before: Series, after: Series, interval_s: float, percentile: float) -> Observation:
-    def delta(name: str) -> float:
-        return max(total(after, name) - total(before, name), 0.0)
+    def delta(name: str, label: str = "", values: tuple[str, ...] = ()) -> float:
+        return max(total(after, name, label, values) - total(before, name, label, values), 0.0)
 
     requests = delta(REQUESTS)
     prompt = delta(PROMPT_TOKENS)
@@ -150,7 +147,5 @@ def observe(before: Series, after: Series, interval_s: float, percentile: float)
         output_p90=length(OUTPUT_LENGTHS, 0.9, output_mean),
         input_at_percentile=length(PROMPT_LENGTHS, percentile / 100, input_mean),
         output_at_percentile=length(OUTPUT_LENGTHS, percentile / 100, output_mean),
-        images_per_s=(max(labelled(after, VISION_IMAGES, "site", VISION_DEMAND_SITES)
-                          - labelled(before, VISION_IMAGES, "site", VISION_DEMAND_SITES), 0.0) / interval_s
-                      if interval_s > 0 else 0.0),
+        images_per_s=delta(VISION_IMAGES, "site", VISION_DEMAND_SITES) / interval_s if interval_s > 0 else 0.0,
     )
