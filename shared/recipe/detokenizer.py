@@ -103,10 +103,23 @@ class IncrementalDetokenizer:
         """True once a stop string matched (stop generating) or `flush` was called."""
         return self._finished
 
-    def add_tokens(self, new_token_ids: Sequence[int]) -> str:
-        """Take newly generated ids; return the text that is now safe to emit (maybe empty)."""
+    def add_tokens(self, new_token_ids: Sequence[int], token_texts: list[str] | None = None) -> str:
+        """Take newly generated ids; return the text that is now safe to emit (maybe empty).
+
+        token_texts, when given, gets each id's own text appended, before stop strings
+        apply ("" for an id whose character is not whole yet: its text comes with the
+        id that completes it, or from flush): what a reader needing each token's place
+        in the reply reads (usage's reasoning_tokens), without a second detokenizer."""
         if self._finished or not new_token_ids:
             return ""
+        if token_texts is None:
+            return self._release(self._stable_text(new_token_ids), final=False)
+        texts = [self._stable_text([token_id]) for token_id in new_token_ids]
+        token_texts.extend(texts)
+        return self._release("".join(texts), final=False)
+
+    def _stable_text(self, new_token_ids: Sequence[int]) -> str:
+        """Decode newly generated ids; the text now complete (no unfinished character)."""
         self._ids.extend(new_token_ids)
         window = self._decode(self._ids[self._prefix_offset :])
         stable_end = len(window) - _count_trailing_replacement_chars(window)
@@ -120,14 +133,19 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
             self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             self._num_window_chars_consumed = 0
-        return self._release(new_text, final=False)
+        return new_text
 
-    def flush(self) -> str:
-        """End of the request: return the held-back text and any unfinished character (as U+FFFD)."""
+    def flush(self, token_texts: list[str] | None = None) -> str:
+        """End of the request: return the held-back text and any unfinished character (as U+FFFD).
+
+        token_texts, when given, gets that unfinished character's text appended (the
+        text of the ids that started it: see add_tokens), "" when there is none."""
         if self._finished:
             return ""
         window = self._decode(self._ids[self._prefix_offset :])
         start = len(self._prefix_text) + self._num_window_chars_consumed
+        if token_texts is not None:
+            token_texts.append(window[start:])
         delta = self._release(window[start:], final=True)
         self._finished = True
         return delta

@@ -291,6 +291,33 @@ def test_special_tokens_kept_or_skipped(recipe: Recipe) -> None:
     assert "".join(deltas).endswith("<|im_end|><|end_of_text|>")
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("stop", [(), ("世界",)])
+def test_token_texts_are_each_tokens_own_text_whatever_the_grouping(
+    recipe: Recipe, chunk: int, stop: tuple[str, ...]
+) -> None:
+    """What usage's reasoning count reads: one text per token, "" while its character
+    is unfinished, together the whole reply before stop strings cut it, the same
+    however the tokens arrive."""
+    ids = recipe.encode(MIXED_TEXT + " 🦙", add_special_tokens=False)[:-1]  # ends inside the emoji
+    one_by_one = recipe.detokenizer(_prompt(recipe))
+    expected = [one_by_one.add_tokens([token_id]) for token_id in ids]
+    detokenizer = recipe.detokenizer(_prompt(recipe), stop=stop)
+    texts: list[str] = []
+    for position in range(0, len(ids), chunk):
+        detokenizer.add_tokens(ids[position : position + chunk], texts)
+    tail: list[str] = []
+    detokenizer.flush(tail)
+    if stop:  # cut by the stop string: the ids after the chunk that holds it are not read
+        assert detokenizer.stop_reason == stop[0] and tail == []
+        assert "".join(texts).startswith(recipe.decode(ids)[: recipe.decode(ids).index(stop[0])])
+        assert texts == expected[: len(texts)]
+        return
+    assert len(texts) == len(ids) and texts == expected  # no stop strings: emitted text per token
+    assert "" in texts  # the case under test: some tokens carry part of a character
+    assert "".join(texts) + "".join(tail) == recipe.decode(ids) and tail[0].startswith("\ufffd")
+
+
 def test_unfinished_character_is_flushed_as_replacement(recipe: Recipe) -> None:
     ids = recipe.encode("ok 🦙", add_special_tokens=False)[:-1]  # cut inside the emoji
     detokenizer = recipe.detokenizer(_prompt(recipe))

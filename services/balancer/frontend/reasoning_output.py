@@ -42,11 +42,8 @@ class ReasoningSupport:
         for job in call.jobs:
             if stream:
                 job.reasoning = new_splitter(self.parser, call.prompt_tail, raw=tools is not None)
-            # Its own splitter and detokenizer: the count reads each token's text (count.py).
-            detokenizer = self.recipe.detokenizer(
-                job.request.prompt_token_ids, skip_special_tokens=job.detokenizer.skip_special_tokens
-            )
-            job.reasoning_count = ReasoningTokenCount(new_splitter(self.parser, call.prompt_tail), detokenizer)
+            # Its own splitter over each token's text from the job's detokenizer (count.py).
+            job.reasoning_count = ReasoningTokenCount(new_splitter(self.parser, call.prompt_tail))
 
     def prompt_tail(self, prompt_ids: list[int]) -> str:
         """The prompt's last text, enough to see whether it opened a thinking block."""

@@ -237,16 +237,22 @@ class OpenAIServer:
                 if event.usage is not None:  # on the last event; one cut by a stop string has none
                     num_cached = event.usage.cached_tokens
                     drafted, accepted = event.usage.spec_drafted_tokens, event.usage.spec_accepted_tokens
-                text = detok.add_tokens(event.token_ids)
+                # Each token's own text, where usage counts reasoning tokens (count.py).
+                token_texts: list[str] = []
+                text = detok.add_tokens(event.token_ids, token_texts if counter is not None else None)
                 finish = "stop" if detok.stop_reason is not None else event.finish_reason
-                if counter is not None:
-                    num_reasoning = counter.add(event.token_ids) if finish is None else counter.finish(event.token_ids)
                 num_prompt = len(job.request.prompt_token_ids)
-                usage = Usage(num_prompt, num_tokens, num_cached, drafted, accepted, num_reasoning)
                 if finish is None:
+                    if counter is not None:
+                        num_reasoning = counter.add(token_texts)
+                    usage = Usage(num_prompt, num_tokens, num_cached, drafted, accepted, num_reasoning)
                     yield Delta(text, event.logprobs, event.token_ids, None, usage, event.prompt_logprobs)
                     continue
-                text += detok.flush()
+                tail: list[str] = []
+                text += detok.flush(tail)
+                if counter is not None:
+                    num_reasoning = counter.finish(token_texts, "".join(tail))
+                usage = Usage(num_prompt, num_tokens, num_cached, drafted, accepted, num_reasoning)
                 clock.finished(finish, usage)
                 job.span.set_attribute("output.tokens", num_tokens)
                 job.span.set_attribute("finish_reason", finish)

@@ -12,31 +12,22 @@ the tag's last characters and reasoning counts, one holding tag text only does
 not. A token whose text is not whole yet (a character's first bytes) belongs to
 the character it starts.
 
-Exact whatever the deltas: the count reads its own token-by-token text (a
-detokenizer of the job's prompt and special-token rule, without stop strings) and
-the splitter's character spans, not the deltas the client got, which group tokens
-and hold text back.
+Exact whatever the deltas: the count reads each token's own text as the job's one
+detokenizer decodes it (IncrementalDetokenizer.add_tokens' token_texts: before stop
+strings, so text held back from the client still counts) and the splitter's
+character spans, not the deltas the client got, which group tokens and hold text
+back. The splitter is the count's own (splitting is a scan of text already decoded);
+the detokenizing is not done twice.
 """
 
-from typing import Protocol
-
 from services.balancer.frontend.reasoning_parsers.base import ReasoningSplitter
-
-
-class TokenText(Protocol):
-    """An incremental detokenizer (shared.recipe.IncrementalDetokenizer)."""
-
-    def add_tokens(self, new_token_ids: list[int]) -> str: ...
-
-    def flush(self) -> str: ...
 
 
 class ReasoningTokenCount:
     """One reply's reasoning tokens, counted as its tokens arrive (a new one per job)."""
 
-    def __init__(self, splitter: ReasoningSplitter, detokenizer: TokenText) -> None:
+    def __init__(self, splitter: ReasoningSplitter) -> None:
         self._splitter = splitter
-        self._detokenizer = detokenizer
         self._pending: list[tuple[int, int]] = []
         """Tokens not decided yet, as [start, end) character ranges of the reply."""
         self._num_chars = 0
@@ -45,16 +36,16 @@ class ReasoningTokenCount:
         self.num_tokens = 0
         """Reasoning tokens among those decided (all of them after finish)."""
 
-    def add(self, token_ids: list[int]) -> int:
-        """Take newly generated tokens; the count so far."""
-        self._feed(token_ids)
+    def add(self, token_texts: list[str]) -> int:
+        """Take newly generated tokens, as the text each adds to the reply; the count so far."""
+        self._feed(token_texts)
         self._decide(self._splitter.num_decided)
         return self.num_tokens
 
-    def finish(self, token_ids: list[int]) -> int:
-        """The reply's last tokens, then its end: the count."""
-        self._feed(token_ids)
-        tail = self._detokenizer.flush()  # an unfinished character, owned by the tokens that started it
+    def finish(self, token_texts: list[str], tail: str) -> int:
+        """The reply's last tokens, then its end (tail: the text of an unfinished
+        character, owned by the tokens that started it); the count."""
+        self._feed(token_texts)
         if tail and self._pending:
             start, _ = self._pending[-1]
             self._pending[-1] = (start, self._num_chars + len(tail))
@@ -64,10 +55,8 @@ class ReasoningTokenCount:
         self._decide(self._num_chars + 1)
         return self.num_tokens
 
-    def _feed(self, token_ids: list[int]) -> None:
-        for token_id in token_ids:
-            # One at a time: the text each token adds is its range in the reply.
-            text = self._detokenizer.add_tokens([token_id])
+    def _feed(self, token_texts: list[str]) -> None:
+        for text in token_texts:  # each token's text is its range in the reply
             self._pending.append((self._num_chars, self._num_chars + len(text)))
             self._num_chars += len(text)
             self._splitter.feed(text)
