@@ -28,6 +28,7 @@ python3 -m pip download -q "${py[@]}" -d .whl \
   opentelemetry-instrumentation-grpc==0.66b2 wrapt==2.5.2 fastapi==0.165.0 starlette==1.10.0 \
   uvicorn==0.55.0 anyio==4.16.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
   typing-inspection==0.4.5 typing-extensions==4.16.0 annotated-doc pytest==9.2.0 \
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 \
   pytest-asyncio==1.5.0 iniconfig pluggy packaging
 
 # transformers: keep the package and the model folders the parity tests import.
