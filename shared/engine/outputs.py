@@ -2,7 +2,7 @@
 logprobs and what the KV connector moved), and its load figures. Plain data, no
 torch: the balancer and the services import these without loading the engine."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from shared.kv.block_hash import BlockHash
 from shared.kv.transfer import HeldBlocks
@@ -103,6 +103,10 @@ class StepCounts:
     synchronous: int = 0
     """Run and read back before the next step was scheduled: async scheduling off, a
     drafting step (speculation), a prompt being scored (prompt_logprobs)."""
+
+
+STEP_KINDS = tuple(f.name for f in fields(StepCounts))
+"""StepCounts' fields: the `how` label of a worker's engine_steps_total."""
 
 
 @dataclass(slots=True)

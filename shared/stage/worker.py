@@ -30,7 +30,7 @@ from opentelemetry.trace import Span
 
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.outputs import KVTransferReport
+from shared.engine.outputs import STEP_KINDS, KVTransferReport, StepCounts
 from shared.engine.sampling_params import InvalidParam, SamplingParams
 from shared.kv.connectors.chain import connector_chain
 from shared.kv.connectors.kvcache import KVCacheConnector, LookupOutcome
@@ -140,6 +140,15 @@ class Worker:
             "instance did not encode (decode after a handoff only when it recomputes an image's rows)",
         )
         self._num_images_encoded = 0
+        self.m_engine_steps = m.counter(
+            "engine_steps_total", "The engine's steps that ran a forward, by how: overlapped (launched before the step "
+            "before was read back), sampled_after_read_back (overlapped, but a row masked by the host made sampling "
+            "wait), synchronous (async scheduling off, drafting, a prompt being scored)",
+            ("how",),
+        )
+        for how in STEP_KINDS:  # every kind shows from the start, at 0
+            self.m_engine_steps.labels(how)
+        self._steps = StepCounts()
         self.m_kvcache_up = m.gauge("kvcache_up", "1 while this worker reaches kvcache, 0 while it computes without it")
         self.m_kvcache_bypassed = m.counter(
             "kvcache_bypassed_total",
@@ -358,6 +367,9 @@ class Worker:
         self.m_kv_stores_dropped.set(load.num_kv_saves_dropped)
         self.m_images_encoded.inc(load.num_images_encoded - self._num_images_encoded)
         self._num_images_encoded = load.num_images_encoded
+        for how in STEP_KINDS:
+            self.m_engine_steps.labels(how).inc(getattr(load.steps, how) - getattr(self._steps, how))
+        self._steps = load.steps
         self.vllm.update(load)
         if self.spec is not None:
             self.spec.update(load)

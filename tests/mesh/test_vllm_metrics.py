@@ -187,6 +187,16 @@ def test_request_phases_and_engine_steps(mesh, urls):
     missed = missed_of(d1)
     assert missed == expected_missed
     assert grew("vllm:iteration_tokens_total_sum", d0, d1) == missed + num_requests * (max_tokens - 2)
+    # Each of those steps by how it ran: on the CPU async scheduling is off by default,
+    # so every one is synchronous (a GPU's would be overlapped).
+    steps = "infermesh_decode_engine_steps_total"
+
+    def steps_grew(d: Samples, how: str) -> float:
+        return value(d, steps, how=how) - value(d0, steps, how=how)
+
+    wait_for(lambda: steps_grew(scrape(urls["decode-0"]), "synchronous") == num_steps)
+    d2 = scrape(urls["decode-0"])
+    assert steps_grew(d2, "overlapped") == steps_grew(d2, "sampled_after_read_back") == 0
     for process in ("prefill-0", "decode-0"):
         now = scrape(urls[process])
         stage = process.split("-")[0]
