@@ -23,6 +23,11 @@ The tokens per expert (EPLB's counts, EngineLoad) include one padding token's ro
 per idle rank per step: the pad runs the router like any token, and the counts are
 summed over the ranks on the device before anyone could tell them apart.
 
+With a KV connector (a mesh instance) each rank's scheduler has its rank's view of the
+instance's one connector (shared/engine/dp_kv.py): a request's lookup, its load (a
+kvcache hit, a decode handoff's import: chosen its rank first, on admission, as any
+request) and its save all happen in the rank it is pinned to.
+
 Each step every scheduler schedules; the step's lists are theirs joined (what the engine
 reads: outputs, counts) with each rank's own step in ``SchedulerOutput.ranks`` (what the
 executor sends each rank). An idle rank whose peers have work gets ``pad_forward``.
@@ -41,8 +46,6 @@ class DataParallelScheduler:
     def __init__(self, schedulers: Sequence[Scheduler]) -> None:
         if len(schedulers) < 2:
             raise ValueError("data-parallel attention needs a scheduler per rank, at least 2")
-        if any(s.connector is not None for s in schedulers):
-            raise ValueError("data-parallel attention runs without a KV connector (the mesh refuses it)")
         self.ranks = list(schedulers)
         self.rank_of: dict[str, int] = {}
         """The rank of every unfinished request (pinned: its KV lives there)."""
