@@ -33,7 +33,7 @@ reads: outputs, counts) with each rank's own step in ``SchedulerOutput.ranks`` (
 executor sends each rank). An idle rank whose peers have work gets ``pad_forward``.
 """
 
-from collections import ChainMap
+from collections import ChainMap, deque
 from collections.abc import Sequence
 
 from shared.engine.request import Request, RequestStatus
@@ -49,6 +49,9 @@ class DataParallelScheduler:
         self.ranks = list(schedulers)
         self.rank_of: dict[str, int] = {}
         """The rank of every unfinished request (pinned: its KV lives there)."""
+        self.step_tokens: deque[int] = deque(maxlen=1 << 16)
+        """Tokens each non-empty step schedules over all ranks (Scheduler.step_tokens: the
+        instance's vllm:iteration_tokens_total)."""
 
     # -- what the engine reads of a Scheduler -----------------------------------
 
@@ -133,6 +136,8 @@ class DataParallelScheduler:
             out.finished_request_ids |= p.finished_request_ids
             out.preempted_request_ids |= p.preempted_request_ids
             out.state_loads += p.state_loads
+        if out.chunks:
+            self.step_tokens.append(sum(p.num_scheduled_tokens for p in parts))
         return out
 
     def update_from_output(
