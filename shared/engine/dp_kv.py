@@ -27,8 +27,8 @@ from shared.engine.kv_transfer import KVTransfer
 from shared.engine.outputs import RequestOutput
 from shared.engine.scheduler import Scheduler
 from shared.kv.block_hash import BlockHash
-from shared.kv.memory.block_pool import BlockPool
 from shared.kv.connectors.base import BlockIds, KVConnector, LoadResult, SaveResult, TraceCarrier
+from shared.kv.memory.block_pool import BlockPool
 from shared.kv.memory.coordinator import KVCacheCoordinator
 from shared.kv.transfer import KVTransferParams
 
@@ -107,7 +107,7 @@ class RankConnector(KVConnector):
         # The instance's: a rank's transfer stays busy while anything is on its way (the step loop polls on).
         return self._connector.num_pending
 
-    # The counters of saves written behind are the instance's: DataParallelKVTransfer counts them once.
+    # The counters of saves written behind (0 here) are the instance's: DataParallelKVTransfer counts them once.
 
 
 class DataParallelKVTransfer:
@@ -128,13 +128,14 @@ class DataParallelKVTransfer:
             for r, (view, scheduler, kv) in enumerate(zip(views, schedulers, pools, strict=True))
         ]
 
+    # A rank's counts are its own (its view reports none of the connector's); the connector's are added once.
     @property
     def num_saves_dropped(self) -> int:
-        return sum(t._num_saves_dropped for t in self.ranks) + self.connector.num_saves_dropped
+        return sum(t.num_saves_dropped for t in self.ranks) + self.connector.num_saves_dropped
 
     @property
     def num_save_failures(self) -> int:
-        return sum(t._num_save_failures for t in self.ranks) + self.connector.num_save_failures_behind
+        return sum(t.num_save_failures for t in self.ranks) + self.connector.num_save_failures_behind
 
     @property
     def num_leases_expired(self) -> int:
@@ -162,7 +163,7 @@ class DataParallelKVTransfer:
             t.drop_output(request_id)
 
     def release(self, request_id: str) -> bool:
-        return any([t.release(request_id) for t in self.ranks])
+        return any(t.release(request_id) for t in self.ranks)  # one rank at most holds its lease
 
 
 def rank_connectors(connector: KVConnector, num_ranks: int) -> list[RankConnector]:

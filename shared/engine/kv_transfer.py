@@ -208,7 +208,7 @@ class KVTransfer:
         self.kv.pool.touch(flat)
         deadline = time.time() + self.lease_timeout_s
         self._leases[request.request_id] = (flat, deadline)
-        ids = self._in_region({g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)})
+        ids = self._in_region(self._ids(blocks))
         window_ids = self._in_region({g: [b.block_id for b in group] for g, group in window.items()})
         return HeldBlocks(ids, num, deadline, window_first, window_ids)
 
@@ -219,7 +219,7 @@ class KVTransfer:
         first = request.num_external_blocks
         num, blocks = self.kv.persistent_blocks(request, first, request.num_prompt_tokens // self.kv.block_size - first)
         hashes = request.block_hashes[first : first + num]
-        ids = self._in_region({g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)})
+        ids = self._in_region(self._ids(blocks))
         held = [b for group in blocks for b in group]
         self.kv.pool.touch(held)  # freed with the request: referenced until the connector has read them
         self._saves[request.request_id] = held
@@ -231,3 +231,7 @@ class KVTransfer:
         if not self.offsets:
             return block_ids
         return {g: [b + self.offsets[g] for b in ids] for g, ids in block_ids.items()}
+
+    def _ids(self, blocks: list[list[KVBlock]]) -> dict[int, list[int]]:
+        """Per persistent group, the ids of its blocks."""
+        return {g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)}

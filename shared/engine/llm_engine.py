@@ -43,10 +43,10 @@ from shared.engine.structured.compile_pool import GrammarCompilePool
 from shared.engine.structured.setup import check_structured
 from shared.kv.block_hash import BlockHash, kv_fingerprint
 from shared.kv.connectors.base import KVConnector
-from shared.kv.memory.dp_region import DataParallelKVRegion
 from shared.kv.memory.coordinator import (
     KVCacheCoordinator, blocks_for_one_request, blocks_in_budget, blocks_per_class,
 )  # fmt: skip
+from shared.kv.memory.dp_region import DataParallelKVRegion
 from shared.kv.memory.region import KVRegion
 from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.model.fingerprint import model_fingerprint

@@ -178,7 +178,8 @@ def test_a_handoff_between_data_parallel_instances_copies_rank_to_rank(model: st
         ours = _rank_blocks(decode, 1, PROMPTS[1])
         assert ours is not None
         theirs = region.ranks[1].read_payloads({0: local})
-        assert theirs.any() and theirs.equal(decode.kv_region.ranks[1].read_payloads({0: ours}))  # type: ignore[attr-defined]
+        ours_kv = decode.kv_region.ranks[1].read_payloads({0: ours})  # type: ignore[attr-defined]
+        assert theirs.any() and theirs.equal(ours_kv)
     finally:
         decode.close()
         prefill.close()
