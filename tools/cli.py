@@ -468,9 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks (processes) per prefill and decode instance: EngineConfig.tensor_parallel_size "
                         "(default: INFERMESH_ENGINE__TENSOR_PARALLEL_SIZE, else 1)")  # fmt: skip
     p.add_argument("--data-parallel-size", type=int, default=None,
-                   help="data-parallel attention ranks per instance: EngineConfig.data_parallel_size; only 1 "
-                        "in the mesh yet (refused above 1: `infermesh generate --data-parallel-size N "
-                        "--enable-expert-parallel` runs it offline)")  # fmt: skip
+                   help="data-parallel attention ranks per instance (with --enable-expert-parallel, an MoE "
+                        "model): EngineConfig.data_parallel_size; each instance is still one in the mesh")
     p.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="an MoE model's experts split over those ranks, attention replicated: "
                         "EngineConfig.enable_expert_parallel (default: INFERMESH_ENGINE__ENABLE_EXPERT_PARALLEL)")

@@ -151,8 +151,10 @@ class EngineConfig:
     own requests only, while the MoE layers' experts are split over all of them and each
     rank's tokens are all-to-alled to their experts. The scheduler pins each request to
     one rank for its life (shared/engine/dp_scheduler.py); max_num_seqs and
-    max_num_batched_tokens are per rank, as each rank has its own KV pool. Offline
-    generation only for now: the mesh's services refuse it (check_mesh). Not with
+    max_num_batched_tokens are per rank, as each rank has its own KV pool. In the mesh the
+    instance is still one instance (one registry entry, one heartbeat summing the ranks,
+    one set of block events, one KV connector over every rank's cache, each request's
+    KV moved in and out of its own rank: shared/engine/dp_kv.py). Not with
     tensor_parallel_size > 1, speculative decoding, CUDA graphs, kept quantized weights
     or images (each refused by name)."""
     enable_expert_parallel: bool = False
@@ -241,16 +243,6 @@ class EngineConfig:
     def num_ranks(self) -> int:
         """The instance's ranks (processes): tensor_parallel_size * data_parallel_size."""
         return self.tensor_parallel_size * self.data_parallel_size
-
-    def check_mesh(self) -> None:
-        """What a mesh instance (prefill, decode: a KV connector, block events) does not run
-        yet, refused by name before it starts (`infermesh up` and the services call it)."""
-        if self.data_parallel_size > 1:
-            raise ValueError(
-                f"--data-parallel-size {self.data_parallel_size} (data_parallel_size) is not supported in the mesh "
-                "yet: data-parallel attention runs in the engine for offline generation (`infermesh generate "
-                "--data-parallel-size N --enable-expert-parallel`, LLM); mesh instances need data_parallel_size=1"
-            )
 
     def _check_data_parallel(self) -> None:
         """What data-parallel attention does not run, refused by name rather than ignored."""

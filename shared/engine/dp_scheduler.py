@@ -23,12 +23,17 @@ The tokens per expert (EPLB's counts, EngineLoad) include one padding token's ro
 per idle rank per step: the pad runs the router like any token, and the counts are
 summed over the ranks on the device before anyone could tell them apart.
 
+With a KV connector (a mesh instance) each rank's scheduler has its rank's view of the
+instance's one connector (shared/engine/dp_kv.py): a request's lookup, its load (a
+kvcache hit, a decode handoff's import: chosen its rank first, on admission, as any
+request) and its save all happen in the rank it is pinned to.
+
 Each step every scheduler schedules; the step's lists are theirs joined (what the engine
 reads: outputs, counts) with each rank's own step in ``SchedulerOutput.ranks`` (what the
 executor sends each rank). An idle rank whose peers have work gets ``pad_forward``.
 """
 
-from collections import ChainMap
+from collections import ChainMap, deque
 from collections.abc import Sequence
 
 from shared.engine.request import Request, RequestStatus
@@ -41,11 +46,12 @@ class DataParallelScheduler:
     def __init__(self, schedulers: Sequence[Scheduler]) -> None:
         if len(schedulers) < 2:
             raise ValueError("data-parallel attention needs a scheduler per rank, at least 2")
-        if any(s.connector is not None for s in schedulers):
-            raise ValueError("data-parallel attention runs without a KV connector (the mesh refuses it)")
         self.ranks = list(schedulers)
         self.rank_of: dict[str, int] = {}
         """The rank of every unfinished request (pinned: its KV lives there)."""
+        self.step_tokens: deque[int] = deque(maxlen=1 << 16)
+        """Tokens each non-empty step schedules over all ranks (Scheduler.step_tokens: the
+        instance's vllm:iteration_tokens_total)."""
 
     # -- what the engine reads of a Scheduler -----------------------------------
 
@@ -130,6 +136,8 @@ class DataParallelScheduler:
             out.finished_request_ids |= p.finished_request_ids
             out.preempted_request_ids |= p.preempted_request_ids
             out.state_loads += p.state_loads
+        if out.chunks:
+            self.step_tokens.append(sum(p.num_scheduled_tokens for p in parts))
         return out
 
     def update_from_output(

@@ -44,12 +44,16 @@ MAX_SAVES_BEHIND = 64
 
 class KVTransfer:
     def __init__(
-        self, connector: KVConnector, scheduler: Scheduler, kv: KVCacheCoordinator, lease_timeout_s: float
+        self, connector: KVConnector, scheduler: Scheduler, kv: KVCacheCoordinator, lease_timeout_s: float,
+        offsets: dict[int, int] | None = None,
     ) -> None:
+        """offsets: per KV group, where this pool's block ids lie in the connector's region
+        (a data-parallel rank's: shared/engine/dp_kv.py); None: they are the region's."""
         self.connector = connector
         self.scheduler = scheduler
         self.kv = kv
         self.lease_timeout_s = lease_timeout_s
+        self.offsets = offsets or {}
         self._leases: dict[str, tuple[list[KVBlock], float]] = {}
         """Held blocks by request: referenced until released or past the deadline (unix time)."""
         self._behind: set[str] = set()
@@ -87,7 +91,7 @@ class KVTransfer:
             self._loads[rid] = (request, first, num, time.perf_counter())
             hashes = request.block_hashes[first : first + num]
             assert request.kv_transfer is not None
-            reserved = self.kv.reserved_block_ids(rid)
+            reserved = self._in_region(self.kv.reserved_block_ids(rid))
             self.connector.start_load(rid, first, hashes, reserved, request.kv_transfer, request.trace_carrier)
         self.scheduler.loads_to_start = []
 
@@ -143,8 +147,8 @@ class KVTransfer:
         waiting, held = self.finish_requests()
         kept: list[RequestOutput] = []
         for out in outputs:
-            if out.finished and out.kv is not None:
-                out.kv.held = held.get(out.request_id)
+            if out.finished and out.kv is not None and out.request_id in held:  # another rank's may be in outputs
+                out.kv.held = held[out.request_id]
             if out.finished and out.request_id in waiting:
                 self._awaiting_save[out.request_id] = out
             else:
@@ -204,8 +208,8 @@ class KVTransfer:
         self.kv.pool.touch(flat)
         deadline = time.time() + self.lease_timeout_s
         self._leases[request.request_id] = (flat, deadline)
-        ids = {g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)}
-        window_ids = {g: [b.block_id for b in group] for g, group in window.items()}
+        ids = self._in_region(self._ids(blocks))
+        window_ids = self._in_region({g: [b.block_id for b in group] for g, group in window.items()})
         return HeldBlocks(ids, num, deadline, window_first, window_ids)
 
     def _save(self, request: Request) -> None:
@@ -215,9 +219,19 @@ class KVTransfer:
         first = request.num_external_blocks
         num, blocks = self.kv.persistent_blocks(request, first, request.num_prompt_tokens // self.kv.block_size - first)
         hashes = request.block_hashes[first : first + num]
-        ids = {g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)}
+        ids = self._in_region(self._ids(blocks))
         held = [b for group in blocks for b in group]
         self.kv.pool.touch(held)  # freed with the request: referenced until the connector has read them
         self._saves[request.request_id] = held
         assert request.kv_transfer is not None
         self.connector.start_save(request.request_id, hashes, ids, request.kv_transfer, request.trace_carrier)
+
+    def _in_region(self, block_ids: dict[int, list[int]]) -> dict[int, list[int]]:
+        """The pool's block ids as the connector's region names them (shifted by offsets)."""
+        if not self.offsets:
+            return block_ids
+        return {g: [b + self.offsets[g] for b in ids] for g, ids in block_ids.items()}
+
+    def _ids(self, blocks: list[list[KVBlock]]) -> dict[int, list[int]]:
+        """Per persistent group, the ids of its blocks."""
+        return {g: [b.block_id for b in group] for g, group in zip(self.kv.layout.persistent_groups, blocks)}

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from shared.engine.config import EngineConfig
+from shared.engine.dp_kv import DataParallelKVTransfer, InstanceBlockEvents, rank_connectors
 from shared.engine.dp_scheduler import DataParallelScheduler
 from shared.engine.dtypes import torch_dtype
 from shared.engine.engine_request import EngineRequest
@@ -45,6 +46,7 @@ from shared.kv.connectors.base import KVConnector
 from shared.kv.memory.coordinator import (
     KVCacheCoordinator, blocks_for_one_request, blocks_in_budget, blocks_per_class,
 )  # fmt: skip
+from shared.kv.memory.dp_region import DataParallelKVRegion
 from shared.kv.memory.region import KVRegion
 from shared.kv.memory.state_cache import SlidingState, SlidingStateCache
 from shared.model.fingerprint import model_fingerprint
@@ -104,13 +106,14 @@ class LLMEngine:
         between them (shared/model/expert_parallel_model.py), and with config.enable_eplb
         the engine moves them as the load shifts (shared/engine/eplb/balancer.py). With
         config.data_parallel_size > 1 each rank runs attention for its own requests, with
-        its own scheduler and KV pool here (shared/engine/dp_scheduler.py); offline only:
-        a KV connector, block events or a shared cache (the mesh's) are refused with it."""
+        its own scheduler and KV pool here (shared/engine/dp_scheduler.py); in the mesh the
+        instance keeps one connector, whose region maps every rank's cache under
+        instance-wide block ids (shared/kv/memory/dp_region.py), each rank's pool moving
+        its own requests' KV through it, and one set of block events, a hash held while
+        any rank holds it (shared/engine/dp_kv.py)."""
         self.config = config
         self.detokenize = detokenize
         dtype = torch_dtype(config.dtype)
-        if kv_connector is not None or record_kv_events or share_kv:
-            config.check_mesh()
         num_ranks = config.num_ranks
         device = rank_device(config.device, 0, num_ranks)
         loaded = model is None
@@ -199,19 +202,33 @@ class LLMEngine:
                                               graph_buckets=graphs.buckets if graphs is not None else ())  # fmt: skip
             self.runner.keep_hidden = self.speculator.reads_hidden
         scheduler_config = SchedulerConfig.from_engine_config(config, max_model_len)
-        self.scheduler: Scheduler | DataParallelScheduler = (
-            Scheduler(scheduler_config, self.kv, kv_connector)
-            if config.data_parallel_size == 1
-            else DataParallelScheduler([Scheduler(scheduler_config, kv) for kv in self.kv_ranks])
-        )
-        self.kv_transfer: KVTransfer | None = None
+        self.scheduler: Scheduler | DataParallelScheduler
+        self._block_events: InstanceBlockEvents | None = None
+        """A data-parallel instance's block events, its ranks' joined (drain_kv_events)."""
+        if config.data_parallel_size == 1:
+            self.scheduler = Scheduler(scheduler_config, self.kv, kv_connector)
+        else:
+            # One connector for the instance; each rank's scheduler asks through its rank's view of it.
+            views = rank_connectors(kv_connector, len(self.kv_ranks)) if kv_connector is not None else None
+            self.scheduler = DataParallelScheduler([
+                Scheduler(scheduler_config, kv, views[r] if views is not None else None)
+                for r, kv in enumerate(self.kv_ranks)
+            ])  # fmt: skip
+            self._block_events = InstanceBlockEvents([kv.pool for kv in self.kv_ranks]) if record_kv_events else None
+        self.kv_transfer: KVTransfer | DataParallelKVTransfer | None = None
         if kv_connector is not None:
             kv_connector.register_kv_region(self.kv_region)
             # What recomputing a prefix costs here, so a slow source can decline a hit.
             chunk = min(config.step_sizes()[1], max_model_len)
             kv_connector.register_recompute_rate(chunk / self.executor.time_step(chunk, repeats=1), config.block_size)
-            assert isinstance(self.scheduler, Scheduler)  # check_mesh refused data-parallel attention
-            self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, config.kv_lease_timeout_s)
+            if isinstance(self.scheduler, DataParallelScheduler):
+                region = self.kv_region
+                assert isinstance(region, DataParallelKVRegion)  # the executor's region over the ranks
+                offsets = [region.offsets(r) for r in range(len(self.kv_ranks))]
+                self.kv_transfer = DataParallelKVTransfer(self.scheduler.ranks, self.kv_ranks, offsets,
+                                                          config.kv_lease_timeout_s)  # fmt: skip
+            else:
+                self.kv_transfer = KVTransfer(kv_connector, self.scheduler, self.kv, config.kv_lease_timeout_s)
         compiler = self.runner.structured.compiler
         self._grammars: GrammarCompilePool | None = GrammarCompilePool(compiler) if compiler is not None else None
         """Structured requests' grammars compile here, off the step (compile_pool.py)."""
@@ -272,6 +289,9 @@ class LLMEngine:
             check_prompt_tokens(self.model, prompt_ids, has_images=False)
         elif encoded is None:
             encoded = self.encode_images(req)
+        if encoded is not None and self.config.data_parallel_size > 1:  # e.g. a vision instance's embeddings
+            raise InvalidParam("images", "are not supported with data_parallel_size > 1 yet: the request's rank "
+                                         "would lack them")  # fmt: skip
         request = Request(
             req.request_id,
             prompt_ids,
@@ -642,10 +662,15 @@ class LLMEngine:
     # -- KV blocks in and out (the mesh's kvcache service) -------------------
 
     def drain_kv_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        if self._block_events is not None:
+            return self._block_events.drain()
         return self.kv.pool.drain_events()
 
     def kv_snapshot(self) -> list[BlockHash]:
-        """All the prefix cache holds (of the group whose events are recorded); drains the events."""
+        """All the prefix cache holds (of the group whose events are recorded; any rank's
+        with data-parallel attention); drains the events."""
+        if self._block_events is not None:
+            return self._block_events.snapshot()
         return self.kv.pool.snapshot_events()
 
     def load(self) -> EngineLoad:

@@ -452,7 +452,6 @@ async def serve_engine_stage(
             raise ConnectionError(f"{instance_id} has no NIXL agent")
         return reply.metadata
 
-    ctx.settings.engine.check_mesh()  # before any connector starts: what a mesh instance cannot run
     chain = connector_chain(ctx.settings.kvcache, transfer, ctx.settings.engine.host_kv_cache_bytes,
                             ctx.instance_id, release, fetch_nixl_metadata,
                             loopback_only=ctx.settings.worker.binds_loopback)  # fmt: skip

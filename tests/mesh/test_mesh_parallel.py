@@ -19,7 +19,12 @@ instance (tools/launch/up.py parallel_env), on the CPU over gloo.
 - Expert parallelism (the tiny Qwen3-MoE, attention replicated): every decode rank
   receives the whole KV; greedy text equals one process's (the expert-parallel
   forward is the same arithmetic per token, summed in another order only where a
-  token's experts sit on two ranks)."""
+  token's experts sit on two ranks).
+- Data-parallel attention with expert parallelism (`--data-parallel-size 2
+  --enable-expert-parallel`, the tiny Qwen3-MoE): concurrent requests over both ranks
+  of each instance give one process's greedy text, the handoff copies rank to rank by
+  instance-wide block ids, a repeated system prompt is a prefix hit, and each instance
+  is one registry entry."""
 
 import json
 import os
@@ -61,9 +66,9 @@ def _client(mesh) -> openai.OpenAI:  # noqa: ANN001
     return openai.OpenAI(base_url=mesh.api_url, api_key="x", max_retries=0, timeout=300)
 
 
-def _serves_the_one_process_tokens(mesh, model: str) -> None:  # noqa: ANN001
+def _serves_the_one_process_tokens(mesh, model: str, batch_invariant: bool = False) -> None:  # noqa: ANN001
     """The chats (the second a prefix hit) and a completion equal the one-process engine's greedy text."""
-    offline = LLM(model, block_size=BLOCK)
+    offline = LLM(model, block_size=BLOCK, batch_invariant=batch_invariant)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     expected = offline.chat(CHATS, greedy)
     (completion,) = offline.generate([PROMPT], greedy)
@@ -181,3 +186,49 @@ def test_expert_parallel_instances_serve_the_one_process_tokens(tmp_path_factory
     with running_mesh(model, tmp_path_factory.mktemp("ep-mesh"), extra_env=_env("ep")) as mesh:
         _serves_the_one_process_tokens(mesh, model)
         assert _registered(mesh) == {"prefill": 1, "decode": 1}
+
+
+# -- data-parallel attention ---------------------------------------------------------
+
+DP_PROMPTS = [f"{i}: the quick brown fox jumps over the lazy dog, and then" for i in range(4)]
+
+
+def test_data_parallel_instances_serve_the_one_process_tokens(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`infermesh up --data-parallel-size 2 --enable-expert-parallel` (the tiny Qwen3-MoE,
+    batch-invariant on both sides for exact tokens): each prefill and decode instance is
+    two ranks, each running attention for the requests pinned to it, and is still one
+    instance to the balancer. Concurrent completions (both ranks of each instance busy)
+    give one process's greedy text; the chats copy every prompt block from prefill's ranks
+    by instance-wide ids and hit prefill's prefix cache (shared/engine/dp_kv.py)."""
+    model = str(tmp_path_factory.mktemp("dp-model"))
+    make_model(model, arch="qwen3_moe", seed=0)
+    env = {"INFERMESH_ENGINE__BLOCK_SIZE": str(BLOCK), "INFERMESH_ENGINE__DATA_PARALLEL_SIZE": "2",
+           "INFERMESH_ENGINE__ENABLE_EXPERT_PARALLEL": "true", "INFERMESH_ENGINE__BATCH_INVARIANT": "true",
+           "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2"}  # fmt: skip
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    offline = LLM(model, block_size=BLOCK, batch_invariant=True)
+    expected = [o.text for o in offline.generate(DP_PROMPTS, params)]
+    offline.engine.close()
+    with running_mesh(model, tmp_path_factory.mktemp("dp-mesh"), extra_env=env) as mesh:
+        client = _client(mesh)
+        name = client.models.list().data[0].id
+        texts: dict[int, str] = {}
+        errors: list[str] = []
+
+        def complete(i: int) -> None:
+            try:
+                out = client.completions.create(model=name, prompt=DP_PROMPTS[i], max_tokens=24, temperature=0,
+                                                extra_body={"ignore_eos": True})  # fmt: skip
+                texts[i] = out.choices[0].text
+            except Exception as exc:  # noqa: BLE001  (counted)
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(len(DP_PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert errors == []
+        assert [texts.get(i) for i in range(len(DP_PROMPTS))] == expected
+        _serves_the_one_process_tokens(mesh, model, batch_invariant=True)
+        assert _registered(mesh) == {"prefill": 1, "decode": 1}  # one entry per instance, not one per rank

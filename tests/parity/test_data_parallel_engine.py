@@ -29,7 +29,6 @@ from shared.engine.outputs import RequestOutput
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
 from tests.helpers.hf_models import random_prompts, save_tiny_hf_model
-from tools import cli
 
 pytest.importorskip("transformers")
 
@@ -208,20 +207,4 @@ def test_a_dense_model_is_refused_before_any_rank_starts(tmp_path: Path) -> None
     dense = save_tiny_hf_model("llama", tmp_path / "llama")
     with pytest.raises(ValueError, match=r"enable_expert_parallel needs an MoE model: LlamaForCausalLM"):
         LLM(str(dense), **DP)
-    assert multiprocessing.active_children() == []
-
-
-def test_the_mesh_refuses_data_parallel_attention_naming_the_flag(
-    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`infermesh up --data-parallel-size 2` stops before anything starts (exit 2), and an
-    engine made as a mesh instance makes it (a KV connector, block events) refuses too."""
-    code = cli.main(["up", "--model", model, "--data-parallel-size", "2", "--enable-expert-parallel",
-                     "--state-dir", str(tmp_path / "state")])  # fmt: skip
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "--data-parallel-size 2 (data_parallel_size) is not supported in the mesh yet" in err
-    assert "runs in the engine for offline generation" in err
-    with pytest.raises(ValueError, match=r"--data-parallel-size 2 \(data_parallel_size\) is not supported in the mesh"):
-        LLMEngine(EngineConfig(model=model, **DP), record_kv_events=True)
     assert multiprocessing.active_children() == []

@@ -1,12 +1,15 @@
 """data_parallel_size as a setting: INFERMESH_ENGINE__DATA_PARALLEL_SIZE and `infermesh up
 --data-parallel-size` reach EngineConfig, and what a mesh instance cannot run with it is
-refused by name (EngineConfig.check_mesh, which `up` and the services call first)."""
+checked before anything starts (preflight), the mesh running data-parallel instances."""
+
+from pathlib import Path
 
 import pytest
 
-from shared.engine.config import EngineConfig
 from shared.runtime.settings import load_settings
+from tests.helpers.hf_models import save_tiny_hf_model
 from tools.cli import build_parser
+from tools.launch.preflight import PreflightError, check_parallel
 from tools.launch.up import parallel_env
 
 
@@ -21,9 +24,11 @@ def test_the_setting_and_the_flags_reach_the_engine_config() -> None:
     assert up.data_parallel_size == 2
 
 
-def test_a_mesh_instance_refuses_data_parallel_attention_and_takes_one_rank() -> None:
-    EngineConfig().check_mesh()
-    EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True).check_mesh()  # EP alone runs in the mesh
-    with pytest.raises(ValueError, match=r"--data-parallel-size 4 \(data_parallel_size\) is not supported in the "
-                                         r"mesh yet: data-parallel attention runs in the engine"):  # fmt: skip
-        EngineConfig(data_parallel_size=4, enable_expert_parallel=True).check_mesh()
+def test_preflight_takes_data_parallel_instances_and_names_the_flag(tmp_path: Path) -> None:
+    """`infermesh up --data-parallel-size 2 --enable-expert-parallel` passes preflight with
+    an MoE model (the mesh runs data-parallel instances); without expert parallelism it is
+    refused before anything starts, naming the flag."""
+    model = str(save_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=1))
+    check_parallel(model, 1, True, data_parallel_size=2)
+    with pytest.raises(PreflightError, match=r"--data-parallel-size 2: data_parallel_size > 1 runs data-parallel"):
+        check_parallel(model, 1, False, data_parallel_size=2)

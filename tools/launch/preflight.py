@@ -21,8 +21,10 @@ def check_instances(num_prefill: int, num_decode: int) -> None:
             )
 
 
-def check_parallel(model: str, tensor_parallel_size: int, enable_expert_parallel: bool) -> None:
-    """Instances of several ranks (--tensor-parallel-size N, --enable-expert-parallel)
+def check_parallel(model: str, tensor_parallel_size: int, enable_expert_parallel: bool,
+                   data_parallel_size: int = 1) -> None:  # fmt: skip
+    """Instances of several ranks (--tensor-parallel-size N, --data-parallel-size N,
+    --enable-expert-parallel)
     run in the mesh: each instance's connector moves every rank's KV (rank 0 maps the
     others' caches, shared/kv/memory/ranked_region.py), so a handoff between two of them,
     or to and from kvcache, carries the whole KV. Refused here, before anything starts,
@@ -38,10 +40,12 @@ def check_parallel(model: str, tensor_parallel_size: int, enable_expert_parallel
     from shared.model.loader import read_config
 
     flag = f"--tensor-parallel-size {tensor_parallel_size}"
+    if data_parallel_size > 1:
+        flag += f" --data-parallel-size {data_parallel_size}"
     try:
         config = EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size,
-                              enable_expert_parallel=enable_expert_parallel)  # fmt: skip
-        if tensor_parallel_size > 1:
+                              enable_expert_parallel=enable_expert_parallel, data_parallel_size=data_parallel_size)
+        if config.num_ranks > 1:
             check_split(config, read_config(Path(model)))
     except ValueError as exc:
         raise PreflightError(f"{flag}: {exc}") from None
@@ -89,14 +93,14 @@ def check_port(host: str, port: int) -> None:
 
 
 def preflight(model: str, num_prefill: int, num_decode: int, host: str, port: int, tensor_parallel_size: int = 1,
-              enable_expert_parallel: bool = False) -> None:  # fmt: skip
+              enable_expert_parallel: bool = False, data_parallel_size: int = 1) -> None:  # fmt: skip
     """Every check, cheapest first; raises PreflightError at the first failure."""
     from tools.launch.up import find_nats_server
 
     check_instances(num_prefill, num_decode)
     check_port(host, port)
     check_model(model)
-    check_parallel(model, tensor_parallel_size, enable_expert_parallel)
+    check_parallel(model, tensor_parallel_size, enable_expert_parallel, data_parallel_size)
     try:
         find_nats_server()
     except FileNotFoundError as exc:

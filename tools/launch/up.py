@@ -690,8 +690,9 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
     prefill and decode instance splits over ranks and balances its experts (the flags;
     None: INFERMESH_ENGINE__... or the default), checked here (EngineConfig's checks)
     and handed to every instance in its environment. data_parallel_size > 1 (the flag or
-    INFERMESH_ENGINE__DATA_PARALLEL_SIZE) is refused here: the mesh does not run
-    data-parallel attention yet (EngineConfig.check_mesh). planner_profile: run the live
+    INFERMESH_ENGINE__DATA_PARALLEL_SIZE, with enable_expert_parallel) makes each instance
+    data-parallel over that many ranks, still one instance in the mesh
+    (shared/engine/dp_kv.py). planner_profile: run the live
     planner on that profile (the mesh then scales itself). served_model_names: the
     names requests may ask for, the first the one responses carry (balancer.model_name)."""
     from tools.launch.preflight import PreflightError, preflight
@@ -708,11 +709,10 @@ def up(model: str, num_prefill: int, num_decode: int, port: int, state_dir: str,
     try:
         try:  # the engine settings every instance will read (EngineConfig's own checks run here)
             engine = load_settings(env={**os.environ, **parallel}).engine
-            engine.check_mesh()
         except ValueError as exc:
             raise PreflightError(str(exc)) from None
         preflight(model, num_prefill, num_decode, mesh.host, port, engine.tensor_parallel_size,
-                  engine.enable_expert_parallel)  # fmt: skip
+                  engine.enable_expert_parallel, engine.data_parallel_size)  # fmt: skip
         if planner_profile:
             from services.planner.profile import Profile
 

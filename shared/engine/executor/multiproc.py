@@ -56,7 +56,9 @@ from shared.engine.executor.rank import RunnerSetup, rank_device
 from shared.engine.executor.worker import run_worker
 from shared.engine.model_runner import ModelRunner, RunnerOutput, StepHandle
 from shared.engine.step import SchedulerOutput
+from shared.kv.memory.dp_region import DataParallelKVRegion
 from shared.kv.memory.ranked_region import RankedKVRegion, open_region
+from shared.kv.memory.region import KVRegion
 from shared.model.parallel import ParallelContext
 from shared.model.parallel_layers import kv_heads_of_rank
 
@@ -123,17 +125,21 @@ class MultiprocExecutor(Executor):
         self._kv_shares = [shares[rank] for rank in range(1, self.world_size)]
         """Each worker's KV cache description (setup.share_kv), rank after rank."""
 
-    def kv_region(self, num_kv_heads: int | None) -> RankedKVRegion:
+    def kv_region(self, num_kv_heads: int | None) -> KVRegion:
         """The instance's KV over every rank, for its connector: rank 0's region and the
         workers' caches mapped here (started with setup.share_kv). num_kv_heads: the
         model's, split over the ranks as its attention splits them (tensor parallelism);
-        None: every rank holds the whole KV (expert parallelism)."""
+        None: every rank holds the whole KV (expert parallelism). With data-parallel
+        attention each rank's cache holds its own requests' KV: one region over them under
+        instance-wide block ids (shared/kv/memory/dp_region.py)."""
         first = self.runner.kv_region
         others = []
         for rank, description in enumerate(self._kv_shares, start=1):
             if not description:
                 raise ValueError(f"rank {rank}'s KV cache is not shared: start the workers with RunnerSetup.share_kv")
             others.append(open_region(description, first.kv_layout, first.device))
+        if self.data_parallel:
+            return DataParallelKVRegion([first, *others])
         if num_kv_heads is None:
             return RankedKVRegion([first, *others])
         heads = [kv_heads_of_rank(num_kv_heads, rank, self.world_size) for rank in range(self.world_size)]

@@ -169,6 +169,11 @@ class BlockPool:
         self.stored_events, self.removed_events = [], []
         return stored, removed
 
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether the event group's prefix index holds the hash now (what its events say,
+        net: a data-parallel instance joins its ranks' by it, shared/engine/dp_kv.py)."""
+        return (block_hash, self._event_group) in self._cached
+
     def snapshot_events(self) -> list[BlockHash]:
         """Every hash of the event group in the prefix index now. The pending events are
         dropped: the snapshot already says all they would."""

@@ -40,6 +40,7 @@ import math
 
 import torch
 
+from shared.kv.memory.dp_region import DataParallelKVRegion
 from shared.kv.memory.region import KVRegion, _runs, per_tensor
 from shared.kv.memory.share import open_peer
 from shared.kv.spec import KVCacheLayout
@@ -197,7 +198,7 @@ def _covering(heads: list[tuple[int, int]], num_kv_heads: int) -> list[tuple[int
 
 def open_region(description: bytes, layout: KVCacheLayout, device: torch.device) -> KVRegion:
     """A cache another process on this host described (KVRegion.share(), or a
-    RankedKVRegion's), mapped here as a region: what the write-behind process and rank
+    RankedKVRegion's or a DataParallelKVRegion's), mapped here as a region: what the write-behind process and rank
     0 (for the other ranks' caches) read and write. ValueError if it cannot be mapped."""
     desc = json.loads(description)
     if "ranks" not in desc:
@@ -207,4 +208,6 @@ def open_region(description: bytes, layout: KVCacheLayout, device: torch.device)
         caches = [tensors[layout.tensor_index(layer)] for layer in range(layout.num_layers)]
         return KVRegion(caches, layout, description=description)
     ranks = [open_region(json.dumps(r).encode(), layout, device) for r in desc["ranks"]]
+    if "dp" in desc:
+        return DataParallelKVRegion(ranks)
     return RankedKVRegion(ranks, [(int(a), int(b)) for a, b in desc["heads"]], int(desc["num_kv_heads"]))
