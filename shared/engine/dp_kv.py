@@ -40,6 +40,9 @@ class _Results:
         self.connector = connector
         self.rank_of: dict[str, int] = {}
         """Requests with a load or a save in flight, by rank."""
+        self._in_flight: Counter[str] = Counter()
+        """Per request, its loads and saves started and not reported yet (each start
+        reports once in poll): its entry goes with the last, so none outlives its request."""
         self.loads: list[list[LoadResult]] = [[] for _ in range(num_ranks)]
         self.saves: list[list[SaveResult]] = [[] for _ in range(num_ranks)]
         self.released: list[list[str]] = [[] for _ in range(num_ranks)]
@@ -55,10 +58,17 @@ class _Results:
             for released in self.released:
                 released.append(request_id)
 
+    def started(self, request_id: str, rank: int) -> None:
+        self.rank_of[request_id] = rank
+        self._in_flight[request_id] += 1
+
     def _rank(self, request_id: str) -> int:
-        # Not popped: a request's load and its save (and a second save) report apart; the
-        # entry is overwritten by the next start of the same id.
-        return self.rank_of.get(request_id, 0)
+        """The rank of a reported load or save (a request's are all on its pinned rank)."""
+        rank = self.rank_of[request_id]
+        self._in_flight[request_id] -= 1
+        if not self._in_flight[request_id]:
+            del self._in_flight[request_id], self.rank_of[request_id]
+        return rank
 
 
 class RankConnector(KVConnector):
@@ -78,14 +88,14 @@ class RankConnector(KVConnector):
         self, request_id: str, first_block: int, hashes: list[BlockHash], block_ids: BlockIds,
         params: KVTransferParams, trace: TraceCarrier | None = None,
     ) -> None:  # fmt: skip
-        self.results.rank_of[request_id] = self.rank
+        self.results.started(request_id, self.rank)
         self._connector.start_load(request_id, first_block, hashes, block_ids, params, trace)
 
     def start_save(
         self, request_id: str, hashes: list[BlockHash], block_ids: BlockIds, params: KVTransferParams,
         trace: TraceCarrier | None = None,
     ) -> None:  # fmt: skip
-        self.results.rank_of[request_id] = self.rank
+        self.results.started(request_id, self.rank)
         self._connector.start_save(request_id, hashes, block_ids, params, trace)
 
     def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
@@ -127,6 +137,11 @@ class DataParallelKVTransfer:
             KVTransfer(view, scheduler, kv, lease_timeout_s, offsets[r])
             for r, (view, scheduler, kv) in enumerate(zip(views, schedulers, pools, strict=True))
         ]
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests with a load or a save not reported yet (their rank is remembered until then)."""
+        return len(self._results.rank_of)
 
     # A rank's counts are its own (its view reports none of the connector's); the connector's are added once.
     @property

@@ -19,7 +19,7 @@ import multiprocessing
 import pytest
 
 from shared.engine.config import EngineConfig
-from shared.engine.dp_kv import InstanceBlockEvents
+from shared.engine.dp_kv import DataParallelKVTransfer, InstanceBlockEvents
 from shared.engine.dp_scheduler import DataParallelScheduler
 from shared.engine.engine_request import EngineRequest
 from shared.engine.llm_engine import LLMEngine
@@ -116,6 +116,9 @@ def test_saves_and_loads_go_through_the_rank_the_request_is_pinned_to(model: str
                          for h in engine.kv_ranks[given[str(i)]].hash_chain(p)[: len(p) // BLOCK]}  # fmt: skip
         assert len(stored_events) == len(set(stored_events)) and prompt_hashes <= set(stored_events)
         assert removed_events == []
+        # Every save reported: the connector's views track no request any more (none leaks).
+        transfer = engine.kv_transfer
+        assert isinstance(transfer, DataParallelKVTransfer) and transfer.num_tracked == 0
     finally:
         engine.close()
     # A fresh instance: rank 0 is busy with a long request, so the stored prompt goes to rank 1 and loads there.
