@@ -90,7 +90,7 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
                                     blob_capacity_bytes=kv.blob_capacity_bytes)
     stack.callback(store.close)  # unwinds last: after the server stopped and the sweep ended
     transfer = ctx.settings.kv_transfer
-    backends = tuple(b.strip() for b in transfer.nixl_backends.split(",") if b.strip())
+    backends = transfer.backends
     # The agent starts in a thread (UCX takes a moment); it stays None when it cannot start.
     nixl = await asyncio.to_thread(NixlServer, agent_name(ctx.instance_id) if transfer.nixl else None,
                                    backends, kv.nixl_staging_bytes, transfer.nixl_transfer_timeout_s,

@@ -13,7 +13,10 @@ the reply: prefill and decode fetch them from there by that identity
 vision.share_bytes allows, each image's embeddings are also written into a ring in
 shared memory and the reply says where (EncodeReply.peer_sources): prefill and decode on
 this host, in this PID namespace, copy them straight out (shared/stage/embedding_share.py),
-and fall back to kvcache when they cannot. NIXL is not used for embeddings yet.
+and fall back to kvcache when they cannot. With vision.nixl (and kv_transfer.nixl) the
+ring is also registered with the instance's NIXL agent, which answers readers' metadata
+asks on subjects.kv_nixl as prefill does for KV: prefill and decode in another
+container, pod or node READ the entries through NIXL (shared/stage/embedding_nixl.py).
 
 An instance that dies mid-request answers nothing: the balancer asks another one or,
 with none left, lets prefill encode (services/balancer/router/vision.py). Heartbeats
@@ -36,6 +39,7 @@ import torch
 
 from shared.engine.dtypes import torch_dtype
 from shared.kv.wire.client import KVCacheClient
+from shared.kv.wire.nixl import NixlAgent, NixlUnavailable, agent_name
 from shared.model.vision.mrope import GridTHW
 from shared.proto import mesh_pb2
 from shared.runtime import subjects
@@ -45,6 +49,7 @@ from shared.runtime.rpc import GrpcServer, start_grpc_server
 from shared.runtime.service import ServiceContext
 from shared.stage.convert import image_from_proto
 from shared.stage.embedding_share import EmbeddingArena
+from shared.stage.embedding_nixl import offer_arena
 from shared.stage.embeddings import from_blob, to_blob
 from services.vision.cache import EmbeddingCache
 
@@ -314,6 +319,26 @@ def _read_images(images: dict[bytes, tuple[mesh_pb2.ImageData, str]]) -> dict[by
     return out
 
 
+async def _offer_through_nixl(ctx: ServiceContext, stack: AsyncExitStack, arena: EmbeddingArena) -> None:
+    """Register the arena with an agent of this process and answer readers' metadata
+    asks (once per reader); without NIXL, readers that cannot map it use kvcache."""
+    try:  # UCX takes a moment to start: off the loop
+        agent = await asyncio.to_thread(NixlAgent, agent_name(ctx.instance_id), ctx.settings.kv_transfer.backends,
+                                        loopback_only=ctx.settings.worker.binds_loopback)  # fmt: skip
+    except NixlUnavailable as exc:
+        log.warning("no NIXL path for embeddings (%s): other containers and hosts read them from kvcache", exc)
+        return
+    stack.callback(agent.close)  # unwinds before the arena's close, registered earlier
+    registration = offer_arena(arena, agent, ctx.instance_id)
+
+    async def on_metadata(_: mesh_pb2.NixlMetadataRequest) -> mesh_pb2.NixlMetadata:
+        return mesh_pb2.NixlMetadata(agent=agent.name, metadata=agent.metadata(only=registration))  # the arena alone
+
+    sub = await ctx.bus.subscribe(subjects.kv_nixl(ctx.instance_id), mesh_pb2.NixlMetadataRequest, on_metadata)
+    stack.push_async_callback(sub.unsubscribe)
+    log.info("NIXL agent %s: the embedding arena (%d bytes) registered", agent.name, arena.nbytes)
+
+
 async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
     from shared.model.tower_loader import NoVisionTower, load_vision_tower
     from shared.model.vision.processor import ImageProcessor
@@ -336,6 +361,8 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
             stack.callback(arena.close)
         except OSError as exc:  # no room in /dev/shm: prefill reads kvcache, as without one
             log.warning("no shared embedding arena (%s): embeddings reach prefill through kvcache only", exc)
+    if arena is not None and v.nixl and ctx.settings.kv_transfer.nixl:
+        await _offer_through_nixl(ctx, stack, arena)
     service = VisionService(ctx, encoder, kvcache, arena)
     grpc: GrpcServer = await start_grpc_server(ctx.settings.worker.grpc_port, [], [ctx.stage])
     stack.push_async_callback(grpc.stop, 1.0)

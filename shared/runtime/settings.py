@@ -214,6 +214,11 @@ class KVTransferSettings:
     WRITEs the blocks of a Get into this buffer through NIXL instead of streaming
     them over gRPC. Puts keep to the stream."""
 
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """nixl_backends as the agent takes them."""
+        return tuple(b.strip() for b in self.nixl_backends.split(",") if b.strip())
+
 
 @dataclass(slots=True)
 class BalancerSettings:
@@ -376,6 +381,13 @@ class VisionSettings:
     """Shared memory a vision instance writes embeddings into for prefill and decode on
     its host to copy straight out (shared/stage/embedding_share.py), a ring: the oldest
     are overwritten (kvcache still holds them). 0: kvcache is the only path."""
+    nixl: bool = False
+    """Also offer that ring through NIXL (shared/stage/embedding_nixl.py): prefill and
+    decode that cannot map it (another container, pod or node) READ an image's entry
+    through their NIXL agent instead of fetching it from kvcache. Needs kv_transfer.nixl
+    (its backends; off there, off here) on this instance and the readers, and UCX
+    reaching this instance from theirs: off by default, since compose and the chart
+    open UCX's ports to the KV-moving pods only (docs/deploy.md, "How KV moves")."""
     reuse_embeddings: bool = True
     """A vision instance looks an image up in its memory and in kvcache before encoding
     it; off: it encodes every image it is sent (the no-cache baseline of

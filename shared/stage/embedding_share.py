@@ -12,7 +12,11 @@ that (another PID namespace or host: the file there is another one; the instance
 the entry overwritten) is a `ValueError`, and the caller fetches from kvcache instead.
 Given a directory both see (`engine.kv_share_dir`, as KV), the arena's file descriptor
 is also handed over a unix socket there, which reaches a reader in another PID
-namespace on the same host (shared/kv/memory/fd_passing.py).
+namespace on the same host (shared/kv/memory/fd_passing.py). Where neither reaches (another PID namespace without
+that directory, another host), the arena is also registered with the instance's NIXL
+agent (vision.nixl) and the source says how to read it through NIXL
+(`EmbeddingSource.nixl`): prefill and decode READ the entry through theirs
+(shared/stage/embedding_nixl.py), under the same checks.
 
 No lease: the arena is a ring and an entry lives until the ring comes round to it. Each
 entry starts with a header (the image's identity, a generation); the writer clears the
@@ -54,17 +58,21 @@ class EmbeddingSource:
     nbytes: int
     layout: str
     """The embeddings' blob layout (shared/stage/embeddings.py: dtype, shape, grid)."""
+    nixl: str = ""
+    """How to read the arena through NIXL (shared/stage/embedding_nixl.py's description:
+    the instance, its agent, the arena's address and size); "": not offered."""
 
     def to_bytes(self) -> bytes:
         return json.dumps({"region": self.region, "offset": self.offset, "generation": self.generation,
-                           "nbytes": self.nbytes, "layout": self.layout}).encode()  # fmt: skip
+                           "nbytes": self.nbytes, "layout": self.layout, "nixl": self.nixl}).encode()  # fmt: skip
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "EmbeddingSource":
         """ValueError when data is not one (data from the network: checked, never trusted)."""
         try:
             d = json.loads(data)
-            source = cls(str(d["region"]), int(d["offset"]), int(d["generation"]), int(d["nbytes"]), str(d["layout"]))
+            source = cls(str(d["region"]), int(d["offset"]), int(d["generation"]), int(d["nbytes"]), str(d["layout"]),
+                         str(d.get("nixl", "")))  # fmt: skip
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"unreadable embedding source: {exc}") from None
         if source.offset < 0 or source.nbytes < 0 or source.generation <= 0:
@@ -85,10 +93,17 @@ class EmbeddingArena:
         self._next = 0
         self._generation = 0
         self._entries: dict[bytes, EmbeddingSource] = {}
+        self.nixl = ""
+        """How readers reach the arena through NIXL, once it is registered there
+        (shared/stage/embedding_nixl.py's offer_arena); every entry's source says it."""
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    @property
+    def address(self) -> int:
+        return self.data.data_ptr()
 
     def get(self, key: bytes) -> EmbeddingSource | None:
         """Where key's embeddings lie, while the ring has not come round to them."""
@@ -115,13 +130,22 @@ class EmbeddingArena:
         view[offset + HEADER.size : end] = memoryview(data)
         view[offset : offset + HEADER.size] = memoryview(HEADER.pack(key, self._generation, len(data)))
         self._next = (end + ALIGN - 1) // ALIGN * ALIGN
-        source = EmbeddingSource(self.region, offset, self._generation, len(data), layout)
+        source = EmbeddingSource(self.region, offset, self._generation, len(data), layout, self.nixl)
         self._entries[key] = source
         return source
 
     def close(self) -> None:
         self._entries.clear()
         self._allocator.close()
+
+
+def check_entry(key: bytes, source: EmbeddingSource, header: bytes, after: bool) -> None:
+    """The seqlock's check, on an entry's header read before the copy of its bytes or
+    (after) once the copy is done: ValueError unless it still names key's generation."""
+    if HEADER.unpack(header) != (key, source.generation, source.nbytes):
+        if after:
+            raise ValueError("the image's entry was overwritten during the copy")
+        raise ValueError("the vision instance's arena no longer holds the image (overwritten)")
 
 
 class ArenaReader:
@@ -138,12 +162,9 @@ class ArenaReader:
         if end > arena.numel():
             raise ValueError("the embedding source lies past the arena's end")
         view = arena.numpy()
-        expected = (key, source.generation, source.nbytes)
-        if HEADER.unpack(view[start : start + HEADER.size].tobytes()) != expected:
-            raise ValueError("the vision instance's arena no longer holds the image (overwritten)")
+        check_entry(key, source, view[start : start + HEADER.size].tobytes(), after=False)
         data = view[start + HEADER.size : end].tobytes()
-        if HEADER.unpack(view[start : start + HEADER.size].tobytes()) != expected:
-            raise ValueError("the image's entry was overwritten during the copy")
+        check_entry(key, source, view[start : start + HEADER.size].tobytes(), after=True)
         return source.layout, data
 
     def _map(self, region: str) -> torch.Tensor:

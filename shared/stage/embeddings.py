@@ -8,8 +8,9 @@ positions) without running the processor again.
 
 kvcache is the one transfer path every deployment has; on the vision instance's host
 and PID namespace the same blobs are copied straight out of its shared memory
-(shared/stage/embedding_share.py, the mapping KV's direct copy uses) and only the rest
-are asked of kvcache. NIXL, which KV blocks also take, is not used for embeddings yet."""
+(shared/stage/embedding_share.py, the mapping KV's direct copy uses), elsewhere READ
+out of it through NIXL where the instance offers that (shared/stage/embedding_nixl.py,
+vision.nixl), and only the rest are asked of kvcache."""
 
 import asyncio
 import logging

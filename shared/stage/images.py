@@ -8,13 +8,16 @@ images whose rows it computes (decode after a handoff: none whose KV it loads).
 E/P/D: images a vision instance encoded (ImageData.embedded) are fetched from kvcache
 by their identities instead (shared/stage/embeddings.py, a "transfer" span), and the
 engine runs no tower for them. Where the vision instance says it also holds an image in
-shared memory (ImageData.peer_source) and this process can map it (one host, one PID
-namespace, the instance's ring not yet round to it), the embeddings are copied straight
-out of it (shared/stage/embedding_share.py) and only the others asked of kvcache; the
-span's `transfer.path` (peer, kvcache or peer+kvcache) and the counter
-`image_embeddings_loaded_total{path}` say which way each image came. A fetch that
-misses or fails (kvcache down, the blob evicted) falls back to the PNGs: the request is
-never lost for it."""
+its arena (ImageData.peer_source), the embeddings are taken from there and only the
+others asked of kvcache: copied straight out of its shared memory where this process
+can map it (shared/stage/embedding_share.py: one host, one PID namespace or a shared
+kv_share_dir), else READ through NIXL where the instance offers that
+(shared/stage/embedding_nixl.py: another container, pod or node; the process's NIXL
+agent, vision.nixl on the instance), as long as its ring has not come round to them.
+The span's `transfer.path` (peer, nixl, kvcache, or those joined by +: peer+kvcache)
+and the counter `image_embeddings_loaded_total{path}` say which way each image came. A
+fetch that misses or fails (kvcache down, the blob evicted) falls back to the PNGs: the
+request is never lost for it."""
 
 import asyncio
 import logging
@@ -32,6 +35,7 @@ from shared.stage.convert import image_from_proto
 from shared.stage.embedding_share import ArenaReader, EmbeddingSource
 
 if TYPE_CHECKING:
+    from shared.stage.embedding_nixl import NixlArenaReader
     from shared.kv.wire.client import KVCacheClient
     from shared.model.vision.processor import ImageProcessor
 
@@ -40,47 +44,67 @@ log = logging.getLogger(__name__)
 
 class StageImages:
     def __init__(self, processor: "ImageProcessor | None", kvcache: "KVCacheClient | None" = None,
-                 fetch_timeout_s: float = 5.0, metrics: Metrics | None = None) -> None:  # fmt: skip
+                 fetch_timeout_s: float = 5.0, metrics: Metrics | None = None,
+                 nixl: "NixlArenaReader | None" = None) -> None:  # fmt: skip
         """processor: the model's image processor; None for a text-only model. kvcache:
-        where embeddings a vision instance stored are fetched (None: never)."""
+        where embeddings a vision instance stored are fetched (None: never). nixl: reads
+        vision instances' arenas through this process's NIXL agent (None: no agent)."""
         self.processor = processor
         self.kvcache = kvcache
         self.fetch_timeout_s = fetch_timeout_s
         self.peers = ArenaReader()
+        self.nixl = nixl
         self.m_loaded = None
         if metrics is not None:
             self.m_loaded = metrics.counter("image_embeddings_loaded_total", "Images whose embeddings a vision "
                                             "instance made, by the way they came (peer: copied from its shared "
-                                            "memory on this host; kvcache)", ("path",))  # fmt: skip
+                                            "memory on this host; nixl: read from it through NIXL; kvcache)",
+                                            ("path",))  # fmt: skip
 
     @classmethod
     async def load(cls, model_dir: str | Path, vision_language: bool, kvcache: "KVCacheClient | None" = None,
-                   fetch_timeout_s: float = 5.0, metrics: Metrics | None = None) -> "StageImages":  # fmt: skip
+                   fetch_timeout_s: float = 5.0, metrics: Metrics | None = None,
+                   nixl: "NixlArenaReader | None" = None) -> "StageImages":  # fmt: skip
         """The model's processor for a vision-language model (importing transformers takes
         seconds: on a worker thread), none for another."""
         if not vision_language:
             return cls(None)
         from shared.model.vision.processor import ImageProcessor
 
-        return cls(await asyncio.to_thread(ImageProcessor, model_dir), kvcache, fetch_timeout_s, metrics)
+        return cls(await asyncio.to_thread(ImageProcessor, model_dir), kvcache, fetch_timeout_s, metrics, nixl)
 
-    def _read_peers(self, messages: Sequence[mesh_pb2.ImageData]) -> tuple[dict[bytes, tuple[str, bytes]], list[str]]:
-        """The blobs copied straight out of vision instances' shared memory, by identity,
-        and why the others with a peer_source could not be (on a worker thread)."""
-        held, refused = {}, []
+    def _read_peers(self, messages: Sequence[mesh_pb2.ImageData]) -> tuple[dict[bytes, tuple[str, bytes]],
+                                                                          dict[bytes, str], list[str]]:  # fmt: skip
+        """The blobs taken out of vision instances' arenas, by identity, the way each came
+        ("peer" or "nixl"), and why the others with a peer_source could not be (on a
+        worker thread)."""
+        held, ways, refused = {}, {}, []
         for msg in messages:
             key = bytes(msg.hash)
             if not msg.peer_source or key in held:
                 continue
             try:
-                held[key] = self.peers.read(key, EmbeddingSource.from_bytes(msg.peer_source))
-            except ValueError as exc:  # another namespace, the instance gone, the entry overwritten
+                source = EmbeddingSource.from_bytes(msg.peer_source)
+            except ValueError as exc:
                 refused.append(str(exc))
-        return held, refused
+                continue
+            try:
+                held[key], ways[key] = self.peers.read(key, source), "peer"
+                continue
+            except ValueError as exc:  # another namespace or host, the instance gone, the entry overwritten
+                reason = str(exc)
+            if source.nixl and self.nixl is not None:
+                try:
+                    held[key], ways[key] = self.nixl.read(key, source), "nixl"
+                    continue
+                except ValueError as exc:  # no metadata, a failed transfer, the entry overwritten
+                    reason = f"NIXL: {exc}"
+            refused.append(reason)
+        return held, ways, refused
 
     async def _fetched(self, messages: Sequence[mesh_pb2.ImageData], tracer: Tracer) -> RequestImages | None:
         """The images' embeddings, from the vision instance's memory where it can be
-        mapped, else from kvcache, under a "transfer" span; None when any is not there or
+        mapped or read through NIXL, else from kvcache, under a "transfer" span; None when any is not there or
         kvcache fails (the caller encodes them from their PNGs)."""
         from shared.stage.embeddings import fetch_embeddings
 
@@ -89,15 +113,16 @@ class StageImages:
         with tracer.start_as_current_span("transfer") as span:
             span.set_attribute("transfer.what", "image_embeddings")
             span.set_attribute("images.count", len(messages))
-            held, refused = await asyncio.to_thread(self._read_peers, messages)
+            held, ways, refused = await asyncio.to_thread(self._read_peers, messages)
             if refused:
                 log.info("%d image(s) not copied from the vision instance (%s): through kvcache", len(refused),
                          refused[0])  # fmt: skip
                 span.set_attribute("transfer.peer_refused", refused[0])
-            num_peer = sum(1 for h in hashes if bytes(h) in held)
-            path = "peer" if num_peer == len(hashes) else "peer+kvcache" if num_peer else "kvcache"
-            span.set_attribute("transfer.path", path)
-            span.set_attribute("images.peer", num_peer)
+            counts = {way: sum(1 for h in hashes if ways.get(bytes(h)) == way) for way in ("peer", "nixl")}
+            counts["kvcache"] = len(hashes) - counts["peer"] - counts["nixl"]
+            span.set_attribute("transfer.path", "+".join(way for way, n in counts.items() if n))
+            span.set_attribute("images.peer", counts["peer"])
+            span.set_attribute("images.nixl", counts["nixl"])
             try:
                 embeddings = await fetch_embeddings(self.kvcache, hashes, self.fetch_timeout_s, held)
             except Exception as exc:  # kvcache down or slow, a bad blob: encode here instead
@@ -109,8 +134,8 @@ class StageImages:
                 return None
             span.set_attribute("transfer.bytes", sum(e.numel() * e.element_size() for e in embeddings.embeds))
             if self.m_loaded is not None:
-                self.m_loaded.labels("peer").inc(num_peer)
-                self.m_loaded.labels("kvcache").inc(len(hashes) - num_peer)
+                for way, n in counts.items():
+                    self.m_loaded.labels(way).inc(n)
             return RequestImages(embeddings, hashes)
 
     async def request_images(self, messages: Sequence[mesh_pb2.ImageData], tracer: Tracer) -> RequestImages | None:

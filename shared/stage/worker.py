@@ -475,8 +475,15 @@ async def serve_engine_stage(
         embeddings = KVCacheClient(ctx.settings.kvcache.address, chunk_bytes=ctx.settings.kvcache.chunk_bytes,
                                    timeout_s=ctx.settings.vision.fetch_timeout_s, shm_bytes=0)
         stack.push_async_callback(embeddings.close)
+    arena_reader = None
+    if vision_language and chain.nixl is not None and chain.nixl.agent is not None:
+        # Vision instances' arenas through NIXL (vision.nixl there), with the process's one agent.
+        from shared.stage.embedding_nixl import NixlArenaReader
+
+        arena_reader = NixlArenaReader(chain.nixl.agent, fetch_nixl_metadata, ctx.settings.vision.fetch_timeout_s)
+        stack.callback(arena_reader.close)  # before engine.close ends the agent
     images = await StageImages.load(ctx.settings.engine.model, vision_language, embeddings,
-                                    ctx.settings.vision.fetch_timeout_s, ctx.metrics)
+                                    ctx.settings.vision.fetch_timeout_s, ctx.metrics, arena_reader)
     worker = Worker(ctx, engine, chain.kvcache, nixl, images)
     routes = list(make_dispatch(worker))
     await worker.start(stack)

@@ -509,7 +509,8 @@ def test_chart_runs_the_vision_stage_apart_fenced_to_nats_and_kvcache():
     assert users == [f"mesh-infermesh-vision-{i}" for i in range(3)]
     block = conf[conf.index('user: "mesh-infermesh-vision-1"'):].split("}}", 1)[0]
     assert 'publish: {allow: ["im.heartbeat.vision.mesh-infermesh-vision-1"]}' in block
-    assert 'subscribe: {allow: ["im.vision.mesh-infermesh-vision-1.encode", "_INBOX.mesh-infermesh-vision-1.>"]}' in block
+    assert ('subscribe: {allow: ["im.vision.mesh-infermesh-vision-1.encode", "im.kv.nixl.mesh-infermesh-vision-1", '
+            '"_INBOX.mesh-infermesh-vision-1.>"]}') in block  # its NIXL metadata asks (vision.nixl)
     (hpa,) = [h for n, h in kinds(docs, "HorizontalPodAutoscaler").items() if n.endswith("vision")]
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
                                              "name": "mesh-infermesh-vision"}

@@ -1,9 +1,14 @@
 """What the vision-language mesh tests share (tests/mesh/test_mesh_images.py and
 test_mesh_vision.py): the block size their meshes run with, chat requests with images
 as PNG data: URLs, the fields read back from a response, and the in-process engine's
-tokens and logprobs for the same prompt ids and images (the reference they are held to)."""
+tokens and logprobs for the same prompt ids and images (the reference they are held to);
+for the E/P/D tests of the vision instance's arena (test_mesh_vision_direct.py,
+test_mesh_vision_nixl.py), one image's embedding bytes and prefill's count of images
+loaded by path."""
 
 import io
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +20,8 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.model.vision.processor import ImageProcessor
 from tests.helpers.image_files import data_url
+from tests.helpers.metrics import scrape
+from tests.helpers.vlm_models import synthetic_images
 from tools.launch.up import Mesh
 
 BLOCK = 16
@@ -66,3 +73,25 @@ def in_process(
     params = SamplingParams(max_tokens=num_new, temperature=0.0, logprobs=0, ignore_eos=True)
     out = llm.generate([prompt], params, images=[RequestImages(inputs, hashes)])[0]
     return out.token_ids, [lp.logprob for lp in out.logprobs]
+
+
+def embedding_bytes(folder: Path, size: tuple[int, int]) -> int:
+    """One image's embeddings in bytes, for an image of `size` (float32: the model's dtype here)."""
+    vision = json.loads((folder / "config.json").read_text())["vision_config"]
+    assert vision["dtype"] == "float32"
+    (grid,) = ImageProcessor(folder)([np.asarray(synthetic_images([size], seed=1)[0])]).grids
+    return math.prod(grid) // vision["spatial_merge_size"] ** 2 * vision["out_hidden_size"] * 4
+
+
+def embeddings_loaded(mesh: Mesh, path: str) -> float:
+    """prefill-0's image_embeddings_loaded_total{path}."""
+    samples = scrape(f"http://127.0.0.1:{mesh.metrics_ports['prefill-0']}/metrics")
+    found = [v for (n, ls), v in samples.items()
+             if n == "infermesh_prefill_image_embeddings_loaded_total" and ("path", path) in ls]  # fmt: skip
+    return sum(found)
+
+
+def ask(mesh: Mesh, images: list[Any], text: str) -> dict[str, Any]:
+    """A chat with these images, then the text."""
+    content = [image_part(image) for image in images] + [{"type": "text", "text": text}]
+    return chat(mesh, [{"role": "user", "content": content}])

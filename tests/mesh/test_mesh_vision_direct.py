@@ -11,23 +11,18 @@ transfer span's transfer.path); a chat with two new images, whose second overwro
 first in the ring, gives the in-process answer too: the first is refused by the ring
 (overwritten) and comes from kvcache, the second straight from the ring."""
 
-import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from shared.model.vision.processor import ImageProcessor
 from shared.stage.embedding_share import HEADER
 from tests.helpers.mesh import running_mesh
 from tests.helpers.mesh_procs import span_attributes
-from tests.helpers.metrics import scrape
 from tests.helpers.vlm_models import synthetic_images
-from tests.helpers.vl_mesh import ENV, chat, image_part, in_process, logprobs, prompt_ids
+from tests.helpers.vl_mesh import ENV, ask, embedding_bytes, in_process, logprobs, prompt_ids
+from tests.helpers.vl_mesh import embeddings_loaded as loaded
 from tools.launch.up import Mesh
 from tools.make_model import make_model
 
@@ -42,33 +37,13 @@ def vl_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def embedding_bytes(folder: Path) -> int:
-    """One SIZE image's embeddings in bytes (float32: the model's dtype here)."""
-    vision = json.loads((folder / "config.json").read_text())["vision_config"]
-    assert vision["dtype"] == "float32"
-    (grid,) = ImageProcessor(folder)([np.asarray(synthetic_images([SIZE], seed=1)[0])]).grids
-    return math.prod(grid) // vision["spatial_merge_size"] ** 2 * vision["out_hidden_size"] * 4
-
-
 @pytest.fixture(scope="module")
 def mesh(vl_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    entry = HEADER.size + embedding_bytes(vl_folder)
+    entry = HEADER.size + embedding_bytes(vl_folder, SIZE)
     env = {**ENV, "INFERMESH_VISION__SHARE_BYTES": str(entry + entry // 2)}  # one entry fits, two do not
     with running_mesh(str(vl_folder), tmp_path_factory.mktemp("direct-state"), extra_env=env,
                       num_prefill=1, num_decode=1, num_vision=1) as mesh:  # fmt: skip
         yield mesh
-
-
-def loaded(mesh: Mesh, path: str) -> float:
-    samples = scrape(f"http://127.0.0.1:{mesh.metrics_ports['prefill-0']}/metrics")
-    found = [v for (n, ls), v in samples.items()
-             if n == "infermesh_prefill_image_embeddings_loaded_total" and ("path", path) in ls]  # fmt: skip
-    return sum(found)
-
-
-def ask(mesh: Mesh, images: list[Any], text: str) -> dict[str, Any]:
-    content = [image_part(image) for image in images] + [{"type": "text", "text": text}]
-    return chat(mesh, [{"role": "user", "content": content}])
 
 
 def test_prefill_copies_embeddings_from_the_vision_instance_and_falls_back_to_kvcache_when_the_ring_lost_them(

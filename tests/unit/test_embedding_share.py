@@ -116,6 +116,6 @@ def test_prefill_copies_what_it_can_and_asks_kvcache_for_the_rest() -> None:
         assert embeds.grids == ((1, 8, 2), (1, 6, 2))
         loaded = {s.labels["path"]: s.value for f in metrics.registry.collect() for s in f.samples
                   if s.name == "infermesh_prefill_image_embeddings_loaded_total"}  # fmt: skip
-        assert loaded == {"peer": 1.0, "kvcache": 1.0}
+        assert loaded == {"peer": 1.0, "nixl": 0.0, "kvcache": 1.0}
     finally:
         arena.close()

@@ -8,9 +8,9 @@ the users that answer requests may publish to reply subjects):
 | user        | publishes                                              | subscribes                                  |
 |-------------|--------------------------------------------------------|---------------------------------------------|
 | balancer    | prefill dispatch (im.prefill.*.run), encode requests (im.vision.*.encode), cancels, the responses bucket (JetStream KV) | heartbeats, KV events, every token stream, departures |
-| prefill X   | decode handoffs, X's heartbeats, KV events and streams | X's dispatch, cancels, X's KV releases, X's NIXL metadata asks |
+| prefill X   | decode handoffs, X's heartbeats, KV events and streams, NIXL metadata asks (vision's) | X's dispatch, cancels, X's KV releases, X's NIXL metadata asks |
 | decode X    | X's heartbeats, KV events and streams, KV releases, NIXL metadata asks | X's handoffs, cancels       |
-| vision X    | X's heartbeats                                         | X's encode requests (answers them)          |
+| vision X    | X's heartbeats                                         | X's encode requests, X's NIXL metadata asks (answers them) |
 | kvcache     | its KV events (im.kv.events)                           | nothing                                     |
 | monitor     | nothing                                                | heartbeats, KV events (load figures only)   |
 | admin       | anything                                               | anything (`up`'s operator only)             |
@@ -109,7 +109,8 @@ def permissions(role: str, instance: str = "*") -> Permissions:
         heartbeat = own(lambda i: subjects.heartbeat(role, i))
         if role == "prefill":
             return Permissions(
-                publish=(_any(subjects.decode_admit), heartbeat, own(subjects.kv_events), stream_subjects(instance)),
+                publish=(_any(subjects.decode_admit), heartbeat, own(subjects.kv_events), stream_subjects(instance),
+                         _any(subjects.kv_nixl)),  # a vision instance's NIXL metadata (its embeddings)
                 subscribe=(own(subjects.prefill_run), subjects.CANCEL, own(subjects.kv_release), own(subjects.kv_nixl)),
                 allow_responses=True,
             )
@@ -119,9 +120,9 @@ def permissions(role: str, instance: str = "*") -> Permissions:
             subscribe=(own(subjects.decode_admit), own(subjects.decode_run), subjects.CANCEL),
             allow_responses=True,
         )
-    if role == "vision":  # answers the balancer's encode requests; its data goes to kvcache over gRPC
+    if role == "vision":  # answers the balancer's encode requests and its readers' NIXL metadata asks
         return Permissions(publish=(own(lambda i: subjects.heartbeat(role, i)),),
-                           subscribe=(own(subjects.vision_encode),), allow_responses=True)
+                           subscribe=(own(subjects.vision_encode), own(subjects.kv_nixl)), allow_responses=True)
     if role == "kvcache":
         return Permissions(publish=(subjects.KV_EVENTS,), subscribe=())
     if role == "monitor":

@@ -52,7 +52,7 @@ def connector_chain(
     (called from the peer link's thread); fetch_nixl_metadata(instance_id): that
     peer's NIXL agent metadata (called from the NIXL link's thread); loopback_only: the
     worker binds loopback, so NIXL's UCX listens there alone."""
-    backends = tuple(b.strip() for b in transfer.nixl_backends.split(",") if b.strip())
+    backends = transfer.backends
     nixl: NixlConnector | None = None
 
     def kvcache_agent() -> NixlAgent:

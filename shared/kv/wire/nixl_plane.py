@@ -59,6 +59,11 @@ RETIRED_GRACE_S = 120.0
 (kv_transfer.nixl_transfer_timeout_s, 30 s by default)."""
 
 
+def valid_agent_name(name: str) -> bool:
+    """A NIXL agent's name as a peer may send it (any reader of names off the network checks it)."""
+    return bool(_AGENT_NAME.match(name))
+
+
 class NixlRefused(Exception):
     """The service cannot use the target a request names (the message says why)."""
 
@@ -75,7 +80,7 @@ class TargetRef:
 
     def check(self) -> None:
         """NixlRefused unless every field is within bounds."""
-        if not _AGENT_NAME.match(self.agent):
+        if not valid_agent_name(self.agent):
             raise NixlRefused(f"agent name {self.agent[:80]!r} is not 1 to {MAX_AGENT_NAME} of [A-Za-z0-9._:@-]")
         if not 0 < len(self.metadata) <= MAX_METADATA_BYTES:
             raise NixlRefused(f"agent metadata of {len(self.metadata)} bytes, not 1 to {MAX_METADATA_BYTES}")
