@@ -3,15 +3,18 @@ gloo worker processes with ``enable_expert_parallel`` generate the single proces
 tokens and logprobs, and with ``enable_eplb`` the experts move between the ranks
 mid-generation, in the background beside the steps, without changing a token.
 
-Batch-invariant mode (Qwen3-MoE, GPT-OSS): tokens and logprobs bitwise equal. The
-replicated attention sees the same inputs on every rank; each MoE layer's slice of
-tokens is routed and computed by per-row-invariant kernels, wherever its experts
-live; the all-gather is a copy. Default mode (and DeepSeek-V4, which has no
-batch-invariant table): a rank's router and experts run matmuls over other row
-counts than one process does (BLAS picks its reduction order by shape), so the
-logprobs agree within LOGPROB_TOLERANCE (measured here: 4.8e-7 for Qwen3-MoE and
-DeepSeek-V4 alike, never 0) and the
-greedy tokens of these seeded prompts are equal.
+Qwen3-MoE and GPT-OSS run their attention, dense MLPs, embedding and head
+tensor-parallel over the ranks (vLLM's `--tensor-parallel-size N
+--enable-expert-parallel`), DeepSeek-V4 its attention replicated. o_proj's (and
+down_proj's) all-reduce sums partial products in another order than one matmul, and
+in default mode a rank's router and experts run matmuls over other row counts than
+one process does (BLAS picks its reduction order by shape), so in every mode the
+logprobs agree within LOGPROB_TOLERANCE (measured here: 4.8e-7 for every case,
+batch-invariant or not, 2 or 4 ranks) and the greedy tokens of these seeded prompts
+are equal. EPLB's moves are compared with EP without them, both tensor-parallel in
+batch-invariant mode: bitwise equal (each MoE layer's slice of tokens is computed by
+per-row-invariant kernels wherever its experts live; the all-gather is a copy; the
+attention's all-reduces see the same inputs).
 """
 
 import json
@@ -38,7 +41,7 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOLERANCE = 1e-4
-"""|EP - single| of a sampled token's logprob, default mode (module docstring)."""
+"""|EP - single| of a sampled token's logprob, in every mode (module docstring)."""
 ENGINE = dict(block_size=4, prefill_chunk_size=8, max_num_batched_tokens=24)
 """Small blocks and chunks: prompts span blocks, prefill is chunked beside decoding."""
 PROMPTS = random_prompts([5, 17, 11], vocab=500, seed=3)
@@ -74,6 +77,7 @@ def _chosen_logprobs(output: Any) -> list[float]:
     [
         ("qwen3_moe", True, 2),
         ("gpt_oss", True, 2),
+        ("gpt_oss", False, 2),
         ("qwen3_moe", False, 2),
         ("deepseek_v4", False, 2),
         ("qwen3_moe", True, 4),
@@ -87,11 +91,9 @@ def test_expert_parallel_generates_the_tokens_of_one_process(
     ep_tokens, ep_logprobs = _generate(models[family], tensor_parallel_size=ranks, enable_expert_parallel=True,
                                        **mode)  # fmt: skip
     assert ep_tokens == tokens
-    if invariant:
-        assert ep_logprobs == logprobs
-    else:
-        worst = max(abs(a - b) for one, ep in zip(logprobs, ep_logprobs) for a, b in zip(one, ep))
-        assert worst < LOGPROB_TOLERANCE
+    worst = max(abs(a - b) for one, ep in zip(logprobs, ep_logprobs) for a, b in zip(one, ep))
+    print(f"{family} invariant={invariant} ranks={ranks}: worst |EP - single| logprob {worst:.3g}")
+    assert worst < LOGPROB_TOLERANCE
     assert multiprocessing.active_children() == []
 
 
