@@ -471,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel attention ranks per instance (with --enable-expert-parallel, an MoE "
                         "model): EngineConfig.data_parallel_size; each instance is still one in the mesh")
     p.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
-                   help="an MoE model's experts split over those ranks, attention replicated: "
+                   help="an MoE model's experts split over those ranks, attention and dense layers tensor-parallel "
+                        "over them (DeepSeek-V4: attention replicated): "
                         "EngineConfig.enable_expert_parallel (default: INFERMESH_ENGINE__ENABLE_EXPERT_PARALLEL)")
     p.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=None,
                    help="with --enable-expert-parallel, rebalance the experts over the ranks live: "

@@ -161,9 +161,11 @@ class EngineConfig:
     """MoE models over the tensor_parallel_size ranks (vLLM's flag: the MoE layers become
     expert-parallel over the ranks): each rank holds 1/N of every MoE layer's experts,
     each MoE layer splits the step's tokens over the ranks and all-to-alls them to their
-    experts. The attention and dense layers are replicated on every rank (computed for
-    the whole step on each; data_parallel_size makes it data-parallel). Qwen3-MoE, GPT-OSS,
-    DeepSeek-V4."""
+    experts. The attention, dense MLPs, embedding and head are tensor-parallel over the
+    ranks as for a dense model (Qwen3-MoE, GPT-OSS: each rank's KV cache holds its KV
+    heads); DeepSeek-V4's compressed attention is replicated on every rank (computed for
+    the whole step on each). data_parallel_size makes the attention data-parallel
+    instead. Qwen3-MoE, GPT-OSS, DeepSeek-V4."""
     enable_eplb: bool = False
     """Expert-parallel load balancing (with enable_expert_parallel): a window of the
     tokens per expert feeds a new placement every eplb_config step_interval steps,

@@ -20,7 +20,7 @@ from shared.engine.eplb.expert_load import ExpertLoad
 from shared.engine.executor.base import Executor, UniProcExecutor
 from shared.engine.executor.multiproc import MultiprocExecutor
 from shared.engine.executor.rank import (
-    RunnerSetup, build_runner, check_split, checkpoint_recipe, load_rank_model, rank_device,
+    RunnerSetup, build_runner, check_split, checkpoint_recipe, load_rank_model, rank_device, splits_attention,
 )  # fmt: skip
 from shared.engine.images import EncodedImages, check_prompt_tokens, encode
 from shared.engine.kv_transfer import KVTransfer
@@ -191,7 +191,8 @@ class LLMEngine:
             multiproc.start(setup, self.runner)
             self.executor = multiproc
             if kv_connector is not None:
-                heads = None if config.enable_expert_parallel else model_cfg.num_key_value_heads
+                # Split as the ranks' attention splits its KV heads; None: each rank holds all of them.
+                heads = model_cfg.num_key_value_heads if multiproc.parallel.is_parallel else None
                 self.kv_region = multiproc.kv_region(heads)
         else:
             self.executor = UniProcExecutor(self.runner)
@@ -726,8 +727,9 @@ def _start_ranks(config: EngineConfig, model: CausalLM | None) -> MultiprocExecu
     if model is not None:
         raise ValueError("a model built by the caller runs in one process: tensor_parallel_size and "
                          "data_parallel_size must be 1 with it")
-    check_split(config, read_config(Path(config.model)))
-    return MultiprocExecutor(config)
+    model_cfg = read_config(Path(config.model))
+    check_split(config, model_cfg)
+    return MultiprocExecutor(config, splits_attention(config, model_cfg))
 
 
 def _decodes_only(sched: SchedulerOutput) -> bool:

@@ -1,20 +1,24 @@
-"""A whole model made expert-parallel over the ranks of one instance (issue 28), in the
-simplest sound layout: every rank runs the same step (the executor sends each rank
-the same scheduler output), the attention and dense layers are replicated (each rank
-computes them for every token of the step), and each MoE layer splits the step's
-tokens across the ranks: rank r takes its 1/N slice, routes it, dispatches its
-(token, choice) pairs to the ranks holding their experts and combines them back
-(shared/model/expert_parallel.py), adds its shared experts, and the slices are
-all-gathered so every rank again holds the whole step. This is expert parallelism
-*without* data-parallel attention: the attention work is not divided, only the
-experts' (their weights and their FLOPs). DeepSeek's layout (each rank its own
-batch, its own attention) is ``split_tokens=False``: the engine then schedules each
-rank's own requests (shared/engine/dp_scheduler.py) and the MoE layers take them whole.
+"""A model's MoE layers made expert-parallel over the ranks of one instance (issue 28).
+Every rank runs the same step (the executor sends each rank the same scheduler
+output); the rest of the model is as its ``ParallelContext`` built it: tensor-parallel
+over the same ranks (vLLM's ``--tensor-parallel-size N --enable-expert-parallel``:
+Qwen3-MoE, GPT-OSS; heads split, o_proj's all-reduce), or whole on every rank
+(DeepSeek-V4's compressed attention, replicated: each rank computes it for every
+token). Either way each MoE layer's input is the whole step on every rank, and each
+MoE layer splits the step's tokens across the ranks: rank r takes its 1/N slice,
+routes it, dispatches its (token, choice) pairs to the ranks holding their experts
+and combines them back (shared/model/expert_parallel.py), adds its shared experts,
+and the slices are all-gathered so every rank again holds the whole step. DeepSeek's
+layout (each rank its own batch, its own attention) is ``split_tokens=False``: the
+engine then schedules each rank's own requests (shared/engine/dp_scheduler.py) and
+the MoE layers take them whole.
 
-The outputs are the single process's: the all-gather is a copy, and a token's MoE
-output depends on its own row only (bitwise so under batch-invariant mode, whose
-kernels are per-row invariant; within float rounding otherwise, the matmuls seeing
-other row counts).
+The MoE layers' outputs are the single process's: the all-gather is a copy, and a
+token's MoE output depends on its own row only (bitwise so under batch-invariant
+mode, whose kernels are per-row invariant; within float rounding otherwise, the
+matmuls seeing other row counts). Tensor-parallel attention adds its own rounding
+(o_proj's partial sums), so the model's logits are within float rounding of one
+process's in every mode.
 
 The per-expert counts: each rank's ``expert_counts`` holds its slice's counts after
 the MoE layers; one all-reduce after the forward (a hook on the model) turns them

@@ -23,6 +23,7 @@ collects them; nothing else keeps a list of architectures.
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -78,11 +79,18 @@ class CausalLM(nn.Module, ABC):
         self.batch_invariant = False
         """Whether ``build_model`` installed the batch-invariant ops table (shared/model/batch_invariant.py)."""
 
+    splits_attention_with_experts: ClassVar[bool] = False
+    """Whether, under expert parallelism without data-parallel attention, the family runs
+    its attention and dense layers tensor-parallel over the ranks beside its
+    expert-parallel MoE layers (vLLM's ``--tensor-parallel-size N --enable-expert-parallel``).
+    False: its attention is replicated on every rank (DeepSeek-V4's compressed attention)."""
+
     @classmethod
-    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int) -> None:
+    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int, expert_parallel: bool = False) -> None:
         """A ValueError saying why ``config`` cannot be split over ``tp_size`` ranks; called
         before any rank starts. A family that splits its layers (shared/model/parallel_layers.py)
-        overrides it; the others refuse."""
+        overrides it; the others refuse. ``expert_parallel``: its MoE layers are expert
+        parallelism's (split by expert), only the rest is split here."""
         if tp_size > 1:
             raise ValueError(f"not implemented yet: tensor parallelism for {config.architecture}")
 

@@ -16,10 +16,11 @@ instance (tools/launch/up.py parallel_env), on the CPU over gloo.
   down at once: the instance fails its requests (the balancer moves them to decode-1,
   where they finish with the same text), leaves the registry and exits 1, well within
   the stream timeouts.
-- Expert parallelism (the tiny Qwen3-MoE, attention replicated): every decode rank
-  receives the whole KV; greedy text equals one process's (the expert-parallel
-  forward is the same arithmetic per token, summed in another order only where a
-  token's experts sit on two ranks).
+- Expert parallelism (the tiny Qwen3-MoE: attention tensor-parallel over the two
+  ranks, experts expert-parallel, as vLLM's `--tensor-parallel-size 2
+  --enable-expert-parallel`): each decode rank receives its KV head; greedy text
+  equals one process's (the logits within float rounding of one process's:
+  tests/parity/test_expert_parallel_engine.py, far below these prompts' top-two gaps).
 - Data-parallel attention with expert parallelism (`--data-parallel-size 2
   --enable-expert-parallel`, the tiny Qwen3-MoE): concurrent requests over both ranks
   of each instance give one process's greedy text, the handoff copies rank to rank by

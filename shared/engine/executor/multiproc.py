@@ -79,7 +79,9 @@ class MultiprocExecutor(Executor):
     0's context, for the engine to load its slice with); ``start(setup, runner)`` has
     them build their runners, after which it runs steps."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tensor_parallel_attention: bool) -> None:
+        """``tensor_parallel_attention``: the ranks split the attention's heads (rank.py's
+        ``splits_attention``), with expert parallelism or without."""
         self.world_size = config.num_ranks
         self.data_parallel = config.data_parallel_size > 1
         """Each rank runs its own step and sends back its result (data-parallel attention)."""
@@ -92,7 +94,8 @@ class MultiprocExecutor(Executor):
         context = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's threads and CUDA
         for rank in range(1, self.world_size):
             ours, theirs = context.Pipe()
-            proc = context.Process(target=run_worker, args=(rank, self.world_size, store.port, config, theirs),
+            args = (rank, self.world_size, store.port, config, tensor_parallel_attention, theirs)
+            proc = context.Process(target=run_worker, args=args,
                                    name=f"infermesh-tp-rank{rank}", daemon=True)  # fmt: skip
             proc.start()
             theirs.close()  # ours alone stays open here: the worker reads EOF once we are gone
@@ -104,7 +107,7 @@ class MultiprocExecutor(Executor):
             self._await_all("joined")
             device = rank_device(config.device, 0, self.world_size)
             self.parallel: ParallelContext = instance_context(
-                store, 0, self.world_size, device, config.enable_expert_parallel
+                store, 0, self.world_size, device, config.enable_expert_parallel, tensor_parallel_attention
             )
             self._move_group = (
                 expert_move_group(store, 0, self.world_size, device) if config.enable_expert_parallel else None
@@ -128,8 +131,9 @@ class MultiprocExecutor(Executor):
     def kv_region(self, num_kv_heads: int | None) -> KVRegion:
         """The instance's KV over every rank, for its connector: rank 0's region and the
         workers' caches mapped here (started with setup.share_kv). num_kv_heads: the
-        model's, split over the ranks as its attention splits them (tensor parallelism);
-        None: every rank holds the whole KV (expert parallelism). With data-parallel
+        model's, split over the ranks as its attention splits them (tensor parallelism,
+        with expert parallelism or without); None: every rank holds the whole KV (expert
+        parallelism beside replicated attention: DeepSeek-V4). With data-parallel
         attention each rank's cache holds its own requests' KV: one region over them under
         instance-wide block ids (shared/kv/memory/dp_region.py)."""
         first = self.runner.kv_region

@@ -43,12 +43,20 @@ def tensor_parallel_context(
 
 
 def expert_parallel_context(
-    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S
+    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    tensor_parallel: bool = False,
 ) -> ParallelContext:
-    """This rank's context for an expert-parallel model over every rank (no tensor
-    parallelism: the model is built whole, its MoE layers then split by expert)."""
+    """This rank's context for an expert-parallel model over every rank: its MoE layers
+    split by expert over the "ep" group; with ``tensor_parallel`` its attention and dense
+    layers split over a second group of the same ranks ("tp", the one a tensor-parallel
+    model all-reduces on), else built whole on every rank (replicated, or data-parallel
+    attention)."""
     group = _process_group("ep", store, rank, world_size, device, timeout_s)
-    return ParallelContext(ep_rank=rank, ep_size=world_size, ep_group=group)
+    if not tensor_parallel:
+        return ParallelContext(ep_rank=rank, ep_size=world_size, ep_group=group)
+    tp_group = _backend(dist.PrefixStore("tp", store), rank, world_size, device, timeout_s)
+    return ParallelContext(tp_rank=rank, tp_size=world_size, group=tp_group, ep_rank=rank, ep_size=world_size,
+                           ep_group=group)  # fmt: skip
 
 
 def expert_move_group(
@@ -77,12 +85,16 @@ def _process_group(
 
 
 def instance_context(
-    store: dist.Store, rank: int, world_size: int, device: torch.device, expert_parallel: bool
+    store: dist.Store, rank: int, world_size: int, device: torch.device, expert_parallel: bool,
+    tensor_parallel_attention: bool = True,
 ) -> ParallelContext:
     """The context every rank of an instance builds alike (rank 0 in the executor, the
-    others in worker.py): expert-parallel or tensor-parallel over all the ranks."""
-    make = expert_parallel_context if expert_parallel else tensor_parallel_context
-    return make(store, rank, world_size, device)
+    others in worker.py): tensor-parallel over all the ranks, or expert-parallel with
+    (``tensor_parallel_attention``, rank.py's ``splits_attention``) or without its
+    attention tensor-parallel too."""
+    if not expert_parallel:
+        return tensor_parallel_context(store, rank, world_size, device)
+    return expert_parallel_context(store, rank, world_size, device, tensor_parallel=tensor_parallel_attention)
 
 
 def _backend(

@@ -49,21 +49,39 @@ def rank_device(device: str, rank: int, tp_size: int) -> torch.device:
 def check_split(config: EngineConfig, model_cfg: ModelConfig) -> None:
     """A ValueError saying why the model cannot split over config.num_ranks
     ranks as configured (expert parallelism: an MoE model whose experts divide over the
-    ranks; else tensor parallelism: its family's check_tensor_parallel). Called before
+    ranks, and where its attention is tensor-parallel beside them, heads that split;
+    else tensor parallelism: its family's check_tensor_parallel). Called before
     any rank starts, and by `infermesh up` before any instance starts."""
     if config.enable_expert_parallel:
         if model_cfg.moe is None:
             raise ValueError(f"enable_expert_parallel needs an MoE model: {model_cfg.architecture} has no experts")
         num_redundant = config.eplb_settings().num_redundant_experts
         PlacementSpec(config.num_ranks, num_redundant).check(model_cfg.moe.num_experts)
+        if splits_attention(config, model_cfg):
+            model_class(model_cfg).check_tensor_parallel(model_cfg, config.tensor_parallel_size, expert_parallel=True)
     else:
         model_class(model_cfg).check_tensor_parallel(model_cfg, config.tensor_parallel_size)
 
 
+def splits_attention(config: EngineConfig, model_cfg: ModelConfig) -> bool:
+    """Whether the instance's attention (and dense layers, embedding, head) is
+    tensor-parallel over its ranks, each rank's KV cache holding its heads: with
+    tensor_parallel_size > 1, always without expert parallelism; with it (vLLM's
+    ``--tensor-parallel-size N --enable-expert-parallel``) where the family runs its
+    attention tensor-parallel beside expert-parallel MoE layers
+    (``CausalLM.splits_attention_with_experts``: Qwen3-MoE, GPT-OSS; DeepSeek-V4's
+    compressed attention stays replicated on every rank). Never with data-parallel
+    attention (each rank its own requests, data_parallel_size > 1)."""
+    if config.tensor_parallel_size == 1 or config.data_parallel_size > 1:
+        return False
+    return not config.enable_expert_parallel or model_class(model_cfg).splits_attention_with_experts
+
+
 def load_rank_model(config: EngineConfig, parallel: ParallelContext, device: torch.device, progress: bool) -> CausalLM:
     """This rank's model: its slice of config.model's checkpoint, with the engine's kernels
-    (the batch-invariant table installed where asked). Expert-parallel: loaded whole, then
-    each MoE layer keeps its experts of the initial placement (``initial_placement``, the
+    (the batch-invariant table installed where asked). Expert-parallel: its attention and
+    dense layers as ``parallel`` splits them (tensor-parallel, or whole), its MoE layers
+    built whole, then each keeps its experts of the initial placement (``initial_placement``, the
     one the engine's ExpertBalancer starts from): only those are read from the files,
     and the rest of each layer's stacked experts is dropped."""
 

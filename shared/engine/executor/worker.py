@@ -40,8 +40,12 @@ from shared.engine.model_runner import ModelRunner, StepHandle
 log = logging.getLogger(__name__)
 
 
-def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig, conn: Connection) -> None:
-    """The worker process's entry point (a spawned multiprocessing target)."""
+def run_worker(
+    rank: int, world_size: int, store_port: int, config: EngineConfig, tensor_parallel_attention: bool,
+    conn: Connection,
+) -> None:
+    """The worker process's entry point (a spawned multiprocessing target);
+    ``tensor_parallel_attention`` as the executor's (rank.py's ``splits_attention``)."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-rank{rank} %(name)s %(message)s")
     try:
         device = rank_device(config.device, rank, world_size)
@@ -51,7 +55,8 @@ def run_worker(rank: int, world_size: int, store_port: int, config: EngineConfig
             torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
         store = join_store(store_port, world_size)
         conn.send(("joined", None))
-        parallel = instance_context(store, rank, world_size, device, config.enable_expert_parallel)
+        parallel = instance_context(store, rank, world_size, device, config.enable_expert_parallel,
+                                    tensor_parallel_attention)  # fmt: skip
         move_group = expert_move_group(store, rank, world_size, device) if config.enable_expert_parallel else None
         model = load_rank_model(config, parallel, device, progress=False)
         setup: RunnerSetup = conn.recv()

@@ -8,7 +8,8 @@ memory on the CPU, CUDA IPC on a GPU: the ranks share a host, shared/kv/memory/s
 so a load or a save moves every rank's part on the connector's own thread, in rank
 0's process, with no collective on the ranks' step path and no extra copy of the cache.
 
-- **Tensor parallelism**: rank r holds KV heads [first_r, first_r + count_r) of every
+- **Tensor parallelism** (with expert parallelism too, for the families whose
+  attention splits beside it: Qwen3-MoE, GPT-OSS): rank r holds KV heads [first_r, first_r + count_r) of every
   layer (``kv_heads_of_rank``; heads replicated where there are fewer than ranks).
   A block's payload, what a store keeps, is the whole block with every head in order,
   the same bytes and layout a one-rank engine of the model has: read, each head is
@@ -17,11 +18,11 @@ so a load or a save moves every rank's part on the connector's own thread, in ra
   sizes. A direct copy out of a peer's cache goes rank to rank (the peer's rank r
   into ours), so it needs the peer's split: ``peer_layout`` names it, and a peer of
   another size is not mapped (the load then comes from kvcache).
-- **Expert parallelism** (attention replicated): every rank holds the whole KV, equal
-  on every rank (the same attention on the same inputs). Reads come from rank 0,
-  writes and copies go to every rank; to peers and stores the instance looks like
-  one rank (its description is rank 0's), so an expert-parallel instance and a
-  one-rank instance of the model hand off to each other directly.
+- **Expert parallelism beside replicated attention** (DeepSeek-V4): every rank holds
+  the whole KV, equal on every rank (the same attention on the same inputs). Reads
+  come from rank 0, writes and copies go to every rank; to peers and stores the
+  instance looks like one rank (its description is rank 0's), so such an instance and
+  a one-rank instance of the model hand off to each other directly.
 
 Not carried: NIXL, which registers one process's cache memory and writes into it
 alone (``tensors`` and ``allocations`` raise, and the NIXL link turns itself off with

@@ -105,7 +105,7 @@ def build_model(
     if parallel is None or not parallel.is_parallel:
         model = cls(config, dtype, device, tie_word_embeddings, kernels)
     else:
-        cls.check_tensor_parallel(config, parallel.tp_size)
+        cls.check_tensor_parallel(config, parallel.tp_size, expert_parallel=parallel.is_expert_parallel)
         model = cls(config, dtype, device, tie_word_embeddings, kernels, parallel=parallel)  # type: ignore[call-arg]
     if batch_invariant:
         from shared.model import batch_invariant as invariant  # imports torch: only for the model that asks

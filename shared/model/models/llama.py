@@ -43,8 +43,9 @@ def llama_kv_layout(config: ModelConfig) -> KVCacheLayout:
 
 
 class Attention(nn.Module):
-    """``parallel``: this rank's heads only (its query heads and the KV heads they read);
-    the heads' outputs are summed across the ranks by o_proj."""
+    """``parallel``: this rank's heads only (its query heads and the KV heads they read,
+    and GPT-OSS's sinks of its query heads); the heads' outputs are summed across the
+    ranks by o_proj."""
 
     def __init__(
         self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
@@ -55,8 +56,11 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx]
         hidden = config.hidden_size
+        self.head_shard: Shard | None = None
+        """This rank's query heads of the checkpoint's (None: all of them, one rank)."""
         if parallel.is_parallel:
             self.num_heads = parallel.split(config.num_attention_heads, "num_attention_heads")
+            self.head_shard = Shard(0, parallel.tp_rank * self.num_heads, self.num_heads, config.num_attention_heads)
             q_size = self.num_heads * self.head_dim
             q_shard = Shard(0, parallel.tp_rank * q_size, q_size, config.num_attention_heads * self.head_dim)
             kv_shard = kv_head_shard(config.num_key_value_heads, self.head_dim, parallel)
@@ -83,6 +87,12 @@ class Attention(nn.Module):
         )
         self._rotary = ops.rotary
         self._attention = ops.attention
+
+    def loaded_shards(self, module_name: str) -> dict[str, Shard]:
+        """The sinks of this rank's heads (one per head, split with them)."""
+        if self.sinks is None or self.head_shard is None:
+            return {}
+        return {f"{module_name}.sinks": self.head_shard}
 
     def forward(
         self,
@@ -125,11 +135,13 @@ class DecoderLayer(nn.Module):
     ) -> None:  # fmt: skip
         super().__init__()
         self.self_attn = Attention(config, layer_idx, dtype, device, ops, parallel)
-        if parallel.is_parallel:  # dense only: check_tensor_parallel refuses the sparse families
-            assert make_mlp is dense_mlp, "tensor parallelism splits dense MLPs only"
+        if parallel.is_parallel and config.mlp_layer_type(layer_idx) == "dense":
             self.mlp: nn.Module = ParallelMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
                                               device, ops, parallel)  # fmt: skip
         else:
+            # A sparse layer under tensor parallelism is built whole: expert parallelism then
+            # keeps this rank's experts (check_tensor_parallel refuses it without).
+            assert not parallel.is_parallel or parallel.is_expert_parallel, "tensor parallelism splits dense MLPs only"
             self.mlp = make_mlp(config, layer_idx, dtype, device, ops)
         # Hash-routed experts are chosen by token id: a sparse MLP gets the input ids.
         self._mlp_takes_ids = isinstance(self.mlp, SparseMoE)
@@ -212,10 +224,16 @@ class LlamaForCausalLM(CausalLM):
     ``kernels`` ("auto", "triton", "torch"; see shared/model/kernels) picks the Triton
     kernels or the PyTorch path once, for the model's life; "auto" is Triton on CUDA.
     The rope frequencies stay float32 whatever ``dtype``. ``parallel``: build this rank's
-    slice of a tensor-parallel model (dense families only: ``check_tensor_parallel``).
+    slice of a tensor-parallel model (``check_tensor_parallel``): the attention, the dense
+    MLPs, the embedding and the head split over ``tp_size`` ranks. The MoE families' sparse
+    layers split only by expert parallelism beside it (built whole here, their experts then
+    kept per rank by ``make_expert_parallel``: vLLM's ``--tensor-parallel-size N
+    --enable-expert-parallel``); their input, after o_proj's all-reduce, is the whole step
+    on every rank, as the token-split MoE expects.
     """
 
     make_mlp: ClassVar[MlpFactory] = staticmethod(dense_mlp)
+    splits_attention_with_experts = True
     norm_scale_in_float32: ClassVar[bool] = False
     """The layer and final norms' weights in float32, applied before the cast back (see RMSNorm)."""
 
@@ -238,7 +256,7 @@ class LlamaForCausalLM(CausalLM):
         """Whether the forward runs Triton kernels (build_model's batch_invariant may swap in its table)."""
         self.parallel = parallel
         if parallel.is_parallel:
-            type(self).check_tensor_parallel(config, parallel.tp_size)
+            type(self).check_tensor_parallel(config, parallel.tp_size, expert_parallel=parallel.is_expert_parallel)
         self.model = DecoderModel(config, dtype, device, ops, type(self).make_mlp, self.norm_scale_in_float32, parallel)
         sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
         self._sparse_blocks: list[SparseMoE] = sparse
@@ -264,14 +282,16 @@ class LlamaForCausalLM(CausalLM):
         self._group_windows = [frozenset([g.spec.window]) for g in self.kv_layout.groups]
 
     @classmethod
-    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int) -> None:
+    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int, expert_parallel: bool = False) -> None:
         """Heads split evenly: num_attention_heads divisible by tp_size, and KV heads either
         split evenly or, where there are fewer than ranks, replicated (tp_size a multiple
-        of them). Sparse (MoE) layers are expert parallelism's, not split here."""
+        of them). Sparse (MoE) layers are expert parallelism's, not split here: an MoE
+        family splits only with ``expert_parallel``."""
         if tp_size == 1:
             return
-        if cls.make_mlp is not dense_mlp or config.moe is not None:
-            raise ValueError(f"not implemented yet: tensor parallelism for {config.architecture} (MoE layers)")
+        if (cls.make_mlp is not dense_mlp or config.moe is not None) and not expert_parallel:
+            raise ValueError(f"not implemented yet: tensor parallelism for {config.architecture} (MoE layers) "
+                             "without enable_expert_parallel")  # fmt: skip
         heads, kv = config.num_attention_heads, config.num_key_value_heads
         if heads % tp_size:
             raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_parallel_size ({tp_size})")
@@ -279,7 +299,8 @@ class LlamaForCausalLM(CausalLM):
             raise ValueError(
                 f"tensor_parallel_size ({tp_size}) must divide num_key_value_heads ({kv}) or be a multiple of it"
             )
-        if config.intermediate_size % tp_size:
+        dense_layers = any(config.mlp_layer_type(i) == "dense" for i in range(config.num_hidden_layers))
+        if dense_layers and config.intermediate_size % tp_size:
             raise ValueError(
                 f"intermediate_size ({config.intermediate_size}) is not divisible by tensor_parallel_size ({tp_size})"
             )

@@ -86,7 +86,7 @@ class QwenVLForConditionalGeneration(LlamaForCausalLM):
         return self.config.hidden_size * (1 + self.num_deepstack)
 
     @classmethod
-    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int) -> None:
+    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int, expert_parallel: bool = False) -> None:
         if tp_size > 1:
             raise ValueError(f"not implemented yet: tensor parallelism for {config.architecture} (its vision tower)")
 
