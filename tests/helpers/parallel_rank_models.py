@@ -3,16 +3,16 @@
 slice (shapes, loaded tensors) without running the engine. Module-level functions, so a
 spawned process can import them."""
 
-import multiprocessing
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shared.engine.config import EngineConfig
-from shared.engine.executor.process_group import instance_context, join_store, serve_store
+from shared.engine.executor.process_group import instance_context, join_store
 from shared.engine.executor.rank import load_rank_model, splits_attention
 from shared.model.loader import read_config
+from tests.helpers.tensor_parallel import spawn_ranks
 
 RankReport = dict[str, Any]
 """Each parameter's name -> its shape; "kv_row_shape"; "sinks": layer 0's attention
@@ -42,19 +42,4 @@ def _rank(rank: int, config: EngineConfig, port: int, results: Any) -> None:
 
 def rank_model_reports(config: EngineConfig, timeout_s: float = 120.0) -> list[RankReport]:
     """Per rank (in rank order): what ``RankReport`` says of its model."""
-    context = multiprocessing.get_context("spawn")
-    store = serve_store(config.num_ranks)
-    results = context.Queue()
-    procs = [context.Process(target=_rank, args=(rank, config, store.port, results), daemon=True)
-             for rank in range(config.num_ranks)]  # fmt: skip
-    for proc in procs:
-        proc.start()
-    try:
-        got = dict(results.get(timeout=timeout_s) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.exitcode is None:
-                proc.kill()
-    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
-    return [got[rank] for rank in range(config.num_ranks)]
+    return spawn_ranks(_rank, config.num_ranks, (config,), (), timeout_s)

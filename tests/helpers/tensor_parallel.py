@@ -3,6 +3,7 @@ slice of a checkpoint and run the same paged steps, rank 0 handing back its logi
 Module-level functions, so a spawned process can import them."""
 
 import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,23 @@ def _rank(rank: int, world_size: int, port: int, cases: list[tuple[Path, Steps]]
 def tensor_parallel_logits(cases: list[tuple[Path, Steps]], world_size: int, timeout_s: float = 300.0) -> list[list[Logits]]:
     """[case][rank]: every rank's logits of every step of each (checkpoint, steps) case,
     the ranks real processes over gloo (one start for all the cases)."""
+    got = spawn_ranks(_rank, world_size, (world_size,), (cases,), timeout_s)
+    return [
+        [[{s: torch.from_numpy(a) for s, a in step.items()} for step in got[rank][case]] for rank in range(world_size)]
+        for case in range(len(cases))
+    ]
+
+
+def spawn_ranks(target: Callable[..., None], world_size: int, before_port: tuple[Any, ...],
+                after_port: tuple[Any, ...], timeout_s: float) -> list[Any]:  # fmt: skip
+    """Per rank (in rank order), what ``target`` put on its queue: ``world_size`` spawned
+    processes, each called ``target(rank, *before_port, port, *after_port, results)`` with
+    the port of one TCPStore they meet at; each puts ``(rank, value)`` on ``results``."""
     context = multiprocessing.get_context("spawn")
     store = serve_store(world_size)
     results = context.Queue()
     procs = [
-        context.Process(target=_rank, args=(rank, world_size, store.port, cases, results), daemon=True)
+        context.Process(target=target, args=(rank, *before_port, store.port, *after_port, results), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -59,7 +72,4 @@ def tensor_parallel_logits(cases: list[tuple[Path, Steps]], world_size: int, tim
             if proc.exitcode is None:
                 proc.kill()
     assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
-    return [
-        [[{s: torch.from_numpy(a) for s, a in step.items()} for step in got[rank][case]] for rank in range(world_size)]
-        for case in range(len(cases))
-    ]
+    return [got[rank] for rank in range(world_size)]
