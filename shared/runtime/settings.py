@@ -386,8 +386,8 @@ class VisionSettings:
     decode that cannot map it (another container, pod or node) READ an image's entry
     through their NIXL agent instead of fetching it from kvcache. Needs kv_transfer.nixl
     (its backends; off there, off here) on this instance and the readers, and UCX
-    reaching this instance from theirs: off by default, since compose and the chart
-    open UCX's ports to the KV-moving pods only (docs/deploy.md, "How KV moves")."""
+    reaching this instance from theirs: off by default; the chart's stages.vision.nixl
+    sets it and opens UCX between vision and prefill and decode pods (docs/deploy.md)."""
     reuse_embeddings: bool = True
     """A vision instance looks an image up in its memory and in kvcache before encoding
     it; off: it encodes every image it is sent (the no-cache baseline of

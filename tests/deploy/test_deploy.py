@@ -557,6 +557,48 @@ def test_chart_runs_the_vision_stage_apart_fenced_to_nats_and_kvcache():
     render_chart({"stages": {"vision": {"enabled": True}}, "model": {"volume": {"emptyDir": {}}}})  # yours: taken
 
 
+def test_chart_opens_nixl_between_vision_and_the_readers_only_when_asked():
+    """stages.vision.nixl: the vision pods get vision.nixl and NIXL's settings (UCX's
+    variables and port range, as the KV stages have), and UCX's port range opens between
+    them and prefill and decode, both ways, and to no one else (not the balancer, not
+    kvcache); off (the default) or with kvTransfer.nixl off, none of it. vision.nixl set
+    under `settings` is refused: the key does the rest too."""
+    docs = render_chart(merged(VISION_VALUES, {"stages": {"vision": {"nixl": True}}}))
+    assert_manifests_valid(docs)
+    pods, policies = workloads(docs), kinds(docs, "NetworkPolicy")
+    pod = pods["mesh-infermesh-vision"]["spec"]["template"]["spec"]
+    env = container_envs(docs)["mesh-infermesh-vision/vision"]
+    settings = load_settings(env={k: v for k, v in env.items() if k.startswith("INFERMESH_")})
+    assert settings.vision.nixl is True and settings.kv_transfer.nixl is True
+    assert kv_transfer_env(pod) == {"INFERMESH_KV_TRANSFER__NIXL": "true", "INFERMESH_KV_TRANSFER__NIXL_BACKENDS": "UCX",
+                                    "UCX_TLS": "tcp", "UCX_NET_DEVICES": "all", "UCX_TCP_PORT_RANGE": "50100-50199"}
+    ucx = [{"port": 50100, "endPort": 50199, "protocol": "TCP"}]
+    vision = policies["mesh-infermesh-vision"]["spec"]
+    (rule,) = ucx_rules(policies["mesh-infermesh-vision"])
+    assert set(rule["from"][0]["podSelector"]["matchExpressions"][0]["values"]) == {"prefill", "decode"}
+    assert rule["ports"] == ucx
+    (out,) = [e for e in vision["egress"] if e.get("to") and "matchExpressions" in e["to"][0]["podSelector"]]
+    assert set(out["to"][0]["podSelector"]["matchExpressions"][0]["values"]) == {"prefill", "decode"}
+    assert out["ports"] == ucx
+    for stage in ("prefill", "decode"):  # their UCX rule admits vision beside their KV peers
+        (rule,) = ucx_rules(policies[f"mesh-infermesh-{stage}"])
+        peers = set(rule["from"][0]["podSelector"]["matchExpressions"][0]["values"])
+        assert peers == {"kvcache", "vision", "decode" if stage == "prefill" else "prefill"}, stage
+    (rule,) = ucx_rules(policies["mesh-infermesh-kvcache"])
+    assert "vision" not in rule["from"][0]["podSelector"]["matchExpressions"][0]["values"]
+    # Off: the vision pod has none of it, and no policy names vision for UCX.
+    for values in (VISION_VALUES, merged(VISION_VALUES, {"stages": {"vision": {"nixl": True}}, "kvTransfer": {"nixl": False}})):
+        docs = render_chart(values)
+        assert not kv_transfer_env(workloads(docs)["mesh-infermesh-vision"]["spec"]["template"]["spec"])
+        assert "INFERMESH_VISION__NIXL" not in container_envs(docs)["mesh-infermesh-vision/vision"]
+        for name, policy in kinds(docs, "NetworkPolicy").items():
+            assert "vision" not in json.dumps(ucx_rules(policy)), name
+        assert len(kinds(docs, "NetworkPolicy")["mesh-infermesh-vision"]["spec"]["egress"]) == 3
+    for where in ({"settings": {"vision": {"nixl": True}}}, {"stages": {"vision": {"settings": {"vision": {"nixl": True}}}}}):
+        with pytest.raises(helm.HelmError, match=r"vision\.nixl: set stages\.vision\.nixl instead"):
+            render_chart(merged(VISION_VALUES, where))
+
+
 def test_the_planner_may_scale_the_stages_and_nothing_else():
     docs = render_chart(PLANNER_VALUES)
     role = kinds(docs, "Role")["mesh-infermesh-planner"]

@@ -8,6 +8,21 @@ the engine stages. */}}
 {{- if or (eq .component "kvcache") (and (hasKey .root.Values.stages .component) (ne .component "vision")) -}}true{{- end -}}
 {{- end -}}
 
+{{/* "true" when the vision stage offers its embeddings through NIXL
+(stages.vision.nixl, with kvTransfer.nixl on): its pods then get the
+kv_transfer settings and UCX's variables, and the NetworkPolicies open UCX
+between them and prefill and decode (shared/stage/embedding_nixl.py). The
+vision.nixl setting itself is this key's: refused under `settings`. */}}
+{{- define "infermesh.visionNixl" -}}
+{{- range $where, $settings := dict "settings" .Values.settings "stages.vision.settings" (dig "vision" "settings" dict .Values.stages) }}
+{{- if hasKey (dig "vision" dict ($settings | default dict)) "nixl" }}
+{{- fail (printf "%s.vision.nixl: set stages.vision.nixl instead (it also gives the vision pods NIXL's settings and opens UCX between them and prefill and decode)" $where) }}
+{{- end }}
+{{- end }}
+{{- $vision := .Values.stages.vision | default dict }}
+{{- if and $vision.enabled $vision.nixl .Values.kvTransfer.nixl -}}true{{- end -}}
+{{- end -}}
+
 {{/* src's keys set on dst, maps merged key by key, so a false or "" in src wins
 too (sprig's merge and mergeOverwrite would let dst's true or text stand). */}}
 {{- define "infermesh.deepSet" -}}
