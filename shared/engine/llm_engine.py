@@ -685,7 +685,7 @@ class LLMEngine:
             # reservation): a prompt whose last chunk is on the device has no token yet, so
             # it still counts (an 8k prompt's step is ~0.3 s of work left).
             num_queued_tokens=sum(
-                queued_prompt_tokens(r.num_prompt_tokens, r.num_output_tokens)
+                queued_prompt_tokens(r.num_prompt_tokens, r.num_output_tokens, _recomputing(r))
                 for r in (*sched.waiting, *sched.running)
             ),
             num_kv_save_failures=self.kv_transfer.num_save_failures if self.kv_transfer else 0,
@@ -730,6 +730,12 @@ def _start_ranks(config: EngineConfig, model: CausalLM | None) -> MultiprocExecu
     model_cfg = read_config(Path(config.model))
     check_split(config, model_cfg)
     return MultiprocExecutor(config, splits_attention(config, model_cfg))
+
+
+def _recomputing(request: Request) -> bool:
+    """Preempted and not caught up: its freed KV (prompt and output so far, but the last
+    sampled token, which the next step feeds) is being computed again."""
+    return request.num_preemptions > 0 and request.num_computed_tokens < request.num_tokens - 1
 
 
 def _decodes_only(sched: SchedulerOutput) -> bool:

@@ -79,14 +79,21 @@ class KVTransferReport:
     """The prompt's blocks held for a peer to copy (KVTransferParams.hold)."""
 
 
-def queued_prompt_tokens(num_prompt_tokens: int, num_output_tokens: int) -> int:
+def queued_prompt_tokens(num_prompt_tokens: int, num_output_tokens: int, recomputing: bool = False) -> int:
     """One request's share of its instance's queued load (Load.num_queued_tokens), the one
     definition the worker's heartbeat and the balancer's reservation both count: its whole
     prompt, cached blocks included, until its first token (its prefill done). A request's
     blocks sit on the instance until then whether computed or found cached: its new tokens
     attend to all of them and decode pulls all of them. Counting only the tokens to compute
     made a holder of a shared 1k-token prefix look idle with six 16-token requests queued
-    (6 blocks against the 64 a miss costs elsewhere), and every request went to it."""
+    (6 blocks against the 64 a miss costs elsewhere), and every request went to it.
+
+    recomputing: the request was preempted and has not caught up (its KV was freed, its
+    prompt and the tokens it generated are computed again): all of them count, as a prompt
+    that long would. Counted as 0 (it has output), a preempting instance looked lighter
+    than it was exactly when it had too much to hold."""
+    if recomputing:
+        return num_prompt_tokens + num_output_tokens
     return num_prompt_tokens if num_output_tokens == 0 else 0
 
 
@@ -118,7 +125,8 @@ class EngineLoad:
     num_free_kv_blocks: int
     num_total_kv_blocks: int
     num_queued_tokens: int
-    """Prompt tokens of the requests not past their prefill (queued_prompt_tokens)."""
+    """Prompt tokens of the requests not past their prefill, and all the tokens of the
+    preempted ones not recomputed yet (queued_prompt_tokens)."""
     num_kv_save_failures: int = 0
     """Stores through the KV connector that failed since start (written behind or not)."""
     num_kv_saves_dropped: int = 0

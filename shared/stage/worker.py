@@ -98,7 +98,7 @@ class Worker:
         m = ctx.metrics
         self.m_running = m.gauge("running_requests", "Requests in the engine's running batch")
         self.m_waiting = m.gauge("waiting_requests", "Requests queued in the engine")
-        self.m_queued_tokens = m.gauge("queued_tokens", "Prompt tokens of admitted requests not past their prefill, cached ones included (shared/engine/outputs.py queued_prompt_tokens)")
+        self.m_queued_tokens = m.gauge("queued_tokens", "Prompt tokens of admitted requests not past their prefill, cached ones included, and all the tokens of preempted ones not caught up (shared/engine/outputs.py queued_prompt_tokens)")
         self.m_kv_free = m.gauge("kv_free_blocks", "Free blocks of the paged KV cache")
         self.m_kv_total = m.gauge("kv_total_blocks", "Blocks of the paged KV cache")
         self.m_kv_usage = m.gauge("kv_usage_ratio", "Used fraction of the paged KV cache")

@@ -206,6 +206,34 @@ def test_load_counts_the_tokens_of_the_step_on_the_device(llama):
     assert engine.load().num_queued_tokens == 0
 
 
+def test_load_counts_a_preempted_request_whole_until_it_caught_up(llama):
+    """A preempted request's KV is freed: until it has computed its prompt and its output
+    again, all of those tokens are queued work (they counted 0 once it had output, so a
+    preempting instance looked lightest when it was most overloaded)."""
+    from shared.engine.engine_request import EngineRequest
+
+    # As in test_batched_with_preemption_equals_one_at_a_time: 24 blocks cannot hold them all.
+    engine = LLM(llama, block_size=4, num_kv_blocks=24, max_model_len=96, prefill_chunk_size=16).engine
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts([30, 12, 25, 7, 19, 40], vocab=500, seed=2)):
+        engine.add_request(EngineRequest(str(i), prompt, params))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        sched = engine.scheduler
+        requests = [*sched.waiting, *sched.running]
+        behind = [r for r in requests if r.num_preemptions and r.num_computed_tokens < r.num_tokens - 1]
+        if not any(r.num_output_tokens for r in behind):
+            continue
+        fresh = [r for r in requests if r not in behind and r.num_output_tokens == 0]
+        load = engine.load().num_queued_tokens
+        assert load == sum(r.num_prompt_tokens + r.num_output_tokens for r in behind) + sum(
+            r.num_prompt_tokens for r in fresh)
+        checked += 1
+    assert checked > 0 and engine.scheduler.num_preemptions > 0
+    assert engine.load().num_queued_tokens == 0
+
+
 def test_load_counts_a_cached_prefix_as_the_balancer_reserves_it(llama):
     """One definition of queued load (queued_prompt_tokens): a prompt counts whole until its
     first token, its cached prefix too, waiting or on the device, as the balancer's
