@@ -31,28 +31,21 @@ engine keeps none with several ranks).
 import json
 import torch
 
-from shared.kv.memory.region import KVRegion, _runs, per_tensor
+from shared.kv.memory.region import JoinedRanksRegion, KVRegion, per_tensor
 
 BlockIds = dict[int, list[int]]
 
 
-class DataParallelKVRegion(KVRegion):
+class DataParallelKVRegion(JoinedRanksRegion):
     """The ranks' regions (rank 0's first) under instance-wide block ids. A KVRegion for
     the connectors (same methods); its own state is the ranks' regions alone."""
 
+    kind = "data-parallel"
+
     def __init__(self, ranks: list[KVRegion]) -> None:
-        # KVRegion.__init__ is not run: this region owns no tensors, only the ranks' regions.
-        if len(ranks) < 2:
-            raise ValueError("a data-parallel KV region joins at least two ranks")
-        first = ranks[0]
+        first = self._join(ranks)
         if any(r.layout != first.layout for r in ranks):
             raise ValueError("the data-parallel ranks' caches differ in layout")
-        self.ranks = ranks
-        self.kv_layout = first.kv_layout
-        self.device = first.device
-        self.persistent_groups = first.persistent_groups
-        self.kv_caches = first.kv_caches
-        self.stacked = None
         self.layout = first.layout
         self.block_bytes = first.block_bytes
         self.peer_layout = f"{first.peer_layout}|dp{len(ranks)}"
@@ -107,17 +100,6 @@ class DataParallelKVRegion(KVRegion):
         for rank, positions, local in self._by_rank({g: ids[:num] for g, ids in block_ids.items()}):
             self.ranks[rank].write_payloads(local, payloads[torch.tensor(positions, dtype=torch.long)])
 
-    @torch.inference_mode()
-    def copy_out(self, block_ids: BlockIds, dst: torch.Tensor, rows: list[int]) -> None:
-        data = self.read_payloads(block_ids)
-        for start, row, length in _runs(rows):
-            dst[row : row + length].copy_(data[start : start + length])
-
-    @torch.inference_mode()
-    def copy_in(self, block_ids: BlockIds, src: torch.Tensor, rows: list[int]) -> None:
-        staging = src.index_select(0, torch.tensor(rows, dtype=torch.long, device=src.device))
-        self.write_payloads({g: ids[: len(rows)] for g, ids in block_ids.items()}, staging)
-
     def _by_rank(self, block_ids: BlockIds) -> list[tuple[int, list[int], BlockIds]]:
         """(rank, positions in the request, that rank's local ids per group) of each rank
         the blocks lie in; a block's rank is its first group's id's (a request's blocks
@@ -136,26 +118,6 @@ class DataParallelKVRegion(KVRegion):
                     raise ValueError(f"block {i} lies in rank {rank} for group {groups[0]}, {local_rank} for {g}")
                 local[g].append(local_id)
         return [(rank, positions, local) for rank, (positions, local) in sorted(by_rank.items())]
-
-    # -- not carried ---------------------------------------------------------------
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:  # type: ignore[override]
-        raise ValueError("NIXL cannot move a data-parallel instance's KV (it reads and writes one process's cache)")
-
-    @property
-    def allocations(self) -> list[torch.Tensor]:
-        raise ValueError("NIXL cannot move a data-parallel instance's KV (it reads and writes one process's cache)")
-
-    def gather(self, block_ids: BlockIds) -> torch.Tensor:
-        raise ValueError("no sliding-window state cache with several ranks")
-
-    def scatter(self, block_ids: BlockIds, data: torch.Tensor) -> None:
-        raise ValueError("no sliding-window state cache with several ranks")
-
-    def close(self) -> None:
-        for rank in self.ranks:
-            rank.close()
 
 
 def _count(block_ids: BlockIds) -> int:

@@ -42,12 +42,12 @@ import math
 import torch
 
 from shared.kv.memory.dp_region import DataParallelKVRegion
-from shared.kv.memory.region import KVRegion, _runs, per_tensor
+from shared.kv.memory.region import JoinedRanksRegion, KVRegion, per_tensor
 from shared.kv.memory.share import open_peer
 from shared.kv.spec import KVCacheLayout
 
 
-class RankedKVRegion(KVRegion):
+class RankedKVRegion(JoinedRanksRegion):
     """The instance's ranks' regions as one (rank 0's first). ``heads``: per rank,
     (first, count) of the KV heads it holds of ``num_kv_heads`` (tensor parallelism);
     None when every rank holds the whole KV (expert parallelism).
@@ -56,18 +56,9 @@ class RankedKVRegion(KVRegion):
     alone, each with its lock and (on a GPU) its copy stream."""
 
     def __init__(self, ranks: list[KVRegion], heads: list[tuple[int, int]] | None = None, num_kv_heads: int = 0) -> None:
-        # KVRegion.__init__ is not run: this region owns no tensors, only the ranks' regions.
-        if len(ranks) < 2:
-            raise ValueError("a ranked KV region joins at least two ranks")
-        first = ranks[0]
-        self.ranks = ranks
+        first = self._join(ranks)
         self.heads = heads
         self.num_kv_heads = num_kv_heads
-        self.kv_layout = first.kv_layout
-        self.device = first.device
-        self.persistent_groups = first.persistent_groups
-        self.kv_caches = first.kv_caches
-        self.stacked = None
         if heads is None:
             self.layout = first.layout
             self.block_bytes = first.block_bytes
@@ -149,37 +140,6 @@ class RankedKVRegion(KVRegion):
         for rank, (first, count) in zip(self.ranks, self.heads or ()):
             part = whole[..., first : first + count, :].contiguous()
             rank.write_payloads(block_ids, part.view(torch.uint8).view(num, -1))
-
-    @torch.inference_mode()
-    def copy_out(self, block_ids: dict[int, list[int]], dst: torch.Tensor, rows: list[int]) -> None:
-        data = self.read_payloads(block_ids)
-        for start, row, length in _runs(rows):
-            dst[row : row + length].copy_(data[start : start + length])
-
-    @torch.inference_mode()
-    def copy_in(self, block_ids: dict[int, list[int]], src: torch.Tensor, rows: list[int]) -> None:
-        staging = src.index_select(0, torch.tensor(rows, dtype=torch.long, device=src.device))
-        self.write_payloads({g: ids[: len(rows)] for g, ids in block_ids.items()}, staging)
-
-    # -- not carried ---------------------------------------------------------------
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:  # type: ignore[override]
-        raise ValueError("NIXL cannot move a multi-rank instance's KV (it reads and writes one process's cache)")
-
-    @property
-    def allocations(self) -> list[torch.Tensor]:
-        raise ValueError("NIXL cannot move a multi-rank instance's KV (it reads and writes one process's cache)")
-
-    def gather(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
-        raise ValueError("no sliding-window state cache with several ranks")
-
-    def scatter(self, block_ids: dict[int, list[int]], data: torch.Tensor) -> None:
-        raise ValueError("no sliding-window state cache with several ranks")
-
-    def close(self) -> None:
-        for rank in self.ranks:
-            rank.close()
 
 
 def _covering(heads: list[tuple[int, int]], num_kv_heads: int) -> list[tuple[int, tuple[int, int]]]:

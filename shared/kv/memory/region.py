@@ -302,6 +302,60 @@ class KVRegion:
         return torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
 
 
+class JoinedRanksRegion(KVRegion):
+    """What every region over an instance's ranks' regions shares (ranked_region.py's
+    and dp_region.py's): it owns no tensors, only the ranks' regions (rank
+    0's first), each with its lock and (on a GPU) its copy stream; copies to and from a
+    staging tensor go through its payloads; NIXL and the state cache are not carried."""
+
+    kind = "multi-rank"
+    """How the refusals name the instance."""
+
+    def _join(self, ranks: list[KVRegion]) -> KVRegion:
+        """Take the ranks' regions (KVRegion.__init__ is not run); rank 0's."""
+        if len(ranks) < 2:
+            raise ValueError(f"a {self.kind} KV region joins at least two ranks")
+        first = ranks[0]
+        self.ranks = ranks
+        self.kv_layout = first.kv_layout
+        self.device = first.device
+        self.persistent_groups = first.persistent_groups
+        self.kv_caches = first.kv_caches
+        self.stacked = None
+        return first
+
+    @torch.inference_mode()
+    def copy_out(self, block_ids: dict[int, list[int]], dst: torch.Tensor, rows: list[int]) -> None:
+        data = self.read_payloads(block_ids)
+        for start, row, length in _runs(rows):
+            dst[row : row + length].copy_(data[start : start + length])
+
+    @torch.inference_mode()
+    def copy_in(self, block_ids: dict[int, list[int]], src: torch.Tensor, rows: list[int]) -> None:
+        staging = src.index_select(0, torch.tensor(rows, dtype=torch.long, device=src.device))
+        self.write_payloads({g: ids[: len(rows)] for g, ids in block_ids.items()}, staging)
+
+    # -- not carried ---------------------------------------------------------------
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:  # type: ignore[override]
+        raise ValueError(f"NIXL cannot move a {self.kind} instance's KV (it reads and writes one process's cache)")
+
+    @property
+    def allocations(self) -> list[torch.Tensor]:
+        raise ValueError(f"NIXL cannot move a {self.kind} instance's KV (it reads and writes one process's cache)")
+
+    def gather(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
+        raise ValueError("no sliding-window state cache with several ranks")
+
+    def scatter(self, block_ids: dict[int, list[int]], data: torch.Tensor) -> None:
+        raise ValueError("no sliding-window state cache with several ranks")
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+
+
 def per_tensor(allocations: list[torch.Tensor]) -> list[torch.Tensor]:
     """A cache's tensors from its allocations (KVRegion.allocations, as a peer maps them):
     a [tensors, planes, blocks, ...] allocation is that many tensors."""
