@@ -25,7 +25,9 @@ instance (tools/launch/up.py parallel_env), on the CPU over gloo.
   --enable-expert-parallel`, the tiny Qwen3-MoE): concurrent requests over both ranks
   of each instance give one process's greedy text, the handoff copies rank to rank by
   instance-wide block ids, a repeated system prompt is a prefix hit, and each instance
-  is one registry entry."""
+  is one registry entry. Two such prefill instances: a repeated prefix is routed by the
+  instances' KV events to the one that computed it, and there to the rank that holds it
+  (a local hit, nothing loaded from kvcache)."""
 
 import json
 import os
@@ -233,3 +235,54 @@ def test_data_parallel_instances_serve_the_one_process_tokens(tmp_path_factory: 
         assert [texts.get(i) for i in range(len(DP_PROMPTS))] == expected
         _serves_the_one_process_tokens(mesh, model, batch_invariant=True)
         assert _registered(mesh) == {"prefill": 1, "decode": 1}  # one entry per instance, not one per rank
+
+
+def test_data_parallel_instances_route_a_repeated_prefix_to_the_rank_that_holds_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two prefill instances of two data-parallel ranks each: the balancer learns which
+    instance holds a prompt's blocks from its KV events (instance-wide block ids over both
+    ranks, shared/engine/dp_kv.py InstanceBlockEvents), and the instance sends the repeat
+    to the rank that holds it (dp_scheduler.choose_rank): the repeat is routed for its
+    prefix, to the instance that computed it, and is served from that rank's own prefix
+    cache (cached tokens, nothing loaded from kvcache). A repeat on the other instance, or
+    on the other rank, would compute the prefix again or load it from kvcache."""
+    model = str(tmp_path_factory.mktemp("dp-route-model"))
+    make_model(model, arch="qwen3_moe", seed=0)
+    env = {"INFERMESH_ENGINE__BLOCK_SIZE": str(BLOCK), "INFERMESH_ENGINE__DATA_PARALLEL_SIZE": "2",
+           "INFERMESH_ENGINE__ENABLE_EXPERT_PARALLEL": "true", "INFERMESH_WORKER__HEARTBEAT_INTERVAL_S": "0.2"}  # fmt: skip
+    blocks = 6
+    prefixes = [list(range(100 + 200 * i, 100 + 200 * i + blocks * BLOCK)) for i in range(4)]
+    with running_mesh(model, tmp_path_factory.mktemp("dp-route-mesh"), num_prefill=2, extra_env=env) as mesh:
+        client = _client(mesh)
+        name = client.models.list().data[0].id
+
+        def complete(prompt: list[int]):  # noqa: ANN202
+            return client.completions.create(model=name, prompt=prompt, max_tokens=1, temperature=0)
+
+        # All at once: the reservations spread them over both instances (and each
+        # instance's two over its ranks).
+        firsts: dict[int, str] = {}
+        threads = [threading.Thread(target=lambda i=i: firsts.__setitem__(i, complete(prefixes[i] + [7, 8, 9]).id))
+                   for i in range(len(prefixes))]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert len(firsts) == len(prefixes)
+        holders = {i: span_attributes(mesh.trace_dir, rid, "route")["prefill.choice"] for i, rid in firsts.items()}
+        assert len(set(holders.values())) == 2, f"the first requests did not use both instances: {holders}"
+
+        # The KV events reach the balancer within a few heartbeats.
+        deadline = time.monotonic() + 30
+        while span_attributes(mesh.trace_dir, complete(prefixes[0] + [10]).id, "route")["prefill.reason"] != "prefix":
+            assert time.monotonic() < deadline, "the balancer never routed a repeat by its prefix"
+            time.sleep(0.2)
+        for i, prefix in enumerate(prefixes):
+            out = complete(prefix + [20 + i, 21])
+            route = span_attributes(mesh.trace_dir, out.id, "route")
+            assert route["prefill.reason"] == "prefix" and route["prefill.choice"] == holders[i], (i, route, holders)
+            prefill = span_attributes(mesh.trace_dir, out.id, "prefill")
+            assert prefill["prompt.cached_tokens"] >= blocks * BLOCK, (i, prefill)
+            assert prefill.get("kv.loaded_blocks", 0) == 0, f"the repeat {i} loaded its prefix instead of hitting its rank's cache"
+        assert _registered(mesh) == {"prefill": 2, "decode": 1}
