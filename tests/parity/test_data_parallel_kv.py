@@ -10,6 +10,8 @@ Qwen3-MoE engine over 2 real gloo ranks (``data_parallel_size=2``,
 - A handoff between two data-parallel instances by the direct copy: prefill computes
   on rank 1, holds the blocks under instance-wide ids, decode copies them rank to rank
   into the rank it chose.
+- The same handoff for GPT-OSS and DeepSeek-V4 (several KV groups): every group and the
+  sliding-window blocks copied rank to rank, one process's tokens, no token replayed.
 - Block events: a hash held by both ranks goes out once, and "removed" only when the
   last rank lets it go (real block pools).
 """
@@ -254,4 +256,61 @@ def test_every_kv_group_saves_and_loads_through_its_rank(tmp_path, family: str) 
         assert not loaded.kv.load_failed and loaded.token_ids == expected
     finally:
         fresh.close()
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v4"])
+def test_a_handoff_carries_every_kv_group_and_the_window_rank_to_rank(tmp_path, family: str) -> None:
+    """The direct copy between two data-parallel instances of the families with several
+    KV groups: prefill computes on rank 1 (rank 0 busy) and holds the prompt's full blocks
+    of every persistent group plus the sliding-window blocks a query at the handoff sees;
+    decode copies them into the rank it chose (rank 1 too, rank 0 busy) and continues
+    with one process's tokens without replaying a token (issue 26, point 2: the window
+    travels in the handoff). A window block copied from the wrong rank or group would
+    change the tokens (V4: a 321-token prompt, well past its window, so the compressed
+    entries and the window both matter)."""
+    if family == "gpt_oss":
+        model, mode = str(save_tiny_hf_model(family, tmp_path / family, seed=1)), dict(batch_invariant=True)
+    else:
+        from tests.helpers.deepseek_v4_models import save_tiny_v4
+
+        model, mode = str(save_tiny_v4("mixed", tmp_path / family, seed=1)), dict(swa_replay="exact")
+    engine_args = {**{k: v for k, v in ENGINE.items() if k != "batch_invariant"}, **mode}
+    prompt = random_prompts([29 if family == "gpt_oss" else 321], vocab=200, seed=7)[0]
+    one = LLMEngine(EngineConfig(model=model, **engine_args))
+    try:
+        expected = _drive(one, {"x": (prompt, None)})["x"].token_ids
+    finally:
+        one.close()
+    released: list[str] = []
+    prefill = LLMEngine(EngineConfig(model=model, **engine_args, **DP), kv_connector=MemoryConnector(MemoryKVStore()),
+                        share_kv=True)  # fmt: skip
+    connector = PeerConnector(MemoryConnector(MemoryKVStore()), lambda peer, rid: released.append(rid))
+    decode = LLMEngine(EngineConfig(model=model, **engine_args, **DP), kv_connector=connector)
+    try:
+        prefill.add_request(EngineRequest("filler", random_prompts([40], vocab=200, seed=9)[0],
+                                          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))  # fmt: skip
+        prefill.add_request(EngineRequest("x", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD))
+        assert isinstance(prefill.scheduler, DataParallelScheduler) and prefill.scheduler.rank_of["x"] == 1
+        outs: dict[str, RequestOutput] = {}
+        while prefill.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in prefill.step() if o.finished)
+        first = outs["x"]
+        held = first.kv.held  # type: ignore[union-attr]
+        assert held is not None and held.window, "prefill held no sliding-window blocks for the handoff"
+        region = prefill.kv_region
+        source = PeerSource("prefill-0", region.share(), held.block_ids, held.num_blocks, held.deadline,
+                            region.layout, held.window_first, held.window)  # fmt: skip
+        decode.add_request(EngineRequest("d-filler", random_prompts([17], vocab=200, seed=3)[0], GREEDY))
+        given: dict[str, int] = {}
+        done = _drive(decode, {"x": (prompt, KVTransferParams(load=True, source=source))},
+                      resume={"x": first.token_ids}, given=given)  # fmt: skip
+        out = done["x"]
+        assert given == {"x": 1}
+        assert out.kv is not None and out.kv.loaded_direct and not out.kv.load_failed
+        assert out.kv.num_loaded_blocks == held.num_blocks and out.kv.num_replayed_tokens == 0
+        assert released == ["x"] and out.token_ids == expected
+    finally:
+        decode.close()
+        prefill.close()
     assert multiprocessing.active_children() == []
