@@ -78,6 +78,9 @@ class Request:
     """The connector has answered (or was not asked): admission does not ask again."""
     num_external_blocks: int = 0
     """Leading blocks the connector's source held at lookup: a save skips them."""
+    kv_awaits_room: bool = False
+    """Its load found no free blocks to land in: it waits at the head of the queue for
+    them (Scheduler._kv_wait), the lookup's answer kept."""
     num_loaded_blocks: int = 0
     num_replayed_tokens: int = 0
     """Tokens recomputed at admission to rebuild sliding-window KV (SWA replay)."""

@@ -13,12 +13,15 @@ With a KV connector, a waiting request whose prompt the connector's source
 holds beyond the local prefix cache first gets blocks reserved for that part
 and waits in WAITING_FOR_KV while the engine loads them; it then returns to the
 front of the queue and is admitted like any other, hitting the loaded blocks.
-A request whose lookup is still on its way is passed over, not waited for.
+A request whose lookup is still on its way is passed over, not waited for; one whose
+load finds no free blocks to land in waits for them at the head of the queue (FCFS), as
+an admission does, rather than computing what its source holds.
 
 A structured request whose grammar still compiles on the engine's pool waits in
 WAITING_FOR_GRAMMAR, passed over the same way: the batch runs on without it.
 """
 
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,6 +31,19 @@ from shared.engine.request import Request, RequestStatus
 from shared.engine.step import PLACEHOLDER, NewRequestData, ScheduledChunk, SchedulerOutput, StateLoad
 from shared.kv.connectors.base import KVConnector
 from shared.kv.memory.coordinator import KVCacheCoordinator, PrefixHit, StateSave
+
+
+class KVWait(enum.Enum):
+    """What a waiting request waits for from the KV connector (Scheduler._kv_wait)."""
+
+    NONE = "none"
+    """Nothing: admitted as any request (no load, or the local cache holds it all)."""
+    LOOKUP = "lookup"
+    """The connector's answer, on its way: passed over, asked again next step."""
+    LOADING = "loading"
+    """Its load, into blocks just reserved (WAITING_FOR_KV)."""
+    ROOM = "room"
+    """Free blocks for its load to land in: it stays at the head of the queue."""
 
 
 @dataclass(slots=True)
@@ -174,9 +190,12 @@ class Scheduler:
                     passed_over.append(self.waiting.popleft())
                     continue
                 request.status, request.grammar = RequestStatus.WAITING, None
-            if self._waits_for_kv(request):
+            wait = self._kv_wait(request)
+            if wait is KVWait.ROOM:
+                break  # its load waits for blocks to come free, as an admission does; FCFS
+            if wait is not KVWait.NONE:
                 self.waiting.popleft()
-                if request.status != RequestStatus.WAITING_FOR_KV:
+                if wait is KVWait.LOOKUP:
                     passed_over.append(request)  # its lookup is on its way: ask again next step
                 continue
             hit = self._prefix_hit(request)
@@ -239,31 +258,49 @@ class Scheduler:
         """Tokens the request has yet to compute (1 while it decodes)."""
         return request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
 
-    def _waits_for_kv(self, request: Request) -> bool:
-        """Whether the request must wait for the connector: its lookup is pending, or
-        the source holds blocks this cache lacks (then they are reserved and loaded)."""
-        if self.connector is None or request.kv_lookup_done:
-            return False
+    def _kv_wait(self, request: Request) -> "KVWait":
+        """What the request waits for from the connector before its admission (KVWait).
+
+        A load that finds no room waits for blocks to come free at the head of the
+        queue, as an admission that finds none does; it never computes instead. The
+        prompt needs those blocks either way, so computing could start no sooner, and a
+        decode handoff's KV, already computed by prefill and held for it under a lease,
+        would be computed twice (at 8k prompts and 16 clients on one H100, 34 of 126
+        handoffs did, when decode's pool was full on their arrival). A lease that ends
+        while the request waits leaves the connector's store behind it to load from, or
+        a visible recompute."""
+        if self.connector is None or (request.kv_lookup_done and not request.kv_awaits_room):
+            return KVWait.NONE
         transfer = request.kv_transfer
         if transfer is None or not transfer.load or request.sampling_params.prompt_logprobs is not None:
-            return False  # nothing to load, or a prompt to score: computed in full
+            return KVWait.NONE  # nothing to load, or a prompt to score: computed in full
         max_blocks = (request.num_tokens - 1) // self.kv.block_size
         local = self.kv.num_cached_persistent_blocks(request, max_blocks)
-        if local >= max_blocks:
+        if request.kv_awaits_room:
+            held = request.num_external_blocks  # looked up before: the source's answer stands
+        else:
+            if local >= max_blocks:
+                request.kv_lookup_done = True
+                return KVWait.NONE
+            looked_up = self.connector.lookup(
+                request.request_id, request.block_hashes[:max_blocks], transfer, request.trace_carrier
+            )
+            if looked_up is None:
+                return KVWait.LOOKUP
+            held = looked_up
             request.kv_lookup_done = True
-            return False
-        held = self.connector.lookup(request.request_id, request.block_hashes[:max_blocks], transfer, request.trace_carrier)
-        if held is None:
-            return True
-        request.kv_lookup_done = True
-        request.num_external_blocks = held
-        # A load that finds no room is not waited for: the request computes instead.
-        if held <= local or not self.kv.reserve_for_load(request, held - local):
-            return False
+            request.num_external_blocks = held
+        if held <= local:
+            request.kv_awaits_room = False
+            return KVWait.NONE
+        if not self.kv.reserve_for_load(request, held - local):
+            request.kv_awaits_room = True
+            return KVWait.ROOM
+        request.kv_awaits_room = False
         request.status = RequestStatus.WAITING_FOR_KV
         self.loading[request.request_id] = request
         self.loads_to_start.append((request, local, held - local))
-        return True
+        return KVWait.LOADING
 
     def finish_load(self, request_id: str, num_loaded: int, num_expected: int) -> None:
         """A load ended (num_loaded of num_expected blocks arrived and are indexed): the
