@@ -285,12 +285,14 @@ class Worker:
         the device prefix cache and the host tier are dropped, between two steps (blocks in
         use, as those leased for decode's copy, keep their content but leave the index).
         The KV event loop tells the router of the removals."""
-        lost = await self.flush_kv()
+        unflushed = 0
+        if self.kvcache is not None:  # not flush_kv(): saves still on their way here are late, not lost
+            unflushed = await asyncio.to_thread(self.kvcache.flush, self.ctx.settings.worker.kv_flush_timeout_s)
         device, host = await self.engine.call(lambda e: e.reset_prefix_cache())
         log.info("%s: prefix cache reset: %d device blocks and %d host-tier blocks dropped",
                  self.ctx.instance_id, device, host)
         return mesh_pb2.PrefixCacheReset(instance_id=self.ctx.instance_id, num_device_blocks=device,
-                                         num_host_blocks=host, num_flush_lost=lost)
+                                         num_host_blocks=host, num_unflushed=unflushed)
 
     async def stop(self) -> None:
         """Drain: say NOT_SERVING and draining, let in-flight requests finish

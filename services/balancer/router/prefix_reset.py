@@ -21,7 +21,8 @@ RESET_STAGES = ("prefill", "decode")
 @dataclass(slots=True)
 class ResetOutcome:
     instances: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per instance that answered: device_blocks, host_blocks (dropped), flush_lost."""
+    """Per instance that answered: device_blocks, host_blocks (dropped), unflushed (blocks
+    written behind that were not in kvcache yet when the instance stopped waiting)."""
     failed: dict[str, str] = field(default_factory=dict)
     """Per instance that did not answer in time, why."""
 
@@ -44,5 +45,5 @@ async def reset_prefix_caches(registry: Registry, bus: Bus, timeout_s: float) ->
         else:
             outcome.instances[inst.instance_id] = {"device_blocks": reply.num_device_blocks,
                                                    "host_blocks": reply.num_host_blocks,
-                                                   "flush_lost": reply.num_flush_lost}  # fmt: skip
+                                                   "unflushed": reply.num_unflushed}  # fmt: skip
     return outcome
