@@ -21,7 +21,7 @@ PREFILL_LENGTHS, DECODE_BATCHES, CONTEXT, KVCACHE_LENGTH, ROUNDS = (64, 512), (1
 
 
 def test_a_tiny_sweep_writes_a_profile_the_planner_loads(start_mesh, mesh_model_dir, tmp_path, capsys):
-    mesh = start_mesh()
+    mesh = start_mesh(extra_env={"INFERMESH_BALANCER__PREFIX_CACHE_RESET": "true"})  # the kvcache round resets
     metrics = [f"http://127.0.0.1:{port}/metrics" for name, port in mesh.metrics_ports.items()
                if name.startswith(("prefill", "decode"))]  # fmt: skip
     out, raw = tmp_path / "profile.json", tmp_path / "profile.txt"
