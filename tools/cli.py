@@ -248,7 +248,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         prefill_lengths=tuple(args.prefill_lengths), prefill_concurrency=tuple(args.prefill_concurrency),
         decode_batches=tuple(args.decode_batches), decode_contexts=tuple(args.decode_contexts),
         decode_max_tokens=args.decode_max_tokens, vision_concurrency=tuple(args.vision_concurrency),
-        vision_image_px=args.vision_image_px, rounds=args.rounds, holdout=args.holdout,
+        vision_image_px=tuple(args.vision_image_px), kvcache_lengths=tuple(args.kvcache_lengths),
+        rounds=args.rounds, holdout=args.holdout,
         raw=Path(args.raw) if args.raw else None, plot=not args.no_plot, model_dir=args.model_dir,
         device=args.device, api_key=args.api_key, seed=args.seed, note=args.note,
     )  # fmt: skip
@@ -287,7 +288,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     profile = Profile.load(args.profile)
     workload = Workload(args.rps, Lengths(args.isl, args.isl_p90), Lengths(args.osl, args.osl_p90), args.prefix_hit,
-                        args.images_per_request)
+                        args.images_per_request, args.image_px)
     targets = Targets(args.ttft_ms, args.itl_ms, args.percentile)
     try:
         planned = plan(profile, workload, targets, args.gpu_hour_usd)
@@ -503,7 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-max-tokens", type=int, default=64, help="tokens each decode stream generates")
     p.add_argument("--vision-concurrency", type=int, nargs="*", default=[1, 2, 4, 8],
                    help="images in flight, one per chat (measured where the mesh has vision instances; none: skip)")
-    p.add_argument("--vision-image-px", type=int, default=224, help="each profiled image's side (square), pixels")
+    p.add_argument("--vision-image-px", type=int, nargs="+", default=[224, 448],
+                   help="the profiled images' sides (square), pixels: the grid is concurrency x size")
+    p.add_argument("--kvcache-lengths", type=int, nargs="*", default=[512, 2048],
+                   help="prompt tokens loaded back from kvcache after POST /reset_prefix_cache (needs a prefill "
+                   "worker's --metrics-url; none: skip). It drops every instance's prefix cache: a mesh no one uses")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per point (after one warm-up round)")
     p.add_argument("--holdout", action="store_true",
                    help="also measure three points per stage off the grid, against the grid's interpolation")
@@ -532,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--osl-p90", type=float, help="p90 output tokens (default: every request --osl)")
     p.add_argument("--prefix-hit", type=float, default=0.0, help="share of input tokens already cached, 0..1")
     p.add_argument("--images-per-request", type=float, default=0.0)
+    p.add_argument("--image-px", type=int, default=None,
+                   help="the requests' image side, pixels: the encoder's figures are read at it, interpolated by "
+                   "pixels between the profile's sizes (default: the largest size profiled)")
     p.add_argument("--ttft-ms", type=float, required=True, help="time-to-first-token target at --percentile")
     p.add_argument("--itl-ms", type=float, required=True, help="inter-token latency target at --percentile")
     p.add_argument("--percentile", type=float, default=90.0, help="the targets' percentile")

@@ -33,10 +33,12 @@ from prometheus_client import Gauge
 from fastapi.responses import JSONResponse
 
 from services.balancer.frontend.api import create_app
+from services.balancer.frontend.errors import APIError
 from services.balancer.frontend.images import ModelImages
 from services.balancer.response_kv import open_response_store
 from services.balancer.router.departures import instance_departed, parse_advisory
 from services.balancer.router.orchestrator import MeshGenerator
+from services.balancer.router.prefix_reset import reset_prefix_caches
 from services.balancer.router.registry import STAGES, SWEEP_INTERVAL_S, Registry
 from services.balancer.router.wire import ImageLayout
 from shared.kv.block_hash import kv_fingerprint
@@ -262,6 +264,18 @@ async def setup(ctx: ServiceContext, stack: AsyncExitStack) -> None:
         status = "ok" if kv_state == "up" else "degraded"
         body = {"ready": ok, "status": status if ok else "unavailable", "instances": counts, "kvcache": kv_state}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        """Every live prefill and decode instance forgets the KV it keeps for reuse
+        (router/prefix_reset.py); 200 with what each dropped, 503 naming those that did not answer;
+        403 unless balancer.prefix_cache_reset is on."""
+        if not settings.balancer.prefix_cache_reset:
+            raise APIError(403, "The prefix-cache reset is off on this mesh: an operator turns it on with "
+                                "INFERMESH_BALANCER__PREFIX_CACHE_RESET=true.", type="permission_error",
+                           param="balancer.prefix_cache_reset")  # fmt: skip
+        outcome = await reset_prefix_caches(registry, ctx.bus, settings.worker.kv_flush_timeout_s + 10.0)
+        return JSONResponse(outcome.body(), status_code=503 if outcome.failed else 200)
 
     config = uvicorn.Config(
         app, host=settings.balancer.host, port=settings.balancer.port, log_level="warning", lifespan="off"

@@ -84,6 +84,9 @@ class Workload:
     prefix_hit_rate: float = 0.0
     """Share of input tokens whose KV is already cached (kvcache or an engine)."""
     images_per_request: float = 0.0
+    image_px: int | None = None
+    """The images' side in pixels (square, or the square of as many pixels): the encoder's
+    figures are read at it (stage_model.VisionModel); None: the largest size profiled."""
 
     def __post_init__(self) -> None:
         if self.requests_per_s <= 0:
@@ -212,7 +215,7 @@ def plan(profile: Profile, workload: Workload, targets: Targets, gpu_hour_usd: f
     # Prefill and vision together: each encoder point leaves prefill a TTFT budget.
     vision_options: list[VisionOperating | None] = [None]
     if workload.images_per_request > 0:
-        encoders = models.vision.operating_points()
+        encoders = models.vision.operating_points(workload.image_px)
         if not encoders:
             raise ValueError("the workload has images but the profile has no vision points")
         vision_options = list(encoders)

@@ -46,8 +46,8 @@ class DecodePoint:
 
 @dataclass(slots=True, frozen=True)
 class VisionPoint:
-    """The encoder at one number of images in flight (tools/planner/vision_round.py;
-    the image size is the profile's settings["sweep.vision_image_px"])."""
+    """The encoder at one number of images in flight and one image size
+    (tools/planner/vision_round.py)."""
 
     concurrency: int
     """Images in flight on the instance (one per chat) while measured."""
@@ -56,6 +56,25 @@ class VisionPoint:
     latency_ms: float
     """From the balancer asking the instance to its reply that the embeddings are stored:
     the mean per round, the median over rounds (what an image adds to TTFT)."""
+    image_px: int | None = None
+    """The images' side in pixels (square). None in a profile written before the sweep had
+    a size axis: its one size is settings["sweep.vision_image_px"] (Profile.from_json
+    fills it in from there)."""
+
+
+@dataclass(slots=True, frozen=True)
+class KVCachePoint:
+    """A prompt loaded from kvcache, no engine instance holding it (after a restart or an
+    eviction), against the same prompt computed (tools/planner/kvcache_round.py)."""
+
+    input_tokens: int
+    ttft_hit_ms: float
+    """Median TTFT with the prompt's full blocks loaded from kvcache (max_tokens 1)."""
+    ttft_uncached_ms: float
+    """Median TTFT of the same prompt computed whole, in the same rounds."""
+    gb_s: float
+    """Median over the rounds of the load's bytes over its seconds (prefill workers'
+    kv_transfer_*_total{path="kvcache"})."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,7 +82,9 @@ class TransferRates:
     """Bytes moved per second, None where not measured."""
 
     kvcache_gb_s: float | None = None
-    """kvcache load into an engine (hit path)."""
+    """kvcache load into an engine (hit path): the profile's kvcache round, a prompt no
+    instance holds loaded back from kvcache; its bytes over the seconds from asking
+    kvcache to the blocks' arrival in the engine, every timed round together."""
     handoff_gb_s: float | None = None
     """prefill -> decode KV handoff: the decode workers' KV bytes loaded over the seconds
     from asking for them to their arrival in the engine (kv_transfer_seconds_total)."""
@@ -89,6 +110,8 @@ class Profile:
     prefill: list[PrefillPoint] = field(default_factory=list)
     decode: list[DecodePoint] = field(default_factory=list)
     vision: list[VisionPoint] = field(default_factory=list)
+    kvcache: list[KVCachePoint] = field(default_factory=list)
+    """Cache hits against the same prompts uncached (empty: not measured)."""
     transfer: TransferRates = field(default_factory=TransferRates)
     version: int = FORMAT_VERSION
 
@@ -107,7 +130,8 @@ class Profile:
             settings={k: str(v) for k, v in raw.get("settings", {}).items()},
             prefill=[PrefillPoint(**p) for p in raw.get("prefill", [])],
             decode=[DecodePoint(**p) for p in raw.get("decode", [])],
-            vision=[VisionPoint(**p) for p in raw.get("vision", [])],
+            vision=[_vision_point(p, raw.get("settings", {})) for p in raw.get("vision", [])],
+            kvcache=[KVCachePoint(**p) for p in raw.get("kvcache", [])],
             transfer=TransferRates(**raw.get("transfer", {})),
         )
 
@@ -117,3 +141,12 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         return cls.from_json(Path(path).read_text())
+
+
+def _vision_point(raw: dict, settings: dict) -> VisionPoint:
+    """A vision point as written; one from before the size axis gets the one size its
+    sweep used (settings["sweep.vision_image_px"], a single int then), or stays None."""
+    if raw.get("image_px") is None:
+        size = str(settings.get("sweep.vision_image_px", ""))
+        raw = {**raw, "image_px": int(size) if size.isdigit() else None}
+    return VisionPoint(**raw)

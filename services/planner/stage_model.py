@@ -194,13 +194,38 @@ class DecodeModel:
 
 
 class VisionModel:
-    """The encoder: images/s and latency at each measured concurrency."""
+    """The encoder: images/s and latency at each measured concurrency and image size.
+
+    At an image size (its side, pixels), each concurrency's latency and seconds per
+    image are read against pixels (side squared) by interpolate(): log-log between the
+    sizes measured at that concurrency, linear in pixels beyond them (an encoder's work
+    grows with its patches). A concurrency measured at one size only, or a profile with
+    one size (older profiles), gives its points as measured whatever the size asked.
+    No size asked: the largest measured (the cautious reading)."""
 
     def __init__(self, points: Sequence[VisionPoint]) -> None:
-        self.points = sorted(points, key=lambda p: p.concurrency)
+        self.points = sorted(points, key=lambda p: (p.concurrency, p.image_px or 0))
+        self.sizes = sorted({p.image_px for p in points if p.image_px is not None})
 
-    def operating_points(self) -> list[VisionOperating]:
-        return [VisionOperating(p.concurrency, p.latency_ms, p.images_per_s) for p in self.points]
+    def operating_points(self, image_px: float | None = None) -> list[VisionOperating]:
+        if image_px is not None and image_px <= 0:
+            raise ValueError(f"image size must be positive, got {image_px}")
+        side = float(image_px) if image_px is not None else float(self.sizes[-1]) if self.sizes else None
+        by_level: dict[int, list[VisionPoint]] = {}
+        for p in self.points:
+            by_level.setdefault(p.concurrency, []).append(p)
+        out = []
+        for c, ps in sorted(by_level.items()):
+            sized = [p for p in ps if p.image_px is not None]
+            if side is None or len(sized) < 2:
+                p = min(ps, key=lambda p: abs((p.image_px or 0) - (side or 0)))  # the nearest (the only) size
+                out.append(VisionOperating(c, p.latency_ms, p.images_per_s))
+                continue
+            pixels = [float(p.image_px) ** 2 for p in sized]  # type: ignore[operator]
+            latency = interpolate(pixels, [p.latency_ms for p in sized], side**2)
+            per_image_s = interpolate(pixels, [1.0 / p.images_per_s for p in sized], side**2)
+            out.append(VisionOperating(c, latency, 1.0 / per_image_s))
+        return out
 
 
 @dataclass(frozen=True)

@@ -371,6 +371,18 @@ class LLMEngine:
             self.kv_transfer.drop_output(request_id)
         self._save_states()
 
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Forget every block kept for reuse, as a restart would: the device prefix cache
+        of each rank (blocks in use, leased ones too, keep their content for their holders
+        but leave the index) and the connector's host tier; kvcache keeps
+        its copies, so the next hit loads from there. (device blocks, host blocks) dropped."""
+        device = sum(kv.pool.drop_cached() for kv in self.kv_ranks)
+        for kv in self.kv_ranks:
+            if kv.state_cache is not None:  # a sliding-window state is only of use beside its blocks
+                kv.state_cache.clear()
+        host = self.kv_transfer.connector.drop_cached() if self.kv_transfer is not None else 0
+        return device, host
+
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.num_unfinished > 0

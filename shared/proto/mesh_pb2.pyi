@@ -233,6 +233,22 @@ class NixlMetadata(_message.Message):
     metadata: bytes
     def __init__(self, agent: _Optional[str] = ..., metadata: _Optional[bytes] = ...) -> None: ...
 
+class ResetPrefixCache(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefixCacheReset(_message.Message):
+    __slots__ = ("instance_id", "num_device_blocks", "num_host_blocks", "num_unflushed")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNFLUSHED_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    num_device_blocks: int
+    num_host_blocks: int
+    num_unflushed: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_unflushed: _Optional[int] = ...) -> None: ...
+
 class KvRelease(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -231,6 +231,12 @@ class BalancerSettings:
     `infermesh up --served-model-name A B`): the first is the one responses and
     metrics carry and /v1/models lists first. None takes the model folder's name.
     Requests may leave model out (one model is served)."""
+    prefix_cache_reset: bool = False
+    """Answer POST /reset_prefix_cache (every prefill and decode instance forgets the KV
+    it keeps for reuse; `infermesh profile`'s kvcache round needs it). Off by default:
+    any holder of the API key could make every later request recompute its prefix, so
+    it is an operator's switch, as vLLM serves the endpoint only in its dev mode; off,
+    the endpoint answers 403 naming this setting."""
     heartbeat_misses: int = 3
     """An instance missing this many heartbeats is dropped from the registry."""
     max_heartbeat_interval_s: float = 5.0

@@ -45,6 +45,12 @@ def vision_encode(instance_id: str) -> str:
     return f"{PREFIX}.vision.{instance_id}.encode"
 
 
+def reset_prefix_cache(stage: str, instance_id: str) -> str:
+    """Where the balancer asks a prefill or decode instance to forget the blocks it keeps
+    for reuse (ResetPrefixCache; the profile's kvcache round, POST /reset_prefix_cache)."""
+    return f"{PREFIX}.{check_token(stage)}.{check_token(instance_id)}.reset_prefix_cache"
+
+
 def kv_release(instance_id: str) -> str:
     """Where a decode instance tells the prefill instance it copied a request's KV from
     that the blocks may go (KvRelease)."""

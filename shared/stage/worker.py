@@ -278,6 +278,22 @@ class Worker:
         rid = msg.request_id
         await self.engine.call(lambda e: e.release_kv_lease(rid))
 
+    async def on_reset_prefix_cache(self, msg: mesh_pb2.ResetPrefixCache) -> mesh_pb2.PrefixCacheReset:
+        """The balancer's POST /reset_prefix_cache: what a restart does to this instance's
+        caches, the process kept. The saves written behind are flushed to kvcache first
+        (as a stopping worker's are), so what the instance forgets kvcache holds; then
+        the device prefix cache and the host tier are dropped, between two steps (blocks in
+        use, as those leased for decode's copy, keep their content but leave the index).
+        The KV event loop tells the router of the removals."""
+        unflushed = 0
+        if self.kvcache is not None:  # not flush_kv(): saves still on their way here are late, not lost
+            unflushed = await asyncio.to_thread(self.kvcache.flush, self.ctx.settings.worker.kv_flush_timeout_s)
+        device, host = await self.engine.call(lambda e: e.reset_prefix_cache())
+        log.info("%s: prefix cache reset: %d device blocks and %d host-tier blocks dropped",
+                 self.ctx.instance_id, device, host)
+        return mesh_pb2.PrefixCacheReset(instance_id=self.ctx.instance_id, num_device_blocks=device,
+                                         num_host_blocks=host, num_unflushed=unflushed)
+
     async def stop(self) -> None:
         """Drain: say NOT_SERVING and draining, let in-flight requests finish
         under a timeout, stop the engine, then flush the KV written behind to
@@ -488,6 +504,8 @@ async def serve_engine_stage(
     routes = list(make_dispatch(worker))
     await worker.start(stack)
     routes.append(Dispatch(subjects.CANCEL, mesh_pb2.Cancel, worker.on_cancel))
+    routes.append(Dispatch(subjects.reset_prefix_cache(ctx.stage, ctx.instance_id), mesh_pb2.ResetPrefixCache,
+                           worker.on_reset_prefix_cache))
     if share_kv:
         routes.append(Dispatch(subjects.kv_release(ctx.instance_id), mesh_pb2.KvRelease, worker.on_kv_release))
         if nixl is not None:

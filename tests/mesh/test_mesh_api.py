@@ -120,3 +120,6 @@ def test_request_id_continuous_usage_and_endpoints(mesh: Any, model_name: str, r
     assert tokens == recipe.encode(PROMPTS[1])
     assert httpx.post(base + "/detokenize", json={"tokens": tokens}).json()["prompt"] == recipe.decode(
         tokens, skip_special_tokens=False)
+    # The prefix-cache reset is an operator's switch, off by default: a 403 naming it.
+    refused = httpx.post(base + "/reset_prefix_cache")
+    assert refused.status_code == 403 and refused.json()["error"]["param"] == "balancer.prefix_cache_reset"

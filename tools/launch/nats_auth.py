@@ -7,9 +7,9 @@ the users that answer requests may publish to reply subjects):
 
 | user        | publishes                                              | subscribes                                  |
 |-------------|--------------------------------------------------------|---------------------------------------------|
-| balancer    | prefill dispatch (im.prefill.*.run), encode requests (im.vision.*.encode), cancels, the responses bucket (JetStream KV) | heartbeats, KV events, every token stream, departures |
-| prefill X   | decode handoffs, X's heartbeats, KV events and streams, NIXL metadata asks (vision's) | X's dispatch, cancels, X's KV releases, X's NIXL metadata asks |
-| decode X    | X's heartbeats, KV events and streams, KV releases, NIXL metadata asks | X's handoffs, cancels       |
+| balancer    | prefill dispatch (im.prefill.*.run), encode requests (im.vision.*.encode), cancels, the responses bucket (JetStream KV), prefix-cache resets | heartbeats, KV events, every token stream, departures |
+| prefill X   | decode handoffs, X's heartbeats, KV events and streams, NIXL metadata asks (vision's) | X's dispatch, cancels, X's KV releases, X's NIXL metadata asks, X's prefix-cache resets |
+| decode X    | X's heartbeats, KV events and streams, KV releases, NIXL metadata asks | X's handoffs, cancels, X's prefix-cache resets |
 | vision X    | X's heartbeats                                         | X's encode requests, X's NIXL metadata asks (answers them) |
 | kvcache     | its KV events (im.kv.events)                           | nothing                                     |
 | monitor     | nothing                                                | heartbeats, KV events (load figures only)   |
@@ -99,7 +99,8 @@ def permissions(role: str, instance: str = "*") -> Permissions:
         # count forgeries of the subject form before streams named their instance.
         return Permissions(
             publish=(_any(subjects.prefill_run), _any(subjects.decode_run), _any(subjects.vision_encode),
-                     subjects.CANCEL, *subjects.kv_bucket_subjects(subjects.RESPONSES_BUCKET)),
+                     subjects.CANCEL, *subjects.kv_bucket_subjects(subjects.RESPONSES_BUCKET),
+                     *(_any(lambda i, s=stage: subjects.reset_prefix_cache(s, i)) for stage in ("prefill", "decode"))),
             subscribe=(subjects.HEARTBEAT_ALL, subjects.KV_EVENTS_ALL, stream_subjects("*"),
                        subjects.STREAM_OLD_FORM, subjects.CLIENT_DISCONNECTED),
         )
@@ -107,17 +108,19 @@ def permissions(role: str, instance: str = "*") -> Permissions:
         # Its own heartbeat and KV event subjects, as its own streams: under `up` a
         # worker cannot speak in another instance's name.
         heartbeat = own(lambda i: subjects.heartbeat(role, i))
+        reset = own(lambda i: subjects.reset_prefix_cache(role, i))  # the balancer's POST /reset_prefix_cache
         if role == "prefill":
             return Permissions(
                 publish=(_any(subjects.decode_admit), heartbeat, own(subjects.kv_events), stream_subjects(instance),
                          _any(subjects.kv_nixl)),  # a vision instance's NIXL metadata (its embeddings)
-                subscribe=(own(subjects.prefill_run), subjects.CANCEL, own(subjects.kv_release), own(subjects.kv_nixl)),
+                subscribe=(own(subjects.prefill_run), subjects.CANCEL, own(subjects.kv_release), own(subjects.kv_nixl),
+                           reset),
                 allow_responses=True,
             )
         return Permissions(
             publish=(heartbeat, own(subjects.kv_events), stream_subjects(instance), _any(subjects.kv_release),
                      _any(subjects.kv_nixl)),
-            subscribe=(own(subjects.decode_admit), own(subjects.decode_run), subjects.CANCEL),
+            subscribe=(own(subjects.decode_admit), own(subjects.decode_run), subjects.CANCEL, reset),
             allow_responses=True,
         )
     if role == "vision":  # answers the balancer's encode requests and its readers' NIXL metadata asks

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-STAGE_SHARES = {"prefill": 0.5, "decode": 0.5, "vision": 0.2}
+STAGE_SHARES = {"prefill": 0.5, "decode": 0.5, "vision": 0.2, "kvcache": 0.2}
 """Of the budget, by stage (held-out points are measured within their stage's share)."""
 
 

@@ -74,7 +74,7 @@ class RoundFailed(RuntimeError):
     """A request of the round failed: the point cannot be measured as asked."""
 
 
-def _specs(input_tokens: int, count: int, max_tokens: int, seed: int, salt: str, extra: dict) -> list:
+def request_specs(input_tokens: int, count: int, max_tokens: int, seed: int, salt: str, extra: dict) -> list:
     config = WorkloadConfig(input_len=input_tokens, output_len=max_tokens, extra_body={"temperature": 0.0, **extra})
     specs = [session.turns[0]([]) for session in make_sessions(config, count, seed)]
     for i, spec in enumerate(specs):
@@ -82,7 +82,7 @@ def _specs(input_tokens: int, count: int, max_tokens: int, seed: int, salt: str,
     return specs
 
 
-async def _wave(client: httpx.AsyncClient, model: str, specs: list) -> tuple[list[RequestResult], float, float]:
+async def send_wave(client: httpx.AsyncClient, model: str, specs: list) -> tuple[list[RequestResult], float, float]:
     """All at once; (results, start on the perf_counter clock, wall)."""
     start = time.perf_counter()
     results = await asyncio.gather(*(send(client, model, spec, start) for spec in specs))
@@ -94,8 +94,8 @@ async def _wave(client: httpx.AsyncClient, model: str, specs: list) -> tuple[lis
 
 async def prefill_round(client: httpx.AsyncClient, model: str, input_tokens: int, concurrency: int, seed: int,
                         salt: str) -> PrefillRound:  # fmt: skip
-    specs = _specs(input_tokens, concurrency, 1, seed, salt, {})
-    results, _, wall = await _wave(client, model, specs)
+    specs = request_specs(input_tokens, concurrency, 1, seed, salt, {})
+    results, _, wall = await send_wave(client, model, specs)
     return prefill_figures(results, input_tokens, wall)
 
 
@@ -127,8 +127,8 @@ async def decode_round(client: httpx.AsyncClient, model: str, batch: int, contex
     wave_prompts: list[int] = []
     for doubling in range(MAX_DOUBLINGS + 1):
         prompt = context - max_tokens // 2
-        specs = _specs(prompt, batch, max_tokens, seed, salt, {"ignore_eos": True, "logprobs": 0})
-        results, _, wall = await _wave(client, model, specs)
+        specs = request_specs(prompt, batch, max_tokens, seed, salt, {"ignore_eos": True, "logprobs": 0})
+        results, _, wall = await send_wave(client, model, specs)
         wave_prompts.append(prompt)
         figures = decode_figures(results, prompt, max_tokens, wall)
         if figures.overlapped or doubling == MAX_DOUBLINGS or max_tokens * 2 > context:

@@ -14,9 +14,9 @@ from tools.planner import holdout
 TARGET_ERROR = 0.10
 """Issue 30's accuracy figure: predicted within 10 % of measured."""
 _AXES = {"prefill": ("input_tokens", "concurrency"), "decode": ("batch", "context"),
-         "vision": ("concurrency", "image_px")}
+         "vision": ("concurrency", "image_px"), "kvcache": ("input_tokens", "concurrency")}
 _FIGURES = {"prefill": ("ttft_ms", "tokens_per_s"), "decode": ("itl_ms", "tokens_per_s"),
-            "vision": ("latency_ms", "images_per_s")}
+            "vision": ("latency_ms", "images_per_s"), "kvcache": ("ttft_hit_ms", "ttft_uncached_ms", "gb_s")}
 
 
 def _cell(median: float, lo: float, hi: float) -> str:
@@ -54,8 +54,8 @@ def report_text(result: SweepResult, header: Mapping[str, Any]) -> str:
     lines += [f"{k}: {v}" for k, v in result.notes.items()]
     lines += ["settings: " + ", ".join(f"{k}={v}" for k, v in sorted(result.profile.settings.items()))]
     for stage, (ax, ay) in _AXES.items():
-        if stage == "vision" and not any(m.stage == stage for m in result.measured):
-            continue  # a mesh without vision instances: the notes say so
+        if stage in ("vision", "kvcache") and not any(m.stage == stage for m in result.measured):
+            continue  # not measured (no vision instance, no prefill /metrics, ...): the notes say so
         lines += ["", f"## {stage}: median [min-max] over the timed rounds (warm-up dropped)",
                   f"{ax:>12} {ay:>11} " + " ".join(f"{n:>28}" for n in _FIGURES[stage]) + "  rounds  held_out"]
         for m in sorted((m for m in result.measured if m.stage == stage), key=lambda m: (m.held_out, m.point)):
@@ -65,6 +65,8 @@ def report_text(result: SweepResult, header: Mapping[str, Any]) -> str:
                 together = sum(bool(r["overlapped"]) for r in m.rounds)
                 longest = max(int(r["max_tokens"]) for r in m.rounds)
                 extra = f"  together {together}/{len(m.rounds)}, max_tokens {longest}"
+            if stage == "kvcache":  # the cross-check of the bytes against the tokens loaded
+                extra = f"  bytes/token {statistics.median(r['bytes_per_token'] for r in m.rounds):.0f}"
             lines.append(f"{m.point[0]:>12} {m.point[1]:>11} {cells}  {len(m.rounds):>6}  "
                          f"{'yes' if m.held_out else '':>8}{extra}")
     skipped = [f"{stage} {p}" for stage, p in result.skipped]

@@ -9,10 +9,11 @@ from services.balancer.frontend.http_metrics import HttpMetrics
 
 _ENDPOINTS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
-    "/tokenizer_info", "/version", "/ping", "/openapi.json", "/docs",
+    "/tokenizer_info", "/version", "/ping", "/openapi.json", "/docs", "/reset_prefix_cache",
 })
-_PROTECTED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
-"""Paths that need the API key: the model's use and its tokenizer; health, version and the schema do not."""
+_PROTECTED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info", "/reset_prefix_cache")
+"""Paths that need the API key: the model's use, its tokenizer and the prefix-cache reset; health,
+version and the schema do not."""
 
 
 # -- the guard: API key, body size, requests counter -------------------------------

@@ -173,6 +173,12 @@ class KVConnector(ABC):
         (a NIXL read's notification): their leases may end. None by default."""
         return []
 
+    def drop_cached(self) -> int:
+        """Forget the blocks this process keeps for reuse (a prefix-cache reset), those
+        of a store behind it kept (kvcache is another process: a restart keeps it);
+        returns how many. Nothing by default."""
+        return 0
+
     def close(self) -> None:
         """Stop the background work."""
 
@@ -205,6 +211,9 @@ class InFrontConnector(KVConnector):
     @property
     def num_save_failures_behind(self) -> int:
         return self.behind.num_save_failures_behind
+
+    def drop_cached(self) -> int:
+        return self.behind.drop_cached()
 
     def close(self) -> None:
         self.behind.close()

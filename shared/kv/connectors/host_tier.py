@@ -146,6 +146,18 @@ class HostTierConnector(InFrontConnector):
             for i, row in zip(new, rows):
                 self._slots[hashes[i]] = row
 
+    def drop_cached(self) -> int:
+        """Every slot freed, on the tier's thread (after the copies queued before it, so
+        no copy is left reading or writing a slot given up); then the links behind."""
+        return self._executor.submit(self._drop).result() + self.behind.drop_cached()
+
+    def _drop(self) -> int:
+        with self._lock:
+            num = len(self._slots)
+            self._free += self._slots.values()
+            self._slots.clear()
+        return num
+
     def poll(self) -> tuple[list[LoadResult], list[SaveResult]]:
         behind_loads, behind_saves = self.behind.poll()
         for result in behind_loads:

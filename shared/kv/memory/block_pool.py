@@ -180,6 +180,16 @@ class BlockPool:
         self.stored_events, self.removed_events = [], []
         return [block_hash for block_hash, group in self._cached if self._records(group)]
 
+    def drop_cached(self) -> int:
+        """Empty the prefix index (a prefix-cache reset); each hash dropped is a removed
+        event. Blocks in use (a running request's, a lease's for a peer's copy) keep their
+        content for their holders but leave the index: no new request hits them, as none
+        would after a restart. Returns how many blocks the index held."""
+        cached = list(self._cached.values())
+        for block in cached:
+            self._evict(block)
+        return len(cached)
+
     def _evict(self, block: KVBlock) -> None:
         key = (block.block_hash, block.group)
         if block.block_hash is not None and self._cached.get(key) is block:  # type: ignore[arg-type]

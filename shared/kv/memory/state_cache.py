@@ -71,6 +71,11 @@ class SlidingStateCache:
         state = self._entries.get(block_hash)
         return state is not None and state.expires_at > self._clock()
 
+    def clear(self) -> None:
+        """Forget every state (a prefix-cache reset)."""
+        for block_hash in list(self._entries):
+            self._drop(block_hash)
+
     def _expire(self) -> None:
         now = self._clock()
         # Entries are in use order, not expiry order: a full scan, but states are few and large.
