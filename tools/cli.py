@@ -473,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model): EngineConfig.data_parallel_size; each instance is still one in the mesh")
     p.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="an MoE model's experts split over those ranks, attention and dense layers tensor-parallel "
-                        "over them (DeepSeek-V4: attention replicated): "
+                        "over them (DeepSeek-V4: its query heads; its KV whole on every rank): "
                         "EngineConfig.enable_expert_parallel (default: INFERMESH_ENGINE__ENABLE_EXPERT_PARALLEL)")
     p.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=None,
                    help="with --enable-expert-parallel, rebalance the experts over the ranks live: "

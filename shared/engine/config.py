@@ -141,8 +141,10 @@ class EngineConfig:
     """Ranks one instance's model is split over (tensor parallelism: attention heads, MLP
     columns and the vocabulary divided between them), one process per rank on one host,
     meeting through torch.distributed (NCCL on CUDA, ranks on cuda:N.. from the configured
-    card; gloo on the CPU). Dense Llama-family models; MoE models with
-    enable_expert_parallel. In the mesh an instance of N ranks is still one instance whose
+    card; gloo on the CPU). Dense Llama-family models and DeepSeek-V4 (its query heads
+    split, its one KV head and compressed caches whole on every rank, its routed experts
+    whole on every rank unless enable_expert_parallel splits them); the other MoE models
+    with enable_expert_parallel. In the mesh an instance of N ranks is still one instance whose
     connector moves every rank's KV (shared/kv/memory/ranked_region.py). Not yet with
     speculative decoding, CUDA graphs or kept quantized weights (each refused by name)."""
     data_parallel_size: int = 1
@@ -163,8 +165,8 @@ class EngineConfig:
     each MoE layer splits the step's tokens over the ranks and all-to-alls them to their
     experts. The attention, dense MLPs, embedding and head are tensor-parallel over the
     ranks as for a dense model (Qwen3-MoE, GPT-OSS: each rank's KV cache holds its KV
-    heads); DeepSeek-V4's compressed attention is replicated on every rank (computed for
-    the whole step on each). data_parallel_size makes the attention data-parallel
+    heads; DeepSeek-V4: each rank its query heads, its one KV head and compressed caches
+    whole on every rank). data_parallel_size makes the attention data-parallel
     instead. Qwen3-MoE, GPT-OSS, DeepSeek-V4."""
     enable_eplb: bool = False
     """Expert-parallel load balancing (with enable_expert_parallel): a window of the

@@ -191,8 +191,10 @@ class LLMEngine:
             multiproc.start(setup, self.runner)
             self.executor = multiproc
             if kv_connector is not None:
-                # Split as the ranks' attention splits its KV heads; None: each rank holds all of them.
-                heads = model_cfg.num_key_value_heads if multiproc.parallel.is_parallel else None
+                # Split as the ranks' attention splits its KV heads; None: each rank holds all of
+                # them (replicated attention, or DeepSeek-V4's one KV head under split query heads).
+                split = multiproc.parallel.is_parallel and self.model.splits_kv_heads
+                heads = model_cfg.num_key_value_heads if split else None
                 self.kv_region = multiproc.kv_region(heads)
         else:
             self.executor = UniProcExecutor(self.runner)

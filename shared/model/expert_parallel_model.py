@@ -2,9 +2,8 @@
 Every rank runs the same step (the executor sends each rank the same scheduler
 output); the rest of the model is as its ``ParallelContext`` built it: tensor-parallel
 over the same ranks (vLLM's ``--tensor-parallel-size N --enable-expert-parallel``:
-Qwen3-MoE, GPT-OSS; heads split, o_proj's all-reduce), or whole on every rank
-(DeepSeek-V4's compressed attention, replicated: each rank computes it for every
-token). Either way each MoE layer's input is the whole step on every rank, and each
+Qwen3-MoE, GPT-OSS, DeepSeek-V4; heads split, o_proj's all-reduce), or whole on every
+rank (data-parallel attention, below). Either way each MoE layer's input is the whole step on every rank, and each
 MoE layer splits the step's tokens across the ranks: rank r takes its 1/N slice,
 routes it, dispatches its (token, choice) pairs to the ranks holding their experts
 and combines them back (shared/model/expert_parallel.py), adds its shared experts,

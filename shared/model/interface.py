@@ -33,7 +33,7 @@ from shared.model.arch_config import ArchConfig
 from shared.model.config import ModelConfig
 from shared.model.forward_batch import AttentionMetadata
 from shared.model.layers import Linear, linear
-from shared.model.parallel import Shard
+from shared.model.parallel import SINGLE, ParallelContext, Shard
 
 TensorMaker = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """(shape, dtype) -> a zeroed tensor (e.g. in memory another process can map)."""
@@ -78,12 +78,20 @@ class CausalLM(nn.Module, ABC):
         """The logits' product kernel (None: PyTorch's)."""
         self.batch_invariant = False
         """Whether ``build_model`` installed the batch-invariant ops table (shared/model/batch_invariant.py)."""
+        self.parallel: ParallelContext = SINGLE
+        """This rank's slice (a family that splits sets it from its ``parallel=``): with
+        tp_size > 1 its head is vocab-parallel and ``compute_logits`` gathers the logits."""
 
     splits_attention_with_experts: ClassVar[bool] = False
     """Whether, under expert parallelism without data-parallel attention, the family runs
     its attention and dense layers tensor-parallel over the ranks beside its
     expert-parallel MoE layers (vLLM's ``--tensor-parallel-size N --enable-expert-parallel``).
-    False: its attention is replicated on every rank (DeepSeek-V4's compressed attention)."""
+    False: its attention is replicated on every rank."""
+    splits_kv_heads: ClassVar[bool] = True
+    """Whether tensor-parallel attention splits the KV cache by KV head (each rank's cache
+    holds its heads, ``kv_heads_of_rank``). False: every rank's cache holds the whole KV
+    (DeepSeek-V4: one KV head shared by every query head, and the compressed caches, all
+    computed on every rank), and the instance's KV moves as one rank's."""
 
     @classmethod
     def check_tensor_parallel(cls, config: ModelConfig, tp_size: int, expert_parallel: bool = False) -> None:
@@ -144,7 +152,14 @@ class CausalLM(nn.Module, ABC):
         # The product runs in the model dtype, then widens, as transformers' lm_head does;
         # greedy decoding then picks the same token as transformers in bf16 too.
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self._gemv).float()
+        logits = linear(hidden, weight, None, self._gemv).float()
+        if not self.parallel.is_parallel:
+            return logits
+        # Every rank gets every logit (vLLM v1's all-gather): each samples the same tokens
+        # from the same numbers, so no rank waits for another's tokens.
+        gathered = self.parallel.all_gather(logits)
+        vocab = self.config.vocab_size
+        return gathered if gathered.shape[-1] == vocab else gathered[:, :vocab].contiguous()
 
     def allocate_kv_cache(
         self,

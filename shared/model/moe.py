@@ -30,6 +30,8 @@ from shared.model.forward_batch import AttentionMetadata
 from shared.model.ops import TORCH_OPS, Kernel, Ops
 from shared.model.layers import MergedLinear, Linear, linear
 from shared.model.moe_config import MlpLayerType, MoEConfig
+from shared.model.parallel import SINGLE, ParallelContext
+from shared.model.parallel_layers import MergedColumnParallelLinear, RowParallelLinear, column_shard
 from shared.model.profiling import profiled
 from shared.model.quantized import FP4_GROUP, dequantize_fp4_groups
 
@@ -367,13 +369,26 @@ class Experts(nn.Module):
 
 class SharedExperts(nn.Module):
     """The always-on experts as one SiLU MLP (DeepSeek's ``shared_experts``), clamped by
-    ``swiglu_limit`` like the routed ones."""
+    ``swiglu_limit`` like the routed ones. ``parallel``: split by intermediate columns
+    over its ranks as a dense MLP is (gate and up column-parallel, down row-parallel:
+    each rank's output is the whole sum after down_proj's all-reduce)."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, hidden: int, moe: MoEConfig, dtype: torch.dtype, device: torch.device, parallel: ParallelContext = SINGLE
+    ) -> None:
         super().__init__()
         size = moe.shared_intermediate_size
-        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": size, "up_proj": size}, False, dtype, device)
-        self.down_proj = Linear(size, hidden, False, dtype, device)
+        self.gate_up_proj: MergedLinear
+        self.down_proj: Linear
+        if parallel.is_parallel:
+            part = column_shard(size, parallel, "the shared experts' intermediate size")
+            self.gate_up_proj = MergedColumnParallelLinear(hidden, {"gate_proj": part, "up_proj": part}, False, dtype,
+                                                           device)  # fmt: skip
+            self.down_proj = RowParallelLinear(size, hidden, False, dtype, device, TORCH_OPS, parallel,
+                                               "the shared experts' intermediate size")  # fmt: skip
+        else:
+            self.gate_up_proj = MergedLinear(hidden, {"gate_proj": size, "up_proj": size}, False, dtype, device)
+            self.down_proj = Linear(size, hidden, False, dtype, device)
         self.limit = moe.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -408,14 +423,17 @@ class SparseMoE(nn.Module):
         device: torch.device,
         router_name: str = "gate",
         ops: Ops = TORCH_OPS,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
+        """``parallel``: the shared experts' split (``SharedExperts``); the routed experts
+        are built whole whatever it says (expert parallelism keeps a rank's afterwards)."""
         super().__init__()
         if layer_type == "dense":
             raise ValueError("a dense layer has no experts")
         self.router_name = router_name
         self.add_module(router_name, Router(hidden, moe, vocab_size, layer_type == "hash_moe", dtype, device))
         self.experts = Experts(hidden, moe, dtype, device, ops)
-        self.shared_experts = SharedExperts(hidden, moe, dtype, device) if moe.num_shared_experts else None
+        self.shared_experts = SharedExperts(hidden, moe, dtype, device, parallel) if moe.num_shared_experts else None
         self.counts: torch.Tensor | None = None
 
     @property

@@ -17,8 +17,8 @@ Expert parallelism (shared/model/expert_parallel_model.py) is the context's othe
 half: ``ep_rank`` / ``ep_size`` and ``ep_group``, read by the MoE layers only. An
 expert-parallel model is built with its attention and dense layers as the tensor half
 says (split over the same ranks, vLLM's ``--tensor-parallel-size N
---enable-expert-parallel``; or tp_size 1: whole on every rank, DeepSeek-V4's and
-data-parallel attention's), its MoE layers whole, then made expert-parallel over the
+--enable-expert-parallel``; or tp_size 1: whole on every rank, data-parallel
+attention's), its MoE layers whole, then made expert-parallel over the
 group; ``ep_group`` is a ``torch.distributed.ProcessGroup`` because the dispatch is
 an ``all_to_all_single``, which a bare backend does not offer.
 

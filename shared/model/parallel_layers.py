@@ -7,6 +7,8 @@ runs the code it always ran. With ``tp_size`` ranks:
 
 - ``MergedColumnParallelLinear``: each part (q, k, v or gate, up) split by output rows;
   the output stays split (each rank goes on with its heads or columns);
+  ``ColumnParallelLinear`` the same for one projection (DeepSeek-V4's q_b_proj by
+  heads, o_a_proj by head group);
 - ``RowParallelLinear``: the input columns split, partial products summed by one
   all-reduce, the bias added once after it;
 - ``VocabParallelEmbedding``: each rank looks up the ids in its slice of the vocabulary,
@@ -76,6 +78,23 @@ class MergedColumnParallelLinear(MergedLinear):
         parent = module_name.rpartition(".")[0]
         names = ("weight", "bias") if self.bias is not None else ("weight",)
         return {f"{parent}.{part}.{n}": shard for part, shard in self.parts.items() for n in names}
+
+
+class ColumnParallelLinear(Linear):
+    """``Linear`` holding the rows ``shard`` names of one projection's output (a rank's
+    heads, or head groups); the output stays split."""
+
+    fp8_keepable = False
+
+    def __init__(
+        self, in_features: int, shard: Shard, bias: bool, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
+    ) -> None:  # fmt: skip
+        super().__init__(in_features, shard.size, bias, dtype, device, ops)
+        self.shard = shard
+
+    def loaded_shards(self, module_name: str) -> dict[str, Shard]:
+        names = ("weight", "bias") if self.bias is not None else ("weight",)
+        return {f"{module_name}.{n}": self.shard for n in names}
 
 
 class RowParallelLinear(Linear):

@@ -11,18 +11,21 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.executor.process_group import instance_context, join_store
 from shared.engine.executor.rank import load_rank_model, splits_attention
+from shared.model.interface import CausalLM
 from shared.model.loader import read_config
 from tests.helpers.tensor_parallel import spawn_ranks
 
 RankReport = dict[str, Any]
-"""Each parameter's name -> its shape; "kv_row_shape"; "sinks": layer 0's attention
-sinks' values (a list), where the model has them."""
+"""Each parameter's name -> its shape; "kv_row_shape" (where the layout declares no rows
+of its own: DeepSeek-V4's are its config's, the same on every rank); "sinks": layer 0's
+attention sinks' values (a list), where the model has them."""
 
 
-def _report(model: torch.nn.Module) -> RankReport:
+def _report(model: CausalLM) -> RankReport:
     params = dict(model.named_parameters())
     out: RankReport = {name: tuple(param.shape) for name, param in params.items()}
-    out["kv_row_shape"] = tuple(model.kv_row_shape)  # type: ignore[attr-defined]
+    if model.kv_layout.rows is None:
+        out["kv_row_shape"] = tuple(model.kv_row_shape)
     sinks = params.get("model.layers.0.self_attn.sinks")
     if sinks is not None:
         out["sinks"] = sinks.float().tolist()

@@ -2,8 +2,8 @@
 expert-parallel Qwen3-MoE or GPT-OSS instance holds 1/N of the attention (its query
 heads, its KV heads, GPT-OSS's sinks of its heads), of the dense MLPs and of the
 vocabulary, and 1/N of each MoE layer's experts; its KV cache holds its KV heads only.
-DeepSeek-V4 keeps its compressed attention replicated beside its expert-parallel MoE
-layers. The ranks are real gloo processes built as the executor builds them
+DeepSeek-V4 splits its query heads beside its expert-parallel MoE layers, its KV whole on
+every rank (tests/parity/test_deepseek_v4_tensor_parallel.py). The ranks are real gloo processes built as the executor builds them
 (tests/helpers/parallel_rank_models.py); that the split model gives one process's
 tokens is tests/parity/test_expert_parallel_engine.py's."""
 
@@ -62,11 +62,15 @@ def test_the_engine_s_rank_zero_runs_tensor_parallel_attention_and_its_cache_hol
         llm.engine.close()
 
 
-def test_deepseek_v4_keeps_its_attention_replicated_and_data_parallel_attention_is_not_split(tmp_path: Path) -> None:
+def test_deepseek_v4_splits_its_attention_beside_experts_and_data_parallel_attention_is_not_split(tmp_path: Path) -> None:
+    """V4 splits its query heads beside EP (tests/parity/test_deepseek_v4_tensor_parallel.py);
+    data-parallel attention never splits."""
     v4 = save_tiny_v4("mixed", tmp_path / "v4", seed=1)
     moe = save_tiny_hf_model("qwen3_moe", tmp_path / "qwen3_moe", seed=1)
     ep = dict(tensor_parallel_size=2, enable_expert_parallel=True)
-    assert not splits_attention(EngineConfig(model=str(v4), **ep), read_config(v4))
+    assert splits_attention(EngineConfig(model=str(v4), **ep), read_config(v4))
+    v4_dp = EngineConfig(model=str(v4), data_parallel_size=2, enable_expert_parallel=True)
+    assert not splits_attention(v4_dp, read_config(v4))
     assert splits_attention(EngineConfig(model=str(moe), **ep), read_config(moe))
     dp = EngineConfig(model=str(moe), data_parallel_size=2, enable_expert_parallel=True)
     assert not splits_attention(dp, read_config(moe))

@@ -5,8 +5,8 @@ mid-generation, in the background beside the steps, without changing a token.
 
 Qwen3-MoE and GPT-OSS run their attention, dense MLPs, embedding and head
 tensor-parallel over the ranks (vLLM's `--tensor-parallel-size N
---enable-expert-parallel`), DeepSeek-V4 its attention replicated. o_proj's (and
-down_proj's) all-reduce sums partial products in another order than one matmul, and
+--enable-expert-parallel`), DeepSeek-V4 too (its query heads; its KV whole on every
+rank). o_proj's (and down_proj's) all-reduce sums partial products in another order than one matmul, and
 in default mode a rank's router and experts run matmuls over other row counts than
 one process does (BLAS picks its reduction order by shape), so in every mode the
 logprobs agree within LOGPROB_TOLERANCE (measured here: 4.8e-7 for every case,

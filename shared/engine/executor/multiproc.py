@@ -132,8 +132,9 @@ class MultiprocExecutor(Executor):
         """The instance's KV over every rank, for its connector: rank 0's region and the
         workers' caches mapped here (started with setup.share_kv). num_kv_heads: the
         model's, split over the ranks as its attention splits them (tensor parallelism,
-        with expert parallelism or without); None: every rank holds the whole KV (expert
-        parallelism beside replicated attention: DeepSeek-V4). With data-parallel
+        with expert parallelism or without); None: every rank holds the whole KV
+        (``CausalLM.splits_kv_heads`` False: DeepSeek-V4's one KV head and compressed
+        caches, under tensor parallelism or beside it). With data-parallel
         attention each rank's cache holds its own requests' KV: one region over them under
         instance-wide block ids (shared/kv/memory/dp_region.py)."""
         first = self.runner.kv_region

@@ -65,13 +65,14 @@ def check_split(config: EngineConfig, model_cfg: ModelConfig) -> None:
 
 def splits_attention(config: EngineConfig, model_cfg: ModelConfig) -> bool:
     """Whether the instance's attention (and dense layers, embedding, head) is
-    tensor-parallel over its ranks, each rank's KV cache holding its heads: with
+    tensor-parallel over its ranks, each rank computing its query heads: with
     tensor_parallel_size > 1, always without expert parallelism; with it (vLLM's
     ``--tensor-parallel-size N --enable-expert-parallel``) where the family runs its
     attention tensor-parallel beside expert-parallel MoE layers
-    (``CausalLM.splits_attention_with_experts``: Qwen3-MoE, GPT-OSS; DeepSeek-V4's
-    compressed attention stays replicated on every rank). Never with data-parallel
-    attention (each rank its own requests, data_parallel_size > 1)."""
+    (``CausalLM.splits_attention_with_experts``: Qwen3-MoE, GPT-OSS and DeepSeek-V4,
+    whose one KV head and compressed caches stay whole on every rank,
+    ``CausalLM.splits_kv_heads``). Never with data-parallel attention (each rank its
+    own requests, data_parallel_size > 1)."""
     if config.tensor_parallel_size == 1 or config.data_parallel_size > 1:
         return False
     return not config.enable_expert_parallel or model_class(model_cfg).splits_attention_with_experts

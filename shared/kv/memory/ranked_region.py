@@ -18,11 +18,13 @@ so a load or a save moves every rank's part on the connector's own thread, in ra
   sizes. A direct copy out of a peer's cache goes rank to rank (the peer's rank r
   into ours), so it needs the peer's split: ``peer_layout`` names it, and a peer of
   another size is not mapped (the load then comes from kvcache).
-- **Expert parallelism beside replicated attention** (DeepSeek-V4): every rank holds
-  the whole KV, equal on every rank (the same attention on the same inputs). Reads
-  come from rank 0, writes and copies go to every rank; to peers and stores the
-  instance looks like one rank (its description is rank 0's), so such an instance and
-  a one-rank instance of the model hand off to each other directly.
+- **Replicated KV** (DeepSeek-V4, tensor- or expert-parallel: its query heads split
+  but its one KV head, state and compressed caches computed whole on every rank): every
+  rank holds the whole KV, equal on every rank (the same KV path on the same inputs).
+  Reads come from rank 0, writes and copies go to every rank (each rank needs its own
+  copy: N identical copies are written into the instance, one is read out of it); to
+  peers and stores the instance looks like one rank (its description is rank 0's), so
+  such an instance and a one-rank instance of the model hand off to each other directly.
 
 Not carried: NIXL, which registers one process's cache memory and writes into it
 alone (``tensors`` and ``allocations`` raise, and the NIXL link turns itself off with
@@ -50,7 +52,8 @@ from shared.kv.spec import KVCacheLayout
 class RankedKVRegion(JoinedRanksRegion):
     """The instance's ranks' regions as one (rank 0's first). ``heads``: per rank,
     (first, count) of the KV heads it holds of ``num_kv_heads`` (tensor parallelism);
-    None when every rank holds the whole KV (expert parallelism).
+    None when every rank holds the whole KV (replicated KV: expert parallelism beside
+    replicated attention, or DeepSeek-V4's, whose KV no rank splits).
 
     A KVRegion for the connectors (same methods); its own state is the ranks' regions
     alone, each with its lock and (on a GPU) its copy stream."""
@@ -84,13 +87,15 @@ class RankedKVRegion(JoinedRanksRegion):
 
     @property
     def tensor_parallel(self) -> bool:
+        """Whether the ranks split the KV by head (False: replicated KV, even where the
+        model's query heads are split, as DeepSeek-V4's are)."""
         return self.heads is not None
 
     # -- for peers on this host -------------------------------------------------
 
     def share(self) -> bytes:
         """Tensor parallel: every rank's description, with the split (open_peer maps them
-        all, rank after rank); expert parallel: rank 0's, the whole KV."""
+        all, rank after rank); replicated KV: rank 0's, the whole KV."""
         if not self.tensor_parallel:
             return self.ranks[0].share()
         return json.dumps({
@@ -100,7 +105,7 @@ class RankedKVRegion(JoinedRanksRegion):
 
     def copy_from_peer(self, peer: list[torch.Tensor], src: dict[int, list[int]], dst: dict[int, list[int]]) -> None:
         """Tensor parallel: ``peer`` is a peer of our split's tensors, rank after rank (open_peer
-        of its share()), each rank's copied into ours; expert parallel: one whole cache,
+        of its share()), each rank's copied into ours; replicated KV: one whole cache,
         copied into every rank."""
         if not self.tensor_parallel:
             for rank in self.ranks:

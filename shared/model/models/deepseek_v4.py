@@ -53,6 +53,10 @@ from shared.model.models.deepseek_v4_config import CONFIG, CSA, SLIDING, Deepsee
 from shared.model.models.deepseek_v4_names import v4_checkpoint_names
 from shared.model.moe import Experts, SparseMoE, counted_tokens
 from shared.model.ops import TORCH_OPS, Ops, resolve_ops
+from shared.model.parallel import SINGLE, ParallelContext, Shard
+from shared.model.parallel_layers import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, column_shard,
+)  # fmt: skip
 from shared.model.profiling import profiled
 
 
@@ -132,28 +136,50 @@ class Indexer(Compressor):
 
 
 class V4Attention(nn.Module):
+    """``parallel``: this rank's query heads only (MQA as vLLM and SGLang split MLA):
+    q_b_proj's rows and the sinks of its heads, o_a_proj's blocks of its head groups
+    (a group's heads are contiguous, so o_groups / tp_size whole groups a rank), and
+    o_b_proj over those groups' columns, summed across the ranks by its all-reduce. The
+    KV path (q_a_proj, kv_proj, the compressor and indexer) and so every cache stay
+    whole on every rank: one KV head is read by every query head."""
+
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS
-    ) -> None:
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:  # fmt: skip
         super().__init__()
         p = config.deepseek_v4
         assert p is not None
         self.kind = p.layer_type(layer_idx)
         self.rate = p.compress_rates[layer_idx]
-        self.num_heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, p.sliding_window
-        self.o_groups, self.eps = p.o_groups, config.rms_norm_eps
+        self.head_dim, self.window, self.eps = config.head_dim, p.sliding_window, config.rms_norm_eps
+        self.num_heads = parallel.split(config.num_attention_heads, "num_attention_heads")
+        self.o_groups = parallel.split(p.o_groups, "o_groups")
         # The compressor's float dtype, whatever its projections' weights are stored in (FP8 kept).
         self.model_dtype = dtype
         hidden, heads_dim = config.hidden_size, config.num_attention_heads * config.head_dim
         self.q_a_proj = Linear(hidden, p.q_lora_rank, False, dtype, device)
         self.q_a_norm = V4RMSNorm(p.q_lora_rank, config.rms_norm_eps, device)
-        self.q_b_proj = Linear(p.q_lora_rank, heads_dim, False, dtype, device)
         self.kv_proj = Linear(hidden, config.head_dim, False, dtype, device)
         self.kv_norm = V4RMSNorm(config.head_dim, config.rms_norm_eps, device)
         # o_a_proj: g blocks [o_lora_rank, heads_dim / g] stacked, one per head group.
-        self.o_a_proj = Linear(heads_dim // p.o_groups, p.o_groups * p.o_lora_rank, False, dtype, device)
+        o_a_rows, o_a_in = p.o_groups * p.o_lora_rank, heads_dim // p.o_groups
+        self.head_shard: Shard | None = None
+        """This rank's query heads of the checkpoint's (None: all of them, one rank)."""
+        self.q_b_proj: Linear
+        self.o_a_proj: Linear
+        self.o_b_proj: Linear
+        if parallel.is_parallel:
+            self.head_shard = column_shard(config.num_attention_heads, parallel, "num_attention_heads")
+            self.q_b_proj = ColumnParallelLinear(p.q_lora_rank, column_shard(heads_dim, parallel, "num_attention_heads"),
+                                                 False, dtype, device)  # fmt: skip
+            self.o_a_proj = ColumnParallelLinear(o_a_in, column_shard(o_a_rows, parallel, "o_groups"), False, dtype, device)
+            self.o_b_proj = RowParallelLinear(o_a_rows, hidden, False, dtype, device, TORCH_OPS, parallel, "o_groups")
+        else:
+            self.q_b_proj = Linear(p.q_lora_rank, heads_dim, False, dtype, device)
+            self.o_a_proj = Linear(o_a_in, o_a_rows, False, dtype, device)
+            self.o_b_proj = Linear(o_a_rows, hidden, False, dtype, device)
         self.o_a_proj.fp8_keepable = False  # read as a weight (the grouped einsum below), never called
-        self.o_b_proj = Linear(p.o_groups * p.o_lora_rank, hidden, False, dtype, device)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32, device=device), requires_grad=False)
         self.compressor: Compressor | None = None
         if self.kind != SLIDING:
@@ -171,6 +197,10 @@ class V4Attention(nn.Module):
     @property
     def indexer(self) -> "Indexer | None":
         return getattr(self.compressor, "indexer", None)
+
+    def loaded_shards(self, module_name: str) -> dict[str, Shard]:
+        """The sinks of this rank's heads (one per head, split with them)."""
+        return {} if self.head_shard is None else {f"{module_name}.sinks": self.head_shard}
 
     def forward(
         self,
@@ -374,25 +404,40 @@ class V4Attention(nn.Module):
         )  # fmt: skip
 
 
-def v4_moe(config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS) -> SparseMoE:
-    """Layer ``layer_idx``'s MoE block: hash-routed (by token id) or top-k, shared experts."""
+def v4_moe(
+    config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
+    parallel: ParallelContext = SINGLE,
+) -> SparseMoE:  # fmt: skip
+    """Layer ``layer_idx``'s MoE block: hash-routed (by token id) or top-k, shared experts.
+    ``parallel``: tensor parallelism without expert parallelism splits the shared experts
+    (column / row parallel) and keeps the routed experts whole on every rank, each rank
+    running them on the whole step (check_tensor_parallel says why); with expert
+    parallelism the block is built whole and then split by expert and by token
+    (shared/model/expert_parallel_model.py), where a split shared expert would sum other
+    ranks' tokens."""
     moe = config.moe
     assert moe is not None
     kind = config.mlp_layer_type(layer_idx)
     # A hash-routed layer chooses by token id: no selection bias (transformers' DeepseekV4HashRouter).
     layer_moe = dataclasses.replace(moe, selection_bias=False) if kind == "hash_moe" else moe
-    return SparseMoE(config.hidden_size, layer_moe, kind, config.vocab_size, dtype, device, router_name="gate", ops=ops)
+    shared = SINGLE if parallel.is_expert_parallel else parallel
+    return SparseMoE(config.hidden_size, layer_moe, kind, config.vocab_size, dtype, device, router_name="gate", ops=ops,
+                     parallel=shared)  # fmt: skip
 
 
 class V4DecoderLayer(nn.Module):
+    """``parallel``: the attention's heads and the shared experts split over the ranks
+    (V4Attention, v4_moe); mHC and the norms whole on every rank, on the whole step."""
+
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS
-    ) -> None:
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:  # fmt: skip
         super().__init__()
         p, moe = config.deepseek_v4, config.moe
         assert p is not None and moe is not None
-        self.self_attn = V4Attention(config, layer_idx, dtype, device, ops)
-        self.mlp = v4_moe(config, layer_idx, dtype, device, ops)
+        self.self_attn = V4Attention(config, layer_idx, dtype, device, ops, parallel)
+        self.mlp = v4_moe(config, layer_idx, dtype, device, ops, parallel)
         self.input_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.post_attention_layernorm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         hc = (config.hidden_size, p.hc_mult, p.hc_sinkhorn_iters, p.hc_eps, config.rms_norm_eps, device, ops)
@@ -437,14 +482,21 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, ops: Ops = TORCH_OPS,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:  # fmt: skip
         super().__init__()
         p = config.deepseek_v4
         assert p is not None
-        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
+        self.embed_tokens: nn.Module
+        if parallel.is_parallel:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, parallel)
+        else:
+            weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(
-            V4DecoderLayer(config, i, dtype, device, ops) for i in range(config.num_hidden_layers)
+            V4DecoderLayer(config, i, dtype, device, ops, parallel) for i in range(config.num_hidden_layers)
         )
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.hc_head = HyperHead(config.hidden_size, p.hc_mult, p.hc_eps, config.rms_norm_eps, device)
@@ -497,7 +549,17 @@ class DeepseekV4ForCausalLM(CausalLM):
     On CUDA (the Triton table) the routed experts run the fused MoE, mHC its fused
     kernel and the attention core the compressed-attention kernel (each row's window and
     entries read in place); the compressors and indexer run batched PyTorch
-    (compressed_batch), so that a decode step is captured in a CUDA graph."""
+    (compressed_batch), so that a decode step is captured in a CUDA graph.
+
+    ``parallel``: this rank's slice of a tensor-parallel model (``check_tensor_parallel``):
+    the attention's query heads and output projection (V4Attention), the shared experts,
+    the embedding and the head split over ``tp_size`` ranks as the Llama family's are;
+    the KV path, every cache, mHC and the norms whole on every rank. Beside expert
+    parallelism the MoE layers are built whole, then split by expert
+    (``make_expert_parallel``), as Qwen3-MoE's and GPT-OSS's are."""
+
+    splits_attention_with_experts = True
+    splits_kv_heads = False
 
     def __init__(
         self,
@@ -506,6 +568,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         device: torch.device | str = "cpu",
         tie_word_embeddings: bool | None = None,
         kernels: str = "auto",
+        *,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         p = config.deepseek_v4
         if p is None or config.moe is None:
@@ -514,12 +578,19 @@ class DeepseekV4ForCausalLM(CausalLM):
         # loader's "no lm_head.weight" guess of a tied head does not apply; the config says.
         super().__init__(config, dtype, config.tie_word_embeddings)
         device = torch.device(device)
+        self.parallel = parallel
+        if parallel.is_parallel:
+            type(self).check_tensor_parallel(config, parallel.tp_size, expert_parallel=parallel.is_expert_parallel)
         # The routed experts take the fused Triton MoE, mHC its fused kernel and the attention
         # core its kernel where kernels resolve to Triton (CUDA): no host sync. The
         # compressors and the indexer are batched PyTorch either way.
         self.ops = resolve_ops(kernels, device)
-        self.model = DeepseekV4Model(config, dtype, device, ops=self.ops)
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.model = DeepseekV4Model(config, dtype, device, ops=self.ops, parallel=parallel)
+        self.lm_head: Linear | None = None
+        if not self.tie_word_embeddings and parallel.is_parallel:
+            self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, dtype, device, parallel)
+        elif not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self.main_rotary = V4Rotary(config, False, device)
         self.compress_rotary = V4Rotary(config, True, device)
         self.expert_counts = torch.zeros(config.num_hidden_layers, config.moe.num_experts, dtype=torch.int64, device=device)
@@ -534,6 +605,39 @@ class DeepseekV4ForCausalLM(CausalLM):
         """Keep the last forward's streams before the hyper head (``draft_hidden``): set by
         V4's MTP module, which reads them; off, nothing outlives the forward."""
         self.last_streams: torch.Tensor | None = None
+
+    @classmethod
+    def check_tensor_parallel(cls, config: ModelConfig, tp_size: int, expert_parallel: bool = False) -> None:
+        """The query heads and the output projection's head groups split evenly
+        (num_attention_heads and o_groups divisible by tp_size: a rank's heads are whole
+        groups of o_a_proj), and without expert parallelism the shared experts'
+        intermediate size too. The one KV head is never split (every rank keeps the whole
+        KV). Without expert parallelism the routed experts stay whole on every rank
+        (each computes them for the whole step): the memory of the experts is not split
+        unless ``enable_expert_parallel`` splits them by expert."""
+        if tp_size == 1:
+            return
+        p, moe = config.deepseek_v4, config.moe
+        assert p is not None and moe is not None
+        heads = config.num_attention_heads
+        if heads % tp_size:
+            raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_parallel_size ({tp_size})")
+        if p.o_groups % tp_size:
+            raise ValueError(
+                f"o_groups ({p.o_groups}) is not divisible by tensor_parallel_size ({tp_size}): each rank's query "
+                "heads must be whole groups of the grouped output projection (o_a_proj)"
+            )
+        if not expert_parallel and moe.num_shared_experts and moe.shared_intermediate_size % tp_size:
+            raise ValueError(
+                f"the shared experts' intermediate size (moe_intermediate_size, {moe.shared_intermediate_size}) is not "
+                f"divisible by tensor_parallel_size ({tp_size})"
+            )
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """Each split tensor's shard under its in-memory name and under the name
+        transformers saves it by (``checkpoint_tensors`` uses one or the other)."""
+        shards = super().checkpoint_shards()
+        return shards | {saved_name(name): shard for name, shard in shards.items()}
 
     @property
     def supports_cuda_graphs(self) -> bool:

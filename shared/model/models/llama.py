@@ -309,16 +309,6 @@ class LlamaForCausalLM(CausalLM):
     def kv_row_shape(self) -> tuple[int, int]:
         return self.num_local_kv_heads, self.config.head_dim
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
-        if not self.parallel.is_parallel:
-            return logits
-        # Every rank gets every logit (vLLM v1's all-gather): each samples the same tokens
-        # from the same numbers, so no rank waits for another's tokens.
-        gathered = self.parallel.all_gather(logits)
-        vocab = self.config.vocab_size
-        return gathered if gathered.shape[-1] == vocab else gathered[:, :vocab].contiguous()
-
     @property
     def supports_cuda_graphs(self) -> bool:
         """Whether a decode step can be captured: the Triton path, and sparse layers only
