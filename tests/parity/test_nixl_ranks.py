@@ -189,3 +189,66 @@ def test_a_data_parallel_handoff_reads_rank_one_into_rank_one(qwen3_moe: str) ->
         decode.close()
         prefill.close()
     assert multiprocessing.active_children() == []
+
+
+def test_a_replicated_attention_instance_and_a_one_rank_instance_hand_off_through_nixl(tmp_path) -> None:  # noqa: ANN001
+    """DeepSeek-V4 over 2 expert-parallel ranks keeps its attention replicated: every rank
+    holds the whole KV. Its blocks are read once into a one-rank decode (the first copy),
+    and a one-rank prefill's blocks are fanned out into both of its ranks (twice the bytes,
+    and rank 1's cache equal to rank 0's). Exact replay and a 321-token prompt, as
+    tests/parity/test_data_parallel_kv.py runs V4: its compressed blocks and the window
+    both matter to the tokens."""
+    from tests.helpers.deepseek_v4_models import save_tiny_v4
+
+    model = str(save_tiny_v4("mixed", tmp_path / "v4", seed=1))
+    args = dict(model=model, block_size=BLOCK, prefill_chunk_size=8, max_num_batched_tokens=24, swa_replay="exact")
+    ep = dict(tensor_parallel_size=2, enable_expert_parallel=True)
+    prompt = random_prompts([321], vocab=200, seed=7)[0]
+    links = Links()
+    cold = LLMEngine(EngineConfig(**args))
+    try:
+        want = run(cold, "cold", prompt, GREEDY).token_ids
+    finally:
+        cold.close()
+    # Replicated prefill into one rank.
+    prefill = LLMEngine(EngineConfig(**args, **ep), kv_connector=links.prefill)
+    one_link = links.decode("decode-v4-one-a")
+    one = LLMEngine(EngineConfig(**args), kv_connector=one_link)
+    try:
+        assert isinstance(prefill.kv_region, RankedKVRegion) and prefill.kv_region.placement.kind == "replicated"
+        free = prefill.kv.pool.num_free_blocks
+        first = run(prefill, "x", prompt, FIRST, kv_transfer=HOLD)
+        out = run(one, "x", prompt, GREEDY, resume_token_ids=first.token_ids,
+                  kv_transfer=KVTransferParams(load=True, source=links.source(prefill, first.kv.held)))  # fmt: skip
+        assert out.kv.load_path == "nixl" and out.kv.num_loaded_blocks == first.kv.held.num_blocks
+        assert not out.kv.load_failed and out.token_ids == want and one_link.num_bytes_read > 0
+        _until_released(prefill, prefill.kv.pool, free)
+    finally:
+        one.close()
+        prefill.close()
+    # One-rank prefill into a replicated decode: every rank gets the blocks.
+    links = Links()
+    prefill = LLMEngine(EngineConfig(**args), kv_connector=links.prefill)
+    ep_link = links.decode("decode-v4-ep-a")
+    decode = LLMEngine(EngineConfig(**args, **ep), kv_connector=ep_link)
+    try:
+        first = run(prefill, "x", prompt, FIRST, kv_transfer=HOLD)
+        out = run(decode, "x", prompt, GREEDY, resume_token_ids=first.token_ids,
+                  kv_transfer=KVTransferParams(load=True, source=links.source(prefill, first.kv.held)))  # fmt: skip
+        assert out.kv.load_path == "nixl" and out.kv.num_loaded_blocks == first.kv.held.num_blocks
+        assert not out.kv.load_failed and out.token_ids == want
+        assert ep_link.num_bytes_read == 2 * one_link.num_bytes_read  # the same blocks, into both ranks
+        ranks = decode.kv_region.ranks  # type: ignore[attr-defined]
+        # Rank 1 holds every loaded block as rank 0 does: they differ at most in the 3 blocks
+        # decode computed after the load (10 tokens past 321; the ranks' rounding may differ
+        # there). Had rank 1 missed the fan-out, its loaded blocks would be zeros.
+        layout = decode.kv_region.kv_layout
+        for g in decode.kv_region.persistent_groups:
+            for layer in layout.groups[g].layers:
+                t = layout.tensor_index(layer)
+                mine, theirs = ranks[0].tensors[t].transpose(0, 1).flatten(1), ranks[1].tensors[t].transpose(0, 1).flatten(1)
+                assert int((mine != theirs).any(1).sum()) <= 3 and int((mine != 0).any(1).sum()) >= 20, (g, layer)
+    finally:
+        decode.close()
+        prefill.close()
+    assert multiprocessing.active_children() == []
