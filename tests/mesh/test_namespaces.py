@@ -254,6 +254,22 @@ def test_containers_sharing_a_volume_copy_kv_directly(mesh_model_dir, tmp_path, 
             assert (decode["kv.path"], decode["kv.loaded_blocks"]) == ("peer", full_blocks), decode
 
 
+def test_tensor_parallel_instances_hand_off_through_nixl(mesh_model_dir, tmp_path, offline):
+    """Prefill and decode of two ranks each (tensor parallel, the tiny Llama's 4 KV heads
+    2 a rank), each instance in its namespace (host): decode's rank 0 reads every rank's
+    part of the held blocks out of prefill's ranks in one NIXL read (each side's agent in
+    its rank 0, every rank's cache registered there: shared/kv/memory/ranked_region.py),
+    kv.path=nixl for every full block, not kvcache's byte stream; the tokens equal the
+    offline engine's (tensor-parallel logits within rounding of one process's)."""
+    env = {"INFERMESH_ENGINE__TENSOR_PARALLEL_SIZE": "2"}
+    with lab_of(HOSTS) as lab, placed_mesh(mesh_model_dir, tmp_path / "mesh", lab, env=env) as mesh:
+        for prompt in (LONG_PROMPT, PROMPTS[2]):
+            spans, full_blocks = equal_to_offline(mesh, offline, prompt)
+            decode = spans["decode"][0]["attributes"]
+            assert decode["kv.load_failed"] is False and full_blocks > 0
+            assert (decode["kv.path"], decode["kv.loaded_blocks"]) == (EXPECTED_KV_PATH, full_blocks), decode
+
+
 def test_without_direct_transfer_decode_loads_from_kvcache_through_nixl(mesh_model_dir, tmp_path, offline):
     """kv_direct_transfer off: prefill holds nothing for decode, which loads the prompt's
     blocks from kvcache, in another namespace (host). kvcache cannot open decode's shared
