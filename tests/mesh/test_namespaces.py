@@ -17,7 +17,8 @@ Each request's decode span names the path its KV took: NIXL (UCX over TCP
 between the namespaces), never the same-namespace copy, never kvcache's byte
 stream. Without direct transfer decode loads the prompt from kvcache instead, and
 kvcache writes it through NIXL too (kv.kvcache_plane=nixl), never by its byte stream.
-The two fault tests lose the peer during or before the read: a visible
+Tensor-parallel instances (two ranks each) hand off through NIXL too: rank 0's
+agent reads every rank's part. The two fault tests lose the peer during or before the read: a visible
 recompute (kv.path=recompute), the right tokens, nothing hung. Needs root and `ip netns` (it skips, saying so, without them)."""
 
 import asyncio

@@ -12,6 +12,8 @@ prefill's lease (shared/kv/connectors/nixl.py, shared/kv/memory/ranked_region.py
 - Data parallelism over 2 ranks (+EP, Qwen3-MoE, batch-invariant): prefill computes on
   rank 1 (a filler keeps rank 0 busy), decode lands on its rank 1; the bytes are read
   rank 1 to rank 1 and the tokens are one process's.
+- DeepSeek-V4 over 2 expert-parallel ranks (attention replicated) to and from a one-rank
+  instance: read once into one rank, fanned out into both ranks.
 Both agents live in this process; UCX moves the bytes as between hosts."""
 
 import multiprocessing
