@@ -17,7 +17,8 @@ Each request's decode span names the path its KV took: NIXL (UCX over TCP
 between the namespaces), never the same-namespace copy, never kvcache's byte
 stream. Without direct transfer decode loads the prompt from kvcache instead, and
 kvcache writes it through NIXL too (kv.kvcache_plane=nixl), never by its byte stream.
-The two fault tests lose the peer during or before the read: a visible
+Tensor-parallel instances (two ranks each) hand off through NIXL too: rank 0's
+agent reads every rank's part. The two fault tests lose the peer during or before the read: a visible
 recompute (kv.path=recompute), the right tokens, nothing hung. Needs root and `ip netns` (it skips, saying so, without them)."""
 
 import asyncio
@@ -252,6 +253,22 @@ def test_containers_sharing_a_volume_copy_kv_directly(mesh_model_dir, tmp_path, 
             decode = spans["decode"][0]["attributes"]
             assert decode["kv.load_failed"] is False
             assert (decode["kv.path"], decode["kv.loaded_blocks"]) == ("peer", full_blocks), decode
+
+
+def test_tensor_parallel_instances_hand_off_through_nixl(mesh_model_dir, tmp_path, offline):
+    """Prefill and decode of two ranks each (tensor parallel, the tiny Llama's 4 KV heads
+    2 a rank), each instance in its namespace (host): decode's rank 0 reads every rank's
+    part of the held blocks out of prefill's ranks in one NIXL read (each side's agent in
+    its rank 0, every rank's cache registered there: shared/kv/memory/ranked_region.py),
+    kv.path=nixl for every full block, not kvcache's byte stream; the tokens equal the
+    offline engine's (tensor-parallel logits within rounding of one process's)."""
+    env = {"INFERMESH_ENGINE__TENSOR_PARALLEL_SIZE": "2"}
+    with lab_of(HOSTS) as lab, placed_mesh(mesh_model_dir, tmp_path / "mesh", lab, env=env) as mesh:
+        for prompt in (LONG_PROMPT, PROMPTS[2]):
+            spans, full_blocks = equal_to_offline(mesh, offline, prompt)
+            decode = spans["decode"][0]["attributes"]
+            assert decode["kv.load_failed"] is False and full_blocks > 0
+            assert (decode["kv.path"], decode["kv.loaded_blocks"]) == (EXPECTED_KV_PATH, full_blocks), decode
 
 
 def test_without_direct_transfer_decode_loads_from_kvcache_through_nixl(mesh_model_dir, tmp_path, offline):

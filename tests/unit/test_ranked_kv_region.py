@@ -89,5 +89,7 @@ def test_expert_parallel_reads_rank_zero_and_writes_every_rank() -> None:
     ranked.copy_from_peer(mapped, {0: [7]}, {0: [2]})
     for rank in ranked.ranks:
         assert torch.equal(rank.read_payloads({0: [2]}), one.read_payloads({0: [7]}))
-    with pytest.raises(ValueError, match="NIXL cannot move a multi-rank instance's KV"):
-        ranked.allocations
+    # NIXL registers every rank's memory, rank after rank (tests/unit/test_nixl_ranks.py pairs the copies).
+    assert [a.data_ptr() for a in ranked.allocations] == [a.data_ptr() for r in ranked.ranks for a in r.allocations]
+    assert len(ranked.allocations) == 2 and ranked.allocations[1].data_ptr() != ranks[1].allocations[0].data_ptr()  # mapped
+    assert ranked.placement.copies(0, [3]) == [[(0, 3), (1, 3)]] and ranked.placement.copy_layout == one.layout

@@ -23,15 +23,21 @@ blocks are named in the rank the request is pinned to.
   ``peer_layout`` names the ranks: only a data-parallel peer of as many ranks is
   mapped (another goes through kvcache).
 
-Not carried, refused by name: NIXL (one process's memory: ``tensors``,
-``allocations``) and the sliding-window state cache (``gather``/``scatter``; the
-engine keeps none with several ranks).
+- **NIXL** (between containers and hosts): rank 0's agent registers every rank's cache
+  (``tensors``/``allocations``, rank after rank) and a read takes each block from the
+  rank its id names on the peer into the rank its id names here (``placement``: rank
+  ``id // rows`` of the group, its local id); the peer's rows per group travel in its
+  description. On a GPU the caveat of region.py's JoinedRanksRegion holds (mapped memory
+  under UCX, unverified until a multi-GPU run).
+
+Not carried: the sliding-window state cache (``gather``/``scatter``; the engine keeps
+none with several ranks).
 """
 
 import json
 import torch
 
-from shared.kv.memory.region import JoinedRanksRegion, KVRegion, per_tensor
+from shared.kv.memory.region import JoinedRanksRegion, KVRegion, Placement, per_tensor
 
 BlockIds = dict[int, list[int]]
 
@@ -52,6 +58,11 @@ class DataParallelKVRegion(JoinedRanksRegion):
         """What a peer's cache must be for a direct copy: as many data-parallel ranks."""
         self.strides = _strides(first, [r.tensors for r in ranks])
         """Per KV group, the ids one rank spans (its cache tensors' rows)."""
+
+    @property
+    def placement(self) -> Placement:
+        """Block id i of group g is rank ``i // strides[g]``'s ``i % strides[g]`` alone."""
+        return Placement("dp", len(self.ranks), dict(self.strides), self.layout)
 
     def offsets(self, rank: int) -> dict[int, int]:
         """Per KV group, what rank ``rank``'s block ids are shifted by in this region."""

@@ -26,9 +26,14 @@ so a load or a save moves every rank's part on the connector's own thread, in ra
   peers and stores the instance looks like one rank (its description is rank 0's), so
   such an instance and a one-rank instance of the model hand off to each other directly.
 
-Not carried: NIXL, which registers one process's cache memory and writes into it
-alone (``tensors`` and ``allocations`` raise, and the NIXL link turns itself off with
-that reason: across namespaces KV comes from kvcache), and the sliding-window state
+NIXL (between containers and hosts) reads and writes every rank's part too: rank 0's
+agent registers every rank's cache as mapped here (``tensors``/``allocations``, rank
+after rank) and a read pairs the peer's copies of each block with ours (``placement``:
+tensor parallel rank r with rank r, the split the same on both sides; replicated
+attention fans a one-rank peer's block out to every rank and reads a replicated peer's
+rank for rank). On a GPU the other ranks' memory is a CUDA IPC / VMM mapping in rank
+0's process; whether UCX's cuda_ipc and RDMA transports accept such mappings is
+unverified until a multi-GPU run (issue 33). Not carried: the sliding-window state
 cache (``gather``/``scatter``; the engine keeps none with several ranks).
 
 Why here and not in the ranks: a connector per rank (each rank moving its own
@@ -44,7 +49,7 @@ import math
 import torch
 
 from shared.kv.memory.dp_region import DataParallelKVRegion
-from shared.kv.memory.region import JoinedRanksRegion, KVRegion, per_tensor
+from shared.kv.memory.region import JoinedRanksRegion, KVRegion, Placement, per_tensor
 from shared.kv.memory.share import open_peer
 from shared.kv.spec import KVCacheLayout
 
@@ -90,6 +95,14 @@ class RankedKVRegion(JoinedRanksRegion):
         """Whether the ranks split the KV by head (False: replicated KV, even where the
         model's query heads are split, as DeepSeek-V4's are)."""
         return self.heads is not None
+
+    @property
+    def placement(self) -> Placement:
+        """Every rank holds every block under its id: its heads (tensor parallel, the
+        split in ``peer_layout``) or the whole KV (replicated attention)."""
+        if self.tensor_parallel:
+            return Placement("tp", len(self.ranks), {}, self.peer_layout)
+        return Placement("replicated", len(self.ranks), {}, self.layout)
 
     # -- for peers on this host -------------------------------------------------
 

@@ -22,11 +22,62 @@ The engine makes sure nobody else writes the blocks a connector is moving
 
 import math
 import threading
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.kv.memory.share import Allocator, describe
 from shared.kv.spec import KVCacheLayout
+
+
+Copy = tuple[int, int]
+"""One copy of a block: (rank, the block's id in that rank's cache)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where an instance's blocks live among its ranks: what a NIXL read needs of each side
+    (shared/kv/connectors/nixl.py), the local region's and, from the handoff's description,
+    the peer's.
+
+    - ``one``: one rank; block b is rank 0's b.
+    - ``tp`` (tensor parallel): every rank holds its KV heads of every block under the same
+      id, so block b is every rank's b, rank r's heads in each.
+    - ``replicated`` (expert parallel beside replicated attention, DeepSeek-V4): every rank
+      holds the whole KV, the same on each, so block b is every rank's b, equal copies.
+    - ``dp`` (data-parallel attention): block ids are instance-wide, ``r * rows[g] + b``
+      (dp_region.py), so block id i of group g is rank ``i // rows[g]``'s ``i % rows[g]`` alone.
+    """
+
+    kind: str = "one"
+    ranks: int = 1
+    rows: dict[int, int] = field(default_factory=dict)
+    """dp: per KV group, the ids one rank spans (DataParallelKVRegion.strides)."""
+    copy_layout: str = ""
+    """What one copy of a block is: the payload layout, with the tensor-parallel split where
+    a copy is one rank's heads (``|tpN``, as ``peer_layout`` names it). Two instances' copies
+    pair only when these agree."""
+
+    def copies(self, group: int, block_ids: list[int]) -> list[list[Copy]]:
+        """Per block id of ``group`` (the instance's ids), its copies: (rank, local id) each."""
+        if self.kind == "dp":
+            rows = self.rows[group]
+            return [[divmod(b, rows)] for b in block_ids]
+        return [[(r, b) for r in range(self.ranks)] for b in block_ids]
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "ranks": self.ranks, "rows": {str(g): n for g, n in self.rows.items()},
+                "copy_layout": self.copy_layout}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, desc: dict) -> "Placement":
+        kind, ranks = str(desc["kind"]), int(desc["ranks"])
+        if kind not in ("one", "tp", "replicated", "dp") or ranks < 1 or (kind == "one") != (ranks == 1):
+            raise ValueError(f"no such placement: {kind} over {ranks} ranks")
+        rows = {int(g): int(n) for g, n in desc.get("rows", {}).items()}
+        if kind == "dp" and (not rows or min(rows.values()) < 1):
+            raise ValueError("a data-parallel placement without its rows per group")
+        return cls(kind, ranks, rows, str(desc["copy_layout"]))
 
 
 class KVRegion:
@@ -85,6 +136,11 @@ class KVRegion:
         the payload's layout here; a multi-rank instance's names its split too (ranked_region.py)."""
         self._allocator = allocator
         self._description: bytes | None = description
+
+    @property
+    def placement(self) -> Placement:
+        """Where each block lives (Placement): here, one rank's cache, block b at b."""
+        return Placement("one", 1, {}, self.layout)
 
     def share(self) -> bytes:
         """How a peer on this host maps this cache (see kv_share)."""
@@ -306,10 +362,21 @@ class JoinedRanksRegion(KVRegion):
     """What every region over an instance's ranks' regions shares (ranked_region.py's
     and dp_region.py's): it owns no tensors, only the ranks' regions (rank
     0's first), each with its lock and (on a GPU) its copy stream; copies to and from a
-    staging tensor go through its payloads; NIXL and the state cache are not carried."""
+    staging tensor go through its payloads.
+
+    NIXL is carried: ``tensors`` and ``allocations`` are every rank's, rank after rank,
+    and ``placement`` says which rank's copy of a block is where, so rank 0's one agent
+    registers every rank's cache (the others' as rank 0 mapped them) and a handoff is one
+    read, one notification and one lease (shared/kv/connectors/nixl.py). On the CPU the
+    other ranks' caches are shared memory, plain host memory to UCX. On a GPU they are
+    CUDA IPC / VMM mappings of the other ranks' allocations in rank 0's process: whether
+    UCX's cuda_ipc and RDMA transports accept memory so mapped is unverified until a
+    multi-GPU run (issue 33); where registering it fails, the NIXL link turns itself off
+    with that reason and KV goes through kvcache. The sliding-window state cache is not
+    carried (``gather``/``scatter``; the engine keeps none with several ranks)."""
 
     kind = "multi-rank"
-    """How the refusals name the instance."""
+    """How errors name the instance."""
 
     def _join(self, ranks: list[KVRegion]) -> KVRegion:
         """Take the ranks' regions (KVRegion.__init__ is not run); rank 0's."""
@@ -335,15 +402,20 @@ class JoinedRanksRegion(KVRegion):
         staging = src.index_select(0, torch.tensor(rows, dtype=torch.long, device=src.device))
         self.write_payloads({g: ids[: len(rows)] for g, ids in block_ids.items()}, staging)
 
-    # -- not carried ---------------------------------------------------------------
+    # -- for NIXL: every rank's memory, rank-major -----------------------------------
 
     @property
     def tensors(self) -> list[torch.Tensor]:  # type: ignore[override]
-        raise ValueError(f"NIXL cannot move a {self.kind} instance's KV (it reads and writes one process's cache)")
+        """Every rank's cache tensors, rank after rank (each rank's in KVRegion.tensors' order):
+        rank r's k-th is ``tensors[r * len(tensors) // ranks + k]``."""
+        return [t for rank in self.ranks for t in rank.tensors]
 
     @property
     def allocations(self) -> list[torch.Tensor]:
-        raise ValueError(f"NIXL cannot move a {self.kind} instance's KV (it reads and writes one process's cache)")
+        """Every rank's allocations, rank after rank: what rank 0's NIXL agent registers."""
+        return [a for rank in self.ranks for a in rank.allocations]
+
+    # -- not carried ---------------------------------------------------------------
 
     def gather(self, block_ids: dict[int, list[int]]) -> torch.Tensor:
         raise ValueError("no sliding-window state cache with several ranks")
