@@ -151,6 +151,18 @@ class VocabParallelEmbedding(nn.Module):
         return {f"{module_name}.weight": self.shard}
 
 
+def vocab_embedding(
+    vocab_size: int, hidden: int, dtype: torch.dtype, device: torch.device | str, parallel: ParallelContext
+) -> nn.Module:
+    """The token embedding: vocab-parallel over the ranks (VocabParallelEmbedding), else
+    whole. ``_weight`` skips nn.Embedding's random init, which costs seconds on a large
+    vocabulary (the checkpoint's values come next)."""
+    if parallel.is_parallel:
+        return VocabParallelEmbedding(vocab_size, hidden, dtype, device, parallel)
+    weight = torch.empty(vocab_size, hidden, dtype=dtype, device=device)
+    return nn.Embedding(vocab_size, hidden, _weight=weight, _freeze=True)
+
+
 class VocabParallelHead(Linear):
     """The LM head's rows of this rank's vocabulary slice (the model gathers the logits)."""
 

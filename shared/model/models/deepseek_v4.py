@@ -55,7 +55,7 @@ from shared.model.moe import Experts, SparseMoE, counted_tokens
 from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.model.parallel import SINGLE, ParallelContext, Shard
 from shared.model.parallel_layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, column_shard,
+    ColumnParallelLinear, RowParallelLinear, VocabParallelHead, column_shard, vocab_embedding,
 )  # fmt: skip
 from shared.model.profiling import profiled
 
@@ -489,12 +489,7 @@ class DeepseekV4Model(nn.Module):
         super().__init__()
         p = config.deepseek_v4
         assert p is not None
-        self.embed_tokens: nn.Module
-        if parallel.is_parallel:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, parallel)
-        else:
-            weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, dtype, device, parallel)
         self.layers = nn.ModuleList(
             V4DecoderLayer(config, i, dtype, device, ops, parallel) for i in range(config.num_hidden_layers)
         )

@@ -28,7 +28,7 @@ from shared.model.moe import Experts, SparseMoE, counted_tokens
 from shared.model.ops import TORCH_OPS, Ops, resolve_ops
 from shared.model.parallel import SINGLE, ParallelContext, Shard
 from shared.model.parallel_layers import (
-    MergedColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, kv_head_shard,
+    MergedColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelHead, kv_head_shard, vocab_embedding,
 )  # fmt: skip
 from shared.kv.spec import KVCacheLayout, kv_cache_layout
 
@@ -183,13 +183,7 @@ class DecoderModel(nn.Module):
         make_mlp: MlpFactory = dense_mlp, norm_scale_in_float32: bool = False, parallel: ParallelContext = SINGLE,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.embed_tokens: nn.Module
-        if parallel.is_parallel:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device, parallel)
-        else:
-            # _weight skips nn.Embedding's random init, which costs seconds on a large vocabulary.
-            weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, dtype, device, parallel)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, dtype, device, ops, make_mlp, norm_scale_in_float32, parallel)
             for i in range(config.num_hidden_layers)
