@@ -210,6 +210,28 @@ def test_the_instance_holds_a_hash_while_any_rank_does() -> None:
     assert events.drain() == ([], [h])  # the last rank let it go
 
 
+def _family_case(tmp_path, family: str) -> tuple[str, dict, list[int], list[int]]:
+    """A family with several KV groups: its seeded tiny checkpoint, the engine arguments,
+    a prompt and one process's greedy tokens of it. GPT-OSS batch-invariant (exact
+    tokens across DP ranks); DeepSeek-V4 with exact replay (its default, bounded, drifts on
+    random weights by design) and a prompt well past the replay after a load, so that the
+    loaded compressed blocks are what its attention reads."""
+    if family == "gpt_oss":
+        model, mode = str(save_tiny_hf_model(family, tmp_path / family, seed=1)), dict(batch_invariant=True)
+    else:
+        from tests.helpers.deepseek_v4_models import save_tiny_v4
+
+        model, mode = str(save_tiny_v4("mixed", tmp_path / family, seed=1)), dict(swa_replay="exact")
+    engine_args = {**{k: v for k, v in ENGINE.items() if k != "batch_invariant"}, **mode}
+    prompt = random_prompts([29 if family == "gpt_oss" else 321], vocab=200, seed=7)[0]
+    one = LLMEngine(EngineConfig(model=model, **engine_args))
+    try:
+        expected = _drive(one, {"x": (prompt, None)})["x"].token_ids
+    finally:
+        one.close()
+    return model, engine_args, prompt, expected
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v4"])
 def test_every_kv_group_saves_and_loads_through_its_rank(tmp_path, family: str) -> None:
     """The families with several KV groups (GPT-OSS's sliding and full layers, V4's
@@ -218,22 +240,7 @@ def test_every_kv_group_saves_and_loads_through_its_rank(tmp_path, family: str) 
     from one DP instance on rank 1 and loaded into a fresh one lands in the pinned rank and
     decodes one process's tokens; an offset by another group's stride reads and writes
     other rows."""
-    if family == "gpt_oss":
-        model, mode = str(save_tiny_hf_model(family, tmp_path / family, seed=1)), dict(batch_invariant=True)
-    else:
-        from tests.helpers.deepseek_v4_models import save_tiny_v4
-
-        # Exact replay: V4's default (bounded, what it was trained for) drifts on random weights by design.
-        model, mode = str(save_tiny_v4("mixed", tmp_path / family, seed=1)), dict(swa_replay="exact")
-    engine_args = {**{k: v for k, v in ENGINE.items() if k != "batch_invariant"}, **mode}
-    # V4 replays its window layers' last tokens after a load (exact replay): a prompt well past
-    # that replay, so that the loaded compressed blocks are what its attention reads.
-    prompt = random_prompts([29 if family == "gpt_oss" else 321], vocab=200, seed=7)[0]
-    one = LLMEngine(EngineConfig(model=model, **engine_args))
-    try:
-        expected = _drive(one, {"x": (prompt, None)})["x"].token_ids
-    finally:
-        one.close()
+    model, engine_args, prompt, expected = _family_case(tmp_path, family)
     store = MemoryKVStore()
     first = LLMEngine(EngineConfig(model=model, **engine_args, **DP), kv_connector=MemoryConnector(store))
     try:
@@ -269,19 +276,7 @@ def test_a_handoff_carries_every_kv_group_and_the_window_rank_to_rank(tmp_path, 
     travels in the handoff). A window block copied from the wrong rank or group would
     change the tokens (V4: a 321-token prompt, well past its window, so the compressed
     entries and the window both matter)."""
-    if family == "gpt_oss":
-        model, mode = str(save_tiny_hf_model(family, tmp_path / family, seed=1)), dict(batch_invariant=True)
-    else:
-        from tests.helpers.deepseek_v4_models import save_tiny_v4
-
-        model, mode = str(save_tiny_v4("mixed", tmp_path / family, seed=1)), dict(swa_replay="exact")
-    engine_args = {**{k: v for k, v in ENGINE.items() if k != "batch_invariant"}, **mode}
-    prompt = random_prompts([29 if family == "gpt_oss" else 321], vocab=200, seed=7)[0]
-    one = LLMEngine(EngineConfig(model=model, **engine_args))
-    try:
-        expected = _drive(one, {"x": (prompt, None)})["x"].token_ids
-    finally:
-        one.close()
+    model, engine_args, prompt, expected = _family_case(tmp_path, family)
     released: list[str] = []
     prefill = LLMEngine(EngineConfig(model=model, **engine_args, **DP), kv_connector=MemoryConnector(MemoryKVStore()),
                         share_kv=True)  # fmt: skip
