@@ -4,7 +4,8 @@
 # targets, and the embedding handoff's time. Both meshes (5 engines and a tower) share the card.
 #   COMMIT=$(git rev-parse --short HEAD) bash tools/bench/device_vision.sh     # on the device
 # Needs the carry of tools/bench/device_carry.sh (its transformers keeps qwen2_vl and
-# qwen2_5_vl: the image processor). Writes raw files to $OUT (default ./vision-out).
+# qwen2_5_vl: the image processor) but for .nixl (no NIXL here; with it the tree and carry pass
+# 64 MiB): carry .whl .whl-hf .bin. Writes raw files to $OUT (default ./vision-out).
 #   KV_GIB=4              KV per engine (four 3B engines with a KV pool share the card)
 #   CONC="1 4 16"         closed-loop levels; NREQ="4 16 32" requests per arm and round at each
 #   ROUNDS=3 IMAGES=4 PX=448 MAX_TOKENS=64 TTFT_MS=2000 TPOT_MS=50
