@@ -74,3 +74,39 @@ def test_text_only_positions_are_the_sequence() -> None:
 def test_image_tokens_must_match_the_grids(ids: list[int], grids: list, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         mrope_positions(ids, grids, IMG, 2)
+
+
+def test_the_3b_preset_is_qwen2_5_vl_3b_instructs_shape() -> None:
+    """The GPU figure's model (tools/bench/vision_goodput.py): config.json as make-model
+    writes it, read back, is Qwen2.5-VL-3B-Instruct's shape (its weights are drawn only on
+    the GPU; here the config alone)."""
+    preset = PRESETS["qwen2.5-vl-3b"]
+    assert preset["arch"] == "qwen2_5_vl" and preset["tokenizer_vocab_size"] == 32768
+    d = hf_config_dict("qwen2_5_vl", preset, "bfloat16", 1, 2)
+    text, tower = d["text_config"], d["vision_config"]
+    assert (text["hidden_size"], text["num_hidden_layers"], text["num_attention_heads"], text["num_key_value_heads"],
+            text["intermediate_size"], text["vocab_size"]) == (2048, 36, 16, 2, 11008, 151936)  # fmt: skip
+    assert d["tie_word_embeddings"] is True
+    assert text["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default", "mrope_section": [16, 24, 24]}
+    assert {k: tower[k] for k in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
+                                  "patch_size", "temporal_patch_size", "spatial_merge_size", "window_size",
+                                  "fullatt_block_indexes")} == {  # fmt: skip
+        "depth": 32, "hidden_size": 1280, "num_heads": 16, "intermediate_size": 3420, "out_hidden_size": 2048,
+        "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+    }
+    c = ModelConfig.from_dict(d)
+    assert c.head_dim == 128 and c.tie_word_embeddings and c.dtype == "bfloat16"
+    assert c.vision_language is not None and c.vision_language.mrope_section == (16, 24, 24)
+    assert c.vision_language.vision.head_dim == 80
+
+
+def test_the_3b_preset_has_qwen2_5_vl_3bs_parameter_count() -> None:
+    """3,754,622,976 parameters, the released checkpoint's count (tower, merger and a tied
+    embedding), from the model built on the meta device (nothing allocated)."""
+    from shared.model.models import build_model
+
+    c = ModelConfig.from_dict(hf_config_dict("qwen2_5_vl", PRESETS["qwen2.5-vl-3b"], "bfloat16", 1, 2))
+    tensors = build_model(c, device="meta").checkpoint_tensors()
+    assert sum(t.numel() for t in tensors.values()) == 3_754_622_976
+    assert "lm_head.weight" not in tensors

@@ -146,6 +146,12 @@ BENCHES: tuple[Bench, ...] = (
           "--json PATH, --log PATH",
           tiny=_args("--figures cache --rounds 3 --requests 2 --concurrency 1 --max-tokens 2 --image-size 32 --pool "
                      "1 --json {tmp}/vision.json --log {tmp}/vision.log")),
+    Bench("bench-vision-goodput", "vision_goodput", "Qwen2.5-VL requests of several images: goodput at TTFT and "
+          "TPOT targets, E/P/D against aggregated, and the embedding handoff's time",
+          "--json PATH: per level the rounds, ratios and trace figures; " + _RAW_OUT,
+          tiny=_args("--concurrency 1 --num-requests 2 --images-per-request 2 --image-px 32 --rounds 3 --max-tokens 2 "
+                     "--ttft-target-ms 60000 --tpot-target-ms 60000 --out {tmp}/vision_goodput.txt --json "
+                     "{tmp}/vision_goodput.json")),
 )  # fmt: skip
 
 HELPERS: dict[str, str] = {

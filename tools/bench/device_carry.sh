@@ -5,6 +5,7 @@
 #   .whl/      the mesh's own dependencies the device's python3 (3.12, torch + CUDA 13) lacks
 #   .whl-hf/   transformers==5.24.0 trimmed to the model families the tests compare against
 #              (the device's own 5.17 computes GPT-OSS differently)
+#              and keeps Qwen2.5-VL's image processor (qwen2_vl, qwen2_5_vl: bench-vision-goodput)
 #   .nixl/     nixl-cu13 (the device's torch is CUDA 13) without its storage plugins, its EP
 #              kernels and InfiniBand-only UCX modules: UCX's cuda_ipc, cuda_copy, shm and tcp stay
 #   .bin/      nats-server (Debian's binary runs there)
@@ -34,7 +35,7 @@ python3 -m pip download -q "${py[@]}" -d .whl \
 # transformers: keep the package and the model folders the parity tests import.
 python3 -m pip download -q "${py[@]}" -d "$tmp/hf" transformers==5.24.0
 (cd "$tmp/hf" && mkdir t && cd t && unzip -q ../transformers-*.whl \
-  && keep='^(__init__.py|auto|llama|qwen2|qwen3|qwen3_moe|mistral|gpt_oss|deepseek_v3|deepseek_v4|encoder_decoder|qwen2_moe|mixtral)$' \
+  && keep='^(__init__.py|auto|llama|qwen2|qwen3|qwen3_moe|mistral|gpt_oss|deepseek_v3|deepseek_v4|encoder_decoder|qwen2_moe|mixtral|qwen2_vl|qwen2_5_vl)$' \
   && for d in transformers/models/*; do basename "$d" | grep -Eq "$keep" || rm -rf "$d"; done \
   && rm -f "$root"/.whl-hf/*.whl && zip -qr "$root/.whl-hf/transformers-5.24.0-py3-none-any.whl" .)
 

@@ -186,6 +186,41 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 ),
             )
         ),
+        # The GPU figure's model (tools/bench/vision_goodput.py): Qwen2.5-VL-3B-Instruct's
+        # shape with seeded weights (3.75B parameters, 7.5 GB in bfloat16; make-model
+        # --device cuda draws it in seconds). head_dim 128: sections 16/24/24 of its 64
+        # rotary pairs, as released. The real 151,936-row embedding with a 32,768-token
+        # tokenizer, as llama3-8b (tools/make_model.py's docstring says why).
+        "qwen2.5-vl-3b": MappingProxyType(
+            dict(
+                arch="qwen2_5_vl",
+                hidden_size=2048,
+                num_hidden_layers=36,
+                num_attention_heads=16,
+                num_key_value_heads=2,
+                intermediate_size=11008,
+                vocab_size=151936,
+                max_position_embeddings=128000,
+                rope_theta=1000000.0,
+                tie_word_embeddings=True,
+                tokenizer_vocab_size=32768,
+                tokenizer_corpus_bytes=8_000_000,
+                vision_language=MappingProxyType(
+                    dict(
+                        mrope_section=(16, 24, 24),
+                        vision_config=MappingProxyType(
+                            dict(
+                                depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                                window_size=112, fullatt_block_indexes=(7, 15, 23, 31), tokens_per_second=2,
+                            )
+                        ),
+                        # The released preprocessor_config.json's bounds.
+                        min_pixels=3136,
+                        max_pixels=12845056,
+                    )
+                ),
+            )
+        ),
     }
 )
 
