@@ -265,8 +265,8 @@ class Scheduler:
         queue, as an admission that finds none does; it never computes instead. The
         prompt needs those blocks either way, so computing could start no sooner, and a
         decode handoff's KV, already computed by prefill and held for it under a lease,
-        would be computed twice (at 8k prompts and 16 clients on one H100, 34 of 126
-        handoffs did, when decode's pool was full on their arrival). A lease that ends
+        would be computed twice (in an 8k-prompt run at 1, 4 and 16 clients on one H100,
+        34 of 126 handoffs did, arriving while decode's pool was full). A lease that ends
         while the request waits leaves the connector's store behind it to load from, or
         a visible recompute."""
         if self.connector is None or (request.kv_lookup_done and not request.kv_awaits_room):

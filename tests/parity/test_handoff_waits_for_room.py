@@ -2,7 +2,7 @@
 and then copies prefill's KV; it never computes the prompt prefill already computed
 (shared/engine/scheduler.py, Scheduler._kv_wait). Before, such a handoff was admitted as a
 fresh prompt once room came, and decode recomputed it whole while prefill's lease held the
-same KV: at 8k prompts and 16 clients on one H100 a quarter of the handoffs did."""
+same KV: in an 8k-prompt run on one H100 (1, 4 and 16 clients) 34 of 126 handoffs did."""
 
 import pytest
 
