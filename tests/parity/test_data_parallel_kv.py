@@ -80,6 +80,20 @@ def _drive(engine: LLMEngine, requests: dict[str, tuple[list[int], KVTransferPar
     return done
 
 
+def _held_on_rank_1(prefill: LLMEngine, rid: str, prompt: list[int], vocab: int) -> RequestOutput:
+    """A data-parallel prefill's first token of ``prompt``, its blocks held for a peer's
+    copy (HOLD): a filler keeps rank 0 busy, so the prompt runs on rank 1 (non-zero
+    offsets in the instance's block ids)."""
+    prefill.add_request(EngineRequest("filler", random_prompts([40], vocab=vocab, seed=9)[0],
+                                      SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))  # fmt: skip
+    prefill.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD))
+    assert isinstance(prefill.scheduler, DataParallelScheduler) and prefill.scheduler.rank_of[rid] == 1
+    outs: dict[str, RequestOutput] = {}
+    while prefill.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in prefill.step() if o.finished)
+    return outs[rid]
+
+
 def _rank_blocks(engine: LLMEngine, rank: int, prompt: list[int]) -> list[int] | None:
     """The rank's cache's block ids of the prompt's full blocks, None if it lacks one."""
     kv = engine.kv_ranks[rank]
@@ -154,16 +168,7 @@ def test_a_handoff_between_data_parallel_instances_copies_rank_to_rank(model: st
     connector = PeerConnector(MemoryConnector(MemoryKVStore()), lambda peer, rid: released.append(rid))
     decode = LLMEngine(EngineConfig(model=model, **ENGINE, **DP), kv_connector=connector)
     try:
-        # Prefill: a filler keeps rank 0 busy, so the handed-off prompt runs on rank 1.
-        first_token = SamplingParams(max_tokens=1, temperature=0.0)
-        prefill.add_request(EngineRequest("filler", random_prompts([40], vocab=500, seed=9)[0],
-                                          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))  # fmt: skip
-        prefill.add_request(EngineRequest("r", PROMPTS[1], first_token, kv_transfer=HOLD))
-        assert isinstance(prefill.scheduler, DataParallelScheduler) and prefill.scheduler.rank_of["r"] == 1
-        outs: dict[str, RequestOutput] = {}
-        while prefill.has_unfinished_requests():
-            outs.update((o.request_id, o) for o in prefill.step() if o.finished)
-        first = outs["r"]
+        first = _held_on_rank_1(prefill, "r", PROMPTS[1], vocab=500)
         held = first.kv.held  # type: ignore[union-attr]
         assert held is not None and held.num_blocks == len(PROMPTS[1]) // BLOCK
         region = prefill.kv_region
@@ -283,14 +288,7 @@ def test_a_handoff_carries_every_kv_group_and_the_window_rank_to_rank(tmp_path, 
     connector = PeerConnector(MemoryConnector(MemoryKVStore()), lambda peer, rid: released.append(rid))
     decode = LLMEngine(EngineConfig(model=model, **engine_args, **DP), kv_connector=connector)
     try:
-        prefill.add_request(EngineRequest("filler", random_prompts([40], vocab=200, seed=9)[0],
-                                          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))  # fmt: skip
-        prefill.add_request(EngineRequest("x", prompt, SamplingParams(max_tokens=1, temperature=0.0), kv_transfer=HOLD))
-        assert isinstance(prefill.scheduler, DataParallelScheduler) and prefill.scheduler.rank_of["x"] == 1
-        outs: dict[str, RequestOutput] = {}
-        while prefill.has_unfinished_requests():
-            outs.update((o.request_id, o) for o in prefill.step() if o.finished)
-        first = outs["x"]
+        first = _held_on_rank_1(prefill, "x", prompt, vocab=200)
         held = first.kv.held  # type: ignore[union-attr]
         assert held is not None and held.window, "prefill held no sliding-window blocks for the handoff"
         region = prefill.kv_region
